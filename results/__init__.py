@@ -1,0 +1,1 @@
+"""The results store: table schemas, atomic Parquet writing, and SQL queries."""

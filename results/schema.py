@@ -1,0 +1,98 @@
+"""The results tables: their columns and types, and the schema version.
+
+Every table is a Parquet dataset partitioned by ``run_id`` (Hive style); the files
+themselves do not repeat ``run_id``. Readers use these schemas (not the first file's) so
+that files written before a column was added read back with that column null.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+HEAD_COLUMNS = [("attention", pa.string()), ("layer", pa.int32()), ("head", pa.int32())]
+
+TABLES: dict[str, pa.Schema] = {
+    "runs": pa.schema(
+        [
+            ("created_at", pa.timestamp("us", tz="UTC")),
+            ("updated_at", pa.timestamp("us", tz="UTC")),
+            ("status", pa.string()),
+            ("name", pa.string()),
+            ("config", pa.string()),
+            ("config_hash", pa.string()),
+            ("model", pa.string()),
+            ("dataset", pa.string()),
+            ("metric", pa.string()),
+            ("n_examples", pa.int64()),
+            ("n_planned", pa.int64()),
+            ("n_done", pa.int64()),
+            ("baseline_score", pa.float64()),
+            ("heads", pa.string()),
+            ("facts", pa.string()),
+            ("error", pa.string()),
+            ("code_version", pa.string()),
+            ("schema_version", pa.int32()),
+        ]
+    ),
+    "evaluations": pa.schema(
+        [
+            ("eval_id", pa.string()),
+            ("experiment", pa.string()),
+            *HEAD_COLUMNS,
+            ("heads_masked", pa.list_(pa.string())),
+            ("n_masked", pa.int32()),
+            ("metric", pa.string()),
+            ("score", pa.float64()),
+            ("baseline_score", pa.float64()),
+            ("delta", pa.float64()),
+            ("n_examples", pa.int64()),
+            ("seconds", pa.float64()),
+            ("worker", pa.string()),
+            ("finished_at", pa.timestamp("us", tz="UTC")),
+        ]
+    ),
+    "examples": pa.schema(
+        [
+            ("eval_id", pa.string()),
+            ("example_id", pa.string()),
+            ("stats", pa.list_(pa.float64())),
+            ("loss", pa.float64()),
+            ("output", pa.string()),
+            ("reference", pa.string()),
+        ]
+    ),
+    "significance": pa.schema(
+        [
+            ("eval_id", pa.string()),
+            ("test", pa.string()),
+            ("statistic", pa.float64()),
+            ("p_value", pa.float64()),
+            ("p_adjusted", pa.float64()),
+            ("correction", pa.string()),
+            ("alpha", pa.float64()),
+            ("ci_low", pa.float64()),
+            ("ci_high", pa.float64()),
+            ("significant", pa.bool_()),
+            ("n_resamples", pa.int64()),
+            ("seed", pa.int64()),
+        ]
+    ),
+    "importance": pa.schema(
+        [
+            ("method", pa.string()),
+            *HEAD_COLUMNS,
+            ("score", pa.float64()),
+            ("score_normalized", pa.float64()),
+            ("rank", pa.int32()),
+        ]
+    ),
+}
+
+RUN_STATUSES = ("running", "complete", "failed", "interrupted")
+
+
+def with_run_id(schema: pa.Schema) -> pa.Schema:
+    """The schema readers see: ``run_id`` (from the partition path) first."""
+    return pa.schema([pa.field("run_id", pa.string()), *schema])

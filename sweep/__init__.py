@@ -1,0 +1,1 @@
+"""The sweep driver: configuration, planning, scheduling on Ray, statistics and the CLI."""

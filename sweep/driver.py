@@ -1,0 +1,260 @@
+"""The sweep driver: starts workers, streams work units to them, writes results as they land.
+
+Shape (Ray's documented pattern for stateful inference): a fixed pool of actors that each
+load the model once; the driver keeps a small window of calls in flight per actor and takes
+results with ``ray.wait`` as they finish, so results are written while the grid still runs
+and memory stays flat however large the grid is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from results.schema import SCHEMA_VERSION
+from results.store import ResultStore
+from sweep.config import Config
+from sweep.errors import HeadsweepError
+from sweep.plan import BASELINE, WorkUnit, plan
+from sweep.progress import Progress
+from sweep.version import code_version
+from workers.actor import EvalWorker
+from workers.tasks import DatasetInfo, MaskOutput, RuntimeOptions
+
+CALLS_IN_FLIGHT_PER_WORKER = 2
+
+
+def new_run_id() -> str:
+    return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def init_ray(address: str | None, cfg: Config) -> None:
+    """Connect to ``address``, or start an embedded local Ray instance."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    try:
+        if address:
+            ray.init(address=address, log_to_driver=True)
+        else:
+            # A bare local instance would switch on token auth and write ~/.ray/auth_token, which
+            # later breaks `ray start` + job submission on the same machine; the embedded
+            # instance is private to this process, so it runs without.
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            need = cfg.sweep.workers * cfg.sweep.num_cpus_per_worker
+            # Leave Ray's own tasks room beside the workers (logical CPUs, not threads).
+            cpus = max(os.cpu_count() or 1, int(need + 0.999) + 1)
+            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
+        where = address or "a local instance"
+        raise HeadsweepError(f"cannot reach the Ray cluster at {where}: {str(exc).splitlines()[0]}") from None
+
+
+def resolve_device(cfg: Config) -> str:
+    if cfg.sweep.device != "auto":
+        return cfg.sweep.device
+    return "cuda" if cfg.sweep.num_gpus_per_worker > 0 else "cpu"
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The user-facing cause of a Ray error (our HeadsweepError where there is one)."""
+    if isinstance(exc, RayTaskError):
+        cause = getattr(exc, "cause", None)
+        if cause is not None:
+            return cause
+    return exc
+
+
+@dataclass
+class ChunkWriter:
+    """Buffers finished evaluations and writes them as chunks (examples, then evaluations)."""
+
+    store: ResultStore
+    run_id: str
+    info: DatasetInfo
+    flush_every: int
+    flush_seconds: float
+    eval_rows: list[dict] = field(default_factory=list)
+    example_rows: list[dict] = field(default_factory=list)
+    written: int = 0
+    _last_flush: float = field(default_factory=time.monotonic)
+
+    def add(self, unit: WorkUnit, out: MaskOutput, baseline_score: float, worker: str) -> None:
+        self.eval_rows.append(
+            {
+                "eval_id": unit.eval_id,
+                "experiment": unit.experiment,
+                "attention": unit.attention,
+                "layer": unit.layer,
+                "head": unit.head,
+                "heads_masked": [str(h) for h in unit.masked],
+                "n_masked": len(unit.masked),
+                "metric": self.info.metric,
+                "score": out.score,
+                "baseline_score": baseline_score,
+                "delta": out.score - baseline_score,
+                "n_examples": len(out.outputs),
+                "seconds": out.seconds,
+                "worker": worker,
+                "finished_at": now(),
+            }
+        )
+        for i, example_id in enumerate(self.info.example_ids):
+            self.example_rows.append(
+                {
+                    "eval_id": unit.eval_id,
+                    "example_id": example_id,
+                    "stats": out.stats[i].tolist(),
+                    "loss": float(out.loss[i]),
+                    "output": out.outputs[i],
+                    "reference": self.info.references[i],
+                }
+            )
+
+    def maybe_flush(self) -> None:
+        due = time.monotonic() - self._last_flush >= self.flush_seconds
+        if len(self.eval_rows) >= self.flush_every or (self.eval_rows and due):
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.eval_rows:
+            return
+        name = f"chunk-{uuid.uuid4().hex}"
+        self.store.write_rows("examples", self.run_id, self.example_rows, name)
+        self.store.write_rows("evaluations", self.run_id, self.eval_rows, name)
+        self.written += len(self.eval_rows)
+        self.eval_rows, self.example_rows = [], []
+        self._last_flush = time.monotonic()
+
+
+@dataclass
+class Sweep:
+    """One run of a config against a store."""
+
+    cfg: Config
+    store: ResultStore
+    address: str | None = None
+    show_progress: bool = True
+    run_id: str = field(default_factory=new_run_id)
+
+    def start_workers(self) -> tuple[list, DatasetInfo]:
+        s = self.cfg.sweep
+        threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // s.workers)
+        runtime = RuntimeOptions(
+            device=resolve_device(self.cfg),
+            batch_size=s.batch_size,
+            masks_per_batch=s.masks_per_batch,
+            threads=threads,
+            seed=self.cfg.seed,
+        )
+        actors = [
+            EvalWorker.options(num_cpus=s.num_cpus_per_worker, num_gpus=s.num_gpus_per_worker).remote(
+                f"worker-{i}", self.cfg.model.kind, self.cfg.model, self.cfg.data, runtime
+            )
+            for i in range(s.workers)
+        ]
+        try:
+            infos = ray.get([a.load.remote() for a in actors])
+        except (RayTaskError, RayActorError) as exc:
+            for a in actors:
+                ray.kill(a)
+            cause = unwrap(exc)
+            if isinstance(cause, HeadsweepError):
+                raise cause from None
+            raise HeadsweepError(f"worker failed to load the model: {str(cause).splitlines()[0]}") from None
+        self.names = ray.get([a.where.remote() for a in actors])
+        return actors, infos[0]
+
+    def run_row(self, info: DatasetInfo, status: str, **extra) -> dict:
+        return {
+            "created_at": self.created_at,
+            "updated_at": now(),
+            "status": status,
+            "name": self.cfg.name,
+            "config": self.cfg.to_json(),
+            "config_hash": self.cfg.hash(),
+            "model": info.model,
+            "dataset": info.dataset,
+            "metric": info.metric,
+            "n_examples": info.n_examples,
+            "heads": json.dumps(info.inventory.to_json()),
+            "facts": json.dumps(info.facts, sort_keys=True, default=str),
+            "code_version": code_version(),
+            "schema_version": SCHEMA_VERSION,
+            **extra,
+        }
+
+    def execute(self) -> str:
+        """Run the sweep; returns the run id. The run row says how it ended."""
+        self.store.check_writable()
+        init_ray(self.address, self.cfg)
+        actors, info = self.start_workers()
+        units = plan(self.cfg, info.inventory)
+        self.created_at = now()
+        writer = ChunkWriter(self.store, self.run_id, info, self.cfg.sweep.flush_every, self.cfg.sweep.flush_seconds)
+        counts = {"n_planned": len(units), "n_done": 0, "baseline_score": None}
+        self.store.write_rows("runs", self.run_id, [self.run_row(info, "running", **counts)], "run")
+        try:
+            [(_, base)] = ray.get(actors[0].evaluate.remote([BASELINE]))
+            counts["baseline_score"] = base.score
+            writer.add(BASELINE, base, base.score, self.names[0])
+            writer.flush()
+            progress = Progress(len(units) - 1, enabled=self.show_progress)
+            for unit, out, worker in self.stream(actors, units[1:]):
+                writer.add(unit, out, base.score, worker)
+                writer.maybe_flush()
+                progress.update(1, f"[{unit.eval_id}]")
+            writer.flush()
+        except BaseException as exc:
+            writer.flush()
+            status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            counts["n_done"] = writer.written
+            error = None if status == "interrupted" else str(unwrap(exc)).splitlines()[0][:500]
+            self.store.write_rows("runs", self.run_id, [self.run_row(info, status, error=error, **counts)], "run")
+            raise
+        finally:
+            for a in actors:
+                ray.kill(a)
+        counts["n_done"] = writer.written
+        self.store.write_rows("runs", self.run_id, [self.run_row(info, "complete", **counts)], "run")
+        self.store.remove_orphans(self.run_id)
+        return self.run_id
+
+    def stream(self, actors: list, units: list[WorkUnit]) -> Iterator[tuple[WorkUnit, MaskOutput, str]]:
+        """Dispatch units in small batches, keep a window in flight, yield results as they land."""
+        per_call = max(1, int(self.cfg.sweep.masks_per_batch) or 8)
+        batches = [units[i : i + per_call] for i in range(0, len(units), per_call)]
+        by_id = {u.eval_id: u for u in units}
+        pending: dict = {}
+        next_batch = 0
+        idle = [i for i in range(len(actors)) for _ in range(CALLS_IN_FLIGHT_PER_WORKER)]
+        while next_batch < len(batches) or pending:
+            while idle and next_batch < len(batches):
+                i = idle.pop(0)
+                pending[actors[i].evaluate.remote(batches[next_batch])] = i
+                next_batch += 1
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                i = pending.pop(ref)
+                idle.append(i)
+                try:
+                    results = ray.get(ref)
+                except RayTaskError as exc:
+                    cause = unwrap(exc)
+                    if isinstance(cause, HeadsweepError):
+                        raise cause from None
+                    raise
+                for eval_id, out in results:
+                    yield by_id[eval_id], out, self.names[i]

@@ -1,0 +1,89 @@
+"""Planning: which masks a sweep evaluates, each with a stable evaluation id.
+
+Evaluation ids are derived from what is evaluated (experiment and mask), never from timing,
+so a resumed run recognises the evaluations it already stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sweep.config import Config
+from sweep.errors import HeadsweepError
+from workers.heads import Head, HeadInventory
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """One evaluation: a mask (heads gated off) and the head it is reported under."""
+
+    eval_id: str
+    experiment: str
+    masked: tuple[Head, ...]
+    attention: str | None = None
+    layer: int | None = None
+    head: int | None = None
+
+
+BASELINE = WorkUnit("baseline", "baseline", ())
+
+
+def _attention_types(cfg: Config, inventory: HeadInventory) -> list[str]:
+    wanted = cfg.sweep.attention
+    have = inventory.attention_types
+    if not wanted:
+        return have
+    for a in wanted:
+        if a not in have:
+            raise HeadsweepError(f"sweep.attention: this model has no {a!r} attention (it has {', '.join(have)})")
+    return [a for a in have if a in wanted]
+
+
+def single_head(inventory: HeadInventory, types: list[str]) -> list[WorkUnit]:
+    """Michel et al. sec. 3.2: every head masked alone."""
+    return [
+        WorkUnit(f"single_head/{h}", "single_head", (h,), h.attention, h.layer, h.head)
+        for h in inventory.heads
+        if h.attention in types
+    ]
+
+
+def all_but_one(inventory: HeadInventory, types: list[str]) -> list[WorkUnit]:
+    """Michel et al. sec. 3.3: in one layer, every head masked except the kept one."""
+    units = []
+    for shape in inventory.layers:
+        if shape.attention not in types:
+            continue
+        heads = shape.heads()
+        for kept in heads:
+            masked = tuple(h for h in heads if h != kept)
+            units.append(
+                WorkUnit(f"all_but_one/{kept}", "all_but_one", masked, kept.attention, kept.layer, kept.head)
+            )
+    return units
+
+
+def custom(inventory: HeadInventory, masks: list[list[str]]) -> list[WorkUnit]:
+    """User-given masks, checked against the model's heads."""
+    units = []
+    for mask in masks:
+        heads = tuple(sorted({inventory.check(Head.parse(name)) for name in mask}))
+        if not heads:
+            raise HeadsweepError("sweep.masks holds an empty mask")
+        units.append(WorkUnit("custom/" + ",".join(map(str, heads)), "custom", heads))
+    return units
+
+
+def plan(cfg: Config, inventory: HeadInventory) -> list[WorkUnit]:
+    """Every evaluation of a sweep, the baseline first, without duplicates."""
+    types = _attention_types(cfg, inventory)
+    units = [BASELINE]
+    for exp in cfg.sweep.experiments:
+        if exp == "single_head":
+            units += single_head(inventory, types)
+        elif exp == "all_but_one":
+            units += all_but_one(inventory, types)
+        elif exp == "custom":
+            units += custom(inventory, cfg.sweep.masks)
+    seen: set[str] = set()
+    return [u for u in units if not (u.eval_id in seen or seen.add(u.eval_id))]

@@ -1,0 +1,55 @@
+"""Shared fixtures: one local Ray instance per test session, tiny models saved to disk."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# The tests' Ray head is private to the session: no token auth, and nothing written to ~/.ray.
+os.environ["RAY_AUTH_MODE"] = "disabled"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def ray_address():
+    """Address of the session's local Ray instance (started once, ~5 s)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory) -> Path:
+    """A tiny BERT classifier (random weights, word-level tokenizer) saved with save_pretrained."""
+    from tiny_models import save_tiny_classifier
+
+    return save_tiny_classifier(tmp_path_factory.mktemp("models") / "tiny-bert")
+
+
+@pytest.fixture(scope="session")
+def tiny_dev_tsv(tmp_path_factory) -> Path:
+    from workers.synthetic_sentiment import generate, write_tsv
+
+    return write_tsv(generate(40, seed=7), tmp_path_factory.mktemp("data") / "dev.tsv")
+
+
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real ``headsweep`` CLI as a subprocess."""
+    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "sweep.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=REPO,
+    )

@@ -1,0 +1,109 @@
+"""The head gate against an independent route: the same model with W_O columns zeroed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import random_batch, tiny_classifier
+
+from sweep.errors import HeadsweepError
+from workers.gates import HeadGates
+from workers.heads import Head
+from workers.hf_sites import find_sites
+
+FAMILIES = ["bert", "roberta", "distilbert"]
+ATTN = ["eager", "sdpa"]
+
+
+def zeroed_copy(model, heads: list[Head]):
+    """The independent route: zero the output-projection columns of ``heads``."""
+    ref = copy.deepcopy(model)
+    sites = {s.layer: s for s in find_sites(ref)}
+    with torch.no_grad():
+        for h in heads:
+            s = sites[h.layer]
+            s.out_proj.weight[:, h.head * s.head_dim : (h.head + 1) * s.head_dim] = 0.0
+    return ref
+
+
+def logits(model, batch):
+    ids, mask = batch
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+def all_masks(inventory):
+    singles = [[h] for h in inventory.heads]
+    all_but_one = [[o for o in shape.heads() if o != kept] for shape in inventory.layers for kept in shape.heads()]
+    return singles + all_but_one
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("attn", ATTN)
+def test_gate_equals_zeroed_output_projection(family, attn):
+    model = tiny_classifier(family, attn)
+    reference = copy.deepcopy(model)
+    gates = HeadGates(find_sites(model))
+    assert len(gates.inventory.heads) == 8
+    batch = random_batch()
+    base = logits(model, batch)
+    torch.testing.assert_close(base, logits(reference, batch), rtol=0, atol=0)
+    for mask in all_masks(gates.inventory):
+        with gates.masked(mask):
+            gated = logits(model, batch)
+        expected = logits(zeroed_copy(reference, mask), batch)
+        assert (gated - expected).abs().max().item() <= 1e-5, (family, attn, mask)
+        # The route must be able to fail: ablation changes the logits.
+        assert (gated - base).abs().max().item() > 1e-6, mask
+    torch.testing.assert_close(logits(model, batch), base, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("attn", ATTN)
+def test_per_example_gates_equal_one_mask_at_a_time(attn):
+    model = tiny_classifier("bert", attn)
+    gates = HeadGates(find_sites(model))
+    ids, mask = random_batch()
+    masks = [[], [Head("self", 0, 1)], [Head("self", 1, 0), Head("self", 1, 3)], [Head("self", 0, 2)]]
+    one_by_one = []
+    for m in masks:
+        with gates.masked(m):
+            one_by_one.append(logits(model, (ids, mask)))
+    gates.set_masks_per_example(masks, rows_per_mask=ids.shape[0])
+    packed = logits(model, (ids.repeat(len(masks), 1), mask.repeat(len(masks), 1)))
+    gates.clear()
+    torch.testing.assert_close(packed, torch.cat(one_by_one), rtol=0, atol=1e-5)
+
+
+def test_gate_gradient_reaches_gate_values():
+    model = tiny_classifier("bert", "eager")
+    gates = HeadGates(find_sites(model))
+    values = {s.key: torch.ones(s.num_heads, requires_grad=True) for s in gates.sites}
+    gates.set_values(values)
+    ids, mask = random_batch()
+    model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    for v in values.values():
+        assert v.grad is not None and v.grad.abs().sum() > 0
+
+
+def test_heads_come_from_the_model_and_are_checked():
+    model = tiny_classifier("distilbert", "eager", layers=3, heads=2)
+    gates = HeadGates(find_sites(model))
+    assert [str(h) for h in gates.inventory.heads][:3] == ["self:0:0", "self:0:1", "self:1:0"]
+    with pytest.raises(HeadsweepError, match="head 2 out of range"):
+        gates.set_mask([Head("self", 0, 2)])
+    with pytest.raises(HeadsweepError, match="layer 3 out of range"):
+        gates.set_mask([Head("self", 3, 0)])
+    with pytest.raises(HeadsweepError, match="no 'enc_self' attention"):
+        gates.set_mask([Head("enc_self", 0, 0)])
+
+
+def test_model_without_attention_is_refused():
+    from transformers import FNetConfig, FNetForSequenceClassification
+
+    model = FNetForSequenceClassification(FNetConfig(vocab_size=60, hidden_size=32, num_hidden_layers=1,
+                                                     intermediate_size=32, num_labels=2))
+    assert find_sites(model) == []
+    with pytest.raises(HeadsweepError, match="no attention modules"):
+        HeadGates(find_sites(model))

@@ -1,0 +1,101 @@
+"""A real sweep through the real CLI, read back with DuckDB and pyarrow."""
+
+from __future__ import annotations
+
+import json
+
+import duckdb
+import pyarrow.dataset as ds
+import pytest
+import yaml
+from conftest import run_cli
+
+
+def write_config(path, model_dir, data_file, **sweep):
+    cfg = {
+        "name": "test-sweep",
+        "model": {"kind": "hf_classifier", "path": str(model_dir)},
+        "data": {"path": str(data_file)},
+        "sweep": {"experiments": ["baseline", "single_head"], "batch_size": 16, "flush_every": 3, **sweep},
+    }
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def single_head_run(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv):
+    tmp = tmp_path_factory.mktemp("cli")
+    config = write_config(tmp / "sweep.yaml", tiny_bert_dir, tiny_dev_tsv)
+    store = tmp / "store"
+    proc = run_cli("run", str(config), "sweep.workers=2", "--store", str(store), "--address", ray_address, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    run_id = proc.stdout.strip().splitlines()[-1]
+    return store, run_id
+
+
+def duck(store, table):
+    return (f"read_parquet('{store}/{table}/*/*.parquet', hive_partitioning=true, "
+            "hive_types={'run_id': VARCHAR}, union_by_name=true)")
+
+
+def test_single_head_rows_with_duckdb(single_head_run):
+    store, run_id = single_head_run
+    con = duckdb.connect()
+    rows = con.sql(f"SELECT layer, head, score, baseline_score, delta, heads_masked, n_masked, n_examples "
+                   f"FROM {duck(store, 'evaluations')} WHERE experiment = 'single_head' AND run_id = '{run_id}' "
+                   "ORDER BY layer, head").fetchall()
+    assert [(r[0], r[1]) for r in rows] == [(layer, head) for layer in range(2) for head in range(4)]
+    for layer, head, score, base, delta, masked, n_masked, n in rows:
+        assert delta == pytest.approx(score - base, abs=1e-12)
+        assert masked == [f"self:{layer}:{head}"] and n_masked == 1 and n == 40
+    (base_score,) = con.sql(f"SELECT score FROM {duck(store, 'evaluations')} WHERE experiment='baseline'").fetchall()[0]
+    assert base_score == rows[0][3]
+
+
+def test_examples_sum_to_score_with_pyarrow(single_head_run):
+    store, run_id = single_head_run
+    part = ds.partitioning(flavor="hive")
+    evals = ds.dataset(store / "evaluations", partitioning=part).to_table().to_pylist()
+    examples = ds.dataset(store / "examples", partitioning=part).to_table().to_pylist()
+    assert len(evals) == 9 and {e["run_id"] for e in evals} == {run_id}
+    by_eval: dict[str, list] = {}
+    for row in examples:
+        by_eval.setdefault(row["eval_id"], []).append(row)
+    assert set(by_eval) == {e["eval_id"] for e in evals}
+    for e in evals:
+        rows = by_eval[e["eval_id"]]
+        assert len(rows) == 40 and len({r["example_id"] for r in rows}) == 40
+        assert sum(r["stats"][0] for r in rows) / len(rows) == pytest.approx(e["score"], abs=1e-12)
+        assert all(r["output"] in ("0", "1") and r["reference"] in ("0", "1") for r in rows)
+        assert all(r["loss"] >= 0 for r in rows)
+
+
+def test_runs_row_and_query_command(single_head_run):
+    store, run_id = single_head_run
+    proc = run_cli("query", "SELECT run_id, status, n_planned, n_done, config FROM runs", "--store", str(store),
+                   "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    [row] = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert row["run_id"] == run_id and row["status"] == "complete"
+    assert row["n_planned"] == row["n_done"] == 9
+    assert json.loads(row["config"])["sweep"]["workers"] == 2
+    csv_out = run_cli("query", "SELECT count(*) AS n FROM examples", "--store", str(store), "--format", "csv")
+    assert csv_out.stdout.split() == ["n", str(9 * 40)]
+
+
+def test_all_but_one_and_custom_masks(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):
+    config = write_config(tmp_path / "c.yaml", tiny_bert_dir, tiny_dev_tsv, experiments=["all_but_one"],
+                          masks=[["self:0:1", "self:1:2"]])
+    store = tmp_path / "store"
+    proc = run_cli("run", str(config), "--store", str(store), "--address", ray_address, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    con = duckdb.connect()
+    rows = con.sql(f"SELECT experiment, layer, head, n_masked, heads_masked FROM {duck(store, 'evaluations')}"
+                   " ORDER BY experiment, layer, head").fetchall()
+    abo = [r for r in rows if r[0] == "all_but_one"]
+    assert len(abo) == 8 and all(r[3] == 3 for r in abo)
+    for _, layer, head, _, masked in abo:
+        assert f"self:{layer}:{head}" not in masked and all(m.startswith(f"self:{layer}:") for m in masked)
+    [custom] = [r for r in rows if r[0] == "custom"]
+    assert custom[4] == ["self:0:1", "self:1:2"]
+    assert sum(1 for r in rows if r[0] == "baseline") == 1

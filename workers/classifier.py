@@ -1,0 +1,212 @@
+"""Task adapter for transformers sequence classifiers (BERT, RoBERTa, MiniLM, DistilBERT).
+
+The data are tokenised once, sorted by length into batches, and kept on the device. Several
+masks share one forward pass: the batch is repeated once per mask and each copy carries its
+own gates (per-example gates), which keeps small models busy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from sweep.errors import HeadsweepError
+from workers.classification_data import read_examples
+from workers.classifier_config import ClassifierData, ClassifierModel
+from workers.gates import HeadGates
+from workers.heads import Head
+from workers.hf_sites import find_sites
+from workers.metrics import ACCURACY
+from workers.tasks import DatasetInfo, MaskOutput, RuntimeOptions
+
+# Rows (examples x masks) in one forward pass when sweep.masks_per_batch is 0 (automatic).
+AUTO_ROWS_PER_FORWARD = {"cpu": 256, "cuda": 1024}
+
+
+def resolve_model_dir(path: str) -> Path:
+    """The local model directory, or a one-line error that says why it is not usable."""
+    if not path:
+        raise HeadsweepError("config key 'model.path' is required (a transformers model directory)")
+    p = Path(path)
+    if not p.exists():
+        looks_like_hub_id = not path.startswith((".", "/", "~")) and path.count("/") <= 1
+        if looks_like_hub_id:
+            raise HeadsweepError(
+                f"model {path!r} is not a local directory, and headsweep never downloads models: "
+                f"fetch it first (e.g. `hf download {path} --local-dir models/{path.split('/')[-1]}`) "
+                "and set model.path to that folder"
+            )
+        raise HeadsweepError(f"model directory not found: {path}")
+    if not p.is_dir() or not (p / "config.json").is_file():
+        raise HeadsweepError(f"{path} is not a transformers model directory (no config.json)")
+    if not os.access(p / "config.json", os.R_OK):
+        raise HeadsweepError(f"model directory {path} is not readable")
+    return p
+
+
+def load_hf_model(cfg: ClassifierModel, device: str):
+    """Load model and tokenizer from a local directory, offline."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    model_dir = resolve_model_dir(cfg.path)
+    if cfg.attn_implementation not in (None, "eager", "sdpa"):
+        raise HeadsweepError(f"model.attn_implementation must be eager or sdpa, got {cfg.attn_implementation!r}")
+    dtype = getattr(torch, cfg.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise HeadsweepError(f"model.dtype {cfg.dtype!r} is not a torch dtype (e.g. float32, bfloat16)")
+    try:
+        extra = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_dir, dtype=dtype, local_files_only=True, **extra
+        )
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise HeadsweepError(f"cannot load model from {model_dir}: {str(exc).splitlines()[0]}") from None
+    return model.to(device).eval(), tokenizer
+
+
+def label_ids(raw: list[str], id2label: dict[int, str], path: str) -> list[int]:
+    """Map the file's labels (names or integer ids) onto the model's label ids."""
+    names = {str(name): int(i) for i, name in id2label.items()}
+    if all(r in names for r in raw):
+        return [names[r] for r in raw]
+    n = len(id2label)
+    try:
+        ids = [int(r) for r in raw]
+    except ValueError:
+        ids = None
+    if ids is not None and all(0 <= i < n for i in ids):
+        return ids
+    outside = sorted({r for r in raw if r not in names and not (r.lstrip("-").isdigit() and 0 <= int(r) < n)})
+    known = ", ".join(f"{i}={name}" for i, name in sorted(id2label.items()))
+    raise HeadsweepError(
+        f"data file {path}: labels outside the model's label set: {', '.join(outside[:5])} (model labels: {known})"
+    )
+
+
+class ClassifierTask:
+    """A gated classifier with its tokenised evaluation set."""
+
+    metric = ACCURACY
+
+    def __init__(self, model_cfg: ClassifierModel, data_cfg: ClassifierData, runtime: RuntimeOptions):
+        if runtime.threads > 0:
+            torch.set_num_threads(runtime.threads)
+        self.device = torch.device(runtime.device)
+        self.runtime = runtime
+        examples = read_examples(data_cfg)
+        self.model, self.tokenizer = load_hf_model(model_cfg, runtime.device)
+        self.gates = HeadGates(_sites_or_error(self.model))
+        id2label = {int(k): v for k, v in self.model.config.id2label.items()}
+        self.labels = torch.tensor(label_ids(examples.labels, id2label, data_cfg.path), device=self.device)
+        self.examples = examples
+        self._label_text = _label_text(examples.labels, id2label)
+        self.batches = self._tokenise(examples, data_cfg.max_length, runtime.batch_size)
+        self.model_name = Path(model_cfg.path).name
+        self.dataset_name = data_cfg.name or Path(data_cfg.path).stem
+
+    def _tokenise(self, ex, max_length: int, batch_size: int) -> list[tuple[torch.Tensor, dict]]:
+        enc = self.tokenizer(ex.texts, ex.text_pairs, truncation=True, max_length=max_length)
+        order = sorted(range(len(ex.texts)), key=lambda i: len(enc["input_ids"][i]))
+        batches = []
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            feats = [{k: enc[k][i] for k in enc.keys()} for i in idx]
+            padded = self.tokenizer.pad(feats, return_tensors="pt")
+            batches.append((torch.tensor(idx), {k: v.to(self.device) for k, v in padded.items()}))
+        return batches
+
+    def describe(self) -> DatasetInfo:
+        return DatasetInfo(
+            model=self.model_name,
+            dataset=self.dataset_name,
+            metric=self.metric.name,
+            stat_names=list(self.metric.stat_names),
+            example_ids=self.examples.ids,
+            references=self.examples.labels,
+            inventory=self.gates.inventory,
+            facts={"model_class": type(self.model).__name__, "num_labels": int(self.model.config.num_labels)},
+        )
+
+    def masks_per_forward(self) -> int:
+        if self.runtime.masks_per_batch > 0:
+            return self.runtime.masks_per_batch
+        rows = AUTO_ROWS_PER_FORWARD.get(self.device.type, 256)
+        return max(1, rows // max(1, self.runtime.batch_size))
+
+    @torch.inference_mode()
+    def logits(self, masks: Sequence[Sequence[Head]]) -> torch.Tensor:
+        """Logits of every example under each mask: shape (n_masks, n_examples, n_labels)."""
+        n = len(self.examples.ids)
+        out = torch.empty(len(masks), n, self.model.config.num_labels, device=self.device)
+        per = self.masks_per_forward()
+        for first in range(0, len(masks), per):
+            chunk = masks[first : first + per]
+            for idx, inputs in self.batches:
+                rows = idx.numel()
+                if len(chunk) == 1:
+                    self.gates.set_mask(chunk[0])
+                    stacked = inputs
+                else:
+                    self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
+                    stacked = {k: v.repeat(len(chunk), *([1] * (v.dim() - 1))) for k, v in inputs.items()}
+                try:
+                    logits = self.model(**stacked).logits.float()
+                finally:
+                    self.gates.clear()
+                out[first : first + len(chunk), idx.to(self.device)] = logits.view(len(chunk), rows, -1)
+        return out
+
+    def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
+        start = time.perf_counter()
+        logits = self.logits(masks)
+        seconds_each = (time.perf_counter() - start) / max(1, len(masks))
+        results = []
+        for row in logits:
+            pred = row.argmax(-1)
+            correct = (pred == self.labels).double().cpu().numpy()
+            loss = F.cross_entropy(row, self.labels, reduction="none").double().cpu().numpy()
+            stats = correct[:, None]
+            results.append(
+                MaskOutput(
+                    stats=stats,
+                    loss=loss,
+                    outputs=[self._label_text[int(p)] for p in pred.cpu()],
+                    score=self.metric.score(stats),
+                    seconds=seconds_each,
+                )
+            )
+        return results
+
+
+def _sites_or_error(model):
+    sites = find_sites(model)
+    if not sites:
+        raise HeadsweepError(
+            f"no attention modules recognised in {type(model).__name__} "
+            "(supported: BERT, RoBERTa, ELECTRA, MiniLM, DistilBERT and Llama-style layouts)"
+        )
+    return sites
+
+
+def _label_text(raw: list[str], id2label: dict[int, str]) -> dict[int, str]:
+    """Print predictions the way the data file writes labels: names, or integer ids."""
+    names = set(id2label.values())
+    if all(r in names for r in raw):
+        return dict(id2label)
+    return {i: str(i) for i in id2label}
+
+
+def load_classifier(model_cfg: ClassifierModel, data_cfg: ClassifierData, runtime: RuntimeOptions) -> ClassifierTask:
+    """Loader named by the ``hf_classifier`` task kind."""
+    return ClassifierTask(model_cfg, data_cfg, runtime)
+

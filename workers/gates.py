@@ -1,0 +1,153 @@
+"""Head gates: one mechanism for every model family.
+
+Head h of an attention module contributes ``W_O[:, h*d:(h+1)*d] @ ctx_h`` to the module's
+output. A forward pre-hook on the output projection multiplies each head's slice of the
+projection's input by a gate ``xi_h``: ``xi_h = 0`` ablates the head exactly (the output bias
+stays), ``xi_h = 1`` leaves it untouched, and a gate tensor that requires grad gives
+``dL/dxi_h`` for importance scores. Gating the projection's *input* rather than slicing its
+output is what makes the ablation equal to zeroing the head's columns of ``W_O``.
+
+A gate is either one value per head, shape ``(H,)``, shared by the whole batch, or one row per
+example, shape ``(B, H)``, so one forward pass can carry several masks (examples repeated once
+per mask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sweep.errors import HeadsweepError
+from workers.heads import Head, HeadInventory, LayerShape
+
+
+@dataclass
+class AttentionSite:
+    """Where one attention module's heads can be gated.
+
+    ``batch_dim`` is the batch axis of the output projection's input: 0 for batch-first
+    models (transformers), 1 for time-first models (fairseq).
+    """
+
+    attention: str
+    layer: int
+    num_heads: int
+    head_dim: int
+    out_proj: nn.Linear
+    module: nn.Module
+    module_name: str
+    batch_dim: int = 0
+    hook_handles: list = field(default_factory=list, repr=False)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.attention, self.layer)
+
+    def check_projection(self) -> None:
+        if self.out_proj.in_features != self.num_heads * self.head_dim:
+            raise HeadsweepError(
+                f"{self.module_name}: output projection takes {self.out_proj.in_features} features, "
+                f"not num_heads x head_dim = {self.num_heads} x {self.head_dim}"
+            )
+
+
+class HeadGates:
+    """Gates on every attention site of a model, installed as forward pre-hooks.
+
+    With no gate set for a site, its hook returns immediately, so an ungated model computes
+    exactly what the unhooked model computes.
+    """
+
+    def __init__(self, sites: Sequence[AttentionSite]):
+        if not sites:
+            raise HeadsweepError("no attention modules found in the model: nothing to gate")
+        self.sites = list(sites)
+        self._site_by_key = {s.key: s for s in self.sites}
+        self._gates: dict[tuple[str, int], torch.Tensor] = {}
+        for site in self.sites:
+            site.check_projection()
+            site.hook_handles.append(site.out_proj.register_forward_pre_hook(self._make_hook(site)))
+        self.inventory = HeadInventory([LayerShape(s.attention, s.layer, s.num_heads) for s in self.sites])
+
+    def _make_hook(self, site: AttentionSite):
+        def hook(module: nn.Module, args: tuple) -> tuple | None:
+            gate = self._gates.get(site.key)
+            if gate is None:
+                return None
+            x = args[0]
+            heads = x.reshape(*x.shape[:-1], site.num_heads, site.head_dim)
+            if gate.dim() == 1:
+                shaped = gate.view(*([1] * (heads.dim() - 2)), site.num_heads, 1)
+            else:
+                view = [1] * (heads.dim() - 2) + [site.num_heads, 1]
+                view[site.batch_dim] = gate.shape[0]
+                shaped = gate.view(view)
+            return (heads * shaped.to(heads.dtype)).reshape(x.shape), *args[1:]
+
+        return hook
+
+    def remove(self) -> None:
+        """Take every hook off the model."""
+        for site in self.sites:
+            for handle in site.hook_handles:
+                handle.remove()
+            site.hook_handles.clear()
+        self._gates.clear()
+
+    # -- setting gates -------------------------------------------------------------------
+    def clear(self) -> None:
+        """No gates: the model computes exactly what it computes unhooked."""
+        self._gates.clear()
+
+    def set_mask(self, masked: Iterable[Head], device: torch.device | str | None = None) -> None:
+        """Gate 0 for every head in ``masked``, 1 for the rest; one mask for the whole batch."""
+        self.clear()
+        for key, heads in self._group(masked).items():
+            site = self._site_by_key[key]
+            gate = torch.ones(site.num_heads, device=device or site.out_proj.weight.device)
+            gate[list(heads)] = 0.0
+            self._gates[key] = gate
+
+    def set_masks_per_example(
+        self, masks: Sequence[Iterable[Head]], rows_per_mask: int, device: torch.device | str | None = None
+    ) -> None:
+        """One mask per block of ``rows_per_mask`` consecutive examples (mask-major layout)."""
+        self.clear()
+        grouped = [self._group(m) for m in masks]
+        keys = {k for g in grouped for k in g}
+        for key in keys:
+            site = self._site_by_key[key]
+            gate = torch.ones(len(masks), site.num_heads, device=device or site.out_proj.weight.device)
+            for i, g in enumerate(grouped):
+                if key in g:
+                    gate[i, list(g[key])] = 0.0
+            self._gates[key] = gate.repeat_interleave(rows_per_mask, dim=0)
+
+    def set_values(self, values: dict[tuple[str, int], torch.Tensor]) -> None:
+        """Set raw gate values per site, e.g. tensors that require grad for importance."""
+        self.clear()
+        for key, value in values.items():
+            site = self._site_by_key[key]
+            if value.shape[-1] != site.num_heads:
+                raise ValueError(f"gate for {key} has {value.shape[-1]} heads, site has {site.num_heads}")
+            self._gates[key] = value
+
+    @contextmanager
+    def masked(self, masked: Iterable[Head]) -> Iterator[None]:
+        """Context manager: ``masked`` heads gated off inside, no gates after."""
+        self.set_mask(masked)
+        try:
+            yield
+        finally:
+            self.clear()
+
+    def _group(self, masked: Iterable[Head]) -> dict[tuple[str, int], set[int]]:
+        grouped: dict[tuple[str, int], set[int]] = {}
+        for head in masked:
+            self.inventory.check(head)
+            grouped.setdefault((head.attention, head.layer), set()).add(head.head)
+        return grouped

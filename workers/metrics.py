@@ -1,0 +1,78 @@
+"""Metrics as per-example sufficient statistics plus a corpus score from their sum.
+
+This is sacrebleu's design: a corpus score is a function of statistics summed over examples,
+so any resample of the examples (bootstrap) is scored from a weighted sum of the same rows
+without re-running the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def accuracy_from_stats(stats_sum: np.ndarray, n: int) -> np.ndarray:
+    """Accuracy (fraction in [0, 1]) from summed ``[correct]`` statistics of ``n`` examples."""
+    return np.asarray(stats_sum, dtype=np.float64)[..., 0] / n
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A corpus metric: the names of its per-example statistics and its corpus score."""
+
+    name: str
+    stat_names: tuple[str, ...]
+    score_from_stats: Callable[[np.ndarray, int], np.ndarray]
+
+    def score(self, stats: np.ndarray) -> float:
+        """Corpus score of per-example statistics of shape (n_examples, n_stats)."""
+        stats = np.asarray(stats, dtype=np.float64)
+        return float(self.score_from_stats(stats.sum(axis=0), len(stats)))
+
+
+ACCURACY = Metric("accuracy", ("correct",), accuracy_from_stats)
+
+
+BLEU_STAT_NAMES = (
+    "hyp_len", "ref_len",
+    "correct_1", "correct_2", "correct_3", "correct_4",
+    "total_1", "total_2", "total_3", "total_4",
+)
+# sacrebleu's my_log: log(0) is floored to this, which sends the score to exactly 0.
+_LOG_ZERO = -9999999999.0
+
+
+def bleu_from_stats(stats_sum: np.ndarray, n: int | None = None, effective_order: bool = False) -> np.ndarray:
+    """Corpus BLEU (0-100) from summed sentence statistics, as ``sacrebleu.BLEU.compute_bleu``.
+
+    ``stats_sum`` has shape (..., 10) in sacrebleu's order (hyp_len, ref_len, correct_1..4,
+    total_1..4); every leading index is one corpus (e.g. one bootstrap resample). Smoothing is
+    sacrebleu's default 'exp' (NIST: the k-th order with no match counts as
+    1 / (2^k * total)); ``effective_order`` as in sacrebleu (off for corpus BLEU). ``n`` (the
+    number of sentences) is not needed and only kept for the ``Metric`` signature.
+    """
+    s = np.asarray(stats_sum, dtype=np.float64)
+    sys_len, ref_len = s[..., 0], s[..., 1]
+    correct, total = s[..., 2:6], s[..., 6:10]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bp = np.where(sys_len < ref_len, np.where(sys_len > 0, np.exp(1.0 - ref_len / sys_len), 0.0), 1.0)
+        # sacrebleu stops at the first order with no n-grams at all; later orders keep precision 0.
+        reached = np.cumprod(total > 0, axis=-1).astype(bool)
+        missing = (correct == 0) & reached
+        halvings = np.cumsum(missing, axis=-1)
+        precision = np.where(missing, 100.0 / (2.0**halvings * total), 100.0 * correct / total)
+        precision = np.where(reached, precision, 0.0)
+        log_p = np.where(precision > 0, np.log(np.where(precision > 0, precision, 1.0)), _LOG_ZERO)
+    if effective_order:
+        order = np.maximum(reached.sum(axis=-1), 1)
+        kept = np.arange(4) < order[..., None]
+        mean_log = np.where(kept, log_p, 0.0).sum(axis=-1) / order
+    else:
+        mean_log = log_p.sum(axis=-1) / 4.0
+    score = bp * np.exp(mean_log)
+    return np.where((correct > 0).any(axis=-1), score, 0.0)
+
+
+BLEU = Metric("bleu", BLEU_STAT_NAMES, bleu_from_stats)
