@@ -21,11 +21,26 @@ from sweep.errors import HeadsweepError
 FORMATS = ("table", "csv", "json")
 
 
+# Each evaluation with the test headsweep shows next to a delta (paired bootstrap for BLEU,
+# paired t-test for accuracy); the other tests stay in `significance`.
+DELTAS_VIEW = """
+CREATE VIEW deltas AS
+SELECT e.run_id, e.eval_id, e.experiment, e.attention, e.layer, e.head, e.n_masked, e.metric,
+       e.score, e.baseline_score, e.delta, s.test, s.p_value, s.p_adjusted, s.correction, s.alpha,
+       s.significant, s.ci_low, s.ci_high
+FROM evaluations e
+LEFT JOIN significance s
+  ON s.run_id = e.run_id AND s.eval_id = e.eval_id
+ AND s.test = CASE e.metric WHEN 'accuracy' THEN 'paired_ttest' ELSE 'paired_bootstrap' END
+"""
+
+
 def connect(store: ResultStore) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection with a view named after each results table."""
+    """A DuckDB connection with a view named after each results table, plus ``deltas``."""
     con = duckdb.connect()
     for table in TABLES:
         con.register(table, store.dataset(table))
+    con.execute(DELTAS_VIEW)
     return con
 
 

@@ -24,6 +24,8 @@ import yaml
 from sweep.errors import HeadsweepError
 
 EXPERIMENTS = ("baseline", "single_head", "all_but_one", "custom")
+TESTS = ("paired_bootstrap", "paired_ttest", "mcnemar_exact")
+CORRECTIONS = ("bh", "holm", "bonferroni", "none")
 
 
 @dataclass
@@ -45,6 +47,32 @@ class SweepSection:
 
 
 @dataclass
+class SignificanceSection:
+    """Config section ``significance``."""
+
+    enabled: bool = True
+    tests: list[str] | None = None
+    n_resamples: int = 1000
+    seed: int = 12345
+    alpha: float = 0.01
+    correction: str = "bh"
+
+
+def validate_significance(s: SignificanceSection) -> None:
+    for test in s.tests or []:
+        if test not in TESTS:
+            raise HeadsweepError(f"unknown test {test!r} in significance.tests (known: {', '.join(TESTS)})")
+    if s.correction not in CORRECTIONS:
+        raise HeadsweepError(
+            f"unknown significance.correction {s.correction!r} (known: {', '.join(CORRECTIONS)})"
+        )
+    if not 0 < s.alpha < 1:
+        raise HeadsweepError(f"significance.alpha must be in (0, 1), got {s.alpha}")
+    if s.n_resamples < 1:
+        raise HeadsweepError(f"significance.n_resamples must be at least 1, got {s.n_resamples}")
+
+
+@dataclass
 class Config:
     """A whole sweep. ``model`` and ``data`` are the dataclasses of ``model.kind``."""
 
@@ -53,6 +81,7 @@ class Config:
     name: str = "sweep"
     seed: int = 0
     sweep: SweepSection = field(default_factory=SweepSection)
+    significance: SignificanceSection = field(default_factory=SignificanceSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -225,6 +254,7 @@ def build_config(data: dict) -> Config:
         name=_coerce(data.get("name", "sweep"), str, "name"),
         seed=_coerce(data.get("seed", 0), int, "seed"),
         sweep=from_dict(SweepSection, data.get("sweep"), "sweep"),
+        significance=from_dict(SignificanceSection, data.get("significance"), "significance"),
     )
     validate(cfg)
     return cfg
@@ -250,6 +280,7 @@ def validate(cfg: Config) -> None:
         raise HeadsweepError(f"sweep.num_cpus_per_worker must be positive, got {s.num_cpus_per_worker}")
     if s.device not in ("auto", "cpu", "cuda"):
         raise HeadsweepError(f"sweep.device must be auto, cpu or cuda, got {s.device!r}")
+    validate_significance(cfg.significance)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:

@@ -60,13 +60,15 @@ def summarise(store: ResultStore, run_id: str) -> None:
         store, f"SELECT model, dataset, metric, baseline_score, n_done FROM runs WHERE run_id = '{run_id}'"
     )
     print(format_table(base))
-    print("\nheads whose removal hurts most (single_head, most negative delta first):")
+    print("\nheads whose removal hurts most (single_head, most negative delta first; p from the paired test,")
+    print("adjusted over all heads of the experiment, * = significant at the adjusted level):")
     print(
         format_table(
             run_query(
                 store,
-                f"""SELECT attention || ':' || layer || ':' || head AS head, score, delta
-                    FROM evaluations WHERE run_id = '{run_id}' AND experiment = 'single_head'
+                f"""SELECT attention || ':' || layer || ':' || head AS head, score, delta, test, p_value,
+                           p_adjusted, correction, CASE WHEN significant THEN '*' ELSE '' END AS sig
+                    FROM deltas WHERE run_id = '{run_id}' AND experiment = 'single_head'
                     ORDER BY delta, attention, layer, head LIMIT 5""",
             )
         )

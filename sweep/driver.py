@@ -25,6 +25,7 @@ from sweep.config import Config
 from sweep.errors import HeadsweepError
 from sweep.plan import BASELINE, WorkUnit, plan
 from sweep.progress import Progress
+from sweep.significance_runner import SignificanceTracker, tests_for
 from sweep.version import code_version
 from workers.actor import EvalWorker
 from workers.tasks import DatasetInfo, MaskOutput, RuntimeOptions
@@ -202,21 +203,32 @@ class Sweep:
         init_ray(self.address, self.cfg)
         actors, info = self.start_workers()
         units = plan(self.cfg, info.inventory)
+        tests_for(self.cfg.significance, info.metric)
         self.created_at = now()
         writer = ChunkWriter(self.store, self.run_id, info, self.cfg.sweep.flush_every, self.cfg.sweep.flush_seconds)
         counts = {"n_planned": len(units), "n_done": 0, "baseline_score": None}
         self.store.write_rows("runs", self.run_id, [self.run_row(info, "running", **counts)], "run")
+        tracker = None
         try:
             [(_, base)] = ray.get(actors[0].evaluate.remote([BASELINE]))
             counts["baseline_score"] = base.score
             writer.add(BASELINE, base, base.score, self.names[0])
             writer.flush()
+            if self.cfg.significance.enabled:
+                tracker = SignificanceTracker(
+                    self.cfg.significance, self.store, self.run_id, info.metric, base.stats, units
+                )
             progress = Progress(len(units) - 1, enabled=self.show_progress)
             for unit, out, worker in self.stream(actors, units[1:]):
                 writer.add(unit, out, base.score, worker)
                 writer.maybe_flush()
+                if tracker is not None:
+                    tracker.add(unit, out.stats)
                 progress.update(1, f"[{unit.eval_id}]")
             writer.flush()
+            self.stop(actors)
+            if tracker is not None:
+                tracker.finish()
         except BaseException as exc:
             writer.flush()
             status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
@@ -225,12 +237,18 @@ class Sweep:
             self.store.write_rows("runs", self.run_id, [self.run_row(info, status, error=error, **counts)], "run")
             raise
         finally:
-            for a in actors:
-                ray.kill(a)
+            self.stop(actors)
         counts["n_done"] = writer.written
         self.store.write_rows("runs", self.run_id, [self.run_row(info, "complete", **counts)], "run")
         self.store.remove_orphans(self.run_id)
         return self.run_id
+
+    @staticmethod
+    def stop(actors: list) -> None:
+        """End the workers (their model copies) once no more work is coming."""
+        for a in actors:
+            ray.kill(a)
+        actors.clear()
 
     def stream(self, actors: list, units: list[WorkUnit]) -> Iterator[tuple[WorkUnit, MaskOutput, str]]:
         """Dispatch units in small batches, keep a window in flight, yield results as they land."""

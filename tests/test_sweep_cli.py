@@ -11,12 +11,13 @@ import yaml
 from conftest import run_cli
 
 
-def write_config(path, model_dir, data_file, **sweep):
+def write_config(path, model_dir, data_file, significance=None, **sweep):
     cfg = {
         "name": "test-sweep",
         "model": {"kind": "hf_classifier", "path": str(model_dir)},
         "data": {"path": str(data_file)},
         "sweep": {"experiments": ["baseline", "single_head"], "batch_size": 16, "flush_every": 3, **sweep},
+        "significance": significance or {},
     }
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -25,7 +26,9 @@ def write_config(path, model_dir, data_file, **sweep):
 @pytest.fixture(scope="module")
 def single_head_run(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv):
     tmp = tmp_path_factory.mktemp("cli")
-    config = write_config(tmp / "sweep.yaml", tiny_bert_dir, tiny_dev_tsv)
+    tests = ["paired_ttest", "mcnemar_exact", "paired_bootstrap"]
+    config = write_config(tmp / "sweep.yaml", tiny_bert_dir, tiny_dev_tsv,
+                          significance={"tests": tests, "n_resamples": 200, "seed": 5, "correction": "holm"})
     store = tmp / "store"
     proc = run_cli("run", str(config), "sweep.workers=2", "--store", str(store), "--address", ray_address, "--quiet")
     assert proc.returncode == 0, proc.stderr
@@ -99,3 +102,52 @@ def test_all_but_one_and_custom_masks(tmp_path, ray_address, tiny_bert_dir, tiny
     [custom] = [r for r in rows if r[0] == "custom"]
     assert custom[4] == ["self:0:1", "self:1:2"]
     assert sum(1 for r in rows if r[0] == "baseline") == 1
+
+
+def test_significance_rows_against_scipy(single_head_run):
+    """Stored p-values against scipy on the stored per-example statistics (an independent route)."""
+    import numpy as np
+    from scipy import stats
+
+    store, run_id = single_head_run
+    con = duckdb.connect()
+    sig = con.sql(f"SELECT eval_id, test, statistic, p_value, p_adjusted, correction, significant, alpha, "
+                  f"n_resamples, seed FROM {duck(store, 'significance')}").fetchall()
+    assert {r[1] for r in sig} == {"paired_ttest", "mcnemar_exact", "paired_bootstrap"}
+    assert len(sig) == 3 * 8 and all(r[0].startswith("single_head/") for r in sig)
+    rows = con.sql(f"SELECT eval_id, example_id, stats[1] FROM {duck(store, 'examples')} "
+                   "ORDER BY eval_id, example_id").fetchall()
+    correct: dict[str, list[float]] = {}
+    for eval_id, _, c in rows:
+        correct.setdefault(eval_id, []).append(c)
+    base = np.array(correct["baseline"])
+    ttest = {r[0]: r for r in sig if r[1] == "paired_ttest"}
+    assert sum(not np.array_equal(np.array(correct[k]), base) for k in ttest) >= 2
+    for eval_id, r in ttest.items():
+        system = np.array(correct[eval_id])
+        if np.array_equal(system, base):
+            assert r[3] == 1.0  # scipy says NaN for zero-variance differences; we say "no evidence"
+        else:
+            expected = stats.ttest_rel(system, base)
+            assert r[2] == pytest.approx(expected.statistic) and r[3] == pytest.approx(expected.pvalue)
+    # Holm over the family of single-head t-tests, computed here by hand.
+    p = np.array([ttest[k][3] for k in sorted(ttest)])
+    order = np.argsort(p)
+    holm = np.minimum(1, np.maximum.accumulate(p[order] * (len(p) - np.arange(len(p)))))
+    expected_adj = np.empty_like(holm)
+    expected_adj[order] = holm
+    for k, adj in zip(sorted(ttest), expected_adj, strict=True):
+        assert ttest[k][4] == pytest.approx(adj) and ttest[k][5] == "holm"
+        assert ttest[k][6] == (adj < 0.01) and ttest[k][7] == 0.01
+    boot = [r for r in sig if r[1] == "paired_bootstrap"]
+    assert all(r[8] == 200 and r[9] == 5 for r in boot)
+
+
+def test_deltas_view_shows_significance(single_head_run):
+    store, run_id = single_head_run
+    proc = run_cli("query", "SELECT eval_id, delta, test, p_adjusted, significant FROM deltas "
+                   "WHERE experiment='single_head'", "--store", str(store), "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(rows) == 8 and {r["test"] for r in rows} == {"paired_ttest"}
+    assert all(r["p_adjusted"] is not None for r in rows)

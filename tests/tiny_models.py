@@ -58,6 +58,8 @@ def save_tiny_classifier(out_dir, layers: int = 2, heads: int = 4, seed: int = 0
         vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=layers, num_attention_heads=heads,
         intermediate_size=64, max_position_embeddings=64, num_labels=2,
         id2label={0: "negative", 1: "positive"}, label2id={"negative": 0, "positive": 1},
+        # Large random weights, so that predictions depend on the input and on single heads.
+        initializer_range=1.0,
     )
     model = BertForSequenceClassification(cfg).eval()
     model.save_pretrained(out_dir)

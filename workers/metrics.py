@@ -76,3 +76,10 @@ def bleu_from_stats(stats_sum: np.ndarray, n: int | None = None, effective_order
 
 
 BLEU = Metric("bleu", BLEU_STAT_NAMES, bleu_from_stats)
+
+METRICS = {m.name: m for m in (ACCURACY, BLEU)}
+
+
+def metric_by_name(name: str) -> Metric:
+    """The metric a run recorded by name (``runs.metric``)."""
+    return METRICS[name]

@@ -1,0 +1,155 @@
+"""Significance for every evaluation of a run, computed in Ray tasks while the grid runs.
+
+Raw tests (a paired test of a batch of evaluations against the baseline) are pure functions
+of per-example statistics, so they run as Ray tasks beside the workers as soon as a batch of
+evaluations has landed. The multiple-comparison adjustment needs the whole family (one
+experiment of one run), so an experiment's rows are adjusted and written once all of its
+evaluations and tests are in: one file per experiment, written atomically.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+import numpy as np
+import ray
+
+from results.store import ResultStore
+from sweep.config import SignificanceSection
+from sweep.errors import HeadsweepError
+from sweep.plan import WorkUnit
+from sweep.significance import (
+    TestResult,
+    mcnemar_exact,
+    paired_bootstrap,
+    paired_ttest,
+    significance_rows,
+)
+from workers.metrics import metric_by_name
+
+# The papers' tests: paired bootstrap for BLEU (Koehn 2004), a t-test for accuracy, with
+# McNemar's exact test as the better-founded companion for binary outcomes.
+DEFAULT_TESTS = {"bleu": ["paired_bootstrap"], "accuracy": ["paired_ttest", "mcnemar_exact"]}
+# The test whose flag headsweep shows next to a delta when several were run.
+PRIMARY_TEST = {"bleu": "paired_bootstrap", "accuracy": "paired_ttest"}
+TESTS_PER_TASK = 32
+
+
+def tests_for(section: SignificanceSection, metric: str) -> list[str]:
+    tests = section.tests if section.tests is not None else DEFAULT_TESTS.get(metric, ["paired_bootstrap"])
+    if metric != "accuracy" and "mcnemar_exact" in tests:
+        raise HeadsweepError("significance.tests: mcnemar_exact needs binary outcomes (metric accuracy)")
+    return tests
+
+
+def raw_tests(
+    metric: str, baseline: np.ndarray, systems: np.ndarray, tests: list[str], n_resamples: int, seed: int
+) -> list[TestResult]:
+    """Each requested test of ``systems`` (S, N, k) against ``baseline`` (N, k)."""
+    results = []
+    for test in tests:
+        if test == "paired_bootstrap":
+            score = metric_by_name(metric).score_from_stats
+            results.append(paired_bootstrap(baseline, systems, score, n_resamples=n_resamples, seed=seed))
+        elif test == "paired_ttest":
+            results.append(paired_ttest(baseline[:, 0], systems[:, :, 0]))
+        elif test == "mcnemar_exact":
+            results.append(mcnemar_exact(baseline[:, 0], systems[:, :, 0]))
+    return results
+
+
+@ray.remote(num_cpus=0.5)
+def raw_tests_task(metric, baseline, systems, tests, n_resamples, seed):
+    return raw_tests(metric, baseline, systems, tests, n_resamples, seed)
+
+
+def family_rows(eval_ids: list[str], results: list[TestResult], correction: str, alpha: float) -> list[dict]:
+    """Significance rows of one family (one experiment), adjusted over the family per test."""
+    return [
+        {**row, "alpha": alpha}
+        for result in results
+        for row in significance_rows(result, eval_ids, correction=correction, alpha=alpha)
+    ]
+
+
+def concat_results(parts: list[TestResult]) -> TestResult:
+    first = parts[0]
+    return TestResult(
+        test=first.test,
+        statistic=np.concatenate([p.statistic for p in parts]),
+        p_value=np.concatenate([p.p_value for p in parts]),
+        ci_low=np.concatenate([p.ci_low for p in parts]),
+        ci_high=np.concatenate([p.ci_high for p in parts]),
+        n_resamples=first.n_resamples,
+        seed=first.seed,
+    )
+
+
+class SignificanceTracker:
+    """Feeds finished evaluations to Ray tasks; writes each experiment's family when complete."""
+
+    def __init__(
+        self, section: SignificanceSection, store: ResultStore, run_id: str, metric: str,
+        baseline_stats: np.ndarray, units: list[WorkUnit],
+    ):
+        self.section = section
+        self.store = store
+        self.run_id = run_id
+        self.metric = metric
+        self.tests = tests_for(section, metric)
+        self.baseline_ref = ray.put(np.asarray(baseline_stats, dtype=np.float64))
+        self.expected = Counter(u.experiment for u in units if u.experiment != "baseline")
+        self.buffer: dict[str, list[tuple[str, np.ndarray]]] = defaultdict(list)
+        self.submitted: Counter = Counter()
+        self.pending: dict = {}
+        self.done: dict[str, list[tuple[list[str], list[TestResult]]]] = defaultdict(list)
+        self.tested: Counter = Counter()
+        self.written: set[str] = set()
+
+    def add(self, unit: WorkUnit, stats: np.ndarray) -> None:
+        if unit.experiment == "baseline":
+            return
+        self.buffer[unit.experiment].append((unit.eval_id, stats))
+        complete = self.submitted[unit.experiment] + len(self.buffer[unit.experiment]) == self.expected[unit.experiment]
+        if len(self.buffer[unit.experiment]) >= TESTS_PER_TASK or complete:
+            self._submit(unit.experiment)
+        self.poll()
+
+    def _submit(self, experiment: str) -> None:
+        batch = self.buffer.pop(experiment, [])
+        if not batch:
+            return
+        ids = [eval_id for eval_id, _ in batch]
+        systems = np.stack([s for _, s in batch]).astype(np.float64)
+        s = self.section
+        ref = raw_tests_task.remote(self.metric, self.baseline_ref, systems, self.tests, s.n_resamples, s.seed)
+        self.pending[ref] = (experiment, ids)
+        self.submitted[experiment] += len(ids)
+
+    def poll(self, wait: bool = False) -> None:
+        """Collect finished tasks (all of them when ``wait``) and write complete families."""
+        while self.pending:
+            ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending) if wait else 1, timeout=None if wait else 0)
+            if not ready:
+                break
+            for ref in ready:
+                experiment, ids = self.pending.pop(ref)
+                self.done[experiment].append((ids, ray.get(ref)))
+                self.tested[experiment] += len(ids)
+                if self.tested[experiment] == self.expected[experiment]:
+                    self._write(experiment)
+            if wait:
+                break
+
+    def finish(self) -> None:
+        """Submit what is buffered, wait for every task, write every complete family."""
+        for experiment in list(self.buffer):
+            self._submit(experiment)
+        self.poll(wait=True)
+
+    def _write(self, experiment: str) -> None:
+        parts = self.done[experiment]
+        eval_ids = [i for ids, _ in parts for i in ids]
+        results = [concat_results([res[t] for _, res in parts]) for t in range(len(self.tests))]
+        rows = family_rows(eval_ids, results, self.section.correction, self.section.alpha)
+        self.store.write_rows("significance", self.run_id, rows, name=experiment)
+        self.written.add(experiment)
