@@ -10,6 +10,7 @@ evaluations and tests are in: one file per experiment, written atomically.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+
 import numpy as np
 import ray
 
@@ -109,8 +110,9 @@ class SignificanceTracker:
         if unit.experiment == "baseline":
             return
         self.buffer[unit.experiment].append((unit.eval_id, stats))
-        complete = self.submitted[unit.experiment] + len(self.buffer[unit.experiment]) == self.expected[unit.experiment]
-        if len(self.buffer[unit.experiment]) >= TESTS_PER_TASK or complete:
+        buffered = len(self.buffer[unit.experiment])
+        complete = self.submitted[unit.experiment] + buffered == self.expected[unit.experiment]
+        if buffered >= TESTS_PER_TASK or complete:
             self._submit(unit.experiment)
         self.poll()
 
@@ -128,7 +130,8 @@ class SignificanceTracker:
     def poll(self, wait: bool = False) -> None:
         """Collect finished tasks (all of them when ``wait``) and write complete families."""
         while self.pending:
-            ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending) if wait else 1, timeout=None if wait else 0)
+            refs = list(self.pending)
+            ready, _ = ray.wait(refs, num_returns=len(refs) if wait else 1, timeout=None if wait else 0)
             if not ready:
                 break
             for ref in ready:
