@@ -1,0 +1,63 @@
+"""Reading classification data in every supported format, and mapping labels onto the model's."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from sweep.errors import HeadsweepError
+from workers.classification_data import read_examples
+from workers.classifier import label_ids
+from workers.classifier_config import ClassifierData
+
+ROWS = [("a man sleeps", "a person rests", "entailment"), ('he said "no"', "nobody spoke", "contradiction")]
+
+
+def write(tmp_path, fmt):
+    if fmt == "tsv":
+        p = tmp_path / "d.tsv"
+        p.write_text("premise\thypothesis\tlabel\n" + "".join(f"{a}\t{b}\t{c}\n" for a, b, c in ROWS))
+    elif fmt == "csv":
+        p = tmp_path / "d.csv"
+        p.write_text("premise,hypothesis,label\n" + "".join(f'{a},"{b}",{c}\n' for a, b, c in ROWS[:1])
+                     + 'he said ""no"",nobody spoke,contradiction\n'.replace('he said ""no""', '"he said ""no"""'))
+    elif fmt == "jsonl":
+        p = tmp_path / "d.jsonl"
+        p.write_text("".join(json.dumps({"premise": a, "hypothesis": b, "label": c}) + "\n" for a, b, c in ROWS))
+    else:
+        p = tmp_path / "d.parquet"
+        pq.write_table(pa.table({"premise": [r[0] for r in ROWS], "hypothesis": [r[1] for r in ROWS],
+                                 "label": [r[2] for r in ROWS]}), p)
+    return p
+
+
+@pytest.mark.parametrize("fmt", ["tsv", "csv", "jsonl", "parquet"])
+def test_sentence_pairs_in_every_format(tmp_path, fmt):
+    cfg = ClassifierData(path=str(write(tmp_path, fmt)), text_column="premise", text_pair_column="hypothesis")
+    ex = read_examples(cfg)
+    assert ex.texts == [r[0] for r in ROWS]
+    assert ex.text_pairs == [r[1] for r in ROWS]
+    assert ex.labels == [r[2] for r in ROWS]
+    assert ex.ids == ["0", "1"]
+
+
+def test_labels_by_name_or_id():
+    id2label = {0: "contradiction", 1: "entailment", 2: "neutral"}
+    assert label_ids(["entailment", "neutral"], id2label, "f") == [1, 2]
+    assert label_ids(["2", "0"], id2label, "f") == [2, 0]
+    with pytest.raises(HeadsweepError, match="labels outside the model's label set: 3, maybe"):
+        label_ids(["1", "3", "maybe"], id2label, "f")
+
+
+def test_unknown_format_and_duplicate_ids(tmp_path):
+    p = tmp_path / "d.txt"
+    p.write_text("x")
+    with pytest.raises(HeadsweepError, match="set data.format"):
+        read_examples(ClassifierData(path=str(p)))
+    q = tmp_path / "d.tsv"
+    q.write_text("id\tsentence\tlabel\n1\ta\t0\n1\tb\t1\n")
+    with pytest.raises(HeadsweepError, match="duplicate ids"):
+        read_examples(ClassifierData(path=str(q), id_column="id"))

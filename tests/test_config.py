@@ -1,0 +1,56 @@
+"""Config files: includes, overrides, strict keys, relative paths."""
+
+from __future__ import annotations
+
+import pytest
+
+from sweep.config import apply_overrides, build_config, load_config, read_yaml
+from sweep.errors import HeadsweepError
+
+
+def test_include_overrides_and_relative_paths(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "base.yaml").write_text("model: {kind: hf_classifier, path: model}\ndata: {path: dev.tsv}\n"
+                                        "sweep: {workers: 1, batch_size: 8}\n")
+    (tmp_path / "run.yaml").write_text("include: base.yaml\nname: x\nsweep: {workers: 3}\n")
+    cfg = load_config(tmp_path / "run.yaml", ["sweep.batch_size=4", "sweep.experiments=[baseline,single_head]",
+                                              "significance.correction=holm"])
+    assert cfg.name == "x" and cfg.sweep.workers == 3 and cfg.sweep.batch_size == 4
+    assert cfg.sweep.experiments == ["baseline", "single_head"]
+    assert cfg.significance.correction == "holm"
+    assert cfg.model.path == str((tmp_path / "model").resolve())  # exists next to the config
+    assert cfg.data.path == "dev.tsv"  # does not: left relative to the working directory
+    assert cfg.hash() == load_config(tmp_path / "run.yaml", ["sweep.batch_size=4",
+                                     "sweep.experiments=[baseline,single_head]",
+                                     "significance.correction=holm"]).hash()
+    assert cfg.hash() != load_config(tmp_path / "run.yaml").hash()
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"model": {"kind": "hf_classifier"}, "sweeps": {}}, "unknown config key 'sweeps'"),
+        ({"model": {"kind": "nope"}}, "unknown model.kind 'nope'"),
+        ({"model": {"kind": "hf_classifier", "paht": "x"}}, "unknown config key 'model.paht'"),
+        ({"model": {"kind": "hf_classifier"}, "sweep": {"workers": "two"}}, "'sweep.workers' must be int"),
+        ({"model": {"kind": "hf_classifier"}, "sweep": {"experiments": ["custom"]}}, "needs sweep.masks"),
+        ({"model": {"kind": "hf_classifier"}, "significance": {"tests": ["wilcoxon"]}}, "unknown test 'wilcoxon'"),
+        ({"model": {"kind": "hf_classifier"}, "significance": {"correction": "fdr"}}, "correction 'fdr'"),
+        ({"model": {"kind": "hf_classifier"}, "significance": {"alpha": 2}}, "alpha must be in (0, 1)"),
+        ({}, "'model.kind' is required"),
+    ],
+)
+def test_bad_configs(data, message):
+    with pytest.raises(HeadsweepError) as err:
+        build_config(data)
+    assert message in str(err.value)
+
+
+def test_bad_files_and_overrides(tmp_path):
+    with pytest.raises(HeadsweepError, match="config file not found"):
+        read_yaml(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(HeadsweepError, match="not valid YAML"):
+        read_yaml(tmp_path / "bad.yaml")
+    with pytest.raises(HeadsweepError, match="expected key=value"):
+        apply_overrides({}, ["sweep.workers"])
