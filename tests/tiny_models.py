@@ -65,3 +65,17 @@ def save_tiny_classifier(out_dir, layers: int = 2, heads: int = 4, seed: int = 0
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def tiny_float64_bert(num_labels: int = 3, layers: int = 2, heads: int = 4, seed: int = 0,
+                      initializer_range: float = 0.3, attn: str = "eager"):
+    """A tiny random BERT classifier in float64 and eval mode, for gradient checks.
+
+    Weights larger than BERT's default (0.02) so that heads change the loss visibly, and
+    float64 so that finite differences agree with autograd to many digits.
+    """
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=60, hidden_size=32, num_hidden_layers=layers, num_attention_heads=heads,
+                     intermediate_size=64, max_position_embeddings=64, num_labels=num_labels,
+                     initializer_range=initializer_range, attn_implementation=attn)
+    return BertForSequenceClassification(cfg).double().eval()

@@ -9,7 +9,10 @@ output is what makes the ablation equal to zeroing the head's columns of ``W_O``
 
 A gate is either one value per head, shape ``(H,)``, shared by the whole batch, or one row per
 example, shape ``(B, H)``, so one forward pass can carry several masks (examples repeated once
-per mask).
+per mask), or one value per token, shape ``(*lead, H)`` where ``lead`` is the projection
+input's shape without its last axis (``(B, T, H)`` for batch-first models, ``(T, B, H)`` for
+time-first ones), so ``dL/dxi`` is available per token (importance takes its absolute value
+per token before summing).
 """
 
 from __future__ import annotations
@@ -82,6 +85,15 @@ class HeadGates:
             heads = x.reshape(*x.shape[:-1], site.num_heads, site.head_dim)
             if gate.dim() == 1:
                 shaped = gate.view(*([1] * (heads.dim() - 2)), site.num_heads, 1)
+            elif gate.dim() > 2 and gate.dim() == heads.dim() - 1:
+                # Per token. Checked here because the token axis is only known once the input
+                # arrives, and a broadcastable wrong shape would gate the wrong tokens silently.
+                if gate.shape != heads.shape[:-1]:
+                    raise ValueError(
+                        f"{site.module_name}: per-token gate has shape {tuple(gate.shape)}, the output "
+                        f"projection's input needs {tuple(heads.shape[:-1])}"
+                    )
+                shaped = gate.unsqueeze(-1)
             else:
                 view = [1] * (heads.dim() - 2) + [site.num_heads, 1]
                 view[site.batch_dim] = gate.shape[0]
@@ -128,7 +140,12 @@ class HeadGates:
             self._gates[key] = gate.repeat_interleave(rows_per_mask, dim=0)
 
     def set_values(self, values: dict[tuple[str, int], torch.Tensor]) -> None:
-        """Set raw gate values per site, e.g. tensors that require grad for importance."""
+        """Set raw gate values per site, e.g. tensors that require grad for importance.
+
+        Each value has shape ``(H,)`` (whole batch), ``(B, H)`` (per example) or the projection
+        input's shape with its last axis replaced by ``H`` (per token: ``(B, T, H)`` batch-first,
+        ``(T, B, H)`` time-first).
+        """
         self.clear()
         for key, value in values.items():
             site = self._site_by_key[key]

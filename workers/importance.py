@@ -1,0 +1,327 @@
+"""Gradient head importance (Michel et al. 2019, sec. 4.1).
+
+``I_h = E_x |dL(x)/dxi_h|`` at ``xi = 1``: the expected absolute sensitivity of the training loss
+to head h's gate, where ``dL/dxi_h = <ctx_h, dL/dctx_h>`` summed over ``d_head``. The reference
+code (pmichel31415/are-16-heads-really-better-than-1) takes the absolute value per token and
+divides the sum by the number of non-padding tokens; that is the default here
+(``per_token=True``). transformers' bertology example instead takes the absolute value of the
+gate gradient of a whole batch, so opposite-signed tokens and examples cancel first;
+``per_token=False`` gives that variant, because users compare with both.
+
+Per-token gradients come from per-token gates: every site gets a gate of ones of the
+projection input's shape with its last axis replaced by H (``(B, T, H)`` batch-first,
+``(T, B, H)`` time-first) that requires grad, so ``autograd`` returns ``dL/dxi_{t,h}`` for each
+token exactly, with no hooks on activations.
+
+The loss ``L(x)`` is the per-example training loss, summed over the batch (so a token's
+gradient is that of its own example's loss and the per-token score does not depend on how
+examples are batched): cross-entropy for classifiers, teacher-forced label-smoothed
+cross-entropy summed over the target tokens for fairseq translation. The model runs in eval
+mode (no dropout).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from sweep.errors import HeadsweepError
+from workers.gates import AttentionSite
+from workers.heads import ATTENTION_TYPES, Head
+
+SiteKey = tuple[str, int]
+
+# fairseq's recipes for the paper's IWSLT and WMT models (and workers/fairseq_train.py) train
+# with label smoothing 0.1; used when neither the caller nor the task says otherwise.
+DEFAULT_LABEL_SMOOTHING = 0.1
+
+
+@dataclass
+class BatchGateGradients:
+    """Per-token gate gradients of one batch.
+
+    ``grads[site]`` has the site's per-token gate shape (``(B, T, H)`` or ``(T, B, H)``) and is
+    zero at padding; ``tokens[site]`` is the matching boolean mask of real tokens (without the
+    H axis); ``loss`` is the batch's summed training loss.
+    """
+
+    loss: float
+    n_examples: int
+    grads: dict[SiteKey, torch.Tensor]
+    tokens: dict[SiteKey, torch.Tensor]
+
+
+@dataclass
+class ImportanceResult:
+    """Head importance scores and how they were obtained.
+
+    ``scores`` is ``normalized`` when asked for per-layer normalisation and ``raw`` otherwise.
+    Masked heads are present in every dict with score 0.0 (their gate is 0, so the gradient at
+    ``xi = 1`` was never computed); with per-layer normalisation they contribute nothing to the
+    layer's norm. ``tokens[(attention, layer)]`` is the number of non-padding tokens the site's
+    scores were averaged over (source tokens for ``enc_self``, target tokens for ``dec_self`` and
+    ``enc_dec``). ``loss`` is the training loss summed over all examples, computed with the mask.
+    """
+
+    scores: dict[Head, float]
+    raw: dict[Head, float]
+    normalized: dict[Head, float]
+    per_token: bool
+    normalize: bool
+    masked: tuple[Head, ...]
+    tokens: dict[SiteKey, int]
+    n_examples: int
+    loss: float
+    loss_name: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def method(self) -> str:
+        return "per_token" if self.per_token else "batch_level"
+
+
+@dataclass
+class _Batch:
+    """One batch made ready for a gated forward: real-token mask per site, and the loss."""
+
+    tokens: dict[SiteKey, torch.Tensor]  # (B, T) per site, batch first whatever the model's layout
+    n_examples: int
+    loss: Callable[[], torch.Tensor]
+
+
+def gradient_importance(
+    task,
+    per_token: bool = True,
+    normalize: bool = False,
+    mask: Sequence[Head] = (),
+    label_smoothing: float | None = None,
+) -> ImportanceResult:
+    """Gradient head importance of every head of ``task``'s model on ``task``'s batches.
+
+    ``task`` is a :class:`~workers.classifier.ClassifierTask`-like object (``model``, ``gates``,
+    ``batches`` of ``(example indices, inputs)``, ``labels``) or a
+    :class:`~workers.translation.TranslationTask`-like one (``model``, ``gates``, ``batches`` of
+    fairseq samples, ``src_dict``, ``tgt_dict``). Estimate on training or validation data, not on
+    the test set.
+
+    ``per_token=True`` (Michel et al.'s reference code): ``sum over tokens |dL/dxi_{t,h}|`` divided
+    by the number of non-padding tokens. ``per_token=False`` (batch-level, as transformers'
+    bertology example): ``sum over batches |sum over the batch's tokens dL/dxi_{t,h}|`` divided by
+    the same count; it depends on how examples are batched. ``normalize`` divides each layer's
+    scores (per attention type) by their L2 norm. ``mask`` lists heads already pruned: their gates
+    stay 0 while the rest are estimated, and they are reported with score 0.0.
+    ``label_smoothing`` (translation only) defaults to the task's ``label_smoothing`` attribute if
+    it has one, else 0.1.
+    """
+    gates = task.gates
+    for head in mask:
+        gates.inventory.check(head)
+    masked = tuple(sorted(set(mask), key=_head_order))
+    heads_by_site = {site.key: site.num_heads for site in gates.sites}
+    dtype = _gate_dtype(task.model)
+    totals = {key: torch.zeros(h, dtype=torch.float64) for key, h in heads_by_site.items()}
+    counts = dict.fromkeys(heads_by_site, 0)
+    loss_total, n_examples = 0.0, 0
+    batches, loss_name = _prepare(task, label_smoothing, dtype)
+    for batch in _gate_gradients(task, masked, batches):
+        loss_total += batch.loss
+        n_examples += batch.n_examples
+        for key, grad in batch.grads.items():
+            lead = tuple(range(grad.dim() - 1))
+            grad = grad.detach().to(torch.float64)
+            per_head = grad.abs().sum(lead) if per_token else grad.sum(lead).abs()
+            totals[key] += per_head.cpu()
+            counts[key] += int(batch.tokens[key].sum())
+
+    raw: dict[Head, float] = {}
+    notes = []
+    for layer in gates.inventory.layers:
+        key = (layer.attention, layer.layer)
+        if counts[key] == 0:
+            notes.append(f"{layer.attention}:{layer.layer}: no non-padding tokens, scores set to 0")
+        for head in layer.heads():
+            raw[head] = float(totals[key][head.head]) / counts[key] if counts[key] else 0.0
+    for head in masked:
+        raw[head] = 0.0
+    normalized = normalize_by_layer(raw)
+    return ImportanceResult(
+        scores=dict(normalized if normalize else raw),
+        raw=raw,
+        normalized=normalized,
+        per_token=per_token,
+        normalize=normalize,
+        masked=masked,
+        tokens=counts,
+        n_examples=n_examples,
+        loss=loss_total,
+        loss_name=loss_name,
+        notes=notes,
+    )
+
+
+def gate_gradients(
+    task, mask: Sequence[Head] = (), label_smoothing: float | None = None
+) -> Iterator[BatchGateGradients]:
+    """Per-token ``dL/dxi_{t,h}`` at ``xi = 1`` (``xi = 0`` for ``mask``), one batch at a time.
+
+    Gradients at padding positions are set to zero. The model is put in eval mode and its
+    parameters' ``requires_grad`` flags are switched off for the duration (and restored), so no
+    parameter ``.grad`` is touched and no weight gradients are computed. Takes the same
+    ``task`` and ``label_smoothing`` as :func:`gradient_importance`.
+    """
+    batches, _ = _prepare(task, label_smoothing, _gate_dtype(task.model))
+    return _gate_gradients(task, mask, batches)
+
+
+def _gate_gradients(task, mask: Sequence[Head], batches: Sequence[_Batch]) -> Iterator[BatchGateGradients]:
+    gates = task.gates
+    model = task.model
+    dtype = _gate_dtype(model)
+    off: dict[SiteKey, list[int]] = {}
+    for head in mask:
+        gates.inventory.check(head)
+        off.setdefault((head.attention, head.layer), []).append(head.head)
+    was_training = model.training
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        model.eval()
+        for p in params:
+            p.requires_grad_(False)
+        for batch in batches:
+            values: dict[SiteKey, torch.Tensor] = {}
+            lead_masks: dict[SiteKey, torch.Tensor] = {}
+            for site in gates.sites:
+                lead = _site_layout(site, batch.tokens[site.key])
+                gate = torch.ones(*lead.shape, site.num_heads, dtype=dtype, device=site.out_proj.weight.device)
+                if site.key in off:
+                    gate[..., off[site.key]] = 0.0
+                values[site.key] = gate.requires_grad_(True)
+                lead_masks[site.key] = lead
+            gates.set_values(values)
+            # inference_mode(False): a caller inside inference mode would otherwise get no graph.
+            with torch.inference_mode(False), torch.enable_grad():
+                try:
+                    loss = batch.loss()
+                    keys = list(values)
+                    grads = torch.autograd.grad(loss, [values[k] for k in keys], allow_unused=True)
+                finally:
+                    gates.clear()
+            out = {}
+            for key, grad in zip(keys, grads, strict=True):
+                if grad is None:  # a site the loss does not depend on (e.g. nothing reads it)
+                    grad = torch.zeros_like(values[key])
+                out[key] = grad * lead_masks[key].unsqueeze(-1).to(grad.dtype)
+            yield BatchGateGradients(float(loss.detach()), batch.n_examples, out, lead_masks)
+    finally:
+        gates.clear()
+        for p in params:
+            p.requires_grad_(True)
+        model.train(was_training)
+
+
+def normalize_by_layer(scores: Mapping[Head, float]) -> dict[Head, float]:
+    """``I_{l,h} / sqrt(sum_h' I_{l,h'}^2)`` within each (attention type, layer); a layer whose
+    scores are all 0 stays 0."""
+    norms: dict[SiteKey, float] = {}
+    for head, value in scores.items():
+        key = (head.attention, head.layer)
+        norms[key] = norms.get(key, 0.0) + value * value
+    return {
+        head: value / math.sqrt(norms[(head.attention, head.layer)]) if norms[(head.attention, head.layer)] else 0.0
+        for head, value in scores.items()
+    }
+
+
+def rank_heads(scores: Mapping[Head, float]) -> list[Head]:
+    """Heads by score, least important first; ties in inventory order (attention type, layer, head)."""
+    bad = [str(h) for h, v in scores.items() if math.isnan(v)]
+    if bad:
+        raise ValueError(f"importance is NaN for {', '.join(bad[:5])}: cannot rank")
+    return sorted(scores, key=lambda h: (scores[h], *_head_order(h)))
+
+
+# -- internals ---------------------------------------------------------------------------
+def _head_order(head: Head) -> tuple[int, int, int]:
+    return (ATTENTION_TYPES.index(head.attention), head.layer, head.head)
+
+
+def _gate_dtype(model: torch.nn.Module) -> torch.dtype:
+    # At least float32: gradients accumulated in bfloat16/float16 gates lose most of their digits.
+    param = next(model.parameters(), None)
+    return torch.float32 if param is None else torch.promote_types(param.dtype, torch.float32)
+
+
+def _site_layout(site: AttentionSite, tokens: torch.Tensor) -> torch.Tensor:
+    """A (B, T) mask in the layout of the site's projection input (without its feature axis)."""
+    return tokens.transpose(0, 1) if site.batch_dim == 1 else tokens
+
+
+def _prepare(task, label_smoothing: float | None, dtype: torch.dtype) -> tuple[list[_Batch], str]:
+    batches = list(task.batches)
+    if not batches:
+        raise HeadsweepError("no data to estimate head importance on (the task has no batches)")
+    first = batches[0]
+    if isinstance(first, tuple) and hasattr(task, "labels"):
+        return [_classifier_batch(task, idx, inputs, dtype) for idx, inputs in batches], "cross-entropy"
+    if isinstance(first, dict) and "net_input" in first:
+        eps = label_smoothing
+        if eps is None:
+            eps = getattr(task, "label_smoothing", None)
+        if eps is None:
+            eps = DEFAULT_LABEL_SMOOTHING
+        decoder = getattr(task.model, "decoder", None)
+        if hasattr(decoder, "set_beam_size"):
+            # Beam search leaves the decoder's "beamable" encoder attention on, which would treat
+            # teacher-forced rows as beams of one sentence.
+            decoder.set_beam_size(1)
+        built = [_translation_batch(task, sample, float(eps), dtype) for sample in batches]
+        return built, f"teacher-forced label-smoothed cross-entropy (epsilon {float(eps):g})"
+    raise HeadsweepError(
+        f"{type(task).__name__}: gradient importance needs a classifier task (batches of (indices, inputs) and labels) "
+        "or a fairseq translation task (batches of samples with net_input)"
+    )
+
+
+def _classifier_batch(task, idx: torch.Tensor, inputs: dict, dtype: torch.dtype) -> _Batch:
+    ids = inputs.get("input_ids")
+    real = inputs.get("attention_mask")
+    if real is None:
+        real = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    real = real.bool()
+    labels = task.labels[idx.to(task.labels.device)]
+
+    def loss() -> torch.Tensor:
+        logits = task.model(**inputs).logits
+        return F.cross_entropy(logits.to(dtype), labels.to(logits.device), reduction="sum")
+
+    return _Batch({site.key: real for site in task.gates.sites}, int(idx.numel()), loss)
+
+
+def _translation_batch(task, sample: dict, epsilon: float, dtype: torch.dtype) -> _Batch:
+    from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
+
+    net = sample["net_input"]
+    src_real = net["src_tokens"].ne(task.src_dict.pad())
+    tgt_real = net["prev_output_tokens"].ne(task.tgt_dict.pad())
+    tokens = {site.key: src_real if site.attention == "enc_self" else tgt_real for site in task.gates.sites}
+    target = sample["target"]
+    pad = task.tgt_dict.pad()
+    model = task.model
+
+    def loss() -> torch.Tensor:
+        net_output = model(**net)
+        if getattr(model.decoder, "adaptive_softmax", None) is None:
+            # fairseq's get_normalized_probs always computes in float32; the same log-softmax in
+            # the gate dtype keeps float64 models exact (finite-difference tests rely on it).
+            lprobs = torch.log_softmax(net_output[0].to(dtype), dim=-1)
+        else:
+            lprobs = model.get_normalized_probs(net_output, log_probs=True)
+        smoothed, _nll = label_smoothed_nll_loss(lprobs.view(-1, lprobs.size(-1)), target.reshape(-1), epsilon,
+                                                 ignore_index=pad, reduce=True)
+        return smoothed
+
+    return _Batch(tokens, int(target.shape[0]), loss)
