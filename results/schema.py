@@ -43,6 +43,8 @@ TABLES: dict[str, pa.Schema] = {
             *HEAD_COLUMNS,
             ("heads_masked", pa.list_(pa.string())),
             ("n_masked", pa.int32()),
+            ("level", pa.float64()),
+            ("checkpoint", pa.string()),
             ("metric", pa.string()),
             ("score", pa.float64()),
             ("baseline_score", pa.float64()),

@@ -23,7 +23,9 @@ import yaml
 
 from sweep.errors import HeadsweepError
 
-EXPERIMENTS = ("baseline", "single_head", "all_but_one", "custom")
+EXPERIMENTS = ("baseline", "single_head", "all_but_one", "custom", "importance", "prune_level")
+IMPORTANCE_METHODS = ("gradient", "ablation")
+DEFAULT_LEVELS = [round(0.1 * i, 1) for i in range(11)]
 TESTS = ("paired_bootstrap", "paired_ttest", "mcnemar_exact")
 CORRECTIONS = ("bh", "holm", "bonferroni", "none")
 
@@ -73,6 +75,32 @@ def validate_significance(s: SignificanceSection) -> None:
 
 
 @dataclass
+class ImportanceSection:
+    """Head importance (Michel et al. sec. 4.1): how it is estimated, and on which data.
+
+    ``data`` has the same keys as the top-level ``data`` section of the model kind and must
+    not be the evaluation set: importance estimated on the data it is judged on flatters it.
+    """
+
+    method: str = "gradient"
+    data: dict | None = None
+    per_token: bool = True
+    normalize: bool = True
+    allow_eval_data: bool = False
+    from_run: str | None = None
+
+
+@dataclass
+class PruneSection:
+    """Pruning levels (Michel et al. sec. 4.2): mask the ceil(p * N) least important heads."""
+
+    levels: list[float] = field(default_factory=lambda: list(DEFAULT_LEVELS))
+    attention: list[str] | None = None
+    min_heads_per_layer: int = 0
+    reestimate: bool = False
+
+
+@dataclass
 class Config:
     """A whole sweep. ``model`` and ``data`` are the dataclasses of ``model.kind``."""
 
@@ -82,6 +110,9 @@ class Config:
     seed: int = 0
     sweep: SweepSection = field(default_factory=SweepSection)
     significance: SignificanceSection = field(default_factory=SignificanceSection)
+    importance: ImportanceSection = field(default_factory=ImportanceSection)
+    prune: PruneSection = field(default_factory=PruneSection)
+    checkpoints: list[str] | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -201,17 +232,28 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
 
 # Keys that name files. A relative path is taken relative to the config file when it exists there,
 # otherwise relative to the working directory (and a hub-style model id stays as written).
-PATH_KEYS = {("model", "path"), ("model", "checkpoint"), ("model", "data_bin"), ("data", "path"),
-             ("data", "source"), ("data", "target"), ("data", "bpe_codes"), ("data", "sentencepiece_model")}
+PATH_KEYS = ("path", "checkpoint", "data_bin", "source", "target", "bpe_codes", "sentencepiece_model")
 
 
 def _resolve_paths(data: dict, base: Path) -> None:
-    for section, key in PATH_KEYS:
-        value = data.get(section, {}).get(key) if isinstance(data.get(section), dict) else None
-        if isinstance(value, str) and value and "://" not in value and not Path(value).is_absolute():
-            candidate = base / value
-            if candidate.exists():
-                data[section][key] = str(candidate.resolve())
+    sections = [data.get("model"), data.get("data")]
+    importance = data.get("importance")
+    if isinstance(importance, dict):
+        sections.append(importance.get("data"))
+    for section in sections:
+        if not isinstance(section, dict):
+            continue
+        for key in PATH_KEYS:
+            value = section.get(key)
+            if isinstance(value, str) and value and "://" not in value and not Path(value).is_absolute():
+                candidate = base / value
+                if candidate.exists():
+                    section[key] = str(candidate.resolve())
+    checkpoints = data.get("checkpoints")
+    if isinstance(checkpoints, list):
+        data["checkpoints"] = [
+            str((base / c).resolve()) if isinstance(c, str) and (base / c).exists() else c for c in checkpoints
+        ]
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -255,7 +297,13 @@ def build_config(data: dict) -> Config:
         seed=_coerce(data.get("seed", 0), int, "seed"),
         sweep=from_dict(SweepSection, data.get("sweep"), "sweep"),
         significance=from_dict(SignificanceSection, data.get("significance"), "significance"),
+        importance=from_dict(ImportanceSection, data.get("importance"), "importance"),
+        prune=from_dict(PruneSection, data.get("prune"), "prune"),
+        checkpoints=_coerce(data.get("checkpoints"), list[str] | None, "checkpoints"),
     )
+    if cfg.importance.data is not None:
+        # Typed like the evaluation data, so a misspelt key fails here, not on a worker.
+        from_dict(kind.data_config, cfg.importance.data, "importance.data")
     validate(cfg)
     return cfg
 
@@ -281,6 +329,58 @@ def validate(cfg: Config) -> None:
     if s.device not in ("auto", "cpu", "cuda"):
         raise HeadsweepError(f"sweep.device must be auto, cpu or cuda, got {s.device!r}")
     validate_significance(cfg.significance)
+    validate_importance(cfg)
+
+
+def validate_importance(cfg: Config) -> None:
+    imp, prune, exps = cfg.importance, cfg.prune, cfg.sweep.experiments
+    if imp.method not in IMPORTANCE_METHODS:
+        raise HeadsweepError(
+            f"unknown importance.method {imp.method!r} (known: {', '.join(IMPORTANCE_METHODS)})"
+        )
+    needs_importance = "importance" in exps or "prune_level" in exps
+    if needs_importance and imp.method == "gradient":
+        if imp.data is None:
+            raise HeadsweepError(
+                "gradient importance needs importance.data (training or validation data, kept apart from the "
+                "evaluation set)"
+            )
+        if not imp.allow_eval_data:
+            if imp.data == dataclasses.asdict(cfg.data) or _same_file(imp.data, cfg.data):
+                raise HeadsweepError(
+                    "importance.data is the evaluation set; estimate importance on training or validation data, "
+                    "or set importance.allow_eval_data: true"
+                )
+            if _names_test_split(imp.data):
+                raise HeadsweepError(
+                    "importance.data looks like a test split; use training or validation data, "
+                    "or set importance.allow_eval_data: true"
+                )
+    if needs_importance and imp.method == "ablation" and not imp.from_run and "single_head" not in exps:
+        raise HeadsweepError(
+            "importance.method ablation orders heads by single-head deltas: add single_head to sweep.experiments "
+            "or name an earlier run with importance.from_run"
+        )
+    for p in prune.levels:
+        if not 0.0 <= p <= 1.0:
+            raise HeadsweepError(f"prune.levels must lie in [0, 1], got {p}")
+    if prune.min_heads_per_layer < 0:
+        raise HeadsweepError(f"prune.min_heads_per_layer must be >= 0, got {prune.min_heads_per_layer}")
+    if prune.reestimate and imp.method != "gradient":
+        raise HeadsweepError("prune.reestimate needs importance.method gradient")
+
+
+def _same_file(a: dict, b: Any) -> bool:
+    keys = ("path", "source", "target", "split")
+    mine = {k: a.get(k) for k in keys if a.get(k)}
+    theirs = {k: getattr(b, k, None) for k in keys if getattr(b, k, None)}
+    return bool(mine) and mine == theirs
+
+
+def _names_test_split(data: dict) -> bool:
+    keys = ("path", "source", "name", "split") if data.get("data_bin") else ("path", "source", "name")
+    names = [str(data.get(k) or "") for k in keys]
+    return any(Path(n).name.lower().startswith("test") or n.lower() == "test" for n in names if n)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:

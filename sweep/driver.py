@@ -21,14 +21,17 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from results.schema import SCHEMA_VERSION
 from results.store import ResultStore
-from sweep.config import Config
+from sweep.config import Config, from_dict
 from sweep.errors import HeadsweepError
-from sweep.plan import BASELINE, WorkUnit, plan
+from sweep.plan import BASELINE, WorkUnit, plan, prune_levels
 from sweep.progress import Progress
+from sweep.pruning import ablation_importance, iterative_level_masks, level_masks
 from sweep.significance_runner import SignificanceTracker, tests_for
 from sweep.version import code_version
 from workers.actor import EvalWorker
-from workers.tasks import DatasetInfo, MaskOutput, RuntimeOptions
+from workers.heads import Head
+from workers.importance import normalize_by_layer
+from workers.tasks import DatasetInfo, MaskOutput, RuntimeOptions, task_kind
 
 CALLS_IN_FLIGHT_PER_WORKER = 2
 
@@ -87,6 +90,7 @@ class ChunkWriter:
     info: DatasetInfo
     flush_every: int
     flush_seconds: float
+    checkpoint: str | None = None
     eval_rows: list[dict] = field(default_factory=list)
     example_rows: list[dict] = field(default_factory=list)
     written: int = 0
@@ -102,6 +106,8 @@ class ChunkWriter:
                 "head": unit.head,
                 "heads_masked": [str(h) for h in unit.masked],
                 "n_masked": len(unit.masked),
+                "level": unit.level,
+                "checkpoint": self.checkpoint,
                 "metric": self.info.metric,
                 "score": out.score,
                 "baseline_score": baseline_score,
@@ -208,23 +214,24 @@ class Sweep:
         writer = ChunkWriter(self.store, self.run_id, info, self.cfg.sweep.flush_every, self.cfg.sweep.flush_seconds)
         counts = {"n_planned": len(units), "n_done": 0, "baseline_score": None}
         self.store.write_rows("runs", self.run_id, [self.run_row(info, "running", **counts)], "run")
-        tracker = None
         try:
             [(_, base)] = ray.get(actors[0].evaluate.remote([BASELINE]))
             counts["baseline_score"] = base.score
             writer.add(BASELINE, base, base.score, self.names[0])
             writer.flush()
+            tracker = None
             if self.cfg.significance.enabled:
-                tracker = SignificanceTracker(
-                    self.cfg.significance, self.store, self.run_id, info.metric, base.stats, units
-                )
-            progress = Progress(len(units) - 1, enabled=self.show_progress)
-            for unit, out, worker in self.stream(actors, units[1:]):
-                writer.add(unit, out, base.score, worker)
-                writer.maybe_flush()
-                if tracker is not None:
-                    tracker.add(unit, out.stats)
-                progress.update(1, f"[{unit.eval_id}]")
+                tracker = SignificanceTracker(self.cfg.significance, self.store, self.run_id, info.metric, base.stats)
+            self.run_units(actors, units[1:], writer, tracker, base.score)
+            exps = self.cfg.sweep.experiments
+            if "importance" in exps or "prune_level" in exps:
+                writer.flush()  # ablation importance reads this run's single-head rows back
+                importance = self.importance(actors, info)
+                if "prune_level" in exps:
+                    masks = self.prune_masks(actors, info, importance)
+                    levels = prune_levels(self.cfg, info.inventory, masks)
+                    counts["n_planned"] += len(levels)
+                    self.run_units(actors, levels, writer, tracker, base.score)
             writer.flush()
             self.stop(actors)
             if tracker is not None:
@@ -242,6 +249,62 @@ class Sweep:
         self.store.write_rows("runs", self.run_id, [self.run_row(info, "complete", **counts)], "run")
         self.store.remove_orphans(self.run_id)
         return self.run_id
+
+    def run_units(self, actors, units, writer: ChunkWriter, tracker, baseline_score: float) -> None:
+        """Stream ``units`` through the workers, writing and testing each result as it lands."""
+        if tracker is not None:
+            tracker.expect(units)
+        progress = Progress(len(units), enabled=self.show_progress)
+        for unit, out, worker in self.stream(actors, units):
+            writer.add(unit, out, baseline_score, worker)
+            writer.maybe_flush()
+            if tracker is not None:
+                tracker.add(unit, out.stats)
+            progress.update(1, f"[{unit.eval_id}]")
+
+    def importance(self, actors, info: DatasetInfo) -> dict[Head, float]:
+        """Head importance for ordering pruning levels, written to the ``importance`` table."""
+        imp = self.cfg.importance
+        if imp.method == "gradient":
+            data_cfg = from_dict(task_kind(self.cfg.model.kind).data_config, imp.data, "importance.data")
+            result = self.call(actors[0].importance.remote(data_cfg, imp.per_token, imp.normalize, ()))
+            raw, normalized = result.raw, result.normalized
+        else:
+            raw = ablation_importance(self.store, imp.from_run or self.run_id, info.inventory)
+            normalized = normalize_by_layer(raw)
+        scores = normalized if imp.normalize else raw
+        ranked = sorted(scores, key=lambda h: (-scores[h], h))
+        rank = {h: i + 1 for i, h in enumerate(ranked)}
+        rows = [
+            {"method": imp.method, "attention": h.attention, "layer": h.layer, "head": h.head,
+             "score": raw[h], "score_normalized": normalized[h], "rank": rank[h]}
+            for h in info.inventory.heads
+        ]
+        self.store.write_rows("importance", self.run_id, rows, name=imp.method)
+        return scores
+
+    def prune_masks(self, actors, info: DatasetInfo, scores: dict[Head, float]):
+        prune, imp = self.cfg.prune, self.cfg.importance
+        if not prune.reestimate:
+            return level_masks(scores, info.inventory, prune.levels, prune.attention, prune.min_heads_per_layer)
+        data_cfg = from_dict(task_kind(self.cfg.model.kind).data_config, imp.data, "importance.data")
+
+        def estimate(mask: tuple[Head, ...]) -> dict[Head, float]:
+            result = self.call(actors[0].importance.remote(data_cfg, imp.per_token, imp.normalize, mask))
+            return result.scores
+
+        return iterative_level_masks(estimate, info.inventory, prune.levels, prune.attention, prune.min_heads_per_layer)
+
+    @staticmethod
+    def call(ref):
+        """``ray.get`` with our errors unwrapped."""
+        try:
+            return ray.get(ref)
+        except RayTaskError as exc:
+            cause = unwrap(exc)
+            if isinstance(cause, HeadsweepError):
+                raise cause from None
+            raise
 
     @staticmethod
     def stop(actors: list) -> None:
@@ -267,12 +330,6 @@ class Sweep:
             for ref in done:
                 i = pending.pop(ref)
                 idle.append(i)
-                try:
-                    results = ray.get(ref)
-                except RayTaskError as exc:
-                    cause = unwrap(exc)
-                    if isinstance(cause, HeadsweepError):
-                        raise cause from None
-                    raise
+                results = self.call(ref)
                 for eval_id, out in results:
                     yield by_id[eval_id], out, self.names[i]

@@ -23,6 +23,7 @@ class WorkUnit:
     attention: str | None = None
     layer: int | None = None
     head: int | None = None
+    level: float | None = None
 
 
 BASELINE = WorkUnit("baseline", "baseline", ())
@@ -87,3 +88,26 @@ def plan(cfg: Config, inventory: HeadInventory) -> list[WorkUnit]:
             units += custom(inventory, cfg.sweep.masks)
     seen: set[str] = set()
     return [u for u in units if not (u.eval_id in seen or seen.add(u.eval_id))]
+
+
+def prune_scope_name(attention: list[str] | None) -> str:
+    return "+".join(attention) if attention else "global"
+
+
+def prune_levels(cfg: Config, inventory: HeadInventory, masks: list[tuple[float, tuple[Head, ...]]]) -> list[WorkUnit]:
+    """One evaluation per pruning level; ``attention`` holds the restricted type (null: global)."""
+    scope = cfg.prune.attention
+    if scope:
+        _attention_types_named(scope, inventory)
+    name = prune_scope_name(scope)
+    attention = scope[0] if scope and len(scope) == 1 else None
+    return [
+        WorkUnit(f"prune_level/{name}/{p:.4f}", "prune_level", mask, attention, level=p) for p, mask in masks
+    ]
+
+
+def _attention_types_named(wanted: list[str], inventory: HeadInventory) -> None:
+    have = inventory.attention_types
+    for a in wanted:
+        if a not in have:
+            raise HeadsweepError(f"prune.attention: this model has no {a!r} attention (it has {', '.join(have)})")

@@ -90,7 +90,7 @@ class SignificanceTracker:
 
     def __init__(
         self, section: SignificanceSection, store: ResultStore, run_id: str, metric: str,
-        baseline_stats: np.ndarray, units: list[WorkUnit],
+        baseline_stats: np.ndarray,
     ):
         self.section = section
         self.store = store
@@ -98,13 +98,17 @@ class SignificanceTracker:
         self.metric = metric
         self.tests = tests_for(section, metric)
         self.baseline_ref = ray.put(np.asarray(baseline_stats, dtype=np.float64))
-        self.expected = Counter(u.experiment for u in units if u.experiment != "baseline")
+        self.expected: Counter = Counter()
         self.buffer: dict[str, list[tuple[str, np.ndarray]]] = defaultdict(list)
         self.submitted: Counter = Counter()
         self.pending: dict = {}
         self.done: dict[str, list[tuple[list[str], list[TestResult]]]] = defaultdict(list)
         self.tested: Counter = Counter()
         self.written: set[str] = set()
+
+    def expect(self, units: list[WorkUnit]) -> None:
+        """Announce units to come; a family is complete once all its announced units are tested."""
+        self.expected.update(u.experiment for u in units if u.experiment != "baseline")
 
     def add(self, unit: WorkUnit, stats: np.ndarray) -> None:
         if unit.experiment == "baseline":

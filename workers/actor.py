@@ -20,6 +20,8 @@ class EvalWorker:
         self.name = name
         self._args = (kind, model_cfg, data_cfg, runtime)
         self.task = None
+        self._importance_task = None
+        self._importance_data = None
 
     def load(self) -> DatasetInfo:
         """Load model and data (errors surface here, not in the constructor, with their cause)."""
@@ -29,6 +31,16 @@ class EvalWorker:
         info = self.task.describe()
         info.facts = {**info.facts, "load_seconds": round(time.perf_counter() - start, 3)}
         return info
+
+    def importance(self, data_cfg: Any, per_token: bool, normalize: bool, mask: tuple = ()):
+        """Gradient importance of every head on ``data_cfg`` (loaded once, beside the evaluation data)."""
+        from workers.importance import gradient_importance
+
+        kind, model_cfg, _, runtime = self._args
+        if self._importance_task is None or self._importance_data != data_cfg:
+            self._importance_task = task_kind(kind).load(model_cfg, data_cfg, runtime)
+            self._importance_data = data_cfg
+        return gradient_importance(self._importance_task, per_token=per_token, normalize=normalize, mask=mask)
 
     def where(self) -> str:
         return f"{self.name}@{socket.gethostname()}:{os.getpid()}"
