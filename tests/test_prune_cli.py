@@ -77,5 +77,6 @@ def test_importance_refuses_the_evaluation_set(tmp_path, tiny_bert_dir, tiny_dev
     proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(tmp_path / "s"))
     assert proc.returncode == 2 and "importance.data is the evaluation set" in proc.stderr
     test_split = write_tsv(generate(5, seed=1), tmp_path / "test.tsv")
-    proc = run_cli("run", str(tmp_path / "c.yaml"), f"importance.data.path={test_split}", "--store", str(tmp_path / "s"))
+    override = f"importance.data.path={test_split}"
+    proc = run_cli("run", str(tmp_path / "c.yaml"), override, "--store", str(tmp_path / "s"))
     assert proc.returncode == 2 and "looks like a test split" in proc.stderr

@@ -14,7 +14,7 @@ LEVELS = [round(0.1 * i, 1) for i in range(11)]
 
 
 def translation_inventory(layers: int = 2, heads: int = 4) -> HeadInventory:
-    return HeadInventory([LayerShape(a, l, heads) for a in ("enc_self", "enc_dec", "dec_self") for l in range(layers)])
+    return HeadInventory([LayerShape(a, i, heads) for a in ("enc_self", "enc_dec", "dec_self") for i in range(layers)])
 
 
 def random_scores(inventory: HeadInventory, seed: int = 0) -> dict[Head, float]:
