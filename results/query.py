@@ -25,7 +25,7 @@ FORMATS = ("table", "csv", "json")
 # paired t-test for accuracy); the other tests stay in `significance`.
 DELTAS_VIEW = """
 CREATE VIEW deltas AS
-SELECT e.run_id, e.eval_id, e.experiment, e.attention, e.layer, e.head, e.n_masked, e.metric,
+SELECT e.run_id, e.eval_id, e.experiment, e.attention, e.layer, e.head, e.level, e.checkpoint, e.n_masked, e.metric,
        e.score, e.baseline_score, e.delta, s.test, s.p_value, s.p_adjusted, s.correction, s.alpha,
        s.significant, s.ci_low, s.ci_high
 FROM evaluations e

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -17,6 +18,14 @@ def _store_arg(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("HEADSWEEP_STORE", DEFAULT_STORE),
         help="results store URI: a local path or any pyarrow filesystem URI (default: $HEADSWEEP_STORE or "
         f"./{DEFAULT_STORE})",
+    )
+
+
+def _job_address_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--address",
+        default=os.environ.get("RAY_API_SERVER_ADDRESS"),
+        help="the cluster's Ray job API, http://HEAD:8265 (default: $RAY_API_SERVER_ADDRESS)",
     )
 
 
@@ -38,6 +47,27 @@ def build_parser() -> argparse.ArgumentParser:
     query.add_argument("sql", help="SQL; the tables runs, evaluations, examples, significance, importance are views")
     _store_arg(query)
     query.add_argument("--format", default="table", choices=["table", "csv", "json"])
+
+    submit = sub.add_parser("submit", help="submit a sweep as a Ray job to a running cluster; prints the job id")
+    submit.add_argument("config", help="YAML config file; model, data and store paths must be valid on the cluster")
+    submit.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    _job_address_arg(submit)
+    submit.add_argument("--store", default=None,
+                        help="store URI as the cluster sees it (shared storage); default: $HEADSWEEP_STORE there")
+    submit.add_argument("--workers", type=int, help="number of worker actors (sweep.workers)")
+    submit.add_argument("--python", default="python", help="the Python interpreter on the cluster (default: python)")
+    submit.add_argument("--runtime-env-json", help="extra Ray runtime_env as JSON (e.g. pip packages, env vars)")
+    submit.add_argument("--wait", action="store_true", help="follow the job until it ends")
+
+    jobs = sub.add_parser("jobs", help="follow submitted jobs: list, status, logs, stop, wait")
+    jobs_sub = jobs.add_subparsers(dest="jobs_command", required=True)
+    for name in ("list", "status", "logs", "stop", "wait"):
+        p = jobs_sub.add_parser(name)
+        if name != "list":
+            p.add_argument("job_id")
+        _job_address_arg(p)
+        if name == "wait":
+            p.add_argument("--timeout", type=float, default=None, help="seconds to wait at most")
 
     demo = sub.add_parser("demo", help="the embedded default, end to end, offline")
     _store_arg(demo)
@@ -73,6 +103,43 @@ def cmd_query(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_submit(args: argparse.Namespace) -> int:
+    from sweep import jobs
+
+    if not args.address:
+        raise HeadsweepError("submit needs --address http://HEAD:8265 (or $RAY_API_SERVER_ADDRESS)")
+    try:
+        env = json.loads(args.runtime_env_json) if args.runtime_env_json else None
+    except json.JSONDecodeError as exc:
+        raise HeadsweepError(f"--runtime-env-json is not valid JSON: {exc}") from None
+    job_id = jobs.submit(args.config, args.overrides, args.address, args.store, args.workers, env, python=args.python)
+    print(job_id, flush=True)
+    if args.wait:
+        jobs.follow(args.address, job_id)
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from sweep import jobs
+
+    if not args.address:
+        raise HeadsweepError("jobs needs --address http://HEAD:8265 (or $RAY_API_SERVER_ADDRESS)")
+    if args.jobs_command == "list":
+        print(jobs.format_jobs(jobs.list_jobs(args.address)))
+    elif args.jobs_command == "status":
+        print(jobs.status(args.address, args.job_id))
+    elif args.jobs_command == "logs":
+        print(jobs.logs(args.address, args.job_id), end="")
+    elif args.jobs_command == "stop":
+        stopped = jobs.stop(args.address, args.job_id)
+        print(f"stopping {args.job_id}" if stopped else f"{args.job_id} had already ended")
+    else:
+        final = jobs.wait(args.address, args.job_id, args.timeout)
+        print(final)
+        return 0 if final == "SUCCEEDED" else 1
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from sweep.demo import run_demo
 
@@ -86,11 +153,24 @@ def _stop_ray() -> None:
         ray.shutdown()
 
 
-COMMANDS = {"run": cmd_run, "query": cmd_query, "demo": cmd_demo}
+COMMANDS = {"run": cmd_run, "submit": cmd_submit, "jobs": cmd_jobs, "query": cmd_query, "demo": cmd_demo}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse, letting ``key=value`` overrides stand anywhere after the config (even after options)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    takes_overrides = hasattr(args, "overrides")
+    unknown = [a for a in extra if not (takes_overrides and "=" in a and not a.startswith("-"))]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         return COMMANDS[args.command](args)
     except HeadsweepError as exc:

@@ -6,6 +6,7 @@ local Ray instance, writes the results store and prints what a user would look a
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -28,29 +29,55 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def classifier_artefacts() -> tuple[Path, Path]:
-    """The demo classifier and its evaluation file, trained and written on first use."""
+EXPERIMENTS = ["baseline", "single_head", "all_but_one", "importance", "prune_level"]
+
+
+def classifier_config(workers: int) -> dict:
+    """The demo classifier (trained on first use) and its evaluation and importance data."""
     from workers.synthetic_sentiment import generate, train_classifier, write_tsv
 
     root = cache_dir() / "sentiment"
     model_dir = root / "bert-3x4-synthetic-sentiment"
-    dev = root / "dev.tsv"
     if not (model_dir / "config.json").is_file():
         log(f"training the demo classifier (once; cached in {model_dir}) ...")
         tmp = root / f".model-{os.getpid()}"
         train_classifier(tmp, layers=3, heads=4, hidden=48, n_train=4000, epochs=6, log=log)
         tmp.rename(model_dir)
+    dev, valid = root / "dev.tsv", root / "valid.tsv"
     if not dev.is_file():
         write_tsv(generate(1000, seed=2024), dev)
-    return model_dir, dev
-
-
-def classifier_config(model_dir: Path, dev: Path, workers: int) -> dict:
+    if not valid.is_file():
+        write_tsv(generate(500, seed=2025), valid)
     return {
         "name": "demo-sentiment",
         "model": {"kind": "hf_classifier", "path": str(model_dir), "attn_implementation": "sdpa"},
         "data": {"path": str(dev), "name": "synthetic-sentiment-dev"},
-        "sweep": {"experiments": ["baseline", "single_head", "all_but_one"], "workers": workers, "batch_size": 100},
+        "sweep": {"experiments": EXPERIMENTS, "workers": workers, "batch_size": 100},
+        "importance": {"data": {"path": str(valid), "name": "synthetic-sentiment-valid"}},
+    }
+
+
+def translation_config(workers: int) -> dict:
+    """The demo translation model (a tiny fairseq Transformer trained on first use)."""
+    from workers.fairseq_train import TrainSettings, train_synthetic
+
+    root = cache_dir() / "translation"
+    done = root / "READY"
+    if not done.is_file():
+        log(f"training the demo fairseq translation model (once; cached in {root}) ...")
+        logging.getLogger("fairseq").setLevel(logging.WARNING)
+        # A fixed number of epochs (about 20 s on 2 idle cores), so that the cached model does not
+        # depend on how busy the machine was; the time cap only guards against a very slow one.
+        train_synthetic(root, TrainSettings(max_epochs=10, max_seconds=150.0), log=log)
+        done.write_text("ok\n")
+    data_bin = root / "data-bin"
+    return {
+        "name": "demo-translation",
+        "model": {"kind": "fairseq_translation", "checkpoint": str(root / "checkpoints" / "checkpoint_last.pt"),
+                  "data_bin": str(data_bin), "name": "transformer-2+2x4-synthetic"},
+        "data": {"source": str(root / "test.src"), "target": str(root / "test.tgt"), "name": "synthetic-test"},
+        "sweep": {"experiments": EXPERIMENTS, "workers": workers, "batch_size": 50},
+        "importance": {"data": {"data_bin": str(data_bin), "split": "valid", "name": "synthetic-valid"}},
     }
 
 
@@ -85,6 +112,17 @@ def summarise(store: ResultStore, run_id: str) -> None:
             )
         )
     )
+    print("\npruning curve (least important heads first, by gradient importance on held-out data):")
+    print(
+        format_table(
+            run_query(
+                store,
+                f"""SELECT level, n_masked, score, score / baseline_score AS relative, p_adjusted,
+                           CASE WHEN significant THEN '*' ELSE '' END AS sig
+                    FROM deltas WHERE run_id = '{run_id}' AND experiment = 'prune_level' ORDER BY level""",
+            )
+        )
+    )
 
 
 def run_demo(store_uri: str, workers: int = 2, show_progress: bool = True) -> int:
@@ -92,12 +130,12 @@ def run_demo(store_uri: str, workers: int = 2, show_progress: bool = True) -> in
     start = time.perf_counter()
     store = ResultStore(store_uri)
     store.check_writable()
-    model_dir, dev = classifier_artefacts()
-    cfg = build_config(classifier_config(model_dir, dev, workers))
-    log(f"sweeping the heads of the demo classifier on {workers} worker(s) ...")
-    run_id = Sweep(cfg, store, show_progress=show_progress).execute()
-    print(f"\n== classifier run {run_id} ==")
-    summarise(store, run_id)
-    print(f"\nresults store: {store.uri}  (try: headsweep query \"SELECT * FROM runs\" --store {store_uri})")
+    for title, make in (("classifier", classifier_config), ("translation", translation_config)):
+        cfg = build_config(make(workers))
+        log(f"sweeping the heads of the demo {title} on {workers} worker(s) ...")
+        run_id = Sweep(cfg, store, show_progress=show_progress).execute()
+        print(f"\n== {title} run {run_id} ==")
+        summarise(store, run_id)
+    print(f"\nresults store: {store.uri}  (try: headsweep query \"SELECT * FROM deltas\" --store {store_uri})")
     print(f"demo finished in {time.perf_counter() - start:.1f} s")
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -17,6 +18,8 @@ class EvalWorker:
     """Holds a task adapter; ``evaluate`` takes a batch of work units and returns their outputs."""
 
     def __init__(self, name: str, kind: str, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions):
+        # fairseq logs every dictionary and data file it loads at INFO; a sweep's log is for progress.
+        logging.getLogger("fairseq").setLevel(logging.WARNING)
         self.name = name
         self._args = (kind, model_cfg, data_cfg, runtime)
         self.task = None

@@ -1,0 +1,110 @@
+"""Load a fairseq checkpoint with a clear trust rule, and its model and dictionaries.
+
+torch >= 2.6 reads checkpoints with ``weights_only=True``: tensors and plain containers
+only. Most fairseq checkpoints also hold pickled Python objects (``argparse.Namespace``
+options, omegaconf nodes, metric meters), and unpickling those can run code from the
+file. The rule: a checkpoint that reads with ``weights_only=True`` loads as is; one that
+needs full unpickling loads only when the user says they trust it (``model.trusted``).
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sweep.errors import HeadsweepError
+
+
+def read_checkpoint(path: str | Path, trusted: bool) -> dict:
+    """The raw state dict of a fairseq checkpoint file, loaded on the CPU under the trust rule."""
+    p = Path(path)
+    if not str(path):
+        raise HeadsweepError("config key 'model.checkpoint' is required (a fairseq checkpoint .pt file)")
+    if not p.is_file():
+        raise HeadsweepError(f"checkpoint not found: {path}")
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=not trusted)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if not trusted and found:
+            raise HeadsweepError(
+                f"checkpoint {path} holds pickled Python objects ({found.group(1)}), which torch only reads with "
+                "weights_only=False and which can run code from the file: if you trust where it came from, "
+                "set model.trusted=true"
+            ) from None
+        raise HeadsweepError(f"{path} is not a fairseq checkpoint: torch cannot read it ({_reason(exc)})") from None
+    except (RuntimeError, EOFError, OSError, ValueError, AttributeError, ModuleNotFoundError) as exc:
+        raise HeadsweepError(f"{path} is not a fairseq checkpoint: torch cannot read it ({_first_line(exc)})") from None
+    if not isinstance(state, dict) or "model" not in state or not (state.get("cfg") or state.get("args")):
+        keys = ", ".join(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise HeadsweepError(f"{path} is not a fairseq checkpoint: no 'model' with 'cfg' or 'args' (found: {keys})")
+    return state
+
+
+def _reason(exc: BaseException) -> str:
+    # torch's weights_only errors are paragraphs; the cause follows "WeightsUnpickler error:".
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        rest = [line.strip() for line in text.split("WeightsUnpickler error:", 1)[1].splitlines() if line.strip()]
+        if rest:
+            return rest[0]
+    return _first_line(exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def prepare_state(state: dict, overrides: dict[str, Any]) -> dict:
+    """What ``checkpoint_utils.load_checkpoint_to_cpu`` does after ``torch.load``: apply
+    overrides to the stored options and upgrade old layouts."""
+    from fairseq import checkpoint_utils
+    from fairseq.dataclass.utils import overwrite_args_by_name
+    from omegaconf import OmegaConf
+
+    if state.get("args") is not None:
+        for name, value in overrides.items():
+            setattr(state["args"], name, value)
+    if state.get("cfg") is not None:
+        state["cfg"] = OmegaConf.create(state["cfg"], flags={"allow_objects": True})
+        overwrite_args_by_name(state["cfg"], overrides)
+    return checkpoint_utils._upgrade_state_dict(state)
+
+
+def task_option(state: dict, name: str) -> Any:
+    """One of the checkpoint's task options (from ``cfg.task``, or the legacy ``args``)."""
+    if state.get("args") is not None:
+        return getattr(state["args"], name, None)
+    task = state["cfg"].get("task") or {}
+    return task.get(name) if isinstance(task, dict) else getattr(task, name, None)
+
+
+def check_dictionaries(state: dict, src_dict, tgt_dict, src_file: Path, tgt_file: Path) -> None:
+    """One-line error unless the dictionaries have as many entries as the embedding tables."""
+    weights = state["model"]
+    for key, dictionary, file in (
+        ("encoder.embed_tokens.weight", src_dict, src_file),
+        ("decoder.embed_tokens.weight", tgt_dict, tgt_file),
+    ):
+        if key in weights and weights[key].shape[0] != len(dictionary):
+            raise HeadsweepError(
+                f"dictionary {file} has {len(dictionary)} entries but the checkpoint's {key.split('.')[0]} "
+                f"embedding has {weights[key].shape[0]} rows: use the dictionaries the model was trained with "
+                "(model.data_bin)"
+            )
+
+
+def build_model(state: dict, path: str | Path):
+    """The model and task of a prepared state, through fairseq's own loader."""
+    from fairseq import checkpoint_utils
+
+    try:
+        models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(path)], state=state)
+    except (RuntimeError, KeyError, AttributeError, ValueError, AssertionError, FileNotFoundError) as exc:
+        raise HeadsweepError(f"cannot build the fairseq model from the checkpoint: {_first_line(exc)}") from None
+    return models[0], cfg, task

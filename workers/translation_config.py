@@ -1,0 +1,62 @@
+"""Config sections of the ``fairseq_translation`` task kind (kept free of torch imports).
+
+Defaults follow ``fairseq-generate``: beam 5, length penalty 1, maximum length
+``max_len_a * source_length + max_len_b`` with a=0, b=200.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TranslationModel:
+    """A fairseq translation checkpoint and how to decode with it.
+
+    ``data_bin`` is the folder holding the model's ``dict.<src>.txt`` and ``dict.<tgt>.txt``.
+    ``trusted`` allows loading a checkpoint that holds pickled Python objects (most fairseq
+    checkpoints do: argparse / omegaconf objects), which ``torch.load`` can only read with
+    ``weights_only=False``, i.e. by running code from the file. ``remove_bpe`` is fairseq's
+    ``--post-process`` (``subword_nmt``, ``sentencepiece``, ``@@ ``, or null). ``detokenize``
+    names the word tokenizer the model's data went through: ``moses`` (sacremoses: raw source
+    text is Moses-tokenised before BPE and hypotheses are detokenised after it) or ``none``.
+    """
+
+    kind: str = "fairseq_translation"
+    checkpoint: str = ""
+    data_bin: str = ""
+    trusted: bool = False
+    name: str | None = None
+    source_lang: str | None = None
+    target_lang: str | None = None
+    beam: int = 5
+    lenpen: float = 1.0
+    max_len_a: float = 0.0
+    max_len_b: int = 200
+    min_len: int = 1
+    unkpen: float = 0.0
+    no_repeat_ngram_size: int = 0
+    remove_bpe: str | None = None
+    detokenize: str = "none"
+
+
+@dataclass
+class TranslationData:
+    """The evaluation set: raw parallel text, or a split of a binarised fairseq data-bin.
+
+    Raw text: ``source`` and ``target`` files, one sentence a line, plain or ``.gz``; the
+    source side is encoded as the model's training data were (``detokenize: moses`` for Moses
+    tokenisation, then ``bpe_codes`` for subword-nmt or ``sentencepiece_model``), and the
+    target lines are the references as written. Binarised: ``data_bin`` and ``split``
+    (``<split>.<src>-<tgt>.<lang>.{bin,idx}``), whose token ids must use the model's
+    dictionaries; references are the decoded, detokenised targets.
+    """
+
+    source: str | None = None
+    target: str | None = None
+    bpe_codes: str | None = None
+    sentencepiece_model: str | None = None
+    data_bin: str | None = None
+    split: str = "test"
+    max_examples: int | None = None
+    name: str | None = None
