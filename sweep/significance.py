@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 from scipy import stats as _sps
 
+from workers.metrics import accuracy_from_stats, bleu_from_stats
+
 __all__ = [
     "BLEU_MAX_ORDER",
     "CorpusScore",
@@ -91,63 +93,6 @@ class TestResult:
 
 # --------------------------------------------------------------------------
 # Corpus scores from summed sufficient statistics
-# --------------------------------------------------------------------------
-
-
-def bleu_from_stats(stats_sum: np.ndarray, n: int | None = None) -> np.ndarray:
-    """Corpus BLEU (0-100) from summed sacrebleu sentence statistics.
-
-    ``stats_sum`` has shape (..., 10): [hyp_len, ref_len, correct_1..4,
-    total_1..4] summed over sentences. The result has shape (...) and equals
-    ``sacrebleu.BLEU().corpus_score(...).score`` (smoothing 'exp', no effective
-    order, max order 4) on the same sentences, including sacrebleu's edge cases:
-    0 when no n-gram matches at all, 0 when some order has no n-grams
-    (a corpus of very short hypotheses), brevity penalty 0 for empty output.
-    ``n`` (number of sentences) is unused; it is accepted so that this is a
-    ``CorpusScore``.
-    """
-    s = np.asarray(stats_sum, dtype=np.float64)
-    if s.shape[-1] != BLEU_N_STATS:
-        raise ValueError(f"BLEU statistics need {BLEU_N_STATS} columns, got shape {s.shape}")
-    sys_len = s[..., 0]
-    ref_len = s[..., 1]
-    correct = s[..., 2 : 2 + BLEU_MAX_ORDER]
-    total = s[..., 2 + BLEU_MAX_ORDER :]
-
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        bp = np.where(
-            sys_len < ref_len,
-            np.where(sys_len > 0, np.exp(1.0 - ref_len / sys_len), 0.0),
-            1.0,
-        )
-        # 'exp' smoothing (mteval-v13a): the j-th order without matches gets
-        # precision 100 / (2**j * total), j counting zero-match orders so far.
-        zero = correct == 0
-        k = np.cumsum(zero, axis=-1)
-        precision = np.where(zero, 100.0 / (np.exp2(k) * total), 100.0 * correct / total)
-        log_p = np.log(precision).sum(axis=-1) / BLEU_MAX_ORDER
-        score = bp * np.exp(log_p)
-
-    # sacrebleu stops at the first order without n-grams and scores the missing
-    # precisions as log(0) ~ -1e10, i.e. BLEU 0; and it returns 0 early when no
-    # n-gram matches at all.
-    degenerate = (total <= 0).any(axis=-1) | ~(correct != 0).any(axis=-1)
-    return np.where(degenerate, 0.0, score)
-
-
-def accuracy_from_stats(stats_sum: np.ndarray, n: int) -> np.ndarray:
-    """Accuracy (0-1) from summed per-example correctness: ``stats_sum[..., 0] / n``.
-
-    ``stats_sum`` has shape (..., 1) (or (..., k) with correctness first).
-    """
-    if n <= 0:
-        raise ValueError("accuracy needs at least one example")
-    s = np.asarray(stats_sum, dtype=np.float64)
-    return s[..., 0] / n
-
-
-# --------------------------------------------------------------------------
-# Paired bootstrap
 # --------------------------------------------------------------------------
 
 
