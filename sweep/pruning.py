@@ -49,14 +49,7 @@ def level_masks(
     min_heads_per_layer: int = 0,
 ) -> list[tuple[float, tuple[Head, ...]]]:
     """Masks for each level from one importance estimate (importance estimated once)."""
-    scope = heads_in_scope(inventory, attention)
-    order = rank_ascending(scores, scope)
-    mask: list[Head] = []
-    out = []
-    for p in sorted(levels):
-        _extend(mask, order, math.ceil(p * len(scope) - 1e-9), inventory, min_heads_per_layer)
-        out.append((p, tuple(mask)))
-    return out
+    return iterative_level_masks(lambda _mask: scores, inventory, levels, attention, min_heads_per_layer)
 
 
 def iterative_level_masks(
