@@ -54,3 +54,15 @@ def test_bad_files_and_overrides(tmp_path):
         read_yaml(tmp_path / "bad.yaml")
     with pytest.raises(HeadsweepError, match="expected key=value"):
         apply_overrides({}, ["sweep.workers"])
+
+
+def test_every_example_config_validates():
+    from pathlib import Path
+
+    from conftest import REPO
+
+    files = sorted((REPO / "conf").glob("*.yaml"))
+    assert len(files) >= 5
+    for path in files:
+        cfg = build_config(read_yaml(Path(path)))
+        assert cfg.model.kind in ("hf_classifier", "fairseq_translation"), path
