@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "wait":
             p.add_argument("--timeout", type=float, default=None, help="seconds to wait at most")
 
+    compare = sub.add_parser("compare", help="cross-domain consistency of two runs of one model")
+    compare.add_argument("run_a")
+    compare.add_argument("run_b")
+    _store_arg(compare)
+    compare.add_argument("--format", default="table", choices=["table", "csv", "json"])
+
     demo = sub.add_parser("demo", help="the embedded default, end to end, offline")
     _store_arg(demo)
     demo.add_argument("--workers", type=int, default=2, help="number of worker actors (default 2)")
@@ -140,6 +146,17 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from results.query import format_table
+    from results.store import ResultStore
+    from sweep.compare import compare_runs
+
+    correlations, overlap = compare_runs(ResultStore(args.store), args.run_a, args.run_b)
+    print(format_table(correlations, args.format))
+    print(format_table(overlap, args.format))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from sweep.demo import run_demo
 
@@ -153,7 +170,8 @@ def _stop_ray() -> None:
         ray.shutdown()
 
 
-COMMANDS = {"run": cmd_run, "submit": cmd_submit, "jobs": cmd_jobs, "query": cmd_query, "demo": cmd_demo}
+COMMANDS = {"run": cmd_run, "submit": cmd_submit, "jobs": cmd_jobs, "query": cmd_query,
+            "compare": cmd_compare, "demo": cmd_demo}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -1,0 +1,75 @@
+"""Cross-domain consistency (Michel et al. sec. 5): do two runs of one model find the same heads?
+
+Two runs of the same model on different evaluation sets (e.g. in-domain and out-of-domain test
+sets) are compared head by head: Spearman and Pearson correlations of their single-head deltas
+and of their importance scores, and the overlap of the heads each finds significant.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+from scipy import stats
+
+from results.query import run_query
+from results.store import ResultStore
+from sweep.errors import HeadsweepError
+
+
+def _run(store: ResultStore, run_id: str) -> dict:
+    run = store.run(run_id)
+    if run is None:
+        raise HeadsweepError(f"no run {run_id!r} in store {store.uri}")
+    return run
+
+
+def _by_head(table: pa.Table, value: str) -> dict[tuple, float]:
+    return {(r["attention"], r["layer"], r["head"]): r[value] for r in table.to_pylist()}
+
+
+def _correlations(name: str, a: dict, b: dict) -> dict:
+    heads = sorted(set(a) & set(b))
+    x = np.array([a[h] for h in heads], dtype=float)
+    y = np.array([b[h] for h in heads], dtype=float)
+    row = {"quantity": name, "n_heads": len(heads), "spearman": None, "spearman_p": None,
+           "pearson": None, "pearson_p": None}
+    if len(heads) >= 3 and np.ptp(x) > 0 and np.ptp(y) > 0:
+        s, p = stats.spearmanr(x, y)
+        r, q = stats.pearsonr(x, y)
+        row.update(spearman=float(s), spearman_p=float(p), pearson=float(r), pearson_p=float(q))
+    return row
+
+
+def compare_runs(store: ResultStore, run_a: str, run_b: str) -> tuple[pa.Table, pa.Table]:
+    """Correlations of deltas and importances, and the overlap of significant heads."""
+    ra, rb = _run(store, run_a), _run(store, run_b)
+    if json.loads(ra["heads"]) != json.loads(rb["heads"]):
+        raise HeadsweepError(f"runs {run_a} and {run_b} are not of the same model (their heads differ)")
+    deltas, importance, significant = {}, {}, {}
+    for run_id in (run_a, run_b):
+        deltas[run_id] = _by_head(run_query(store, f"""
+            SELECT attention, layer, head, delta FROM evaluations
+            WHERE run_id = '{run_id}' AND experiment = 'single_head'"""), "delta")
+        importance[run_id] = _by_head(run_query(store, f"""
+            SELECT attention, layer, head, score FROM importance
+            WHERE run_id = '{run_id}' AND method = 'gradient'"""), "score")
+        significant[run_id] = set(_by_head(run_query(store, f"""
+            SELECT attention, layer, head, 1 AS s FROM deltas
+            WHERE run_id = '{run_id}' AND experiment = 'single_head' AND significant"""), "s"))
+    if not deltas[run_a] and not importance[run_a]:
+        raise HeadsweepError(f"run {run_a} has neither single_head evaluations nor gradient importance to compare")
+    rows = []
+    if deltas[run_a] and deltas[run_b]:
+        rows.append(_correlations("single_head_delta", deltas[run_a], deltas[run_b]))
+    if importance[run_a] and importance[run_b]:
+        rows.append(_correlations("gradient_importance", importance[run_a], importance[run_b]))
+    sa, sb = significant[run_a], significant[run_b]
+    union = sa | sb
+    overlap = {
+        "significant_a": [len(sa)], "significant_b": [len(sb)], "significant_both": [len(sa & sb)],
+        "jaccard": [len(sa & sb) / len(union) if union else None],
+        "heads_both": [", ".join(f"{a}:{layer}:{h}" for a, layer, h in sorted(sa & sb))],
+    }
+    return pa.Table.from_pylist(rows), pa.table(overlap)
