@@ -88,6 +88,7 @@ TABLES: dict[str, pa.Schema] = {
             ("score", pa.float64()),
             ("score_normalized", pa.float64()),
             ("rank", pa.int32()),
+            ("checkpoint", pa.string()),
         ]
     ),
 }

@@ -8,6 +8,7 @@ and memory stays flat however large the grid is.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -15,6 +16,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -23,7 +25,7 @@ from results.schema import SCHEMA_VERSION
 from results.store import ResultStore
 from sweep.config import Config, from_dict
 from sweep.errors import HeadsweepError
-from sweep.plan import BASELINE, WorkUnit, plan, prune_levels
+from sweep.plan import WorkUnit, plan, prune_levels
 from sweep.progress import Progress
 from sweep.pruning import ablation_importance, iterative_level_masks, level_masks
 from sweep.significance_runner import SignificanceTracker, tests_for
@@ -156,7 +158,14 @@ class Sweep:
     show_progress: bool = True
     run_id: str = field(default_factory=new_run_id)
 
-    def start_workers(self) -> tuple[list, DatasetInfo]:
+    def model_variants(self) -> list[tuple[str | None, Any]]:
+        """``(checkpoint, model config)`` for each model of the run: one, or one per training checkpoint."""
+        if not self.cfg.checkpoints:
+            return [(None, self.cfg.model)]
+        key = task_kind(self.cfg.model.kind).checkpoint_key
+        return [(c, dataclasses.replace(self.cfg.model, **{key: c})) for c in self.cfg.checkpoints]
+
+    def start_workers(self, model_cfg: Any) -> tuple[list, DatasetInfo]:
         s = self.cfg.sweep
         threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // s.workers)
         runtime = RuntimeOptions(
@@ -168,7 +177,7 @@ class Sweep:
         )
         actors = [
             EvalWorker.options(num_cpus=s.num_cpus_per_worker, num_gpus=s.num_gpus_per_worker).remote(
-                f"worker-{i}", self.cfg.model.kind, self.cfg.model, self.cfg.data, runtime
+                f"worker-{i}", model_cfg.kind, model_cfg, self.cfg.data, runtime
             )
             for i in range(s.workers)
         ]
@@ -207,35 +216,27 @@ class Sweep:
         """Run the sweep; returns the run id. The run row says how it ended."""
         self.store.check_writable()
         init_ray(self.address, self.cfg)
-        actors, info = self.start_workers()
-        units = plan(self.cfg, info.inventory)
+        variants = self.model_variants()
+        actors, info = self.start_workers(variants[0][1])
         tests_for(self.cfg.significance, info.metric)
+        plan(self.cfg, info.inventory)  # bad masks or attention types fail before anything is written
         self.created_at = now()
         writer = ChunkWriter(self.store, self.run_id, info, self.cfg.sweep.flush_every, self.cfg.sweep.flush_seconds)
-        counts = {"n_planned": len(units), "n_done": 0, "baseline_score": None}
+        counts = {"n_planned": 0, "n_done": 0, "baseline_score": None}
         self.store.write_rows("runs", self.run_id, [self.run_row(info, "running", **counts)], "run")
         try:
-            [(_, base)] = ray.get(actors[0].evaluate.remote([BASELINE]))
-            counts["baseline_score"] = base.score
-            writer.add(BASELINE, base, base.score, self.names[0])
-            writer.flush()
-            tracker = None
-            if self.cfg.significance.enabled:
-                tracker = SignificanceTracker(self.cfg.significance, self.store, self.run_id, info.metric, base.stats)
-            self.run_units(actors, units[1:], writer, tracker, base.score)
-            exps = self.cfg.sweep.experiments
-            if "importance" in exps or "prune_level" in exps:
-                writer.flush()  # ablation importance reads this run's single-head rows back
-                importance = self.importance(actors, info)
-                if "prune_level" in exps:
-                    masks = self.prune_masks(actors, info, importance)
-                    levels = prune_levels(self.cfg, info.inventory, masks)
-                    counts["n_planned"] += len(levels)
-                    self.run_units(actors, levels, writer, tracker, base.score)
-            writer.flush()
-            self.stop(actors)
-            if tracker is not None:
-                tracker.finish()
+            for index, (checkpoint, model_cfg) in enumerate(variants):
+                if index > 0:
+                    actors, info = self.start_workers(model_cfg)
+                prefix = f"ckpt{index}/" if checkpoint is not None else ""
+                writer.checkpoint = checkpoint
+                base_score, tracker = self.sweep_model(actors, info, writer, counts, prefix)
+                if index == 0:
+                    counts["baseline_score"] = base_score
+                # Workers go first: the remaining significance tasks may need the CPUs they hold.
+                self.stop(actors)
+                if tracker is not None:
+                    tracker.finish()
         except BaseException as exc:
             writer.flush()
             status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
@@ -250,6 +251,34 @@ class Sweep:
         self.store.remove_orphans(self.run_id)
         return self.run_id
 
+    def sweep_model(
+        self, actors, info: DatasetInfo, writer: ChunkWriter, counts: dict, prefix: str
+    ) -> tuple[float, SignificanceTracker | None]:
+        """Every experiment on one model; eval ids (and significance families) carry ``prefix``."""
+        units = [dataclasses.replace(u, eval_id=prefix + u.eval_id) for u in plan(self.cfg, info.inventory)]
+        counts["n_planned"] += len(units)
+        [(_, base)] = self.call(actors[0].evaluate.remote([units[0]]))
+        writer.add(units[0], base, base.score, self.names[0])
+        writer.flush()
+        tracker = None
+        if self.cfg.significance.enabled:
+            tracker = SignificanceTracker(
+                self.cfg.significance, self.store, self.run_id, info.metric, base.stats, family_prefix=prefix
+            )
+        self.run_units(actors, units[1:], writer, tracker, base.score)
+        exps = self.cfg.sweep.experiments
+        if "importance" in exps or "prune_level" in exps:
+            writer.flush()  # ablation importance reads this run's single-head rows back
+            importance = self.importance(actors, info, prefix, writer.checkpoint)
+            if "prune_level" in exps:
+                masks = self.prune_masks(actors, info, importance)
+                levels = [dataclasses.replace(u, eval_id=prefix + u.eval_id)
+                          for u in prune_levels(self.cfg, info.inventory, masks)]
+                counts["n_planned"] += len(levels)
+                self.run_units(actors, levels, writer, tracker, base.score)
+        writer.flush()
+        return base.score, tracker
+
     def run_units(self, actors, units, writer: ChunkWriter, tracker, baseline_score: float) -> None:
         """Stream ``units`` through the workers, writing and testing each result as it lands."""
         if tracker is not None:
@@ -262,7 +291,9 @@ class Sweep:
                 tracker.add(unit, out.stats)
             progress.update(1, f"[{unit.eval_id}]")
 
-    def importance(self, actors, info: DatasetInfo) -> dict[Head, float]:
+    def importance(
+        self, actors, info: DatasetInfo, prefix: str = "", checkpoint: str | None = None
+    ) -> dict[Head, float]:
         """Head importance for ordering pruning levels, written to the ``importance`` table."""
         imp = self.cfg.importance
         if imp.method == "gradient":
@@ -270,17 +301,18 @@ class Sweep:
             result = self.call(actors[0].importance.remote(data_cfg, imp.per_token, imp.normalize, ()))
             raw, normalized = result.raw, result.normalized
         else:
-            raw = ablation_importance(self.store, imp.from_run or self.run_id, info.inventory)
+            source = imp.from_run or self.run_id
+            raw = ablation_importance(self.store, source, info.inventory, None if imp.from_run else checkpoint)
             normalized = normalize_by_layer(raw)
         scores = normalized if imp.normalize else raw
         ranked = sorted(scores, key=lambda h: (-scores[h], h))
         rank = {h: i + 1 for i, h in enumerate(ranked)}
         rows = [
             {"method": imp.method, "attention": h.attention, "layer": h.layer, "head": h.head,
-             "score": raw[h], "score_normalized": normalized[h], "rank": rank[h]}
+             "score": raw[h], "score_normalized": normalized[h], "rank": rank[h], "checkpoint": checkpoint}
             for h in info.inventory.heads
         ]
-        self.store.write_rows("importance", self.run_id, rows, name=imp.method)
+        self.store.write_rows("importance", self.run_id, rows, name=(prefix + imp.method).replace("/", "-"))
         return scores
 
     def prune_masks(self, actors, info: DatasetInfo, scores: dict[Head, float]):

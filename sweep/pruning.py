@@ -72,19 +72,22 @@ def iterative_level_masks(
     return out
 
 
-def ablation_importance(store, run_id: str, inventory: HeadInventory) -> dict[Head, float]:
+def ablation_importance(
+    store, run_id: str, inventory: HeadInventory, checkpoint: str | None = None
+) -> dict[Head, float]:
     """Importance from single-head ablation: minus the delta (removing an important head hurts).
 
-    Reads the ``single_head`` evaluations of ``run_id`` from the store; every head of the model
-    must have one.
+    Reads the ``single_head`` evaluations of ``run_id`` (of one training checkpoint, where the run
+    has several) from the store; every head of the model must have one.
     """
     from sweep.errors import HeadsweepError
 
-    rows = store.read("evaluations", run_id, columns=["experiment", "attention", "layer", "head", "delta"])
+    columns = ["experiment", "attention", "layer", "head", "delta", "checkpoint"]
+    rows = store.read("evaluations", run_id, columns=columns)
     deltas = {
         Head(r["attention"], r["layer"], r["head"]): r["delta"]
         for r in rows.to_pylist()
-        if r["experiment"] == "single_head"
+        if r["experiment"] == "single_head" and r["checkpoint"] == checkpoint
     }
     missing = [h for h in inventory.heads if h not in deltas]
     if missing:

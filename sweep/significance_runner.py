@@ -90,7 +90,7 @@ class SignificanceTracker:
 
     def __init__(
         self, section: SignificanceSection, store: ResultStore, run_id: str, metric: str,
-        baseline_stats: np.ndarray,
+        baseline_stats: np.ndarray, family_prefix: str = "",
     ):
         self.section = section
         self.store = store
@@ -105,6 +105,7 @@ class SignificanceTracker:
         self.done: dict[str, list[tuple[list[str], list[TestResult]]]] = defaultdict(list)
         self.tested: Counter = Counter()
         self.written: set[str] = set()
+        self.family_prefix = family_prefix
 
     def expect(self, units: list[WorkUnit]) -> None:
         """Announce units to come; a family is complete once all its announced units are tested."""
@@ -158,5 +159,6 @@ class SignificanceTracker:
         eval_ids = [i for ids, _ in parts for i in ids]
         results = [concat_results([res[t] for _, res in parts]) for t in range(len(self.tests))]
         rows = family_rows(eval_ids, results, self.section.correction, self.section.alpha)
-        self.store.write_rows("significance", self.run_id, rows, name=experiment)
+        name = (self.family_prefix + experiment).replace("/", "-")
+        self.store.write_rows("significance", self.run_id, rows, name=name)
         self.written.add(experiment)

@@ -79,6 +79,7 @@ class TaskKind:
     model_config: type
     data_config: type
     loader: str
+    checkpoint_key: str = "path"  # the model key that a run over training checkpoints replaces
 
     def load(self, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions) -> TaskAdapter:
         module, func = self.loader.split(":")
@@ -95,7 +96,10 @@ def _registry() -> dict[str, TaskKind]:
         pass
     else:
         kinds.append(
-            TaskKind("fairseq_translation", TranslationModel, TranslationData, "workers.translation:load_translation")
+            TaskKind(
+                "fairseq_translation", TranslationModel, TranslationData, "workers.translation:load_translation",
+                checkpoint_key="checkpoint",
+            )
         )
     return {k.name: k for k in kinds}
 
