@@ -99,9 +99,21 @@ def train_classifier(
     log=print,
 ) -> Path:
     """Train the demo BERT and save it with ``save_pretrained``; returns ``out_dir``."""
-    from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(seed)
+    # One thread: the model is too small to gain from more, and two threads on two cores that
+    # another process also uses slow training down many times over.
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(out_dir, layers, heads, hidden, n_train, epochs, seed, log)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _train(out_dir: Path, layers: int, heads: int, hidden: int, n_train: int, epochs: int, seed: int, log) -> Path:
+    from transformers import BertConfig, BertForSequenceClassification
+
     tokenizer = build_tokenizer()
     config = BertConfig(
         vocab_size=len(tokenizer),
