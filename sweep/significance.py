@@ -34,7 +34,6 @@ from scipy import stats as _sps
 from workers.metrics import accuracy_from_stats, bleu_from_stats
 
 __all__ = [
-    "BLEU_MAX_ORDER",
     "CorpusScore",
     "TestResult",
     "accuracy_from_stats",
@@ -50,10 +49,6 @@ __all__ = [
 CorpusScore = Callable[[np.ndarray, int], np.ndarray]
 """``score(stats_sum, n)``: summed statistics of shape (..., k) and the number of
 examples that were summed; returns scores of shape (...)."""
-
-BLEU_MAX_ORDER = 4
-# sacrebleu's per-sentence layout: [hyp_len, ref_len, correct_1..4, total_1..4]
-BLEU_N_STATS = 2 + 2 * BLEU_MAX_ORDER
 
 # Keeps the per-chunk temporaries (summed statistics of R resamples x C systems
 # x k statistics and the score arithmetic on them) around this size.
@@ -89,11 +84,6 @@ class TestResult:
 
     def __len__(self) -> int:
         return int(self.p_value.shape[0])
-
-
-# --------------------------------------------------------------------------
-# Corpus scores from summed sufficient statistics
-# --------------------------------------------------------------------------
 
 
 def resample_counts(n_examples: int, n_resamples: int, seed: int) -> np.ndarray:
