@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--workers", type=int, help="number of worker actors (sweep.workers)")
     run.add_argument("--address", help="Ray cluster address; default: an embedded local Ray instance")
     run.add_argument("--quiet", action="store_true", help="no progress lines")
+    run.add_argument("--resume", metavar="RUN_ID", help="continue this run (same config); default: the newest "
+                     "unfinished run of the same config in the store, if any")
+    run.add_argument("--new", action="store_true", help="always start a new run, even if one could be resumed")
 
     query = sub.add_parser("query", help="SQL over the results tables (DuckDB)")
     query.add_argument("sql", help="SQL; the tables runs, evaluations, examples, significance, importance are views")
@@ -91,7 +94,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.workers is not None:
         overrides.append(f"sweep.workers={args.workers}")
     cfg = load_config(args.config, overrides)
-    sweep = Sweep(cfg, ResultStore(args.store), address=args.address, show_progress=not args.quiet)
+    sweep = Sweep(cfg, ResultStore(args.store), address=args.address, show_progress=not args.quiet,
+                  resume=args.resume, auto_resume=not args.new)
     try:
         run_id = sweep.execute()
     except KeyboardInterrupt:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -36,6 +38,10 @@ from workers.importance import normalize_by_layer
 from workers.tasks import DatasetInfo, MaskOutput, RuntimeOptions, task_kind
 
 CALLS_IN_FLIGHT_PER_WORKER = 2
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def new_run_id() -> str:
@@ -157,6 +163,40 @@ class Sweep:
     address: str | None = None
     show_progress: bool = True
     run_id: str = field(default_factory=new_run_id)
+    resume: str | None = None
+    auto_resume: bool = True
+    done: dict[str, tuple[float, np.ndarray]] = field(default_factory=dict)
+
+    def resumable(self) -> dict | None:
+        """The earlier run of this very config to continue: ``--resume RUN_ID``, or the newest unfinished one."""
+        runs = self.store.read("runs").to_pylist()
+        if self.resume:
+            run = next((r for r in runs if r["run_id"] == self.resume), None)
+            if run is None:
+                raise HeadsweepError(f"--resume {self.resume}: no such run in store {self.store.uri}")
+            if run["config_hash"] != self.cfg.hash():
+                raise HeadsweepError(
+                    f"--resume {self.resume}: that run was made with another config (hash {run['config_hash']}, "
+                    f"this one {self.cfg.hash()}); results of different configs are never mixed: start a new run"
+                )
+            return run
+        if not self.auto_resume:
+            return None
+        unfinished = [r for r in runs if r["config_hash"] == self.cfg.hash() and r["status"] != "complete"]
+        return max(unfinished, key=lambda r: r["created_at"]) if unfinished else None
+
+    def stored_results(self, info: DatasetInfo) -> dict[str, tuple[float, np.ndarray]]:
+        """Score and per-example statistics of every evaluation the run already stored."""
+        self.store.remove_orphans(self.run_id)
+        scores = {r["eval_id"]: r["score"] for r in self.store.read("evaluations", self.run_id).to_pylist()}
+        position = {e: i for i, e in enumerate(info.example_ids)}
+        stats: dict[str, np.ndarray] = {}
+        examples = self.store.read("examples", self.run_id, columns=["eval_id", "example_id", "stats"])
+        for row in examples.to_pylist():
+            if row["eval_id"] in scores:
+                array = stats.setdefault(row["eval_id"], np.zeros((len(position), len(row["stats"]))))
+                array[position[row["example_id"]]] = row["stats"]
+        return {e: (scores[e], stats[e]) for e in scores}
 
     def model_variants(self) -> list[tuple[str | None, Any]]:
         """``(checkpoint, model config)`` for each model of the run: one, or one per training checkpoint."""
@@ -220,8 +260,14 @@ class Sweep:
         actors, info = self.start_workers(variants[0][1])
         tests_for(self.cfg.significance, info.metric)
         plan(self.cfg, info.inventory)  # bad masks or attention types fail before anything is written
+        previous = self.resumable()
         self.created_at = now()
+        if previous is not None:
+            self.run_id, self.created_at = previous["run_id"], previous["created_at"]
+            self.done = self.stored_results(info)
+            log(f"resuming run {self.run_id}: {len(self.done)} evaluations already stored")
         writer = ChunkWriter(self.store, self.run_id, info, self.cfg.sweep.flush_every, self.cfg.sweep.flush_seconds)
+        writer.written = len(self.done)
         counts = {"n_planned": 0, "n_done": 0, "baseline_score": None}
         self.store.write_rows("runs", self.run_id, [self.run_row(info, "running", **counts)], "run")
         try:
@@ -257,15 +303,19 @@ class Sweep:
         """Every experiment on one model; eval ids (and significance families) carry ``prefix``."""
         units = [dataclasses.replace(u, eval_id=prefix + u.eval_id) for u in plan(self.cfg, info.inventory)]
         counts["n_planned"] += len(units)
-        [(_, base)] = self.call(actors[0].evaluate.remote([units[0]]))
-        writer.add(units[0], base, base.score, self.names[0])
-        writer.flush()
+        if units[0].eval_id in self.done:
+            base_score, base_stats = self.done[units[0].eval_id]
+        else:
+            [(_, base)] = self.call(actors[0].evaluate.remote([units[0]]))
+            writer.add(units[0], base, base.score, self.names[0])
+            writer.flush()
+            base_score, base_stats = base.score, base.stats
         tracker = None
         if self.cfg.significance.enabled:
             tracker = SignificanceTracker(
-                self.cfg.significance, self.store, self.run_id, info.metric, base.stats, family_prefix=prefix
+                self.cfg.significance, self.store, self.run_id, info.metric, base_stats, family_prefix=prefix
             )
-        self.run_units(actors, units[1:], writer, tracker, base.score)
+        self.run_units(actors, units[1:], writer, tracker, base_score)
         exps = self.cfg.sweep.experiments
         if "importance" in exps or "prune_level" in exps:
             writer.flush()  # ablation importance reads this run's single-head rows back
@@ -275,16 +325,24 @@ class Sweep:
                 levels = [dataclasses.replace(u, eval_id=prefix + u.eval_id)
                           for u in prune_levels(self.cfg, info.inventory, masks)]
                 counts["n_planned"] += len(levels)
-                self.run_units(actors, levels, writer, tracker, base.score)
+                self.run_units(actors, levels, writer, tracker, base_score)
         writer.flush()
-        return base.score, tracker
+        return base_score, tracker
 
     def run_units(self, actors, units, writer: ChunkWriter, tracker, baseline_score: float) -> None:
-        """Stream ``units`` through the workers, writing and testing each result as it lands."""
+        """Stream ``units`` through the workers, writing and testing each result as it lands.
+
+        Units a resumed run already stored are not computed again; their stored statistics join
+        the significance family.
+        """
         if tracker is not None:
             tracker.expect(units)
-        progress = Progress(len(units), enabled=self.show_progress)
-        for unit, out, worker in self.stream(actors, units):
+            for unit in units:
+                if unit.eval_id in self.done:
+                    tracker.add(unit, self.done[unit.eval_id][1])
+        todo = [u for u in units if u.eval_id not in self.done]
+        progress = Progress(len(todo), enabled=self.show_progress)
+        for unit, out, worker in self.stream(actors, todo):
             writer.add(unit, out, baseline_score, worker)
             writer.maybe_flush()
             if tracker is not None:

@@ -1,0 +1,72 @@
+"""Resume: a driver killed mid-sweep loses only in-flight work; a rerun computes only what is missing."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+
+import yaml
+from conftest import REPO, run_cli
+
+from results.store import ResultStore
+from workers.synthetic_sentiment import generate, write_tsv
+
+
+def test_sigkill_then_rerun_computes_only_the_missing(tmp_path, tiny_bert_dir, ray_address):
+    data = write_tsv(generate(2000, seed=3), tmp_path / "dev.tsv")
+    cfg = {
+        "model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)},
+        "data": {"path": str(data)},
+        "sweep": {"experiments": ["baseline", "single_head", "all_but_one"], "batch_size": 8,
+                  "masks_per_batch": 1, "flush_every": 1, "workers": 1},
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    store = tmp_path / "store"
+    argv = [sys.executable, "-m", "sweep.cli", "run", str(tmp_path / "c.yaml"), "--store", str(store),
+            "--address", ray_address, "--quiet"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reader = ResultStore(str(store))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and reader.read("evaluations").num_rows < 4:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    [killed] = reader.read("runs").to_pylist()
+    assert killed["status"] == "running"  # nobody could mark it: the driver died
+    before = set(reader.read("evaluations").column("eval_id").to_pylist())
+    assert 4 <= len(before) < 17
+
+    started = datetime.now(UTC)
+    rerun = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet")
+    assert rerun.returncode == 0, rerun.stderr
+    assert rerun.stdout.strip() == killed["run_id"]
+    assert f"resuming run {killed['run_id']}: {len(before)} evaluations already stored" in rerun.stderr
+    evals = reader.read("evaluations").to_pylist()
+    ids = [e["eval_id"] for e in evals]
+    assert len(ids) == len(set(ids)) == 17  # baseline + 8 single-head + 8 all-but-one, each once
+    new = {e["eval_id"] for e in evals if e["finished_at"] >= started}
+    assert new == set(ids) - before
+    assert reader.read("examples").num_rows == 17 * 2000
+    [run] = reader.read("runs").to_pylist()
+    assert run["status"] == "complete" and run["n_done"] == 17
+    sig = reader.read("significance").to_pylist()
+    assert sorted(s["eval_id"] for s in sig if s["test"] == "paired_ttest") == sorted(set(ids) - {"baseline"})
+
+
+def test_resume_refuses_another_config(tmp_path, tiny_bert_dir, tiny_dev_tsv, ray_address):
+    cfg = {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "data": {"path": str(tiny_dev_tsv)},
+           "sweep": {"experiments": ["baseline"]}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    store = str(tmp_path / "store")
+    first = run_cli("run", str(tmp_path / "c.yaml"), "--store", store, "--address", ray_address, "--quiet")
+    assert first.returncode == 0, first.stderr
+    run_id = first.stdout.strip()
+    other = run_cli("run", str(tmp_path / "c.yaml"), "sweep.batch_size=7", "--resume", run_id, "--store", store,
+                    "--address", ray_address, "--quiet")
+    assert other.returncode == 2 and "made with another config" in other.stderr
+    again = run_cli("run", str(tmp_path / "c.yaml"), "--store", store, "--address", ray_address, "--quiet")
+    assert again.returncode == 0 and again.stdout.strip() != run_id  # a complete run is not resumed
+    assert ResultStore(store).read("runs").num_rows == 2
