@@ -17,6 +17,18 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for a module: tiny models run fastest so, and two threads per process
+    thrash when other processes share the two cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def ray_address():
     """Address of the session's local Ray instance (started once, ~5 s)."""

@@ -37,13 +37,19 @@ SENTENCES = [
 LABELS = [0, 2, 1, 1, 0, 2, 1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models run fastest on one thread, and two threads thrash when processes share two cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def central_difference(task, head: Head, eps: float) -> float:
+    """dL/dxi_h by central differences of the loss through a plain (H,) gate: no per-token gates."""
+    values = []
+    for sign in (1, -1):
+        gate = torch.ones(4, dtype=torch.float64)
+        gate[head.head] += sign * eps
+        task.gates.set_values({(head.attention, head.layer): gate})
+        values.append(total_loss(task))
+    task.gates.clear()
+    return (values[0] - values[1]) / (2 * eps)
 
 
 def make_task(model, sentences=SENTENCES, labels=LABELS, batch_size=4, extra_pad=0):
@@ -162,14 +168,7 @@ def test_gate_gradients_equal_finite_differences():
     checked = 0
     for head in [Head("self", 0, 0), Head("self", 0, 3), Head("self", 1, 1), Head("self", 1, 2)]:
         key = (head.attention, head.layer)
-        values = []
-        for sign in (1, -1):
-            gate = torch.ones(4, dtype=torch.float64)
-            gate[head.head] += sign * eps
-            task.gates.set_values({key: gate})
-            values.append(total_loss(task))
-        task.gates.clear()
-        fd = (values[0] - values[1]) / (2 * eps)
+        fd = central_difference(task, head, eps)
         assert abs(fd) > 1e-4, "the head must matter, or the check proves nothing"
         assert summed[key][head.head].item() == pytest.approx(fd, rel=1e-6), head
         checked += 1
@@ -184,15 +183,7 @@ def test_batch_level_importance_of_one_batch_is_abs_finite_difference_over_token
     assert result.tokens == {("self", 0): n_tokens, ("self", 1): n_tokens}
     eps = 1e-5
     for head in task.gates.inventory.heads:
-        key = (head.attention, head.layer)
-        values = []
-        for sign in (1, -1):
-            gate = torch.ones(4, dtype=torch.float64)
-            gate[head.head] += sign * eps
-            task.gates.set_values({key: gate})
-            values.append(total_loss(task))
-        task.gates.clear()
-        fd = (values[0] - values[1]) / (2 * eps)
+        fd = central_difference(task, head, eps)
         assert result.raw[head] == pytest.approx(abs(fd) / n_tokens, rel=1e-6), head
     assert result.loss == pytest.approx(total_loss(task), rel=1e-12)
 

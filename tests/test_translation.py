@@ -40,14 +40,7 @@ from workers.translation_config import TranslationData, TranslationModel
 BEAM, MAX_LEN_B, N_TEST = 3, 24, 40
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models run fastest on one thread, and two threads per process thrash when other
-    # processes share the two cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
