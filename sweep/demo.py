@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 
 from results.query import format_table, run_query
 from results.store import ResultStore
 from sweep.config import build_config
-from sweep.driver import Sweep
+from sweep.driver import Sweep, log
 
 DEMO_VERSION = "v1"
 
@@ -23,10 +22,6 @@ DEMO_VERSION = "v1"
 def cache_dir() -> Path:
     root = os.environ.get("HEADSWEEP_CACHE") or Path.home() / ".cache" / "headsweep"
     return Path(root) / f"demo-{DEMO_VERSION}"
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 EXPERIMENTS = ["baseline", "single_head", "all_but_one", "importance", "prune_level"]

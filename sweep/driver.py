@@ -355,7 +355,7 @@ class Sweep:
         """Head importance for ordering pruning levels, written to the ``importance`` table."""
         imp = self.cfg.importance
         if imp.method == "gradient":
-            data_cfg = from_dict(task_kind(self.cfg.model.kind).data_config, imp.data, "importance.data")
+            data_cfg = self.importance_data()
             result = self.call(actors[0].importance.remote(data_cfg, imp.per_token, imp.normalize, ()))
             raw, normalized = result.raw, result.normalized
         else:
@@ -377,13 +377,17 @@ class Sweep:
         prune, imp = self.cfg.prune, self.cfg.importance
         if not prune.reestimate:
             return level_masks(scores, info.inventory, prune.levels, prune.attention, prune.min_heads_per_layer)
-        data_cfg = from_dict(task_kind(self.cfg.model.kind).data_config, imp.data, "importance.data")
+        data_cfg = self.importance_data()
 
         def estimate(mask: tuple[Head, ...]) -> dict[Head, float]:
             result = self.call(actors[0].importance.remote(data_cfg, imp.per_token, imp.normalize, mask))
             return result.scores
 
         return iterative_level_masks(estimate, info.inventory, prune.levels, prune.attention, prune.min_heads_per_layer)
+
+    def importance_data(self) -> Any:
+        """``importance.data`` typed as the model kind's data section."""
+        return from_dict(task_kind(self.cfg.model.kind).data_config, self.cfg.importance.data, "importance.data")
 
     @staticmethod
     def call(ref):

@@ -104,7 +104,6 @@ class SignificanceTracker:
         self.pending: dict = {}
         self.done: dict[str, list[tuple[list[str], list[TestResult]]]] = defaultdict(list)
         self.tested: Counter = Counter()
-        self.written: set[str] = set()
         self.family_prefix = family_prefix
 
     def expect(self, units: list[WorkUnit]) -> None:
@@ -161,4 +160,3 @@ class SignificanceTracker:
         rows = family_rows(eval_ids, results, self.section.correction, self.section.alpha)
         name = (self.family_prefix + experiment).replace("/", "-")
         self.store.write_rows("significance", self.run_id, rows, name=name)
-        self.written.add(experiment)
