@@ -44,6 +44,7 @@ class SweepSection:
     threads_per_worker: int = 0
     batch_size: int = 32
     masks_per_batch: int = 0
+    reuse: bool = True
     flush_every: int = 64
     flush_seconds: float = 10.0
 

@@ -212,6 +212,7 @@ class Sweep:
             device=resolve_device(self.cfg),
             batch_size=s.batch_size,
             masks_per_batch=s.masks_per_batch,
+            reuse=s.reuse,
             threads=threads,
             seed=self.cfg.seed,
         )

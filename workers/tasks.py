@@ -28,6 +28,7 @@ class RuntimeOptions:
     device: str = "cpu"
     batch_size: int = 32
     masks_per_batch: int = 0
+    reuse: bool = True  # share work between masks (prefix/encoder reuse); False: plain reference path
     threads: int = 0
     seed: int = 0
 
