@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 
 def _clock(seconds: float) -> str:
@@ -12,10 +13,25 @@ def _clock(seconds: float) -> str:
 
 
 class Progress:
-    """Prints ``label done/total rate ETA`` at most every ``every`` seconds (and at the end)."""
+    """Prints ``label done/total rate ETA`` at most every ``every`` seconds (and at the end).
 
-    def __init__(self, total: int, label: str = "evaluations", every: float = 2.0, enabled: bool = True, stream=None):
+    ``detail`` (e.g. per-worker status) is printed on its own line every ``detail_every`` seconds.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        label: str = "evaluations",
+        every: float = 2.0,
+        enabled: bool = True,
+        stream=None,
+        detail: Callable[[], str] | None = None,
+        detail_every: float = 30.0,
+    ):
         self.total = total
+        self.detail = detail
+        self.detail_every = detail_every
+        self._last_detail = time.monotonic()
         self.label = label
         self.every = every
         self.enabled = enabled
@@ -31,6 +47,10 @@ class Progress:
         if self.enabled and (now - self._last >= self.every or self.done >= self.total):
             self._last = now
             self._print(note)
+            if self.detail is not None and (now - self._last_detail >= self.detail_every or self.done >= self.total):
+                self._last_detail = now
+                self.stream.write(("\n" if self._tty and self.done < self.total else "") + self.detail() + "\n")
+                self.stream.flush()
 
     def line(self, note: str = "") -> str:
         elapsed = time.monotonic() - self.start

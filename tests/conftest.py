@@ -34,7 +34,8 @@ def ray_address():
     """Address of the session's local Ray instance (started once, ~5 s)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Three logical CPUs: two workers plus headroom (headsweep refuses workers that hold every CPU).
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

@@ -106,7 +106,7 @@ def ray_head():
         "--node-ip-address=127.0.0.1", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
         f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
         f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
-        f"--runtime-env-agent-port={runtime_env}", "--num-cpus=2", "--num-gpus=0", f"--temp-dir={scratch / 'ray'}",
+        f"--runtime-env-agent-port={runtime_env}", "--num-cpus=3", "--num-gpus=0", f"--temp-dir={scratch / 'ray'}",
     ]
     log_path = scratch / "head.log"
     with open(log_path, "w") as log:

@@ -1,0 +1,196 @@
+"""The worker pool: streams batches of work units to actors and survives losing some of them.
+
+Ray's documented pattern for stateful inference: a fixed pool of actors that each hold the
+model, a small window of calls in flight per actor, and ``ray.wait`` to take results in the
+order they finish, so results are written while the grid runs and the driver's memory does not
+grow with the grid.
+
+Fault tolerance: actors are created with ``max_restarts``, so Ray restarts a worker whose
+process or node dies; the calls it had in flight fail with ``RayActorError`` and their units
+go back to the front of the queue, preferably to another worker. A batch is retried at most
+``max_retries`` times; after that, or when every worker is gone for good, the sweep stops with
+an error that names the evaluations (those already stored stay, and a rerun resumes).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from sweep.errors import HeadsweepError
+from sweep.plan import WorkUnit
+
+CALLS_IN_FLIGHT_PER_WORKER = 2
+# How long a lost worker may take to come back (Ray restarts it) before it is given up.
+RESTART_WAIT_S = 120.0
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The user-facing cause of a Ray error (our HeadsweepError where there is one)."""
+    if isinstance(exc, RayTaskError):
+        cause = getattr(exc, "cause", None)
+        if cause is not None:
+            return cause
+    return exc
+
+
+def get(ref: Any, timeout: float | None = None) -> Any:
+    """``ray.get`` with our own errors unwrapped from Ray's task error."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except RayTaskError as exc:
+        cause = unwrap(exc)
+        if isinstance(cause, HeadsweepError):
+            raise cause from None
+        raise
+
+
+def name_units(units: Sequence[WorkUnit], limit: int = 8) -> str:
+    names = ", ".join(u.eval_id for u in units[:limit])
+    return names + (f" and {len(units) - limit} more" if len(units) > limit else "")
+
+
+@dataclass
+class WorkerPool:
+    """Actors that each hold one model copy, with what the driver knows about each."""
+
+    actors: list
+    names: list[str]
+    max_retries: int = 2
+    calls_in_flight: int = CALLS_IN_FLIGHT_PER_WORKER
+    restart_wait_s: float = RESTART_WAIT_S
+    alive: list[bool] = field(default_factory=list)
+    done_by_worker: Counter = field(default_factory=Counter)
+    busy: Counter = field(default_factory=Counter)
+    losses: int = 0
+
+    def __post_init__(self) -> None:
+        self.alive = [True] * len(self.actors)
+
+    def live(self) -> list[int]:
+        indices = [i for i, ok in enumerate(self.alive) if ok]
+        if not indices:
+            raise HeadsweepError(
+                f"all {len(self.actors)} workers were lost; the evaluations stored so far are kept: "
+                "rerun the same command to resume"
+            )
+        return indices
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Call ``method`` on one live worker; on losing it, on the next (retries bounded)."""
+        for attempt in range(self.max_retries + 1):
+            i = self.live()[0]
+            try:
+                return get(getattr(self.actors[i], method).remote(*args))
+            except RayActorError as exc:
+                self._lost(i, exc, f"its {method} call", attempt + 1)
+        raise HeadsweepError(f"{method} failed on {self.max_retries + 1} workers in a row: each worker was lost")
+
+    def stream(self, units: Sequence[WorkUnit], per_call: int) -> Iterator[tuple[WorkUnit, Any, str]]:
+        """Evaluate ``units`` in batches of ``per_call``; yield ``(unit, output, worker name)`` as they land."""
+        # (batch, failed attempts so far, the worker it was lost on)
+        queue: deque[tuple[list[WorkUnit], int, int | None]] = deque(
+            (list(units[i : i + per_call]), 0, None) for i in range(0, len(units), per_call)
+        )
+        by_id = {u.eval_id: u for u in units}
+        pending: dict = {}
+        slots: deque[int] = deque(i for i in self.live() for _ in range(self.calls_in_flight))
+        while queue or pending:
+            while slots and queue:
+                batch, attempts, lost_on = queue.popleft()
+                i = self._pick(slots, avoid=lost_on)
+                if i is None:
+                    queue.appendleft((batch, attempts, lost_on))
+                    break
+                pending[self.actors[i].evaluate.remote(batch)] = (i, batch, attempts)
+                self.busy[i] += 1
+            if not pending:
+                raise HeadsweepError(
+                    f"all {len(self.actors)} workers were lost; not evaluated: "
+                    f"{name_units([u for b, *_ in queue for u in b])}; the evaluations stored so far are kept: "
+                    "rerun the same command to resume"
+                )
+            [ref], _ = ray.wait(list(pending), num_returns=1)
+            i, batch, attempts = pending.pop(ref)
+            self.busy[i] -= 1
+            try:
+                results = get(ref)
+            except RayActorError as exc:
+                if attempts >= self.max_retries:
+                    raise HeadsweepError(
+                        f"{len(batch)} evaluations failed {attempts + 1} times, their worker lost each time "
+                        f"(last: {type(exc).__name__}): {name_units(batch)}"
+                    ) from None
+                self._lost(i, exc, f"{len(batch)} evaluations", attempts + 2)
+                queue.appendleft((batch, attempts + 1, i))
+                if self.alive[i]:
+                    slots.append(i)
+                continue
+            slots.append(i)
+            self.done_by_worker[i] += len(results)
+            for eval_id, out in results:
+                yield by_id[eval_id], out, self.names[i]
+
+    def _pick(self, slots: deque[int], avoid: int | None) -> int | None:
+        """Next free slot on a live worker; a retried batch goes to another worker when one is free."""
+        live = [i for i in slots if self.alive[i]]
+        slots.clear()
+        slots.extend(live)
+        if not slots:
+            return None
+        for k, i in enumerate(slots):
+            if i != avoid:
+                del slots[k]
+                return i
+        return slots.popleft()
+
+    def _lost(self, i: int, exc: BaseException, what: str, attempt: int) -> None:
+        """Worker ``i`` died under ``what``: wait for Ray to restart it, or give it up."""
+        self.losses += 1
+        old = self.names[i]
+        try:
+            self.names[i] = ray.get(self.actors[i].where.remote(), timeout=self.restart_wait_s)
+            fate = f"restarted as {self.names[i]}"
+        except (RayActorError, GetTimeoutError):
+            self.alive[i] = False
+            fate = "gone for good"
+        log(
+            f"worker {old} lost ({type(exc).__name__}), {fate}; re-running {what} "
+            f"(attempt {attempt} of {self.max_retries + 1})"
+        )
+
+    def status_line(self) -> str:
+        """One line per-worker status: evaluations done and calls in flight."""
+        parts = []
+        for i, name in enumerate(self.names):
+            state = "lost" if not self.alive[i] else ("busy" if self.busy[i] else "idle")
+            parts.append(f"{name} {self.done_by_worker[i]} done, {state}")
+        return "workers: " + "; ".join(parts)
+
+    def stop(self) -> None:
+        """End the workers (their model copies) once no more work is coming."""
+        for a in self.actors:
+            ray.kill(a)
+        self.actors.clear()
+
+
+def wait_until_placed(refs: list, names: list[str], timeout_s: float, describe: Callable[[], str]) -> list:
+    """Results of the workers' ``load`` calls, or an error naming what the cluster lacks after ``timeout_s``."""
+    ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if waiting:
+        missing = [names[refs.index(r)] for r in waiting]
+        raise HeadsweepError(
+            f"{len(missing)} of {len(refs)} workers did not start within {timeout_s:g} s "
+            f"(sweep.placement_timeout_s): {describe()}"
+        )
+    return [get(r) for r in refs]

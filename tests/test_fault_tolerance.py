@@ -1,0 +1,114 @@
+"""Losing a worker mid-sweep: its in-flight evaluations are re-run elsewhere, each stored exactly once."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import yaml
+from conftest import REPO, run_cli
+
+from results.store import ResultStore
+from workers.synthetic_sentiment import generate, write_tsv
+
+N_UNITS = 17  # baseline + 8 single-head + 8 all-but-one of the tiny 2x4 BERT
+
+
+def start_sweep(tmp_path, model_dir, ray_address, **sweep) -> tuple[subprocess.Popen, list[str], list[str]]:
+    """Start `headsweep run` on 2000 sentences (slow enough to interrupt); returns the process and its argv."""
+    data = write_tsv(generate(2000, seed=3), tmp_path / "dev.tsv")
+    cfg = {
+        "model": {"kind": "hf_classifier", "path": str(model_dir)},
+        "data": {"path": str(data)},
+        "sweep": {"experiments": ["baseline", "single_head", "all_but_one"], "batch_size": 8,
+                  "masks_per_batch": 1, "flush_every": 1, **sweep},
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    argv = [sys.executable, "-m", "sweep.cli", "run", str(tmp_path / "c.yaml"), "--store", str(tmp_path / "store"),
+            "--address", ray_address, "--quiet"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+
+    def read_stderr() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    proc.reader = reader
+    return proc, lines, argv
+
+
+def finish(proc: subprocess.Popen) -> str:
+    """Wait for the driver; returns its stdout (stderr is collected by the reader thread)."""
+    out = proc.stdout.read()
+    proc.wait(timeout=300)
+    proc.reader.join(timeout=10)
+    return out
+
+
+def worker_pids(lines: list[str], timeout: float = 120) -> dict[str, int]:
+    """PIDs of the worker actors, from the driver's `workers ready` line."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in list(lines):
+            if "workers ready:" in line:
+                return {m[0]: int(m[1]) for m in re.findall(r"(worker-\d+)@[^:,\s]+:(\d+)", line)}
+        time.sleep(0.1)
+    raise AssertionError("driver never reported its workers: " + "".join(lines))
+
+
+def wait_for_evaluations(store: ResultStore, n: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while store.read("evaluations").num_rows < n:
+        assert time.monotonic() < deadline, "sweep made no progress"
+        time.sleep(0.1)
+
+
+def test_killed_worker_is_restarted_and_its_masks_rerun(tmp_path, tiny_bert_dir, ray_address):
+    proc, lines, _ = start_sweep(tmp_path, tiny_bert_dir, ray_address, workers=2)
+    pids = worker_pids(lines)
+    store = ResultStore(str(tmp_path / "store"))
+    wait_for_evaluations(store, 3)
+    os.kill(pids["worker-1"], signal.SIGKILL)  # what a lost node looks like to Ray: the process is gone
+    out = finish(proc)
+    log = "".join(lines)
+    assert proc.returncode == 0, log
+    assert re.search(r"worker worker-1@\S+ lost \(\w+\), restarted as worker-1@\S+; re-running 1 evaluations", log)
+    evals = store.read("evaluations").to_pylist()
+    ids = [e["eval_id"] for e in evals]
+    assert len(ids) == len(set(ids)) == N_UNITS
+    assert store.read("examples").num_rows == N_UNITS * 2000
+    [run] = store.read("runs").to_pylist()
+    assert run["status"] == "complete" and run["n_done"] == N_UNITS and run["run_id"] == out.strip()
+
+
+def test_retries_are_bounded_then_the_run_fails_naming_the_masks_and_resumes(tmp_path, tiny_bert_dir, ray_address):
+    proc, lines, argv = start_sweep(tmp_path, tiny_bert_dir, ray_address, workers=1, max_retries=0)
+    pids = worker_pids(lines)
+    store = ResultStore(str(tmp_path / "store"))
+    wait_for_evaluations(store, 3)
+    os.kill(pids["worker-0"], signal.SIGKILL)
+    finish(proc)
+    log = "".join(lines)
+    assert proc.returncode == 2, log
+    [error] = [line for line in lines if line.startswith("headsweep: error:")]
+    assert re.search(r"1 evaluations failed 1 times, their worker lost each time \(last: \w+\): "
+                     r"(single_head|all_but_one)/self:\d:\d", error), error
+    [failed] = store.read("runs").to_pylist()
+    assert failed["status"] == "failed" and "worker lost" in failed["error"]
+    before = store.eval_ids(failed["run_id"])
+    assert 3 <= len(before) < N_UNITS
+
+    rerun = run_cli(*argv[3:])
+    assert rerun.returncode == 0, rerun.stderr
+    assert rerun.stdout.strip() == failed["run_id"]
+    ids = store.read("evaluations").column("eval_id").to_pylist()
+    assert len(ids) == len(set(ids)) == N_UNITS
+    [run] = store.read("runs").to_pylist()
+    assert run["status"] == "complete"
