@@ -106,8 +106,27 @@ def _registry() -> dict[str, TaskKind]:
 
 
 def task_kind(name: str) -> TaskKind:
-    """The task kind called ``name``, or a clear error listing the known ones."""
+    """The task kind called ``name``, or a clear error listing the known ones.
+
+    ``package.module:ATTRIBUTE`` names a ``TaskKind`` defined outside headsweep (a plugin); the
+    module must be importable on the driver and on every worker.
+    """
+    if ":" in name:
+        return _plugin_kind(name)
     kinds = _registry()
     if name not in kinds:
-        raise HeadsweepError(f"unknown model.kind {name!r} (known: {', '.join(sorted(kinds))})")
+        raise HeadsweepError(
+            f"unknown model.kind {name!r} (known: {', '.join(sorted(kinds))}, or module:ATTRIBUTE of a TaskKind)"
+        )
     return kinds[name]
+
+
+def _plugin_kind(name: str) -> TaskKind:
+    module, attribute = name.split(":", 1)
+    try:
+        kind = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise HeadsweepError(f"model.kind {name!r}: cannot import it ({exc})") from None
+    if not isinstance(kind, TaskKind):
+        raise HeadsweepError(f"model.kind {name!r} is a {type(kind).__name__}, not a workers.tasks.TaskKind")
+    return kind

@@ -1,0 +1,109 @@
+"""A results store on S3: the sweep writes through pyarrow's S3 filesystem to a real S3 endpoint.
+
+The endpoint is moto's S3 server on loopback (the S3 wire protocol, no cloud account), so the
+same code path as `--store s3://bucket/prefix` on AWS, MinIO or Ceph is exercised end to end.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pyarrow.fs as pafs
+import pytest
+import yaml
+from conftest import run_cli
+
+from results.store import ResultStore
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+class S3ResultRootFix:
+    """WSGI middleware: moto 5 answers CompleteMultipartUpload with a ``CompleteMultipartUploadResponse``
+    root element where S3 (and Arrow's AWS SDK, which checks it) uses ``CompleteMultipartUploadResult``;
+    every other byte is moto's."""
+
+    def __init__(self, app):
+        self.app = app
+
+    def __call__(self, environ, start_response):
+        if environ["REQUEST_METHOD"] != "POST" or "uploadId=" not in environ.get("QUERY_STRING", ""):
+            return self.app(environ, start_response)
+        captured = {}
+
+        def capture(status, headers, exc_info=None):
+            captured.update(status=status, headers=headers)
+
+        body = b"".join(self.app(environ, capture)).replace(
+            b"CompleteMultipartUploadResponse", b"CompleteMultipartUploadResult"
+        )
+        headers = [(k, str(len(body)) if k.lower() == "content-length" else v) for k, v in captured["headers"]]
+        start_response(captured["status"], headers)
+        return [body]
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(monkeypatch_module):
+    """A real S3 endpoint (moto's S3 server) on a free loopback port."""
+    pytest.importorskip("moto.moto_server.werkzeug_app", reason="moto[server] (a dev dependency) is not installed")
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    app = S3ResultRootFix(DomainDispatcherApplication(create_backend_app))
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    for key, value in CREDENTIALS.items():
+        monkeypatch_module.setenv(key, value)
+    yield f"127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_sweep_writes_and_queries_a_store_on_s3(tmp_path, s3_endpoint, tiny_bert_dir, tiny_dev_tsv, ray_address):
+    fs = pafs.S3FileSystem(endpoint_override=s3_endpoint, scheme="http", region="us-east-1",
+                           access_key="testing", secret_key="testing", allow_bucket_creation=True)
+    fs.create_dir("sweeps")  # the bucket
+    uri = f"s3://sweeps/team/store?endpoint_override={s3_endpoint}&scheme=http&region=us-east-1"
+    cfg = {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "data": {"path": str(tiny_dev_tsv)},
+           "sweep": {"experiments": ["baseline", "single_head"], "flush_every": 3}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    run = run_cli("run", str(tmp_path / "c.yaml"), "--store", uri, "--address", ray_address, "--quiet",
+                  env=CREDENTIALS)
+    assert run.returncode == 0, run.stderr
+    run_id = run.stdout.strip()
+
+    store = ResultStore(uri)
+    evals = store.read("evaluations", run_id).to_pylist()
+    assert sorted(e["eval_id"] for e in evals) == ["baseline"] + [f"single_head/self:{la}:{h}" for la in range(2)
+                                                                   for h in range(4)]
+    assert store.read("examples", run_id).num_rows == 9 * 40
+    assert store.run(run_id)["status"] == "complete"
+    keys = [i.path for i in fs.get_file_info(pafs.FileSelector("sweeps/team/store", recursive=True))]
+    assert not [k for k in keys if k.rsplit("/", 1)[-1].startswith(".")]  # no temporary objects left behind
+    assert any(k.startswith(f"sweeps/team/store/evaluations/run_id={run_id}/chunk-") for k in keys)
+
+    query = run_cli("query", "SELECT count(*) AS n, max(delta) <= 0 AS ok FROM evaluations", "--store", uri,
+                    "--format", "json", env=CREDENTIALS)
+    assert query.returncode == 0, query.stderr
+    assert '"n": 9' in query.stdout
+
+
+def test_unreachable_s3_store_is_a_one_line_error(tmp_path, tiny_bert_dir, tiny_dev_tsv):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    cfg = {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "data": {"path": str(tiny_dev_tsv)}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    uri = f"s3://sweeps/store?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+    proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", uri, env={**CREDENTIALS, "AWS_EC2_METADATA_DISABLED":
+                                                                          "true"}, timeout=180)
+    assert proc.returncode == 2
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("headsweep: error:")]
+    assert f"store {uri} is not writable" in line
