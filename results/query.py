@@ -1,7 +1,10 @@
-"""SQL over the results tables with DuckDB: one view per table, read through pyarrow.
+"""SQL over the results tables with DuckDB: one view per table, read through pyarrow, plus the
+derived views of ``results/views.py`` (``deltas``, ``heads``, ``layers``, ``pruning``, ``summary``).
 
 Views are built from pyarrow datasets with the store's own schemas, so files written before a
-column existed read back with that column null, and any filesystem pyarrow supports works.
+column existed read back with that column null, a table an older release never wrote reads
+empty, and any filesystem pyarrow supports works. A store holding runs written by a newer
+schema version than this release knows is refused.
 """
 
 from __future__ import annotations
@@ -13,34 +16,47 @@ import math
 
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from results.schema import TABLES
+from results.schema import SCHEMA_VERSION, TABLES
 from results.store import ResultStore
+from results.views import VIEWS
 from sweep.errors import HeadsweepError
 
-FORMATS = ("table", "csv", "json")
+FORMATS = ("table", "csv", "json", "parquet")
 
 
-# Each evaluation with the test headsweep shows next to a delta (paired bootstrap for BLEU,
-# paired t-test for accuracy); the other tests stay in `significance`.
-DELTAS_VIEW = """
-CREATE VIEW deltas AS
-SELECT e.run_id, e.eval_id, e.experiment, e.attention, e.layer, e.head, e.level, e.checkpoint, e.n_masked, e.metric,
-       e.score, e.baseline_score, e.delta, s.test, s.p_value, s.p_adjusted, s.correction, s.alpha,
-       s.significant, s.ci_low, s.ci_high
-FROM evaluations e
-LEFT JOIN significance s
-  ON s.run_id = e.run_id AND s.eval_id = e.eval_id
- AND s.test = CASE e.metric WHEN 'accuracy' THEN 'paired_ttest' ELSE 'paired_bootstrap' END
-"""
+def store_schema_version(con: duckdb.DuckDBPyConnection) -> int | None:
+    """The newest schema version among the store's runs (None for an empty store).
+
+    Runs written before the version was recorded count as version 1.
+    """
+    (version,) = con.execute("SELECT max(coalesce(schema_version, 1)) FROM runs").fetchone()
+    return version
+
+
+def check_schema_version(con: duckdb.DuckDBPyConnection, uri: str) -> None:
+    """Refuse a store written by a newer release: its tables may mean things this one misreads."""
+    version = store_schema_version(con)
+    if version is not None and version > SCHEMA_VERSION:
+        raise HeadsweepError(
+            f"store {uri} holds runs written with results schema version {version}; this headsweep reads "
+            f"versions 1 to {SCHEMA_VERSION}: upgrade headsweep to read it"
+        )
 
 
 def connect(store: ResultStore) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection with a view named after each results table, plus ``deltas``."""
+    """A DuckDB connection with a view named after each results table, plus the derived views."""
     con = duckdb.connect()
-    for table in TABLES:
-        con.register(table, store.dataset(table))
-    con.execute(DELTAS_VIEW)
+    try:
+        for table in TABLES:
+            con.register(table, store.dataset(table))
+        check_schema_version(con, store.uri)
+        for sql in VIEWS.values():
+            con.execute(sql)
+    except BaseException:
+        con.close()
+        raise
     return con
 
 
@@ -80,7 +96,7 @@ def format_table(table: pa.Table, fmt: str = "table", max_rows: int | None = Non
             writer.writerow([_cell(r[n]) for n in names])
         return out.getvalue().rstrip("\n")
     if fmt != "table":
-        raise HeadsweepError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+        raise HeadsweepError(f"unknown text format {fmt!r} (known: table, csv, json)")
     shown = rows if max_rows is None else rows[:max_rows]
     cells = [[_cell(r[n]) for n in names] for r in shown]
     widths = [max([len(n)] + [len(c[i]) for c in cells]) for i, n in enumerate(names)]
@@ -90,3 +106,29 @@ def format_table(table: pa.Table, fmt: str = "table", max_rows: int | None = Non
         lines.append(f"... {len(rows) - len(shown)} more rows")
     lines.append(f"({len(rows)} rows)")
     return "\n".join(lines)
+
+
+def write_result(table: pa.Table, fmt: str, out: str | None) -> str | None:
+    """Write a query result to ``out`` in ``fmt``, or return its text when ``out`` is None.
+
+    Parquet is binary, so it goes to a file only.
+    """
+    if fmt not in FORMATS:
+        raise HeadsweepError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+    if fmt == "parquet":
+        if not out:
+            raise HeadsweepError("--format parquet writes a file: give --out FILE")
+        try:
+            pq.write_table(table, out, compression="zstd")
+        except OSError as exc:
+            raise HeadsweepError(f"cannot write {out}: {str(exc).splitlines()[0]}") from None
+        return None
+    text = format_table(table, fmt)
+    if not out:
+        return text
+    try:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    except OSError as exc:
+        raise HeadsweepError(f"cannot write {out}: {exc.strerror}") from None
+    return None

@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+# The version of the tables below, written to `runs.schema_version` with every run. Changes are
+# additive (a new table, a new nullable column), so a release reads every older store: a table
+# an older store lacks reads empty, a column its files lack reads null. A store holding runs of a
+# newer version is refused (results/query.py). Bump it with every change and say what changed.
+SCHEMA_VERSION = 2
+
+SCHEMA_HISTORY = {
+    1: "runs, evaluations, examples, significance, importance",
+    2: "new table efficiency (speed and memory of full and pruned models)",
+}
 
 HEAD_COLUMNS = [("attention", pa.string()), ("layer", pa.int32()), ("head", pa.int32())]
 
@@ -89,6 +98,37 @@ TABLES: dict[str, pa.Schema] = {
             ("score_normalized", pa.float64()),
             ("rank", pa.int32()),
             ("checkpoint", pa.string()),
+        ]
+    ),
+    # The efficiency experiment: one row per model variant (full / pruned) and batch size.
+    "efficiency": pa.schema(
+        [
+            ("mask_source", pa.string()),
+            ("source_run", pa.string()),
+            ("level", pa.float64()),
+            ("heads_masked", pa.list_(pa.string())),
+            ("n_masked", pa.int32()),
+            ("heads_removed", pa.float64()),
+            ("checkpoint", pa.string()),
+            ("variant", pa.string()),
+            ("batch_size", pa.int32()),
+            ("device", pa.string()),
+            ("n_params", pa.int64()),
+            ("n_heads", pa.int32()),
+            ("peak_memory_mb", pa.float64()),
+            ("examples", pa.int64()),
+            ("tokens", pa.int64()),
+            ("warmup", pa.int32()),
+            ("repeats", pa.int32()),
+            ("seconds_median", pa.float64()),
+            ("seconds_min", pa.float64()),
+            ("seconds_max", pa.float64()),
+            ("examples_per_s", pa.float64()),
+            ("examples_per_s_iqr", pa.float64()),
+            ("tokens_per_s", pa.float64()),
+            ("tokens_per_s_iqr", pa.float64()),
+            ("speedup", pa.float64()),
+            ("finished_at", pa.timestamp("us", tz="UTC")),
         ]
     ),
 }

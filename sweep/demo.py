@@ -1,7 +1,8 @@
 """``headsweep demo``: the embedded default, end to end, offline.
 
 Trains a small model on generated data (cached after the first run), sweeps its heads on a
-local Ray instance, writes the results store and prints what a user would look at first.
+local Ray instance, writes the results store, prints what a user would look at first and writes
+the report of both runs (``sweep.report``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from results.query import format_table, run_query
 from results.store import ResultStore
 from sweep.config import build_config
 from sweep.driver import Sweep, log
+from sweep.report import write_report
 
 DEMO_VERSION = "v1"
 
@@ -88,9 +90,9 @@ def summarise(store: ResultStore, run_id: str) -> None:
         format_table(
             run_query(
                 store,
-                f"""SELECT attention || ':' || layer || ':' || head AS head, score, delta, test, p_value,
-                           p_adjusted, correction, CASE WHEN significant THEN '*' ELSE '' END AS sig
-                    FROM deltas WHERE run_id = '{run_id}' AND experiment = 'single_head'
+                f"""SELECT name AS head, score, delta, test, p_value, p_adjusted, correction,
+                           CASE WHEN significant THEN '*' ELSE '' END AS sig
+                    FROM heads WHERE run_id = '{run_id}' AND delta IS NOT NULL
                     ORDER BY delta, attention, layer, head LIMIT 5""",
             )
         )
@@ -100,10 +102,8 @@ def summarise(store: ResultStore, run_id: str) -> None:
         format_table(
             run_query(
                 store,
-                f"""SELECT attention, layer, arg_max(head, score) AS best_head, max(score) AS score,
-                           max(score) - any_value(baseline_score) AS delta
-                    FROM evaluations WHERE run_id = '{run_id}' AND experiment = 'all_but_one'
-                    GROUP BY attention, layer ORDER BY attention, layer""",
+                f"""SELECT attention, layer, best_head, score, delta FROM layers WHERE run_id = '{run_id}'
+                    ORDER BY attention, layer""",
             )
         )
     )
@@ -112,25 +112,38 @@ def summarise(store: ResultStore, run_id: str) -> None:
         format_table(
             run_query(
                 store,
-                f"""SELECT level, n_masked, score, score / baseline_score AS relative, p_adjusted,
+                f"""SELECT level, n_masked, score, relative_score AS relative, p_adjusted,
                            CASE WHEN significant THEN '*' ELSE '' END AS sig
-                    FROM deltas WHERE run_id = '{run_id}' AND experiment = 'prune_level' ORDER BY level""",
+                    FROM pruning WHERE run_id = '{run_id}' ORDER BY scope, level""",
             )
         )
     )
 
 
-def run_demo(store_uri: str, workers: int = 2, show_progress: bool = True) -> int:
-    """Run the demo sweeps into ``store_uri`` and print their summaries."""
+def report_dir(store_uri: str) -> Path:
+    """Where the demo writes its report: ``headsweep-report`` beside a local store, else here."""
+    if "://" in store_uri:
+        return Path("headsweep-report")
+    return Path(store_uri).expanduser().resolve().parent / "headsweep-report"
+
+
+def run_demo(store_uri: str, workers: int = 2, show_progress: bool = True, report: str | None = None) -> int:
+    """Run the demo sweeps into ``store_uri``, print their summaries and write their report."""
     start = time.perf_counter()
     store = ResultStore(store_uri)
     store.check_writable()
+    run_ids = []
     for title, make in (("classifier", classifier_config), ("translation", translation_config)):
         cfg = build_config(make(workers))
         log(f"sweeping the heads of the demo {title} on {workers} worker(s) ...")
         run_id = Sweep(cfg, store, show_progress=show_progress).execute()
+        run_ids.append(run_id)
         print(f"\n== {title} run {run_id} ==")
         summarise(store, run_id)
-    print(f"\nresults store: {store.uri}  (try: headsweep query \"SELECT * FROM deltas\" --store {store_uri})")
+    print(f"\nresults store: {store.uri}  (try: headsweep runs --store {store_uri}, or "
+          f"headsweep query \"SELECT * FROM heads\" --store {store_uri})")
+    written = time.perf_counter()
+    page = write_report(store, run_ids, report or report_dir(store_uri))
+    print(f"report of both runs ({time.perf_counter() - written:.1f} s): {page}")
     print(f"demo finished in {time.perf_counter() - start:.1f} s")
     return 0

@@ -1,0 +1,113 @@
+"""The SQL of the views that answer the common questions without hand-written joins.
+
+Every view is keyed so that a run sweeping several training checkpoints never repeats a
+head: rows of one run differ by ``checkpoint`` (null when the run has one model), and joins on
+it use ``IS NOT DISTINCT FROM`` so that the null checkpoint matches itself.
+"""
+
+from __future__ import annotations
+
+from results.schema import HEAD_COLUMNS
+
+# The test shown next to a delta: paired bootstrap for corpus metrics (BLEU), paired t-test
+# for accuracy. The other tests stay in `significance`.
+DELTAS = """
+CREATE VIEW deltas AS
+SELECT e.run_id, e.eval_id, e.experiment, e.attention, e.layer, e.head, e.level, e.checkpoint, e.n_masked,
+       e.heads_masked, e.metric, e.score, e.baseline_score, e.delta, s.test, s.p_value, s.p_adjusted, s.correction,
+       s.alpha, s.significant, s.ci_low, s.ci_high
+FROM evaluations e
+LEFT JOIN significance s
+  ON s.run_id = e.run_id AND s.eval_id = e.eval_id
+ AND s.test = CASE e.metric WHEN 'accuracy' THEN 'paired_ttest' ELSE 'paired_bootstrap' END
+"""
+
+_HEAD_STRUCT = "[{" + ", ".join(f'"{n}": "{t}"' for n, t in
+                                (("attention", "VARCHAR"), ("layer", "INTEGER"), ("num_heads", "INTEGER"))) + "}]"
+
+
+def _same_head(a: str, b: str) -> str:
+    keys = " AND ".join(f"{a}.{name} = {b}.{name}" for name, _ in HEAD_COLUMNS)
+    return f"{a}.run_id = {b}.run_id AND {a}.checkpoint IS NOT DISTINCT FROM {b}.checkpoint AND {keys}"
+
+
+# Every head of every run (and checkpoint): the inventory the run recorded in `runs.heads`,
+# plus any head an evaluation or the importance table names (runs that stopped early).
+HEADS = f"""
+CREATE VIEW heads AS
+WITH checkpoints AS (SELECT DISTINCT run_id, checkpoint FROM evaluations),
+declared AS (
+    SELECT run_id, s.attention AS attention, s.layer AS layer, CAST(unnest(range(s.num_heads)) AS INTEGER) AS head
+    FROM (SELECT run_id, unnest(from_json(heads, '{_HEAD_STRUCT}')) AS s FROM runs WHERE heads IS NOT NULL)
+),
+inventory AS (
+    SELECT d.run_id, c.checkpoint, d.attention, d.layer, d.head FROM declared d JOIN checkpoints c USING (run_id)
+    UNION
+    SELECT run_id, checkpoint, attention, layer, head FROM evaluations
+    WHERE experiment IN ('single_head', 'all_but_one')
+    UNION
+    SELECT run_id, checkpoint, attention, layer, head FROM importance
+)
+SELECT i.run_id, i.checkpoint, i.attention, i.layer, i.head, i.attention || ':' || i.layer || ':' || i.head AS name,
+       coalesce(b.metric, s.metric) AS metric, coalesce(b.score, s.baseline_score) AS baseline_score,
+       s.score, s.delta, s.test, s.p_value, s.p_adjusted, s.correction, s.alpha, s.significant,
+       a.score AS all_but_one_score, a.delta AS all_but_one_delta,
+       m.method AS importance_method, m.score AS importance, m.score_normalized AS importance_normalized,
+       m.rank AS importance_rank
+FROM inventory i
+LEFT JOIN (SELECT * FROM evaluations WHERE experiment = 'baseline') b
+  ON b.run_id = i.run_id AND b.checkpoint IS NOT DISTINCT FROM i.checkpoint
+LEFT JOIN (SELECT * FROM deltas WHERE experiment = 'single_head') s ON {_same_head("s", "i")}
+LEFT JOIN (SELECT * FROM evaluations WHERE experiment = 'all_but_one') a ON {_same_head("a", "i")}
+LEFT JOIN importance m ON {_same_head("m", "i")}
+"""
+
+# All-but-one (Michel et al. sec. 3.3): per layer of each attention type, the head that scores
+# best when it is the only one kept (ties go to the lowest head index), with its test.
+LAYERS = """
+CREATE VIEW layers AS
+SELECT run_id, checkpoint, attention, layer, n_heads, head AS best_head,
+       attention || ':' || layer || ':' || head AS best_name, metric, score, baseline_score, delta,
+       test, p_value, p_adjusted, correction, alpha, significant, worst_delta
+FROM (
+    SELECT *,
+           row_number() OVER w_sorted AS position,
+           count(*) OVER w AS n_heads,
+           min(delta) OVER w AS worst_delta
+    FROM deltas WHERE experiment = 'all_but_one'
+    WINDOW w AS (PARTITION BY run_id, checkpoint, attention, layer),
+           w_sorted AS (PARTITION BY run_id, checkpoint, attention, layer ORDER BY score DESC, head)
+)
+WHERE position = 1
+"""
+
+# Pruning curves (sec. 4.2): `scope` is `global`, one attention type, or types joined by `+`
+# (from the evaluation id); `attention` is set only when the scope is one attention type.
+PRUNING = """
+CREATE VIEW pruning AS
+SELECT run_id, checkpoint, regexp_extract(eval_id, 'prune_level/([^/]+)/', 1) AS scope, attention, level, n_masked,
+       heads_masked, metric, score, baseline_score, delta, score / nullif(baseline_score, 0) AS relative_score,
+       test, p_value, p_adjusted, correction, alpha, significant
+FROM deltas WHERE experiment = 'prune_level'
+"""
+
+# One line per run: what `headsweep runs` prints. `n_significant` counts heads whose single-head
+# ablation is significant (in any checkpoint).
+SUMMARY = """
+CREATE VIEW summary AS
+SELECT r.run_id, r.name, r.status, r.created_at, r.model, r.dataset, r.metric, r.baseline_score, r.n_examples,
+       r.n_planned, r.n_done, coalesce(c.n_checkpoints, 0) AS n_checkpoints, coalesce(h.n_heads, 0) AS n_heads,
+       coalesce(h.n_significant, 0) AS n_significant
+FROM runs r
+LEFT JOIN (SELECT run_id, count(DISTINCT name) AS n_heads, count(DISTINCT name) FILTER (WHERE significant)
+                  AS n_significant
+           FROM heads GROUP BY run_id) h USING (run_id)
+LEFT JOIN (SELECT run_id, count(DISTINCT coalesce(checkpoint, '')) AS n_checkpoints FROM evaluations GROUP BY run_id) c
+  USING (run_id)
+"""
+
+# In creation order: a view may use the ones before it.
+VIEWS: dict[str, str] = {"deltas": DELTAS, "heads": HEADS, "layers": LAYERS, "pruning": PRUNING, "summary": SUMMARY}
+
+# What `headsweep runs` lists, newest first.
+RUNS_LIST = "SELECT * FROM summary ORDER BY created_at DESC, run_id"
