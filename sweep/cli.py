@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -47,9 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--new", action="store_true", help="always start a new run, even if one could be resumed")
 
     query = sub.add_parser("query", help="SQL over the results tables (DuckDB)")
-    query.add_argument("sql", help="SQL; the tables runs, evaluations, examples, significance, importance are views")
+    query.add_argument("sql", help="SQL; the tables runs, evaluations, examples, significance, importance are views, "
+                       "and so are deltas, heads, layers, pruning, summary (see results/README.md)")
     _store_arg(query)
-    query.add_argument("--format", default="table", choices=["table", "csv", "json"])
+    query.add_argument("--format", default="table", choices=["table", "csv", "json", "parquet"])
+    query.add_argument("--out", metavar="FILE", help="write the result to FILE (needed for --format parquet)")
+
+    runs = sub.add_parser("runs", help="list the runs of a store: status, model, data, metric, baseline, counts")
+    _store_arg(runs)
+    runs.add_argument("--format", default="table", choices=["table", "csv", "json", "parquet"])
+    runs.add_argument("--out", metavar="FILE", help="write the list to FILE (needed for --format parquet)")
+
+    report = sub.add_parser("report", help="an HTML page with figures of one or more runs; prints its path")
+    report.add_argument("run_ids", nargs="+", metavar="RUN_ID")
+    _store_arg(report)
+    report.add_argument("--out", metavar="DIR", help="folder for index.html and its PNG files "
+                        "(default: ./headsweep-report/RUN_ID for one run, ./headsweep-report otherwise)")
 
     submit = sub.add_parser("submit", help="submit a sweep as a Ray job to a running cluster; prints the job id")
     submit.add_argument("config", help="YAML config file; model, data and store paths must be valid on the cluster")
@@ -78,10 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
     _store_arg(compare)
     compare.add_argument("--format", default="table", choices=["table", "csv", "json"])
 
+    export = sub.add_parser("export", help="write the config's model with heads physically removed; prints the folder")
+    export.add_argument("config", help="YAML config file (its model section names the model)")
+    export.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    export.add_argument("--mask", help="heads to remove, comma-separated (e.g. self:0:1,self:2:3)")
+    export.add_argument("--from-run", metavar="RUN_ID", help="take the mask of this run's --level or --eval-id")
+    export.add_argument("--level", type=float, help="the prune_level evaluation at this level (e.g. 0.5)")
+    export.add_argument("--eval-id", help="the evaluation with this id (e.g. custom/self:0:1,self:1:2)")
+    export.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder for the pruned model")
+    _store_arg(export)
+
     demo = sub.add_parser("demo", help="the embedded default, end to end, offline")
     _store_arg(demo)
     demo.add_argument("--workers", type=int, default=2, help="number of worker actors (default 2)")
     demo.add_argument("--quiet", action="store_true", help="no progress lines")
+    demo.add_argument("--report", metavar="DIR", help="folder of the runs' report (default: headsweep-report "
+                      "beside the store)")
     return parser
 
 
@@ -97,7 +123,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     sweep = Sweep(cfg, ResultStore(args.store), address=args.address, show_progress=not args.quiet,
                   resume=args.resume, auto_resume=not args.new)
     try:
-        run_id = sweep.execute()
+        # stdout carries only the run id (RUN=$(headsweep run ...)); Ray's forwarded worker and
+        # raylet messages go to stderr with the progress lines.
+        with contextlib.redirect_stdout(sys.stderr):
+            run_id = sweep.execute()
     except KeyboardInterrupt:
         print(f"headsweep: interrupted: run {sweep.run_id} is marked interrupted in {args.store}", file=sys.stderr)
         return 130
@@ -105,11 +134,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_query(args: argparse.Namespace) -> int:
-    from results.query import format_table, run_query
+def _query_out(args: argparse.Namespace, sql: str) -> int:
+    """Run ``sql`` on the store; print the result, or write it to ``--out``."""
+    from results.query import run_query, write_result
     from results.store import ResultStore
 
-    print(format_table(run_query(ResultStore(args.store), args.sql), args.format))
+    text = write_result(run_query(ResultStore(args.store), sql), args.format, args.out)
+    if text is not None:
+        print(text)
+    return 0
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    return _query_out(args, args.sql)
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from results.views import RUNS_LIST
+
+    return _query_out(args, RUNS_LIST)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from results.store import ResultStore
+    from sweep.report import default_report_dir, write_report
+
+    print(write_report(ResultStore(args.store), args.run_ids, args.out or default_report_dir(args.run_ids)))
     return 0
 
 
@@ -161,10 +211,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from results.store import ResultStore
+    from sweep.config import load_config
+    from sweep.export import export_pruned
+
+    cfg = load_config(args.config, list(args.overrides))
+    mask = args.mask.replace(",", " ").split() if args.mask is not None else None
+    print(export_pruned(cfg, args.out, ResultStore(args.store), args.from_run, args.level, args.eval_id, mask))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from sweep.demo import run_demo
 
-    return run_demo(args.store, workers=args.workers, show_progress=not args.quiet)
+    return run_demo(args.store, workers=args.workers, show_progress=not args.quiet, report=args.report)
 
 
 def _stop_ray() -> None:
@@ -174,8 +235,8 @@ def _stop_ray() -> None:
         ray.shutdown()
 
 
-COMMANDS = {"run": cmd_run, "submit": cmd_submit, "jobs": cmd_jobs, "query": cmd_query,
-            "compare": cmd_compare, "demo": cmd_demo}
+COMMANDS = {"run": cmd_run, "submit": cmd_submit, "jobs": cmd_jobs, "query": cmd_query, "runs": cmd_runs,
+            "report": cmd_report, "compare": cmd_compare, "export": cmd_export, "demo": cmd_demo}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -23,7 +23,7 @@ import yaml
 
 from sweep.errors import HeadsweepError
 
-EXPERIMENTS = ("baseline", "single_head", "all_but_one", "custom", "importance", "prune_level")
+EXPERIMENTS = ("baseline", "single_head", "all_but_one", "custom", "importance", "prune_level", "efficiency")
 IMPORTANCE_METHODS = ("gradient", "ablation")
 DEFAULT_LEVELS = [round(0.1 * i, 1) for i in range(11)]
 TESTS = ("paired_bootstrap", "paired_ttest", "mcnemar_exact")
@@ -47,6 +47,10 @@ class SweepSection:
     reuse: bool = True
     flush_every: int = 64
     flush_seconds: float = 10.0
+    max_retries: int = 2
+    worker_restarts: int = 3
+    placement_timeout_s: float = 600.0
+    wait_for_resources: bool = False
 
 
 @dataclass
@@ -102,6 +106,23 @@ class PruneSection:
 
 
 @dataclass
+class EfficiencySection:
+    """The ``efficiency`` experiment: the full and the physically pruned model, timed side by side.
+
+    The mask is ``mask`` (head names), or the ``prune_level`` evaluation at ``level`` or the
+    evaluation ``eval_id`` of run ``from_run`` (of this run when ``from_run`` is null).
+    """
+
+    mask: list[str] | None = None
+    from_run: str | None = None
+    level: float | None = None
+    eval_id: str | None = None
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    warmup: int = 3
+    repeats: int = 10
+
+
+@dataclass
 class Config:
     """A whole sweep. ``model`` and ``data`` are the dataclasses of ``model.kind``."""
 
@@ -113,6 +134,7 @@ class Config:
     significance: SignificanceSection = field(default_factory=SignificanceSection)
     importance: ImportanceSection = field(default_factory=ImportanceSection)
     prune: PruneSection = field(default_factory=PruneSection)
+    efficiency: EfficiencySection = field(default_factory=EfficiencySection)
     checkpoints: list[str] | None = None
 
     def to_dict(self) -> dict:
@@ -300,6 +322,7 @@ def build_config(data: dict) -> Config:
         significance=from_dict(SignificanceSection, data.get("significance"), "significance"),
         importance=from_dict(ImportanceSection, data.get("importance"), "importance"),
         prune=from_dict(PruneSection, data.get("prune"), "prune"),
+        efficiency=from_dict(EfficiencySection, data.get("efficiency"), "efficiency"),
         checkpoints=_coerce(data.get("checkpoints"), list[str] | None, "checkpoints"),
     )
     if cfg.importance.data is not None:
@@ -329,8 +352,47 @@ def validate(cfg: Config) -> None:
         raise HeadsweepError(f"sweep.num_cpus_per_worker must be positive, got {s.num_cpus_per_worker}")
     if s.device not in ("auto", "cpu", "cuda"):
         raise HeadsweepError(f"sweep.device must be auto, cpu or cuda, got {s.device!r}")
+    if s.num_gpus_per_worker < 0:
+        raise HeadsweepError(f"sweep.num_gpus_per_worker must not be negative, got {s.num_gpus_per_worker}")
+    if s.device == "cuda" and s.num_gpus_per_worker == 0:
+        raise HeadsweepError(
+            "sweep.device=cuda needs sweep.num_gpus_per_worker > 0 (Ray shows a GPU only to actors that ask for one)"
+        )
+    if s.device == "cpu" and s.num_gpus_per_worker > 0:
+        raise HeadsweepError(
+            f"sweep.device=cpu with sweep.num_gpus_per_worker={s.num_gpus_per_worker} would hold GPUs it never "
+            "uses; set sweep.num_gpus_per_worker=0"
+        )
+    if s.max_retries < 0 or s.worker_restarts < 0:
+        raise HeadsweepError("sweep.max_retries and sweep.worker_restarts must not be negative")
     validate_significance(cfg.significance)
     validate_importance(cfg)
+    validate_efficiency(cfg)
+
+
+def validate_efficiency(cfg: Config) -> None:
+    e = cfg.efficiency
+    if not e.batch_sizes or any(b < 1 for b in e.batch_sizes):
+        raise HeadsweepError(f"efficiency.batch_sizes must be positive integers, got {e.batch_sizes}")
+    if e.warmup < 0 or e.repeats < 1:
+        raise HeadsweepError(f"efficiency needs warmup >= 0 and repeats >= 1, got {e.warmup} and {e.repeats}")
+    if "efficiency" not in cfg.sweep.experiments:
+        return
+    named = [k for k in ("mask", "level", "eval_id") if getattr(e, k) is not None]
+    if len(named) != 1:
+        raise HeadsweepError(
+            "experiment 'efficiency' needs exactly one of efficiency.mask (head names), efficiency.level "
+            f"(a pruning level) or efficiency.eval_id (an evaluation), got {', '.join(named) or 'none'}"
+        )
+    if e.mask is not None:
+        from workers.heads import Head
+
+        for name in e.mask:
+            Head.parse(name)  # a misspelt name fails now; heads out of range fail once the model is loaded
+    if e.mask is not None and e.from_run:
+        raise HeadsweepError("efficiency.from_run goes with efficiency.level or efficiency.eval_id, not with a mask")
+    if e.level is not None and not e.from_run and "prune_level" not in cfg.sweep.experiments:
+        raise HeadsweepError("efficiency.level needs prune_level in sweep.experiments, or efficiency.from_run")
 
 
 def validate_importance(cfg: Config) -> None:

@@ -1,9 +1,8 @@
 """The sweep driver: starts workers, streams work units to them, writes results as they land.
 
-Shape (Ray's documented pattern for stateful inference): a fixed pool of actors that each
-load the model once; the driver keeps a small window of calls in flight per actor and takes
-results with ``ray.wait`` as they finish, so results are written while the grid still runs
-and memory stays flat however large the grid is.
+The worker pool (``sweep.dispatch``) keeps a small window of calls in flight per actor and
+hands results over as they finish; the driver writes them in chunks, tests them for
+significance, and records the run's status in ``runs``.
 """
 
 from __future__ import annotations
@@ -11,10 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
+import socket
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -26,22 +24,24 @@ from ray.exceptions import RayActorError, RayTaskError
 from results.schema import SCHEMA_VERSION
 from results.store import ResultStore
 from sweep.config import Config, from_dict
+from sweep.dispatch import WorkerPool, log, unwrap, wait_until_placed
 from sweep.errors import HeadsweepError
+from sweep.placement import alive_nodes, check_placement
 from sweep.plan import WorkUnit, plan, prune_levels
 from sweep.progress import Progress
 from sweep.pruning import ablation_importance, iterative_level_masks, level_masks
 from sweep.significance_runner import SignificanceTracker, tests_for
+from sweep.stored_masks import efficiency_mask
 from sweep.version import code_version
 from workers.actor import EvalWorker
 from workers.heads import Head
 from workers.importance import normalize_by_layer
 from workers.tasks import DatasetInfo, MaskOutput, RuntimeOptions, task_kind
 
-CALLS_IN_FLIGHT_PER_WORKER = 2
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+# A running run's row is rewritten this often; a driver on another host whose row is older than
+# STALE_AFTER_S is taken for dead, so its run may be resumed.
+HEARTBEAT_S = 60.0
+STALE_AFTER_S = 600.0
 
 
 def new_run_id() -> str:
@@ -80,13 +80,41 @@ def resolve_device(cfg: Config) -> str:
     return "cuda" if cfg.sweep.num_gpus_per_worker > 0 else "cpu"
 
 
-def unwrap(exc: BaseException) -> BaseException:
-    """The user-facing cause of a Ray error (our HeadsweepError where there is one)."""
-    if isinstance(exc, RayTaskError):
-        cause = getattr(exc, "cause", None)
-        if cause is not None:
-            return cause
-    return exc
+def driver_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def refuse_if_live(run: dict) -> None:
+    """Two drivers must never write one run: refuse a ``running`` run whose driver still lives.
+
+    On this host the driver's process is checked directly; a driver on another host counts as
+    alive while its heartbeat (``updated_at``, rewritten every ``HEARTBEAT_S``) is recent.
+    """
+    if run["status"] != "running":
+        return
+    driver = json.loads(run["facts"] or "{}").get("driver", "")
+    host, _, pid = driver.rpartition(":")
+    age = (now() - run["updated_at"]).total_seconds()
+    if host == socket.gethostname() and pid.isdigit():
+        alive = int(pid) != os.getpid() and process_exists(int(pid))
+    else:
+        alive = age < STALE_AFTER_S
+    if alive:
+        raise HeadsweepError(
+            f"run {run['run_id']} of this config is still being written by the driver {driver} (last heartbeat "
+            f"{age:.0f} s ago; a driver on another host is taken for dead after {STALE_AFTER_S:.0f} s without one); "
+            "wait for it, stop it, or start a separate run with --new"
+        )
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclass
@@ -179,11 +207,16 @@ class Sweep:
                     f"--resume {self.resume}: that run was made with another config (hash {run['config_hash']}, "
                     f"this one {self.cfg.hash()}); results of different configs are never mixed: start a new run"
                 )
+            refuse_if_live(run)
             return run
         if not self.auto_resume:
             return None
         unfinished = [r for r in runs if r["config_hash"] == self.cfg.hash() and r["status"] != "complete"]
-        return max(unfinished, key=lambda r: r["created_at"]) if unfinished else None
+        if not unfinished:
+            return None
+        newest = max(unfinished, key=lambda r: r["created_at"])
+        refuse_if_live(newest)
+        return newest
 
     def stored_results(self, info: DatasetInfo) -> dict[str, tuple[float, np.ndarray]]:
         """Score and per-example statistics of every evaluation the run already stored."""
@@ -205,8 +238,10 @@ class Sweep:
         key = task_kind(self.cfg.model.kind).checkpoint_key
         return [(c, dataclasses.replace(self.cfg.model, **{key: c})) for c in self.cfg.checkpoints]
 
-    def start_workers(self, model_cfg: Any) -> tuple[list, DatasetInfo]:
+    def start_workers(self, model_cfg: Any) -> tuple[WorkerPool, DatasetInfo]:
+        """One actor per worker, placed as the config asks, each holding the model; Ray restarts lost ones."""
         s = self.cfg.sweep
+        check_placement(self.cfg, alive_nodes())
         threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // s.workers)
         runtime = RuntimeOptions(
             device=resolve_device(self.cfg),
@@ -216,23 +251,30 @@ class Sweep:
             threads=threads,
             seed=self.cfg.seed,
         )
+        names = [f"worker-{i}" for i in range(s.workers)]
         actors = [
-            EvalWorker.options(num_cpus=s.num_cpus_per_worker, num_gpus=s.num_gpus_per_worker).remote(
-                f"worker-{i}", model_cfg.kind, model_cfg, self.cfg.data, runtime
-            )
-            for i in range(s.workers)
+            EvalWorker.options(
+                num_cpus=s.num_cpus_per_worker, num_gpus=s.num_gpus_per_worker,
+                max_restarts=s.worker_restarts, max_task_retries=0,
+            ).remote(name, model_cfg.kind, model_cfg, self.cfg.data, runtime)
+            for name in names
         ]
+        pool = WorkerPool(actors, names, max_retries=s.max_retries)
+        want = f"each worker asks {s.num_cpus_per_worker:g} CPU and {s.num_gpus_per_worker:g} GPU"
         try:
-            infos = ray.get([a.load.remote() for a in actors])
-        except (RayTaskError, RayActorError) as exc:
-            for a in actors:
-                ray.kill(a)
+            infos = wait_until_placed(
+                [a.load.remote() for a in actors], names, s.placement_timeout_s,
+                lambda: f"{want}; the cluster has {ray.available_resources()} free",
+            )
+            pool.names = ray.get([a.where.remote() for a in actors])
+        except (RayTaskError, RayActorError, HeadsweepError) as exc:
+            pool.stop()
             cause = unwrap(exc)
             if isinstance(cause, HeadsweepError):
                 raise cause from None
             raise HeadsweepError(f"worker failed to load the model: {str(cause).splitlines()[0]}") from None
-        self.names = ray.get([a.where.remote() for a in actors])
-        return actors, infos[0]
+        log(f"{len(actors)} workers ready: {', '.join(pool.names)}")
+        return pool, infos[0]
 
     def run_row(self, info: DatasetInfo, status: str, **extra) -> dict:
         return {
@@ -247,7 +289,7 @@ class Sweep:
             "metric": info.metric,
             "n_examples": info.n_examples,
             "heads": json.dumps(info.inventory.to_json()),
-            "facts": json.dumps(info.facts, sort_keys=True, default=str),
+            "facts": json.dumps({**info.facts, "driver": driver_id()}, sort_keys=True, default=str),
             "code_version": code_version(),
             "schema_version": SCHEMA_VERSION,
             **extra,
@@ -258,7 +300,7 @@ class Sweep:
         self.store.check_writable()
         init_ray(self.address, self.cfg)
         variants = self.model_variants()
-        actors, info = self.start_workers(variants[0][1])
+        pool, info = self.start_workers(variants[0][1])
         tests_for(self.cfg.significance, info.metric)
         plan(self.cfg, info.inventory)  # bad masks or attention types fail before anything is written
         previous = self.resumable()
@@ -271,17 +313,19 @@ class Sweep:
         writer.written = len(self.done)
         counts = {"n_planned": 0, "n_done": 0, "baseline_score": None}
         self.store.write_rows("runs", self.run_id, [self.run_row(info, "running", **counts)], "run")
+        self._beat, self._last_beat = (info, counts, writer), time.monotonic()
         try:
             for index, (checkpoint, model_cfg) in enumerate(variants):
                 if index > 0:
-                    actors, info = self.start_workers(model_cfg)
+                    pool, info = self.start_workers(model_cfg)
+                    self._beat = (info, counts, writer)
                 prefix = f"ckpt{index}/" if checkpoint is not None else ""
                 writer.checkpoint = checkpoint
-                base_score, tracker = self.sweep_model(actors, info, writer, counts, prefix)
+                base_score, tracker = self.sweep_model(pool, info, writer, counts, prefix)
                 if index == 0:
                     counts["baseline_score"] = base_score
                 # Workers go first: the remaining significance tasks may need the CPUs they hold.
-                self.stop(actors)
+                pool.stop()
                 if tracker is not None:
                     tracker.finish()
         except BaseException as exc:
@@ -292,14 +336,14 @@ class Sweep:
             self.store.write_rows("runs", self.run_id, [self.run_row(info, status, error=error, **counts)], "run")
             raise
         finally:
-            self.stop(actors)
+            pool.stop()
         counts["n_done"] = writer.written
         self.store.write_rows("runs", self.run_id, [self.run_row(info, "complete", **counts)], "run")
         self.store.remove_orphans(self.run_id)
         return self.run_id
 
     def sweep_model(
-        self, actors, info: DatasetInfo, writer: ChunkWriter, counts: dict, prefix: str
+        self, pool: WorkerPool, info: DatasetInfo, writer: ChunkWriter, counts: dict, prefix: str
     ) -> tuple[float, SignificanceTracker | None]:
         """Every experiment on one model; eval ids (and significance families) carry ``prefix``."""
         units = [dataclasses.replace(u, eval_id=prefix + u.eval_id) for u in plan(self.cfg, info.inventory)]
@@ -307,8 +351,8 @@ class Sweep:
         if units[0].eval_id in self.done:
             base_score, base_stats = self.done[units[0].eval_id]
         else:
-            [(_, base)] = self.call(actors[0].evaluate.remote([units[0]]))
-            writer.add(units[0], base, base.score, self.names[0])
+            [(_, base, worker)] = pool.stream(units[:1], per_call=1)
+            writer.add(units[0], base, base.score, worker)
             writer.flush()
             base_score, base_stats = base.score, base.stats
         tracker = None
@@ -316,21 +360,28 @@ class Sweep:
             tracker = SignificanceTracker(
                 self.cfg.significance, self.store, self.run_id, info.metric, base_stats, family_prefix=prefix
             )
-        self.run_units(actors, units[1:], writer, tracker, base_score)
+        self.run_units(pool, units[1:], writer, tracker, base_score)
         exps = self.cfg.sweep.experiments
         if "importance" in exps or "prune_level" in exps:
             writer.flush()  # ablation importance reads this run's single-head rows back
-            importance = self.importance(actors, info, prefix, writer.checkpoint)
+            importance = self.importance(pool, info, prefix, writer.checkpoint)
             if "prune_level" in exps:
-                masks = self.prune_masks(actors, info, importance)
+                masks = self.prune_masks(pool, info, importance)
                 levels = [dataclasses.replace(u, eval_id=prefix + u.eval_id)
                           for u in prune_levels(self.cfg, info.inventory, masks)]
                 counts["n_planned"] += len(levels)
-                self.run_units(actors, levels, writer, tracker, base_score)
+                self.run_units(pool, levels, writer, tracker, base_score)
+        if "efficiency" in exps:
+            writer.flush()  # a mask named by level or eval id may be one of this run's evaluations
+            choice = efficiency_mask(self.cfg.efficiency, self.store, self.run_id, info.inventory, prefix,
+                                     writer.checkpoint)
+            rows = [{**choice.columns(info.inventory), **row, "checkpoint": writer.checkpoint, "finished_at": now()}
+                    for row in pool.call("efficiency", choice.heads, self.cfg.efficiency)]
+            self.store.write_rows("efficiency", self.run_id, rows, name=(prefix + "efficiency").replace("/", "-"))
         writer.flush()
         return base_score, tracker
 
-    def run_units(self, actors, units, writer: ChunkWriter, tracker, baseline_score: float) -> None:
+    def run_units(self, pool: WorkerPool, units, writer: ChunkWriter, tracker, baseline_score: float) -> None:
         """Stream ``units`` through the workers, writing and testing each result as it lands.
 
         Units a resumed run already stored are not computed again; their stored statistics join
@@ -342,22 +393,33 @@ class Sweep:
                 if unit.eval_id in self.done:
                     tracker.add(unit, self.done[unit.eval_id][1])
         todo = [u for u in units if u.eval_id not in self.done]
-        progress = Progress(len(todo), enabled=self.show_progress)
-        for unit, out, worker in self.stream(actors, todo):
+        progress = Progress(len(todo), enabled=self.show_progress, detail=pool.status_line)
+        per_call = max(1, int(self.cfg.sweep.masks_per_batch) or 8)
+        for unit, out, worker in pool.stream(todo, per_call):
             writer.add(unit, out, baseline_score, worker)
             writer.maybe_flush()
             if tracker is not None:
                 tracker.add(unit, out.stats)
             progress.update(1, f"[{unit.eval_id}]")
+            self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """Rewrite the run row now and then, so that another driver can tell this run is alive."""
+        if time.monotonic() - self._last_beat < HEARTBEAT_S:
+            return
+        self._last_beat = time.monotonic()
+        info, counts, writer = self._beat
+        row = self.run_row(info, "running", **{**counts, "n_done": writer.written})
+        self.store.write_rows("runs", self.run_id, [row], "run")
 
     def importance(
-        self, actors, info: DatasetInfo, prefix: str = "", checkpoint: str | None = None
+        self, pool: WorkerPool, info: DatasetInfo, prefix: str = "", checkpoint: str | None = None
     ) -> dict[Head, float]:
         """Head importance for ordering pruning levels, written to the ``importance`` table."""
         imp = self.cfg.importance
         if imp.method == "gradient":
             data_cfg = self.importance_data()
-            result = self.call(actors[0].importance.remote(data_cfg, imp.per_token, imp.normalize, ()))
+            result = pool.call("importance", data_cfg, imp.per_token, imp.normalize, ())
             raw, normalized = result.raw, result.normalized
         else:
             source = imp.from_run or self.run_id
@@ -374,14 +436,14 @@ class Sweep:
         self.store.write_rows("importance", self.run_id, rows, name=(prefix + imp.method).replace("/", "-"))
         return scores
 
-    def prune_masks(self, actors, info: DatasetInfo, scores: dict[Head, float]):
+    def prune_masks(self, pool: WorkerPool, info: DatasetInfo, scores: dict[Head, float]):
         prune, imp = self.cfg.prune, self.cfg.importance
         if not prune.reestimate:
             return level_masks(scores, info.inventory, prune.levels, prune.attention, prune.min_heads_per_layer)
         data_cfg = self.importance_data()
 
         def estimate(mask: tuple[Head, ...]) -> dict[Head, float]:
-            result = self.call(actors[0].importance.remote(data_cfg, imp.per_token, imp.normalize, mask))
+            result = pool.call("importance", data_cfg, imp.per_token, imp.normalize, mask)
             return result.scores
 
         return iterative_level_masks(estimate, info.inventory, prune.levels, prune.attention, prune.min_heads_per_layer)
@@ -389,42 +451,3 @@ class Sweep:
     def importance_data(self) -> Any:
         """``importance.data`` typed as the model kind's data section."""
         return from_dict(task_kind(self.cfg.model.kind).data_config, self.cfg.importance.data, "importance.data")
-
-    @staticmethod
-    def call(ref):
-        """``ray.get`` with our errors unwrapped."""
-        try:
-            return ray.get(ref)
-        except RayTaskError as exc:
-            cause = unwrap(exc)
-            if isinstance(cause, HeadsweepError):
-                raise cause from None
-            raise
-
-    @staticmethod
-    def stop(actors: list) -> None:
-        """End the workers (their model copies) once no more work is coming."""
-        for a in actors:
-            ray.kill(a)
-        actors.clear()
-
-    def stream(self, actors: list, units: list[WorkUnit]) -> Iterator[tuple[WorkUnit, MaskOutput, str]]:
-        """Dispatch units in small batches, keep a window in flight, yield results as they land."""
-        per_call = max(1, int(self.cfg.sweep.masks_per_batch) or 8)
-        batches = [units[i : i + per_call] for i in range(0, len(units), per_call)]
-        by_id = {u.eval_id: u for u in units}
-        pending: dict = {}
-        next_batch = 0
-        idle = [i for i in range(len(actors)) for _ in range(CALLS_IN_FLIGHT_PER_WORKER)]
-        while next_batch < len(batches) or pending:
-            while idle and next_batch < len(batches):
-                i = idle.pop(0)
-                pending[actors[i].evaluate.remote(batches[next_batch])] = i
-                next_batch += 1
-            done, _ = ray.wait(list(pending), num_returns=1)
-            for ref in done:
-                i = pending.pop(ref)
-                idle.append(i)
-                results = self.call(ref)
-                for eval_id, out in results:
-                    yield by_id[eval_id], out, self.names[i]

@@ -70,3 +70,30 @@ def test_resume_refuses_another_config(tmp_path, tiny_bert_dir, tiny_dev_tsv, ra
     again = run_cli("run", str(tmp_path / "c.yaml"), "--store", store, "--address", ray_address, "--quiet")
     assert again.returncode == 0 and again.stdout.strip() != run_id  # a complete run is not resumed
     assert ResultStore(store).read("runs").num_rows == 2
+
+
+def test_a_run_whose_driver_lives_is_never_resumed_by_a_second_driver():
+    import json
+    import socket
+    from datetime import timedelta
+
+    import pytest
+
+    from sweep.driver import STALE_AFTER_S, refuse_if_live
+    from sweep.errors import HeadsweepError
+
+    def row(driver: str, age_s: float, status: str = "running") -> dict:
+        return {"run_id": "r1", "status": status, "facts": json.dumps({"driver": driver}),
+                "updated_at": datetime.now(UTC) - timedelta(seconds=age_s)}
+
+    here = socket.gethostname()
+    with subprocess.Popen(["sleep", "30"]) as live:
+        with pytest.raises(HeadsweepError, match=f"run r1 of this config is still being written by the driver "
+                                                 f"{here}:{live.pid}"):
+            refuse_if_live(row(f"{here}:{live.pid}", age_s=3600))  # alive, however old its heartbeat
+        live.kill()
+    refuse_if_live(row(f"{here}:{live.pid}", age_s=1))  # its process is gone: resumable at once
+    with pytest.raises(HeadsweepError, match="still being written"):
+        refuse_if_live(row("other-host:123", age_s=5))
+    refuse_if_live(row("other-host:123", age_s=STALE_AFTER_S + 1))
+    refuse_if_live(row(f"{here}:{live.pid}", age_s=1, status="interrupted"))

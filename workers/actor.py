@@ -45,10 +45,24 @@ class EvalWorker:
             self._importance_data = data_cfg
         return gradient_importance(self._importance_task, per_token=per_token, normalize=normalize, mask=mask)
 
+    def efficiency(self, mask: tuple, settings: Any) -> list[dict]:
+        """Parameters, peak memory and throughput of the full and the pruned model (``workers.efficiency``).
+
+        ``settings`` is the config's ``efficiency`` section (batch sizes, warmup, repeats).
+        """
+        from workers.efficiency import measure_task
+
+        if self.task is None:
+            self.load()
+        max_length = getattr(self._args[2], "max_length", 128)
+        return measure_task(self.task, mask, settings.batch_sizes, settings.warmup, settings.repeats, max_length)
+
     def where(self) -> str:
         return f"{self.name}@{socket.gethostname()}:{os.getpid()}"
 
     def evaluate(self, units: list) -> list[tuple[str, MaskOutput]]:
         """Evaluate work units (``sweep.plan.WorkUnit``); returns ``(eval_id, output)`` pairs."""
+        if self.task is None:  # Ray restarted this actor after its process died: load again
+            self.load()
         outputs = self.task.evaluate([u.masked for u in units])
         return [(u.eval_id, out) for u, out in zip(units, outputs, strict=True)]

@@ -103,8 +103,12 @@ def build_model(state: dict, path: str | Path):
     """The model and task of a prepared state, through fairseq's own loader."""
     from fairseq import checkpoint_utils
 
+    from workers.fairseq_pruning import pruned_task
+
     try:
-        models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(path)], state=state)
+        # A checkpoint written by `headsweep export` holds fewer heads: its task builds the model pruned.
+        task = pruned_task(state)
+        models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(path)], state=state, task=task)
     except (RuntimeError, KeyError, AttributeError, ValueError, AssertionError, FileNotFoundError) as exc:
         raise HeadsweepError(f"cannot build the fairseq model from the checkpoint: {_first_line(exc)}") from None
     return models[0], cfg, task

@@ -1,0 +1,102 @@
+"""``headsweep export``: a copy of a sweep's model with heads physically removed.
+
+The model is the config's ``model`` section; the heads are a mask given by name, or the mask
+of a stored run's pruning level or evaluation (``sweep.stored_masks``). The output folder
+holds, for a transformers classifier, a ``save_pretrained`` directory whose
+``config.pruned_heads`` lists the removed heads (load it with
+``workers.physical_pruning.load_pruned``); for a fairseq translation model, ``checkpoint.pt``
+with the removed heads under ``headsweep_pruned_heads`` and the model's dictionaries beside
+it (a config with ``model.checkpoint: OUT/checkpoint.pt`` and ``model.data_bin: OUT`` loads
+it). Both get ``headsweep-export.json``: which heads were removed, which survive per layer,
+where the mask came from, and the parameter counts before and after.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from results.store import ResultStore
+from sweep.config import Config
+from sweep.errors import HeadsweepError
+from sweep.stored_masks import MaskChoice, explicit_mask, stored_mask
+from workers.heads import HeadInventory
+
+MANIFEST = "headsweep-export.json"
+
+
+def choose(inventory: HeadInventory, store: ResultStore | None, from_run: str | None, level: float | None,
+           eval_id: str | None, mask: Sequence[str] | None) -> MaskChoice:
+    """The mask named on the command line: head names, or a level / eval id of ``from_run``."""
+    if mask is not None:
+        if from_run or level is not None or eval_id is not None:
+            raise HeadsweepError("--mask names the heads itself: leave out --from-run, --level and --eval-id")
+        if not mask:
+            raise HeadsweepError("--mask is empty: name the heads to remove (e.g. self:0:1,self:2:3)")
+        return explicit_mask(mask, inventory)
+    if not from_run or (level is None) == (eval_id is None):
+        raise HeadsweepError("name the heads with --mask, or with --from-run RUN_ID and one of --level / --eval-id")
+    if store is None:
+        raise HeadsweepError("--from-run needs the results store (--store)")
+    return stored_mask(store, from_run, inventory, level=level, eval_id=eval_id)
+
+
+def _check_out(out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise HeadsweepError(f"--out {out} exists and is not an empty directory: choose a new one")
+    return out
+
+
+def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = None, from_run: str | None = None,
+                  level: float | None = None, eval_id: str | None = None,
+                  mask: Sequence[str] | None = None) -> Path:
+    """Write the config's model without the chosen heads to ``out_dir``; returns the folder."""
+    from workers.physical_pruning import count_parameters, prune_heads, site_inventory
+
+    out = _check_out(out_dir)  # before the model is loaded: a wrong folder should fail fast
+    kind = cfg.model.kind
+    if kind == "hf_classifier":
+        from workers.classifier import load_hf_model
+        from workers.hf_sites import find_sites
+
+        model, tokenizer = load_hf_model(cfg.model, "cpu")
+        sites = find_sites(model)
+    elif kind == "fairseq_translation":
+        from workers.fairseq_sites import find_fairseq_sites
+        from workers.translation import _load_model
+
+        loaded = _load_model(cfg.model)
+        model = loaded.model.eval()
+        sites = find_fairseq_sites(model)
+    else:
+        raise HeadsweepError(f"headsweep export does not know model.kind {kind!r}")
+    choice = choose(site_inventory(sites), store, from_run, level, eval_id, mask)
+    out.mkdir(parents=True, exist_ok=True)
+    n_full = count_parameters(model)
+    slices = prune_heads(model, choice.heads)
+    if kind == "hf_classifier":
+        from workers.physical_pruning import save_pruned
+
+        save_pruned(model, out, tokenizer)
+    else:
+        from workers.fairseq_checkpoint import read_checkpoint
+        from workers.fairseq_pruning import copy_dictionaries, save_pruned_checkpoint
+
+        state = read_checkpoint(cfg.model.checkpoint, cfg.model.trusted)
+        save_pruned_checkpoint(state, model, choice.heads, out / "checkpoint.pt")
+        copy_dictionaries(cfg.model.data_bin, [loaded.source_lang, loaded.target_lang], out)
+    manifest = {
+        "model": str(getattr(cfg.model, "path", None) or cfg.model.checkpoint),
+        "kind": kind,
+        "heads_removed": [str(h) for h in choice.heads],
+        "heads_kept": {f"{a}:{layer}": list(s.kept) for (a, layer), s in sorted(slices.items())},
+        "mask_source": choice.source,
+        "source_run": choice.run_id,
+        "level": choice.level,
+        "n_params_full": n_full,
+        "n_params_pruned": count_parameters(model),
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return out

@@ -1,0 +1,106 @@
+"""Export of pruned transformers models: save_pretrained directories that load back and compute the same.
+
+The fairseq checkpoint export is tested beside the fairseq pruning checks in
+test_physical_pruning.py (it reuses that module's trained model).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from conftest import run_cli
+from tiny_models import random_batch, tiny_classifier
+
+from results.store import ResultStore
+from sweep.config import load_config
+from sweep.errors import HeadsweepError
+from sweep.export import choose, export_pruned
+from workers.gates import HeadGates
+from workers.heads import Head
+from workers.hf_sites import find_sites
+from workers.physical_pruning import count_parameters, load_pruned, prune_heads, save_pruned, site_inventory
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("family", ["bert", "distilbert"])
+def test_save_and_load_pruned(family, tmp_path):
+    model = tiny_classifier(family, "sdpa", layers=3)
+    ids, mask = random_batch()
+    removed = [Head("self", 0, 1), Head("self", 0, 2), *(Head("self", 2, h) for h in range(4))]
+    gates = HeadGates(find_sites(model))
+    with torch.no_grad(), gates.masked(removed):
+        gated = model(input_ids=ids, attention_mask=mask).logits
+    gates.remove()
+    prune_heads(model, removed)
+    save_pruned(model, tmp_path / "pruned")
+    config = json.loads((tmp_path / "pruned" / "config.json").read_text())
+    assert config["pruned_heads"] == {"0": [1, 2], "2": [0, 1, 2, 3]}
+    reloaded = load_pruned(tmp_path / "pruned")
+    assert count_parameters(reloaded) == count_parameters(model)
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+        after = reloaded(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(after, before)  # the same weights, the same arithmetic
+    assert torch.allclose(after, gated, atol=1e-5, rtol=0)
+    assert not reloaded.training
+
+
+def test_load_pruned_of_a_full_model_and_bad_weights(tmp_path):
+    model = tiny_classifier("bert", "eager")
+    save_pruned(model, tmp_path / "full")
+    assert count_parameters(load_pruned(tmp_path / "full")) == count_parameters(model)
+    # weights that do not match the recorded heads are refused, not silently reinitialised
+    config = json.loads((tmp_path / "full" / "config.json").read_text())
+    config["pruned_heads"] = {"0": [1]}
+    (tmp_path / "full" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HeadsweepError, match="do not fit its pruned config"):
+        load_pruned(tmp_path / "full")
+
+
+def test_mask_choice_errors(tmp_path):
+    inventory = site_inventory(find_sites(tiny_classifier("bert", "eager")))
+    assert choose(inventory, None, None, None, None, ["self:1:3", "self:0:0"]).heads == (
+        Head("self", 0, 0), Head("self", 1, 3))
+    cases = [
+        (dict(mask=["self:0:9"]), "out of range"),
+        (dict(mask=["self:0:1"], from_run="r"), "leave out --from-run"),
+        (dict(level=0.5), "--from-run RUN_ID and one of"),
+        (dict(from_run="r", level=0.5, eval_id="baseline"), "one of --level / --eval-id"),
+        (dict(from_run="nope", level=0.5), "has no evaluations"),
+    ]
+    for kwargs, message in cases:
+        args = {"store": ResultStore(str(tmp_path / "store")), "from_run": None, "level": None, "eval_id": None,
+                "mask": None, **kwargs}
+        with pytest.raises(HeadsweepError, match=message):
+            choose(inventory, **args)
+
+
+def test_export_cli(tmp_path, tiny_bert_dir, tiny_dev_tsv):
+    cfg = {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "data": {"path": str(tiny_dev_tsv)}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "pruned"
+    proc = run_cli("export", str(tmp_path / "c.yaml"), "--mask", "self:1:0,self:0:3,self:1:2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(out)
+    manifest = json.loads((out / "headsweep-export.json").read_text())
+    assert manifest["heads_removed"] == ["self:0:3", "self:1:0", "self:1:2"]
+    assert manifest["heads_kept"] == {"self:0": [0, 1, 2], "self:1": [1, 3]}
+    assert manifest["n_params_full"] - manifest["n_params_pruned"] == 3 * 8 * (3 * 33 + 32)
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    full = AutoModelForSequenceClassification.from_pretrained(tiny_bert_dir).eval()
+    pruned = load_pruned(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)  # the tokenizer travels with the model
+    inputs = tokenizer(["the film was not good", "a fine but dull plot"], padding=True, return_tensors="pt")
+    gates = HeadGates(find_sites(full))
+    with torch.no_grad(), gates.masked([Head("self", 0, 3), Head("self", 1, 0), Head("self", 1, 2)]):
+        gated = full(**inputs).logits
+    with torch.no_grad():
+        assert torch.allclose(pruned(**inputs).logits, gated, atol=1e-5, rtol=0)
+    with pytest.raises(HeadsweepError, match=f"--out {out} exists and is not an empty directory"):
+        export_pruned(load_config(tmp_path / "c.yaml"), out, mask=["self:0:1"])

@@ -1,0 +1,293 @@
+"""Physical head pruning: the pruned model computes what the gated model computes, with fewer weights.
+
+Every check compares a pruned model with two routes that share no code with the pruning: the
+gated model (headsweep's gates) and a fresh copy whose W_O columns for the removed heads are
+set to zero (no gates, no pruning). Masks are random (seeded, including whole layers) and
+pruning levels from real gradient importance.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import zlib
+
+import pytest
+import torch
+from tiny_fairseq import fairseq_load, plain_beam_search, plain_reference_nll, train_tiny, zero_heads
+from tiny_models import random_batch, tiny_classifier
+
+from sweep.config import build_config
+from sweep.errors import HeadsweepError
+from sweep.export import export_pruned
+from sweep.pruning import level_masks
+from workers.classifier import load_classifier
+from workers.classifier_config import ClassifierData, ClassifierModel
+from workers.efficiency import measure_task
+from workers.fairseq_pruning import PRUNED_KEY
+from workers.gates import HeadGates
+from workers.head_slicing import plan_slice
+from workers.heads import Head
+from workers.hf_sites import find_sites
+from workers.importance import gradient_importance
+from workers.physical_pruning import (
+    EmptyDistilBertAttention,
+    EmptySelfAttention,
+    count_parameters,
+    prune_heads,
+    ungated_copy,
+)
+from workers.synthetic_sentiment import generate, write_tsv
+from workers.tasks import RuntimeOptions
+from workers.translation import load_translation
+from workers.translation_config import TranslationData, TranslationModel
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BEAM, MAX_LEN_B = 3, 24
+LEVELS = [0.25, 0.5, 0.75, 1.0]
+
+
+def random_mask(heads: list[Head], seed: int, whole_layer: tuple[str, int]) -> list[Head]:
+    """About a third of the heads at random, plus every head of ``whole_layer``."""
+    rng = random.Random(seed)
+    picked = {h for h in heads if rng.random() < 0.35}
+    picked |= {h for h in heads if (h.attention, h.layer) == whole_layer}
+    return sorted(picked)
+
+
+def head_parameters(module_in: int, module_out: int, head_dim: int, bias: bool = True) -> int:
+    """Weights one head owns: ``head_dim`` rows of W_Q, W_K, W_V (with biases) and columns of W_O."""
+    return head_dim * (3 * (module_in + int(bias)) + module_out)
+
+
+# -- the slicing rule ---------------------------------------------------------------------------
+def test_slice_rows_and_columns_of_plain_attention():
+    s = plan_slice(num_heads=4, head_dim=2, removed=[0, 2])
+    assert s.kept == (1, 3) and s.removed == (0, 2) and s.kept_kv == (1, 3)
+    assert s.query_rows.tolist() == [2, 3, 6, 7] and s.kv_rows.tolist() == [2, 3, 6, 7]
+    assert plan_slice(4, 2, range(4)).query_rows.numel() == 0
+
+
+def test_grouped_query_attention_keeps_a_shared_kv_head_while_any_query_head_uses_it():
+    # 8 query heads share 2 key/value heads: heads 0-3 read kv 0, heads 4-7 read kv 1.
+    s = plan_slice(num_heads=8, head_dim=2, removed=[0, 1, 2, 5], num_kv_heads=2)
+    assert s.kept == (3, 4, 6, 7) and s.kept_kv == (0, 1)
+    assert s.kv_index == (0, 1, 1, 1)
+    s = plan_slice(num_heads=8, head_dim=2, removed=[0, 1, 2, 3, 5], num_kv_heads=2)
+    assert s.kept_kv == (1,) and s.kv_rows.tolist() == [2, 3] and s.kv_index == (0, 0, 0)
+    with pytest.raises(HeadsweepError, match="out of range"):
+        plan_slice(4, 2, [4])
+
+
+# -- transformers -------------------------------------------------------------------------------
+def zero_wo_columns(model, heads: list[Head]):
+    """Independent route: a copy with the W_O columns of ``heads`` set to zero (bias kept)."""
+    model = copy.deepcopy(model)
+    sites = {s.key: s for s in find_sites(model)}
+    with torch.no_grad():
+        for h in heads:
+            site = sites[(h.attention, h.layer)]
+            site.out_proj.weight[:, h.head * site.head_dim : (h.head + 1) * site.head_dim] = 0.0
+    return model
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert"])
+def test_pruned_classifier_equals_gated_and_zeroed_columns(family, attn):
+    model = tiny_classifier(family, attn, layers=3)
+    ids, mask = random_batch()
+    sites = find_sites(model)
+    heads = [h for s in sites for h in (Head("self", s.layer, i) for i in range(s.num_heads))]
+    removed = random_mask(heads, seed=zlib.crc32(f"{family}-{attn}".encode()), whole_layer=("self", 1))
+    gates = HeadGates(sites)
+    with torch.no_grad():
+        with gates.masked(removed):
+            gated = model(input_ids=ids, attention_mask=mask).logits
+        zeroed = zero_wo_columns(model, removed)(input_ids=ids, attention_mask=mask).logits
+        pruned_model = ungated_copy(model, gates)
+        n_full = count_parameters(pruned_model)
+        prune_heads(pruned_model, removed)
+        pruned = pruned_model(input_ids=ids, attention_mask=mask).logits
+    assert torch.allclose(pruned, gated, atol=1e-5, rtol=0)
+    assert torch.allclose(pruned, zeroed, atol=1e-5, rtol=0)
+    hidden, d = 32, 8
+    assert n_full - count_parameters(pruned_model) == len(removed) * head_parameters(hidden, hidden, d)
+    # the emptied layer computes no attention at all
+    if family == "distilbert":
+        assert isinstance(pruned_model.distilbert.transformer.layer[1].attention, EmptyDistilBertAttention)
+    else:
+        assert isinstance(getattr(pruned_model, family).encoder.layer[1].attention.self, EmptySelfAttention)
+
+
+@pytest.fixture(scope="module")
+def classifier(tiny_bert_dir, tiny_dev_tsv, tmp_path_factory):
+    """A real classifier task and pruning levels from gradient importance on separate data."""
+    train = write_tsv(generate(48, seed=5), tmp_path_factory.mktemp("prune_train") / "train.tsv")
+    model_cfg = ClassifierModel(path=str(tiny_bert_dir))
+    task = load_classifier(model_cfg, ClassifierData(path=str(tiny_dev_tsv)), RuntimeOptions(batch_size=16))
+    scorer = load_classifier(model_cfg, ClassifierData(path=str(train)), RuntimeOptions(batch_size=16))
+    scores = gradient_importance(scorer, per_token=True, normalize=True).scores
+    return task, level_masks(scores, task.gates.inventory, LEVELS)
+
+
+@torch.inference_mode()
+def pruned_logits(task, model) -> torch.Tensor:
+    out = torch.empty(len(task.examples.ids), model.config.num_labels)
+    for idx, inputs in task.batches:
+        out[idx] = model(**inputs).logits.float()
+    return out
+
+
+def test_pruning_levels_of_a_real_importance_ranking(classifier):
+    task, levels = classifier
+    full = ungated_copy(task.model, task.gates)
+    n_full = count_parameters(full)
+    hidden = task.model.config.hidden_size
+    d = hidden // task.model.config.num_attention_heads
+    for level, mask in levels:
+        gated = task.logits([mask])[0]
+        model = ungated_copy(task.model, task.gates)
+        prune_heads(model, mask)
+        assert torch.allclose(pruned_logits(task, model), gated, atol=1e-5, rtol=0), level
+        assert n_full - count_parameters(model) == len(mask) * head_parameters(hidden, hidden, d)
+    assert len(levels[-1][1]) == 8  # level 1.0: every head of every layer removed
+
+
+def test_classifier_efficiency_rows(classifier):
+    task, levels = classifier
+    mask = dict(levels)[0.5]
+    rows = measure_task(task, mask, batch_sizes=[1, 3], warmup=0, repeats=2, max_length=64)
+    assert [(r["variant"], r["batch_size"]) for r in rows] == [("full", 1), ("pruned", 1), ("full", 3), ("pruned", 3)]
+    full, pruned = rows[0], rows[1]
+    assert full["n_heads"] == 8 and pruned["n_heads"] == 4
+    assert full["n_params"] - pruned["n_params"] == 4 * head_parameters(32, 32, 8)
+    assert full["speedup"] == 1.0 and pruned["speedup"] > 0
+    for r in rows:
+        assert r["examples"] == r["batch_size"] and r["tokens"] >= r["batch_size"] and r["repeats"] == 2
+        assert 0 < r["seconds_min"] <= r["seconds_median"] <= r["seconds_max"]
+        assert r["peak_memory_mb"] > r["n_params"] * 4 / 2**20  # weights plus activations
+    assert pruned["peak_memory_mb"] < full["peak_memory_mb"]
+
+
+def test_refusals(classifier, tiny_bert_dir):
+    task, levels = classifier
+    model = ungated_copy(task.model, task.gates)
+    with pytest.raises(HeadsweepError, match="layer 5 out of range"):
+        prune_heads(model, [Head("self", 5, 0)])
+    prune_heads(model, [Head("self", 0, 1)])
+    with pytest.raises(HeadsweepError, match="already pruned"):
+        prune_heads(model, [Head("self", 0, 2)])
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(HeadsweepError, match="grouped-query attention are not supported yet"):
+        prune_heads(llama, [Head("self", 0, 0)])
+    assert llama.model.layers[0].self_attn.q_proj.out_features == 16  # refused before anything changed
+
+
+# -- fairseq ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, one_thread):
+    return train_tiny(tmp_path_factory.mktemp("tiny_fairseq_prune"))
+
+
+@pytest.fixture(scope="module")
+def translation(tiny):
+    model_cfg = TranslationModel(checkpoint=str(tiny.checkpoint), data_bin=str(tiny.data.data_bin), beam=BEAM,
+                                 max_len_b=MAX_LEN_B)
+    runtime = RuntimeOptions(batch_size=64, masks_per_batch=1)
+    task = load_translation(model_cfg, TranslationData(data_bin=str(tiny.data.data_bin), split="test"), runtime)
+    scorer = load_translation(model_cfg, TranslationData(data_bin=str(tiny.data.data_bin), split="valid"), runtime)
+    scores = gradient_importance(scorer, per_token=True, normalize=True).scores
+    return task, level_masks(scores, task.gates.inventory, [0.5, 1.0])
+
+
+def fairseq_masks(task, levels) -> list[tuple[str, list[Head]]]:
+    heads = task.gates.inventory.heads
+    return [
+        ("random", random_mask(heads, seed=3, whole_layer=("enc_dec", 1))),
+        ("random", random_mask(heads, seed=4, whole_layer=("dec_self", 0))),
+        *[(f"level {p}", list(mask)) for p, mask in levels],
+    ]
+
+
+def test_pruned_fairseq_model_translates_like_the_gated_one(tiny, translation):
+    task, levels = translation
+    fresh, ftask = fairseq_load(tiny.checkpoint, tiny.data.data_bin)
+    sources, targets = task.examples.source, task.examples.target
+    n_full = count_parameters(fresh)
+    d = fresh.encoder.layers[0].self_attn.head_dim
+    embed = fresh.encoder.layers[0].self_attn.q_proj.in_features
+    for what, mask in fairseq_masks(task, levels):
+        gated = task.translate([mask])[0]
+        model = copy.deepcopy(fresh)
+        prune_heads(model, mask)
+        assert n_full - count_parameters(model) == len(mask) * head_parameters(embed, embed, d), what
+        # beam search: incremental decoding with the pruned key/value caches of all three attention types
+        decoded = plain_beam_search(model, ftask, sources, BEAM, MAX_LEN_B)
+        for i, (hyp, (tokens, score)) in enumerate(zip(gated, decoded, strict=True)):
+            assert hyp.tokens.tolist() == tokens, f"{what}: sentence {i}"
+            assert abs(hyp.score - score) < 1e-5, f"{what}: sentence {i}"
+        # teacher forcing against the gate-free route: W_O columns zeroed on a fresh model
+        reference = plain_reference_nll(zero_heads(copy.deepcopy(fresh), mask), ftask, sources, targets)
+        pruned_nll = plain_reference_nll(model, ftask, sources, targets)
+        assert abs(pruned_nll - reference).max() < 1e-5, what
+    assert len(levels[-1][1]) == 24
+
+
+def test_pruned_fairseq_logits(tiny, translation):
+    task, levels = translation
+    mask = dict(levels)[0.5]
+    sample = task.batches[0]
+    fresh, _ = fairseq_load(tiny.checkpoint, tiny.data.data_bin)
+    model = copy.deepcopy(fresh)
+    prune_heads(model, mask)
+    with torch.no_grad():
+        pruned = model(**sample["net_input"])[0]
+        reference = zero_heads(copy.deepcopy(fresh), mask)(**sample["net_input"])[0]
+        task.gates.set_mask(mask)
+        try:
+            gated = task.model(**sample["net_input"])[0]
+        finally:
+            task.gates.clear()
+    assert torch.allclose(pruned, gated, atol=1e-5, rtol=0)
+    assert torch.allclose(pruned, reference, atol=1e-5, rtol=0)
+
+
+def test_translation_efficiency_rows(translation):
+    task, levels = translation
+    rows = measure_task(task, dict(levels)[0.5], batch_sizes=[2], warmup=0, repeats=1)
+    full, pruned = rows
+    assert (full["variant"], pruned["variant"]) == ("full", "pruned")
+    assert full["n_heads"] == 24 and pruned["n_heads"] == 12
+    assert full["n_params"] - pruned["n_params"] == 12 * head_parameters(32, 32, 8)
+    assert full["tokens"] > 2 and pruned["tokens"] == full["tokens"]
+
+
+def test_exported_fairseq_checkpoint_reloads_with_headsweeps_loader(tiny, translation, tmp_path):
+    """``headsweep export`` of a translation model: a checkpoint that loads with weights_only and translates
+    exactly like the gated model (the CLI wiring itself is tested in test_export.py)."""
+    task, levels = translation
+    mask = fairseq_masks(task, levels)[0][1]
+    data_bin = str(tiny.data.data_bin)
+    cfg = build_config({
+        "model": {"kind": "fairseq_translation", "checkpoint": str(tiny.checkpoint), "data_bin": data_bin},
+        "data": {"data_bin": data_bin, "split": "test"},
+    })
+    out = export_pruned(cfg, tmp_path / "pruned", mask=[str(h) for h in mask])
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert state[PRUNED_KEY] == [str(h) for h in mask] and "last_optimizer_state" not in state
+    manifest = json.loads((out / "headsweep-export.json").read_text())
+    assert manifest["n_params_full"] - manifest["n_params_pruned"] == len(mask) * head_parameters(32, 32, 8)
+    model_cfg = TranslationModel(checkpoint=str(out / "checkpoint.pt"), data_bin=str(out), beam=BEAM,
+                                 max_len_b=MAX_LEN_B)
+    reloaded = load_translation(model_cfg, TranslationData(data_bin=str(tiny.data.data_bin), split="test"),
+                                RuntimeOptions(batch_size=64, masks_per_batch=1))
+    kept = {(s.attention, s.layer): s.num_heads for s in reloaded.describe().inventory.layers}
+    assert kept[("enc_dec", 1)] == 0 and sum(kept.values()) == 24 - len(mask)
+    for a, b in zip(task.translate([mask])[0], reloaded.translate([()])[0], strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist() and abs(a.score - b.score) < 1e-5
+    assert abs(task.reference_loss([mask])[0] - reloaded.reference_loss([()])[0]).max() < 1e-5

@@ -1,0 +1,264 @@
+"""Physical head pruning: remove heads' weights from a model instead of gating them.
+
+Masking a head saves no compute; removing its rows of W_Q, W_K, W_V and its columns of W_O
+does. The pruned model computes exactly what the gated model computes (the gate at the output
+projection's input is the only place a head meets the rest of the model), with fewer
+parameters and less work. A layer may lose every head: its attention then adds only the
+output projection's bias, and the module skips attention altogether.
+
+Supported here: transformers 5 BERT-family encoders (BERT, RoBERTa, ELECTRA, MiniLM: the
+``.self`` + ``.output.dense`` layout) and DistilBERT, found by ``workers.hf_sites``; fairseq
+encoder-decoder models are pruned by ``workers.fairseq_pruning`` (:func:`prune_heads` picks
+the route). Decoder-only models with grouped-query attention are refused for now; the slicing
+rule they need is in ``workers.head_slicing``.
+
+Exported transformers models keep the removed heads in ``config.pruned_heads``
+(``{"layer": [head, ...]}``, original head numbers, the format transformers 4 used), and
+:func:`load_pruned` rebuilds them with stock transformers 5: the model is built from its
+config, the same heads are removed, then the saved weights are loaded with strict key and
+shape checks.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sweep.errors import HeadsweepError
+from workers.gates import AttentionSite, HeadGates
+from workers.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
+from workers.heads import Head, HeadInventory, LayerShape
+
+PRUNED_HEADS_KEY = "pruned_heads"
+
+SiteKey = tuple[str, int]
+
+
+def prune_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteKey, HeadSlice]:
+    """Remove ``heads`` from ``model`` in place; returns each pruned module's slice.
+
+    Works on transformers BERT-family/DistilBERT models and on fairseq encoder-decoder
+    Transformers. Heads are named as in the results tables (``self:0:3``, ``enc_dec:1:2``);
+    the pruned model numbers each layer's kept heads from 0 again, in their old order.
+    """
+    if any(type(m).__module__.startswith("fairseq.") for m in model.modules()):
+        from workers.fairseq_pruning import prune_fairseq_heads
+
+        return prune_fairseq_heads(model, heads)
+    return prune_hf_heads(model, heads)
+
+
+def site_inventory(sites: list[AttentionSite]) -> HeadInventory:
+    """Every head of the given attention sites."""
+    return HeadInventory([LayerShape(s.attention, s.layer, s.num_heads) for s in sites])
+
+
+def group_by_site(sites: list[AttentionSite], heads: Iterable[Head]) -> dict[SiteKey, set[int]]:
+    """Heads grouped by ``(attention, layer)``, each checked against the model's own head counts."""
+    inventory = site_inventory(sites)
+    grouped: dict[SiteKey, set[int]] = {}
+    for head in heads:
+        inventory.check(head)
+        grouped.setdefault((head.attention, head.layer), set()).add(head.head)
+    return grouped
+
+
+# -- transformers ----------------------------------------------------------------------------
+class EmptySelfAttention(nn.Module):
+    """The inner self-attention of a BERT-family layer that has lost every head.
+
+    It returns an empty context (no attention is computed), so the layer's output projection
+    contributes exactly its bias, as in the gated model with every gate at 0. The (empty)
+    projections stay as children so that the state dict has the same keys as before.
+    """
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        for name, child in inner.named_children():
+            self.add_module(name, child)
+        self.num_attention_heads = 0
+        self.attention_head_size = inner.attention_head_size
+        self.all_head_size = 0
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
+        return hidden_states.new_zeros(*hidden_states.shape[:-1], 0), None
+
+
+class EmptyDistilBertAttention(nn.Module):
+    """DistilBERT attention with every head removed: the output projection's bias, broadcast."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        for name, child in inner.named_children():
+            self.add_module(name, child)
+        self.config = inner.config
+        self.n_heads = 0
+        self.dim = inner.dim
+        self.attention_head_size = inner.attention_head_size
+        self.is_causal = False
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
+        # An empty input to out_lin gives its bias (or zeros without one) at every position.
+        return self.out_lin(hidden_states.new_zeros(*hidden_states.shape[:-1], 0)), None
+
+
+def prune_hf_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteKey, HeadSlice]:
+    """Remove ``heads`` (attention ``self``) from a transformers BERT-family or DistilBERT model, in place."""
+    from workers.hf_sites import find_sites
+
+    if getattr(getattr(model, "config", None), PRUNED_HEADS_KEY, None):
+        # Its heads are renumbered: a mask in the original numbers would remove the wrong ones.
+        raise HeadsweepError("this model was already pruned (config.pruned_heads is set): prune the original model")
+    sites = find_sites(model)
+    if not sites:
+        raise HeadsweepError(f"no attention modules recognised in {type(model).__name__}: nothing to prune")
+    grouped = group_by_site(sites, heads)
+    work = [(site, _hf_family(site), plan_slice(site.num_heads, site.head_dim, grouped[site.key]))
+            for site in sites if grouped.get(site.key)]
+    for site, family, plan in work:  # every module checked before the first one changes
+        _apply_hf(model, site, family, plan)
+    slices = {site.key: plan for site, _, plan in work}
+    _record_pruned(model, slices)
+    return slices
+
+
+def _hf_family(site: AttentionSite) -> str:
+    module = site.module
+    if hasattr(getattr(module, "self", None), "num_attention_heads"):
+        return "bert"
+    if hasattr(module, "out_lin") and hasattr(module, "n_heads"):
+        return "distilbert"
+    raise HeadsweepError(
+        f"{site.module_name} ({type(module).__name__}): physical pruning supports BERT-family and DistilBERT "
+        "attention; decoder-only models with grouped-query attention are not supported yet"
+    )
+
+
+def _apply_hf(model: nn.Module, site: AttentionSite, family: str, plan: HeadSlice) -> None:
+    module = site.module
+    if family == "bert":
+        inner = module.self
+        for proj in (inner.query, inner.key, inner.value):
+            keep_rows(proj, plan.query_rows)
+        keep_columns(module.output.dense, plan.query_rows)
+        inner.num_attention_heads = len(plan.kept)
+        inner.all_head_size = len(plan.kept) * plan.head_dim
+        if not plan.kept:
+            module.self = EmptySelfAttention(inner)
+    else:
+        for proj in (module.q_lin, module.k_lin, module.v_lin):
+            keep_rows(proj, plan.query_rows)
+        keep_columns(module.out_lin, plan.query_rows)
+        module.n_heads = len(plan.kept)
+        if not plan.kept:
+            parent_name, _, child = site.module_name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, EmptyDistilBertAttention(module))
+
+
+def _record_pruned(model: nn.Module, slices: dict[SiteKey, HeadSlice]) -> None:
+    """Record the removed heads in ``config.pruned_heads`` (original numbers), which ``save_pretrained`` writes."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        setattr(config, PRUNED_HEADS_KEY, {str(layer): list(s.removed) for (_, layer), s in sorted(slices.items())})
+
+
+def pruned_heads_of(config) -> list[Head]:
+    """The removed heads recorded in a transformers config (empty if it was never pruned)."""
+    record = getattr(config, PRUNED_HEADS_KEY, None) or {}
+    try:
+        return sorted(Head("self", int(layer), int(h)) for layer, hs in record.items() for h in hs)
+    except (TypeError, ValueError, AttributeError):
+        raise HeadsweepError(
+            f"config.{PRUNED_HEADS_KEY} must map layer numbers to lists of heads, got {record!r}"
+        ) from None
+
+
+def save_pruned(model: nn.Module, out_dir: str | Path, tokenizer=None) -> Path:
+    """``save_pretrained`` a pruned transformers model (and its tokenizer); :func:`load_pruned` reads it back."""
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def load_pruned(model_dir: str | Path, attn_implementation: str | None = None, device: str = "cpu") -> nn.Module:
+    """Load a model saved by :func:`save_pruned` (or any ``save_pretrained`` directory), in eval mode.
+
+    The architecture named in ``config.architectures`` is built from the config with stock
+    transformers, the heads in ``config.pruned_heads`` are removed, and the saved weights are
+    loaded strictly (every key, every shape). A directory without ``pruned_heads`` loads as
+    the full model.
+    """
+    import transformers
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    try:
+        config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise HeadsweepError(f"cannot read the model config in {model_dir}: {str(exc).splitlines()[0]}") from None
+    names = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, names[0], None) if names else None
+    if cls is None:
+        raise HeadsweepError(f"{model_dir}/config.json names no transformers architecture (architectures: {names})")
+    if attn_implementation:
+        config._attn_implementation = attn_implementation
+    heads = pruned_heads_of(config)
+    setattr(config, PRUNED_HEADS_KEY, {})
+    model = cls(config)
+    if heads:
+        prune_hf_heads(model, heads)
+    state: dict[str, torch.Tensor] = {}
+    for file in _weight_files(model_dir):
+        state.update(load_file(str(file)))
+    floating = [t.dtype for t in state.values() if t.is_floating_point()]
+    if floating:
+        model.to(floating[0])
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        reason = str(exc).splitlines()[0]
+        raise HeadsweepError(f"the weights in {model_dir} do not fit its pruned config: {reason}") from None
+    return model.to(device).eval()
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise HeadsweepError(f"no model.safetensors in {model_dir}")
+    return [single]
+
+
+# -- shared ------------------------------------------------------------------------------------
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameter elements (shared parameters counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def ungated_copy(model: nn.Module, gates: HeadGates) -> nn.Module:
+    """A deep copy of a gated model with the gates' hooks taken off: what the stock library runs.
+
+    fairseq modules get their fused attention path back wherever their shapes allow it
+    (``skip_embed_dim_check`` stays on only for modules whose heads were already removed).
+    """
+    clone = copy.deepcopy(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    for site in gates.sites:
+        proj = clone.get_submodule(names[id(site.out_proj)])
+        for handle in site.hook_handles:
+            proj._forward_pre_hooks.pop(handle.id, None)
+            proj._forward_pre_hooks_with_kwargs.pop(handle.id, None)
+        module = clone.get_submodule(names[id(site.module)])
+        if hasattr(module, "skip_embed_dim_check"):
+            module.skip_embed_dim_check = module.num_heads * module.head_dim != module.out_proj.out_features
+    return clone
