@@ -120,6 +120,21 @@ def test_pruned_classifier_equals_gated_and_zeroed_columns(family, attn):
     else:
         assert isinstance(getattr(pruned_model, family).encoder.layer[1].attention.self, EmptySelfAttention)
 
+    # A pruned model can be swept in turn: its sites keep their layer numbers (the emptied layer has
+    # none), and gating one of its heads equals zeroing that head's W_O columns.
+    pruned_sites = find_sites(pruned_model)
+    kept = {la: 4 - sum(h.layer == la for h in removed) for la in range(3)}
+    assert [(s.layer, s.num_heads) for s in pruned_sites] == [(la, n) for la, n in kept.items() if n]
+    target = Head("self", pruned_sites[-1].layer, pruned_sites[-1].num_heads - 1)
+    gates = HeadGates(pruned_sites)
+    with torch.no_grad():
+        with gates.masked([target]):
+            gated_pruned = pruned_model(input_ids=ids, attention_mask=mask).logits
+        gates.remove()
+        zeroed_pruned = zero_wo_columns(pruned_model, [target])(input_ids=ids, attention_mask=mask).logits
+    assert torch.allclose(gated_pruned, zeroed_pruned, atol=1e-5, rtol=0)
+    assert (gated_pruned - pruned).abs().max() > 1e-6  # the gate did act
+
 
 @pytest.fixture(scope="module")
 def classifier(tiny_bert_dir, tiny_dev_tsv, tmp_path_factory):

@@ -29,7 +29,8 @@ def _distilbert_family(module: nn.Module) -> tuple[int, int, nn.Linear] | None:
     out = getattr(module, "out_lin", None)
     if not isinstance(out, nn.Linear) or not hasattr(module, "n_heads"):
         return None
-    return module.n_heads, module.dim // module.n_heads, out
+    # After physical pruning `dim` is still the model width, but out_lin takes only the kept heads.
+    return module.n_heads, (out.in_features // module.n_heads if module.n_heads else 0), out
 
 
 def _llama_family(module: nn.Module) -> tuple[int, int, nn.Linear] | None:
@@ -50,15 +51,19 @@ def find_sites(model: nn.Module) -> list[AttentionSite]:
     Layers are numbered in module order, which is the order of the layer stack.
     """
     sites: list[AttentionSite] = []
+    layer = 0
     for name, module in model.named_modules():
         for recognise in RECOGNISERS:
             found = recognise(module)
             if found is not None:
                 num_heads, head_dim, out_proj = found
+                layer += 1
+                if num_heads == 0:  # every head of this layer was physically removed: nothing to gate
+                    break
                 sites.append(
                     AttentionSite(
                         attention="self",
-                        layer=len(sites),
+                        layer=layer - 1,
                         num_heads=int(num_heads),
                         head_dim=int(head_dim),
                         out_proj=out_proj,
