@@ -2,11 +2,14 @@
 
 The data are tokenised once, sorted by length into batches, and kept on the device. Several
 masks share one forward pass: the batch is repeated once per mask and each copy carries its
-own gates (per-example gates), which keeps small models busy.
+own gates (per-example gates), which keeps small models busy. With ``sweep.reuse`` (the
+default) each mask's pass also starts at its first gated layer from cached baseline states
+(:mod:`workers.prefix_reuse`); ``reuse: false`` runs every mask through the whole model.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -16,16 +19,19 @@ import torch
 import torch.nn.functional as F
 
 from sweep.errors import HeadsweepError
+from workers.batch_budget import cache_budget
+from workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from workers.classification_data import read_examples
 from workers.classifier_config import ClassifierData, ClassifierModel
 from workers.gates import HeadGates
 from workers.heads import Head
 from workers.hf_sites import find_sites
 from workers.metrics import ACCURACY
+from workers.prefix_reuse import PrefixReuse, classifier_layout, first_gated_layer
+from workers.replay import ReuseUnsupported
 from workers.tasks import DatasetInfo, MaskOutput, RuntimeOptions
 
-# Rows (examples x masks) in one forward pass when sweep.masks_per_batch is 0 (automatic).
-AUTO_ROWS_PER_FORWARD = {"cpu": 256, "cuda": 1024}
+logger = logging.getLogger(__name__)
 
 
 def resolve_model_dir(path: str) -> Path:
@@ -113,6 +119,21 @@ class ClassifierTask:
         self.batches = self._tokenise(examples, data_cfg.max_length, runtime.batch_size)
         self.model_name = Path(model_cfg.path).name
         self.dataset_name = data_cfg.name or Path(data_cfg.path).stem
+        self._reuse: PrefixReuse | None = None
+        self.reuse_note = "off (sweep.reuse: false): every mask runs the whole model"
+        if runtime.reuse:
+            try:
+                layout = classifier_layout(self.model, self.gates.sites)
+            except ReuseUnsupported as exc:
+                self._no_reuse(str(exc))
+            else:
+                self._reuse = PrefixReuse(self.model, self.gates, layout, cache_budget(self.device))
+                self.reuse_note = "prefix: masks start at their first gated layer from cached baseline states"
+
+    def _no_reuse(self, reason: str) -> None:
+        self._reuse = None
+        self.reuse_note = f"plain path: prefix reuse does not support this model ({reason})"
+        logger.warning("%s: %s", self.model_name, self.reuse_note)
 
     def _tokenise(self, ex, max_length: int, batch_size: int) -> list[tuple[torch.Tensor, dict]]:
         enc = self.tokenizer(ex.texts, ex.text_pairs, truncation=True, max_length=max_length)
@@ -134,25 +155,78 @@ class ClassifierTask:
             example_ids=self.examples.ids,
             references=self.examples.labels,
             inventory=self.gates.inventory,
-            facts={"model_class": type(self.model).__name__, "num_labels": int(self.model.config.num_labels)},
+            facts={"model_class": type(self.model).__name__, "num_labels": int(self.model.config.num_labels),
+                   "reuse": self.reuse_note},
         )
 
-    def masks_per_forward(self) -> int:
-        if self.runtime.masks_per_batch > 0:
-            return self.runtime.masks_per_batch
-        rows = AUTO_ROWS_PER_FORWARD.get(self.device.type, 256)
-        return max(1, rows // max(1, self.runtime.batch_size))
+    def bytes_per_row(self, inputs: dict | None = None) -> int:
+        """Activation bytes of one example of ``inputs`` (default: the longest batch) at the widest
+        point of a layer (an estimate, see batch_budget).
+
+        Per token: hidden states, queries/keys/values, contexts and outputs (~8 x hidden), the
+        feed-forward activation before and after its nonlinearity (2 x intermediate) and a
+        row of attention scores before and after softmax (2 x heads x length).
+        """
+        cfg = self.model.config
+        hidden = int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "dim", 0) or 768)
+        inner = int(getattr(cfg, "intermediate_size", 0) or getattr(cfg, "hidden_dim", 0) or 4 * hidden)
+        heads = int(getattr(cfg, "num_attention_heads", 0) or getattr(cfg, "n_heads", 0) or 12)
+        if inputs is None:
+            length = max(b["input_ids"].shape[1] for _, b in self.batches)
+        else:
+            length = inputs["input_ids"].shape[1]
+        itemsize = torch.finfo(self.model.dtype).bits // 8
+        return length * itemsize * (8 * hidden + 2 * inner + 2 * heads * length)
+
+    def masks_per_forward(self, inputs: dict | None = None) -> int:
+        """``sweep.masks_per_batch``, or (0: automatic) as many copies of the batch ``inputs``
+        (default: the longest) as the activation budget holds."""
+        return budget_masks_per_forward(self.runtime.masks_per_batch, self.runtime.batch_size,
+                                        self.bytes_per_row(inputs), self.device)
 
     @torch.inference_mode()
     def logits(self, masks: Sequence[Sequence[Head]]) -> torch.Tensor:
         """Logits of every example under each mask: shape (n_masks, n_examples, n_labels)."""
+        if self._reuse is not None:
+            try:
+                return self._logits_reused(masks)
+            except ReuseUnsupported as exc:
+                self._no_reuse(str(exc))
+        return self._logits_plain(masks)
+
+    def _logits_reused(self, masks: Sequence[Sequence[Head]]) -> torch.Tensor:
+        """Masks grouped by first gated layer; each group starts there from the batch's baseline states."""
+        out = torch.empty(len(masks), len(self.examples.ids), self.model.config.num_labels, device=self.device)
+        groups: dict[int | None, list[int]] = {}
+        for i, mask in enumerate(masks):
+            for head in mask:
+                self.gates.inventory.check(head)
+            groups.setdefault(first_gated_layer(mask), []).append(i)
+        for key, (idx, inputs) in enumerate(self.batches):
+            per = self.masks_per_forward(inputs)
+            states = self._reuse.states(key, inputs)
+            cols = idx.to(self.device)
+            rows = idx.numel()
+            for layer, members in groups.items():
+                for first in range(0, len(members), per):
+                    chunk = members[first : first + per]
+                    if layer is None:
+                        logits = states.logits.float().repeat(len(chunk), 1)
+                    else:
+                        logits = self._reuse.run(inputs, states, layer, [masks[i] for i in chunk]).float()
+                    which = torch.tensor(chunk, device=self.device)
+                    out[which.unsqueeze(1), cols.unsqueeze(0)] = logits.view(len(chunk), rows, -1)
+        return out
+
+    def _logits_plain(self, masks: Sequence[Sequence[Head]]) -> torch.Tensor:
+        """The reference: every mask (or copy of the batch) runs the whole model."""
         n = len(self.examples.ids)
         out = torch.empty(len(masks), n, self.model.config.num_labels, device=self.device)
-        per = self.masks_per_forward()
-        for first in range(0, len(masks), per):
-            chunk = masks[first : first + per]
-            for idx, inputs in self.batches:
-                rows = idx.numel()
+        for idx, inputs in self.batches:
+            per = self.masks_per_forward(inputs)
+            rows = idx.numel()
+            for first in range(0, len(masks), per):
+                chunk = masks[first : first + per]
                 if len(chunk) == 1:
                     self.gates.set_mask(chunk[0])
                     stacked = inputs

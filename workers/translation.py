@@ -10,14 +10,21 @@ to its sentence (see :class:`_RoutedEnsemble`). Sentences never interact in fair
 search, and a packed batch holds exactly the sentences (and padding) of the unpacked one, so
 packing changes nothing but floating-point summation order inside matrix products.
 
+With ``sweep.reuse`` (the default) the encoder is not run again for masks that leave it alone:
+masks gating only ``enc_dec`` / ``dec_self`` heads read the baseline encoder output, and masks
+gating ``enc_self`` heads start the encoder at their first gated layer
+(:mod:`workers.encoder_reuse`), in beam search and in teacher-forced scoring alike.
+``reuse: false`` runs the whole model for every mask (the reference).
+
 Per-sentence statistics are sacrebleu's own BLEU sufficient statistics of the detokenised
 hypothesis against the reference; the corpus score is computed from their sum.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,16 +36,19 @@ from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
 from sacrebleu.metrics import BLEU as SacreBLEU
 
 from sweep.errors import HeadsweepError
+from workers.batch_budget import cache_budget
+from workers.batch_budget import masks_per_forward as budget_masks_per_forward
+from workers.encoder_reuse import EncoderReuse
 from workers.fairseq_checkpoint import build_model, check_dictionaries, prepare_state, read_checkpoint, task_option
 from workers.fairseq_sites import FairseqHeadGates, gate_fairseq_model
 from workers.heads import Head
 from workers.metrics import BLEU
+from workers.replay import ReuseUnsupported
 from workers.tasks import DatasetInfo, MaskOutput, RuntimeOptions
 from workers.translation_config import TranslationData, TranslationModel
 from workers.translation_data import ParallelExamples, TextPipeline, load_examples
 
-# Sentences (examples x masks) in one beam search when sweep.masks_per_batch is 0 (automatic).
-AUTO_SENTENCES_PER_SEARCH = {"cpu": 64, "cuda": 1024}
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,20 +64,25 @@ class _RoutedEnsemble(EnsembleModel):
     """fairseq's ``EnsembleModel`` of one model, whose per-row gates follow beam search's reordering.
 
     ``tables[site]`` holds one gate row per mask and ``rows[i]`` is the mask of batch row i.
-    The encoder runs once on the packed sentences; every later batch (the beams, then fewer as
-    sentences finish) is formed by ``reorder_encoder_out(new_order)``, so applying ``new_order``
-    to ``rows`` too keeps each row's gates with the sentence whose encoder output it reads.
+    The encoder runs once on the packed sentences (or ``encode()`` gives its output: encoder
+    reuse); every later batch (the beams, then fewer as sentences finish) is formed by
+    ``reorder_encoder_out(new_order)``, so applying ``new_order`` to ``rows`` too keeps each
+    row's gates with the sentence whose encoder output it reads.
     """
 
     def __init__(self, model, gates: FairseqHeadGates, tables: dict[tuple[str, int], torch.Tensor],
-                 rows: torch.Tensor):
+                 rows: torch.Tensor, encode: Callable[[], dict] | None = None):
         super().__init__([model])
-        self._gates, self._tables, self._rows = gates, tables, rows
+        self._gates, self._tables, self._rows, self._encode = gates, tables, rows, encode
 
     def _route(self) -> None:
         self._gates.set_values({key: table.index_select(0, self._rows) for key, table in self._tables.items()})
 
     def forward_encoder(self, net_input):
+        if self._encode is not None:
+            outs = [self._encode()]
+            self._route()
+            return outs
         self._route()
         return super().forward_encoder(net_input)
 
@@ -113,6 +128,16 @@ class TranslationTask:
         self._bleu = _sacrebleu(self.examples.references)
         checkpoint = Path(model_cfg.checkpoint)
         self.model_name = model_cfg.name or f"{checkpoint.parent.name}/{checkpoint.name}"
+        self._reuse: EncoderReuse | None = None
+        self.reuse_note = "off (sweep.reuse: false): every mask runs the whole model"
+        if runtime.reuse:
+            try:
+                self._reuse = EncoderReuse(self.model, self.gates, cache_budget(self.device))
+                self.reuse_note = ("encoder: masks without enc_self heads share the baseline encoder output, "
+                                   "enc_self masks start at their first gated encoder layer")
+            except ReuseUnsupported as exc:
+                self.reuse_note = f"plain path: encoder reuse does not support this model ({exc})"
+                logger.warning("%s: %s", self.model_name, self.reuse_note)
 
     # -- data ----------------------------------------------------------------------------
     def _batches(self, batch_size: int) -> list[dict]:
@@ -157,6 +182,7 @@ class TranslationTask:
                 "unk_rate_source": ex.unk_rate_source,
                 "unk_rate_target": ex.unk_rate_target,
                 "loss": "teacher-forced cross-entropy of the reference, nats per target token (EOS included)",
+                "reuse": self.reuse_note,
             },
         )
 
@@ -174,11 +200,30 @@ class TranslationTask:
         return results
 
     # -- pieces --------------------------------------------------------------------------
-    def masks_per_search(self) -> int:
-        if self.runtime.masks_per_batch > 0:
-            return self.runtime.masks_per_batch
-        rows = AUTO_SENTENCES_PER_SEARCH.get(self.device.type, 64)
-        return max(1, rows // max(1, self.runtime.batch_size))
+    def bytes_per_sentence(self, sample: dict | None = None) -> int:
+        """Bytes one sentence of ``sample`` (default: the longest batch) takes in a beam search (an
+        estimate, see batch_budget).
+
+        Per beam and decoder layer: cached self-attention keys and values over the hypothesis
+        and encoder-attention keys and values over the source (2 x embed each position), plus
+        the beam's scores over the target vocabulary (2 x vocab) and its encoder output.
+        Hypotheses are taken to be at most twice the source plus 10 tokens (or max_len, if shorter).
+        """
+        samples = self.batches if sample is None else [sample]
+        src = max(int(s["net_input"]["src_tokens"].shape[1]) for s in samples)
+        tgt = min(int(self.cfg.max_len_a * src + self.cfg.max_len_b), 2 * src + 10)
+        decoder = self.model.decoder
+        layers = len(getattr(decoder, "layers", [])) or 6
+        dim = int(getattr(decoder, "embed_dim", 0) or 512)
+        per_beam = layers * 2 * dim * (src + tgt) + 2 * len(self.tgt_dict) + src * dim
+        itemsize = next(self.model.parameters()).element_size()
+        return self.cfg.beam * per_beam * itemsize
+
+    def masks_per_search(self, sample: dict | None = None) -> int:
+        """``sweep.masks_per_batch``, or (0: automatic) as many copies of the batch ``sample``
+        (default: the longest) as the activation budget holds."""
+        return budget_masks_per_forward(self.runtime.masks_per_batch, self.runtime.batch_size,
+                                        self.bytes_per_sentence(sample), self.device)
 
     def sentence_stats(self, hypotheses: list[str]) -> np.ndarray:
         """sacrebleu's per-sentence BLEU statistics (n, 10) of detokenised hypotheses."""
@@ -191,11 +236,11 @@ class TranslationTask:
         """Beam-search every sentence under each mask: [mask][example] best hypotheses."""
         n = len(self.examples.ids)
         out: list[list[Hypothesis | None]] = [[None] * n for _ in masks]
-        per = self.masks_per_search()
-        for first in range(0, len(masks), per):
-            chunk = list(masks[first : first + per])
-            for sample in self.batches:
-                for m, ids, hypos in self._search(sample, chunk):
+        for key, sample in enumerate(self.batches):
+            per = self.masks_per_search(sample)
+            for first in range(0, len(masks), per):
+                chunk = list(masks[first : first + per])
+                for m, ids, hypos in self._search(key, sample, chunk):
                     for i, hypo in zip(ids, hypos, strict=True):
                         best = hypo[0]
                         out[first + m][i] = Hypothesis(best["tokens"].cpu(), float(best["score"]),
@@ -210,10 +255,18 @@ class TranslationTask:
             min_len=c.min_len, len_penalty=c.lenpen, unk_penalty=c.unkpen, no_repeat_ngram_size=c.no_repeat_ngram_size,
         )
 
-    def _search(self, sample: dict, chunk: list[Sequence[Head]]):
+    def _search(self, key: int, sample: dict, chunk: list[Sequence[Head]]):
         ids = sample["id"].tolist()
         rows = len(ids)
         try:
+            if self._reuse is not None:
+                # Every row's gates are routed, and the encoder output comes from the reuse cache.
+                tables = self._gate_tables(chunk)
+                row_mask = torch.arange(len(chunk), device=self.device).repeat_interleave(rows)
+                ensemble = _RoutedEnsemble(self.model, self.gates, tables, row_mask,
+                                           encode=lambda: self._reuse.encode(key, sample["net_input"], chunk))
+                hypos = self._generator(ensemble).generate([self.model], _repeat(sample, len(chunk)))
+                return [(m, ids, hypos[m * rows : (m + 1) * rows]) for m in range(len(chunk))]
             if len(chunk) == 1:
                 self.gates.set_mask(chunk[0])
                 hypos = self._generator([self.model]).generate([self.model], sample)
@@ -244,23 +297,26 @@ class TranslationTask:
         """Teacher-forced cross-entropy of each reference under each mask (nats per target token)."""
         n = len(self.examples.ids)
         out = [np.zeros(n) for _ in masks]
-        per = self.masks_per_search()
         # For models with set_beam_size (BART-style), a beam search leaves the "beamable" encoder
         # attention on, which would treat teacher-forced rows as beams of one sentence.
         self.model.decoder.set_beam_size(1)
-        for first in range(0, len(masks), per):
-            chunk = list(masks[first : first + per])
-            for sample in self.batches:
-                ids = sample["id"].cpu().numpy()
-                rows = len(ids)
+        for key, sample in enumerate(self.batches):
+            ids = sample["id"].cpu().numpy()
+            rows = len(ids)
+            per = self.masks_per_search(sample)
+            for first in range(0, len(masks), per):
+                chunk = list(masks[first : first + per])
                 try:
-                    if len(chunk) == 1:
-                        self.gates.set_mask(chunk[0])
-                        stacked = sample
+                    if self._reuse is not None:
+                        nll = self._token_nll_reused(key, sample, chunk)
                     else:
-                        self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
-                        stacked = _repeat(sample, len(chunk))
-                    nll = self._token_nll(stacked)
+                        if len(chunk) == 1:
+                            self.gates.set_mask(chunk[0])
+                            stacked = sample
+                        else:
+                            self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
+                            stacked = _repeat(sample, len(chunk))
+                        nll = self._token_nll(stacked)
                 finally:
                     self.gates.clear()
                 for m in range(len(chunk)):
@@ -268,7 +324,21 @@ class TranslationTask:
         return out
 
     def _token_nll(self, sample: dict) -> np.ndarray:
-        net_output = self.model(**sample["net_input"])
+        return self._nll(self.model(**sample["net_input"]), sample)
+
+    def _token_nll_reused(self, key: int, sample: dict, chunk: list[Sequence[Head]]) -> np.ndarray:
+        """Teacher-forced NLL of a packed chunk, the decoder reading the reuse cache's encoder output."""
+        net = sample["net_input"]
+        encoder_out = self._reuse.encode(key, net, chunk)
+        self.gates.set_masks_per_example([[h for h in m if h.attention != "enc_self"] for m in chunk],
+                                         rows_per_mask=len(sample["id"]))
+        stacked = _repeat(sample, len(chunk))
+        # As fairseq's TransformerModel.forward calls its decoder.
+        net_output = self.model.decoder(stacked["net_input"]["prev_output_tokens"], encoder_out=encoder_out,
+                                        src_lengths=stacked["net_input"]["src_lengths"], return_all_hiddens=True)
+        return self._nll(net_output, stacked)
+
+    def _nll(self, net_output, sample: dict) -> np.ndarray:
         lprobs = self.model.get_normalized_probs(net_output, log_probs=True).float()
         target = sample["target"]
         nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)

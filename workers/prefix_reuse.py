@@ -1,0 +1,182 @@
+"""Prefix reuse for BERT-style classifiers: each mask's forward pass starts at its first gated layer.
+
+For every evaluation batch the baseline runs once with recording hooks: the output of every
+layer and the input of every attention output projection (the per-head contexts). A mask
+whose first gated layer is l then runs the model's own forward with
+
+* layers 0..l-2 skipped and layer l-1 returning its cached output (embeddings skipped too),
+* layer l's attention core returning the output projection of its cached contexts with the
+  masked heads gated off (:func:`workers.replay.gated_projection`): no query/key/value or
+  attention-score work,
+* layers after l computed as usual, with per-example gates for any heads masked there.
+
+Masks that share a first layer share one forward pass (the batch repeated once per mask).
+Baseline states are kept between calls within a memory budget (:mod:`workers.batch_budget`).
+
+Layouts handled: BERT, RoBERTa, ELECTRA, MiniLM (``attention.self`` computes the contexts,
+``attention.output.dense`` is W_O) and DistilBERT (``attention`` ends with ``out_lin``), whose
+layers form one ``nn.ModuleList`` and return a tensor. Anything else is evaluated with the
+plain path; :func:`classifier_layout` says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workers.gates import AttentionSite, HeadGates
+from workers.heads import Head
+from workers.replay import ReuseUnsupported, gated_projection, pass_through, replaced_forwards, returning
+
+
+@dataclass
+class ClassifierLayout:
+    """Where a classifier's layers and attention cores are, one entry per attention site."""
+
+    sites: list[AttentionSite]
+    layers: list[nn.Module]
+    cores: list[nn.Module]  # returns (attention output or contexts, weights)
+    identities: list[nn.Module | None]  # W_O to skip when the core already returns projected output
+    embeddings: nn.Module | None
+
+
+@dataclass
+class BaselineStates:
+    """One evaluation batch's baseline: logits, layer outputs and per-head contexts."""
+
+    logits: torch.Tensor
+    hidden: list[torch.Tensor]  # output of layer i (the input of layer i+1), i < L-1
+    contexts: list[torch.Tensor]  # input of layer i's output projection
+    embedding_shape: tuple[int, ...] | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [self.logits, *self.hidden, *self.contexts])
+
+
+def _enclosing_layer(model: nn.Module, modules: dict[str, nn.Module], name: str) -> tuple[str, int]:
+    """The name of the ``nn.ModuleList`` element that contains module ``name``, and its index."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[: i - 1]) if i > 1 else ""
+        if parts[i - 1].isdigit() and isinstance(modules.get(parent), nn.ModuleList):
+            return parent, int(parts[i - 1])
+    raise ReuseUnsupported(f"{name} is not inside a layer list (nn.ModuleList)")
+
+
+def classifier_layout(model: nn.Module, sites: Sequence[AttentionSite]) -> ClassifierLayout:
+    """The layout prefix reuse needs, or :class:`ReuseUnsupported` naming what does not fit."""
+    modules = dict(model.named_modules())
+    found = [_enclosing_layer(model, modules, s.module_name) for s in sites]
+    lists = {parent for parent, _ in found}
+    if len(lists) != 1:
+        raise ReuseUnsupported(f"attention modules sit in {len(lists)} layer lists, not one stack")
+    stack = modules[lists.pop()]
+    if [i for _, i in found] != list(range(len(stack))):
+        raise ReuseUnsupported("the layer stack does not hold exactly one attention module per layer, in order")
+    cores, identities = [], []
+    for site in sites:
+        inner, output = getattr(site.module, "self", None), getattr(site.module, "output", None)
+        if isinstance(inner, nn.Module) and getattr(output, "dense", None) is site.out_proj:
+            cores.append(inner)
+            identities.append(site.out_proj)
+        elif getattr(site.module, "out_lin", None) is site.out_proj:
+            cores.append(site.module)
+            identities.append(None)
+        else:
+            raise ReuseUnsupported(
+                f"{site.module_name} ({type(site.module).__name__}) is neither a BERT-style attention "
+                "(self + output.dense) nor a DistilBERT one (out_lin)"
+            )
+    embeddings = getattr(getattr(model, "base_model", model), "embeddings", None)
+    return ClassifierLayout(list(sites), list(stack), cores, identities,
+                            embeddings if isinstance(embeddings, nn.Module) else None)
+
+
+def first_gated_layer(mask: Sequence[Head]) -> int | None:
+    """The lowest layer with a masked head (None for the empty mask)."""
+    return min((h.layer for h in mask), default=None)
+
+
+class PrefixReuse:
+    """Baseline states per evaluation batch, and masked forward passes that start from them."""
+
+    def __init__(self, model: nn.Module, gates: HeadGates, layout: ClassifierLayout, budget_bytes: int):
+        self.model, self.gates, self.layout = model, gates, layout
+        self.budget_bytes = budget_bytes
+        self._kept: dict[int, BaselineStates] = {}
+        self.kept_bytes = 0
+
+    def states(self, key: int, inputs: dict) -> BaselineStates:
+        """Baseline states of batch ``key``: kept from an earlier call, or recorded now (and kept if they fit)."""
+        if key in self._kept:
+            return self._kept[key]
+        states = self.record(inputs)
+        if self.kept_bytes + states.nbytes <= self.budget_bytes:
+            self._kept[key] = states
+            self.kept_bytes += states.nbytes
+        return states
+
+    def record(self, inputs: dict) -> BaselineStates:
+        """Run the ungated model once, keeping each layer's output and each projection's input."""
+        lay = self.layout
+        n = len(lay.layers)
+        hidden: list = [None] * n
+        contexts: list = [None] * n
+        shape: list = [None]
+        handles = []
+        for i, layer in enumerate(lay.layers):
+            handles.append(layer.register_forward_hook(lambda _m, _a, out, i=i: hidden.__setitem__(i, out)))
+        for i, site in enumerate(lay.sites):
+            handles.append(site.out_proj.register_forward_pre_hook(
+                lambda _m, args, i=i: contexts.__setitem__(i, args[0])))
+        if lay.embeddings is not None:
+            handles.append(lay.embeddings.register_forward_hook(
+                lambda _m, _a, out: shape.__setitem__(0, tuple(out.shape) if torch.is_tensor(out) else None)))
+        self.gates.clear()
+        try:
+            logits = self.model(**inputs).logits
+        finally:
+            for h in handles:
+                h.remove()
+        if not all(torch.is_tensor(h) for h in hidden):
+            raise ReuseUnsupported("a layer returns a tuple, not a tensor (older transformers layout)")
+        if any(c is None for c in contexts):
+            raise ReuseUnsupported("an attention output projection was not called as a module")
+        return BaselineStates(logits, hidden[:-1], contexts, shape[0])
+
+    def run(self, inputs: dict, states: BaselineStates, layer: int, masks: Sequence[Sequence[Head]]) -> torch.Tensor:
+        """Logits of the batch under each mask (all first gated at ``layer``), mask-major: (k*B, labels)."""
+        lay = self.layout
+        k = len(masks)
+        rows = states.logits.shape[0]
+        site = lay.sites[layer]
+        at_layer = [[h.head for h in m if h.layer == layer] for m in masks]
+        later = [[h for h in m if h.layer > layer] for m in masks]
+        attention = gated_projection(states.contexts[layer], site.out_proj, site.num_heads, at_layer, batch_dim=0)
+        replacements: dict[nn.Module, object] = {lay.cores[layer]: returning((attention, None))}
+        if lay.identities[layer] is not None:
+            replacements[lay.identities[layer]] = pass_through
+        if layer > 0:
+            for j in range(layer - 1):
+                replacements[lay.layers[j]] = pass_through
+            replacements[lay.layers[layer - 1]] = returning(_repeat(states.hidden[layer - 1], k))
+            if lay.embeddings is not None and states.embedding_shape is not None:
+                # Only mask creation reads the embeddings' shape now; their values go nowhere.
+                shape = (rows * k, *states.embedding_shape[1:])
+                replacements[lay.embeddings] = returning(states.hidden[0].new_zeros(shape))
+        stacked = {key: _repeat(v, k) for key, v in inputs.items()}
+        if any(later):
+            self.gates.set_masks_per_example(later, rows_per_mask=rows)
+        try:
+            with replaced_forwards(replacements):
+                return self.model(**stacked).logits
+        finally:
+            self.gates.clear()
+
+
+def _repeat(t: torch.Tensor, k: int) -> torch.Tensor:
+    return t if k == 1 else t.repeat(k, *([1] * (t.dim() - 1)))

@@ -1,0 +1,87 @@
+"""Replaying a model from cached baseline states: the two tools prefix reuse is built from.
+
+An exact ablation of heads in layer l changes nothing before their output projection: the
+inputs of layers 0..l and layer l's per-head contexts are the baseline's. So a masked forward
+pass can run the model's *own* forward with
+
+* the layers before l replaced by "return the cached state" (:func:`replaced_forwards`), and
+* layer l's attention output given directly from its cached contexts: the baseline projection
+  minus the masked heads' projected contexts (:func:`gated_projection`), with no
+  query/key/value or attention-score work.
+
+Replacing ``forward`` on the module instance (not on its class) for the duration of one call
+keeps every other part of the model (masks, residuals, layer norms, pooling, heads) the
+model's own code, so each family needs to name only where its layers and attention cores are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ReuseUnsupported(Exception):
+    """A model's layout is not one that reuse knows; the message says why (the plain path runs instead)."""
+
+
+@contextmanager
+def replaced_forwards(replacements: dict[nn.Module, Callable]) -> Iterator[None]:
+    """Inside the block, calling each module runs its replacement instead of its ``forward``.
+
+    Module hooks still run around the replacement (``nn.Module.__call__`` looks ``forward`` up
+    on the instance first). Forwards already set on an instance are restored afterwards.
+    """
+    missing = object()
+    saved = {m: m.__dict__.get("forward", missing) for m in replacements}
+    try:
+        for module, fn in replacements.items():
+            module.forward = fn
+        yield
+    finally:
+        for module, old in saved.items():
+            if old is missing:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = old
+
+
+def pass_through(x, *args, **kwargs):
+    """A replacement forward that returns its first argument unchanged (a skipped layer)."""
+    return x
+
+
+def returning(value) -> Callable:
+    """A replacement forward that ignores its inputs and returns ``value``."""
+
+    def forward(*args, **kwargs):
+        return value
+
+    return forward
+
+
+def gated_projection(ctx: torch.Tensor, out_proj: nn.Linear, num_heads: int,
+                     masked: Sequence[Sequence[int]], batch_dim: int) -> torch.Tensor:
+    """``out_proj`` of ``ctx`` with the heads ``masked[m]`` gated off, for every m, concatenated along ``batch_dim``.
+
+    ``ctx`` is the baseline input of the output projection (per-head contexts side by side).
+    The output is ``W_O concat_h(xi_h ctx_h) + b_O``, i.e. the baseline projection minus the
+    masked heads' projected contexts, computed as the gate hook computes it (gate, then one
+    ``F.linear`` over all masks' rows), so a mask's attention output is the same floating-point
+    result as on the plain path. ``F.linear`` rather than ``out_proj(...)``: no hook sees it.
+    """
+    k = len(masked)
+    gates = torch.ones(k, num_heads, dtype=ctx.dtype, device=ctx.device)
+    for m, heads in enumerate(masked):
+        gates[m, list(heads)] = 0.0
+    reps = [1] * ctx.dim()
+    reps[batch_dim] = k
+    stacked = ctx.repeat(*reps)
+    heads = stacked.reshape(*stacked.shape[:-1], num_heads, stacked.shape[-1] // num_heads)
+    view = [1] * (heads.dim() - 2) + [num_heads, 1]
+    view[batch_dim] = stacked.shape[batch_dim]
+    rows = gates.repeat_interleave(ctx.shape[batch_dim], dim=0).view(view)
+    return F.linear((heads * rows).reshape(stacked.shape), out_proj.weight, out_proj.bias)
