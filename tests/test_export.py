@@ -104,3 +104,32 @@ def test_export_cli(tmp_path, tiny_bert_dir, tiny_dev_tsv):
         assert torch.allclose(pruned(**inputs).logits, gated, atol=1e-5, rtol=0)
     with pytest.raises(HeadsweepError, match=f"--out {out} exists and is not an empty directory"):
         export_pruned(load_config(tmp_path / "c.yaml"), out, mask=["self:0:1"])
+
+
+def test_an_exported_model_is_swept_like_any_other(tmp_path, tiny_bert_dir, tiny_dev_tsv, ray_address):
+    """`headsweep run` on an export: its baseline is the full model under the removed mask, evaluation by
+    evaluation, and only the kept heads are swept (layer 1, emptied, has none)."""
+    removed = "self:0:3,self:1:0,self:1:1,self:1:2,self:1:3"
+    full_cfg = {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "data": {"path": str(tiny_dev_tsv)},
+                "sweep": {"experiments": ["custom"], "masks": [removed.split(",")]}}
+    (tmp_path / "full.yaml").write_text(yaml.safe_dump(full_cfg))
+    out = tmp_path / "pruned"
+    assert run_cli("export", str(tmp_path / "full.yaml"), "--mask", removed, "--out", str(out)).returncode == 0
+    pruned_cfg = {"model": {"kind": "hf_classifier", "path": str(out)}, "data": {"path": str(tiny_dev_tsv)},
+                  "sweep": {"experiments": ["baseline", "single_head"]}}
+    (tmp_path / "pruned.yaml").write_text(yaml.safe_dump(pruned_cfg))
+    store = str(tmp_path / "store")
+    runs = [run_cli("run", str(tmp_path / name), "--store", store, "--address", ray_address, "--quiet")
+            for name in ("full.yaml", "pruned.yaml")]
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    full_id, pruned_id = (r.stdout.strip() for r in runs)
+    reader = ResultStore(store)
+    evals = {(e["run_id"], e["eval_id"]): e for e in reader.read("evaluations").to_pylist()}
+    custom_id = "custom/" + removed
+    assert evals[(pruned_id, "baseline")]["score"] == evals[(full_id, custom_id)]["score"]
+    outputs = {(x["run_id"], x["eval_id"], x["example_id"]): x["output"] for x in reader.read("examples").to_pylist()}
+    for (run, eval_id, example), output in outputs.items():
+        if run == pruned_id and eval_id == "baseline":
+            assert output == outputs[(full_id, custom_id, example)]
+    swept = sorted(e for (run, e) in evals if run == pruned_id and e.startswith("single_head/"))
+    assert swept == ["single_head/self:0:0", "single_head/self:0:1", "single_head/self:0:2"]

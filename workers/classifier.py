@@ -9,6 +9,7 @@ default) each mask's pass also starts at its first gated layer from cached basel
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -27,6 +28,7 @@ from workers.gates import HeadGates
 from workers.heads import Head
 from workers.hf_sites import find_sites
 from workers.metrics import ACCURACY
+from workers.physical_pruning import PRUNED_HEADS_KEY, load_pruned
 from workers.prefix_reuse import PrefixReuse, classifier_layout, first_gated_layer
 from workers.replay import ReuseUnsupported
 from workers.tasks import DatasetInfo, MaskOutput, RuntimeOptions
@@ -69,6 +71,10 @@ def load_hf_model(cfg: ClassifierModel, device: str):
     dtype = getattr(torch, cfg.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise HeadsweepError(f"model.dtype {cfg.dtype!r} is not a torch dtype (e.g. float32, bfloat16)")
+    if json.loads((model_dir / "config.json").read_text()).get(PRUNED_HEADS_KEY):
+        # Written by `headsweep export`: stock from_pretrained refuses its smaller attention weights.
+        model = load_pruned(model_dir, cfg.attn_implementation, device).to(dtype)
+        return model, AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     try:
         extra = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
         model = AutoModelForSequenceClassification.from_pretrained(
