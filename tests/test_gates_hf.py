@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import random_batch, tiny_classifier
+from tiny_models import random_batch, tiny_classifier, zeroed_copy
 
 from sweep.errors import HeadsweepError
 from workers.gates import HeadGates
@@ -15,17 +15,6 @@ from workers.hf_sites import find_sites
 
 FAMILIES = ["bert", "roberta", "distilbert"]
 ATTN = ["eager", "sdpa"]
-
-
-def zeroed_copy(model, heads: list[Head]):
-    """The independent route: zero the output-projection columns of ``heads``."""
-    ref = copy.deepcopy(model)
-    sites = {s.layer: s for s in find_sites(ref)}
-    with torch.no_grad():
-        for h in heads:
-            s = sites[h.layer]
-            s.out_proj.weight[:, h.head * s.head_dim : (h.head + 1) * s.head_dim] = 0.0
-    return ref
 
 
 def logits(model, batch):

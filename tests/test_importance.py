@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import tiny_float64_bert
+from tiny_models import tiny_float64_bert, zeroed_copy
 
 from workers.gates import HeadGates
 from workers.heads import Head
@@ -321,12 +321,7 @@ def test_mask_keeps_masked_heads_off_and_reports_them_as_zero():
     assert result.loss == pytest.approx(masked_loss, rel=1e-12)
     assert abs(masked_loss - unmasked_loss) > 1e-3
     # ... and the other heads' scores equal the gate-free route on a copy with those heads' W_O zeroed.
-    zeroed = copy.deepcopy(model)
-    sites = {s.key: s for s in find_sites(zeroed)}
-    with torch.no_grad():
-        for h in masked:
-            s = sites[(h.attention, h.layer)]
-            s.out_proj.weight[:, h.head * s.head_dim : (h.head + 1) * s.head_dim] = 0.0
+    zeroed = zeroed_copy(model, masked)
     grads = reference_token_grads(zeroed, task.batches, task.labels)
     n_tokens = sum(len(s) for s in SENTENCES)
     expected = importance_from_grads(grads, [h for h in result.raw if h not in masked], n_tokens)

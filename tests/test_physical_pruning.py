@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 from tiny_fairseq import fairseq_load, plain_beam_search, plain_reference_nll, train_tiny, zero_heads
-from tiny_models import random_batch, tiny_classifier
+from tiny_models import random_batch, tiny_classifier, zeroed_copy
 
 from sweep.config import build_config
 from sweep.errors import HeadsweepError
@@ -82,17 +82,6 @@ def test_grouped_query_attention_keeps_a_shared_kv_head_while_any_query_head_use
 
 
 # -- transformers -------------------------------------------------------------------------------
-def zero_wo_columns(model, heads: list[Head]):
-    """Independent route: a copy with the W_O columns of ``heads`` set to zero (bias kept)."""
-    model = copy.deepcopy(model)
-    sites = {s.key: s for s in find_sites(model)}
-    with torch.no_grad():
-        for h in heads:
-            site = sites[(h.attention, h.layer)]
-            site.out_proj.weight[:, h.head * site.head_dim : (h.head + 1) * site.head_dim] = 0.0
-    return model
-
-
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", ["bert", "roberta", "distilbert"])
 def test_pruned_classifier_equals_gated_and_zeroed_columns(family, attn):
@@ -105,7 +94,7 @@ def test_pruned_classifier_equals_gated_and_zeroed_columns(family, attn):
     with torch.no_grad():
         with gates.masked(removed):
             gated = model(input_ids=ids, attention_mask=mask).logits
-        zeroed = zero_wo_columns(model, removed)(input_ids=ids, attention_mask=mask).logits
+        zeroed = zeroed_copy(model, removed)(input_ids=ids, attention_mask=mask).logits
         pruned_model = ungated_copy(model, gates)
         n_full = count_parameters(pruned_model)
         prune_heads(pruned_model, removed)
@@ -131,7 +120,7 @@ def test_pruned_classifier_equals_gated_and_zeroed_columns(family, attn):
         with gates.masked([target]):
             gated_pruned = pruned_model(input_ids=ids, attention_mask=mask).logits
         gates.remove()
-        zeroed_pruned = zero_wo_columns(pruned_model, [target])(input_ids=ids, attention_mask=mask).logits
+        zeroed_pruned = zeroed_copy(pruned_model, [target])(input_ids=ids, attention_mask=mask).logits
     assert torch.allclose(gated_pruned, zeroed_pruned, atol=1e-5, rtol=0)
     assert (gated_pruned - pruned).abs().max() > 1e-6  # the gate did act
 

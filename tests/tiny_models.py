@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import (
     BertConfig,
@@ -79,3 +81,17 @@ def tiny_float64_bert(num_labels: int = 3, layers: int = 2, heads: int = 4, seed
                      intermediate_size=64, max_position_embeddings=64, num_labels=num_labels,
                      initializer_range=initializer_range, attn_implementation=attn)
     return BertForSequenceClassification(cfg).double().eval()
+
+
+def zeroed_copy(model, heads):
+    """The independent route to an ablation: a copy with the output-projection (W_O) columns of ``heads``
+    set to zero, the bias kept."""
+    from workers.hf_sites import find_sites
+
+    ref = copy.deepcopy(model)
+    sites = {s.key: s for s in find_sites(ref)}
+    with torch.no_grad():
+        for h in heads:
+            s = sites[(h.attention, h.layer)]
+            s.out_proj.weight[:, h.head * s.head_dim : (h.head + 1) * s.head_dim] = 0.0
+    return ref
