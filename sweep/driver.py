@@ -31,7 +31,7 @@ from sweep.plan import WorkUnit, plan, prune_levels
 from sweep.progress import Progress
 from sweep.pruning import ablation_importance, iterative_level_masks, level_masks
 from sweep.significance_runner import SignificanceTracker, tests_for
-from sweep.stored_masks import efficiency_mask
+from sweep.stored_masks import efficiency_mask, explicit_mask
 from sweep.version import code_version
 from workers.actor import EvalWorker
 from workers.heads import Head
@@ -303,6 +303,8 @@ class Sweep:
         pool, info = self.start_workers(variants[0][1])
         tests_for(self.cfg.significance, info.metric)
         plan(self.cfg, info.inventory)  # bad masks or attention types fail before anything is written
+        if "efficiency" in self.cfg.sweep.experiments and self.cfg.efficiency.mask:
+            explicit_mask(self.cfg.efficiency.mask, info.inventory)
         previous = self.resumable()
         self.created_at = now()
         if previous is not None:

@@ -100,3 +100,17 @@ def test_efficiency_config_errors(section, message):
            "efficiency": section}
     with pytest.raises(HeadsweepError, match=message):
         build_config(cfg)
+
+
+def test_efficiency_head_out_of_range_fails_before_anything_is_written(tmp_path, ray_address, tiny_bert_dir,
+                                                                       tiny_dev_tsv):
+    cfg = {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "data": {"path": str(tiny_dev_tsv)},
+           "sweep": {"experiments": ["baseline", "single_head", "efficiency"]},
+           "efficiency": {"mask": ["self:0:1", "self:5:0"]}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    store = tmp_path / "store"
+    proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address)
+    assert proc.returncode == 2
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("headsweep: error:")]
+    assert "self:5:0" in line
+    assert not (store / "runs").exists() and not (store / "evaluations").exists()
