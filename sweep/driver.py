@@ -419,6 +419,11 @@ class Sweep:
     ) -> dict[Head, float]:
         """Head importance for ordering pruning levels, written to the ``importance`` table."""
         imp = self.cfg.importance
+        stored = self.stored_importance(checkpoint) if self.done else None
+        if stored is not None:
+            # A resumed run orders its pending pruning levels by the importance it already stored, so
+            # they continue the same curve even where recomputing would not be bit-identical (GPU).
+            return stored
         if imp.method == "gradient":
             data_cfg = self.importance_data()
             result = pool.call("importance", data_cfg, imp.per_token, imp.normalize, ())
@@ -437,6 +442,14 @@ class Sweep:
         ]
         self.store.write_rows("importance", self.run_id, rows, name=(prefix + imp.method).replace("/", "-"))
         return scores
+
+    def stored_importance(self, checkpoint: str | None) -> dict[Head, float] | None:
+        """The scores this run stored for ``checkpoint`` (as pruning ranks them), or None if there are none."""
+        rows = [r for r in self.store.read("importance", self.run_id).to_pylist() if r["checkpoint"] == checkpoint]
+        if not rows:
+            return None
+        column = "score_normalized" if self.cfg.importance.normalize else "score"
+        return {Head(r["attention"], r["layer"], r["head"]): r[column] for r in rows}
 
     def prune_masks(self, pool: WorkerPool, info: DatasetInfo, scores: dict[Head, float]):
         prune, imp = self.cfg.prune, self.cfg.importance

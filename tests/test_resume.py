@@ -97,3 +97,53 @@ def test_a_run_whose_driver_lives_is_never_resumed_by_a_second_driver():
         refuse_if_live(row("other-host:123", age_s=5))
     refuse_if_live(row("other-host:123", age_s=STALE_AFTER_S + 1))
     refuse_if_live(row(f"{here}:{live.pid}", age_s=1, status="interrupted"))
+
+
+def test_resumed_pruning_levels_follow_the_importance_the_run_stored(tmp_path, tiny_bert_dir, tiny_dev_tsv,
+                                                                     ray_address):
+    """Pending pruning levels of a resumed run are ordered by the run's stored importance, never by a new
+    estimate: shown by altering the stored scores before resuming."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from sweep.pruning import level_masks
+    from workers.heads import Head, HeadInventory
+
+    train = write_tsv(generate(60, seed=11), tmp_path / "train.tsv")
+    cfg = {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "data": {"path": str(tiny_dev_tsv)},
+           "sweep": {"experiments": ["baseline", "importance", "prune_level"], "flush_every": 1, "workers": 1},
+           "importance": {"data": {"path": str(train)}}, "prune": {"levels": [0.0, 0.25, 0.5, 0.75]}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    argv = ("run", str(tmp_path / "c.yaml"), "--store", str(tmp_path / "store"), "--address", ray_address, "--quiet")
+    first = run_cli(*argv)
+    assert first.returncode == 0, first.stderr
+    run_id = first.stdout.strip()
+    store = ResultStore(str(tmp_path / "store"))
+
+    # As if the driver had died before the two last levels landed ...
+    pending = {"prune_level/global/0.5000", "prune_level/global/0.7500"}
+    for fragment in store.dataset("evaluations").get_fragments():
+        if set(pq.read_table(fragment.path, columns=["eval_id"]).column("eval_id").to_pylist()) & pending:
+            store.fs.delete_file(fragment.path)
+    [run] = store.read("runs").to_pylist()
+    store.write_rows("runs", run_id, [{**run, "status": "interrupted"}], "run")
+    # ... and with the stored importance reversed, so that a fresh estimate would order the heads otherwise.
+    rows = store.read("importance", run_id).to_pylist()
+    for r in rows:
+        r["score"], r["score_normalized"] = -r["score"], -r["score_normalized"]
+    store.write_rows("importance", run_id, rows, name="gradient")
+
+    rerun = run_cli(*argv)
+    assert rerun.returncode == 0, rerun.stderr
+    assert rerun.stdout.strip() == run_id
+    inventory = HeadInventory.from_json(json.loads(run["heads"]))
+    stored = {Head(r["attention"], r["layer"], r["head"]): r["score_normalized"] for r in rows}
+    expected = {f"prune_level/global/{p:.4f}": sorted(map(str, m))
+                for p, m in level_masks(stored, inventory, [0.0, 0.25, 0.5, 0.75])}
+    evals = {e["eval_id"]: e for e in store.read("evaluations", run_id).to_pylist()}
+    assert len(evals) == 5  # baseline + 4 levels, each once
+    for eval_id in pending:
+        assert sorted(evals[eval_id]["heads_masked"]) == expected[eval_id]
+    assert sorted(evals["prune_level/global/0.2500"]["heads_masked"]) != expected["prune_level/global/0.2500"]
+    assert store.read("importance", run_id).num_rows == len(rows)
