@@ -64,6 +64,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 import multi30k_translation as m30k  # noqa: E402  (Multi30k data, SentencePiece model, training cache)
 
+from sweep.dispatch import units_per_call  # noqa: E402  (the driver's masks per call)
+
 SST2 = ROOT.parent / "shared" / "data" / "sst2"
 try:
     TRIM = ctypes.CDLL("libc.so.6")
@@ -131,15 +133,10 @@ def report(kind: str, seconds: dict, n: int, peak: PeakRSS, kept: int) -> None:
           f"x{seconds['plain_packed'] / seconds['reuse']:.2f}", flush=True)
 
 
-def per_call(options) -> int:
-    """Masks per adapter call, as the driver sends them."""
-    return max(1, int(options.masks_per_batch) or 8)
-
-
 def run_grid(task, masks: list, options, peak: PeakRSS, phase: str) -> tuple[list, float]:
     """Evaluate ``masks`` in driver-sized calls; returns outputs and seconds."""
     outs, total = [], 0.0
-    step = per_call(options)
+    step = units_per_call(options.masks_per_batch)
     for i in range(0, len(masks), step):
         got, seconds = peak.timed(phase, task.evaluate, masks[i : i + step])
         outs += got
@@ -315,7 +312,7 @@ def translation_bench(args, peak: PeakRSS, workdir: Path) -> str:
     masks = [[heads[i]] for i in spread(len(heads), args.translation_masks)]
     outs = {k: [] for k in sides}
     seconds = dict.fromkeys(sides, 0.0)
-    call = per_call(sides["reuse"])
+    call = units_per_call(sides["reuse"].masks_per_batch)
     for first in range(0, len(masks), call):
         for k in sides:
             got, s = run_grid(tasks[k], masks[first : first + call], sides[k], peak, f"translation_{k}")

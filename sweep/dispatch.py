@@ -27,6 +27,9 @@ from sweep.errors import HeadsweepError
 from sweep.plan import WorkUnit
 
 CALLS_IN_FLIGHT_PER_WORKER = 2
+# Work units per call when sweep.masks_per_batch is 0: enough to share a forward pass (and, with
+# reuse, a cached prefix) between masks, few enough that a lost worker costs little.
+DEFAULT_UNITS_PER_CALL = 8
 # How long a lost worker may take to come back (Ray restarts it) before it is given up.
 RESTART_WAIT_S = 120.0
 
@@ -55,6 +58,11 @@ def get(ref: Any, timeout: float | None = None) -> Any:
         raise
 
 
+def units_per_call(masks_per_batch: int) -> int:
+    """Work units in one actor call: ``sweep.masks_per_batch``, or ``DEFAULT_UNITS_PER_CALL`` when it is 0."""
+    return max(1, int(masks_per_batch) or DEFAULT_UNITS_PER_CALL)
+
+
 def name_units(units: Sequence[WorkUnit], limit: int = 8) -> str:
     names = ", ".join(u.eval_id for u in units[:limit])
     return names + (f" and {len(units) - limit} more" if len(units) > limit else "")
@@ -72,7 +80,6 @@ class WorkerPool:
     alive: list[bool] = field(default_factory=list)
     done_by_worker: Counter = field(default_factory=Counter)
     busy: Counter = field(default_factory=Counter)
-    losses: int = 0
 
     def __post_init__(self) -> None:
         self.alive = [True] * len(self.actors)
@@ -156,7 +163,6 @@ class WorkerPool:
 
     def _lost(self, i: int, exc: BaseException, what: str, attempt: int) -> None:
         """Worker ``i`` died under ``what``: wait for Ray to restart it, or give it up."""
-        self.losses += 1
         old = self.names[i]
         try:
             self.names[i] = ray.get(self.actors[i].where.remote(), timeout=self.restart_wait_s)

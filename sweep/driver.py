@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from results.schema import SCHEMA_VERSION
 from results.store import ResultStore
 from sweep.config import Config, from_dict
-from sweep.dispatch import WorkerPool, log, unwrap, wait_until_placed
+from sweep.dispatch import WorkerPool, log, units_per_call, unwrap, wait_until_placed
 from sweep.errors import HeadsweepError
 from sweep.placement import alive_nodes, check_placement
 from sweep.plan import WorkUnit, plan, prune_levels
@@ -396,8 +396,7 @@ class Sweep:
                     tracker.add(unit, self.done[unit.eval_id][1])
         todo = [u for u in units if u.eval_id not in self.done]
         progress = Progress(len(todo), enabled=self.show_progress, detail=pool.status_line)
-        per_call = max(1, int(self.cfg.sweep.masks_per_batch) or 8)
-        for unit, out, worker in pool.stream(todo, per_call):
+        for unit, out, worker in pool.stream(todo, units_per_call(self.cfg.sweep.masks_per_batch)):
             writer.add(unit, out, baseline_score, worker)
             writer.maybe_flush()
             if tracker is not None:

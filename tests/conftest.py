@@ -66,3 +66,11 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
         env=full_env,
         cwd=REPO,
     )
+
+
+def error_line(stderr: str | list[str]) -> str:
+    """The one ``headsweep: error: ...`` line a failed command printed (asserts there is exactly one)."""
+    lines = stderr.splitlines() if isinstance(stderr, str) else [x.rstrip("\n") for x in stderr]
+    errors = [x for x in lines if x.startswith("headsweep: error:")]
+    assert len(errors) == 1, "\n".join(lines[-20:])
+    return errors[0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from conftest import run_cli
+from conftest import error_line, run_cli
 
 from results.query import run_query
 from results.store import ResultStore
@@ -111,6 +111,6 @@ def test_efficiency_head_out_of_range_fails_before_anything_is_written(tmp_path,
     store = tmp_path / "store"
     proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address)
     assert proc.returncode == 2
-    [line] = [x for x in proc.stderr.splitlines() if x.startswith("headsweep: error:")]
+    line = error_line(proc.stderr)
     assert "self:5:0" in line
     assert not (store / "runs").exists() and not (store / "evaluations").exists()

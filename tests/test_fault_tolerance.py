@@ -11,7 +11,7 @@ import threading
 import time
 
 import yaml
-from conftest import REPO, run_cli
+from conftest import REPO, error_line, run_cli
 
 from results.store import ResultStore
 from workers.synthetic_sentiment import generate, write_tsv
@@ -97,7 +97,7 @@ def test_retries_are_bounded_then_the_run_fails_naming_the_masks_and_resumes(tmp
     finish(proc)
     log = "".join(lines)
     assert proc.returncode == 2, log
-    [error] = [line for line in lines if line.startswith("headsweep: error:")]
+    error = error_line(lines)
     assert re.search(r"1 evaluations failed 1 times, their worker lost each time \(last: \w+\): "
                      r"(single_head|all_but_one)/self:\d:\d", error), error
     [failed] = store.read("runs").to_pylist()

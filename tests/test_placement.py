@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import run_cli
+from conftest import error_line, run_cli
 
 from sweep.config import load_config
 from sweep.errors import HeadsweepError
@@ -65,7 +65,7 @@ def test_cli_refuses_gpu_workers_on_this_cpu_cluster_and_writes_nothing(tmp_path
     store = tmp_path / "store"
     proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address)
     assert proc.returncode == 2
-    [line] = [x for x in proc.stderr.splitlines() if x.startswith("headsweep: error:")]
+    line = error_line(proc.stderr)
     assert "sweep.num_gpus_per_worker=0.5 but the Ray cluster has no GPUs" in line
     assert not (store / "runs").exists()
     ok = run_cli("run", str(tmp_path / "c.yaml"), "sweep.device=cpu", "sweep.num_gpus_per_worker=0", "--store",

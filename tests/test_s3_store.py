@@ -12,7 +12,7 @@ import threading
 import pyarrow.fs as pafs
 import pytest
 import yaml
-from conftest import run_cli
+from conftest import error_line, run_cli
 
 from results.store import ResultStore
 
@@ -105,5 +105,5 @@ def test_unreachable_s3_store_is_a_one_line_error(tmp_path, tiny_bert_dir, tiny_
     proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", uri, env={**CREDENTIALS, "AWS_EC2_METADATA_DISABLED":
                                                                           "true"}, timeout=180)
     assert proc.returncode == 2
-    [line] = [x for x in proc.stderr.splitlines() if x.startswith("headsweep: error:")]
+    line = error_line(proc.stderr)
     assert f"store {uri} is not writable" in line
