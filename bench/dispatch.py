@@ -34,9 +34,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from workers.heads import Head, HeadInventory, LayerShape  # noqa: E402
-from workers.metrics import ACCURACY  # noqa: E402
-from workers.tasks import DatasetInfo, MaskOutput, RuntimeOptions, TaskKind  # noqa: E402
+from headsweep.workers.family import DatasetInfo, MaskOutput, RuntimeOptions, TaskKind  # noqa: E402
+from headsweep.workers.heads import Head, HeadInventory, LayerShape  # noqa: E402
+from headsweep.workers.metrics import ACCURACY  # noqa: E402
 
 HEADS_PER_LAYER = 100
 
@@ -81,9 +81,9 @@ TRIVIAL = TaskKind("dispatch:TRIVIAL", TrivialModel, TrivialData, "dispatch:Triv
 
 def child(n_units: int, examples: int, workers: int, store: str) -> dict:
     """One sweep of ``n_units`` single-head evaluations in this process; its timing and peak RSS."""
-    from results.store import ResultStore
-    from sweep.config import build_config
-    from sweep.driver import Sweep
+    from headsweep.results.store import ResultStore
+    from headsweep.sweep.config import build_config
+    from headsweep.sweep.driver import Sweep
 
     cfg = build_config({
         "model": {"kind": "dispatch:TRIVIAL", "heads": n_units - 1},

@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 import multi30k_translation as m30k  # noqa: E402  (Multi30k data, SentencePiece model, training cache)
 
-from sweep.dispatch import units_per_call  # noqa: E402  (the driver's masks per call)
+from headsweep.sweep.dispatch import units_per_call  # noqa: E402  (the driver's masks per call)
 
 SST2 = ROOT.parent / "shared" / "data" / "sst2"
 try:
@@ -158,7 +158,7 @@ def sst2_rows() -> tuple[list[tuple[str, str]], list[str], str]:
             with open(SST2 / name, newline="", encoding="utf-8") as f:
                 return [(r[0].strip(), r[1]) for r in list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[1:]]
         return read("dev.tsv")[:N_CLASSIFIER], [s for s, _ in read("train.tsv")], "SST-2 dev (first 1000)"
-    from workers.synthetic_sentiment import generate
+    from headsweep.sweep.demo.sentiment import generate
 
     rows = [(t, str(y)) for t, y in generate(N_CLASSIFIER, seed=11)]
     return rows, [t for t, _ in generate(5000, seed=12)], "generated sentences (SST-2 absent)"
@@ -185,9 +185,9 @@ def classifier_bench(args, peak: PeakRSS, workdir: Path) -> str:
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
-    from workers.classifier import load_classifier
-    from workers.classifier_config import ClassifierData, ClassifierModel
-    from workers.tasks import RuntimeOptions
+    from headsweep.workers.families.hf_classifier.adapter import load_classifier
+    from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
+    from headsweep.workers.family import RuntimeOptions
 
     rows, train_text, source = sst2_rows()
     tokenizer = word_tokenizer(train_text)
@@ -248,7 +248,7 @@ def classifier_bench(args, peak: PeakRSS, workdir: Path) -> str:
 
 # -- translation --------------------------------------------------------------------------------
 def translation_settings(train_minutes: float):
-    from workers.fairseq_train import TrainSettings
+    from headsweep.workers.families.fairseq_translation.train import TrainSettings
 
     return TrainSettings(
         encoder_layers=6, decoder_layers=6, embed_dim=128, ffn_dim=512, attention_heads=4, dropout=0.1,
@@ -259,7 +259,7 @@ def translation_settings(train_minutes: float):
 
 def translation_model(args, workdir: Path):
     """(model config, data config, source): the cached Multi30k 6+6 model, or the synthetic task."""
-    from workers.translation_config import TranslationData, TranslationModel
+    from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 
     # Capped hypothesis length (2 x source + 10): a briefly trained model must not babble for 200 steps.
     decode = {"beam": 5, "max_len_a": 2.0, "max_len_b": 10}
@@ -272,7 +272,7 @@ def translation_model(args, workdir: Path):
         done = cache / "checkpoints" / "trained.json"
         spm_model, data_bin = m30k.prepare(cache)
         if not done.exists():
-            from workers.fairseq_train import train_translation
+            from headsweep.workers.families.fairseq_translation.train import train_translation
 
             result = train_translation(data_bin, cache / "checkpoints", m30k.SRC, m30k.TGT, settings)
             done.write_text(f"{result.epochs} epochs, {result.updates} updates, {result.seconds:.0f}s, "
@@ -283,7 +283,8 @@ def translation_model(args, workdir: Path):
                                 target=str(m30k.DATA / f"{test}.{m30k.TGT}.gz"),
                                 sentencepiece_model=str(spm_model), max_examples=N_TRANSLATION, name=test),
                 f"Multi30k {test} (first {N_TRANSLATION}), model: {done.read_text().strip()}")
-    from workers.fairseq_train import prepare_synthetic, train_translation
+    from headsweep.sweep.demo.translation import prepare_synthetic
+    from headsweep.workers.families.fairseq_translation.train import train_translation
 
     data = prepare_synthetic(workdir / "synthetic", n_train=3000, n_valid=100, n_test=N_TRANSLATION, seed=3)
     result = train_translation(data.data_bin, workdir / "synthetic" / "checkpoints", "src", "tgt", settings)
@@ -293,8 +294,8 @@ def translation_model(args, workdir: Path):
 
 
 def translation_bench(args, peak: PeakRSS, workdir: Path) -> str:
-    from workers.tasks import RuntimeOptions
-    from workers.translation import load_translation
+    from headsweep.workers.families.fairseq_translation.adapter import load_translation
+    from headsweep.workers.family import RuntimeOptions
 
     model_cfg, data_cfg, source = translation_model(args, workdir)
     sides = {

@@ -47,11 +47,11 @@ def main() -> None:
     import torch
     from scipy import stats
 
-    from sweep.pruning import level_masks
-    from workers.importance import gradient_importance
-    from workers.tasks import RuntimeOptions
-    from workers.translation import load_translation
-    from workers.translation_config import TranslationData, TranslationModel
+    from headsweep.sweep.pruning import level_masks
+    from headsweep.workers.families.fairseq_translation.adapter import load_translation
+    from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+    from headsweep.workers.family import RuntimeOptions
+    from headsweep.workers.importance import gradient_importance
 
     torch.set_num_threads(args.threads)
     trained = m30k.settings(12.0, threads=0)

@@ -56,7 +56,7 @@ def read_gz(path: Path) -> list[str]:
 
 
 def settings(train_minutes: float, threads: int):
-    from workers.fairseq_train import TrainSettings
+    from headsweep.workers.families.fairseq_translation.train import TrainSettings
 
     return TrainSettings(threads=threads,
         encoder_layers=3, decoder_layers=3, embed_dim=128, ffn_dim=512, attention_heads=4,
@@ -70,7 +70,7 @@ def prepare(workdir: Path) -> tuple[Path, Path]:
     """A joint SentencePiece model and a fairseq data-bin of the train/valid splits."""
     import sentencepiece as spm
 
-    from workers.fairseq_train import write_data_bin
+    from headsweep.workers.families.fairseq_translation.train import write_data_bin
 
     spm_model = workdir / "spm.model"
     data_bin = workdir / "data-bin"
@@ -99,7 +99,7 @@ def prepare(workdir: Path) -> tuple[Path, Path]:
 
 
 def train(workdir: Path, train_minutes: float, threads: int) -> Path:
-    from workers.fairseq_train import train_translation
+    from headsweep.workers.families.fairseq_translation.train import train_translation
 
     checkpoint = workdir / "checkpoints" / "checkpoint_last.pt"
     done = workdir / "checkpoints" / "trained.json"
@@ -150,9 +150,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
 
-    from workers.tasks import RuntimeOptions
-    from workers.translation import load_translation
-    from workers.translation_config import TranslationData, TranslationModel
+    from headsweep.workers.families.fairseq_translation.adapter import load_translation
+    from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+    from headsweep.workers.family import RuntimeOptions
 
     trained = settings(args.train_minutes, threads=0)  # the thread count does not change the model
     key = hashlib.sha256(json.dumps([VOCAB, repr(trained)]).encode()).hexdigest()[:10]

@@ -1,4 +1,4 @@
-"""Benchmark: sacrebleu's paired bootstrap vs sweep.significance.paired_bootstrap.
+"""Benchmark: sacrebleu's paired bootstrap vs headsweep.sweep.significance.paired_bootstrap.
 
 A head-ablation grid of a 6+6-layer, 16-head translation model has 288 ablated
 systems, each tested against the baseline with a 1000-resample paired bootstrap
@@ -27,7 +27,7 @@ from sacrebleu.significance import PairedTest
 
 # run as a plain script from a checkout: make the repository importable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-_sig = importlib.import_module("sweep.significance")
+_sig = importlib.import_module("headsweep.sweep.significance")
 bleu_from_stats = _sig.bleu_from_stats
 paired_bootstrap = _sig.paired_bootstrap
 

@@ -18,10 +18,10 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from results.schema import SCHEMA_VERSION, TABLES
-from results.store import ResultStore
-from results.views import VIEWS
-from sweep.errors import HeadsweepError
+from headsweep.errors import HeadsweepError
+from headsweep.results.schema import SCHEMA_VERSION, TABLES
+from headsweep.results.store import ResultStore
+from headsweep.results.views import VIEWS
 
 FORMATS = ("table", "csv", "json", "parquet")
 

@@ -18,8 +18,8 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from results.schema import TABLES, with_run_id
-from sweep.errors import HeadsweepError
+from headsweep.errors import HeadsweepError
+from headsweep.results.schema import TABLES, with_run_id
 
 
 def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:

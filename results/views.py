@@ -7,7 +7,7 @@ it use ``IS NOT DISTINCT FROM`` so that the null checkpoint matches itself.
 
 from __future__ import annotations
 
-from results.schema import HEAD_COLUMNS
+from headsweep.results.schema import HEAD_COLUMNS
 
 # The test shown next to a delta: paired bootstrap for corpus metrics (BLEU), paired t-test
 # for accuracy. The other tests stay in `significance`.

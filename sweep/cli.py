@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from sweep.errors import HeadsweepError
+from headsweep.errors import HeadsweepError
 
 DEFAULT_STORE = "headsweep-store"
 
@@ -112,9 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from results.store import ResultStore
-    from sweep.config import load_config
-    from sweep.driver import Sweep
+    from headsweep.results.store import ResultStore
+    from headsweep.sweep.config import load_config
+    from headsweep.sweep.driver import Sweep
 
     overrides = list(args.overrides)
     if args.workers is not None:
@@ -136,8 +136,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _query_out(args: argparse.Namespace, sql: str) -> int:
     """Run ``sql`` on the store; print the result, or write it to ``--out``."""
-    from results.query import run_query, write_result
-    from results.store import ResultStore
+    from headsweep.results.query import run_query, write_result
+    from headsweep.results.store import ResultStore
 
     text = write_result(run_query(ResultStore(args.store), sql), args.format, args.out)
     if text is not None:
@@ -150,21 +150,21 @@ def cmd_query(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from results.views import RUNS_LIST
+    from headsweep.results.views import RUNS_LIST
 
     return _query_out(args, RUNS_LIST)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from results.store import ResultStore
-    from sweep.report import default_report_dir, write_report
+    from headsweep.results.store import ResultStore
+    from headsweep.sweep.report import default_report_dir, write_report
 
     print(write_report(ResultStore(args.store), args.run_ids, args.out or default_report_dir(args.run_ids)))
     return 0
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from sweep import jobs
+    from headsweep.sweep import jobs
 
     if not args.address:
         raise HeadsweepError("submit needs --address http://HEAD:8265 (or $RAY_API_SERVER_ADDRESS)")
@@ -180,7 +180,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    from sweep import jobs
+    from headsweep.sweep import jobs
 
     if not args.address:
         raise HeadsweepError("jobs needs --address http://HEAD:8265 (or $RAY_API_SERVER_ADDRESS)")
@@ -201,9 +201,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from results.query import format_table
-    from results.store import ResultStore
-    from sweep.compare import compare_runs
+    from headsweep.results.query import format_table
+    from headsweep.results.store import ResultStore
+    from headsweep.sweep.compare import compare_runs
 
     correlations, overlap = compare_runs(ResultStore(args.store), args.run_a, args.run_b)
     print(format_table(correlations, args.format))
@@ -212,9 +212,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from results.store import ResultStore
-    from sweep.config import load_config
-    from sweep.export import export_pruned
+    from headsweep.results.store import ResultStore
+    from headsweep.sweep.config import load_config
+    from headsweep.sweep.export import export_pruned
 
     cfg = load_config(args.config, list(args.overrides))
     mask = args.mask.replace(",", " ").split() if args.mask is not None else None
@@ -223,7 +223,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from sweep.demo import run_demo
+    from headsweep.sweep.demo import run_demo
 
     return run_demo(args.store, workers=args.workers, show_progress=not args.quiet, report=args.report)
 

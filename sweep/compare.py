@@ -13,9 +13,9 @@ import numpy as np
 import pyarrow as pa
 from scipy import stats
 
-from results.query import run_query
-from results.store import ResultStore
-from sweep.errors import HeadsweepError
+from headsweep.errors import HeadsweepError
+from headsweep.results.query import run_query
+from headsweep.results.store import ResultStore
 
 
 def _run(store: ResultStore, run_id: str) -> dict:

@@ -3,7 +3,7 @@
 A config is a tree of dataclasses. Unknown keys are errors that name the key and the keys
 that are allowed, because a misspelt key that is silently ignored runs the wrong sweep for
 hours. The ``model`` and ``data`` sections are typed by ``model.kind`` (see
-``workers.tasks.TASK_KINDS``). A config file may name others to start from with
+``headsweep.workers.family.TASK_KINDS``). A config file may name others to start from with
 ``include: [file, ...]`` (paths relative to the including file); later files and the
 overrides win.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from sweep.errors import HeadsweepError
+from headsweep.errors import HeadsweepError
 
 EXPERIMENTS = ("baseline", "single_head", "all_but_one", "custom", "importance", "prune_level", "efficiency")
 IMPORTANCE_METHODS = ("gradient", "ablation")
@@ -302,7 +302,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def build_config(data: dict) -> Config:
     """Validate a merged config mapping into a :class:`Config`."""
-    from workers.tasks import task_kind
+    from headsweep.workers.family import task_kind
 
     data = dict(data)
     model = data.get("model")
@@ -385,7 +385,7 @@ def validate_efficiency(cfg: Config) -> None:
             f"(a pruning level) or efficiency.eval_id (an evaluation), got {', '.join(named) or 'none'}"
         )
     if e.mask is not None:
-        from workers.heads import Head
+        from headsweep.workers.heads import Head
 
         for name in e.mask:
             Head.parse(name)  # a misspelt name fails now; heads out of range fail once the model is loaded

@@ -23,8 +23,8 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from sweep.errors import HeadsweepError
-from sweep.plan import WorkUnit
+from headsweep.errors import HeadsweepError
+from headsweep.workers.work import WorkUnit
 
 CALLS_IN_FLIGHT_PER_WORKER = 2
 # Work units per call when sweep.masks_per_batch is 0: enough to share a forward pass (and, with
@@ -93,15 +93,16 @@ class WorkerPool:
             )
         return indices
 
-    def call(self, method: str, *args: Any) -> Any:
-        """Call ``method`` on one live worker; on losing it, on the next (retries bounded)."""
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(worker, *args)`` on one live worker (``EvalWorker.run``); on losing it, on the next (retries bounded)."""
+        what = getattr(fn, "__name__", str(fn))
         for attempt in range(self.max_retries + 1):
             i = self.live()[0]
             try:
-                return get(getattr(self.actors[i], method).remote(*args))
+                return get(self.actors[i].run.remote(fn, *args))
             except RayActorError as exc:
-                self._lost(i, exc, f"its {method} call", attempt + 1)
-        raise HeadsweepError(f"{method} failed on {self.max_retries + 1} workers in a row: each worker was lost")
+                self._lost(i, exc, f"its {what} call", attempt + 1)
+        raise HeadsweepError(f"{what} failed on {self.max_retries + 1} workers in a row: each worker was lost")
 
     def stream(self, units: Sequence[WorkUnit], per_call: int) -> Iterator[tuple[WorkUnit, Any, str]]:
         """Evaluate ``units`` in batches of ``per_call``; yield ``(unit, output, worker name)`` as they land."""

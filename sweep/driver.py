@@ -1,6 +1,6 @@
 """The sweep driver: starts workers, streams work units to them, writes results as they land.
 
-The worker pool (``sweep.dispatch``) keeps a small window of calls in flight per actor and
+The worker pool (``headsweep.sweep.dispatch``) keeps a small window of calls in flight per actor and
 hands results over as they finish; the driver writes them in chunks, tests them for
 significance, and records the run's status in ``runs``.
 """
@@ -21,22 +21,24 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from results.schema import SCHEMA_VERSION
-from results.store import ResultStore
-from sweep.config import Config, from_dict
-from sweep.dispatch import WorkerPool, log, units_per_call, unwrap, wait_until_placed
-from sweep.errors import HeadsweepError
-from sweep.placement import alive_nodes, check_placement
-from sweep.plan import WorkUnit, plan, prune_levels
-from sweep.progress import Progress
-from sweep.pruning import ablation_importance, iterative_level_masks, level_masks
-from sweep.significance_runner import SignificanceTracker, tests_for
-from sweep.stored_masks import efficiency_mask, explicit_mask
-from sweep.version import code_version
-from workers.actor import EvalWorker
-from workers.heads import Head
-from workers.importance import normalize_by_layer
-from workers.tasks import DatasetInfo, MaskOutput, RuntimeOptions, task_kind
+from headsweep.errors import HeadsweepError
+from headsweep.results.schema import SCHEMA_VERSION
+from headsweep.results.store import ResultStore
+from headsweep.sweep.config import Config, from_dict
+from headsweep.sweep.dispatch import WorkerPool, log, units_per_call, unwrap, wait_until_placed
+from headsweep.sweep.placement import alive_nodes, check_placement
+from headsweep.sweep.plan import plan, prune_levels
+from headsweep.sweep.progress import Progress
+from headsweep.sweep.pruning import ablation_importance, iterative_level_masks, level_masks
+from headsweep.sweep.significance_runner import SignificanceTracker, tests_for
+from headsweep.sweep.stored_masks import efficiency_mask, explicit_mask
+from headsweep.sweep.version import code_version
+from headsweep.workers.actor import EvalWorker
+from headsweep.workers.efficiency import efficiency_on_worker
+from headsweep.workers.family import DatasetInfo, MaskOutput, RuntimeOptions, task_kind
+from headsweep.workers.heads import Head
+from headsweep.workers.importance import importance_on_worker, normalize_by_layer
+from headsweep.workers.work import WorkUnit
 
 # A running run's row is rewritten this often; a driver on another host whose row is older than
 # STALE_AFTER_S is taken for dead, so its run may be resumed.
@@ -378,7 +380,7 @@ class Sweep:
             choice = efficiency_mask(self.cfg.efficiency, self.store, self.run_id, info.inventory, prefix,
                                      writer.checkpoint)
             rows = [{**choice.columns(info.inventory), **row, "checkpoint": writer.checkpoint, "finished_at": now()}
-                    for row in pool.call("efficiency", choice.heads, self.cfg.efficiency)]
+                    for row in pool.call(efficiency_on_worker, choice.heads, self.cfg.efficiency)]
             self.store.write_rows("efficiency", self.run_id, rows, name=(prefix + "efficiency").replace("/", "-"))
         writer.flush()
         return base_score, tracker
@@ -425,7 +427,7 @@ class Sweep:
             return stored
         if imp.method == "gradient":
             data_cfg = self.importance_data()
-            result = pool.call("importance", data_cfg, imp.per_token, imp.normalize, ())
+            result = pool.call(importance_on_worker, data_cfg, imp.per_token, imp.normalize, ())
             raw, normalized = result.raw, result.normalized
         else:
             source = imp.from_run or self.run_id
@@ -457,7 +459,7 @@ class Sweep:
         data_cfg = self.importance_data()
 
         def estimate(mask: tuple[Head, ...]) -> dict[Head, float]:
-            result = pool.call("importance", data_cfg, imp.per_token, imp.normalize, mask)
+            result = pool.call(importance_on_worker, data_cfg, imp.per_token, imp.normalize, mask)
             return result.scores
 
         return iterative_level_masks(estimate, info.inventory, prune.levels, prune.attention, prune.min_heads_per_layer)

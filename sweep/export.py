@@ -1,10 +1,10 @@
 """``headsweep export``: a copy of a sweep's model with heads physically removed.
 
 The model is the config's ``model`` section; the heads are a mask given by name, or the mask
-of a stored run's pruning level or evaluation (``sweep.stored_masks``). The output folder
+of a stored run's pruning level or evaluation (``headsweep.sweep.stored_masks``). The output folder
 holds, for a transformers classifier, a ``save_pretrained`` directory whose
 ``config.pruned_heads`` lists the removed heads (load it with
-``workers.physical_pruning.load_pruned``); for a fairseq translation model, ``checkpoint.pt``
+``headsweep.workers.families.hf_classifier.pruning.load_pruned``); for a fairseq translation model, ``checkpoint.pt``
 with the removed heads under ``headsweep_pruned_heads`` and the model's dictionaries beside
 it (a config with ``model.checkpoint: OUT/checkpoint.pt`` and ``model.data_bin: OUT`` loads
 it). Both get ``headsweep-export.json``: which heads were removed, which survive per layer,
@@ -17,11 +17,11 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from results.store import ResultStore
-from sweep.config import Config
-from sweep.errors import HeadsweepError
-from sweep.stored_masks import MaskChoice, explicit_mask, stored_mask
-from workers.heads import HeadInventory
+from headsweep.errors import HeadsweepError
+from headsweep.results.store import ResultStore
+from headsweep.sweep.config import Config
+from headsweep.sweep.stored_masks import MaskChoice, explicit_mask, stored_mask
+from headsweep.workers.heads import HeadInventory
 
 MANIFEST = "headsweep-export.json"
 
@@ -53,19 +53,19 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
                   level: float | None = None, eval_id: str | None = None,
                   mask: Sequence[str] | None = None) -> Path:
     """Write the config's model without the chosen heads to ``out_dir``; returns the folder."""
-    from workers.physical_pruning import count_parameters, prune_heads, site_inventory
+    from headsweep.workers.families.hf_classifier.pruning import count_parameters, prune_heads, site_inventory
 
     out = _check_out(out_dir)  # before the model is loaded: a wrong folder should fail fast
     kind = cfg.model.kind
     if kind == "hf_classifier":
-        from workers.classifier import load_hf_model
-        from workers.hf_sites import find_sites
+        from headsweep.workers.families.hf_classifier.adapter import load_hf_model
+        from headsweep.workers.families.hf_classifier.sites import find_sites
 
         model, tokenizer = load_hf_model(cfg.model, "cpu")
         sites = find_sites(model)
     elif kind == "fairseq_translation":
-        from workers.fairseq_sites import find_fairseq_sites
-        from workers.translation import _load_model
+        from headsweep.workers.families.fairseq_translation.adapter import _load_model
+        from headsweep.workers.families.fairseq_translation.sites import find_fairseq_sites
 
         loaded = _load_model(cfg.model)
         model = loaded.model.eval()
@@ -77,12 +77,12 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
     n_full = count_parameters(model)
     slices = prune_heads(model, choice.heads)
     if kind == "hf_classifier":
-        from workers.physical_pruning import save_pruned
+        from headsweep.workers.families.hf_classifier.pruning import save_pruned
 
         save_pruned(model, out, tokenizer)
     else:
-        from workers.fairseq_checkpoint import read_checkpoint
-        from workers.fairseq_pruning import copy_dictionaries, save_pruned_checkpoint
+        from headsweep.workers.families.fairseq_translation.checkpoint import read_checkpoint
+        from headsweep.workers.families.fairseq_translation.pruning import copy_dictionaries, save_pruned_checkpoint
 
         state = read_checkpoint(cfg.model.checkpoint, cfg.model.trusted)
         save_pruned_checkpoint(state, model, choice.heads, out / "checkpoint.pt")

@@ -1,7 +1,7 @@
 """Sweeps as Ray jobs on a running cluster: submit, list, status, logs, stop, wait.
 
 ``submit`` runs exactly ``headsweep run`` on the cluster: the job's entrypoint is
-``python -m sweep.cli run CONFIG [overrides] --address auto [--workers N] --store STORE``, run by
+``python -m headsweep run CONFIG [overrides] --address auto [--workers N] --store STORE``, run by
 the cluster's ``python`` (the one on the head's PATH, i.e. the image's interpreter; pass ``python=``
 to name another). ``--address auto`` because inside a Ray job ``RAY_ADDRESS`` points at the cluster
 and the driver must connect to it rather than start an embedded instance.
@@ -47,7 +47,7 @@ from typing import Any
 
 import yaml
 
-from sweep.errors import HeadsweepError
+from headsweep.errors import HeadsweepError
 
 # Bounds for the reachability probe: (connect, read) seconds.
 PROBE_TIMEOUT_S = (5.0, 10.0)
@@ -200,8 +200,8 @@ def _check_store(store: str | None) -> None:
 def build_entrypoint(
     config_rel: str, overrides: list[str], store: str | None, workers: int | None, python: str = "python"
 ) -> str:
-    """The shell command a submitted job runs: ``headsweep run`` through ``python -m sweep.cli``."""
-    parts = [python, "-m", "sweep.cli", "run", config_rel, *overrides, "--address", "auto"]
+    """The shell command a submitted job runs: ``headsweep run`` through ``python -m headsweep``."""
+    parts = [python, "-m", "headsweep", "run", config_rel, *overrides, "--address", "auto"]
     if workers is not None:
         parts += ["--workers", str(workers)]
     command = shlex.join(parts)
@@ -241,7 +241,7 @@ def submit(
     Returns:
         The Ray job (submission) id.
     """
-    from sweep.config import load_config
+    from headsweep.sweep.config import load_config
 
     _check_store(store)
     if workers is not None and workers < 1:

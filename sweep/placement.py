@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import ray
 
-from sweep.config import Config
-from sweep.errors import HeadsweepError
+from headsweep.errors import HeadsweepError
+from headsweep.sweep.config import Config
 
 # Logical CPUs left free beside the workers: significance tasks ask 0.5 CPU each.
 CPU_HEADROOM = 0.5

@@ -6,25 +6,10 @@ so a resumed run recognises the evaluations it already stored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from sweep.config import Config
-from sweep.errors import HeadsweepError
-from workers.heads import Head, HeadInventory
-
-
-@dataclass(frozen=True)
-class WorkUnit:
-    """One evaluation: a mask (heads gated off) and the head it is reported under."""
-
-    eval_id: str
-    experiment: str
-    masked: tuple[Head, ...]
-    attention: str | None = None
-    layer: int | None = None
-    head: int | None = None
-    level: float | None = None
-
+from headsweep.errors import HeadsweepError
+from headsweep.sweep.config import Config
+from headsweep.workers.heads import Head, HeadInventory
+from headsweep.workers.work import WorkUnit
 
 BASELINE = WorkUnit("baseline", "baseline", ())
 

@@ -13,7 +13,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
-from workers.heads import ATTENTION_TYPES, Head, HeadInventory
+from headsweep.workers.heads import ATTENTION_TYPES, Head, HeadInventory
 
 
 def heads_in_scope(inventory: HeadInventory, attention: Sequence[str] | None) -> list[Head]:
@@ -80,7 +80,7 @@ def ablation_importance(
     Reads the ``single_head`` evaluations of ``run_id`` (of one training checkpoint, where the run
     has several) from the store; every head of the model must have one.
     """
-    from sweep.errors import HeadsweepError
+    from headsweep.errors import HeadsweepError
 
     columns = ["experiment", "attention", "layer", "head", "delta", "checkpoint"]
     rows = store.read("evaluations", run_id, columns=columns)

@@ -18,11 +18,11 @@ from pathlib import Path
 import duckdb
 import yaml
 
-from results.query import connect
-from results.schema import SCHEMA_VERSION
-from results.store import ResultStore
-from sweep import figures
-from sweep.errors import HeadsweepError
+from headsweep.errors import HeadsweepError
+from headsweep.results.query import connect
+from headsweep.results.schema import SCHEMA_VERSION
+from headsweep.results.store import ResultStore
+from headsweep.sweep import figures
 
 TOP_HEADS = 10
 # Baselines of two runs closer than this are the same model on the same data.

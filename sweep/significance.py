@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from scipy import stats as _sps
 
-from workers.metrics import accuracy_from_stats, bleu_from_stats
+from headsweep.workers.metrics import accuracy_from_stats, bleu_from_stats
 
 __all__ = [
     "CorpusScore",

@@ -14,18 +14,18 @@ from collections import Counter, defaultdict
 import numpy as np
 import ray
 
-from results.store import ResultStore
-from sweep.config import SignificanceSection
-from sweep.errors import HeadsweepError
-from sweep.plan import WorkUnit
-from sweep.significance import (
+from headsweep.errors import HeadsweepError
+from headsweep.results.store import ResultStore
+from headsweep.sweep.config import SignificanceSection
+from headsweep.sweep.significance import (
     TestResult,
     mcnemar_exact,
     paired_bootstrap,
     paired_ttest,
     significance_rows,
 )
-from workers.metrics import metric_by_name
+from headsweep.workers.metrics import metric_by_name
+from headsweep.workers.work import WorkUnit
 
 # The papers' tests: paired bootstrap for BLEU (Koehn 2004), a t-test for accuracy, with
 # McNemar's exact test as the better-founded companion for binary outcomes.

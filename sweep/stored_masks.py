@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from results.store import ResultStore
-from sweep.errors import HeadsweepError
-from workers.heads import Head, HeadInventory
+from headsweep.errors import HeadsweepError
+from headsweep.results.store import ResultStore
+from headsweep.workers.heads import Head, HeadInventory
 
 
 @dataclass(frozen=True)

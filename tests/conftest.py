@@ -50,7 +50,7 @@ def tiny_bert_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_dev_tsv(tmp_path_factory) -> Path:
-    from workers.synthetic_sentiment import generate, write_tsv
+    from headsweep.sweep.demo.sentiment import generate, write_tsv
 
     return write_tsv(generate(40, seed=7), tmp_path_factory.mktemp("data") / "dev.tsv")
 
@@ -59,7 +59,7 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
     """Run the real ``headsweep`` CLI as a subprocess."""
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "sweep.cli", *args],
+        [sys.executable, "-m", "headsweep", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

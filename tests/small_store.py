@@ -34,7 +34,7 @@ def build_small_store(tmp: Path, ray_address: str, model_dir: Path, dev_tsv: Pat
     """Run the sweep into ``tmp/store``; returns the store, the run id and the two checkpoints."""
     from tiny_models import save_tiny_classifier  # torch: only when the store is built
 
-    from workers.synthetic_sentiment import generate, write_tsv
+    from headsweep.sweep.demo.sentiment import generate, write_tsv
 
     second = save_tiny_classifier(tmp / "epoch2", seed=1)
     train = write_tsv(generate(40, seed=5), tmp / "train.tsv")

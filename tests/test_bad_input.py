@@ -11,7 +11,7 @@ import pytest
 import yaml
 from conftest import REPO, run_cli
 
-from results.store import ResultStore
+from headsweep.results.store import ResultStore
 
 
 def config_file(tmp_path, model_dir, data_file, model=None, data=None, sweep=None, extra=None):
@@ -66,7 +66,7 @@ def test_missing_model_directory_and_hub_id(tmp_path, tiny_dev_tsv, ray_address)
 def test_model_without_attention(tmp_path, tiny_dev_tsv, ray_address):
     from transformers import FNetConfig, FNetForSequenceClassification
 
-    from workers.synthetic_sentiment import build_tokenizer
+    from headsweep.sweep.demo.sentiment import build_tokenizer
 
     tok = build_tokenizer()
     model_dir = tmp_path / "fnet"
@@ -103,14 +103,14 @@ def test_store_not_writable(tmp_path, tiny_bert_dir, tiny_dev_tsv):
 
 
 def test_interrupted_run_is_marked_and_store_stays_valid(tmp_path, tiny_bert_dir, ray_address):
-    from workers.synthetic_sentiment import generate, write_tsv
+    from headsweep.sweep.demo.sentiment import generate, write_tsv
 
     data = write_tsv(generate(3000, seed=3), tmp_path / "big.tsv")
     cfg = config_file(tmp_path, tiny_bert_dir, data,
                       sweep={"experiments": ["single_head", "all_but_one"], "batch_size": 8,
                              "masks_per_batch": 1, "flush_every": 1, "workers": 1})
     store = tmp_path / "store"
-    proc = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(cfg), "--store", str(store),
+    proc = subprocess.Popen([sys.executable, "-m", "headsweep", "run", str(cfg), "--store", str(store),
                              "--address", ray_address, "--quiet"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     reader = ResultStore(str(store))

@@ -6,8 +6,8 @@ import yaml
 from conftest import run_cli
 from tiny_models import save_tiny_classifier
 
-from results.store import ResultStore
-from workers.synthetic_sentiment import generate, write_tsv
+from headsweep.results.store import ResultStore
+from headsweep.sweep.demo.sentiment import generate, write_tsv
 
 
 def test_pruning_curve_per_checkpoint(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):

@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sweep.errors import HeadsweepError
-from workers.classification_data import read_examples
-from workers.classifier import label_ids
-from workers.classifier_config import ClassifierData
+from headsweep.errors import HeadsweepError
+from headsweep.workers.families.hf_classifier.adapter import label_ids
+from headsweep.workers.families.hf_classifier.config import ClassifierData
+from headsweep.workers.families.hf_classifier.data import read_examples
 
 ROWS = [("a man sleeps", "a person rests", "entailment"), ('he said "no"', "nobody spoke", "contradiction")]
 

@@ -9,8 +9,8 @@ import yaml
 from conftest import run_cli
 from scipy import stats
 
-from results.store import ResultStore
-from workers.synthetic_sentiment import generate, write_tsv
+from headsweep.results.store import ResultStore
+from headsweep.sweep.demo.sentiment import generate, write_tsv
 
 
 def test_compare_two_domains(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sweep.config import apply_overrides, build_config, load_config, read_yaml
-from sweep.errors import HeadsweepError
+from headsweep.errors import HeadsweepError
+from headsweep.sweep.config import apply_overrides, build_config, load_config, read_yaml
 
 
 def test_include_overrides_and_relative_paths(tmp_path):

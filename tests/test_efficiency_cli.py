@@ -8,16 +8,16 @@ import torch
 import yaml
 from conftest import error_line, run_cli
 
-from results.query import run_query
-from results.store import ResultStore
-from sweep.config import build_config, load_config
-from sweep.errors import HeadsweepError
-from sweep.export import export_pruned
-from workers.gates import HeadGates
-from workers.heads import Head
-from workers.hf_sites import find_sites
-from workers.physical_pruning import load_pruned
-from workers.synthetic_sentiment import generate, write_tsv
+from headsweep.errors import HeadsweepError
+from headsweep.results.query import run_query
+from headsweep.results.store import ResultStore
+from headsweep.sweep.config import build_config, load_config
+from headsweep.sweep.demo.sentiment import generate, write_tsv
+from headsweep.sweep.export import export_pruned
+from headsweep.workers.families.hf_classifier.pruning import load_pruned
+from headsweep.workers.families.hf_classifier.sites import find_sites
+from headsweep.workers.gates import HeadGates
+from headsweep.workers.heads import Head
 
 HEAD_PARAMS = 8 * (3 * 33 + 32)  # tiny BERT: hidden 32, head size 8; W_Q, W_K, W_V rows with biases, W_O columns
 

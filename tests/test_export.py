@@ -14,14 +14,20 @@ import yaml
 from conftest import run_cli
 from tiny_models import random_batch, tiny_classifier
 
-from results.store import ResultStore
-from sweep.config import load_config
-from sweep.errors import HeadsweepError
-from sweep.export import choose, export_pruned
-from workers.gates import HeadGates
-from workers.heads import Head
-from workers.hf_sites import find_sites
-from workers.physical_pruning import count_parameters, load_pruned, prune_heads, save_pruned, site_inventory
+from headsweep.errors import HeadsweepError
+from headsweep.results.store import ResultStore
+from headsweep.sweep.config import load_config
+from headsweep.sweep.export import choose, export_pruned
+from headsweep.workers.families.hf_classifier.pruning import (
+    count_parameters,
+    load_pruned,
+    prune_heads,
+    save_pruned,
+    site_inventory,
+)
+from headsweep.workers.families.hf_classifier.sites import find_sites
+from headsweep.workers.gates import HeadGates
+from headsweep.workers.heads import Head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,8 +13,8 @@ import time
 import yaml
 from conftest import REPO, error_line, run_cli
 
-from results.store import ResultStore
-from workers.synthetic_sentiment import generate, write_tsv
+from headsweep.results.store import ResultStore
+from headsweep.sweep.demo.sentiment import generate, write_tsv
 
 N_UNITS = 17  # baseline + 8 single-head + 8 all-but-one of the tiny 2x4 BERT
 
@@ -29,7 +29,7 @@ def start_sweep(tmp_path, model_dir, ray_address, **sweep) -> tuple[subprocess.P
                   "masks_per_batch": 1, "flush_every": 1, **sweep},
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    argv = [sys.executable, "-m", "sweep.cli", "run", str(tmp_path / "c.yaml"), "--store", str(tmp_path / "store"),
+    argv = [sys.executable, "-m", "headsweep", "run", str(tmp_path / "c.yaml"), "--store", str(tmp_path / "store"),
             "--address", ray_address, "--quiet"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []

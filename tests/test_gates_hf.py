@@ -8,10 +8,10 @@ import pytest
 import torch
 from tiny_models import random_batch, tiny_classifier, zeroed_copy
 
-from sweep.errors import HeadsweepError
-from workers.gates import HeadGates
-from workers.heads import Head
-from workers.hf_sites import find_sites
+from headsweep.errors import HeadsweepError
+from headsweep.workers.families.hf_classifier.sites import find_sites
+from headsweep.workers.gates import HeadGates
+from headsweep.workers.heads import Head
 
 FAMILIES = ["bert", "roberta", "distilbert"]
 ATTN = ["eager", "sdpa"]

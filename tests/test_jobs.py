@@ -25,10 +25,10 @@ import requests
 import yaml
 from conftest import run_cli
 
-from results.query import run_query
-from results.store import ResultStore
-from sweep import jobs
-from sweep.errors import HeadsweepError
+from headsweep.errors import HeadsweepError
+from headsweep.results.query import run_query
+from headsweep.results.store import ResultStore
+from headsweep.sweep import jobs
 
 HEAD_START_TIMEOUT_S = 90
 JOB_TIMEOUT_S = 150
@@ -191,7 +191,7 @@ def test_submit_runs_the_sweep_on_the_cluster(ray_head, job_config, tmp_path):
     (listed,) = [j for j in jobs.list_jobs(ray_head) if j["job_id"] == job_id]
     assert listed["status"] == "SUCCEEDED" and listed["start_time"] and listed["end_time"]
     assert listed["metadata"] == {"headsweep_config": "sweep.yaml", "headsweep_store": str(store)}
-    assert shlex.split(listed["entrypoint"])[:5] == [sys.executable, "-m", "sweep.cli", "run", "jobs/sweep.yaml"]
+    assert shlex.split(listed["entrypoint"])[:5] == [sys.executable, "-m", "headsweep", "run", "jobs/sweep.yaml"]
     assert job_id in jobs.format_jobs(jobs.list_jobs(ray_head))
     assert jobs.stop(ray_head, job_id) is False  # already over
 
@@ -270,7 +270,7 @@ def test_unreachable_address_is_reported_before_upload(tmp_path, job_config):
 def test_entrypoint_quotes_every_argument():
     overrides = ["sweep.masks=[[self:0:1, self:1:2]]", "name=it's $HOME; rm -rf /", "data.path=/a b/c.tsv"]
     entry = jobs.build_entrypoint("my conf/sweep.yaml", overrides, "s3://bucket/x y", 3, "/opt/py 3/python")
-    assert shlex.split(entry) == ["/opt/py 3/python", "-m", "sweep.cli", "run", "my conf/sweep.yaml", *overrides,
+    assert shlex.split(entry) == ["/opt/py 3/python", "-m", "headsweep", "run", "my conf/sweep.yaml", *overrides,
                                   "--address", "auto", "--workers", "3", "--store", "s3://bucket/x y"]
 
 
@@ -284,7 +284,7 @@ def test_bundle_keeps_the_include_layout(job_config, tmp_path):
 def _cli_has_submit() -> bool:
     import argparse
 
-    from sweep.cli import build_parser
+    from headsweep.sweep.cli import build_parser
 
     # argparse keeps its subcommands in a private action type; there is no public accessor.
     return any(isinstance(a, argparse._SubParsersAction) and "submit" in a.choices for a in build_parser()._actions)

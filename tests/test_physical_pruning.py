@@ -18,30 +18,30 @@ import torch
 from tiny_fairseq import fairseq_load, plain_beam_search, plain_reference_nll, train_tiny, zero_heads
 from tiny_models import random_batch, tiny_classifier, zeroed_copy
 
-from sweep.config import build_config
-from sweep.errors import HeadsweepError
-from sweep.export import export_pruned
-from sweep.pruning import level_masks
-from workers.classifier import load_classifier
-from workers.classifier_config import ClassifierData, ClassifierModel
-from workers.efficiency import measure_task
-from workers.fairseq_pruning import PRUNED_KEY
-from workers.gates import HeadGates
-from workers.head_slicing import plan_slice
-from workers.heads import Head
-from workers.hf_sites import find_sites
-from workers.importance import gradient_importance
-from workers.physical_pruning import (
+from headsweep.errors import HeadsweepError
+from headsweep.sweep.config import build_config
+from headsweep.sweep.demo.sentiment import generate, write_tsv
+from headsweep.sweep.export import export_pruned
+from headsweep.sweep.pruning import level_masks
+from headsweep.workers.efficiency import measure_task
+from headsweep.workers.families.fairseq_translation.adapter import load_translation
+from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+from headsweep.workers.families.fairseq_translation.pruning import PRUNED_KEY
+from headsweep.workers.families.hf_classifier.adapter import load_classifier
+from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
+from headsweep.workers.families.hf_classifier.pruning import (
     EmptyDistilBertAttention,
     EmptySelfAttention,
     count_parameters,
     prune_heads,
     ungated_copy,
 )
-from workers.synthetic_sentiment import generate, write_tsv
-from workers.tasks import RuntimeOptions
-from workers.translation import load_translation
-from workers.translation_config import TranslationData, TranslationModel
+from headsweep.workers.families.hf_classifier.sites import find_sites
+from headsweep.workers.family import RuntimeOptions
+from headsweep.workers.gates import HeadGates
+from headsweep.workers.head_slicing import plan_slice
+from headsweep.workers.heads import Head
+from headsweep.workers.importance import gradient_importance
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

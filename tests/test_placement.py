@@ -6,9 +6,9 @@ import pytest
 import yaml
 from conftest import error_line, run_cli
 
-from sweep.config import load_config
-from sweep.errors import HeadsweepError
-from sweep.placement import NodeResources, check_placement, workers_per_node
+from headsweep.errors import HeadsweepError
+from headsweep.sweep.config import load_config
+from headsweep.sweep.placement import NodeResources, check_placement, workers_per_node
 
 
 def config(tmp_path, **sweep):

@@ -8,8 +8,8 @@ import pytest
 import yaml
 from conftest import run_cli
 
-from results.store import ResultStore
-from workers.synthetic_sentiment import generate, write_tsv
+from headsweep.results.store import ResultStore
+from headsweep.sweep.demo.sentiment import generate, write_tsv
 
 
 @pytest.fixture(scope="module")

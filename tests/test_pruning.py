@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from sweep.pruning import iterative_level_masks, level_masks
-from workers.heads import Head, HeadInventory, LayerShape
+from headsweep.sweep.pruning import iterative_level_masks, level_masks
+from headsweep.workers.heads import Head, HeadInventory, LayerShape
 
 LEVELS = [round(0.1 * i, 1) for i in range(11)]
 

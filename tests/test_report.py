@@ -13,10 +13,10 @@ from conftest import run_cli
 from PIL import Image
 from small_store import LEVELS, small_store
 
-from results.query import run_query
-from results.store import ResultStore
-from sweep import figures
-from sweep.config import load_config
+from headsweep.results.query import run_query
+from headsweep.results.store import ResultStore
+from headsweep.sweep import figures
+from headsweep.sweep.config import load_config
 
 
 @pytest.fixture(scope="module")

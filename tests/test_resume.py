@@ -11,8 +11,8 @@ from datetime import UTC, datetime
 import yaml
 from conftest import REPO, run_cli
 
-from results.store import ResultStore
-from workers.synthetic_sentiment import generate, write_tsv
+from headsweep.results.store import ResultStore
+from headsweep.sweep.demo.sentiment import generate, write_tsv
 
 
 def test_sigkill_then_rerun_computes_only_the_missing(tmp_path, tiny_bert_dir, ray_address):
@@ -25,7 +25,7 @@ def test_sigkill_then_rerun_computes_only_the_missing(tmp_path, tiny_bert_dir, r
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     store = tmp_path / "store"
-    argv = [sys.executable, "-m", "sweep.cli", "run", str(tmp_path / "c.yaml"), "--store", str(store),
+    argv = [sys.executable, "-m", "headsweep", "run", str(tmp_path / "c.yaml"), "--store", str(store),
             "--address", ray_address, "--quiet"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     reader = ResultStore(str(store))
@@ -79,8 +79,8 @@ def test_a_run_whose_driver_lives_is_never_resumed_by_a_second_driver():
 
     import pytest
 
-    from sweep.driver import STALE_AFTER_S, refuse_if_live
-    from sweep.errors import HeadsweepError
+    from headsweep.errors import HeadsweepError
+    from headsweep.sweep.driver import STALE_AFTER_S, refuse_if_live
 
     def row(driver: str, age_s: float, status: str = "running") -> dict:
         return {"run_id": "r1", "status": status, "facts": json.dumps({"driver": driver}),
@@ -107,8 +107,8 @@ def test_resumed_pruning_levels_follow_the_importance_the_run_stored(tmp_path, t
 
     import pyarrow.parquet as pq
 
-    from sweep.pruning import level_masks
-    from workers.heads import Head, HeadInventory
+    from headsweep.sweep.pruning import level_masks
+    from headsweep.workers.heads import Head, HeadInventory
 
     train = write_tsv(generate(60, seed=11), tmp_path / "train.tsv")
     cfg = {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "data": {"path": str(tiny_dev_tsv)},

@@ -12,15 +12,15 @@ import torch
 from tiny_models import random_batch, tiny_classifier
 from transformers import ElectraConfig, ElectraForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
 
-from workers.batch_budget import CPU_ACTIVATION_BYTES, masks_per_forward
-from workers.classifier import load_classifier
-from workers.classifier_config import ClassifierData, ClassifierModel
-from workers.gates import HeadGates
-from workers.heads import Head
-from workers.hf_sites import find_sites
-from workers.prefix_reuse import PrefixReuse, classifier_layout, first_gated_layer
-from workers.replay import ReuseUnsupported
-from workers.tasks import RuntimeOptions
+from headsweep.workers.batch_budget import CPU_ACTIVATION_BYTES, masks_per_forward
+from headsweep.workers.families.hf_classifier.adapter import load_classifier
+from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
+from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout, first_gated_layer
+from headsweep.workers.families.hf_classifier.sites import find_sites
+from headsweep.workers.family import RuntimeOptions
+from headsweep.workers.gates import HeadGates
+from headsweep.workers.heads import Head
+from headsweep.workers.replay import ReuseUnsupported
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LAYERS, HEADS = 3, 4

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from tiny_fairseq import train_tiny
 
-from workers.batch_budget import CPU_ACTIVATION_BYTES
-from workers.encoder_reuse import EncoderReuse
-from workers.heads import Head
-from workers.tasks import RuntimeOptions
-from workers.translation import load_translation
-from workers.translation_config import TranslationData, TranslationModel
+from headsweep.workers.batch_budget import CPU_ACTIVATION_BYTES
+from headsweep.workers.families.fairseq_translation.adapter import load_translation
+from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+from headsweep.workers.families.fairseq_translation.reuse import EncoderReuse
+from headsweep.workers.family import RuntimeOptions
+from headsweep.workers.heads import Head
 
 BEAM, MAX_LEN_B = 3, 24
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import error_line, run_cli
 
-from results.store import ResultStore
+from headsweep.results.store import ResultStore
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 

@@ -16,10 +16,10 @@ import pytest
 from conftest import run_cli
 from test_report import parse
 
-from results.query import run_query
-from results.schema import SCHEMA_HISTORY, SCHEMA_VERSION, TABLES
-from results.store import ResultStore
-from results.views import VIEWS
+from headsweep.results.query import run_query
+from headsweep.results.schema import SCHEMA_HISTORY, SCHEMA_VERSION, TABLES
+from headsweep.results.store import ResultStore
+from headsweep.results.views import VIEWS
 
 STORE_V1 = Path(__file__).resolve().parent / "data" / "store_v1"
 CLASSIFIER, TRANSLATION = "20261122-180235-883e36", "20261122-180259-b00d8e"

@@ -27,15 +27,15 @@ from tiny_fairseq import (
     zero_heads,
 )
 
-from sweep.config import load_config
-from sweep.errors import HeadsweepError
-from workers.fairseq_sites import find_fairseq_sites, gate_fairseq_model
-from workers.gates import HeadGates
-from workers.heads import Head
-from workers.metrics import BLEU, bleu_from_stats
-from workers.tasks import RuntimeOptions, task_kind
-from workers.translation import load_translation
-from workers.translation_config import TranslationData, TranslationModel
+from headsweep.errors import HeadsweepError
+from headsweep.sweep.config import load_config
+from headsweep.workers.families.fairseq_translation.adapter import load_translation
+from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+from headsweep.workers.families.fairseq_translation.sites import find_fairseq_sites, gate_fairseq_model
+from headsweep.workers.family import RuntimeOptions, task_kind
+from headsweep.workers.gates import HeadGates
+from headsweep.workers.heads import Head
+from headsweep.workers.metrics import BLEU, bleu_from_stats
 
 BEAM, MAX_LEN_B, N_TEST = 3, 24, 40
 
@@ -379,8 +379,8 @@ def test_attention_module_helper_matches_sites(task):
 def test_text_pipeline_sentencepiece_and_moses_roundtrip(tmp_path):
     spm = pytest.importorskip("sentencepiece")
     pytest.importorskip("sacremoses")
-    from workers.fairseq_train import build_dictionary
-    from workers.translation_data import TextPipeline
+    from headsweep.workers.families.fairseq_translation.data import TextPipeline
+    from headsweep.workers.families.fairseq_translation.train import build_dictionary
 
     lines = ["Hello, world! This is a test.", "A dog's toy: red & blue.", "Two (small) cats sleep."] * 30
     (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")

@@ -11,7 +11,7 @@ from sacrebleu.metrics import BLEU
 from sacrebleu.significance import PairedTest
 from tiny_fairseq import TINY_SETTINGS, TinyFairseq
 
-from results.store import ResultStore
+from headsweep.results.store import ResultStore
 
 
 def config(tiny, **sweep):
@@ -30,7 +30,8 @@ def tiny(tmp_path_factory):
     import dataclasses
     import logging
 
-    from workers.fairseq_train import prepare_synthetic, train_translation
+    from headsweep.sweep.demo.translation import prepare_synthetic
+    from headsweep.workers.families.fairseq_translation.train import train_translation
 
     logging.getLogger("fairseq").setLevel(logging.WARNING)
     dest = tmp_path_factory.mktemp("tiny_fairseq_sweep")

@@ -10,8 +10,8 @@ import pytest
 from conftest import run_cli
 from small_store import ALPHA, LEVELS, small_store
 
-from results.query import run_query
-from results.store import ResultStore
+from headsweep.results.query import run_query
+from headsweep.results.store import ResultStore
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from workers.fairseq_train import SyntheticData, TrainSettings, prepare_synthetic, train_translation
-from workers.heads import Head
+from headsweep.sweep.demo.translation import SyntheticData, prepare_synthetic
+from headsweep.workers.families.fairseq_translation.train import TrainSettings, train_translation
+from headsweep.workers.heads import Head
 
 TINY_SETTINGS = TrainSettings(
     encoder_layers=2, decoder_layers=2, embed_dim=32, ffn_dim=64, attention_heads=4, dropout=0.0,

@@ -52,7 +52,7 @@ def save_tiny_classifier(out_dir, layers: int = 2, heads: int = 4, seed: int = 0
     """A tiny random BERT classifier over the demo vocabulary, saved like a user's model directory."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    from workers.synthetic_sentiment import build_tokenizer
+    from headsweep.sweep.demo.sentiment import build_tokenizer
 
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
@@ -86,7 +86,7 @@ def tiny_float64_bert(num_labels: int = 3, layers: int = 2, heads: int = 4, seed
 def zeroed_copy(model, heads):
     """The independent route to an ablation: a copy with the output-projection (W_O) columns of ``heads``
     set to zero, the bias kept."""
-    from workers.hf_sites import find_sites
+    from headsweep.workers.families.hf_classifier.sites import find_sites
 
     ref = copy.deepcopy(model)
     sites = {s.key: s for s in find_sites(ref)}

@@ -1,4 +1,10 @@
-"""The Ray actor of a sweep: loads one model and its data once, then evaluates mask batches."""
+"""The Ray actor of a sweep: loads one model and its data once, then runs what the driver sends.
+
+Two entry points: ``evaluate`` (the hot path: a batch of work units, each a mask evaluated on the
+whole evaluation set) and ``run`` (any other worker-side step of an experiment kind, e.g. gradient
+importance or efficiency timing): ``run(fn, *args)`` calls ``fn(worker, *args)`` in the actor, so
+a new experiment kind brings its worker-side function and never edits this class.
+"""
 
 from __future__ import annotations
 
@@ -6,63 +12,53 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
-from workers.tasks import DatasetInfo, MaskOutput, RuntimeOptions, task_kind
+from headsweep.workers.family import DatasetInfo, MaskOutput, RuntimeOptions, task_kind
 
 
 @ray.remote
 class EvalWorker:
-    """Holds a task adapter; ``evaluate`` takes a batch of work units and returns their outputs."""
+    """Holds the evaluation adapter of one model family (and adapters on other data, loaded on demand)."""
 
     def __init__(self, name: str, kind: str, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions):
         # fairseq logs every dictionary and data file it loads at INFO; a sweep's log is for progress.
         logging.getLogger("fairseq").setLevel(logging.WARNING)
         self.name = name
-        self._args = (kind, model_cfg, data_cfg, runtime)
+        self.kind, self.model_cfg, self.data_cfg, self.runtime = kind, model_cfg, data_cfg, runtime
         self.task = None
-        self._importance_task = None
-        self._importance_data = None
+        self._other: dict[str, Any] = {}  # repr(data config) -> adapter on that data
 
     def load(self) -> DatasetInfo:
         """Load model and data (errors surface here, not in the constructor, with their cause)."""
-        kind, model_cfg, data_cfg, runtime = self._args
         start = time.perf_counter()
-        self.task = task_kind(kind).load(model_cfg, data_cfg, runtime)
+        self.task = task_kind(self.kind).load(self.model_cfg, self.data_cfg, self.runtime)
         info = self.task.describe()
         info.facts = {**info.facts, "load_seconds": round(time.perf_counter() - start, 3)}
         return info
 
-    def importance(self, data_cfg: Any, per_token: bool, normalize: bool, mask: tuple = ()):
-        """Gradient importance of every head on ``data_cfg`` (loaded once, beside the evaluation data)."""
-        from workers.importance import gradient_importance
+    def adapter(self, data_cfg: Any = None) -> Any:
+        """The adapter on the evaluation data (``data_cfg`` None), or on other data, loaded once and kept."""
+        if data_cfg is None or data_cfg == self.data_cfg:
+            if self.task is None:  # Ray restarted this actor after its process died: load again
+                self.load()
+            return self.task
+        key = repr(data_cfg)
+        if key not in self._other:
+            self._other = {key: task_kind(self.kind).load(self.model_cfg, data_cfg, self.runtime)}
+        return self._other[key]
 
-        kind, model_cfg, _, runtime = self._args
-        if self._importance_task is None or self._importance_data != data_cfg:
-            self._importance_task = task_kind(kind).load(model_cfg, data_cfg, runtime)
-            self._importance_data = data_cfg
-        return gradient_importance(self._importance_task, per_token=per_token, normalize=normalize, mask=mask)
-
-    def efficiency(self, mask: tuple, settings: Any) -> list[dict]:
-        """Parameters, peak memory and throughput of the full and the pruned model (``workers.efficiency``).
-
-        ``settings`` is the config's ``efficiency`` section (batch sizes, warmup, repeats).
-        """
-        from workers.efficiency import measure_task
-
-        if self.task is None:
-            self.load()
-        max_length = getattr(self._args[2], "max_length", 128)
-        return measure_task(self.task, mask, settings.batch_sizes, settings.warmup, settings.repeats, max_length)
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(self, *args)``: an experiment kind's worker-side step (a module-level function)."""
+        return fn(self, *args)
 
     def where(self) -> str:
         return f"{self.name}@{socket.gethostname()}:{os.getpid()}"
 
     def evaluate(self, units: list) -> list[tuple[str, MaskOutput]]:
-        """Evaluate work units (``sweep.plan.WorkUnit``); returns ``(eval_id, output)`` pairs."""
-        if self.task is None:  # Ray restarted this actor after its process died: load again
-            self.load()
-        outputs = self.task.evaluate([u.masked for u in units])
+        """Evaluate work units (``headsweep.workers.work.WorkUnit``); returns ``(eval_id, output)`` pairs."""
+        outputs = self.adapter().evaluate([u.masked for u in units])
         return [(u.eval_id, out) for u, out in zip(units, outputs, strict=True)]

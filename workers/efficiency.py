@@ -2,7 +2,7 @@
 
 The full model is the stock model (gates taken off, fairseq's fused attention path back on);
 the pruned model is the same with the mask's heads physically removed
-(``workers.physical_pruning``). Both run the same batch of the evaluation set at each batch
+(``headsweep.workers.families.hf_classifier.pruning``). Both run the same batch of the evaluation set at each batch
 size: the ``b`` examples around the median length (the adapter's own length-sorted batching,
 cycled when the set has fewer than ``b`` examples). A classifier runs one forward pass; a
 translation model runs its configured beam search. Timing interleaves the two models
@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from workers.heads import Head
-from workers.physical_pruning import count_parameters, prune_heads, ungated_copy
+from headsweep.workers.families.hf_classifier.pruning import count_parameters, prune_heads, ungated_copy
+from headsweep.workers.heads import Head
 
 MB = 2**20
 
@@ -78,7 +78,7 @@ def _middle(batches: list, size: Callable[[object], int]):
 
 
 def classifier_workload(task, batch_size: int, max_length: int) -> Workload:
-    """A forward pass of ``batch_size`` examples through a ``workers.classifier.ClassifierTask`` model."""
+    """A forward pass of ``batch_size`` examples through a ``headsweep.workers.families.hf_classifier.adapter.ClassifierTask`` model."""
     batches = task._tokenise(task.examples, max_length, batch_size)
     _, inputs = _middle(batches, lambda b: len(b[0]))
     n = len(next(iter(inputs.values())))
@@ -88,7 +88,7 @@ def classifier_workload(task, batch_size: int, max_length: int) -> Workload:
 
 
 def translation_workload(task, batch_size: int) -> Workload:
-    """Beam search of ``batch_size`` sentences with a ``workers.translation.TranslationTask``'s settings."""
+    """Beam search of ``batch_size`` sentences with a ``headsweep.workers.families.fairseq_translation.adapter.TranslationTask``'s settings."""
     sample = _middle(task._batches(batch_size), lambda s: len(s["id"]))
     sample = _take_rows(sample, len(sample["id"]), batch_size)
     tokens = int(sample["net_input"]["src_lengths"].sum())
@@ -235,3 +235,10 @@ def measure_task(task, mask: Sequence[Head], batch_sizes: Sequence[int], warmup:
     else:
         device = f"cpu ({torch.get_num_threads()} thread(s))"
     return [{**row, "device": device, "warmup": warmup} for row in summary(timings)]
+
+
+def efficiency_on_worker(worker, mask: Sequence[Head], settings) -> list[dict]:
+    """Worker-side step of the ``efficiency`` experiment (``EvalWorker.run``): the full and the pruned
+    model timed side by side; ``settings`` is the config's ``efficiency`` section."""
+    max_length = getattr(worker.data_cfg, "max_length", 128)
+    return measure_task(worker.adapter(), mask, settings.batch_sizes, settings.warmup, settings.repeats, max_length)

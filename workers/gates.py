@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from sweep.errors import HeadsweepError
-from workers.heads import Head, HeadInventory, LayerShape
+from headsweep.errors import HeadsweepError
+from headsweep.workers.heads import Head, HeadInventory, LayerShape
 
 
 @dataclass

@@ -7,8 +7,8 @@ attention (``H_kv < H`` key/value heads), query head h reads key/value head
 *any* query head of its group is kept, and its rows of the key and value projections go only
 when the whole group goes. Plain multi-head attention is the case ``H_kv == H``.
 
-This module knows nothing about model families; ``workers.physical_pruning`` and
-``workers.fairseq_pruning`` apply these plans to BERT-family and fairseq modules.
+This module knows nothing about model families; ``headsweep.workers.families.hf_classifier.pruning`` and
+``headsweep.workers.families.fairseq_translation.pruning`` apply these plans to BERT-family and fairseq modules.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sweep.errors import HeadsweepError
+from headsweep.errors import HeadsweepError
 
 
 @dataclass(frozen=True)

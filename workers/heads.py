@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sweep.errors import HeadsweepError
+from headsweep.errors import HeadsweepError
 
 ENCODER_DECODER_TYPES = ("enc_self", "enc_dec", "dec_self")
 SINGLE_STACK_TYPES = ("self",)

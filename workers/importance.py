@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from sweep.errors import HeadsweepError
-from workers.gates import AttentionSite
-from workers.heads import ATTENTION_TYPES, Head
+from headsweep.errors import HeadsweepError
+from headsweep.workers.gates import AttentionSite
+from headsweep.workers.heads import ATTENTION_TYPES, Head
 
 SiteKey = tuple[str, int]
 
@@ -102,9 +102,9 @@ def gradient_importance(
 ) -> ImportanceResult:
     """Gradient head importance of every head of ``task``'s model on ``task``'s batches.
 
-    ``task`` is a :class:`~workers.classifier.ClassifierTask`-like object (``model``, ``gates``,
+    ``task`` is a :class:`~headsweep.workers.families.hf_classifier.adapter.ClassifierTask`-like object (``model``, ``gates``,
     ``batches`` of ``(example indices, inputs)``, ``labels``) or a
-    :class:`~workers.translation.TranslationTask`-like one (``model``, ``gates``, ``batches`` of
+    :class:`~headsweep.workers.families.fairseq_translation.adapter.TranslationTask`-like one (``model``, ``gates``, ``batches`` of
     fairseq samples, ``src_dict``, ``tgt_dict``). Estimate on training or validation data, not on
     the test set.
 
@@ -325,3 +325,9 @@ def _translation_batch(task, sample: dict, epsilon: float, dtype: torch.dtype) -
         return smoothed
 
     return _Batch(tokens, int(target.shape[0]), loss)
+
+
+def importance_on_worker(worker, data_cfg, per_token: bool, normalize: bool, mask: Sequence[Head] = ()):
+    """Worker-side step of the ``importance`` experiment (``EvalWorker.run``): gradient importance of
+    every head on ``data_cfg``, whose adapter the worker loads once beside the evaluation data."""
+    return gradient_importance(worker.adapter(data_cfg), per_token=per_token, normalize=normalize, mask=mask)

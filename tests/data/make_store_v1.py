@@ -45,7 +45,6 @@ def sweep(config: dict, work: Path, store: Path, name: str) -> str:
 def main() -> None:
     from tiny_fairseq import train_tiny
     from tiny_models import save_tiny_classifier
-
     from workers.synthetic_sentiment import generate, write_tsv
 
     out = HERE / "store_v1"

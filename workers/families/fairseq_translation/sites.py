@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from sweep.errors import HeadsweepError
-from workers.gates import AttentionSite, HeadGates
+from headsweep.errors import HeadsweepError
+from headsweep.workers.gates import AttentionSite, HeadGates
 
 
 def _site(attention: str, layer: int, module: nn.Module, name: str) -> AttentionSite:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from sweep.errors import HeadsweepError
+from headsweep.errors import HeadsweepError
 
 
 def read_checkpoint(path: str | Path, trusted: bool) -> dict:
@@ -103,7 +103,7 @@ def build_model(state: dict, path: str | Path):
     """The model and task of a prepared state, through fairseq's own loader."""
     from fairseq import checkpoint_utils
 
-    from workers.fairseq_pruning import pruned_task
+    from headsweep.workers.families.fairseq_translation.pruning import pruned_task
 
     try:
         # A checkpoint written by `headsweep export` holds fewer heads: its task builds the model pruned.

@@ -7,10 +7,10 @@ parameters and less work. A layer may lose every head: its attention then adds o
 output projection's bias, and the module skips attention altogether.
 
 Supported here: transformers 5 BERT-family encoders (BERT, RoBERTa, ELECTRA, MiniLM: the
-``.self`` + ``.output.dense`` layout) and DistilBERT, found by ``workers.hf_sites``; fairseq
-encoder-decoder models are pruned by ``workers.fairseq_pruning`` (:func:`prune_heads` picks
+``.self`` + ``.output.dense`` layout) and DistilBERT, found by ``headsweep.workers.families.hf_classifier.sites``; fairseq
+encoder-decoder models are pruned by ``headsweep.workers.families.fairseq_translation.pruning`` (:func:`prune_heads` picks
 the route). Decoder-only models with grouped-query attention are refused for now; the slicing
-rule they need is in ``workers.head_slicing``.
+rule they need is in ``headsweep.workers.head_slicing``.
 
 Exported transformers models keep the removed heads in ``config.pruned_heads``
 (``{"layer": [head, ...]}``, original head numbers, the format transformers 4 used), and
@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sweep.errors import HeadsweepError
-from workers.gates import AttentionSite, HeadGates
-from workers.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
-from workers.heads import Head, HeadInventory, LayerShape
+from headsweep.errors import HeadsweepError
+from headsweep.workers.gates import AttentionSite, HeadGates
+from headsweep.workers.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
+from headsweep.workers.heads import Head, HeadInventory, LayerShape
 
 PRUNED_HEADS_KEY = "pruned_heads"
 
@@ -47,7 +47,7 @@ def prune_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteKey, HeadSl
     the pruned model numbers each layer's kept heads from 0 again, in their old order.
     """
     if any(type(m).__module__.startswith("fairseq.") for m in model.modules()):
-        from workers.fairseq_pruning import prune_fairseq_heads
+        from headsweep.workers.families.fairseq_translation.pruning import prune_fairseq_heads
 
         return prune_fairseq_heads(model, heads)
     return prune_hf_heads(model, heads)
@@ -109,7 +109,7 @@ class EmptyDistilBertAttention(nn.Module):
 
 def prune_hf_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteKey, HeadSlice]:
     """Remove ``heads`` (attention ``self``) from a transformers BERT-family or DistilBERT model, in place."""
-    from workers.hf_sites import find_sites
+    from headsweep.workers.families.hf_classifier.sites import find_sites
 
     if getattr(getattr(model, "config", None), PRUNED_HEADS_KEY, None):
         # Its heads are renumbered: a mask in the original numbers would remove the wrong ones.

@@ -2,7 +2,7 @@
 
 Trains a small model on generated data (cached after the first run), sweeps its heads on a
 local Ray instance, writes the results store, prints what a user would look at first and writes
-the report of both runs (``sweep.report``).
+the report of both runs (``headsweep.sweep.report``).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import os
 import time
 from pathlib import Path
 
-from results.query import format_table, run_query
-from results.store import ResultStore
-from sweep.config import build_config
-from sweep.driver import Sweep, log
-from sweep.report import write_report
+from headsweep.results.query import format_table, run_query
+from headsweep.results.store import ResultStore
+from headsweep.sweep.config import build_config
+from headsweep.sweep.driver import Sweep, log
+from headsweep.sweep.report import write_report
 
 DEMO_VERSION = "v1"
 
@@ -31,7 +31,7 @@ EXPERIMENTS = ["baseline", "single_head", "all_but_one", "importance", "prune_le
 
 def classifier_config(workers: int) -> dict:
     """The demo classifier (trained on first use) and its evaluation and importance data."""
-    from workers.synthetic_sentiment import generate, train_classifier, write_tsv
+    from headsweep.sweep.demo.sentiment import generate, train_classifier, write_tsv
 
     root = cache_dir() / "sentiment"
     model_dir = root / "bert-3x4-synthetic-sentiment"
@@ -56,7 +56,8 @@ def classifier_config(workers: int) -> dict:
 
 def translation_config(workers: int) -> dict:
     """The demo translation model (a tiny fairseq Transformer trained on first use)."""
-    from workers.fairseq_train import TrainSettings, train_synthetic
+    from headsweep.sweep.demo.translation import train_synthetic
+    from headsweep.workers.families.fairseq_translation.train import TrainSettings
 
     root = cache_dir() / "translation"
     done = root / "READY"

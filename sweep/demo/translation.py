@@ -11,6 +11,16 @@ ablating them changes BLEU.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from headsweep.workers.families.fairseq_translation.train import (
+    TrainResult,
+    TrainSettings,
+    train_translation,
+    write_data_bin,
+)
 
 DETERMINERS = {"the": ("le", "la"), "a": ("un", "une"), "this": ("ce", "cette"), "every": ("chaque", "chaque")}
 ADJECTIVES = ["red", "small", "old", "happy", "green", "tall", "quiet", "young", "dark", "bright", "cold", "wild"]
@@ -65,3 +75,45 @@ def synthetic_pairs(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
         src_lines.append(" ".join(src))
         tgt_lines.append(" ".join(tgt))
     return src_lines, tgt_lines
+
+
+# -- the task as fairseq data, and a tiny model trained on it -----------------------------------
+@dataclass
+class SyntheticData:
+    """A data-bin for the synthetic task plus its test split as raw text files."""
+
+    data_bin: Path
+    test_source: Path
+    test_target: Path
+    source_lang: str = "src"
+    target_lang: str = "tgt"
+
+
+def prepare_synthetic(dest: str | Path, n_train: int = 3000, n_valid: int = 200, n_test: int = 200,
+                      seed: int = 0) -> SyntheticData:
+    """Generate the synthetic task into ``dest``: a data-bin
+    with train/valid/test splits and ``test.src`` / ``test.tgt`` text files."""
+    dest = Path(dest)
+    splits = {
+        "train": synthetic_pairs(n_train, seed=seed),
+        "valid": synthetic_pairs(n_valid, seed=seed + 1),
+        "test": synthetic_pairs(n_test, seed=seed + 2),
+    }
+    data_bin = write_data_bin(dest / "data-bin", splits, "src", "tgt")
+    test_source, test_target = dest / "test.src", dest / "test.tgt"
+    test_source.write_text("\n".join(splits["test"][0]) + "\n")
+    test_target.write_text("\n".join(splits["test"][1]) + "\n")
+    return SyntheticData(data_bin, test_source, test_target)
+
+
+def train_synthetic(dest: str | Path, settings: TrainSettings | None = None,
+                    log: Callable[[str], None] | None = None) -> tuple[SyntheticData, TrainResult]:
+    """Generate the synthetic task in ``dest`` and train a tiny model on it (``dest/checkpoints``).
+
+    With the default settings this takes about 20 s on 2 CPU cores and reaches a test BLEU
+    around 90 (the time budget ``max_seconds`` stops it earlier on a busy machine).
+    """
+    data = prepare_synthetic(dest)
+    s = settings or TrainSettings(max_seconds=45.0)
+    result = train_translation(data.data_bin, Path(dest) / "checkpoints", data.source_lang, data.target_lang, s, log)
+    return data, result

@@ -4,7 +4,7 @@ The data are tokenised once, sorted by length into batches, and kept on the devi
 masks share one forward pass: the batch is repeated once per mask and each copy carries its
 own gates (per-example gates), which keeps small models busy. With ``sweep.reuse`` (the
 default) each mask's pass also starts at its first gated layer from cached baseline states
-(:mod:`workers.prefix_reuse`); ``reuse: false`` runs every mask through the whole model.
+(:mod:`headsweep.workers.families.hf_classifier.reuse`); ``reuse: false`` runs every mask through the whole model.
 """
 
 from __future__ import annotations
@@ -19,19 +19,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sweep.errors import HeadsweepError
-from workers.batch_budget import cache_budget
-from workers.batch_budget import masks_per_forward as budget_masks_per_forward
-from workers.classification_data import read_examples
-from workers.classifier_config import ClassifierData, ClassifierModel
-from workers.gates import HeadGates
-from workers.heads import Head
-from workers.hf_sites import find_sites
-from workers.metrics import ACCURACY
-from workers.physical_pruning import PRUNED_HEADS_KEY, load_pruned
-from workers.prefix_reuse import PrefixReuse, classifier_layout, first_gated_layer
-from workers.replay import ReuseUnsupported
-from workers.tasks import DatasetInfo, MaskOutput, RuntimeOptions
+from headsweep.errors import HeadsweepError
+from headsweep.workers.batch_budget import cache_budget
+from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
+from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
+from headsweep.workers.families.hf_classifier.data import read_examples
+from headsweep.workers.families.hf_classifier.pruning import PRUNED_HEADS_KEY, load_pruned
+from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout, first_gated_layer
+from headsweep.workers.families.hf_classifier.sites import find_sites
+from headsweep.workers.family import DatasetInfo, MaskOutput, RuntimeOptions
+from headsweep.workers.gates import HeadGates
+from headsweep.workers.heads import Head
+from headsweep.workers.metrics import ACCURACY
+from headsweep.workers.replay import ReuseUnsupported
 
 logger = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@ whose first gated layer is l then runs the model's own forward with
 
 * layers 0..l-2 skipped and layer l-1 returning its cached output (embeddings skipped too),
 * layer l's attention core returning the output projection of its cached contexts with the
-  masked heads gated off (:func:`workers.replay.gated_projection`): no query/key/value or
+  masked heads gated off (:func:`headsweep.workers.replay.gated_projection`): no query/key/value or
   attention-score work,
 * layers after l computed as usual, with per-example gates for any heads masked there.
 
 Masks that share a first layer share one forward pass (the batch repeated once per mask).
-Baseline states are kept between calls within a memory budget (:mod:`workers.batch_budget`).
+Baseline states are kept between calls within a memory budget (:mod:`headsweep.workers.batch_budget`).
 
 Layouts handled: BERT, RoBERTa, ELECTRA, MiniLM (``attention.self`` computes the contexts,
 ``attention.output.dense`` is W_O) and DistilBERT (``attention`` ends with ``out_lin``), whose
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from workers.gates import AttentionSite, HeadGates
-from workers.heads import Head
-from workers.replay import ReuseUnsupported, gated_projection, pass_through, replaced_forwards, returning
+from headsweep.workers.gates import AttentionSite, HeadGates
+from headsweep.workers.heads import Head
+from headsweep.workers.replay import ReuseUnsupported, gated_projection, pass_through, replaced_forwards, returning
 
 
 @dataclass

@@ -12,7 +12,7 @@ computing attention (fairseq's own views cannot be sized from an empty tensor).
 
 A pruned checkpoint is fairseq's checkpoint dict with the pruned weights and the removed
 heads under ``headsweep_pruned_heads`` (names like ``enc_dec:1:2``, original numbers);
-:func:`pruned_task` lets fairseq's own loader rebuild it (``workers.fairseq_checkpoint``).
+:func:`pruned_task` lets fairseq's own loader rebuild it (``headsweep.workers.families.fairseq_translation.checkpoint``).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from pathlib import Path
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import nn
 
-from sweep.errors import HeadsweepError
-from workers.fairseq_sites import find_fairseq_sites
-from workers.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
-from workers.heads import Head
-from workers.physical_pruning import SiteKey, group_by_site
+from headsweep.errors import HeadsweepError
+from headsweep.workers.families.fairseq_translation.sites import find_fairseq_sites
+from headsweep.workers.families.hf_classifier.pruning import SiteKey, group_by_site
+from headsweep.workers.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
+from headsweep.workers.heads import Head
 
 PRUNED_KEY = "headsweep_pruned_heads"
 

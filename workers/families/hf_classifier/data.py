@@ -10,8 +10,8 @@ import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from sweep.errors import HeadsweepError
-from workers.classifier_config import ClassifierData
+from headsweep.errors import HeadsweepError
+from headsweep.workers.families.hf_classifier.config import ClassifierData
 
 FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from sweep.errors import HeadsweepError
+from headsweep.errors import HeadsweepError
 
 logger = logging.getLogger(__name__)
 
@@ -300,47 +300,3 @@ def _save(state: dict, path: Path) -> None:
 
     # fairseq's own writer (it writes to a temporary name and renames).
     checkpoint_utils.torch_persistent_save(state, str(path))
-
-
-# -- the demo's synthetic task --------------------------------------------------------------
-@dataclass
-class SyntheticData:
-    """A data-bin for the synthetic task plus its test split as raw text files."""
-
-    data_bin: Path
-    test_source: Path
-    test_target: Path
-    source_lang: str = "src"
-    target_lang: str = "tgt"
-
-
-def prepare_synthetic(dest: str | Path, n_train: int = 3000, n_valid: int = 200, n_test: int = 200,
-                      seed: int = 0) -> SyntheticData:
-    """Generate the synthetic task (``workers.synthetic_translation``) into ``dest``: a data-bin
-    with train/valid/test splits and ``test.src`` / ``test.tgt`` text files."""
-    from workers.synthetic_translation import synthetic_pairs
-
-    dest = Path(dest)
-    splits = {
-        "train": synthetic_pairs(n_train, seed=seed),
-        "valid": synthetic_pairs(n_valid, seed=seed + 1),
-        "test": synthetic_pairs(n_test, seed=seed + 2),
-    }
-    data_bin = write_data_bin(dest / "data-bin", splits, "src", "tgt")
-    test_source, test_target = dest / "test.src", dest / "test.tgt"
-    test_source.write_text("\n".join(splits["test"][0]) + "\n")
-    test_target.write_text("\n".join(splits["test"][1]) + "\n")
-    return SyntheticData(data_bin, test_source, test_target)
-
-
-def train_synthetic(dest: str | Path, settings: TrainSettings | None = None,
-                    log: Callable[[str], None] | None = None) -> tuple[SyntheticData, TrainResult]:
-    """Generate the synthetic task in ``dest`` and train a tiny model on it (``dest/checkpoints``).
-
-    With the default settings this takes about 20 s on 2 CPU cores and reaches a test BLEU
-    around 90 (the time budget ``max_seconds`` stops it earlier on a busy machine).
-    """
-    data = prepare_synthetic(dest)
-    s = settings or TrainSettings(max_seconds=45.0)
-    result = train_translation(data.data_bin, Path(dest) / "checkpoints", data.source_lang, data.target_lang, s, log)
-    return data, result

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from sweep.errors import HeadsweepError
-from workers.translation_config import TranslationData, TranslationModel
+from headsweep.errors import HeadsweepError
+from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 
 logger = logging.getLogger(__name__)
 

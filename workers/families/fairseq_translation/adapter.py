@@ -13,7 +13,7 @@ packing changes nothing but floating-point summation order inside matrix product
 With ``sweep.reuse`` (the default) the encoder is not run again for masks that leave it alone:
 masks gating only ``enc_dec`` / ``dec_self`` heads read the baseline encoder output, and masks
 gating ``enc_self`` heads start the encoder at their first gated layer
-(:mod:`workers.encoder_reuse`), in beam search and in teacher-forced scoring alike.
+(:mod:`headsweep.workers.families.fairseq_translation.reuse`), in beam search and in teacher-forced scoring alike.
 ``reuse: false`` runs the whole model for every mask (the reference).
 
 Per-sentence statistics are sacrebleu's own BLEU sufficient statistics of the detokenised
@@ -35,18 +35,24 @@ from fairseq.data import Dictionary, LanguagePairDataset
 from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
 from sacrebleu.metrics import BLEU as SacreBLEU
 
-from sweep.errors import HeadsweepError
-from workers.batch_budget import cache_budget
-from workers.batch_budget import masks_per_forward as budget_masks_per_forward
-from workers.encoder_reuse import EncoderReuse
-from workers.fairseq_checkpoint import build_model, check_dictionaries, prepare_state, read_checkpoint, task_option
-from workers.fairseq_sites import FairseqHeadGates, gate_fairseq_model
-from workers.heads import Head
-from workers.metrics import BLEU
-from workers.replay import ReuseUnsupported
-from workers.tasks import DatasetInfo, MaskOutput, RuntimeOptions
-from workers.translation_config import TranslationData, TranslationModel
-from workers.translation_data import ParallelExamples, TextPipeline, load_examples
+from headsweep.errors import HeadsweepError
+from headsweep.workers.batch_budget import cache_budget
+from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
+from headsweep.workers.families.fairseq_translation.checkpoint import (
+    build_model,
+    check_dictionaries,
+    prepare_state,
+    read_checkpoint,
+    task_option,
+)
+from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+from headsweep.workers.families.fairseq_translation.data import ParallelExamples, TextPipeline, load_examples
+from headsweep.workers.families.fairseq_translation.reuse import EncoderReuse
+from headsweep.workers.families.fairseq_translation.sites import FairseqHeadGates, gate_fairseq_model
+from headsweep.workers.family import DatasetInfo, MaskOutput, RuntimeOptions
+from headsweep.workers.heads import Head
+from headsweep.workers.metrics import BLEU
+from headsweep.workers.replay import ReuseUnsupported
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from sweep.errors import HeadsweepError
-from workers.heads import Head, HeadInventory
-from workers.metrics import Metric
+from headsweep.errors import HeadsweepError
+from headsweep.workers.heads import Head, HeadInventory
+from headsweep.workers.metrics import Metric
 
 
 @dataclass
@@ -88,17 +88,19 @@ class TaskKind:
 
 
 def _registry() -> dict[str, TaskKind]:
-    from workers.classifier_config import ClassifierData, ClassifierModel
+    from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 
-    kinds = [TaskKind("hf_classifier", ClassifierModel, ClassifierData, "workers.classifier:load_classifier")]
+    kinds = [TaskKind("hf_classifier", ClassifierModel, ClassifierData,
+                      "headsweep.workers.families.hf_classifier.adapter:load_classifier")]
     try:
-        from workers.translation_config import TranslationData, TranslationModel
+        from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
     except ImportError:
         pass
     else:
         kinds.append(
             TaskKind(
-                "fairseq_translation", TranslationModel, TranslationData, "workers.translation:load_translation",
+                "fairseq_translation", TranslationModel, TranslationData,
+                "headsweep.workers.families.fairseq_translation.adapter:load_translation",
                 checkpoint_key="checkpoint",
             )
         )
@@ -128,5 +130,5 @@ def _plugin_kind(name: str) -> TaskKind:
     except (ImportError, AttributeError) as exc:
         raise HeadsweepError(f"model.kind {name!r}: cannot import it ({exc})") from None
     if not isinstance(kind, TaskKind):
-        raise HeadsweepError(f"model.kind {name!r} is a {type(kind).__name__}, not a workers.tasks.TaskKind")
+        raise HeadsweepError(f"model.kind {name!r} is a {type(kind).__name__}, not a headsweep.workers.family.TaskKind")
     return kind

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from workers.gates import AttentionSite
+from headsweep.workers.gates import AttentionSite
 
 
 def _bert_family(module: nn.Module) -> tuple[int, int, nn.Linear] | None:

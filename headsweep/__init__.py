@@ -1,0 +1,88 @@
+"""headsweep: which attention heads does a trained Transformer need?
+
+The installed import names all live under ``headsweep``: ``headsweep.sweep`` (the driver: configs,
+experiment kinds, scheduling, statistics, CLI), ``headsweep.workers`` (Ray actors, gates and the
+model families) and ``headsweep.results`` (the results store and its views). This module offers
+the few entry points a notebook needs; they import their machinery on first use, so
+``import headsweep`` stays cheap.
+
+>>> import headsweep
+>>> store = headsweep.open_store("headsweep-store")
+>>> store.view("heads").df()                       # a DuckDB relation -> pandas
+>>> store.sql("SELECT * FROM pruning WHERE run_id = ?", ["RUN"]).fetchall()
+>>> run_id = headsweep.run("conf/classifier_single_head.yaml", ["sweep.workers=1"])
+>>> model = headsweep.load_pruned("exported-model/")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from headsweep.errors import HeadsweepError
+
+__all__ = ["HeadsweepError", "Store", "load_pruned", "open_store", "run"]
+
+
+class Store:
+    """A results store opened for reading: every table and view as a DuckDB relation.
+
+    Views are those of ``headsweep query`` (the tables plus ``deltas``, ``heads``, ``layers``,
+    ``pruning``, ``summary``); see ``results/README.md`` for their columns.
+    """
+
+    def __init__(self, uri: str):
+        from headsweep.results.query import connect
+        from headsweep.results.store import ResultStore
+
+        self.uri = uri
+        self.connection = connect(ResultStore(uri))
+
+    def sql(self, query: str, params: Sequence[Any] | None = None):
+        """A DuckDB relation (or result) for ``query``; ``?`` placeholders take ``params``."""
+        if params is None:
+            return self.connection.sql(query)
+        return self.connection.execute(query, list(params))
+
+    def view(self, name: str):
+        """The table or view ``name`` as a DuckDB relation (``.df()``, ``.arrow()``, ``.pl()``)."""
+        return self.connection.view(name)
+
+    def df(self, name: str):
+        """The table or view ``name`` as a pandas DataFrame (needs pandas)."""
+        return self.view(name).df()
+
+    def close(self) -> None:
+        self.connection.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_store(uri: str = "headsweep-store") -> Store:
+    """Open the results store at ``uri`` (a path or any pyarrow filesystem URI) for queries."""
+    return Store(uri)
+
+
+def load_pruned(path: str):
+    """A transformers model exported by ``headsweep export`` with its heads physically removed."""
+    from headsweep.workers.families.hf_classifier.pruning import load_pruned as _load
+
+    return _load(path)
+
+
+def run(config: str, overrides: Sequence[str] = (), store: str = "headsweep-store", address: str | None = None,
+        show_progress: bool = True) -> str:
+    """Run the sweep of the YAML ``config`` (with ``key=value`` overrides) into ``store``; returns the run id.
+
+    With no ``address`` the sweep runs on an embedded local Ray instance, as ``headsweep run`` does.
+    """
+    from headsweep.results.store import ResultStore
+    from headsweep.sweep.config import load_config
+    from headsweep.sweep.driver import Sweep
+
+    cfg = load_config(config, list(overrides))
+    return Sweep(cfg, ResultStore(store), address=address, show_progress=show_progress).execute()

@@ -1,0 +1,5 @@
+"""``python -m headsweep``: the same as the ``headsweep`` command."""
+
+from headsweep.sweep.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""The package layout: one installed import name, one-way imports, no import circles."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# The folders mapped under the one import name ``headsweep`` (pyproject's package-dir).
+ROOTS = {"headsweep": "headsweep", "sweep": "headsweep.sweep", "workers": "headsweep.workers",
+         "results": "headsweep.results"}
+
+
+def module_files() -> dict[str, Path]:
+    """Installed module name -> source file, for every module of the repository's packages."""
+    out = {}
+    for folder, package in ROOTS.items():
+        for path in (REPO / folder).rglob("*.py"):
+            parts = path.relative_to(REPO / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join((package, *parts))] = path
+    return out
+
+
+def imports_of(module: str, path: Path, top_level_only: bool) -> set[str]:
+    """Modules of ours that ``module`` imports (relative imports resolved)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found = set()
+    is_package = path.name == "__init__.py"
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = module.split(".")
+                parent = parent if is_package else parent[:-1]
+                parent = parent[: len(parent) - (node.level - 1)]
+                base = ".".join([*parent, base] if base else parent)
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return {m for m in found if m == "headsweep" or m.startswith("headsweep.")}
+
+
+def test_lower_layers_never_import_the_driver():
+    """``headsweep.sweep`` may import ``workers`` and ``results``; neither imports ``sweep`` (at any depth)."""
+    offenders = []
+    for module, path in module_files().items():
+        if module.startswith(("headsweep.workers", "headsweep.results")) or module == "headsweep.errors":
+            bad = sorted(m for m in imports_of(module, path, top_level_only=False) if m.startswith("headsweep.sweep"))
+            offenders += [f"{module} imports {m}" for m in bad]
+        if module.startswith("headsweep.results"):
+            bad = sorted(m for m in imports_of(module, path, False) if m.startswith("headsweep.workers"))
+            offenders += [f"{module} imports {m}" for m in bad]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_import_checker_sees_a_forbidden_import(tmp_path):
+    """The check above can fail: a workers-side file importing the driver is reported."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from headsweep.sweep.driver import Sweep\n")
+    assert imports_of("headsweep.workers.bad", bad, top_level_only=False) >= {"headsweep.sweep.driver"}
+    rel = tmp_path / "rel.py"
+    rel.write_text("from ..sweep import plan\n")
+    assert "headsweep.sweep.plan" in imports_of("headsweep.workers.rel", rel, top_level_only=True)
+
+
+def test_no_import_circles():
+    """No cycle among module-level imports (a cycle makes import order matter and hides layering bugs)."""
+    modules = module_files()
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for m in imports_of(module, path, top_level_only=True):
+            # ``from pkg import name`` names a module only when that module exists.
+            while m and m not in modules:
+                m = m.rpartition(".")[0]
+            if m and m != module and not module.startswith(m + "."):
+                targets.add(m)
+        graph[module] = targets
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                raise AssertionError("import circle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_every_package_folder_is_installed():
+    """pyproject lists every package folder (a folder left out would be missing from a wheel)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(project["packages"])
+    folders = {m for m, p in module_files().items() if p.name == "__init__.py"}
+    assert folders == listed
+    assert project["package-dir"] == {v: k for k, v in ROOTS.items()}
+
+
+def test_installed_distribution_has_one_top_level_name(tmp_path):
+    """Installed and as a wheel, headsweep puts one import name into site-packages: ``headsweep``."""
+    dist = metadata.distribution("headsweep")
+    top_level = (dist.read_text("top_level.txt") or "").split()
+    assert top_level == ["headsweep"], top_level
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(REPO)], check=True, capture_output=True, timeout=300)
+    [wheel] = tmp_path.glob("headsweep-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert tops == {"headsweep"}, tops
+    for module in ("headsweep/sweep/driver.py", "headsweep/workers/actor.py", "headsweep/results/store.py",
+                   "headsweep/errors.py"):
+        assert module in names
+
+
+def test_python_dash_m_headsweep():
+    proc = subprocess.run([sys.executable, "-m", "headsweep", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage: headsweep" in proc.stdout

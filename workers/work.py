@@ -1,0 +1,24 @@
+"""The unit of work the driver sends to a worker actor: one mask to evaluate, with its stable id.
+
+It lives on the worker side because actors receive it pickled: workers must not import the
+driver (``headsweep.sweep``) to read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from headsweep.workers.heads import Head
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """One evaluation: a mask (heads gated off) and the head it is reported under."""
+
+    eval_id: str
+    experiment: str
+    masked: tuple[Head, ...]
+    attention: str | None = None
+    layer: int | None = None
+    head: int | None = None
+    level: float | None = None
