@@ -30,6 +30,7 @@ from headsweep.sweep.placement import alive_nodes, check_placement
 from headsweep.sweep.plan import plan, prune_levels
 from headsweep.sweep.progress import Progress
 from headsweep.sweep.pruning import ablation_importance, iterative_level_masks, level_masks
+from headsweep.sweep.ray_session import init_ray, resolve_device
 from headsweep.sweep.significance_runner import SignificanceTracker, tests_for
 from headsweep.sweep.stored_masks import efficiency_mask, explicit_mask
 from headsweep.sweep.version import code_version
@@ -52,34 +53,6 @@ def new_run_id() -> str:
 
 def now() -> datetime:
     return datetime.now(UTC)
-
-
-def init_ray(address: str | None, cfg: Config) -> None:
-    """Connect to ``address``, or start an embedded local Ray instance."""
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    try:
-        if address:
-            ray.init(address=address, log_to_driver=True)
-        else:
-            # A bare local instance would switch on token auth and write ~/.ray/auth_token, which
-            # later breaks `ray start` + job submission on the same machine; the embedded
-            # instance is private to this process, so it runs without.
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            need = cfg.sweep.workers * cfg.sweep.num_cpus_per_worker
-            # Leave Ray's own tasks room beside the workers (logical CPUs, not threads).
-            cpus = max(os.cpu_count() or 1, int(need + 0.999) + 1)
-            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
-    except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
-        where = address or "a local instance"
-        raise HeadsweepError(f"cannot reach the Ray cluster at {where}: {str(exc).splitlines()[0]}") from None
-
-
-def resolve_device(cfg: Config) -> str:
-    if cfg.sweep.device != "auto":
-        return cfg.sweep.device
-    return "cuda" if cfg.sweep.num_gpus_per_worker > 0 else "cpu"
 
 
 def driver_id() -> str:

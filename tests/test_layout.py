@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -119,8 +120,15 @@ def test_installed_distribution_has_one_top_level_name(tmp_path):
     dist = metadata.distribution("headsweep")
     top_level = (dist.read_text("top_level.txt") or "").split()
     assert top_level == ["headsweep"], top_level
+    # Built from a copy: setuptools leaves build/ and *.egg-info beside the sources it builds.
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", *ROOTS):
+        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
+        copy(REPO / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
+                                              if (REPO / name).is_dir() else {}))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(REPO)], check=True, capture_output=True, timeout=300)
+                    "-w", str(tmp_path), str(source)], check=True, capture_output=True, timeout=300)
     [wheel] = tmp_path.glob("headsweep-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}

@@ -1,0 +1,38 @@
+"""The driver's Ray session: connect to a cluster or start an embedded local instance."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+from headsweep.errors import HeadsweepError
+from headsweep.sweep.config import Config
+
+
+def init_ray(address: str | None, cfg: Config) -> None:
+    """Connect to ``address``, or start an embedded local Ray instance."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    try:
+        if address:
+            ray.init(address=address, log_to_driver=True)
+        else:
+            # A bare local instance would switch on token auth and write ~/.ray/auth_token, which
+            # later breaks `ray start` + job submission on the same machine; the embedded
+            # instance is private to this process, so it runs without.
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            need = cfg.sweep.workers * cfg.sweep.num_cpus_per_worker
+            # Leave Ray's own tasks room beside the workers (logical CPUs, not threads).
+            cpus = max(os.cpu_count() or 1, int(need + 0.999) + 1)
+            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
+        where = address or "a local instance"
+        raise HeadsweepError(f"cannot reach the Ray cluster at {where}: {str(exc).splitlines()[0]}") from None
+
+
+def resolve_device(cfg: Config) -> str:
+    if cfg.sweep.device != "auto":
+        return cfg.sweep.device
+    return "cuda" if cfg.sweep.num_gpus_per_worker > 0 else "cpu"
