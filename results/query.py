@@ -46,30 +46,70 @@ def check_schema_version(con: duckdb.DuckDBPyConnection, uri: str) -> None:
 
 
 def connect(store: ResultStore) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection with a view named after each results table, plus the derived views."""
-    con = duckdb.connect()
+    """A DuckDB connection with a view named after each results table, plus the derived views.
+
+    The connection cannot touch files (``enable_external_access`` off, configuration locked): the
+    tables are Arrow datasets read by pyarrow, so a query can read the store but never write into it,
+    attach databases or install extensions.
+    """
+    con = duckdb.connect(config={"enable_external_access": False})
     try:
         for table in TABLES:
             con.register(table, store.dataset(table))
         check_schema_version(con, store.uri)
         for sql in VIEWS.values():
             con.execute(sql)
+        con.execute("SET lock_configuration = true")
+    except duckdb.Error as exc:
+        con.close()
+        raise _scan_error(store, exc) from None
     except BaseException:
         con.close()
         raise
     return con
 
 
+# Statements a query may run: reading only. Exports go through ``--out FILE``.
+READ_ONLY = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
+
+
+def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
+    """Refuse anything but SELECT (and EXPLAIN): no COPY, ATTACH, INSTALL, SET or DDL on the store's views."""
+    try:
+        statements = con.extract_statements(sql)
+    except duckdb.Error as exc:
+        raise HeadsweepError(f"query failed: {str(exc).splitlines()[0]}") from None
+    for statement in statements:
+        if statement.type not in READ_ONLY:
+            kind = statement.type.name.replace("_", " ")
+            raise HeadsweepError(
+                f"query is read-only: a {kind} statement is not allowed (only SELECT); "
+                "to save a result use --out FILE with --format csv, json or parquet"
+            )
+
+
 def run_query(store: ResultStore, sql: str) -> pa.Table:
-    """Run ``sql`` against the store's views and return the result as an Arrow table."""
+    """Run ``sql`` (SELECT only) against the store's views and return the result as an Arrow table."""
     con = connect(store)
     try:
+        check_read_only(con, sql)
         relation = con.sql(sql)
         return relation.to_arrow_table() if relation is not None else pa.table({})
     except duckdb.Error as exc:
-        raise HeadsweepError(f"query failed: {str(exc).splitlines()[0]}") from None
+        raise _scan_error(store, exc) from None
     finally:
         con.close()
+
+
+def _scan_error(store: ResultStore, exc: duckdb.Error) -> HeadsweepError:
+    """A DuckDB error as one line; one raised while scanning a damaged Parquet file names that file."""
+    message = str(exc).splitlines()[0]
+    if "Parquet" in message or "Arrow" in message or "IOError" in message:
+        for table in TABLES:
+            diagnosis = store.unreadable(table, exc)
+            if " is not a readable Parquet file " in str(diagnosis):
+                return diagnosis
+    return HeadsweepError(f"query failed: {message}")
 
 
 def _cell(value) -> str:

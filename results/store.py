@@ -9,7 +9,9 @@ twin is the leftover of a crash and is removed when the run is resumed or finish
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -20,6 +22,17 @@ import pyarrow.parquet as pq
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.schema import TABLES, with_run_id
+
+# The files the store writes: one partition folder per run, Parquet files with visible names.
+_OWN_FILE = re.compile(r"run_id=[^/]+/[^./][^/]*\.parquet")
+_warned: set[str] = set()
+log = logging.getLogger("headsweep.results")
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("headsweep: warning: %s", message)
 
 
 def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -74,25 +87,62 @@ class ResultStore:
         return self.write(table, run_id, pa.Table.from_pylist(rows, schema=schema), name)
 
     # -- reading ------------------------------------------------------------------------
+    def files(self, table: str) -> list[str]:
+        """The table's committed Parquet files: ``<table>/run_id=<id>/<name>.parquet``, hidden names excluded.
+
+        Anything else under the table's folder (a ``NOTES.txt``, a stray folder) is not the store's
+        own: it is skipped with one warning per file, never read as data.
+        """
+        directory = self.table_dir(table)
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(directory, recursive=True, allow_not_found=True))
+        except (OSError, pa.ArrowException) as exc:
+            raise HeadsweepError(f"cannot read store {self.uri}: {str(exc).splitlines()[0]}") from None
+        own = []
+        for info in infos:
+            if info.type != pafs.FileType.File:
+                continue
+            relative = info.path[len(directory) + 1:]
+            if _OWN_FILE.fullmatch(relative):
+                own.append(info.path)
+            elif not any(part.startswith(".") for part in relative.split("/")):
+                _warn_once(f"store {self.uri}: skipping {table}/{relative} (not a results file of this store)")
+        return sorted(own)
+
     def dataset(self, table: str) -> ds.Dataset:
         """The table as a pyarrow dataset (with ``run_id``), empty if nothing is written yet."""
         schema = with_run_id(TABLES[table])
-        directory = self.table_dir(table)
-        info = self.fs.get_file_info(directory)
-        if info.type != pafs.FileType.Directory:
+        files = self.files(table)
+        if not files:
             return ds.dataset(schema.empty_table())
         return ds.dataset(
-            directory,
+            files,
             filesystem=self.fs,
             format="parquet",
             schema=schema,
             partitioning=ds.partitioning(pa.schema([("run_id", pa.string())]), flavor="hive"),
+            partition_base_dir=self.table_dir(table),
         )
 
     def read(self, table: str, run_id: str | None = None, columns: list[str] | None = None) -> pa.Table:
         dataset = self.dataset(table)
         flt = ds.field("run_id") == run_id if run_id is not None else None
-        return dataset.to_table(columns=columns, filter=flt)
+        try:
+            return dataset.to_table(columns=columns, filter=flt)
+        except (OSError, pa.ArrowException) as exc:
+            raise self.unreadable(table, exc) from None
+
+    def unreadable(self, table: str, exc: BaseException) -> HeadsweepError:
+        """The error for a table that failed to read: names the corrupt file when one is found."""
+        for path in self.files(table):
+            try:
+                pq.read_metadata(path, filesystem=self.fs)
+            except (OSError, pa.ArrowException) as bad:
+                return HeadsweepError(
+                    f"store {self.uri}: {path} is not a readable Parquet file ({str(bad).splitlines()[0]}); "
+                    "it was damaged or not written by headsweep: move it out of the store, or restore it"
+                )
+        return HeadsweepError(f"cannot read table {table} of store {self.uri}: {str(exc).splitlines()[0]}")
 
     def run(self, run_id: str) -> dict | None:
         rows = self.read("runs", run_id).to_pylist()

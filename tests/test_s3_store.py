@@ -107,3 +107,7 @@ def test_unreachable_s3_store_is_a_one_line_error(tmp_path, tiny_bert_dir, tiny_
     assert proc.returncode == 2
     line = error_line(proc.stderr)
     assert f"store {uri} is not writable" in line
+    for args in (["runs"], ["query", "SELECT count(*) FROM evaluations"], ["report", "some-run"]):
+        proc = run_cli(*args, "--store", uri, env={**CREDENTIALS, "AWS_EC2_METADATA_DISABLED": "true"}, timeout=180)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"cannot read store {uri}" in error_line(proc.stderr)
