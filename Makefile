@@ -4,15 +4,42 @@ PIP ?= $(PYTHON) -m pip
 # The CPU wheel here; on a GPU cluster `make install TORCH_SPEC=torch==2.13.0` from the CUDA index works the same.
 TORCH_SPEC ?= torch==2.13.0
 FAIRSEQ_SPEC ?= fairseq-fixed==0.12.3.1
+# Known-good versions: every other package at the version the test suite was last run with (README, "Set-up").
+# `make install CONSTRAINTS=` installs without them: the newest versions pyproject.toml allows.
+CONSTRAINTS ?= constraints.txt
+CONSTRAIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+# The constraints were resolved on one Python (their first line, `# python X.Y`); pins such as numpy's may not
+# exist for another, so say so up front rather than let pip fail on one of them.
+CHECK_PYTHON = import sys; f = sys.argv[1]; want = open(f).readline().split()[-1]; \
+	have = "%d.%d" % sys.version_info[:2]; \
+	sys.exit(0 if want == have else f"{f} holds the versions tested on Python {want}, this is Python {have}: " \
+	"install unconstrained with make install CONSTRAINTS=")
 
-.PHONY: install demo test lint bench
+.PHONY: install constraints demo test lint bench
 
 install:
-	$(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -e ".[fairseq,dev]"
+ifneq ($(CONSTRAINTS),)
+	@$(PYTHON) -c '$(CHECK_PYTHON)' $(CONSTRAINTS)
+endif
+	$(PIP) install $(CONSTRAIN) "$(TORCH_SPEC)"
+	$(PIP) install $(CONSTRAIN) -e ".[fairseq,dev]"
 	# fairseq-fixed without its dependencies: its torchaudio requirement pulls a CUDA build that breaks
 	# transformers (see README), and without build isolation so its C++ extensions build against our torch.
-	$(PYTHON) -c "import fairseq" 2>/dev/null || $(PIP) install --no-deps --no-build-isolation "$(FAIRSEQ_SPEC)"
+	$(PYTHON) -c "import fairseq" 2>/dev/null || \
+		$(PIP) install $(CONSTRAIN) --no-deps --no-build-isolation "$(FAIRSEQ_SPEC)"
+
+# Refreshes constraints.txt from the current environment, on purpose: run it in a fresh venv after
+# `make install CONSTRAINTS=` and a passing `make test`, and commit the file. torch, fairseq-fixed and
+# headsweep itself are left out: TORCH_SPEC and FAIRSEQ_SPEC pin the first two (a CUDA torch is the same pin).
+constraints:
+	{ echo "# python $$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')"; \
+	  echo "# Known-good versions: what the test suite was last run with. Written by make constraints"; \
+	  echo "# (README, Set-up); torch and fairseq-fixed are pinned in the Makefile (TORCH_SPEC, FAIRSEQ_SPEC)."; \
+	  $(PIP) freeze --exclude-editable | grep -viE '^(torch|fairseq-fixed|headsweep)[ =@]'; } > constraints.txt.new
+	@if grep -n ' @ ' constraints.txt.new; then \
+		echo "constraints: the lines above are installed from a path or URL, not a registry version" >&2; \
+		rm constraints.txt.new; exit 1; fi
+	mv constraints.txt.new constraints.txt
 
 demo: install
 	headsweep demo

@@ -7,12 +7,27 @@ Significance is off (it tests statistics, not dispatch; bench/significance.py me
 
 Each grid size runs in a fresh driver process so its peak RSS is its own::
 
-    python bench/dispatch.py                       # 1,000 and 20,000 evaluations, 2 workers
-    python bench/dispatch.py --sizes 1000 --examples 100
+    python bench/dispatch.py                       # both cases: throughput, then balance
+    python bench/dispatch.py --case throughput --sizes 1000 --examples 100
+    python bench/dispatch.py --case balance --sleep 0.2
 
 Final line: ``RESULT dispatch units_per_s=<x> peak_rss_mb_1k=<a> peak_rss_mb_20k=<b>``: the rate is the largest
 grid's evaluations recorded per second between its first and last ``finished_at`` (Ray start-up and worker
 load excluded; the whole-run time is printed too).
+
+Balance case (``--case balance``): the workers hold a task whose evaluation sleeps a known time per
+mask (``dispatch:SLEEP``), so the figure is about scheduling, not compute. For 2 and 4 workers and
+12 and 100 evaluations it runs the same evaluations twice: ``pool`` streams them straight through
+``WorkerPool.stream`` (the dispatch rule alone), ``sweep`` runs a whole sweep (baseline and single-head
+masks, as users run it: every phase of the driver counts). Utilisation is
+
+    sum over workers of busy time / (workers x wall)
+
+where a worker's busy time is the time it spent inside ``evaluate`` (timed on the worker, logged per
+call) and wall runs from the first evaluation call's start to the last result the driver received
+(``pool``: when ``stream`` yielded it; ``sweep``: the largest ``finished_at`` stored). 1.0 means no
+worker was ever idle. Final line: ``RESULT dispatch_balance utilisation_min=<x> pool_min=<p> sweep_min=<s>``
+(``utilisation_min`` is the smallest over every case; the goal is >= 0.85).
 """
 
 from __future__ import annotations
@@ -79,6 +94,41 @@ class TrivialTask:
 TRIVIAL = TaskKind("dispatch:TRIVIAL", TrivialModel, TrivialData, "dispatch:TrivialTask")
 
 
+@dataclass
+class SleepData:
+    """``data`` section of the sleeping kind: seconds per mask, and where each worker logs its calls."""
+
+    examples: int = 10
+    seconds: float = 0.2
+    log: str = ""  # folder: one JSON-lines file per worker process, a line per evaluate call
+
+
+class SleepTask(TrivialTask):
+    """The trivial task, but each evaluation takes ``seconds`` per mask (a sleep, so no CPU is used).
+
+    Each call logs its start and end (wall clock, seconds since the epoch) and mask count, so busy
+    time is measured on the worker side.
+    """
+
+    def __init__(self, model: TrivialModel, data: SleepData, runtime: RuntimeOptions):
+        super().__init__(model, TrivialData(data.examples), runtime)
+        self.seconds = data.seconds
+        self.log = Path(data.log) / f"{os.getpid()}.jsonl" if data.log else None
+
+    def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
+        start = time.time()
+        time.sleep(self.seconds * len(masks))
+        end = time.time()
+        if self.log is not None:
+            with self.log.open("a") as f:
+                f.write(json.dumps({"pid": os.getpid(), "start": start, "end": end, "masks": len(masks)}) + "\n")
+        per_mask = (end - start) / max(1, len(masks))
+        return [MaskOutput(self.stats, self.loss, self.outputs, 1.0, per_mask) for _ in masks]
+
+
+SLEEP = TaskKind("dispatch:SLEEP", TrivialModel, SleepData, "dispatch:SleepTask")
+
+
 def child(n_units: int, examples: int, workers: int, store: str) -> dict:
     """One sweep of ``n_units`` single-head evaluations in this process; its timing and peak RSS."""
     from headsweep.results.store import ResultStore
@@ -103,31 +153,103 @@ def child(n_units: int, examples: int, workers: int, store: str) -> dict:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 20000])
-    parser.add_argument("--examples", type=int, default=100, help="examples per evaluation (default 100)")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--store", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(args.child, args.examples, args.workers, args.store)))
-        return
+def worker_calls(log_dir: Path) -> list[dict]:
+    """Every ``evaluate`` call the sleeping workers logged: pid, start, end (epoch seconds), masks."""
+    return [json.loads(line) for f in sorted(log_dir.glob("*.jsonl")) for line in f.read_text().splitlines()]
 
-    # Workers import this module by the plugin name `dispatch:TRIVIAL`.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "bench"), str(REPO)]), "RAY_DEDUP_LOGS": "1"}
+
+def utilisation(calls: list[dict], workers: int, first: float, last: float) -> dict:
+    """Busy seconds per worker (time inside ``evaluate``), wall from ``first`` to ``last``, and their ratio."""
+    busy: dict[int, float] = {}
+    for c in calls:
+        busy[c["pid"]] = busy.get(c["pid"], 0.0) + c["end"] - c["start"]
+    wall = last - first
+    return {"busy": sorted(busy.values(), reverse=True), "wall": wall,
+            "utilisation": sum(busy.values()) / (workers * wall)}
+
+
+def pool_case(workers: int, n: int, sleep: float, log_dir: Path) -> dict:
+    """``n`` units straight through ``WorkerPool.stream``: the dispatch rule alone."""
+    import ray
+
+    from headsweep.sweep.dispatch import WorkerPool, units_per_call
+    from headsweep.workers.actor import EvalWorker
+    from headsweep.workers.work import WorkUnit
+
+    model, data = TrivialModel(kind="dispatch:SLEEP", heads=n), SleepData(seconds=sleep, log=str(log_dir))
+    names = [f"worker-{i}" for i in range(workers)]
+    actors = [EvalWorker.options(num_cpus=0.25).remote(name, model.kind, model, data, RuntimeOptions(threads=1))
+              for name in names]
+    ray.get([a.load.remote() for a in actors])
+    pool = WorkerPool(actors, ray.get([a.where.remote() for a in actors]))
+    heads = [Head("self", k // HEADS_PER_LAYER, k % HEADS_PER_LAYER) for k in range(n)]
+    units = [WorkUnit(f"single_head/{h}", "single_head", (h,), h.attention, h.layer, h.head) for h in heads]
+    first = time.time()  # the stream's first call goes out on the first next()
+    for _ in pool.stream(units, units_per_call(0)):
+        last = time.time()
+    per_worker = [pool.done_by_worker[i] for i in range(workers)]
+    pool.stop()
+    return {"per_worker": per_worker, **utilisation(worker_calls(log_dir), workers, first, last)}
+
+
+def sweep_case(workers: int, n: int, sleep: float, log_dir: Path, store: str) -> dict:
+    """A whole sweep of ``n`` evaluations (the baseline and ``n - 1`` single heads), as users run it."""
+    from collections import Counter
+
+    from headsweep.results.store import ResultStore
+    from headsweep.sweep.config import build_config
+    from headsweep.sweep.driver import Sweep
+
+    cfg = build_config({
+        "model": {"kind": "dispatch:SLEEP", "heads": n - 1},
+        "data": {"seconds": sleep, "log": str(log_dir)},
+        "sweep": {"experiments": ["baseline", "single_head"], "workers": workers, "num_cpus_per_worker": 0.25,
+                  "threads_per_worker": 1},
+        "significance": {"enabled": False},
+    })
+    run_id = Sweep(cfg, ResultStore(store), show_progress=False).execute()
+    rows = ResultStore(store).read("evaluations", run_id, columns=["worker", "finished_at"]).to_pylist()
+    counts = Counter(r["worker"].split("@")[0] for r in rows)
+    calls = worker_calls(log_dir)
+    last = max(r["finished_at"] for r in rows).timestamp()
+    return {"per_worker": [counts[f"worker-{i}"] for i in range(workers)],
+            **utilisation(calls, workers, min(c["start"] for c in calls), last)}
+
+
+def balance_child(workers: list[int], sizes: list[int], sleep: float) -> list[dict]:
+    """Every balance case in this process (one Ray instance): pool and sweep, per worker count and size."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False, log_to_driver=False)
+    cases = []
+    for w in workers:
+        for n in sizes:
+            for mode in ("pool", "sweep"):
+                with tempfile.TemporaryDirectory() as tmp:
+                    log_dir = Path(tmp) / "calls"
+                    log_dir.mkdir()
+                    if mode == "pool":
+                        r = pool_case(w, n, sleep, log_dir)
+                    else:
+                        r = sweep_case(w, n, sleep, log_dir, f"{tmp}/store")
+                cases.append({"mode": mode, "workers": w, "evaluations": n, **r})
+    return cases
+
+
+def run_child(args: list[str], env: dict, what: str) -> dict | list:
+    proc = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        sys.exit(f"dispatch child for {what} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def throughput(args: argparse.Namespace, env: dict) -> None:
     results = {}
     for n in args.sizes:
         with tempfile.TemporaryDirectory() as tmp:
-            proc = subprocess.run(
-                [sys.executable, __file__, "--child", str(n), "--examples", str(args.examples),
-                 "--workers", str(args.workers), "--store", f"{tmp}/store"],
-                env=env, capture_output=True, text=True, check=False,
-            )
-            if proc.returncode != 0:
-                sys.exit(f"dispatch child for {n} evaluations failed:\n{proc.stderr[-3000:]}")
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            r = run_child(["--child", str(n), "--examples", str(args.examples), "--workers", str(args.workers),
+                           "--store", f"{tmp}/store"], env, f"{n} evaluations")
         results[n] = r
         print(f"{n:>6} planned, {r['stored']:>6} stored; whole run {r['seconds']:.1f} s (Ray start, worker load, "
               f"writes); first to last evaluation recorded {r['stream_seconds']:.1f} s = "
@@ -137,6 +259,49 @@ def main() -> None:
     rate = (results[large]["stored"] - 1) / results[large]["stream_seconds"]
     print(f"RESULT dispatch units_per_s={rate:.0f} peak_rss_mb_1k={results[small]['peak_rss_mb']:.0f} "
           f"peak_rss_mb_20k={results[large]['peak_rss_mb']:.0f}")
+
+
+def balance(args: argparse.Namespace, env: dict) -> None:
+    cases = run_child(["--balance-child", "--balance-workers", *map(str, args.balance_workers),
+                       "--balance-sizes", *map(str, args.balance_sizes), "--sleep", str(args.sleep)],
+                      env, "the balance cases")
+    print(f"balance: {args.sleep:g} s per mask; utilisation = busy / (workers x wall)")
+    print(f"{'mode':<6}{'workers':>8}{'evals':>7}  {'evaluations per worker':<24}{'busy s per worker':<30}"
+          f"{'wall s':>7}{'utilisation':>13}")
+    for c in cases:
+        print(f"{c['mode']:<6}{c['workers']:>8}{c['evaluations']:>7}  {' '.join(map(str, c['per_worker'])):<24}"
+              f"{' '.join(f'{b:.2f}' for b in c['busy']):<30}{c['wall']:>7.2f}{c['utilisation']:>13.3f}")
+    low = {m: min(c["utilisation"] for c in cases if c["mode"] == m) for m in ("pool", "sweep")}
+    print(f"RESULT dispatch_balance utilisation_min={min(low.values()):.3f} pool_min={low['pool']:.3f} "
+          f"sweep_min={low['sweep']:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", choices=["all", "throughput", "balance"], default="all")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 20000], help="throughput: evaluations")
+    parser.add_argument("--examples", type=int, default=100, help="throughput: examples per evaluation")
+    parser.add_argument("--workers", type=int, default=2, help="throughput: workers")
+    parser.add_argument("--balance-workers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--balance-sizes", type=int, nargs="+", default=[12, 100], help="balance: evaluations")
+    parser.add_argument("--sleep", type=float, default=0.2, help="balance: seconds per mask (default 0.2)")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--balance-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--store", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.examples, args.workers, args.store)))
+        return
+    if args.balance_child:
+        print(json.dumps(balance_child(args.balance_workers, args.balance_sizes, args.sleep)))
+        return
+
+    # Workers import this module by the plugin names `dispatch:TRIVIAL` and `dispatch:SLEEP`.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "bench"), str(REPO)]), "RAY_DEDUP_LOGS": "1"}
+    if args.case in ("all", "throughput"):
+        throughput(args, env)
+    if args.case in ("all", "balance"):
+        balance(args, env)
 
 
 if __name__ == "__main__":

@@ -306,7 +306,7 @@ def translation_bench(args, peak: PeakRSS, workdir: Path) -> str:
     tasks = {k: load_translation(model_cfg, data_cfg, o) for k, o in sides.items()}
     info = tasks["plain"].describe()
     print(f"translation: {source}; {info.n_examples} sentences, beam 5, 6+6 layers x 4 heads, d=128; "
-          f"reuse packs {tasks['reuse'].masks_per_search()} masks per search", flush=True)
+          f"reuse packs {tasks['reuse'].masks_per_forward()} masks per search", flush=True)
     baselines = {k: t.evaluate([[]])[0] for k, t in tasks.items()}
 
     heads = info.inventory.heads

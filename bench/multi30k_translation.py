@@ -174,7 +174,7 @@ def main() -> None:
     n_total = len(read_gz(DATA / f"{test}.{SRC}.gz"))
     subset = "" if info.n_examples == n_total else f" (a subset: the first {info.n_examples} of {n_total} sentences)"
     print(f"decoding {test}{subset}, beam {args.beam}, {len(info.inventory.heads)} heads, "
-          f"masks per search {task.masks_per_search()}; {info.facts['sacrebleu_signature']}", flush=True)
+          f"masks per search {task.masks_per_forward()}; {info.facts['sacrebleu_signature']}", flush=True)
 
     start = time.perf_counter()
     baseline = task.evaluate([[]])[0]

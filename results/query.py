@@ -88,12 +88,15 @@ def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
             )
 
 
-def run_query(store: ResultStore, sql: str) -> pa.Table:
-    """Run ``sql`` (SELECT only) against the store's views and return the result as an Arrow table."""
+def run_query(store: ResultStore, sql: str, params: list | None = None) -> pa.Table:
+    """Run ``sql`` (SELECT only) against the store's views and return the result as an Arrow table.
+
+    ``params`` fill the ``?`` placeholders of ``sql`` (values from users or data never go into the SQL text).
+    """
     con = connect(store)
     try:
         check_read_only(con, sql)
-        relation = con.sql(sql)
+        relation = con.sql(sql, params=params)
         return relation.to_arrow_table() if relation is not None else pa.table({})
     except duckdb.Error as exc:
         raise _scan_error(store, exc) from None

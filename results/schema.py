@@ -133,7 +133,10 @@ TABLES: dict[str, pa.Schema] = {
     ),
 }
 
-RUN_STATUSES = ("running", "complete", "failed", "interrupted")
+# A run's status in ``runs``: running (its driver is writing it, or died), complete, failed (an
+# error stopped it), interrupted (Ctrl-C). The driver writes these names and nothing else.
+RUNNING, COMPLETE, FAILED, INTERRUPTED = "running", "complete", "failed", "interrupted"
+RUN_STATUSES = (RUNNING, COMPLETE, FAILED, INTERRUPTED)
 
 
 def with_run_id(schema: pa.Schema) -> pa.Schema:

@@ -9,9 +9,23 @@ from __future__ import annotations
 
 from headsweep.results.schema import HEAD_COLUMNS
 
-# The test shown next to a delta: paired bootstrap for corpus metrics (BLEU), paired t-test
-# for accuracy. The other tests stay in `significance`.
-DELTAS = """
+# The test shown next to a delta (the other tests stay in `significance`): a t-test for accuracy, the
+# paired bootstrap for corpus metrics (BLEU) and for any metric not named here.
+PRIMARY_TEST = {"accuracy": "paired_ttest", "bleu": "paired_bootstrap"}
+OTHER_METRICS_TEST = "paired_bootstrap"
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def primary_test_sql(metric: str) -> str:
+    """SQL naming the primary test of the metric in column ``metric`` (generated from ``PRIMARY_TEST``)."""
+    cases = " ".join(f"WHEN {_literal(m)} THEN {_literal(t)}" for m, t in PRIMARY_TEST.items())
+    return f"CASE {metric} {cases} ELSE {_literal(OTHER_METRICS_TEST)} END"
+
+
+DELTAS = f"""
 CREATE VIEW deltas AS
 SELECT e.run_id, e.eval_id, e.experiment, e.attention, e.layer, e.head, e.level, e.checkpoint, e.n_masked,
        e.heads_masked, e.metric, e.score, e.baseline_score, e.delta, s.test, s.p_value, s.p_adjusted, s.correction,
@@ -19,7 +33,7 @@ SELECT e.run_id, e.eval_id, e.experiment, e.attention, e.layer, e.head, e.level,
 FROM evaluations e
 LEFT JOIN significance s
   ON s.run_id = e.run_id AND s.eval_id = e.eval_id
- AND s.test = CASE e.metric WHEN 'accuracy' THEN 'paired_ttest' ELSE 'paired_bootstrap' END
+ AND s.test = {primary_test_sql("e.metric")}
 """
 
 _HEAD_STRUCT = "[{" + ", ".join(f'"{n}": "{t}"' for n, t in

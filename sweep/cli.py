@@ -7,8 +7,10 @@ import contextlib
 import json
 import os
 import sys
+import traceback
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep import console
 
 DEFAULT_STORE = "headsweep-store"
 
@@ -30,10 +32,31 @@ def _job_address_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+VERBOSE_HELP = ("also show other libraries' messages (Ray, torch, transformers, fairseq, hydra, matplotlib) on "
+                "stderr; by default they go to a log file whose path is printed")
+
+
+def _verbose_arg(p: argparse.ArgumentParser, default=False) -> None:
+    p.add_argument("-v", "--verbose", action="store_true", default=default, help=VERBOSE_HELP)
+
+
+class _Subparsers(argparse._SubParsersAction):
+    """Every command takes the global ``--verbose`` after its name too (``headsweep demo --verbose``)."""
+
+    def add_parser(self, name, **kwargs):
+        p = super().add_parser(name, **kwargs)
+        p.register("action", "parsers", _Subparsers)  # and the commands of `jobs`
+        # SUPPRESS: a command that does not name it keeps the value given before the command.
+        _verbose_arg(p, default=argparse.SUPPRESS)
+        return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="headsweep", description="Which attention heads does this trained Transformer need?"
     )
+    parser.register("action", "parsers", _Subparsers)
+    _verbose_arg(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a sweep from a config file; prints the run id")
@@ -123,14 +146,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     sweep = Sweep(cfg, ResultStore(args.store), address=args.address, show_progress=not args.quiet,
                   resume=args.resume, auto_resume=not args.new)
     try:
-        # stdout carries only the run id (RUN=$(headsweep run ...)); Ray's forwarded worker and
-        # raylet messages go to stderr with the progress lines.
+        # stdout carries only the run id (RUN=$(headsweep run ...)): whatever a library prints to
+        # sys.stdout goes where stderr goes (the log file, or the terminal with --verbose).
         with contextlib.redirect_stdout(sys.stderr):
             run_id = sweep.execute()
     except KeyboardInterrupt:
-        print(f"headsweep: interrupted: run {sweep.run_id} is marked interrupted in {args.store}", file=sys.stderr)
+        console.say(f"headsweep: interrupted: run {sweep.run_id} is marked interrupted in {args.store}")
         return 130
-    print(run_id)
+    console.out(run_id)
     return 0
 
 
@@ -141,7 +164,7 @@ def _query_out(args: argparse.Namespace, sql: str) -> int:
 
     text = write_result(run_query(ResultStore(args.store), sql), args.format, args.out)
     if text is not None:
-        print(text)
+        console.out(text)
     return 0
 
 
@@ -159,7 +182,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from headsweep.results.store import ResultStore
     from headsweep.sweep.report import default_report_dir, write_report
 
-    print(write_report(ResultStore(args.store), args.run_ids, args.out or default_report_dir(args.run_ids)))
+    console.out(write_report(ResultStore(args.store), args.run_ids, args.out or default_report_dir(args.run_ids)))
     return 0
 
 
@@ -173,7 +196,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except json.JSONDecodeError as exc:
         raise HeadsweepError(f"--runtime-env-json is not valid JSON: {exc}") from None
     job_id = jobs.submit(args.config, args.overrides, args.address, args.store, args.workers, env, python=args.python)
-    print(job_id, flush=True)
+    console.out(job_id)
     if args.wait:
         jobs.follow(args.address, job_id)
     return 0
@@ -185,17 +208,17 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if not args.address:
         raise HeadsweepError("jobs needs --address http://HEAD:8265 (or $RAY_API_SERVER_ADDRESS)")
     if args.jobs_command == "list":
-        print(jobs.format_jobs(jobs.list_jobs(args.address)))
+        console.out(jobs.format_jobs(jobs.list_jobs(args.address)))
     elif args.jobs_command == "status":
-        print(jobs.status(args.address, args.job_id))
+        console.out(jobs.status(args.address, args.job_id))
     elif args.jobs_command == "logs":
-        print(jobs.logs(args.address, args.job_id), end="")
+        console.out(jobs.logs(args.address, args.job_id), end="")
     elif args.jobs_command == "stop":
         stopped = jobs.stop(args.address, args.job_id)
-        print(f"stopping {args.job_id}" if stopped else f"{args.job_id} had already ended")
+        console.out(f"stopping {args.job_id}" if stopped else f"{args.job_id} had already ended")
     else:
         final = jobs.wait(args.address, args.job_id, args.timeout)
-        print(final)
+        console.out(final)
         return 0 if final == "SUCCEEDED" else 1
     return 0
 
@@ -206,8 +229,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from headsweep.sweep.compare import compare_runs
 
     correlations, overlap = compare_runs(ResultStore(args.store), args.run_a, args.run_b)
-    print(format_table(correlations, args.format))
-    print(format_table(overlap, args.format))
+    console.out(format_table(correlations, args.format))
+    console.out(format_table(overlap, args.format))
     return 0
 
 
@@ -218,7 +241,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, list(args.overrides))
     mask = args.mask.replace(",", " ").split() if args.mask is not None else None
-    print(export_pruned(cfg, args.out, ResultStore(args.store), args.from_run, args.level, args.eval_id, mask))
+    console.out(export_pruned(cfg, args.out, ResultStore(args.store), args.from_run, args.level, args.eval_id, mask))
     return 0
 
 
@@ -252,17 +275,39 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+# Commands that run long and start Ray or train models: the log file's path is printed when they start.
+# The others print it at the end, and only when another library wrote something into it.
+ANNOUNCE_LOG = {"run", "demo"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    # Set up here, never at import: a program that imports headsweep keeps its own logging and streams.
+    con = console.setup(args.command, args.verbose, getattr(args, "store", None),
+                        announce=args.command in ANNOUNCE_LOG)
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
     except HeadsweepError as exc:
         _stop_ray()
-        print(f"headsweep: error: {exc}", file=sys.stderr)
+        console.finish()
+        console.say(f"headsweep: error: {exc}")
         return 2
     except KeyboardInterrupt:
-        print("headsweep: interrupted", file=sys.stderr)
+        console.finish()
+        console.say("headsweep: interrupted")
         return 130
+    except Exception as exc:
+        if con.log_path is None:
+            raise  # --verbose: the traceback on the terminal, as Python prints it
+        traceback.print_exc()  # into the log file
+        _stop_ray()
+        con.announce = True  # the error line below names the log file
+        console.finish()
+        first = (str(exc).splitlines() or [""])[0][:300]
+        console.say(f"headsweep: error: unexpected {type(exc).__name__}: {first} (traceback in {con.log_path})")
+        return 1
+    console.finish()
+    return code
 
 
 if __name__ == "__main__":

@@ -17,6 +17,14 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.query import run_query
 from headsweep.results.store import ResultStore
 
+# Per head of one run (the run id is a query parameter, never pasted into the SQL).
+DELTAS_SQL = """SELECT attention, layer, head, delta FROM evaluations
+                WHERE run_id = ? AND experiment = 'single_head'"""
+IMPORTANCE_SQL = """SELECT attention, layer, head, score FROM importance
+                    WHERE run_id = ? AND method = 'gradient'"""
+SIGNIFICANT_SQL = """SELECT attention, layer, head, 1 AS s FROM deltas
+                     WHERE run_id = ? AND experiment = 'single_head' AND significant"""
+
 
 def _run(store: ResultStore, run_id: str) -> dict:
     run = store.run(run_id)
@@ -49,15 +57,9 @@ def compare_runs(store: ResultStore, run_a: str, run_b: str) -> tuple[pa.Table, 
         raise HeadsweepError(f"runs {run_a} and {run_b} are not of the same model (their heads differ)")
     deltas, importance, significant = {}, {}, {}
     for run_id in (run_a, run_b):
-        deltas[run_id] = _by_head(run_query(store, f"""
-            SELECT attention, layer, head, delta FROM evaluations
-            WHERE run_id = '{run_id}' AND experiment = 'single_head'"""), "delta")
-        importance[run_id] = _by_head(run_query(store, f"""
-            SELECT attention, layer, head, score FROM importance
-            WHERE run_id = '{run_id}' AND method = 'gradient'"""), "score")
-        significant[run_id] = set(_by_head(run_query(store, f"""
-            SELECT attention, layer, head, 1 AS s FROM deltas
-            WHERE run_id = '{run_id}' AND experiment = 'single_head' AND significant"""), "s"))
+        deltas[run_id] = _by_head(run_query(store, DELTAS_SQL, [run_id]), "delta")
+        importance[run_id] = _by_head(run_query(store, IMPORTANCE_SQL, [run_id]), "score")
+        significant[run_id] = set(_by_head(run_query(store, SIGNIFICANT_SQL, [run_id]), "s"))
     if not deltas[run_a] and not importance[run_a]:
         raise HeadsweepError(f"run {run_a} has neither single_head evaluations nor gradient importance to compare")
     rows = []

@@ -5,6 +5,11 @@ model, a small window of calls in flight per actor, and ``ray.wait`` to take res
 order they finish, so results are written while the grid runs and the driver's memory does not
 grow with the grid.
 
+Balance: call slots are handed out round-robin over the workers, and each call's batch is cut
+from the queue only when a slot frees up: ``per_call`` units while the queue is long, then
+smaller (``batch_size``) so that the end of every phase is shared by all workers instead of
+queueing behind the first one.
+
 Fault tolerance: actors are created with ``max_restarts``, so Ray restarts a worker whose
 process or node dies; the calls it had in flight fail with ``RayActorError`` and their units
 go back to the front of the queue, preferably to another worker. A batch is retried at most
@@ -14,7 +19,6 @@ an error that names the evaluations (those already stored stay, and a rerun resu
 
 from __future__ import annotations
 
-import sys
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +39,10 @@ RESTART_WAIT_S = 120.0
 
 
 def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    """One of the driver's status lines on stderr (above the live progress line; see ``headsweep.sweep.console``)."""
+    from headsweep.sweep.console import say
+
+    say(message)
 
 
 def unwrap(exc: BaseException) -> BaseException:
@@ -61,6 +68,22 @@ def get(ref: Any, timeout: float | None = None) -> Any:
 def units_per_call(masks_per_batch: int) -> int:
     """Work units in one actor call: ``sweep.masks_per_batch``, or ``DEFAULT_UNITS_PER_CALL`` when it is 0."""
     return max(1, int(masks_per_batch) or DEFAULT_UNITS_PER_CALL)
+
+
+def batch_size(remaining: int, per_call: int, live: int, calls_in_flight: int) -> int:
+    """Units in the next call when ``remaining`` units are still unsent.
+
+    ``per_call`` while the queue can fill every call slot (``live`` workers x ``calls_in_flight``)
+    with full calls, so masks keep sharing forward passes; then the queue's fair share per slot,
+    ``ceil(remaining / (live x calls_in_flight))``, never below one, so that the last calls are
+    spread over every worker instead of queueing on the first. One worker has no one to share
+    with: it takes ``per_call`` (or what is left).
+    """
+    per_call = min(max(1, per_call), remaining)
+    if live <= 1:
+        return max(1, per_call)
+    share = -(-remaining // (live * max(1, calls_in_flight)))
+    return max(1, min(per_call, share))
 
 
 def name_units(units: Sequence[WorkUnit], limit: int = 8) -> str:
@@ -94,7 +117,7 @@ class WorkerPool:
         return indices
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(worker, *args)`` on one live worker (``EvalWorker.run``); on losing it, on the next (retries bounded)."""
+        """``fn(worker, *args)`` on one live worker (``EvalWorker.run``); on losing it, on the next (bounded)."""
         what = getattr(fn, "__name__", str(fn))
         for attempt in range(self.max_retries + 1):
             i = self.live()[0]
@@ -105,28 +128,36 @@ class WorkerPool:
         raise HeadsweepError(f"{what} failed on {self.max_retries + 1} workers in a row: each worker was lost")
 
     def stream(self, units: Sequence[WorkUnit], per_call: int) -> Iterator[tuple[WorkUnit, Any, str]]:
-        """Evaluate ``units`` in batches of ``per_call``; yield ``(unit, output, worker name)`` as they land."""
-        # (batch, failed attempts so far, the worker it was lost on)
-        queue: deque[tuple[list[WorkUnit], int, int | None]] = deque(
-            (list(units[i : i + per_call]), 0, None) for i in range(0, len(units), per_call)
-        )
+        """Evaluate ``units`` in calls of at most ``per_call``; yield ``(unit, output, worker name)`` as they land.
+
+        Calls go to the workers round-robin (slots ``[0, 1, ..., 0, 1, ...]``) and each call's batch is
+        cut from the queue only when a slot is free, sized by ``batch_size`` so that the tail of the
+        queue is shared out rather than left to one worker.
+        """
+        queue: deque[WorkUnit] = deque(units)  # not yet sent
+        # Batches a lost worker had in flight: (batch, failed attempts so far, the worker it was lost on).
+        retry: deque[tuple[list[WorkUnit], int, int]] = deque()
         by_id = {u.eval_id: u for u in units}
         pending: dict = {}
-        slots: deque[int] = deque(i for i in self.live() for _ in range(self.calls_in_flight))
-        while queue or pending:
-            while slots and queue:
-                batch, attempts, lost_on = queue.popleft()
-                i = self._pick(slots, avoid=lost_on)
+        slots: deque[int] = deque(i for _ in range(self.calls_in_flight) for i in self.live())
+        while queue or retry or pending:
+            while slots and (queue or retry):
+                # A retried batch goes first, to another worker where one has a free slot.
+                i = self._pick(slots, avoid=retry[0][2] if retry else None)
                 if i is None:
-                    queue.appendleft((batch, attempts, lost_on))
                     break
+                if retry:
+                    batch, attempts, _ = retry.popleft()
+                else:
+                    n = batch_size(len(queue), per_call, sum(self.alive), self.calls_in_flight)
+                    batch, attempts = [queue.popleft() for _ in range(n)], 0
                 pending[self.actors[i].evaluate.remote(batch)] = (i, batch, attempts)
                 self.busy[i] += 1
             if not pending:
                 raise HeadsweepError(
                     f"all {len(self.actors)} workers were lost; not evaluated: "
-                    f"{name_units([u for b, *_ in queue for u in b])}; the evaluations stored so far are kept: "
-                    "rerun the same command to resume"
+                    f"{name_units([u for b, *_ in retry for u in b] + list(queue))}; the evaluations stored so far "
+                    "are kept: rerun the same command to resume"
                 )
             [ref], _ = ray.wait(list(pending), num_returns=1)
             i, batch, attempts = pending.pop(ref)
@@ -140,7 +171,7 @@ class WorkerPool:
                         f"(last: {type(exc).__name__}): {name_units(batch)}"
                     ) from None
                 self._lost(i, exc, f"{len(batch)} evaluations", attempts + 2)
-                queue.appendleft((batch, attempts + 1, i))
+                retry.append((batch, attempts + 1, i))
                 if self.alive[i]:
                     slots.append(i)
                 continue

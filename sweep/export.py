@@ -1,14 +1,15 @@
 """``headsweep export``: a copy of a sweep's model with heads physically removed.
 
 The model is the config's ``model`` section; the heads are a mask given by name, or the mask
-of a stored run's pruning level or evaluation (``headsweep.sweep.stored_masks``). The output folder
-holds, for a transformers classifier, a ``save_pretrained`` directory whose
-``config.pruned_heads`` lists the removed heads (load it with
-``headsweep.workers.families.hf_classifier.pruning.load_pruned``); for a fairseq translation model, ``checkpoint.pt``
-with the removed heads under ``headsweep_pruned_heads`` and the model's dictionaries beside
-it (a config with ``model.checkpoint: OUT/checkpoint.pt`` and ``model.data_bin: OUT`` loads
-it). Both get ``headsweep-export.json``: which heads were removed, which survive per layer,
-where the mask came from, and the parameter counts before and after.
+of a stored run's pruning level or evaluation (``headsweep.sweep.stored_masks``). Loading,
+pruning and saving are the model family's (``headsweep.workers.family.ModelFamily``): for a
+transformers classifier, a ``save_pretrained`` directory whose ``config.pruned_heads`` lists the
+removed heads (load it with ``headsweep.load_pruned``); for a fairseq translation model,
+``checkpoint.pt`` with the removed heads under ``headsweep_pruned_heads`` and the model's
+dictionaries beside it (a config with ``model.checkpoint: OUT/checkpoint.pt`` and
+``model.data_bin: OUT`` loads it). Every export gets ``headsweep-export.json``: which heads were
+removed, which survive per layer, where the mask came from, and the parameter counts before and
+after.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.config import Config
 from headsweep.sweep.stored_masks import MaskChoice, explicit_mask, stored_mask
-from headsweep.workers.heads import HeadInventory
+from headsweep.workers.family import model_family
+from headsweep.workers.heads import HeadInventory, site_order
 
 MANIFEST = "headsweep-export.json"
 
@@ -53,45 +55,22 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
                   level: float | None = None, eval_id: str | None = None,
                   mask: Sequence[str] | None = None) -> Path:
     """Write the config's model without the chosen heads to ``out_dir``; returns the folder."""
-    from headsweep.workers.families.hf_classifier.pruning import count_parameters, prune_heads, site_inventory
+    from headsweep.workers.pruning import count_parameters, site_inventory
 
     out = _check_out(out_dir)  # before the model is loaded: a wrong folder should fail fast
-    kind = cfg.model.kind
-    if kind == "hf_classifier":
-        from headsweep.workers.families.hf_classifier.adapter import load_hf_model
-        from headsweep.workers.families.hf_classifier.sites import find_sites
-
-        model, tokenizer = load_hf_model(cfg.model, "cpu")
-        sites = find_sites(model)
-    elif kind == "fairseq_translation":
-        from headsweep.workers.families.fairseq_translation.adapter import _load_model
-        from headsweep.workers.families.fairseq_translation.sites import find_fairseq_sites
-
-        loaded = _load_model(cfg.model)
-        model = loaded.model.eval()
-        sites = find_fairseq_sites(model)
-    else:
-        raise HeadsweepError(f"headsweep export does not know model.kind {kind!r}")
-    choice = choose(site_inventory(sites), store, from_run, level, eval_id, mask)
+    family = model_family(cfg.model.kind)
+    loaded = family.load_model(cfg.model)
+    model = loaded.model
+    choice = choose(site_inventory(family.find_sites(model)), store, from_run, level, eval_id, mask)
     out.mkdir(parents=True, exist_ok=True)
     n_full = count_parameters(model)
-    slices = prune_heads(model, choice.heads)
-    if kind == "hf_classifier":
-        from headsweep.workers.families.hf_classifier.pruning import save_pruned
-
-        save_pruned(model, out, tokenizer)
-    else:
-        from headsweep.workers.families.fairseq_translation.checkpoint import read_checkpoint
-        from headsweep.workers.families.fairseq_translation.pruning import copy_dictionaries, save_pruned_checkpoint
-
-        state = read_checkpoint(cfg.model.checkpoint, cfg.model.trusted)
-        save_pruned_checkpoint(state, model, choice.heads, out / "checkpoint.pt")
-        copy_dictionaries(cfg.model.data_bin, [loaded.source_lang, loaded.target_lang], out)
+    slices = family.prune(model, choice.heads)
+    family.save_pruned(cfg.model, loaded, choice.heads, out)
     manifest = {
-        "model": str(getattr(cfg.model, "path", None) or cfg.model.checkpoint),
-        "kind": kind,
+        "model": str(getattr(cfg.model, family.checkpoint_key)),
+        "kind": cfg.model.kind,
         "heads_removed": [str(h) for h in choice.heads],
-        "heads_kept": {f"{a}:{layer}": list(s.kept) for (a, layer), s in sorted(slices.items())},
+        "heads_kept": {f"{a}:{layer}": list(slices[(a, layer)].kept) for a, layer in sorted(slices, key=site_order)},
         "mask_source": choice.source,
         "source_run": choice.run_id,
         "level": choice.level,

@@ -13,7 +13,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
-from headsweep.workers.heads import ATTENTION_TYPES, Head, HeadInventory
+from headsweep.workers.heads import Head, HeadInventory
 
 
 def heads_in_scope(inventory: HeadInventory, attention: Sequence[str] | None) -> list[Head]:
@@ -22,7 +22,7 @@ def heads_in_scope(inventory: HeadInventory, attention: Sequence[str] | None) ->
 
 def rank_ascending(scores: Mapping[Head, float], heads: Sequence[Head]) -> list[Head]:
     """Least important first; ties broken by head order so that levels are reproducible."""
-    return sorted(heads, key=lambda h: (scores[h], ATTENTION_TYPES.index(h.attention), h.layer, h.head))
+    return sorted(heads, key=lambda h: (scores[h], h))
 
 
 def _extend(mask: list[Head], order: Sequence[Head], target: int, inventory: HeadInventory, min_keep: int) -> None:

@@ -7,11 +7,17 @@ import os
 import ray
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep import console
 from headsweep.sweep.config import Config
 
 
 def init_ray(address: str | None, cfg: Config) -> None:
-    """Connect to ``address``, or start an embedded local Ray instance."""
+    """Connect to ``address``, or start an embedded local Ray instance.
+
+    Workers' output is forwarded to the driver (``log_to_driver``), where Ray prints it into the
+    command's log file (or onto the terminal with ``--verbose``); the console shows a worker's own
+    ``headsweep:`` lines (``console.relay_ray_workers``).
+    """
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
@@ -30,6 +36,7 @@ def init_ray(address: str | None, cfg: Config) -> None:
     except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
         where = address or "a local instance"
         raise HeadsweepError(f"cannot reach the Ray cluster at {where}: {str(exc).splitlines()[0]}") from None
+    console.relay_ray_workers()
 
 
 def resolve_device(cfg: Config) -> str:

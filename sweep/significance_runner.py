@@ -16,7 +16,7 @@ import ray
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
-from headsweep.sweep.config import SignificanceSection
+from headsweep.sweep.sections import SignificanceSection
 from headsweep.sweep.significance import (
     TestResult,
     mcnemar_exact,
@@ -29,9 +29,8 @@ from headsweep.workers.work import WorkUnit
 
 # The papers' tests: paired bootstrap for BLEU (Koehn 2004), a t-test for accuracy, with
 # McNemar's exact test as the better-founded companion for binary outcomes.
+# The ``deltas`` view shows each metric's primary test (``headsweep.results.views.PRIMARY_TEST``), one of these.
 DEFAULT_TESTS = {"bleu": ["paired_bootstrap"], "accuracy": ["paired_ttest", "mcnemar_exact"]}
-# The test whose flag headsweep shows next to a delta when several were run.
-PRIMARY_TEST = {"bleu": "paired_bootstrap", "accuracy": "paired_ttest"}
 TESTS_PER_TASK = 32
 
 

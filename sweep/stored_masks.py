@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
-from headsweep.results.store import ResultStore
 from headsweep.workers.heads import Head, HeadInventory
+
+if TYPE_CHECKING:  # reading a config (which names the efficiency kind) needs no store
+    from headsweep.results.store import ResultStore
 
 
 @dataclass(frozen=True)

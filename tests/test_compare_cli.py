@@ -45,9 +45,11 @@ def test_compare_two_domains(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv)
     b = [delta[runs[1]][h] for h in heads]
     row = by_quantity["single_head_delta"]
     assert row["n_heads"] == 8
+    # other: float64 statistics recomputed with scipy (approx's default rel 1e-6; the tool may sum in another order)
     assert row["spearman"] == pytest.approx(stats.spearmanr(a, b).statistic)
     assert row["pearson"] == pytest.approx(stats.pearsonr(a, b).statistic)
     # Same model, same importance data: the importances agree perfectly.
+    # other: a float64 correlation of identical vectors is 1 up to rounding
     assert by_quantity["gradient_importance"]["spearman"] == pytest.approx(1.0)
 
     sig = reader.read("significance").to_pylist()

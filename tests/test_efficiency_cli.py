@@ -7,6 +7,7 @@ import pytest
 import torch
 import yaml
 from conftest import error_line, run_cli
+from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.query import run_query
@@ -62,7 +63,8 @@ def test_efficiency_rows(efficiency_run):
     assert full["n_heads"] == 8 and pruned["n_heads"] == 4
     assert full["n_params"] - pruned["n_params"] == 4 * HEAD_PARAMS
     assert full["speedup"] == 1.0
-    assert pruned["speedup"] == pytest.approx(full["seconds_median"] / pruned["seconds_median"])
+    # exact: the same float64 division of the same medians, stored as float64
+    assert pruned["speedup"] == full["seconds_median"] / pruned["seconds_median"]
 
 
 def test_export_of_the_timed_level(efficiency_run, tmp_path, tiny_bert_dir, tiny_dev_tsv):
@@ -83,7 +85,8 @@ def test_export_of_the_timed_level(efficiency_run, tmp_path, tiny_bert_dir, tiny
     with torch.no_grad(), gates.masked([Head.parse(h) for h in row["heads_masked"]]):
         gated = full(**inputs).logits
     with torch.no_grad():
-        assert torch.allclose(pruned(**inputs).logits, gated, atol=1e-5, rtol=0)
+        # summation order: the exported model's narrower projections; 2 layers plus the pooler and classifier
+        assert_routes_agree(pruned(**inputs).logits, gated, depth=2 + 1, width=64)
 
 
 @pytest.mark.parametrize("section, message", [

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tiny_models import tiny_float64_bert, zeroed_copy
 
 from headsweep.workers.families.hf_classifier.sites import find_sites
+from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.importance import gate_gradients, gradient_importance, normalize_by_layer, rank_heads
@@ -53,7 +54,7 @@ def central_difference(task, head: Head, eps: float) -> float:
 
 
 def make_task(model, sentences=SENTENCES, labels=LABELS, batch_size=4, extra_pad=0):
-    """A ClassifierTask-like object: right-padded batches of (example indices, inputs)."""
+    """A ClassifierAdapter-like object: right-padded batches of (example indices, inputs), and their loss."""
     batches = []
     for start in range(0, len(sentences), batch_size):
         chunk = sentences[start : start + batch_size]
@@ -64,8 +65,12 @@ def make_task(model, sentences=SENTENCES, labels=LABELS, batch_size=4, extra_pad
             ids[i, : len(s)] = torch.tensor(s)
             mask[i, : len(s)] = 1
         batches.append((torch.arange(start, start + len(chunk)), {"input_ids": ids, "attention_mask": mask}))
-    return SimpleNamespace(model=model, gates=HeadGates(find_sites(model)), batches=batches,
-                           labels=torch.tensor(labels))
+    gates, labels = HeadGates(find_sites(model)), torch.tensor(labels)
+
+    def loss_batches(label_smoothing, dtype):
+        return classifier_loss_batches(model, gates, batches, labels, dtype)
+
+    return SimpleNamespace(model=model, gates=gates, batches=batches, labels=labels, loss_batches=loss_batches)
 
 
 def total_loss(task) -> float:
@@ -119,6 +124,8 @@ def importance_from_grads(per_batch, heads, n_tokens, per_token=True) -> dict[He
 def assert_scores_close(got: dict, expected: dict, rel=1e-9):
     assert got.keys() == expected.keys()
     for h in expected:
+        # summation order, float64 routes (per-token and per-batch sums, batches of other sizes): rel 1e-9 is ~5e6
+        # float64 eps, far above rounding and far below any real difference
         assert got[h] == pytest.approx(expected[h], rel=rel, abs=1e-15), h
 
 
@@ -139,6 +146,8 @@ def test_per_token_gates_act_per_token_and_check_their_shape():
     gate = torch.ones(b, t, 4, dtype=torch.float64)
     gate[:, :, head.head] = 0.0
     task.gates.set_values({("self", 1): gate})
+    # other: float64 per-token gates of 1 and 0 against the plain mask: the same products (1 and 0 round nothing),
+    # so equal in fact; atol 1e-12 as float64 rounding
     torch.testing.assert_close(logits(), expected, rtol=0, atol=1e-12)
     # Last layer: only [CLS] reaches the classifier, so gating every other token changes nothing.
     gate = torch.ones(b, t, 4, dtype=torch.float64)
@@ -147,6 +156,7 @@ def test_per_token_gates_act_per_token_and_check_their_shape():
     task.gates.clear()
     plain = logits()
     task.gates.set_values({("self", 1): gate})
+    # other: float64, as above: gates on tokens the classifier never reads change nothing
     torch.testing.assert_close(logits(), plain, rtol=0, atol=1e-12)
     gate[:, 0, head.head] = 0.0
     assert (logits() - plain).abs().max() > 1e-6
@@ -170,6 +180,7 @@ def test_gate_gradients_equal_finite_differences():
         key = (head.attention, head.layer)
         fd = central_difference(task, head, eps)
         assert abs(fd) > 1e-4, "the head must matter, or the check proves nothing"
+        # other: autograd against a float64 central difference with step 1e-5 (truncation ~1e-10 relative)
         assert summed[key][head.head].item() == pytest.approx(fd, rel=1e-6), head
         checked += 1
     assert checked == 4
@@ -184,7 +195,9 @@ def test_batch_level_importance_of_one_batch_is_abs_finite_difference_over_token
     eps = 1e-5
     for head in task.gates.inventory.heads:
         fd = central_difference(task, head, eps)
+        # other: autograd against a float64 central difference, as above
         assert result.raw[head] == pytest.approx(abs(fd) / n_tokens, rel=1e-6), head
+    # summation order, float64 routes: the same losses summed per batch here; rel 1e-12
     assert result.loss == pytest.approx(total_loss(task), rel=1e-12)
 
 
@@ -198,6 +211,7 @@ def test_per_token_gradients_equal_ctx_dot_grad():
     for mine, ref in zip(got, reference, strict=True):
         for key in ref:
             assert mine.grads[key].shape == ref[key].shape
+            # summation order, float64 routes: autograd against the context-times-gradient product; rtol 1e-9
             torch.testing.assert_close(mine.grads[key], ref[key], rtol=1e-9, atol=1e-13)
 
 
@@ -222,13 +236,16 @@ def test_per_token_abs_differs_from_batch_level_exactly_where_signs_cancel():
             one_sign = bool((g > 0).all() or (g < 0).all())
             kinds.add(one_sign)
             if one_sign:
+                # summation order, float64 routes: one sign per head makes the two sums equal in exact arithmetic
                 assert per_token[h] == pytest.approx(batch[h], rel=1e-9), (name, h)
             else:
+                # other: mixed signs make the per-token sum larger by far more than float64 rounding
                 assert per_token[h] > batch[h] * (1 + 1e-3), (name, h)
         if labels == [0, 0]:
             # Only [CLS] reaches the classifier from the last layer, and both rows are the same
             # example: one sign per head there; layer 0 mixes signs over tokens.
             assert kinds == {True, False}, name
+            # summation order, float64 routes, as above
             assert all(per_token[h] == pytest.approx(batch[h], rel=1e-9) for h in heads if h.layer == 1)
         else:
             # With two labels, the second row's gradients are the first's times -p0/p1.
@@ -254,12 +271,12 @@ def test_padding_and_batching_do_not_change_importance():
 
 
 def test_real_classifier_task_padding_and_batching(tiny_bert_dir, tiny_dev_tsv):
-    from headsweep.workers.families.hf_classifier.adapter import ClassifierTask
+    from headsweep.workers.families.hf_classifier.adapter import ClassifierAdapter
     from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
     from headsweep.workers.family import RuntimeOptions
 
     def task(batch_size):
-        return ClassifierTask(ClassifierModel(path=str(tiny_bert_dir), dtype="float64", attn_implementation="eager"),
+        return ClassifierAdapter(ClassifierModel(path=str(tiny_bert_dir), dtype="float64", attn_implementation="eager"),
                               ClassifierData(path=str(tiny_dev_tsv)), RuntimeOptions(batch_size=batch_size))
 
     small, whole = task(3), task(64)
@@ -267,8 +284,10 @@ def test_real_classifier_task_padding_and_batching(tiny_bert_dir, tiny_dev_tsv):
     a, b = gradient_importance(small), gradient_importance(whole)
     assert a.tokens == b.tokens == {k: int(whole.batches[0][1]["attention_mask"].sum()) for k in b.tokens}
     assert_scores_close(a.raw, b.raw)
+    # summation order, float64 routes: batches of 3 against one of 64; rel 1e-12
     assert a.loss == pytest.approx(b.loss, rel=1e-12)
     # Same loss as the task's own evaluation route.
+    # other: evaluate() keeps logits in a float32 buffer (~6e-8 relative each); rel 1e-6 covers that
     assert b.loss == pytest.approx(float(whole.evaluate([[]])[0].loss.sum()), rel=1e-6)
     assert all(p.requires_grad and p.grad is None for p in whole.model.parameters())
     assert not whole.model.training
@@ -282,10 +301,13 @@ def test_normalisation_makes_each_layer_unit_length():
     for layer in result_layers(result):
         vector = [result.scores[h] for h in layer]
         raw = [result.raw[h] for h in layer]
+        # other: float64 normalisation, recomputed here; rel 1e-12 (and the raw norm differs from 1 by > 1e-3)
         assert math.sqrt(sum(v * v for v in vector)) == pytest.approx(1.0, rel=1e-12)
         norm = math.sqrt(sum(v * v for v in raw))
+        # other: the route can fail: the raw scores are far from unit length
         assert norm != pytest.approx(1.0, rel=1e-3), "raw scores are not unit length already"
         for v, r in zip(vector, raw, strict=True):
+            # other: the same float64 division recomputed; rel 1e-12
             assert v == pytest.approx(r / norm, rel=1e-12)
     plain = gradient_importance(make_task(model))
     assert plain.scores == plain.raw
@@ -318,6 +340,7 @@ def test_mask_keeps_masked_heads_off_and_reports_them_as_zero():
     with task.gates.masked(masked):
         masked_loss = total_loss(task)
     unmasked_loss = total_loss(task)
+    # summation order, float64 routes: the same masked losses summed per batch here; rel 1e-12
     assert result.loss == pytest.approx(masked_loss, rel=1e-12)
     assert abs(masked_loss - unmasked_loss) > 1e-3
     # ... and the other heads' scores equal the gate-free route on a copy with those heads' W_O zeroed.
@@ -417,6 +440,7 @@ def test_translation_gate_gradients_equal_finite_differences(translation_task, s
         task.gates.clear()
         fd = (values[0] - values[1]) / (2 * eps)
         assert abs(fd) > 1e-4, head
+        # other: autograd against a float64 central difference with step 1e-5 (softmax in float64 via the fixture)
         assert summed[key][head.head].item() == pytest.approx(fd, rel=1e-6), head
 
 
@@ -436,5 +460,7 @@ def test_translation_importance_ignores_padding_and_matches_the_task_loss(transl
     for s in whole.batches:
         lengths[s["id"]] = s["target"].ne(whole.tgt_dict.pad()).sum(1).double()
     expected = float((torch.from_numpy(whole.reference_loss([[]])[0]) * lengths).sum())
+    # other: the task's reference loss rounds float64 log-probabilities to float32 (~6e-8 relative each); rel 1e-5
+    # covers the sums, and smoothing (below) moves the loss by more than 1e-3
     assert plain.loss == pytest.approx(expected, rel=1e-5)
     assert plain.loss != pytest.approx(a.loss, rel=1e-3)

@@ -37,6 +37,7 @@ def test_importance_table(prune_run):
     assert sorted(r["rank"] for r in rows) == list(range(1, 9))
     for layer in (0, 1):
         norm = math.sqrt(sum(r["score_normalized"] ** 2 for r in rows if r["layer"] == layer))
+        # other: a unit-length float64 vector read back from the store, norm recomputed here
         assert norm == pytest.approx(1.0)
     best = min(rows, key=lambda r: r["rank"])
     assert best["score_normalized"] == max(r["score_normalized"] for r in rows)

@@ -108,6 +108,7 @@ def test_bleu_from_stats_equals_sacrebleu_corpus_score(corpus: dict) -> None:
     theirs = np.array([BLEU().corpus_score(h, [corpus["refs"]]).score for h in hyps])
     assert ours.shape == (len(hyps),)
     assert 5 < theirs.min() and theirs.max() < 95  # a real spread, not degenerate
+    # other: float64 BLEU, vectorised here and per system in sacrebleu (another order of operations)
     np.testing.assert_allclose(ours, theirs, rtol=1e-12, atol=1e-12)
 
 
@@ -126,13 +127,16 @@ def test_bleu_from_stats_edge_cases_match_sacrebleu(hyps: list[str], refs: list[
     metric = BLEU()
     stats = np.array(metric._extract_corpus_statistics(hyps, [refs]), dtype=np.float64)
     expected = BLEU().corpus_score(hyps, [refs]).score
+    # other: float64 BLEU against sacrebleu's, as above
     assert bleu_from_stats(stats.sum(axis=0)) == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
 def test_accuracy_from_stats() -> None:
     correct = np.array([[1.0], [0.0], [1.0], [1.0]])
+    # other: 3/4 in float64 (exactly representable; approx's default rel 1e-6)
     assert accuracy_from_stats(correct.sum(axis=0), 4) == pytest.approx(0.75)
     batched = np.array([[3.0], [1.0]])
+    # other: exact quarters in float64 (assert_allclose's default rtol 1e-7)
     np.testing.assert_allclose(accuracy_from_stats(batched, 4), [0.75, 0.25])
 
 
@@ -153,7 +157,7 @@ def test_resample_counts_are_sacrebleus_resamples(corpus: dict,
     assert counts.shape == (200, N_SENT)
     assert (counts.sum(axis=1) == N_SENT).all()
     ours = bleu_from_stats(counts @ corpus["base_stats"])
-    # sacrebleu computes resample precisions in float32
+    # other: float64 (ours) against sacrebleu's float32 precisions: rtol 1e-5 is about 80 float32 eps
     np.testing.assert_allclose(ours, [s.score for s in sb_scores], rtol=1e-5)
     assert np.ptp(ours) > 1.0  # resamples really differ
 
@@ -180,7 +184,9 @@ def test_paired_bootstrap_matches_sacrebleu_same_seed(corpus: dict,
     # same resamples: equal except where sacrebleu's float32 rounding flips a
     # near-tie, which can move a count by one
     diff = np.abs(res.p_value - sb)
+    # other: at most one resample count apart (1/(N+1)), plus float64 rounding (1e-12)
     assert diff.max() <= 1.0 / (N_RES + 1) + 1e-12
+    # other: equal p-values up to float64 rounding for all systems but one
     assert (diff < 1e-12).sum() >= len(sb) - 1
 
 
@@ -189,9 +195,11 @@ def test_identical_system_gets_p_one_by_default(corpus: dict,
     sb = _sacrebleu_paired_bs(corpus, monkeypatch, 12345)
     res = paired_bootstrap(corpus["base_stats"], corpus["sys_stats"], bleu_from_stats)
     # system 0 is the baseline's copy: sacrebleu says 1/(n+1), we say 1
+    # other: sacrebleu's 1/(N+1), float64 (approx's default rel 1e-6)
     assert sb[0] == pytest.approx(1.0 / (N_RES + 1))
     assert res.p_value[0] == 1.0 and res.statistic[0] == 0.0
     assert res.ci_low[0] == 0.0 and res.ci_high[0] == 0.0
+    # other: one resample count (1/(N+1)), plus float64 rounding, as above
     np.testing.assert_allclose(res.p_value[1:], sb[1:], atol=1.0 / (N_RES + 1) + 1e-12)
 
 
@@ -223,10 +231,12 @@ def test_paired_bootstrap_ci_matches_sacrebleu_resampled_deltas(
     res = paired_bootstrap(corpus["base_stats"], corpus["sys_stats"][4], bleu_from_stats,
                            n_resamples=N_RES, seed=seed)
     assert res.ci_low.shape == (1,)
+    # other: sacrebleu rounds its resampled precisions to float32; 1e-4 BLEU points covers that on scores <= 100
     assert res.ci_low[0] == pytest.approx(deltas[N_RES // 40], abs=1e-4)
     assert res.ci_high[0] == pytest.approx(deltas[N_RES - N_RES // 40 - 1], abs=1e-4)
     observed = (BLEU().corpus_score(corpus["systems"][4], [corpus["refs"]]).score
                 - BLEU().corpus_score(corpus["base"], [corpus["refs"]]).score)
+    # other: float64 BLEU difference against sacrebleu's two float64 scores
     assert res.statistic[0] == pytest.approx(observed, abs=1e-10)
     assert res.ci_low[0] < observed < res.ci_high[0]
 
@@ -247,6 +257,7 @@ def test_paired_bootstrap_accuracy_against_explicit_index_loop() -> None:
         a = np.abs(d)
         p = ((a - a.mean() > abs(obs)).sum() + 1) / 501
         expected = 1.0 if i == 0 else p
+        # other: the same float64 resamples computed another way (explicit indices); rounding only
         assert res.p_value[i] == pytest.approx(expected, abs=1e-12)
         assert res.statistic[i] == pytest.approx(obs, abs=1e-12)
         assert res.ci_low[i] == pytest.approx(np.sort(d)[12], abs=1e-12)
@@ -264,6 +275,8 @@ def test_paired_bootstrap_seeded_reproducible_and_chunking_invariant(corpus: dic
     assert not (np.array_equal(a.p_value, c.p_value) and np.array_equal(a.ci_low, c.ci_low))
     # tiny memory budget: one system and a few resamples per block, same answer
     d = paired_bootstrap(*args, n_resamples=400, seed=11, max_bytes=20_000)
+    # exact: p-values count resamples, whatever the block size; the CI below is a float64 quantile of sums taken in
+    # other blocks (summation order, float64: rtol 1e-12)
     np.testing.assert_allclose(d.p_value, a.p_value, rtol=0, atol=0)
     np.testing.assert_allclose(d.ci_low, a.ci_low, rtol=1e-12)
     # explicit counts reproduce the seeded draw
@@ -297,6 +310,7 @@ def test_paired_ttest_equals_scipy() -> None:
     for i in range(len(systems)):
         ref = sps.ttest_rel(systems[i], base)
         ci = ref.confidence_interval(0.95)
+        # other: float64 t-test against scipy's (another formula order); rel 1e-10
         assert res.statistic[i] == pytest.approx(ref.statistic, rel=1e-10)
         assert res.p_value[i] == pytest.approx(ref.pvalue, rel=1e-10)
         assert res.ci_low[i] == pytest.approx(ci.low, rel=1e-10)
@@ -325,11 +339,13 @@ def test_paired_ttest_hand_computed() -> None:
     sys_ = np.array([1.0, 1.0, 0.0, 1.0, 0.0])
     res = paired_ttest(base, sys_)
     t = 0.2 / math.sqrt(0.7 / 5)
+    # other: float64 against a closed form computed here; rel 1e-12
     assert res.statistic[0] == pytest.approx(t, rel=1e-12)
     # Student t CDF with 4 df in closed form:
     # F(t) = 1/2 + (3/8) (t / sqrt(a)) (1 - t^2 / (12 a)), a = 1 + t^2 / 4
     a = 1 + t * t / 4
     cdf = 0.5 + 3 / 8 * t / math.sqrt(a) * (1 - t * t / (12 * a))
+    # other: float64 against the closed-form CDF and its value; rel 1e-12
     assert res.p_value[0] == pytest.approx(2 * (1 - cdf), rel=1e-12)
     assert res.p_value[0] == pytest.approx(0.6213082950374971, rel=1e-12)
 
@@ -341,6 +357,7 @@ def test_mcnemar_exact_hand_checked_table() -> None:
     res = mcnemar_exact(base, sys_)
     # two-sided: 2 * P[X <= 1], X ~ Bin(8, 1/2) = 2 * (C(8,0) + C(8,1)) / 2^8 = 18/256
     expected = 2 * (math.comb(8, 0) + math.comb(8, 1)) / 2**8
+    # other: float64 against the exact binomial sum; rel 1e-12
     assert res.p_value[0] == pytest.approx(expected, rel=1e-12)
     assert res.p_value[0] == pytest.approx(0.0703125, rel=1e-12)
     assert res.statistic[0] == 1.0
@@ -359,6 +376,7 @@ def test_mcnemar_exact_against_binomtest_and_degenerate_cases() -> None:
     for i in range(1, len(systems)):
         b = int((base & ~systems[i]).sum())
         c = int((~base & systems[i]).sum())
+        # other: float64 against scipy's binomtest; rel 1e-10
         assert res.p_value[i] == pytest.approx(sps.binomtest(c, b + c, 0.5).pvalue, rel=1e-10)
         assert res.statistic[i] == min(b, c)
     # balanced discordance gives p = 1 (capped), as binomtest
@@ -374,6 +392,7 @@ def test_bh_equals_scipy() -> None:
     rng = np.random.default_rng(4)
     p = np.concatenate([rng.uniform(0, 0.01, 30), rng.uniform(0, 1, 258)])
     p[[3, 7]] = p[5]  # ties
+    # other: float64 Benjamini-Hochberg against scipy's; rtol 1e-12
     np.testing.assert_allclose(adjust_pvalues(p, "bh"),
                                sps.false_discovery_control(p, method="bh"), rtol=1e-12)
 
@@ -385,6 +404,7 @@ def test_nan_safe_adjustment() -> None:
         adj = adjust_pvalues(p, method)
         assert np.isnan(adj[~ok]).all()
         assert not np.isnan(adj[ok]).any()
+    # other: float64 against scipy (rtol 1e-12) and hand-computed products (assert_allclose's default rtol 1e-7)
     np.testing.assert_allclose(adjust_pvalues(p, "bh")[ok],
                                sps.false_discovery_control(p[ok], method="bh"), rtol=1e-12)
     np.testing.assert_allclose(adjust_pvalues(p, "bonferroni")[ok], [0.04, 0.16, 0.12, 1.0])
@@ -395,6 +415,7 @@ def test_holm_hand_computed() -> None:
     # m = 4, sorted p: 0.01, 0.02, 0.03, 0.5
     # raw steps: 4*0.01=0.04, 3*0.02=0.06, 2*0.03=0.06, 1*0.5=0.5 -> running max -> same
     p = np.array([0.03, 0.5, 0.01, 0.02])
+    # other: float64 products of decimal p-values against decimals (assert_allclose's default rtol 1e-7)
     np.testing.assert_allclose(adjust_pvalues(p, "holm"), [0.06, 0.5, 0.04, 0.06])
     # monotonicity: 4*0.01=0.04, 3*0.011=0.033 -> raised to 0.04; capping: 2*0.6 -> 1
     p2 = np.array([0.01, 0.011, 0.6, 0.7])
@@ -413,6 +434,7 @@ def test_significance_rows() -> None:
                      np.array([0.1, -0.2]), np.array([0.3, 0.4]), 0, None)
     rows = significance_rows(res, ["e1", "e2"], correction="holm", alpha=0.01)
     assert [r["eval_id"] for r in rows] == ["e1", "e2"]
+    # other: a float64 product against a decimal (approx's default rel 1e-6)
     assert rows[0]["p_adjusted"] == pytest.approx(0.008)  # 2 * 0.004
     assert rows[0]["significant"] is True and rows[1]["significant"] is False
     assert set(rows[0]) == {"eval_id", "test", "statistic", "p_value", "p_adjusted",

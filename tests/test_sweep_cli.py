@@ -49,6 +49,7 @@ def test_single_head_rows_with_duckdb(single_head_run):
                    "ORDER BY layer, head").fetchall()
     assert [(r[0], r[1]) for r in rows] == [(layer, head) for layer in range(2) for head in range(4)]
     for layer, head, score, base, delta, masked, n_masked, n in rows:
+        # other: the same float64 subtraction, written and read back; abs 1e-12 on scores <= 1
         assert delta == pytest.approx(score - base, abs=1e-12)
         assert masked == [f"self:{layer}:{head}"] and n_masked == 1 and n == 40
     (base_score,) = con.sql(f"SELECT score FROM {duck(store, 'evaluations')} WHERE experiment='baseline'").fetchall()[0]
@@ -68,6 +69,7 @@ def test_examples_sum_to_score_with_pyarrow(single_head_run):
     for e in evals:
         rows = by_eval[e["eval_id"]]
         assert len(rows) == 40 and len({r["example_id"] for r in rows}) == 40
+        # other: a float64 mean of 0/1 stats, summed here in another order; abs 1e-12 on a score <= 1
         assert sum(r["stats"][0] for r in rows) / len(rows) == pytest.approx(e["score"], abs=1e-12)
         assert all(r["output"] in ("0", "1") and r["reference"] in ("0", "1") for r in rows)
         assert all(r["loss"] >= 0 for r in rows)
@@ -129,6 +131,7 @@ def test_significance_rows_against_scipy(single_head_run):
             assert r[3] == 1.0  # scipy says NaN for zero-variance differences; we say "no evidence"
         else:
             expected = stats.ttest_rel(system, base)
+            # other: float64 t-test recomputed with scipy (approx's default rel 1e-6)
             assert r[2] == pytest.approx(expected.statistic) and r[3] == pytest.approx(expected.pvalue)
     # Holm over the family of single-head t-tests, computed here by hand.
     p = np.array([ttest[k][3] for k in sorted(ttest)])
@@ -137,6 +140,7 @@ def test_significance_rows_against_scipy(single_head_run):
     expected_adj = np.empty_like(holm)
     expected_adj[order] = holm
     for k, adj in zip(sorted(ttest), expected_adj, strict=True):
+        # other: float64 Holm adjustment recomputed by hand (approx's default rel 1e-6)
         assert ttest[k][4] == pytest.approx(adj) and ttest[k][5] == "holm"
         assert ttest[k][6] == (adj < 0.01) and ttest[k][7] == 0.01
     boot = [r for r in sig if r[1] == "paired_bootstrap"]

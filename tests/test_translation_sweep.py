@@ -81,6 +81,7 @@ def test_stored_bleu_equals_sacrebleu_on_stored_hypotheses(sweep_run):
         hyps = [r["output"] for r in rows]
         refs = [r["reference"] for r in rows]
         expected = sacrebleu.corpus_bleu(hyps, [refs]).score
+        # other: float64 in both (sacrebleu, and ours from summed stats); 1e-9 on a score <= 100
         assert scores[eval_id] == pytest.approx(expected, abs=1e-9), eval_id
         stats = BLEU(references=[refs])._extract_corpus_statistics(hyps, None)
         np.testing.assert_array_equal(np.array([r["stats"] for r in rows]), np.array(stats, dtype=float))

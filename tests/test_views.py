@@ -68,6 +68,7 @@ def test_layers_view_best_kept_head(small):
         mine = [e for k, e in alone.items() if k[0] == r["checkpoint"] and k[2] == r["layer"]]
         best = max(mine, key=lambda e: (e["score"], -e["head"]))
         assert r["n_heads"] == 4 and r["best_head"] == best["head"] and r["score"] == best["score"]
+        # exact for the stored delta; other for the float64 subtraction redone here (abs 1e-12 on scores <= 1)
         assert r["delta"] == best["delta"] == pytest.approx(best["score"] - r["baseline_score"], abs=1e-12)
         assert r["p_adjusted"] == best["sig"]["p_adjusted"]
         assert r["worst_delta"] == min(e["delta"] for e in mine)
@@ -88,6 +89,7 @@ def test_pruning_view_levels_and_relative_scores(small):
             e = by_eval[(ckpt, r["level"])]
             assert r["scope"] == "global" and r["attention"] is None
             assert r["score"] == e["score"] and r["heads_masked"] == e["heads_masked"]
+            # other: the view's float64 division (DuckDB) against Python's; rel 1e-12
             assert r["relative_score"] == pytest.approx(e["score"] / e["baseline_score"], rel=1e-12)
             assert r["p_adjusted"] == tests[e["eval_id"]]["p_adjusted"]
         assert mine[0]["relative_score"] == 1.0

@@ -24,6 +24,11 @@ TINY_SETTINGS = TrainSettings(
     encoder_layers=2, decoder_layers=2, embed_dim=32, ffn_dim=64, attention_heads=4, dropout=0.0,
     max_epochs=4, max_tokens=1024, lr=5e-3, warmup_updates=30, save_every_epoch=True,
 )
+# The summation-order bound's shape for this model (tests/tolerances.py): a decoder layer, with its two
+# attentions, counts twice; the longest inner product is the feed-forward size (sentences have at most 14
+# words, beam search stops at 24 tokens).
+BOUND_SHAPE = {"depth": TINY_SETTINGS.encoder_layers + 2 * TINY_SETTINGS.decoder_layers,
+               "width": TINY_SETTINGS.ffn_dim}
 
 
 @dataclass

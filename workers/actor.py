@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from headsweep.workers.family import DatasetInfo, MaskOutput, RuntimeOptions, task_kind
+from headsweep.workers.family import DatasetInfo, EvalAdapter, MaskOutput, RuntimeOptions, model_family
 
 
 @ray.remote
@@ -27,28 +27,37 @@ class EvalWorker:
     def __init__(self, name: str, kind: str, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions):
         # fairseq logs every dictionary and data file it loads at INFO; a sweep's log is for progress.
         logging.getLogger("fairseq").setLevel(logging.WARNING)
+        # headsweep's own warnings reach the driver's console as `headsweep: warning: ...` lines: the
+        # driver shows forwarded lines with that prefix and keeps the rest of a worker's output in its log.
+        own = logging.getLogger("headsweep")
+        if not own.handlers:
+            relay = logging.StreamHandler()
+            relay.setLevel(logging.WARNING)
+            relay.setFormatter(logging.Formatter("headsweep: warning: %(message)s"))
+            own.addHandler(relay)
+            own.propagate = False
         self.name = name
         self.kind, self.model_cfg, self.data_cfg, self.runtime = kind, model_cfg, data_cfg, runtime
-        self.task = None
-        self._other: dict[str, Any] = {}  # repr(data config) -> adapter on that data
+        self._adapter: EvalAdapter | None = None
+        self._other: dict[str, EvalAdapter] = {}  # repr(data config) -> adapter on that data
 
     def load(self) -> DatasetInfo:
         """Load model and data (errors surface here, not in the constructor, with their cause)."""
         start = time.perf_counter()
-        self.task = task_kind(self.kind).load(self.model_cfg, self.data_cfg, self.runtime)
-        info = self.task.describe()
+        self._adapter = model_family(self.kind).load(self.model_cfg, self.data_cfg, self.runtime)
+        info = self._adapter.describe()
         info.facts = {**info.facts, "load_seconds": round(time.perf_counter() - start, 3)}
         return info
 
-    def adapter(self, data_cfg: Any = None) -> Any:
+    def adapter(self, data_cfg: Any = None) -> EvalAdapter:
         """The adapter on the evaluation data (``data_cfg`` None), or on other data, loaded once and kept."""
         if data_cfg is None or data_cfg == self.data_cfg:
-            if self.task is None:  # Ray restarted this actor after its process died: load again
+            if self._adapter is None:  # Ray restarted this actor after its process died: load again
                 self.load()
-            return self.task
+            return self._adapter
         key = repr(data_cfg)
         if key not in self._other:
-            self._other = {key: task_kind(self.kind).load(self.model_cfg, data_cfg, self.runtime)}
+            self._other = {key: model_family(self.kind).load(self.model_cfg, data_cfg, self.runtime)}
         return self._other[key]
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -2,10 +2,11 @@
 
 The full model is the stock model (gates taken off, fairseq's fused attention path back on);
 the pruned model is the same with the mask's heads physically removed
-(``headsweep.workers.families.hf_classifier.pruning``). Both run the same batch of the evaluation set at each batch
+(:mod:`headsweep.workers.pruning`). Both run the same batch of the evaluation set at each batch
 size: the ``b`` examples around the median length (the adapter's own length-sorted batching,
-cycled when the set has fewer than ``b`` examples). A classifier runs one forward pass; a
-translation model runs its configured beam search. Timing interleaves the two models
+cycled when the set has fewer than ``b`` examples), as the adapter's ``workload`` runs them
+(``headsweep.workers.family.EvalAdapter``): a classifier runs one forward pass, a translation
+model its configured beam search. Timing interleaves the two models
 (``warmup`` untimed runs of each, then ``repeats`` rounds of full-then-pruned), so drift in
 machine load hits both alike; medians and spreads are over the repeats.
 
@@ -27,19 +28,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from headsweep.workers.families.hf_classifier.pruning import count_parameters, prune_heads, ungated_copy
+from headsweep.errors import HeadsweepError
+from headsweep.workers.family import EvalAdapter, ModelFamily, Workload, model_family
 from headsweep.workers.heads import Head
+from headsweep.workers.pruning import count_parameters, prune_heads, ungated_copy
 
 MB = 2**20
-
-
-@dataclass
-class Workload:
-    """One batch of inputs and how a model runs it."""
-
-    examples: int
-    tokens: int  # non-padding input (source) tokens
-    run: Callable[[nn.Module], object]
 
 
 @dataclass
@@ -56,17 +50,17 @@ class Timing:
     tokens: int
 
 
-def _take_rows(batch, n: int, rows: int):
+def take_rows(batch, n: int, rows: int):
     """The first ``rows`` rows of a (nested) batch of ``n`` rows, repeating rows when ``rows > n``."""
     if isinstance(batch, dict):
-        return {k: _take_rows(v, n, rows) for k, v in batch.items()}
+        return {k: take_rows(v, n, rows) for k, v in batch.items()}
     if isinstance(batch, torch.Tensor) and batch.dim() > 0 and batch.shape[0] == n:
         index = torch.arange(rows, device=batch.device) % n
         return batch.index_select(0, index)
     return batch
 
 
-def _middle(batches: list, size: Callable[[object], int]):
+def median_batch(batches: list, size: Callable[[object], int]):
     """The batch holding the median example of a length-sorted list of batches."""
     total = sum(size(b) for b in batches)
     seen = 0
@@ -77,33 +71,12 @@ def _middle(batches: list, size: Callable[[object], int]):
     return batches[-1]
 
 
-def classifier_workload(task, batch_size: int, max_length: int) -> Workload:
-    """A forward pass of ``batch_size`` examples through a ``headsweep.workers.families.hf_classifier.adapter.ClassifierTask`` model."""
-    batches = task._tokenise(task.examples, max_length, batch_size)
-    _, inputs = _middle(batches, lambda b: len(b[0]))
-    n = len(next(iter(inputs.values())))
-    inputs = _take_rows(inputs, n, batch_size)
-    tokens = int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else int(inputs["input_ids"].numel())
-    return Workload(batch_size, tokens, lambda model: model(**inputs))
-
-
-def translation_workload(task, batch_size: int) -> Workload:
-    """Beam search of ``batch_size`` sentences with a ``headsweep.workers.families.fairseq_translation.adapter.TranslationTask``'s settings."""
-    sample = _middle(task._batches(batch_size), lambda s: len(s["id"]))
-    sample = _take_rows(sample, len(sample["id"]), batch_size)
-    tokens = int(sample["net_input"]["src_lengths"].sum())
-
-    def run(model: nn.Module):
-        return task._generator([model]).generate([model], sample)
-
-    return Workload(batch_size, tokens, run)
-
-
-def task_workload(task, batch_size: int, max_length: int = 128) -> Workload:
-    """The workload of a task adapter (classifier or translation) at one batch size."""
-    if hasattr(task, "tokenizer"):
-        return classifier_workload(task, batch_size, max_length)
-    return translation_workload(task, batch_size)
+def adapter_workload(adapter: EvalAdapter, batch_size: int, max_length: int = 128) -> Workload:
+    """The workload an adapter declares (``EvalAdapter.workload``) at one batch size."""
+    if not hasattr(adapter, "workload"):
+        raise HeadsweepError(f"{type(adapter).__name__}: this model family declares no workload "
+                             "(EvalAdapter.workload), so the efficiency experiment cannot time it")
+    return adapter.workload(batch_size, max_length)
 
 
 def _sync(device: torch.device) -> None:
@@ -214,24 +187,28 @@ def _iqr(values: np.ndarray) -> float:
     return float(q3 - q1)
 
 
-def full_and_pruned(model: nn.Module, gates, mask: Sequence[Head]) -> dict[str, nn.Module]:
-    """The stock model and a copy with ``mask``'s heads removed (the gated original is left as it was)."""
+def full_and_pruned(model: nn.Module, gates, mask: Sequence[Head],
+                    family: ModelFamily | None = None) -> dict[str, nn.Module]:
+    """The stock model and a copy with ``mask``'s heads removed (the gated original is left as it was).
+
+    ``family`` prunes the copy (default: the built-in family the model belongs to).
+    """
     full = ungated_copy(model, gates)
     pruned = ungated_copy(model, gates)
-    prune_heads(pruned, mask)
+    prune_heads(pruned, mask, family)
     return {"full": full, "pruned": pruned}
 
 
-def measure_task(task, mask: Sequence[Head], batch_sizes: Sequence[int], warmup: int, repeats: int,
-                 max_length: int = 128) -> list[dict]:
-    """The efficiency rows of a task adapter's model for one mask (see :func:`summary`), plus the device."""
-    models = full_and_pruned(task.model, task.gates, mask)
-    total = len(task.gates.inventory.heads)
+def measure_task(adapter: EvalAdapter, mask: Sequence[Head], batch_sizes: Sequence[int], warmup: int, repeats: int,
+                 max_length: int = 128, family: ModelFamily | None = None) -> list[dict]:
+    """The efficiency rows of an adapter's model for one mask (see :func:`summary`), plus the device."""
+    models = full_and_pruned(adapter.model, adapter.gates, mask, family)
+    total = len(adapter.gates.inventory.heads)
     heads = {"full": total, "pruned": total - len(set(mask))}
-    timings = measure(models, heads, lambda b: task_workload(task, b, max_length), batch_sizes, warmup, repeats,
-                      task.device)
-    if task.device.type == "cuda":
-        device = f"cuda ({torch.cuda.get_device_name(task.device)})"
+    timings = measure(models, heads, lambda b: adapter_workload(adapter, b, max_length), batch_sizes, warmup,
+                      repeats, adapter.device)
+    if adapter.device.type == "cuda":
+        device = f"cuda ({torch.cuda.get_device_name(adapter.device)})"
     else:
         device = f"cpu ({torch.get_num_threads()} thread(s))"
     return [{**row, "device": device, "warmup": warmup} for row in summary(timings)]
@@ -241,4 +218,5 @@ def efficiency_on_worker(worker, mask: Sequence[Head], settings) -> list[dict]:
     """Worker-side step of the ``efficiency`` experiment (``EvalWorker.run``): the full and the pruned
     model timed side by side; ``settings`` is the config's ``efficiency`` section."""
     max_length = getattr(worker.data_cfg, "max_length", 128)
-    return measure_task(worker.adapter(), mask, settings.batch_sizes, settings.warmup, settings.repeats, max_length)
+    return measure_task(worker.adapter(), mask, settings.batch_sizes, settings.warmup, settings.repeats, max_length,
+                        family=model_family(worker.kind))

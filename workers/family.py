@@ -1,24 +1,47 @@
-"""The contract between the driver and a model family: a task adapter.
+"""The contract between headsweep and a model family.
 
-A task adapter holds one model, its gates, its evaluation data and its metric. It is built
-once per Ray actor and then evaluates a stream of masks. Adding a model family means adding
-one ``TaskKind`` below: config dataclasses for its ``model`` and ``data`` sections and the
-dotted path of a loader (imported lazily, so the driver never imports fairseq or torch
-models it does not use).
+A model family (transformers classifiers, fairseq translation models, a user's plugin) is one
+:class:`ModelFamily`: its config sections, and what the generic machinery asks of it.
+
+* ``load(model_cfg, data_cfg, runtime)``: the **evaluation adapter** a Ray actor holds
+  (:class:`EvalAdapter`): one gated model with its evaluation data and metric. Besides
+  ``describe`` and ``evaluate`` (every experiment), it gives gradient importance its
+  ``loss_batches`` and the efficiency experiment its ``workload``, and runs its own optional
+  **reuse strategy** (work shared between masks, built on :mod:`headsweep.workers.replay`;
+  ``RuntimeOptions.reuse`` False turns it off; ``reuse_note`` says which one runs).
+* ``load_model(model_cfg)``: the **model** alone, without data (:class:`LoadedModel`).
+* ``find_sites(model)``: its **attention sites** (where the head gates go).
+* ``prune(model, heads)``: **physical pruning**; ``save_pruned(...)``: **exporting** the
+  pruned model in the family's own format.
+
+The built-in families live in ``headsweep.workers.families.<name>/`` (``family.py`` declares
+the ``ModelFamily``; its heavy modules are imported only when a method needs them, so the
+driver never imports fairseq or transformers models it does not use) and are listed in
+:func:`_registry`. A plugin is a ``ModelFamily`` defined elsewhere and named in a config as
+``model.kind: package.module:NAME``; constructed plainly (``ModelFamily(name, model_config,
+data_config, loader)``) it evaluates masks and refuses what it does not implement with a clear
+error; a subclass overrides the methods it supports.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.heads import Head, HeadInventory
+from headsweep.workers.heads import Head, HeadInventory, SiteKey
 from headsweep.workers.metrics import Metric
+
+if TYPE_CHECKING:  # the driver imports this module: keep torch out of its import time
+    import torch
+    from torch import nn
+
+    from headsweep.workers.gates import AttentionSite, HeadGates
+    from headsweep.workers.head_slicing import HeadSlice
 
 
 @dataclass
@@ -62,10 +85,50 @@ class MaskOutput:
     seconds: float
 
 
-class TaskAdapter(Protocol):
-    """What a worker actor holds: a gated model with its data and metric."""
+@dataclass
+class LossBatch:
+    """One batch of the training loss that gradient importance differentiates.
+
+    ``tokens[site]`` is the batch's (B, T) mask of real (non-padding) tokens as the site sees
+    them (batch first, whatever the model's layout); ``loss()`` runs the model (with whatever
+    gates are set) and returns the batch's training loss, summed over its examples.
+    """
+
+    tokens: dict[SiteKey, torch.Tensor]
+    n_examples: int
+    loss: Callable[[], torch.Tensor]
+
+
+@dataclass
+class LossBatches:
+    """An adapter's data as loss batches, and the name of the loss (recorded with the scores)."""
+
+    batches: list[LossBatch]
+    loss_name: str
+
+
+@dataclass
+class Workload:
+    """One batch of inputs and how a model runs it (what the efficiency experiment times)."""
+
+    examples: int
+    tokens: int  # non-padding input (source) tokens
+    run: Callable[[nn.Module], object]
+
+
+class EvalAdapter(Protocol):
+    """What a worker actor holds: a gated model with its evaluation data and metric.
+
+    ``describe`` and ``evaluate`` are what every experiment needs. ``model``, ``gates``,
+    ``device``, ``loss_batches`` (gradient importance) and ``workload`` (efficiency) are needed by
+    the experiments that use them; an adapter without them runs the others.
+    """
 
     metric: Metric
+    model: nn.Module
+    gates: HeadGates
+    device: torch.device
+    reuse_note: str  # which reuse strategy runs, or why none does (``describe().facts["reuse"]``)
 
     def describe(self) -> DatasetInfo: ...
 
@@ -73,62 +136,109 @@ class TaskAdapter(Protocol):
         """Evaluate each mask (the heads to gate off) on the whole evaluation set."""
         ...
 
+    def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
+        """The adapter's data as training-loss batches computed in ``dtype`` (at least float32).
+
+        ``label_smoothing`` None means the family's training default.
+        """
+        ...
+
+    def workload(self, batch_size: int, max_length: int) -> Workload:
+        """``batch_size`` examples around the median length, run as evaluation runs them."""
+        ...
+
+
+class LoadedModel(Protocol):
+    """A family's model loaded without evaluation data (for export), with what saving it needs."""
+
+    model: nn.Module
+
 
 @dataclass(frozen=True)
-class TaskKind:
+class ModelFamily:
+    """One model family: its config sections and the operations headsweep asks of it.
+
+    ``loader`` is ``package.module:NAME`` of a callable ``(model_cfg, data_cfg, runtime)`` returning
+    the :class:`EvalAdapter` (imported when first used). ``checkpoint_key`` is the ``model`` key a
+    run over training checkpoints replaces. The methods past ``load`` refuse with a clear error
+    unless a subclass implements them.
+    """
+
     name: str
     model_config: type
     data_config: type
     loader: str
-    checkpoint_key: str = "path"  # the model key that a run over training checkpoints replaces
+    checkpoint_key: str = "path"
 
-    def load(self, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions) -> TaskAdapter:
+    def load(self, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions) -> EvalAdapter:
+        """The evaluation adapter: the gated model on the evaluation data."""
         module, func = self.loader.split(":")
         return getattr(importlib.import_module(module), func)(model_cfg, data_cfg, runtime)
 
+    def load_model(self, model_cfg: Any) -> LoadedModel:
+        """The model of ``model_cfg`` alone (on the CPU, in eval mode, no gates)."""
+        raise self._unsupported("loading a model without its data (headsweep export)")
 
-def _registry() -> dict[str, TaskKind]:
-    from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
+    def find_sites(self, model: nn.Module) -> list[AttentionSite]:
+        """Every attention module of ``model`` whose heads can be gated; empty if it is not this family's."""
+        raise self._unsupported("finding attention sites")
 
-    kinds = [TaskKind("hf_classifier", ClassifierModel, ClassifierData,
-                      "headsweep.workers.families.hf_classifier.adapter:load_classifier")]
-    try:
-        from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
-    except ImportError:
-        pass
-    else:
-        kinds.append(
-            TaskKind(
-                "fairseq_translation", TranslationModel, TranslationData,
-                "headsweep.workers.families.fairseq_translation.adapter:load_translation",
-                checkpoint_key="checkpoint",
-            )
-        )
-    return {k.name: k for k in kinds}
+    def prune(self, model: nn.Module, heads: Sequence[Head]) -> dict[SiteKey, HeadSlice]:
+        """Remove ``heads`` from ``model`` in place; each pruned module's slice by ``(attention, layer)``."""
+        raise self._unsupported("physical pruning")
+
+    def save_pruned(self, model_cfg: Any, loaded: LoadedModel, heads: Sequence[Head], out_dir: Any) -> None:
+        """Write ``loaded`` (already pruned of ``heads``) into the empty folder ``out_dir``, in the family's format."""
+        raise self._unsupported("exporting a pruned model")
+
+    def _unsupported(self, what: str) -> HeadsweepError:
+        return HeadsweepError(f"model family {self.name!r} does not support {what}")
 
 
-def task_kind(name: str) -> TaskKind:
-    """The task kind called ``name``, or a clear error listing the known ones.
+# Older name, kept for plugins (``model.kind: package.module:NAME``) written against it.
+TaskKind = ModelFamily
+TaskAdapter = EvalAdapter
 
-    ``package.module:ATTRIBUTE`` names a ``TaskKind`` defined outside headsweep (a plugin); the
+
+def _registry() -> dict[str, ModelFamily]:
+    from headsweep.workers.families.fairseq_translation.family import FAIRSEQ_TRANSLATION
+    from headsweep.workers.families.hf_classifier.family import HF_CLASSIFIER
+
+    return {f.name: f for f in (HF_CLASSIFIER, FAIRSEQ_TRANSLATION)}
+
+
+def builtin_families() -> list[ModelFamily]:
+    """The families that ship with headsweep (a bare model is asked of them in this order)."""
+    return list(_registry().values())
+
+
+def model_family(name: str) -> ModelFamily:
+    """The model family called ``name``, or a clear error listing the known ones.
+
+    ``package.module:ATTRIBUTE`` names a ``ModelFamily`` defined outside headsweep (a plugin); the
     module must be importable on the driver and on every worker.
     """
     if ":" in name:
-        return _plugin_kind(name)
-    kinds = _registry()
-    if name not in kinds:
+        return _plugin_family(name)
+    families = _registry()
+    if name not in families:
         raise HeadsweepError(
-            f"unknown model.kind {name!r} (known: {', '.join(sorted(kinds))}, or module:ATTRIBUTE of a TaskKind)"
+            f"unknown model.kind {name!r} (known: {', '.join(sorted(families))}, or module:ATTRIBUTE of a ModelFamily)"
         )
-    return kinds[name]
+    return families[name]
 
 
-def _plugin_kind(name: str) -> TaskKind:
+task_kind = model_family  # older name, used by the driver
+
+
+def _plugin_family(name: str) -> ModelFamily:
     module, attribute = name.split(":", 1)
     try:
-        kind = getattr(importlib.import_module(module), attribute)
+        family = getattr(importlib.import_module(module), attribute)
     except (ImportError, AttributeError) as exc:
         raise HeadsweepError(f"model.kind {name!r}: cannot import it ({exc})") from None
-    if not isinstance(kind, TaskKind):
-        raise HeadsweepError(f"model.kind {name!r} is a {type(kind).__name__}, not a headsweep.workers.family.TaskKind")
-    return kind
+    if not isinstance(family, ModelFamily):
+        raise HeadsweepError(
+            f"model.kind {name!r} is a {type(family).__name__}, not a headsweep.workers.family.ModelFamily"
+        )
+    return family

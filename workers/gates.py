@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.heads import Head, HeadInventory, LayerShape
+from headsweep.workers.heads import Head, HeadInventory, LayerShape, SiteKey, heads_by_site
 
 
 @dataclass
@@ -47,7 +47,7 @@ class AttentionSite:
     hook_handles: list = field(default_factory=list, repr=False)
 
     @property
-    def key(self) -> tuple[str, int]:
+    def key(self) -> SiteKey:
         return (self.attention, self.layer)
 
     def check_projection(self) -> None:
@@ -70,7 +70,7 @@ class HeadGates:
             raise HeadsweepError("no attention modules found in the model: nothing to gate")
         self.sites = list(sites)
         self._site_by_key = {s.key: s for s in self.sites}
-        self._gates: dict[tuple[str, int], torch.Tensor] = {}
+        self._gates: dict[SiteKey, torch.Tensor] = {}
         for site in self.sites:
             site.check_projection()
             site.hook_handles.append(site.out_proj.register_forward_pre_hook(self._make_hook(site)))
@@ -110,6 +110,13 @@ class HeadGates:
             site.hook_handles.clear()
         self._gates.clear()
 
+    def restore_stock(self, site: AttentionSite, module: nn.Module) -> None:
+        """Undo on ``module`` (``site.module``, or its copy) what gating changed besides the hooks.
+
+        Nothing here; a family whose gates change a module's settings (fairseq turns its fused
+        attention path off) overrides this, so that an ungated copy runs as the stock library does.
+        """
+
     # -- setting gates -------------------------------------------------------------------
     def clear(self) -> None:
         """No gates: the model computes exactly what it computes unhooked."""
@@ -118,28 +125,30 @@ class HeadGates:
     def set_mask(self, masked: Iterable[Head], device: torch.device | str | None = None) -> None:
         """Gate 0 for every head in ``masked``, 1 for the rest; one mask for the whole batch."""
         self.clear()
-        for key, heads in self._group(masked).items():
+        for key, heads in heads_by_site(masked, self.inventory).items():
             site = self._site_by_key[key]
-            gate = torch.ones(site.num_heads, device=device or site.out_proj.weight.device)
-            gate[list(heads)] = 0.0
-            self._gates[key] = gate
+            self._gates[key] = gate_rows([heads], site.num_heads, device or site.out_proj.weight.device)[0]
 
     def set_masks_per_example(
         self, masks: Sequence[Iterable[Head]], rows_per_mask: int, device: torch.device | str | None = None
     ) -> None:
         """One mask per block of ``rows_per_mask`` consecutive examples (mask-major layout)."""
         self.clear()
-        grouped = [self._group(m) for m in masks]
-        keys = {k for g in grouped for k in g}
-        for key in keys:
-            site = self._site_by_key[key]
-            gate = torch.ones(len(masks), site.num_heads, device=device or site.out_proj.weight.device)
-            for i, g in enumerate(grouped):
-                if key in g:
-                    gate[i, list(g[key])] = 0.0
-            self._gates[key] = gate.repeat_interleave(rows_per_mask, dim=0)
+        for key, table in self.gate_tables(masks, device).items():
+            self._gates[key] = table.repeat_interleave(rows_per_mask, dim=0)
 
-    def set_values(self, values: dict[tuple[str, int], torch.Tensor]) -> None:
+    def gate_tables(self, masks: Sequence[Iterable[Head]], device: torch.device | str | None = None
+                    ) -> dict[SiteKey, torch.Tensor]:
+        """For every site some mask touches: one gate row per mask, shape ``(len(masks), H)``."""
+        grouped = [heads_by_site(m, self.inventory) for m in masks]
+        tables = {}
+        for key in dict.fromkeys(k for g in grouped for k in g):
+            site = self._site_by_key[key]
+            tables[key] = gate_rows([g.get(key, ()) for g in grouped], site.num_heads,
+                                    device or site.out_proj.weight.device)
+        return tables
+
+    def set_values(self, values: dict[SiteKey, torch.Tensor]) -> None:
         """Set raw gate values per site, e.g. tensors that require grad for importance.
 
         Each value has shape ``(H,)`` (whole batch), ``(B, H)`` (per example) or the projection
@@ -162,9 +171,14 @@ class HeadGates:
         finally:
             self.clear()
 
-    def _group(self, masked: Iterable[Head]) -> dict[tuple[str, int], set[int]]:
-        grouped: dict[tuple[str, int], set[int]] = {}
-        for head in masked:
-            self.inventory.check(head)
-            grouped.setdefault((head.attention, head.layer), set()).add(head.head)
-        return grouped
+
+def gate_rows(masked: Sequence[Iterable[int]], num_heads: int, device: torch.device | str,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Gates of one module for several masks: shape ``(len(masked), num_heads)``, 0 at each mask's heads, else 1.
+
+    ``dtype`` None is torch's default dtype.
+    """
+    gates = torch.ones(len(masked), num_heads, dtype=dtype, device=device)
+    for row, heads in enumerate(masked):
+        gates[row, list(heads)] = 0.0
+    return gates

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import total_ordering
 
 from headsweep.errors import HeadsweepError
 
@@ -10,10 +12,28 @@ ENCODER_DECODER_TYPES = ("enc_self", "enc_dec", "dec_self")
 SINGLE_STACK_TYPES = ("self",)
 ATTENTION_TYPES = ENCODER_DECODER_TYPES + SINGLE_STACK_TYPES
 
+SiteKey = tuple[str, int]  # (attention, layer): one attention module
 
-@dataclass(frozen=True, order=True)
+
+def attention_rank(attention: str) -> int:
+    """Position of an attention type in ``ATTENTION_TYPES`` (unknown types after the known ones)."""
+    return ATTENTION_TYPES.index(attention) if attention in ATTENTION_TYPES else len(ATTENTION_TYPES)
+
+
+def site_order(key: SiteKey) -> tuple[int, str, int]:
+    """Sort key of an ``(attention, layer)`` pair, in the order heads sort."""
+    return (attention_rank(key[0]), key[0], key[1])
+
+
+@total_ordering
+@dataclass(frozen=True)
 class Head:
-    """One attention head of one attention type in one layer."""
+    """One attention head of one attention type in one layer.
+
+    Heads sort in model order, the one order used everywhere (inventories, masks, rankings,
+    eval ids of custom masks): attention type as listed in ``ATTENTION_TYPES`` (``enc_self``,
+    ``enc_dec``, ``dec_self``, ``self``; not alphabetically), then layer, then head.
+    """
 
     attention: str
     layer: int
@@ -21,6 +41,19 @@ class Head:
 
     def __str__(self) -> str:
         return f"{self.attention}:{self.layer}:{self.head}"
+
+    @property
+    def site(self) -> SiteKey:
+        """The ``(attention, layer)`` of the module this head belongs to."""
+        return (self.attention, self.layer)
+
+    def sort_key(self) -> tuple[int, str, int, int]:
+        return (*site_order(self.site), self.head)
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, Head):
+            return NotImplemented
+        return self.sort_key() < other.sort_key()
 
     @classmethod
     def parse(cls, text: str) -> Head:
@@ -54,7 +87,7 @@ class HeadInventory:
     """Every head of a model, in a stable order (attention type, layer, head)."""
 
     def __init__(self, layers: list[LayerShape]):
-        self.layers = sorted(layers, key=lambda s: (ATTENTION_TYPES.index(s.attention), s.layer))
+        self.layers = sorted(layers, key=lambda s: site_order((s.attention, s.layer)))
         self._by_key = {(s.attention, s.layer): s for s in self.layers}
 
     @property
@@ -94,3 +127,17 @@ class HeadInventory:
     @classmethod
     def from_json(cls, rows: list[dict]) -> HeadInventory:
         return cls([LayerShape(r["attention"], int(r["layer"]), int(r["num_heads"])) for r in rows])
+
+
+def heads_by_site(heads: Iterable[Head], inventory: HeadInventory | None = None) -> dict[SiteKey, list[int]]:
+    """Head numbers grouped by ``(attention, layer)``, ascending and without repeats.
+
+    With ``inventory`` every head is checked against it first (a clear error for a head the
+    model does not have). Sites come in the order of their first head in ``heads``.
+    """
+    grouped: dict[SiteKey, set[int]] = {}
+    for head in heads:
+        if inventory is not None:
+            inventory.check(head)
+        grouped.setdefault(head.site, set()).add(head.head)
+    return {key: sorted(numbers) for key, numbers in grouped.items()}

@@ -15,29 +15,24 @@ token exactly, with no hooks on activations.
 
 The loss ``L(x)`` is the per-example training loss, summed over the batch (so a token's
 gradient is that of its own example's loss and the per-token score does not depend on how
-examples are batched): cross-entropy for classifiers, teacher-forced label-smoothed
-cross-entropy summed over the target tokens for fairseq translation. The model runs in eval
-mode (no dropout).
+examples are batched). Each model family declares it through its adapter's ``loss_batches``
+(``headsweep.workers.family.EvalAdapter``): cross-entropy for classifiers, teacher-forced
+label-smoothed cross-entropy summed over the target tokens for fairseq translation. The model
+runs in eval mode (no dropout).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.family import EvalAdapter, LossBatch, LossBatches
 from headsweep.workers.gates import AttentionSite
-from headsweep.workers.heads import ATTENTION_TYPES, Head
-
-SiteKey = tuple[str, int]
-
-# fairseq's recipes for the paper's IWSLT and WMT models (and workers/fairseq_train.py) train
-# with label smoothing 0.1; used when neither the caller nor the task says otherwise.
-DEFAULT_LABEL_SMOOTHING = 0.1
+from headsweep.workers.heads import Head, SiteKey, heads_by_site
 
 
 @dataclass
@@ -84,29 +79,18 @@ class ImportanceResult:
         return "per_token" if self.per_token else "batch_level"
 
 
-@dataclass
-class _Batch:
-    """One batch made ready for a gated forward: real-token mask per site, and the loss."""
-
-    tokens: dict[SiteKey, torch.Tensor]  # (B, T) per site, batch first whatever the model's layout
-    n_examples: int
-    loss: Callable[[], torch.Tensor]
-
-
 def gradient_importance(
-    task,
+    adapter: EvalAdapter,
     per_token: bool = True,
     normalize: bool = False,
     mask: Sequence[Head] = (),
     label_smoothing: float | None = None,
 ) -> ImportanceResult:
-    """Gradient head importance of every head of ``task``'s model on ``task``'s batches.
+    """Gradient head importance of every head of ``adapter``'s model on its data.
 
-    ``task`` is a :class:`~headsweep.workers.families.hf_classifier.adapter.ClassifierTask`-like object (``model``, ``gates``,
-    ``batches`` of ``(example indices, inputs)``, ``labels``) or a
-    :class:`~headsweep.workers.families.fairseq_translation.adapter.TranslationTask`-like one (``model``, ``gates``, ``batches`` of
-    fairseq samples, ``src_dict``, ``tgt_dict``). Estimate on training or validation data, not on
-    the test set.
+    ``adapter`` is an evaluation adapter (``model``, ``gates`` and ``loss_batches``, see
+    :class:`~headsweep.workers.family.EvalAdapter`). Estimate on training or validation data, not
+    on the test set.
 
     ``per_token=True`` (Michel et al.'s reference code): ``sum over tokens |dL/dxi_{t,h}|`` divided
     by the number of non-padding tokens. ``per_token=False`` (batch-level, as transformers'
@@ -114,20 +98,18 @@ def gradient_importance(
     the same count; it depends on how examples are batched. ``normalize`` divides each layer's
     scores (per attention type) by their L2 norm. ``mask`` lists heads already pruned: their gates
     stay 0 while the rest are estimated, and they are reported with score 0.0.
-    ``label_smoothing`` (translation only) defaults to the task's ``label_smoothing`` attribute if
-    it has one, else 0.1.
+    ``label_smoothing`` (translation only) defaults to the family's training default (0.1).
     """
-    gates = task.gates
+    gates = adapter.gates
     for head in mask:
         gates.inventory.check(head)
-    masked = tuple(sorted(set(mask), key=_head_order))
-    heads_by_site = {site.key: site.num_heads for site in gates.sites}
-    dtype = _gate_dtype(task.model)
-    totals = {key: torch.zeros(h, dtype=torch.float64) for key, h in heads_by_site.items()}
-    counts = dict.fromkeys(heads_by_site, 0)
+    masked = tuple(sorted(set(mask)))
+    num_heads = {site.key: site.num_heads for site in gates.sites}
+    totals = {key: torch.zeros(h, dtype=torch.float64) for key, h in num_heads.items()}
+    counts = dict.fromkeys(num_heads, 0)
     loss_total, n_examples = 0.0, 0
-    batches, loss_name = _prepare(task, label_smoothing, dtype)
-    for batch in _gate_gradients(task, masked, batches):
+    prepared = _loss_batches(adapter, label_smoothing)
+    for batch in _gate_gradients(adapter, masked, prepared.batches):
         loss_total += batch.loss
         n_examples += batch.n_examples
         for key, grad in batch.grads.items():
@@ -158,33 +140,30 @@ def gradient_importance(
         tokens=counts,
         n_examples=n_examples,
         loss=loss_total,
-        loss_name=loss_name,
+        loss_name=prepared.loss_name,
         notes=notes,
     )
 
 
 def gate_gradients(
-    task, mask: Sequence[Head] = (), label_smoothing: float | None = None
+    adapter: EvalAdapter, mask: Sequence[Head] = (), label_smoothing: float | None = None
 ) -> Iterator[BatchGateGradients]:
     """Per-token ``dL/dxi_{t,h}`` at ``xi = 1`` (``xi = 0`` for ``mask``), one batch at a time.
 
     Gradients at padding positions are set to zero. The model is put in eval mode and its
     parameters' ``requires_grad`` flags are switched off for the duration (and restored), so no
     parameter ``.grad`` is touched and no weight gradients are computed. Takes the same
-    ``task`` and ``label_smoothing`` as :func:`gradient_importance`.
+    ``adapter`` and ``label_smoothing`` as :func:`gradient_importance`.
     """
-    batches, _ = _prepare(task, label_smoothing, _gate_dtype(task.model))
-    return _gate_gradients(task, mask, batches)
+    return _gate_gradients(adapter, mask, _loss_batches(adapter, label_smoothing).batches)
 
 
-def _gate_gradients(task, mask: Sequence[Head], batches: Sequence[_Batch]) -> Iterator[BatchGateGradients]:
-    gates = task.gates
-    model = task.model
+def _gate_gradients(adapter: EvalAdapter, mask: Sequence[Head],
+                    batches: Sequence[LossBatch]) -> Iterator[BatchGateGradients]:
+    gates = adapter.gates
+    model = adapter.model
     dtype = _gate_dtype(model)
-    off: dict[SiteKey, list[int]] = {}
-    for head in mask:
-        gates.inventory.check(head)
-        off.setdefault((head.attention, head.layer), []).append(head.head)
+    off = heads_by_site(mask, gates.inventory)
     was_training = model.training
     params = [p for p in model.parameters() if p.requires_grad]
     try:
@@ -228,12 +207,8 @@ def normalize_by_layer(scores: Mapping[Head, float]) -> dict[Head, float]:
     scores are all 0 stays 0."""
     norms: dict[SiteKey, float] = {}
     for head, value in scores.items():
-        key = (head.attention, head.layer)
-        norms[key] = norms.get(key, 0.0) + value * value
-    return {
-        head: value / math.sqrt(norms[(head.attention, head.layer)]) if norms[(head.attention, head.layer)] else 0.0
-        for head, value in scores.items()
-    }
+        norms[head.site] = norms.get(head.site, 0.0) + value * value
+    return {head: value / math.sqrt(norms[head.site]) if norms[head.site] else 0.0 for head, value in scores.items()}
 
 
 def rank_heads(scores: Mapping[Head, float]) -> list[Head]:
@@ -241,14 +216,10 @@ def rank_heads(scores: Mapping[Head, float]) -> list[Head]:
     bad = [str(h) for h, v in scores.items() if math.isnan(v)]
     if bad:
         raise ValueError(f"importance is NaN for {', '.join(bad[:5])}: cannot rank")
-    return sorted(scores, key=lambda h: (scores[h], *_head_order(h)))
+    return sorted(scores, key=lambda h: (scores[h], h))
 
 
 # -- internals ---------------------------------------------------------------------------
-def _head_order(head: Head) -> tuple[int, int, int]:
-    return (ATTENTION_TYPES.index(head.attention), head.layer, head.head)
-
-
 def _gate_dtype(model: torch.nn.Module) -> torch.dtype:
     # At least float32: gradients accumulated in bfloat16/float16 gates lose most of their digits.
     param = next(model.parameters(), None)
@@ -260,71 +231,14 @@ def _site_layout(site: AttentionSite, tokens: torch.Tensor) -> torch.Tensor:
     return tokens.transpose(0, 1) if site.batch_dim == 1 else tokens
 
 
-def _prepare(task, label_smoothing: float | None, dtype: torch.dtype) -> tuple[list[_Batch], str]:
-    batches = list(task.batches)
-    if not batches:
-        raise HeadsweepError("no data to estimate head importance on (the task has no batches)")
-    first = batches[0]
-    if isinstance(first, tuple) and hasattr(task, "labels"):
-        return [_classifier_batch(task, idx, inputs, dtype) for idx, inputs in batches], "cross-entropy"
-    if isinstance(first, dict) and "net_input" in first:
-        eps = label_smoothing
-        if eps is None:
-            eps = getattr(task, "label_smoothing", None)
-        if eps is None:
-            eps = DEFAULT_LABEL_SMOOTHING
-        decoder = getattr(task.model, "decoder", None)
-        if hasattr(decoder, "set_beam_size"):
-            # Beam search leaves the decoder's "beamable" encoder attention on, which would treat
-            # teacher-forced rows as beams of one sentence.
-            decoder.set_beam_size(1)
-        built = [_translation_batch(task, sample, float(eps), dtype) for sample in batches]
-        return built, f"teacher-forced label-smoothed cross-entropy (epsilon {float(eps):g})"
-    raise HeadsweepError(
-        f"{type(task).__name__}: gradient importance needs a classifier task (batches of (indices, inputs) and labels) "
-        "or a fairseq translation task (batches of samples with net_input)"
-    )
-
-
-def _classifier_batch(task, idx: torch.Tensor, inputs: dict, dtype: torch.dtype) -> _Batch:
-    ids = inputs.get("input_ids")
-    real = inputs.get("attention_mask")
-    if real is None:
-        real = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
-    real = real.bool()
-    labels = task.labels[idx.to(task.labels.device)]
-
-    def loss() -> torch.Tensor:
-        logits = task.model(**inputs).logits
-        return F.cross_entropy(logits.to(dtype), labels.to(logits.device), reduction="sum")
-
-    return _Batch({site.key: real for site in task.gates.sites}, int(idx.numel()), loss)
-
-
-def _translation_batch(task, sample: dict, epsilon: float, dtype: torch.dtype) -> _Batch:
-    from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
-
-    net = sample["net_input"]
-    src_real = net["src_tokens"].ne(task.src_dict.pad())
-    tgt_real = net["prev_output_tokens"].ne(task.tgt_dict.pad())
-    tokens = {site.key: src_real if site.attention == "enc_self" else tgt_real for site in task.gates.sites}
-    target = sample["target"]
-    pad = task.tgt_dict.pad()
-    model = task.model
-
-    def loss() -> torch.Tensor:
-        net_output = model(**net)
-        if getattr(model.decoder, "adaptive_softmax", None) is None:
-            # fairseq's get_normalized_probs always computes in float32; the same log-softmax in
-            # the gate dtype keeps float64 models exact (finite-difference tests rely on it).
-            lprobs = torch.log_softmax(net_output[0].to(dtype), dim=-1)
-        else:
-            lprobs = model.get_normalized_probs(net_output, log_probs=True)
-        smoothed, _nll = label_smoothed_nll_loss(lprobs.view(-1, lprobs.size(-1)), target.reshape(-1), epsilon,
-                                                 ignore_index=pad, reduce=True)
-        return smoothed
-
-    return _Batch(tokens, int(target.shape[0]), loss)
+def _loss_batches(adapter: EvalAdapter, label_smoothing: float | None) -> LossBatches:
+    if not hasattr(adapter, "loss_batches"):
+        raise HeadsweepError(f"{type(adapter).__name__}: this model family declares no training loss "
+                             "(EvalAdapter.loss_batches), so gradient importance cannot be estimated")
+    prepared = adapter.loss_batches(label_smoothing, _gate_dtype(adapter.model))
+    if not prepared.batches:
+        raise HeadsweepError("no data to estimate head importance on (the adapter has no batches)")
+    return prepared
 
 
 def importance_on_worker(worker, data_cfg, per_token: bool, normalize: bool, mask: Sequence[Head] = ()):

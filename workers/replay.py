@@ -1,4 +1,4 @@
-"""Replaying a model from cached baseline states: the two tools prefix reuse is built from.
+"""Replaying a model from cached baseline states: the tools every family's reuse is built from.
 
 An exact ablation of heads in layer l changes nothing before their output projection: the
 inputs of layers 0..l and layer l's per-head contexts are the baseline's. So a masked forward
@@ -12,20 +12,57 @@ pass can run the model's *own* forward with
 Replacing ``forward`` on the module instance (not on its class) for the duration of one call
 keeps every other part of the model (masks, residuals, layer norms, pooling, heads) the
 model's own code, so each family needs to name only where its layers and attention cores are.
+The baseline states themselves are kept between calls in a :class:`BaselineCache`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Generic, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headsweep.workers.gates import gate_rows
+
 
 class ReuseUnsupported(Exception):
     """A model's layout is not one that reuse knows; the message says why (the plain path runs instead)."""
+
+
+class States(Protocol):
+    """Baseline states of one evaluation batch: anything that knows its size in bytes."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+S = TypeVar("S", bound=States)
+
+
+class BaselineCache(Generic[S]):
+    """Baseline states per evaluation batch, kept between calls while they fit a byte budget.
+
+    States that do not fit are recorded again on every call instead (see
+    :func:`headsweep.workers.batch_budget.cache_budget` for the budget).
+    """
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.kept_bytes = 0
+        self._kept: dict[Hashable, S] = {}
+
+    def get(self, key: Hashable, record: Callable[[], S]) -> S:
+        """The states kept under ``key``, or ``record()`` now (kept if they fit the budget)."""
+        if key in self._kept:
+            return self._kept[key]
+        states = record()
+        if self.kept_bytes + states.nbytes <= self.budget_bytes:
+            self._kept[key] = states
+            self.kept_bytes += states.nbytes
+        return states
 
 
 @contextmanager
@@ -74,9 +111,7 @@ def gated_projection(ctx: torch.Tensor, out_proj: nn.Linear, num_heads: int,
     result as on the plain path. ``F.linear`` rather than ``out_proj(...)``: no hook sees it.
     """
     k = len(masked)
-    gates = torch.ones(k, num_heads, dtype=ctx.dtype, device=ctx.device)
-    for m, heads in enumerate(masked):
-        gates[m, list(heads)] = 0.0
+    gates = gate_rows(masked, num_heads, ctx.device, ctx.dtype)
     reps = [1] * ctx.dim()
     reps[batch_dim] = k
     stacked = ctx.repeat(*reps)

@@ -10,12 +10,15 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from headsweep.results.query import format_table, run_query
 from headsweep.results.store import ResultStore
+from headsweep.sweep import console
 from headsweep.sweep.config import build_config
 from headsweep.sweep.driver import Sweep, log
+from headsweep.sweep.progress import Progress
 from headsweep.sweep.report import write_report
 
 DEMO_VERSION = "v1"
@@ -29,16 +32,37 @@ def cache_dir() -> Path:
 EXPERIMENTS = ["baseline", "single_head", "all_but_one", "importance", "prune_level"]
 
 
-def classifier_config(workers: int) -> dict:
+def epoch_progress(title: str, epochs: int, show: bool) -> tuple[Progress, Callable[[str], None]]:
+    """A progress line over a trainer's epochs, and the ``log`` callback to give the trainer: its
+    ``...epoch N...: losses`` messages advance the line, its other messages are status lines."""
+    what = f"training the demo {title}"
+    progress = Progress(epochs, label=what, every=0.0, enabled=show, phase=what, unit="epoch")
+
+    def report(message: str) -> None:
+        head, sep, rest = message.strip().partition(": ")
+        if sep and "epoch" in head:
+            progress.update(1, rest)
+        else:
+            log(message)
+
+    return progress, report
+
+
+def classifier_config(workers: int, show_progress: bool = True) -> dict:
     """The demo classifier (trained on first use) and its evaluation and importance data."""
     from headsweep.sweep.demo.sentiment import generate, train_classifier, write_tsv
 
     root = cache_dir() / "sentiment"
     model_dir = root / "bert-3x4-synthetic-sentiment"
     if not (model_dir / "config.json").is_file():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
         log(f"training the demo classifier (once; cached in {model_dir}) ...")
         tmp = root / f".model-{os.getpid()}"
-        train_classifier(tmp, layers=3, heads=4, hidden=48, n_train=4000, epochs=6, log=log)
+        progress, report = epoch_progress("classifier", 6, show_progress)
+        with progress:
+            train_classifier(tmp, layers=3, heads=4, hidden=48, n_train=4000, epochs=6, log=report)
         tmp.rename(model_dir)
     dev, valid = root / "dev.tsv", root / "valid.tsv"
     if not dev.is_file():
@@ -54,7 +78,7 @@ def classifier_config(workers: int) -> dict:
     }
 
 
-def translation_config(workers: int) -> dict:
+def translation_config(workers: int, show_progress: bool = True) -> dict:
     """The demo translation model (a tiny fairseq Transformer trained on first use)."""
     from headsweep.sweep.demo.translation import train_synthetic
     from headsweep.workers.families.fairseq_translation.train import TrainSettings
@@ -66,7 +90,9 @@ def translation_config(workers: int) -> dict:
         logging.getLogger("fairseq").setLevel(logging.WARNING)
         # A fixed number of epochs (about 20 s on 2 idle cores), so that the cached model does not
         # depend on how busy the machine was; the time cap only guards against a very slow one.
-        train_synthetic(root, TrainSettings(max_epochs=10, max_seconds=150.0), log=log)
+        progress, report = epoch_progress("translation model", 10, show_progress)
+        with progress:
+            train_synthetic(root, TrainSettings(max_epochs=10, max_seconds=150.0), log=report)
         done.write_text("ok\n")
     data_bin = root / "data-bin"
     return {
@@ -82,40 +108,43 @@ def translation_config(workers: int) -> dict:
 def summarise(store: ResultStore, run_id: str) -> None:
     """Print the baseline, the heads whose removal hurts most, and the best kept head per layer."""
     base = run_query(
-        store, f"SELECT model, dataset, metric, baseline_score, n_done FROM runs WHERE run_id = '{run_id}'"
+        store, "SELECT model, dataset, metric, baseline_score, n_done FROM runs WHERE run_id = ?", [run_id]
     )
-    print(format_table(base))
-    print("\nheads whose removal hurts most (single_head, most negative delta first; p from the paired test,")
-    print("adjusted over all heads of the experiment, * = significant at the adjusted level):")
-    print(
+    console.out(format_table(base))
+    console.out("\nheads whose removal hurts most (single_head, most negative delta first; p from the paired test,")
+    console.out("adjusted over all heads of the experiment, * = significant at the adjusted level):")
+    console.out(
         format_table(
             run_query(
                 store,
-                f"""SELECT name AS head, score, delta, test, p_value, p_adjusted, correction,
-                           CASE WHEN significant THEN '*' ELSE '' END AS sig
-                    FROM heads WHERE run_id = '{run_id}' AND delta IS NOT NULL
-                    ORDER BY delta, attention, layer, head LIMIT 5""",
+                """SELECT name AS head, score, delta, test, p_value, p_adjusted, correction,
+                          CASE WHEN significant THEN '*' ELSE '' END AS sig
+                   FROM heads WHERE run_id = ? AND delta IS NOT NULL
+                   ORDER BY delta, attention, layer, head LIMIT 5""",
+                [run_id],
             )
         )
     )
-    print("\nall-but-one: best head to keep alone in each layer:")
-    print(
+    console.out("\nall-but-one: best head to keep alone in each layer:")
+    console.out(
         format_table(
             run_query(
                 store,
-                f"""SELECT attention, layer, best_head, score, delta FROM layers WHERE run_id = '{run_id}'
-                    ORDER BY attention, layer""",
+                """SELECT attention, layer, best_head, score, delta FROM layers WHERE run_id = ?
+                   ORDER BY attention, layer""",
+                [run_id],
             )
         )
     )
-    print("\npruning curve (least important heads first, by gradient importance on held-out data):")
-    print(
+    console.out("\npruning curve (least important heads first, by gradient importance on held-out data):")
+    console.out(
         format_table(
             run_query(
                 store,
-                f"""SELECT level, n_masked, score, relative_score AS relative, p_adjusted,
-                           CASE WHEN significant THEN '*' ELSE '' END AS sig
-                    FROM pruning WHERE run_id = '{run_id}' ORDER BY scope, level""",
+                """SELECT level, n_masked, score, relative_score AS relative, p_adjusted,
+                          CASE WHEN significant THEN '*' ELSE '' END AS sig
+                   FROM pruning WHERE run_id = ? ORDER BY scope, level""",
+                [run_id],
             )
         )
     )
@@ -135,16 +164,16 @@ def run_demo(store_uri: str, workers: int = 2, show_progress: bool = True, repor
     store.check_writable()
     run_ids = []
     for title, make in (("classifier", classifier_config), ("translation", translation_config)):
-        cfg = build_config(make(workers))
+        cfg = build_config(make(workers, show_progress))
         log(f"sweeping the heads of the demo {title} on {workers} worker(s) ...")
         run_id = Sweep(cfg, store, show_progress=show_progress).execute()
         run_ids.append(run_id)
-        print(f"\n== {title} run {run_id} ==")
+        console.out(f"\n== {title} run {run_id} ==")
         summarise(store, run_id)
-    print(f"\nresults store: {store.uri}  (try: headsweep runs --store {store_uri}, or "
+    console.out(f"\nresults store: {store.uri}  (try: headsweep runs --store {store_uri}, or "
           f"headsweep query \"SELECT * FROM heads\" --store {store_uri})")
     written = time.perf_counter()
     page = write_report(store, run_ids, report or report_dir(store_uri))
-    print(f"report of both runs ({time.perf_counter() - written:.1f} s): {page}")
-    print(f"demo finished in {time.perf_counter() - start:.1f} s")
+    console.out(f"report of both runs ({time.perf_counter() - written:.1f} s): {page}")
+    console.out(f"demo finished in {time.perf_counter() - start:.1f} s")
     return 0

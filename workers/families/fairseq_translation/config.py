@@ -1,4 +1,4 @@
-"""Config sections of the ``fairseq_translation`` task kind (kept free of torch imports).
+"""Config sections of the ``fairseq_translation`` model family (kept free of torch imports).
 
 Defaults follow ``fairseq-generate``: beam 5, length penalty 1, maximum length
 ``max_len_a * source_length + max_len_b`` with a=0, b=200.

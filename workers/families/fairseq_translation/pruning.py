@@ -12,7 +12,8 @@ computing attention (fairseq's own views cannot be sized from an empty tensor).
 
 A pruned checkpoint is fairseq's checkpoint dict with the pruned weights and the removed
 heads under ``headsweep_pruned_heads`` (names like ``enc_dec:1:2``, original numbers);
-:func:`pruned_task` lets fairseq's own loader rebuild it (``headsweep.workers.families.fairseq_translation.checkpoint``).
+:func:`pruned_task` lets fairseq's own loader rebuild it
+(``headsweep.workers.families.fairseq_translation.checkpoint``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from torch import nn
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.fairseq_translation.sites import find_fairseq_sites
-from headsweep.workers.families.hf_classifier.pruning import SiteKey, group_by_site
 from headsweep.workers.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
-from headsweep.workers.heads import Head
+from headsweep.workers.heads import Head, SiteKey
+from headsweep.workers.pruning import group_by_site
 
 PRUNED_KEY = "headsweep_pruned_heads"
 
@@ -74,11 +75,6 @@ def _apply(module: MultiheadAttention, plan: HeadSlice) -> None:
     module.skip_embed_dim_check = True
     if not plan.kept:
         module.__class__ = HeadlessMultiheadAttention
-
-
-def removed_heads(slices: dict[SiteKey, HeadSlice]) -> list[Head]:
-    """The removed heads of a pruning, in original numbers."""
-    return sorted(Head(attention, layer, h) for (attention, layer), s in slices.items() for h in s.removed)
 
 
 def save_pruned_checkpoint(state: dict, model: nn.Module, removed: Sequence[Head], path: str | Path) -> Path:

@@ -24,7 +24,14 @@ from torch import nn
 
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
-from headsweep.workers.replay import ReuseUnsupported, gated_projection, pass_through, replaced_forwards, returning
+from headsweep.workers.replay import (
+    BaselineCache,
+    ReuseUnsupported,
+    gated_projection,
+    pass_through,
+    replaced_forwards,
+    returning,
+)
 
 
 @dataclass
@@ -63,19 +70,15 @@ class EncoderReuse:
                 raise ReuseUnsupported(f"encoder layer {i} has no self_attn holding its gated attention")
         self.encoder, self.gates, self.layers = encoder, gates, list(layers)
         self.sites = [sites[i] for i in range(len(layers))]
-        self.budget_bytes = budget_bytes
-        self._kept: dict[int, EncoderStates] = {}
-        self.kept_bytes = 0
+        self.cache: BaselineCache[EncoderStates] = BaselineCache(budget_bytes)
+
+    @property
+    def kept_bytes(self) -> int:
+        return self.cache.kept_bytes
 
     def states(self, key: int, net_input: dict) -> EncoderStates:
         """Baseline encoder states of sentence batch ``key``: kept, or recorded now (and kept if they fit)."""
-        if key in self._kept:
-            return self._kept[key]
-        states = self.record(net_input)
-        if self.kept_bytes + states.nbytes <= self.budget_bytes:
-            self._kept[key] = states
-            self.kept_bytes += states.nbytes
-        return states
+        return self.cache.get(key, lambda: self.record(net_input))
 
     def record(self, net_input: dict) -> EncoderStates:
         """Run the ungated encoder once, keeping each layer's output and each projection's input."""

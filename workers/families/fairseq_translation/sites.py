@@ -40,16 +40,22 @@ def _site(attention: str, layer: int, module: nn.Module, name: str) -> Attention
     )
 
 
+def has_layer_stacks(model: nn.Module) -> bool:
+    """Whether ``model`` has fairseq's ``encoder.layers`` and ``decoder.layers``."""
+    encoder = getattr(model, "encoder", None)
+    decoder = getattr(model, "decoder", None)
+    return encoder is not None and decoder is not None and hasattr(encoder, "layers") and hasattr(decoder, "layers")
+
+
 def find_fairseq_sites(model: nn.Module) -> list[AttentionSite]:
     """Every attention module of a fairseq encoder-decoder model (``TransformerModel`` and
     relatives): ``enc_self`` for encoder layers, ``enc_dec`` and ``dec_self`` for decoder layers,
     layers counted from 0 in stack order."""
-    encoder = getattr(model, "encoder", None)
-    decoder = getattr(model, "decoder", None)
-    if encoder is None or decoder is None or not hasattr(encoder, "layers") or not hasattr(decoder, "layers"):
+    if not has_layer_stacks(model):
         raise HeadsweepError(
             f"{type(model).__name__} is not a fairseq encoder-decoder Transformer (no encoder.layers / decoder.layers)"
         )
+    encoder, decoder = model.encoder, model.decoder
     sites: list[AttentionSite] = []
     for i, layer in enumerate(encoder.layers):
         sites.append(_site("enc_self", i, layer.self_attn, f"encoder.layers.{i}.self_attn"))
@@ -81,6 +87,10 @@ class FairseqHeadGates(HeadGates):
         for module, flag in self._saved_flags:
             module.skip_embed_dim_check = flag
         self._saved_flags = []
+
+    def restore_stock(self, site: AttentionSite, module: nn.Module) -> None:
+        """Give ``module`` its fused path back wherever its shapes allow it (not once heads were removed)."""
+        module.skip_embed_dim_check = module.num_heads * module.head_dim != module.out_proj.out_features
 
 
 def gate_fairseq_model(model: nn.Module) -> FairseqHeadGates:

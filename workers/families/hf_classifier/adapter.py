@@ -1,4 +1,4 @@
-"""Task adapter for transformers sequence classifiers (BERT, RoBERTa, MiniLM, DistilBERT).
+"""Evaluation adapter for transformers sequence classifiers (BERT, RoBERTa, MiniLM, DistilBERT).
 
 The data are tokenised once, sorted by length into batches, and kept on the device. Several
 masks share one forward pass: the batch is repeated once per mask and each copy carries its
@@ -9,9 +9,7 @@ default) each mask's pass also starts at its first gated layer from cached basel
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,68 +20,20 @@ import torch.nn.functional as F
 from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
+from headsweep.workers.efficiency import median_batch, take_rows
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 from headsweep.workers.families.hf_classifier.data import read_examples
-from headsweep.workers.families.hf_classifier.pruning import PRUNED_HEADS_KEY, load_pruned
+from headsweep.workers.families.hf_classifier.model import load_hf_model
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout, first_gated_layer
 from headsweep.workers.families.hf_classifier.sites import find_sites
-from headsweep.workers.family import DatasetInfo, MaskOutput, RuntimeOptions
+from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches
+from headsweep.workers.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.metrics import ACCURACY
 from headsweep.workers.replay import ReuseUnsupported
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_model_dir(path: str) -> Path:
-    """The local model directory, or a one-line error that says why it is not usable."""
-    if not path:
-        raise HeadsweepError("config key 'model.path' is required (a transformers model directory)")
-    p = Path(path)
-    if not p.exists():
-        looks_like_hub_id = not path.startswith((".", "/", "~")) and path.count("/") <= 1
-        if looks_like_hub_id:
-            raise HeadsweepError(
-                f"model {path!r} is not a local directory, and headsweep never downloads models: "
-                f"fetch it first (e.g. `hf download {path} --local-dir models/{path.split('/')[-1]}`) "
-                "and set model.path to that folder"
-            )
-        raise HeadsweepError(f"model directory not found: {path}")
-    if not p.is_dir() or not (p / "config.json").is_file():
-        raise HeadsweepError(f"{path} is not a transformers model directory (no config.json)")
-    if not os.access(p / "config.json", os.R_OK):
-        raise HeadsweepError(f"model directory {path} is not readable")
-    return p
-
-
-def load_hf_model(cfg: ClassifierModel, device: str):
-    """Load model and tokenizer from a local directory, offline."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-    model_dir = resolve_model_dir(cfg.path)
-    if cfg.attn_implementation not in (None, "eager", "sdpa"):
-        raise HeadsweepError(f"model.attn_implementation must be eager or sdpa, got {cfg.attn_implementation!r}")
-    dtype = getattr(torch, cfg.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise HeadsweepError(f"model.dtype {cfg.dtype!r} is not a torch dtype (e.g. float32, bfloat16)")
-    if json.loads((model_dir / "config.json").read_text()).get(PRUNED_HEADS_KEY):
-        # Written by `headsweep export`: stock from_pretrained refuses its smaller attention weights.
-        model = load_pruned(model_dir, cfg.attn_implementation, device).to(dtype)
-        return model, AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    try:
-        extra = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
-        model = AutoModelForSequenceClassification.from_pretrained(
-            model_dir, dtype=dtype, local_files_only=True, **extra
-        )
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise HeadsweepError(f"cannot load model from {model_dir}: {str(exc).splitlines()[0]}") from None
-    return model.to(device).eval(), tokenizer
 
 
 def label_ids(raw: list[str], id2label: dict[int, str], path: str) -> list[int]:
@@ -105,8 +55,8 @@ def label_ids(raw: list[str], id2label: dict[int, str], path: str) -> list[int]:
     )
 
 
-class ClassifierTask:
-    """A gated classifier with its tokenised evaluation set."""
+class ClassifierAdapter:
+    """A gated classifier with its tokenised evaluation set (an ``EvalAdapter``)."""
 
     metric = ACCURACY
 
@@ -122,7 +72,7 @@ class ClassifierTask:
         self.labels = torch.tensor(label_ids(examples.labels, id2label, data_cfg.path), device=self.device)
         self.examples = examples
         self._label_text = _label_text(examples.labels, id2label)
-        self.batches = self._tokenise(examples, data_cfg.max_length, runtime.batch_size)
+        self.batches = self.tokenise(data_cfg.max_length, runtime.batch_size)
         self.model_name = Path(model_cfg.path).name
         self.dataset_name = data_cfg.name or Path(data_cfg.path).stem
         self._reuse: PrefixReuse | None = None
@@ -141,7 +91,9 @@ class ClassifierTask:
         self.reuse_note = f"plain path: prefix reuse does not support this model ({reason})"
         logger.warning("%s: %s", self.model_name, self.reuse_note)
 
-    def _tokenise(self, ex, max_length: int, batch_size: int) -> list[tuple[torch.Tensor, dict]]:
+    def tokenise(self, max_length: int, batch_size: int) -> list[tuple[torch.Tensor, dict]]:
+        """The evaluation set as batches of ``(example indices, inputs on the device)``, sorted by length."""
+        ex = self.examples
         enc = self.tokenizer(ex.texts, ex.text_pairs, truncation=True, max_length=max_length)
         order = sorted(range(len(ex.texts)), key=lambda i: len(enc["input_ids"][i]))
         batches = []
@@ -164,6 +116,19 @@ class ClassifierTask:
             facts={"model_class": type(self.model).__name__, "num_labels": int(self.model.config.num_labels),
                    "reuse": self.reuse_note},
         )
+
+    def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
+        """The evaluation batches as summed cross-entropy (``label_smoothing`` does not apply to classifiers)."""
+        return classifier_loss_batches(self.model, self.gates, self.batches, self.labels, dtype)
+
+    def workload(self, batch_size: int, max_length: int) -> Workload:
+        """One forward pass of ``batch_size`` examples around the median length (cycled if the set is smaller)."""
+        _, inputs = median_batch(self.tokenise(max_length, batch_size), lambda b: len(b[0]))
+        n = len(next(iter(inputs.values())))
+        inputs = take_rows(inputs, n, batch_size)
+        real = inputs.get("attention_mask")
+        tokens = int(real.sum()) if real is not None else int(inputs["input_ids"].numel())
+        return Workload(batch_size, tokens, lambda model: model(**inputs))
 
     def bytes_per_row(self, inputs: dict | None = None) -> int:
         """Activation bytes of one example of ``inputs`` (default: the longest batch) at the widest
@@ -286,7 +251,7 @@ def _label_text(raw: list[str], id2label: dict[int, str]) -> dict[int, str]:
     return {i: str(i) for i in id2label}
 
 
-def load_classifier(model_cfg: ClassifierModel, data_cfg: ClassifierData, runtime: RuntimeOptions) -> ClassifierTask:
-    """Loader named by the ``hf_classifier`` task kind."""
-    return ClassifierTask(model_cfg, data_cfg, runtime)
+def load_classifier(model_cfg: ClassifierModel, data_cfg: ClassifierData, runtime: RuntimeOptions) -> ClassifierAdapter:
+    """Loader named by the ``hf_classifier`` model family."""
+    return ClassifierAdapter(model_cfg, data_cfg, runtime)
 

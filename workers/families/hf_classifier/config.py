@@ -1,4 +1,4 @@
-"""Config sections of the ``hf_classifier`` task kind (kept free of torch imports)."""
+"""Config sections of the ``hf_classifier`` model family (kept free of torch imports)."""
 
 from __future__ import annotations
 

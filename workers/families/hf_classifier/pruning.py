@@ -1,16 +1,11 @@
-"""Physical head pruning: remove heads' weights from a model instead of gating them.
+"""Physical head pruning of transformers encoders, and pruned ``save_pretrained`` folders.
 
-Masking a head saves no compute; removing its rows of W_Q, W_K, W_V and its columns of W_O
-does. The pruned model computes exactly what the gated model computes (the gate at the output
-projection's input is the only place a head meets the rest of the model), with fewer
-parameters and less work. A layer may lose every head: its attention then adds only the
-output projection's bias, and the module skips attention altogether.
-
-Supported here: transformers 5 BERT-family encoders (BERT, RoBERTa, ELECTRA, MiniLM: the
-``.self`` + ``.output.dense`` layout) and DistilBERT, found by ``headsweep.workers.families.hf_classifier.sites``; fairseq
-encoder-decoder models are pruned by ``headsweep.workers.families.fairseq_translation.pruning`` (:func:`prune_heads` picks
-the route). Decoder-only models with grouped-query attention are refused for now; the slicing
-rule they need is in ``headsweep.workers.head_slicing``.
+Supported: BERT-family encoders (BERT, RoBERTa, ELECTRA, MiniLM) and DistilBERT, in the layouts
+of :mod:`headsweep.workers.families.hf_classifier.layout`: rows of W_Q, W_K, W_V and columns of
+W_O go (:mod:`headsweep.workers.head_slicing`), and a module that loses every head is replaced by
+one that computes no attention and adds only W_O's bias. Decoder-only models with grouped-query
+attention are refused for now. The generic part (dispatch, parameter counts, ungated copies) is
+:mod:`headsweep.workers.pruning`.
 
 Exported transformers models keep the removed heads in ``config.pruned_heads``
 (``{"layer": [head, ...]}``, original head numbers, the format transformers 4 used), and
@@ -21,7 +16,6 @@ shape checks.
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,45 +24,16 @@ import torch
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.gates import AttentionSite, HeadGates
+from headsweep.workers.families.hf_classifier.layout import AttentionLayout, attention_layout
+from headsweep.workers.families.hf_classifier.sites import find_sites
+from headsweep.workers.gates import AttentionSite
 from headsweep.workers.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
-from headsweep.workers.heads import Head, HeadInventory, LayerShape
+from headsweep.workers.heads import Head, SiteKey
+from headsweep.workers.pruning import group_by_site
 
 PRUNED_HEADS_KEY = "pruned_heads"
 
-SiteKey = tuple[str, int]
 
-
-def prune_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteKey, HeadSlice]:
-    """Remove ``heads`` from ``model`` in place; returns each pruned module's slice.
-
-    Works on transformers BERT-family/DistilBERT models and on fairseq encoder-decoder
-    Transformers. Heads are named as in the results tables (``self:0:3``, ``enc_dec:1:2``);
-    the pruned model numbers each layer's kept heads from 0 again, in their old order.
-    """
-    if any(type(m).__module__.startswith("fairseq.") for m in model.modules()):
-        from headsweep.workers.families.fairseq_translation.pruning import prune_fairseq_heads
-
-        return prune_fairseq_heads(model, heads)
-    return prune_hf_heads(model, heads)
-
-
-def site_inventory(sites: list[AttentionSite]) -> HeadInventory:
-    """Every head of the given attention sites."""
-    return HeadInventory([LayerShape(s.attention, s.layer, s.num_heads) for s in sites])
-
-
-def group_by_site(sites: list[AttentionSite], heads: Iterable[Head]) -> dict[SiteKey, set[int]]:
-    """Heads grouped by ``(attention, layer)``, each checked against the model's own head counts."""
-    inventory = site_inventory(sites)
-    grouped: dict[SiteKey, set[int]] = {}
-    for head in heads:
-        inventory.check(head)
-        grouped.setdefault((head.attention, head.layer), set()).add(head.head)
-    return grouped
-
-
-# -- transformers ----------------------------------------------------------------------------
 class EmptySelfAttention(nn.Module):
     """The inner self-attention of a BERT-family layer that has lost every head.
 
@@ -109,8 +74,6 @@ class EmptyDistilBertAttention(nn.Module):
 
 def prune_hf_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteKey, HeadSlice]:
     """Remove ``heads`` (attention ``self``) from a transformers BERT-family or DistilBERT model, in place."""
-    from headsweep.workers.families.hf_classifier.sites import find_sites
-
     if getattr(getattr(model, "config", None), PRUNED_HEADS_KEY, None):
         # Its heads are renumbered: a mask in the original numbers would remove the wrong ones.
         raise HeadsweepError("this model was already pruned (config.pruned_heads is set): prune the original model")
@@ -118,46 +81,33 @@ def prune_hf_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteKey, Hea
     if not sites:
         raise HeadsweepError(f"no attention modules recognised in {type(model).__name__}: nothing to prune")
     grouped = group_by_site(sites, heads)
-    work = [(site, _hf_family(site), plan_slice(site.num_heads, site.head_dim, grouped[site.key]))
+    work = [(site, _prunable_layout(site), plan_slice(site.num_heads, site.head_dim, grouped[site.key]))
             for site in sites if grouped.get(site.key)]
-    for site, family, plan in work:  # every module checked before the first one changes
-        _apply_hf(model, site, family, plan)
+    for site, layout, plan in work:  # every module checked before the first one changes
+        _apply(model, site, layout, plan)
     slices = {site.key: plan for site, _, plan in work}
     _record_pruned(model, slices)
     return slices
 
 
-def _hf_family(site: AttentionSite) -> str:
-    module = site.module
-    if hasattr(getattr(module, "self", None), "num_attention_heads"):
-        return "bert"
-    if hasattr(module, "out_lin") and hasattr(module, "n_heads"):
-        return "distilbert"
-    raise HeadsweepError(
-        f"{site.module_name} ({type(module).__name__}): physical pruning supports BERT-family and DistilBERT "
-        "attention; decoder-only models with grouped-query attention are not supported yet"
-    )
+def _prunable_layout(site: AttentionSite) -> AttentionLayout:
+    layout = attention_layout(site.module)
+    if layout is None or layout.name not in ("bert", "distilbert"):
+        raise HeadsweepError(
+            f"{site.module_name} ({type(site.module).__name__}): physical pruning supports BERT-family and "
+            "DistilBERT attention; decoder-only models with grouped-query attention are not supported yet"
+        )
+    return layout
 
 
-def _apply_hf(model: nn.Module, site: AttentionSite, family: str, plan: HeadSlice) -> None:
-    module = site.module
-    if family == "bert":
-        inner = module.self
-        for proj in (inner.query, inner.key, inner.value):
-            keep_rows(proj, plan.query_rows)
-        keep_columns(module.output.dense, plan.query_rows)
-        inner.num_attention_heads = len(plan.kept)
-        inner.all_head_size = len(plan.kept) * plan.head_dim
-        if not plan.kept:
-            module.self = EmptySelfAttention(inner)
-    else:
-        for proj in (module.q_lin, module.k_lin, module.v_lin):
-            keep_rows(proj, plan.query_rows)
-        keep_columns(module.out_lin, plan.query_rows)
-        module.n_heads = len(plan.kept)
-        if not plan.kept:
-            parent_name, _, child = site.module_name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, EmptyDistilBertAttention(module))
+def _apply(model: nn.Module, site: AttentionSite, layout: AttentionLayout, plan: HeadSlice) -> None:
+    for proj in (layout.query, layout.key, layout.value):
+        keep_rows(proj, plan.query_rows)
+    keep_columns(layout.out_proj, plan.query_rows)
+    layout.set_num_heads(len(plan.kept))
+    if not plan.kept:
+        empty = EmptySelfAttention if layout.name == "bert" else EmptyDistilBertAttention
+        layout.replace_core(model, site.module_name, empty(layout.core))
 
 
 def _record_pruned(model: nn.Module, slices: dict[SiteKey, HeadSlice]) -> None:
@@ -237,28 +187,3 @@ def _weight_files(model_dir: Path) -> list[Path]:
     if not single.is_file():
         raise HeadsweepError(f"no model.safetensors in {model_dir}")
     return [single]
-
-
-# -- shared ------------------------------------------------------------------------------------
-def count_parameters(model: nn.Module) -> int:
-    """Number of parameter elements (shared parameters counted once)."""
-    return sum(p.numel() for p in model.parameters())
-
-
-def ungated_copy(model: nn.Module, gates: HeadGates) -> nn.Module:
-    """A deep copy of a gated model with the gates' hooks taken off: what the stock library runs.
-
-    fairseq modules get their fused attention path back wherever their shapes allow it
-    (``skip_embed_dim_check`` stays on only for modules whose heads were already removed).
-    """
-    clone = copy.deepcopy(model)
-    names = {id(m): n for n, m in model.named_modules()}
-    for site in gates.sites:
-        proj = clone.get_submodule(names[id(site.out_proj)])
-        for handle in site.hook_handles:
-            proj._forward_pre_hooks.pop(handle.id, None)
-            proj._forward_pre_hooks_with_kwargs.pop(handle.id, None)
-        module = clone.get_submodule(names[id(site.module)])
-        if hasattr(module, "skip_embed_dim_check"):
-            module.skip_embed_dim_check = module.num_heads * module.head_dim != module.out_proj.out_features
-    return clone

@@ -11,12 +11,11 @@ whose first gated layer is l then runs the model's own forward with
 * layers after l computed as usual, with per-example gates for any heads masked there.
 
 Masks that share a first layer share one forward pass (the batch repeated once per mask).
-Baseline states are kept between calls within a memory budget (:mod:`headsweep.workers.batch_budget`).
+Baseline states are kept between calls within a memory budget (:class:`headsweep.workers.replay.BaselineCache`).
 
-Layouts handled: BERT, RoBERTa, ELECTRA, MiniLM (``attention.self`` computes the contexts,
-``attention.output.dense`` is W_O) and DistilBERT (``attention`` ends with ``out_lin``), whose
-layers form one ``nn.ModuleList`` and return a tensor. Anything else is evaluated with the
-plain path; :func:`classifier_layout` says why.
+Layouts handled (:mod:`headsweep.workers.families.hf_classifier.layout`): BERT, RoBERTa, ELECTRA,
+MiniLM and DistilBERT, whose layers form one ``nn.ModuleList`` and return a tensor. Anything
+else is evaluated with the plain path; :func:`classifier_layout` says why.
 """
 
 from __future__ import annotations
@@ -27,9 +26,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from headsweep.workers.families.hf_classifier.layout import attention_layout
 from headsweep.workers.gates import AttentionSite, HeadGates
 from headsweep.workers.heads import Head
-from headsweep.workers.replay import ReuseUnsupported, gated_projection, pass_through, replaced_forwards, returning
+from headsweep.workers.replay import (
+    BaselineCache,
+    ReuseUnsupported,
+    gated_projection,
+    pass_through,
+    replaced_forwards,
+    returning,
+)
 
 
 @dataclass
@@ -79,18 +86,14 @@ def classifier_layout(model: nn.Module, sites: Sequence[AttentionSite]) -> Class
         raise ReuseUnsupported("the layer stack does not hold exactly one attention module per layer, in order")
     cores, identities = [], []
     for site in sites:
-        inner, output = getattr(site.module, "self", None), getattr(site.module, "output", None)
-        if isinstance(inner, nn.Module) and getattr(output, "dense", None) is site.out_proj:
-            cores.append(inner)
-            identities.append(site.out_proj)
-        elif getattr(site.module, "out_lin", None) is site.out_proj:
-            cores.append(site.module)
-            identities.append(None)
-        else:
+        layout = attention_layout(site.module)
+        if layout is None or layout.name not in ("bert", "distilbert") or layout.out_proj is not site.out_proj:
             raise ReuseUnsupported(
                 f"{site.module_name} ({type(site.module).__name__}) is neither a BERT-style attention "
                 "(self + output.dense) nor a DistilBERT one (out_lin)"
             )
+        cores.append(layout.core)
+        identities.append(None if layout.core_projects else site.out_proj)
     embeddings = getattr(getattr(model, "base_model", model), "embeddings", None)
     return ClassifierLayout(list(sites), list(stack), cores, identities,
                             embeddings if isinstance(embeddings, nn.Module) else None)
@@ -106,19 +109,15 @@ class PrefixReuse:
 
     def __init__(self, model: nn.Module, gates: HeadGates, layout: ClassifierLayout, budget_bytes: int):
         self.model, self.gates, self.layout = model, gates, layout
-        self.budget_bytes = budget_bytes
-        self._kept: dict[int, BaselineStates] = {}
-        self.kept_bytes = 0
+        self.cache: BaselineCache[BaselineStates] = BaselineCache(budget_bytes)
+
+    @property
+    def kept_bytes(self) -> int:
+        return self.cache.kept_bytes
 
     def states(self, key: int, inputs: dict) -> BaselineStates:
         """Baseline states of batch ``key``: kept from an earlier call, or recorded now (and kept if they fit)."""
-        if key in self._kept:
-            return self._kept[key]
-        states = self.record(inputs)
-        if self.kept_bytes + states.nbytes <= self.budget_bytes:
-            self._kept[key] = states
-            self.kept_bytes += states.nbytes
-        return states
+        return self.cache.get(key, lambda: self.record(inputs))
 
     def record(self, inputs: dict) -> BaselineStates:
         """Run the ungated model once, keeping each layer's output and each projection's input."""

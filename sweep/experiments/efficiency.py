@@ -1,0 +1,70 @@
+"""``efficiency``: the full model and the model with a mask's heads physically removed, timed side by side.
+
+The mask is ``efficiency.mask`` (head names) or a stored evaluation's (``efficiency.level`` or
+``efficiency.eval_id``, of this run or of ``efficiency.from_run``: ``headsweep.sweep.stored_masks``).
+The timing runs in a worker (``headsweep.workers.efficiency.efficiency_on_worker``) and lands
+in the ``efficiency`` table, one row per model and batch size.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+from headsweep.errors import HeadsweepError
+from headsweep.sweep.experiments.base import Experiment
+from headsweep.sweep.sections import Config
+from headsweep.sweep.stored_masks import efficiency_mask, explicit_mask
+from headsweep.workers.heads import Head
+
+if TYPE_CHECKING:
+    from headsweep.sweep.experiments.context import Context
+
+
+class Efficiency(Experiment):
+    """Speed and memory gained by removing the heads of one mask."""
+
+    name = "efficiency"
+    section = "efficiency"
+    table = "efficiency"
+
+    def needs(self, cfg: Config) -> tuple[str, ...]:
+        # A mask named by level or eval id may be one of this run's evaluations: every kind of the
+        # run that evaluates masks goes first (the run lists them, so none is added).
+        e = cfg.efficiency
+        if e.mask is not None or e.from_run:
+            return ()
+        return tuple(name for name in dict.fromkeys(cfg.sweep.experiments) if name != self.name)
+
+    def check_config(self, cfg: Config) -> None:
+        e = cfg.efficiency
+        named = [k for k in ("mask", "level", "eval_id") if getattr(e, k) is not None]
+        if len(named) != 1:
+            raise HeadsweepError(
+                "experiment 'efficiency' needs exactly one of efficiency.mask (head names), efficiency.level "
+                f"(a pruning level) or efficiency.eval_id (an evaluation), got {', '.join(named) or 'none'}"
+            )
+        if e.mask is not None:
+            for name in e.mask:
+                Head.parse(name)  # a misspelt name fails now; heads out of range fail once the model is loaded
+        if e.mask is not None and e.from_run:
+            raise HeadsweepError(
+                "efficiency.from_run goes with efficiency.level or efficiency.eval_id, not with a mask"
+            )
+        if e.level is not None and not e.from_run and "prune_level" not in cfg.sweep.experiments:
+            raise HeadsweepError("efficiency.level needs prune_level in sweep.experiments, or efficiency.from_run")
+
+    def validate(self, ctx: Context) -> None:
+        if ctx.cfg.efficiency.mask:
+            explicit_mask(ctx.cfg.efficiency.mask, ctx.inventory)
+
+    def run(self, ctx: Context) -> None:
+        from headsweep.workers.efficiency import efficiency_on_worker  # torch: only when a run times models
+
+        choice = efficiency_mask(ctx.cfg.efficiency, ctx.store, ctx.run_id, ctx.inventory, ctx.prefix, ctx.checkpoint)
+        rows = [{**choice.columns(ctx.inventory), **row, "checkpoint": ctx.checkpoint, "finished_at": datetime.now(UTC)}
+                for row in ctx.pool.call(efficiency_on_worker, choice.heads, ctx.cfg.efficiency)]
+        ctx.write("efficiency", rows, name="efficiency")
+
+
+EFFICIENCY = Efficiency()

@@ -1,0 +1,122 @@
+"""``importance`` (Michel et al. sec. 4.1): a score per head, written to the ``importance`` table.
+
+``importance.method: gradient`` estimates ``E|dL/dxi_h|`` on ``importance.data`` in a worker
+(``headsweep.workers.importance.importance_on_worker``); ``ablation`` takes minus the single-head
+delta of this run (or of ``importance.from_run``). The scores (normalised per layer or raw, as
+configured) are left in ``ctx.shared["importance"]`` for the kinds that order heads by them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from headsweep.errors import HeadsweepError
+from headsweep.sweep.experiments.base import Experiment
+from headsweep.sweep.pruning import ablation_importance
+from headsweep.sweep.sections import Config, from_dict
+from headsweep.workers.family import model_family
+from headsweep.workers.heads import Head
+
+if TYPE_CHECKING:
+    from headsweep.sweep.experiments.context import Context
+
+SHARED_KEY = "importance"
+
+
+def importance_data(cfg: Config) -> Any:
+    """``importance.data`` typed as the model family's data section."""
+    return from_dict(model_family(cfg.model.kind).data_config, cfg.importance.data, "importance.data")
+
+
+def _same_file(a: dict, b: Any) -> bool:
+    keys = ("path", "source", "target", "split")
+    mine = {k: a.get(k) for k in keys if a.get(k)}
+    theirs = {k: getattr(b, k, None) for k in keys if getattr(b, k, None)}
+    return bool(mine) and mine == theirs
+
+
+def _names_test_split(data: dict) -> bool:
+    keys = ("path", "source", "name", "split") if data.get("data_bin") else ("path", "source", "name")
+    names = [str(data.get(k) or "") for k in keys]
+    return any(Path(n).name.lower().startswith("test") or n.lower() == "test" for n in names if n)
+
+
+class Importance(Experiment):
+    """Head importance, estimated once per model (a resumed run reuses the scores it stored)."""
+
+    name = "importance"
+    section = "importance"
+    table = "importance"
+
+    def needs(self, cfg: Config) -> tuple[str, ...]:
+        imp = cfg.importance
+        return ("single_head",) if imp.method == "ablation" and not imp.from_run else ()
+
+    def check_config(self, cfg: Config) -> None:
+        imp = cfg.importance
+        if imp.method == "gradient":
+            if imp.data is None:
+                raise HeadsweepError(
+                    "gradient importance needs importance.data (training or validation data, kept apart from the "
+                    "evaluation set)"
+                )
+            if not imp.allow_eval_data:
+                if imp.data == dataclasses.asdict(cfg.data) or _same_file(imp.data, cfg.data):
+                    raise HeadsweepError(
+                        "importance.data is the evaluation set; estimate importance on training or validation data, "
+                        "or set importance.allow_eval_data: true"
+                    )
+                if _names_test_split(imp.data):
+                    raise HeadsweepError(
+                        "importance.data looks like a test split; use training or validation data, "
+                        "or set importance.allow_eval_data: true"
+                    )
+        if imp.method == "ablation" and not imp.from_run and "single_head" not in cfg.sweep.experiments:
+            raise HeadsweepError(
+                "importance.method ablation orders heads by single-head deltas: add single_head to sweep.experiments "
+                "or name an earlier run with importance.from_run"
+            )
+
+    def run(self, ctx: Context) -> None:
+        stored = stored_importance(ctx) if ctx.done else None
+        # A resumed run orders its pending pruning levels by the importance it already stored, so
+        # they continue the same curve even where recomputing would not be bit-identical (GPU).
+        ctx.shared[SHARED_KEY] = stored if stored is not None else self.estimate(ctx)
+
+    def estimate(self, ctx: Context) -> dict[Head, float]:
+        """Estimate and write the scores; returns them as pruning ranks them."""
+        # Imported here: torch is loaded when a run estimates importance, not when a config is read.
+        from headsweep.workers.importance import importance_on_worker, normalize_by_layer
+
+        imp = ctx.cfg.importance
+        if imp.method == "gradient":
+            result = ctx.pool.call(importance_on_worker, importance_data(ctx.cfg), imp.per_token, imp.normalize, ())
+            raw, normalized = result.raw, result.normalized
+        else:
+            source = imp.from_run or ctx.run_id
+            raw = ablation_importance(ctx.store, source, ctx.inventory, None if imp.from_run else ctx.checkpoint)
+            normalized = normalize_by_layer(raw)
+        scores = normalized if imp.normalize else raw
+        ranked = sorted(scores, key=lambda h: (-scores[h], h))
+        rank = {h: i + 1 for i, h in enumerate(ranked)}
+        rows = [
+            {"method": imp.method, "attention": h.attention, "layer": h.layer, "head": h.head,
+             "score": raw[h], "score_normalized": normalized[h], "rank": rank[h], "checkpoint": ctx.checkpoint}
+            for h in ctx.inventory.heads
+        ]
+        ctx.write("importance", rows, name=imp.method)
+        return scores
+
+
+def stored_importance(ctx: Context) -> dict[Head, float] | None:
+    """The scores this run stored for ``ctx``'s checkpoint (as pruning ranks them), or None if there are none."""
+    rows = [r for r in ctx.store.read("importance", ctx.run_id).to_pylist() if r["checkpoint"] == ctx.checkpoint]
+    if not rows:
+        return None
+    column = "score_normalized" if ctx.cfg.importance.normalize else "score"
+    return {Head(r["attention"], r["layer"], r["head"]): r[column] for r in rows}
+
+
+IMPORTANCE = Importance()

@@ -1,0 +1,171 @@
+"""A run's row in ``runs``, its heartbeat, and which earlier run a new driver resumes.
+
+The row is written when the run starts, rewritten every ``HEARTBEAT_S`` while it runs (so that
+another driver can tell it is alive) and once more when it ends, with its status. A run of the
+same config that did not complete is resumed: its stored evaluations are read back and not
+computed again, unless its driver still lives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import numpy as np
+
+from headsweep.errors import HeadsweepError
+from headsweep.results.schema import COMPLETE, RUNNING, SCHEMA_VERSION
+from headsweep.results.store import ResultStore
+from headsweep.sweep.chunks import ChunkWriter
+from headsweep.sweep.sections import Config
+from headsweep.sweep.version import code_version
+from headsweep.workers.family import DatasetInfo
+
+# A running run's row is rewritten this often; a driver on another host whose row is older than
+# STALE_AFTER_S is taken for dead, so its run may be resumed.
+HEARTBEAT_S = 60.0
+STALE_AFTER_S = 600.0
+
+# What a resumed run already stored: eval id -> (score, per-example statistics).
+StoredResults = dict[str, tuple[float, np.ndarray]]
+
+
+def new_run_id() -> str:
+    return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def driver_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def refuse_if_live(run: dict) -> None:
+    """Two drivers must never write one run: refuse a ``running`` run whose driver still lives.
+
+    On this host the driver's process is checked directly; a driver on another host counts as
+    alive while its heartbeat (``updated_at``, rewritten every ``HEARTBEAT_S``) is recent.
+    """
+    if run["status"] != RUNNING:
+        return
+    driver = json.loads(run["facts"] or "{}").get("driver", "")
+    host, _, pid = driver.rpartition(":")
+    age = (now() - run["updated_at"]).total_seconds()
+    if host == socket.gethostname() and pid.isdigit():
+        alive = int(pid) != os.getpid() and process_exists(int(pid))
+    else:
+        alive = age < STALE_AFTER_S
+    if alive:
+        raise HeadsweepError(
+            f"run {run['run_id']} of this config is still being written by the driver {driver} (last heartbeat "
+            f"{age:.0f} s ago; a driver on another host is taken for dead after {STALE_AFTER_S:.0f} s without one); "
+            "wait for it, stop it, or start a separate run with --new"
+        )
+
+
+def resumable(store: ResultStore, cfg: Config, resume: str | None, auto_resume: bool) -> dict | None:
+    """The earlier run of this very config to continue: ``--resume RUN_ID``, or the newest unfinished one."""
+    runs = store.read("runs").to_pylist()
+    if resume:
+        run = next((r for r in runs if r["run_id"] == resume), None)
+        if run is None:
+            raise HeadsweepError(f"--resume {resume}: no such run in store {store.uri}")
+        if run["config_hash"] != cfg.hash():
+            raise HeadsweepError(
+                f"--resume {resume}: that run was made with another config (hash {run['config_hash']}, "
+                f"this one {cfg.hash()}); results of different configs are never mixed: start a new run"
+            )
+        refuse_if_live(run)
+        return run
+    if not auto_resume:
+        return None
+    unfinished = [r for r in runs if r["config_hash"] == cfg.hash() and r["status"] != COMPLETE]
+    if not unfinished:
+        return None
+    newest = max(unfinished, key=lambda r: r["created_at"])
+    refuse_if_live(newest)
+    return newest
+
+
+def stored_results(store: ResultStore, run_id: str, info: DatasetInfo) -> StoredResults:
+    """Score and per-example statistics of every evaluation the run already stored."""
+    store.remove_orphans(run_id)
+    scores = {r["eval_id"]: r["score"] for r in store.read("evaluations", run_id).to_pylist()}
+    position = {e: i for i, e in enumerate(info.example_ids)}
+    stats: dict[str, np.ndarray] = {}
+    examples = store.read("examples", run_id, columns=["eval_id", "example_id", "stats"])
+    for row in examples.to_pylist():
+        if row["eval_id"] in scores:
+            array = stats.setdefault(row["eval_id"], np.zeros((len(position), len(row["stats"]))))
+            array[position[row["example_id"]]] = row["stats"]
+    return {e: (scores[e], stats[e]) for e in scores}
+
+
+@dataclass
+class RunRecord:
+    """The run's row: what it is (config, model, data), how far it got and how it ended.
+
+    ``info`` is the model being swept (replaced per training checkpoint); ``n_done`` is what
+    ``writer`` has stored, counted when the row is written.
+    """
+
+    cfg: Config
+    store: ResultStore
+    run_id: str
+    created_at: datetime
+    info: DatasetInfo
+    writer: ChunkWriter
+    n_planned: int = 0
+    baseline_score: float | None = None
+    _last_beat: float = field(default_factory=time.monotonic)
+
+    def row(self, status: str, n_done: int, **extra) -> dict:
+        info = self.info
+        return {
+            "created_at": self.created_at,
+            "updated_at": now(),
+            "status": status,
+            "name": self.cfg.name,
+            "config": self.cfg.to_json(),
+            "config_hash": self.cfg.hash(),
+            "model": info.model,
+            "dataset": info.dataset,
+            "metric": info.metric,
+            "n_examples": info.n_examples,
+            "heads": json.dumps(info.inventory.to_json()),
+            "facts": json.dumps({**info.facts, "driver": driver_id()}, sort_keys=True, default=str),
+            "code_version": code_version(),
+            "schema_version": SCHEMA_VERSION,
+            "n_planned": self.n_planned,
+            "n_done": n_done,
+            "baseline_score": self.baseline_score,
+            **extra,
+        }
+
+    def write(self, status: str, n_done: int | None = None, **extra) -> None:
+        """Write the row with ``status`` (``n_done`` defaults to what the writer has stored)."""
+        n_done = self.writer.written if n_done is None else n_done
+        self.store.write_rows("runs", self.run_id, [self.row(status, n_done, **extra)], "run")
+        self._last_beat = time.monotonic()
+
+    def heartbeat(self) -> None:
+        """Rewrite the row now and then, so that another driver can tell this run is alive."""
+        if time.monotonic() - self._last_beat >= HEARTBEAT_S:
+            self.write(RUNNING)

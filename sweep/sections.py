@@ -1,0 +1,266 @@
+"""The sections of a sweep config as dataclasses, the whole :class:`Config`, and typed reading.
+
+A config is a tree of dataclasses. :func:`from_dict` builds one from a mapping and rejects
+unknown keys, naming the key and the keys that are allowed, because a misspelt key that is
+silently ignored runs the wrong sweep for hours. Each section checks its own values
+(``check()``); checks that need several sections or the experiment kinds of the run live in
+``headsweep.sweep.config`` and in the kinds (``headsweep.sweep.experiments``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from headsweep.errors import HeadsweepError
+
+IMPORTANCE_METHODS = ("gradient", "ablation")
+DEFAULT_LEVELS = [round(0.1 * i, 1) for i in range(11)]
+TESTS = ("paired_bootstrap", "paired_ttest", "mcnemar_exact")
+CORRECTIONS = ("bh", "holm", "bonferroni", "none")
+
+
+@dataclass
+class SweepSection:
+    """What to evaluate and how to spread it over workers."""
+
+    experiments: list[str] = field(default_factory=lambda: ["baseline", "single_head", "all_but_one"])
+    attention: list[str] | None = None
+    masks: list[list[str]] = field(default_factory=list)
+    workers: int = 1
+    num_cpus_per_worker: float = 1.0
+    num_gpus_per_worker: float = 0.0
+    device: str = "auto"
+    threads_per_worker: int = 0
+    batch_size: int = 32
+    masks_per_batch: int = 0
+    reuse: bool = True
+    flush_every: int = 64
+    flush_seconds: float = 10.0
+    max_retries: int = 2
+    worker_restarts: int = 3
+    placement_timeout_s: float = 600.0
+    wait_for_resources: bool = False
+
+    def check(self) -> None:
+        """Worker counts, resources and devices that cannot work."""
+        if self.workers < 1:
+            raise HeadsweepError(f"sweep.workers must be at least 1, got {self.workers}")
+        if self.batch_size < 1:
+            raise HeadsweepError(f"sweep.batch_size must be at least 1, got {self.batch_size}")
+        if self.num_cpus_per_worker <= 0:
+            raise HeadsweepError(f"sweep.num_cpus_per_worker must be positive, got {self.num_cpus_per_worker}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise HeadsweepError(f"sweep.device must be auto, cpu or cuda, got {self.device!r}")
+        if self.num_gpus_per_worker < 0:
+            raise HeadsweepError(f"sweep.num_gpus_per_worker must not be negative, got {self.num_gpus_per_worker}")
+        if self.device == "cuda" and self.num_gpus_per_worker == 0:
+            raise HeadsweepError(
+                "sweep.device=cuda needs sweep.num_gpus_per_worker > 0 "
+                "(Ray shows a GPU only to actors that ask for one)"
+            )
+        if self.device == "cpu" and self.num_gpus_per_worker > 0:
+            raise HeadsweepError(
+                f"sweep.device=cpu with sweep.num_gpus_per_worker={self.num_gpus_per_worker} would hold GPUs it never "
+                "uses; set sweep.num_gpus_per_worker=0"
+            )
+        if self.max_retries < 0 or self.worker_restarts < 0:
+            raise HeadsweepError("sweep.max_retries and sweep.worker_restarts must not be negative")
+
+
+@dataclass
+class SignificanceSection:
+    """Config section ``significance``."""
+
+    enabled: bool = True
+    tests: list[str] | None = None
+    n_resamples: int = 1000
+    seed: int = 12345
+    alpha: float = 0.01
+    correction: str = "bh"
+
+    def check(self) -> None:
+        for test in self.tests or []:
+            if test not in TESTS:
+                raise HeadsweepError(f"unknown test {test!r} in significance.tests (known: {', '.join(TESTS)})")
+        if self.correction not in CORRECTIONS:
+            raise HeadsweepError(
+                f"unknown significance.correction {self.correction!r} (known: {', '.join(CORRECTIONS)})"
+            )
+        if not 0 < self.alpha < 1:
+            raise HeadsweepError(f"significance.alpha must be in (0, 1), got {self.alpha}")
+        if self.n_resamples < 1:
+            raise HeadsweepError(f"significance.n_resamples must be at least 1, got {self.n_resamples}")
+
+
+@dataclass
+class ImportanceSection:
+    """Head importance (Michel et al. sec. 4.1): how it is estimated, and on which data.
+
+    ``data`` has the same keys as the top-level ``data`` section of the model kind and must
+    not be the evaluation set: importance estimated on the data it is judged on flatters it.
+    """
+
+    method: str = "gradient"
+    data: dict | None = None
+    per_token: bool = True
+    normalize: bool = True
+    allow_eval_data: bool = False
+    from_run: str | None = None
+
+    def check(self) -> None:
+        if self.method not in IMPORTANCE_METHODS:
+            raise HeadsweepError(
+                f"unknown importance.method {self.method!r} (known: {', '.join(IMPORTANCE_METHODS)})"
+            )
+
+
+@dataclass
+class PruneSection:
+    """Pruning levels (Michel et al. sec. 4.2): mask the ceil(p * N) least important heads."""
+
+    levels: list[float] = field(default_factory=lambda: list(DEFAULT_LEVELS))
+    attention: list[str] | None = None
+    min_heads_per_layer: int = 0
+    reestimate: bool = False
+
+    def check(self) -> None:
+        for p in self.levels:
+            if not 0.0 <= p <= 1.0:
+                raise HeadsweepError(f"prune.levels must lie in [0, 1], got {p}")
+        if self.min_heads_per_layer < 0:
+            raise HeadsweepError(f"prune.min_heads_per_layer must be >= 0, got {self.min_heads_per_layer}")
+
+
+@dataclass
+class EfficiencySection:
+    """The ``efficiency`` experiment: the full and the physically pruned model, timed side by side.
+
+    The mask is ``mask`` (head names), or the ``prune_level`` evaluation at ``level`` or the
+    evaluation ``eval_id`` of run ``from_run`` (of this run when ``from_run`` is null).
+    """
+
+    mask: list[str] | None = None
+    from_run: str | None = None
+    level: float | None = None
+    eval_id: str | None = None
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    warmup: int = 3
+    repeats: int = 10
+
+    def check(self) -> None:
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise HeadsweepError(f"efficiency.batch_sizes must be positive integers, got {self.batch_sizes}")
+        if self.warmup < 0 or self.repeats < 1:
+            raise HeadsweepError(
+                f"efficiency needs warmup >= 0 and repeats >= 1, got {self.warmup} and {self.repeats}"
+            )
+
+
+@dataclass
+class Config:
+    """A whole sweep. ``model`` and ``data`` are the dataclasses of ``model.kind``."""
+
+    model: Any
+    data: Any
+    name: str = "sweep"
+    seed: int = 0
+    sweep: SweepSection = field(default_factory=SweepSection)
+    significance: SignificanceSection = field(default_factory=SignificanceSection)
+    importance: ImportanceSection = field(default_factory=ImportanceSection)
+    prune: PruneSection = field(default_factory=PruneSection)
+    efficiency: EfficiencySection = field(default_factory=EfficiencySection)
+    checkpoints: list[str] | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def hash(self) -> str:
+        """Identity of what is computed: the canonical JSON of the config."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def coerce(value: Any, tp: Any, where: str) -> Any:
+    """``value`` as type ``tp`` (config key ``where``), or an error naming the key and the type."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg, where)
+            except HeadsweepError as exc:
+                errors.append(str(exc))
+        raise HeadsweepError(errors[0] if errors else f"config key {where!r} must not be null")
+    if origin is list:
+        if isinstance(value, str) and args and args[0] is str:
+            value = [v for v in value.replace(",", " ").split() if v]
+        if not isinstance(value, list):
+            raise HeadsweepError(f"config key {where!r} must be a list, got {value!r}")
+        return [coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)] if args else value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise HeadsweepError(f"config key {where!r} must be a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    if tp is Any:
+        return value
+    return _coerce_scalar(value, tp, where)
+
+
+def _coerce_scalar(value: Any, tp: Any, where: str) -> Any:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise HeadsweepError(f"config key {where!r} must be true or false, got {value!r}")
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool):
+        raise HeadsweepError(f"config key {where!r} must be an integer, got {value!r}")
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise HeadsweepError(f"config key {where!r} must be {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: Any, where: str = "") -> Any:
+    """Build dataclass ``cls`` from a mapping, rejecting unknown and missing keys."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise HeadsweepError(f"config section {where or 'top level'!r} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise HeadsweepError(
+            f"unknown config key '{prefix}{unknown[0]}' (known keys{' in ' + where if where else ''}: "
+            f"{', '.join(sorted(fields))})"
+        )
+    kwargs = {}
+    for name, f in fields.items():
+        key = f"{where}.{name}" if where else name
+        if name in data:
+            kwargs[name] = coerce(data[name], hints[name], key)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise HeadsweepError(f"config key {key!r} is required")
+    return cls(**kwargs)

@@ -1,0 +1,58 @@
+"""The ``fairseq_translation`` model family: fairseq encoder-decoder Transformers for translation.
+
+Declared here with only its config sections imported: the methods import their modules when
+called, so a run over another family never imports fairseq.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+from headsweep.workers.family import ModelFamily
+from headsweep.workers.heads import Head, SiteKey
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from headsweep.workers.families.fairseq_translation.model import LoadedTranslation
+    from headsweep.workers.gates import AttentionSite
+    from headsweep.workers.head_slicing import HeadSlice
+
+
+class TranslationFamily(ModelFamily):
+    """fairseq ``TransformerModel`` and relatives (``enc_self``, ``enc_dec`` and ``dec_self`` heads)."""
+
+    def load_model(self, model_cfg: TranslationModel) -> LoadedTranslation:
+        from headsweep.workers.families.fairseq_translation.model import load_model
+
+        loaded = load_model(model_cfg)
+        loaded.model.eval()
+        return loaded
+
+    def find_sites(self, model: nn.Module) -> list[AttentionSite]:
+        from headsweep.workers.families.fairseq_translation.sites import find_fairseq_sites, has_layer_stacks
+
+        return find_fairseq_sites(model) if has_layer_stacks(model) else []
+
+    def prune(self, model: nn.Module, heads: Sequence[Head]) -> dict[SiteKey, HeadSlice]:
+        from headsweep.workers.families.fairseq_translation.pruning import prune_fairseq_heads
+
+        return prune_fairseq_heads(model, heads)
+
+    def save_pruned(self, model_cfg: TranslationModel, loaded: LoadedTranslation, heads: Sequence[Head],
+                    out_dir: str | Path) -> None:
+        """``checkpoint.pt`` (removed heads under ``headsweep_pruned_heads``) with the model's dictionaries."""
+        from headsweep.workers.families.fairseq_translation.checkpoint import read_checkpoint
+        from headsweep.workers.families.fairseq_translation.pruning import copy_dictionaries, save_pruned_checkpoint
+
+        state = read_checkpoint(model_cfg.checkpoint, model_cfg.trusted)
+        save_pruned_checkpoint(state, loaded.model, heads, Path(out_dir) / "checkpoint.pt")
+        copy_dictionaries(model_cfg.data_bin, [loaded.source_lang, loaded.target_lang], out_dir)
+
+
+FAIRSEQ_TRANSLATION = TranslationFamily("fairseq_translation", TranslationModel, TranslationData,
+                                        "headsweep.workers.families.fairseq_translation.adapter:load_translation",
+                                        checkpoint_key="checkpoint")
