@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         code = COMMANDS[args.command](args)
     except HeadsweepError as exc:
         _stop_ray()
-        console.finish()
+        console.finish(name_log=False)  # the error line is the one line that matters
         console.say(f"headsweep: error: {exc}")
         return 2
     except KeyboardInterrupt:

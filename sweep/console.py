@@ -282,9 +282,9 @@ def _relay(data: dict) -> None:
         _write(console.err, text + "\n")
 
 
-def finish(failed: bool = False) -> None:
-    """End of the command: name the log file if something went into it and it was not named yet;
-    remove it when it stayed empty (short commands)."""
+def finish(name_log: bool = True) -> None:
+    """End of the command: name the log file if something went into it and it was not named yet
+    (unless ``name_log`` is false: a one-line error says all); remove it when it stayed empty."""
     console = _console
     if console is None or console.log_path is None:
         return
@@ -294,7 +294,7 @@ def finish(failed: bool = False) -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-    if console.announce:
+    if console.announce:  # named when the command started: kept, whatever it holds
         return
     if _only_own_lines(console.log_path):
         with contextlib.suppress(OSError):
@@ -302,7 +302,8 @@ def finish(failed: bool = False) -> None:
             if console.made_dir:
                 console.log_path.parent.rmdir()
         return
-    say(log_line(console.log_path))
+    if name_log:
+        say(log_line(console.log_path))
 
 
 def _only_own_lines(path: Path) -> bool:

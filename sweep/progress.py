@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from headsweep.sweep import console
 
 # The live line: phase, count, bar, percent, rate, elapsed, ETA, then the postfix (worker state, last item).
-BAR_FORMAT = ("{desc} {n_fmt}/{total_fmt} {bar:16} {percentage:3.0f}% {rate_fmt} "
+BAR_FORMAT = ("{desc} {n_fmt}/{total_fmt} {bar:16} {percentage:3.0f}% {speed} "
               "elapsed {elapsed} ETA {remaining}{postfix}")
 STEP_FORMAT = "{desc} running, elapsed {elapsed}{postfix}"
 TICK_S = 1.0  # how often the live line is redrawn when nothing lands (elapsed time, worker state)
@@ -79,6 +79,17 @@ def compact_workers(text: str) -> str:
     return f"{len(found)} workers: " + ", ".join(f"{k} {state}" for state, k in sorted(states.items()))
 
 
+def rate_text(rate: float | None, unit: str | None) -> str:
+    """``2.97/s`` (no unit: the evaluation lines' form), ``2.97 evals/s``, or ``9.2 s/epoch`` below one a second."""
+    if unit is None:
+        return f"{rate or 0.0:.2f}/s"
+    if rate is None or rate <= 0:
+        return f"? {unit}s/s"
+    if rate < 1:
+        return f"{1 / rate:.1f} s/{unit}"
+    return f"{rate:.2f} {unit}s/s"
+
+
 class _Live:
     """A tqdm line on the console's terminal, redrawn every ``TICK_S`` by a thread so that time moves
     even while nothing lands."""
@@ -86,12 +97,21 @@ class _Live:
     def __init__(self, stream, total: int | None, desc: str, unit: str, fmt: str, postfix: Callable[[], str]):
         from tqdm import tqdm
 
+        class Bar(tqdm):
+            @property
+            def format_dict(self):
+                # The rate as the plain lines word it (tqdm's own would read "9.15s/ epoch").
+                d = super().format_dict
+                elapsed = d.get("elapsed") or 0.0
+                rate = d.get("rate") or (d["n"] / elapsed if elapsed > 0 and d["n"] else None)
+                return {**d, "speed": rate_text(rate, unit)}
+
         self.postfix = postfix
         self.lock = threading.RLock()
         # A terminal that reports no width (a fresh pseudo-terminal) gets 100 columns.
         dynamic = _columns(stream) > 0
-        self.bar = tqdm(total=total, file=stream, desc=desc, unit=unit, bar_format=fmt, dynamic_ncols=dynamic,
-                        ncols=None if dynamic else 100, mininterval=0.2, leave=True, smoothing=0.1)
+        self.bar = Bar(total=total, file=stream, desc=desc, unit=unit, bar_format=fmt, dynamic_ncols=dynamic,
+                       ncols=None if dynamic else 100, mininterval=0.2, leave=True, smoothing=0.1)
         self._set_postfix()
         self.bar.refresh()
         console.attach_live(self.bar)
@@ -165,8 +185,9 @@ class Progress:
         self._printed = 0
         self._tty = _isatty(self.stream)
         self._live: _Live | None = None
+        self._closed = False
         if enabled and self._tty and total > 0:
-            self._live = _Live(self.stream, total, phase or label, " " + (unit or "eval"), BAR_FORMAT, self._postfix)
+            self._live = _Live(self.stream, total, phase or label, unit or "eval", BAR_FORMAT, self._postfix)
 
     def update(self, n: int = 1, note: str = "") -> None:
         self.done += n
@@ -186,6 +207,9 @@ class Progress:
 
     def close(self) -> None:
         """End the line (a step that stopped short of ``total`` leaves its last count)."""
+        if self._closed:
+            return
+        self._closed = True
         if self._live is not None:
             live, self._live = self._live, None
             live.close()
@@ -206,13 +230,6 @@ class Progress:
             parts.append(self._note)
         return "  ".join(parts)
 
-    def _rate(self, rate: float) -> str:
-        if self.unit is None:
-            return f"{rate:.2f}/s"
-        if 0 < rate < 1:
-            return f"{1 / rate:.1f} s/{self.unit}"
-        return f"{rate:.2f} {self.unit}s/s"
-
     def line(self, note: str = "") -> str:
         elapsed = time.monotonic() - self.start
         rate = self.done / elapsed if elapsed > 0 else 0.0
@@ -220,7 +237,7 @@ class Progress:
         eta_text = _clock(eta) if eta == eta else "?"
         pct = 100.0 * self.done / self.total if self.total else 100.0
         text = (
-            f"{self.label}: {self.done}/{self.total} ({pct:.0f}%) {self._rate(rate)} "
+            f"{self.label}: {self.done}/{self.total} ({pct:.0f}%) {rate_text(rate, self.unit)} "
             f"elapsed {_clock(elapsed)} ETA {eta_text}"
         )
         return f"{text} {note}".rstrip()
@@ -247,7 +264,7 @@ def step(name: str, enabled: bool = True, detail: Callable[[], str] | None = Non
     start = time.monotonic()
     live = None
     if _isatty(stream):
-        live = _Live(stream, None, name, " s", STEP_FORMAT, lambda: compact_workers(detail()) if detail else "")
+        live = _Live(stream, None, name, "s", STEP_FORMAT, lambda: compact_workers(detail()) if detail else "")
     else:
         _say(stream, f"{name} ...")
     try:

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 import numpy as np
 
 from headsweep.errors import HeadsweepError
-from headsweep.results.schema import COMPLETE, RUNNING, SCHEMA_VERSION
+from headsweep.results.schema import COMPLETE, RUN_STATUSES, RUNNING, SCHEMA_VERSION
 from headsweep.results.store import ResultStore
 from headsweep.sweep.chunks import ChunkWriter
 from headsweep.sweep.sections import Config
@@ -161,6 +161,8 @@ class RunRecord:
 
     def write(self, status: str, n_done: int | None = None, **extra) -> None:
         """Write the row with ``status`` (``n_done`` defaults to what the writer has stored)."""
+        if status not in RUN_STATUSES:
+            raise ValueError(f"run status {status!r} is not one of {', '.join(RUN_STATUSES)}")
         n_done = self.writer.written if n_done is None else n_done
         self.store.write_rows("runs", self.run_id, [self.row(status, n_done, **extra)], "run")
         self._last_beat = time.monotonic()

@@ -43,7 +43,8 @@ STDERR_SHAPES = {
 ALLOWED = re.compile("|".join(f"(?:{shape})" for shape in STDERR_SHAPES.values()))
 RUN_ID = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}")
 # The live line on a terminal: phase, count, bar, percent, rate, elapsed, ETA, worker state.
-LIVE = re.compile(r"[\w/ ]+ \d+/\d+ .{16} +\d+% +(\?|\d+\.\d\d) eval/s elapsed \d\d:\d\d ETA (\?|\d\d:\d\d)(, .+)?")
+LIVE = re.compile(r"[\w/ ]+ \d+/\d+ .{16} +\d+% (\S+ evals/s|\d+\.\d s/eval) "
+                  r"elapsed \d\d:\d\d ETA (\?|\d\d:\d\d)(, .+)?")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # Warnings on: the capture must hold without run_cli's PYTHONWARNINGS=ignore.
 LOUD = {"PYTHONWARNINGS": "default"}

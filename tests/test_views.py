@@ -126,3 +126,18 @@ def test_query_formats_and_parquet_file(small, tmp_path):
     bad = run_cli("query", sql, "--store", str(store.root), "--format", "parquet")
     assert bad.returncode == 2
     assert bad.stderr.strip() == "headsweep: error: --format parquet writes a file: give --out FILE"
+
+
+def test_the_deltas_view_takes_each_metric_primary_test_from_one_mapping():
+    import duckdb
+
+    from headsweep.results.views import DELTAS, OTHER_METRICS_TEST, PRIMARY_TEST, primary_test_sql
+    from headsweep.sweep.significance_runner import DEFAULT_TESTS
+
+    assert primary_test_sql("e.metric") in DELTAS
+    for metric, test in PRIMARY_TEST.items():
+        assert test in DEFAULT_TESTS[metric]  # the test shown is one a run computes by default
+    con = duckdb.connect()
+    cases = {m: con.execute(f"SELECT {primary_test_sql('m')} FROM (SELECT ? AS m)", [m]).fetchall()[0][0]
+             for m in ("accuracy", "bleu", "chrf")}
+    assert cases == {"accuracy": "paired_ttest", "bleu": "paired_bootstrap", "chrf": OTHER_METRICS_TEST}

@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
+from headsweep.workers.data_report import Finding, report
 from headsweep.workers.efficiency import median_batch, take_rows
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
-from headsweep.workers.families.hf_classifier.data import read_examples
-from headsweep.workers.families.hf_classifier.model import load_hf_model
+from headsweep.workers.families.hf_classifier.data import findings, read_examples
+from headsweep.workers.families.hf_classifier.model import load_hf_model, max_positions, resolve_max_length
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout, first_gated_layer
 from headsweep.workers.families.hf_classifier.sites import find_sites
 from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches
@@ -72,7 +73,12 @@ class ClassifierAdapter:
         self.labels = torch.tensor(label_ids(examples.labels, id2label, data_cfg.path), device=self.device)
         self.examples = examples
         self._label_text = _label_text(examples.labels, id2label)
-        self.batches = self.tokenise(data_cfg.max_length, runtime.batch_size)
+        self.max_positions = max_positions(self.model.config)
+        self.max_length = resolve_max_length(data_cfg.max_length, self.max_positions, model_cfg.path)
+        self.batches = self.tokenise(self.max_length, runtime.batch_size)
+        self.data_facts = {"encoding": data_cfg.encoding, "max_length": self.max_length,
+                           "max_positions": self.max_positions,
+                           **report(f"data file {data_cfg.path}", [*findings(examples), self.truncated()])}
         self.model_name = Path(model_cfg.path).name
         self.dataset_name = data_cfg.name or Path(data_cfg.path).stem
         self._reuse: PrefixReuse | None = None
@@ -104,6 +110,13 @@ class ClassifierAdapter:
             batches.append((torch.tensor(idx), {k: v.to(self.device) for k, v in padded.items()}))
         return batches
 
+    def truncated(self) -> Finding:
+        """The examples longer than ``max_length`` tokens (cut to it by ``tokenise``)."""
+        ex = self.examples
+        lengths = [len(ids) for ids in self.tokenizer(ex.texts, ex.text_pairs, verbose=False)["input_ids"]]
+        return Finding("truncated_examples", f"examples longer than data.max_length {self.max_length} tokens, "
+                       "truncated to it", [ex.ids[i] for i, n in enumerate(lengths) if n > self.max_length])
+
     def describe(self) -> DatasetInfo:
         return DatasetInfo(
             model=self.model_name,
@@ -114,7 +127,7 @@ class ClassifierAdapter:
             references=self.examples.labels,
             inventory=self.gates.inventory,
             facts={"model_class": type(self.model).__name__, "num_labels": int(self.model.config.num_labels),
-                   "reuse": self.reuse_note},
+                   "reuse": self.reuse_note, **self.data_facts},
         )
 
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
@@ -123,7 +136,7 @@ class ClassifierAdapter:
 
     def workload(self, batch_size: int, max_length: int) -> Workload:
         """One forward pass of ``batch_size`` examples around the median length (cycled if the set is smaller)."""
-        _, inputs = median_batch(self.tokenise(max_length, batch_size), lambda b: len(b[0]))
+        _, inputs = median_batch(self.tokenise(max_length or self.max_length, batch_size), lambda b: len(b[0]))
         n = len(next(iter(inputs.values())))
         inputs = take_rows(inputs, n, batch_size)
         real = inputs.get("attention_mask")

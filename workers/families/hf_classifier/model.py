@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,8 +10,14 @@ import torch
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.families.hf_classifier.config import ClassifierModel
+from headsweep.workers.families.hf_classifier.config import DEFAULT_MAX_LENGTH, ClassifierModel
+from headsweep.workers.families.hf_classifier.model_files import check_model_files
 from headsweep.workers.families.hf_classifier.pruning import PRUNED_HEADS_KEY, load_pruned
+
+# Model types whose position ids start after the padding index (RoBERTa's scheme): of
+# max_position_embeddings, pad_token_id + 1 are never used for tokens.
+OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "data2vec-text", "xmod", "ibert",
+                    "mpnet", "longformer"}
 
 
 @dataclass
@@ -47,7 +52,7 @@ def resolve_model_dir(path: str) -> Path:
 def load_hf_model(cfg: ClassifierModel, device: str):
     """Load model and tokenizer from a local directory, offline."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -58,16 +63,64 @@ def load_hf_model(cfg: ClassifierModel, device: str):
     dtype = getattr(torch, cfg.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise HeadsweepError(f"model.dtype {cfg.dtype!r} is not a torch dtype (e.g. float32, bfloat16)")
-    if json.loads((model_dir / "config.json").read_text()).get(PRUNED_HEADS_KEY):
+    if check_model_files(model_dir).get(PRUNED_HEADS_KEY):
         # Written by `headsweep export`: stock from_pretrained refuses its smaller attention weights.
         model = load_pruned(model_dir, cfg.attn_implementation, device).to(dtype)
-        return model, AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        return model, _tokenizer(model_dir)
+    extra = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
     try:
-        extra = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
         model = AutoModelForSequenceClassification.from_pretrained(
             model_dir, dtype=dtype, local_files_only=True, **extra
         )
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise HeadsweepError(f"cannot load model from {model_dir}: {str(exc).splitlines()[0]}") from None
-    return model.to(device).eval(), tokenizer
+    # Whatever a damaged or foreign directory makes transformers raise (safetensors raises its own
+    # SafetensorError): one line that names the files, with the cause's first line.
+    except Exception as exc:  # noqa: BLE001
+        raise HeadsweepError(f"cannot load the model from {model_dir} ({_weights(model_dir)}): "
+                             f"{_first_line(exc)}") from None
+    return model.to(device).eval(), _tokenizer(model_dir)
+
+
+def _tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 (as for the model above)
+        raise HeadsweepError(f"cannot load the tokenizer from {model_dir}: {_first_line(exc)}") from None
+
+
+def _weights(model_dir: Path) -> str:
+    files = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+    return f"weights: {', '.join(files)}" if files else "no weights file"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def max_positions(config) -> int | None:
+    """The longest input (in tokens) the model's position embeddings cover, or None if it does not say."""
+    n = getattr(config, "max_position_embeddings", None)
+    if not isinstance(n, int) or n <= 0:
+        return None
+    if getattr(config, "model_type", None) in OFFSET_POSITIONS:
+        pad = getattr(config, "pad_token_id", None)
+        n -= (1 if pad is None else int(pad)) + 1
+    return n
+
+
+def resolve_max_length(requested: int | None, limit: int | None, model_dir: str) -> int:
+    """``data.max_length``, checked against the model's maximum positions ``limit``; unset, the default
+    (or the model's maximum if smaller). Longer than the model's positions is refused, not clipped:
+    the run would either fail on the first long example or not do what the config says."""
+    if requested is None:
+        return min(DEFAULT_MAX_LENGTH, limit) if limit else DEFAULT_MAX_LENGTH
+    if requested < 1:
+        raise HeadsweepError(f"data.max_length must be at least 1, got {requested}")
+    if limit is not None and requested > limit:
+        raise HeadsweepError(
+            f"data.max_length {requested} is above the model's maximum of {limit} positions "
+            f"({model_dir}/config.json, max_position_embeddings): set data.max_length to {limit} or less"
+        )
+    return requested

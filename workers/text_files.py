@@ -1,0 +1,79 @@
+"""Text data read as text: bytes decoded strictly with the configured encoding (``data.encoding``).
+
+A byte the encoding cannot decode stops the run with the file, the line and the byte offset:
+reading on with the bytes (pyarrow gives an undecodable column as ``binary``, its JSON reader
+swaps in U+FFFD) would evaluate other sentences than the file holds, without a word.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import zlib
+from pathlib import Path
+
+from headsweep.errors import HeadsweepError
+
+DEFAULT_ENCODING = "utf-8"
+
+
+def check_encoding(encoding: str, key: str = "data.encoding") -> str:
+    """The codec's canonical name, or a one-line error when ``encoding`` names no text encoding."""
+    try:
+        info = codecs.lookup(encoding)
+    except (LookupError, TypeError):
+        raise HeadsweepError(f"{key} {encoding!r} is not a text encoding Python knows (e.g. utf-8, latin-1, "
+                             "cp1252)") from None
+    if not getattr(info, "_is_text_encoding", True):
+        raise HeadsweepError(f"{key} {encoding!r} is not a text encoding (e.g. utf-8, latin-1, cp1252)")
+    return info.name
+
+
+def decode(data: bytes, encoding: str, path: str | Path, key: str = "data.encoding", where: str = "") -> str:
+    """``data`` (the bytes of text file ``path``) decoded strictly, or a one-line error naming the line
+    and byte offset of the first byte that does not decode. A leading UTF-8 byte order mark is dropped
+    (it marks the encoding, it is not text). ``where`` qualifies the offset (e.g. of decompressed text)."""
+    name = check_encoding(encoding, key)
+    skip = len(codecs.BOM_UTF8) if name == "utf-8" and data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[skip:].decode(name, errors="strict")
+    except UnicodeDecodeError as exc:
+        offset = skip + exc.start
+        line = data.count(b"\n", 0, offset) + 1
+        column = offset - (data.rfind(b"\n", 0, offset) + 1)
+        hint = (f"set {key} to the file's encoding (e.g. latin-1 or cp1252), or fix the file"
+                if name == "utf-8" else f"check {key}")
+        raise HeadsweepError(
+            f"{path}: line {line} is not valid {encoding} text (byte 0x{data[offset]:02x} at byte offset "
+            f"{offset}{where}, byte {column} of the line): {hint}"
+        ) from None
+
+
+def read_bytes(path: str | Path) -> tuple[bytes, str]:
+    """The bytes of a file, gunzipped when it ends in ``.gz``; and how to qualify offsets into them."""
+    p = Path(path)
+    try:
+        if p.suffix == ".gz":
+            with gzip.open(p, "rb") as f:
+                return f.read(), " of the decompressed text"
+        return p.read_bytes(), ""
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise HeadsweepError(f"{path}: not a complete gzip file ({exc}): truncated, or not gzip") from None
+    except OSError as exc:
+        raise HeadsweepError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def read_text(path: str | Path, encoding: str = DEFAULT_ENCODING, key: str = "data.encoding") -> str:
+    """A text file (plain or ``.gz``) decoded strictly with ``encoding``."""
+    data, where = read_bytes(path)
+    return decode(data, encoding, path, key, where)
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines as ``wc -l`` and line-aligned parallel data count them: split at ``\\n`` only (a stray
+    ``\\r`` or Unicode line separator inside a sentence does not shift the alignment), ``\\r\\n`` endings
+    dropped, no empty last line for a final newline."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
