@@ -40,6 +40,15 @@ def _merge(base: dict, update: dict) -> dict:
     return out
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error as ``line L, column C: problem`` (1-based, as editors count)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}" + (f" ({context})" if context else "")
+
+
 def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """Read a config file and the files it includes, merged in order."""
     path = Path(path)
@@ -48,9 +57,11 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if path.resolve() in seen:
         raise HeadsweepError(f"config include cycle at {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise HeadsweepError(f"config file {path} is not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
     except yaml.YAMLError as exc:
-        raise HeadsweepError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise HeadsweepError(f"config file {path} is not valid YAML: {yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise HeadsweepError(f"config file {path} must hold a mapping at the top level")
     includes = data.pop("include", []) or []

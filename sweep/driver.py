@@ -38,7 +38,9 @@ from headsweep.sweep.runs import (
 from headsweep.sweep.sections import Config
 from headsweep.sweep.significance_runner import tests_for
 from headsweep.workers.actor import EvalWorker
+from headsweep.workers.checks import model_heads_on_worker
 from headsweep.workers.family import DatasetInfo, RuntimeOptions, model_family
+from headsweep.workers.heads import HeadInventory
 
 # Kept importable from here: the demo logs through the driver, and older callers check drivers with these.
 __all__ = ["STALE_AFTER_S", "Sweep", "log", "refuse_if_live"]
@@ -148,6 +150,7 @@ class Sweep:
         """
         tests_for(self.cfg.significance, info.metric)
         experiments.validate(Context(self.cfg, info, pool, self.store, self.run_id))
+        self.check_checkpoints(pool, info)
         previous = resumable(self.store, self.cfg, self.resume, self.auto_resume)
         created_at = now()
         if previous is not None:
@@ -160,6 +163,23 @@ class Sweep:
         record.write(RUNNING, n_done=0)
         return record
 
+    def check_checkpoints(self, pool: WorkerPool, info: DatasetInfo) -> None:
+        """Every later training checkpoint exists, loads, and has the first one's heads, before anything is written.
+
+        Each is opened (without data) in a worker and let go again; the first was loaded by the workers already.
+        """
+        for index, (checkpoint, model_cfg) in enumerate(self.model_variants()[1:], start=2):
+            try:
+                heads = pool.call(model_heads_on_worker, model_cfg)
+            except HeadsweepError as exc:
+                raise HeadsweepError(f"checkpoints entry {index} ({checkpoint}): {exc}") from None
+            if heads is not None and heads.to_json() != info.inventory.to_json():
+                raise HeadsweepError(
+                    f"checkpoints entry {index} ({checkpoint}) has other attention heads than the first "
+                    f"({describe_heads(heads)} vs {describe_heads(info.inventory)}): a run over checkpoints "
+                    "sweeps one architecture"
+                )
+
     def sweep_model(self, ctx: Context) -> None:
         """Every experiment kind of the run on one model, phase by phase (``experiments.schedule``)."""
         ctx.writer.checkpoint = ctx.checkpoint
@@ -167,7 +187,19 @@ class Sweep:
             if phase.streams:
                 ctx.evaluate([unit for kind in phase.kinds for unit in kind.plan(ctx)])
             else:
+                ctx.ensure_reference()
                 ctx.flush()  # a step may read this run's evaluations back (ablation importance, efficiency masks)
                 for kind in phase.kinds:
                     kind.run(ctx)
+        ctx.ensure_reference()  # a run of the baseline alone
         ctx.flush()
+
+
+def describe_heads(inventory: HeadInventory) -> str:
+    """``enc_self 3x8, dec_self 3x8``: layers x heads per attention type (uneven layers listed)."""
+    parts = []
+    for attention in inventory.attention_types:
+        counts = [s.num_heads for s in inventory.layers if s.attention == attention]
+        shape = f"{len(counts)}x{counts[0]}" if len(set(counts)) == 1 else "/".join(map(str, counts))
+        parts.append(f"{attention} {shape}")
+    return ", ".join(parts)

@@ -43,3 +43,32 @@ def test_pruning_curve_per_checkpoint(tmp_path, ray_address, tiny_bert_dir, tiny
     assert len({s["eval_id"] for s in sig}) == 6
     [run] = store.read("runs").to_pylist()
     assert run["status"] == "complete" and run["n_done"] == run["n_planned"] == 8
+
+
+def listing(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()} if root.exists() \
+        else {}
+
+
+def test_every_checkpoint_is_checked_before_anything_is_written(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):
+    """A missing or differently shaped later checkpoint stops the run before its first row (issue #16)."""
+    from conftest import error_line
+
+    other = save_tiny_classifier(tmp_path / "three-layers", layers=3, seed=2)
+    store = tmp_path / "s"
+    store.mkdir()
+    cases = [
+        ([str(tiny_bert_dir), str(tmp_path / "missing")], "checkpoints entry 2 ("),
+        ([str(tiny_bert_dir), str(other)], "has other attention heads than the first (self 3x4 vs self 2x4)"),
+    ]
+    for checkpoints, message in cases:
+        cfg = {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "checkpoints": checkpoints,
+               "data": {"path": str(tiny_dev_tsv)}, "sweep": {"experiments": ["baseline", "single_head"]}}
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+        before = listing(store)
+        proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet")
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert message in error_line(proc.stderr)
+        assert listing(store) == before
+        assert ResultStore(str(store)).read("runs").num_rows == 0

@@ -52,6 +52,14 @@ def test_bad_files_and_overrides(tmp_path):
     (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
     with pytest.raises(HeadsweepError, match="not valid YAML"):
         read_yaml(tmp_path / "bad.yaml")
+    # The message names the file, the line and the column (1-based) where the parser stopped.
+    (tmp_path / "tab.yaml").write_text("model:\n  kind: hf_classifier\n\tpath: m\n")
+    with pytest.raises(HeadsweepError) as err:
+        read_yaml(tmp_path / "tab.yaml")
+    assert f"config file {tmp_path / 'tab.yaml'} is not valid YAML: line 3, column 1: " in str(err.value)
+    (tmp_path / "latin1.yaml").write_bytes("model: {kind: caf\xe9}\n".encode("latin-1"))
+    with pytest.raises(HeadsweepError, match="is not UTF-8 text"):
+        read_yaml(tmp_path / "latin1.yaml")
     with pytest.raises(HeadsweepError, match="expected key=value"):
         apply_overrides({}, ["sweep.workers"])
 

@@ -14,7 +14,7 @@ UNIT = WorkUnit("baseline", "baseline", ())
 
 
 class Baseline(Experiment):
-    """Evaluates no mask, alone and before anything else: its score is every row's ``baseline_score``
+    """Evaluates no mask, first in the first pass: its score is every row's ``baseline_score``
     and its per-example statistics the baseline of every significance test."""
 
     name = "baseline"

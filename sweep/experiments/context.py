@@ -51,6 +51,7 @@ class Context:
     show_progress: bool = True
     baseline: tuple[float, np.ndarray] | None = None  # score and statistics of the unmasked model
     tracker: SignificanceTracker | None = None
+    _reference: WorkUnit | None = field(default=None, repr=False)  # planned, not yet evaluated
 
     @property
     def inventory(self) -> HeadInventory:
@@ -61,53 +62,83 @@ class Context:
         return None if self.baseline is None else self.baseline[0]
 
     def evaluate_reference(self, unit: WorkUnit) -> None:
-        """Evaluate the reference every other evaluation is compared with (the unmasked model), alone.
+        """Plan the reference every other evaluation is compared with (the unmasked model).
 
         Its score becomes every later row's ``baseline_score``, its statistics the significance
-        tests' baseline.
+        tests' baseline. It is not evaluated alone: it goes out first in the next :meth:`evaluate`
+        pass, so every worker is busy from the start (rows that land before it wait for it). When
+        no pass follows, :meth:`ensure_reference` evaluates it on its own.
         """
         [unit] = with_prefix([unit], self.prefix)
         self._recording().n_planned += 1
         if unit.eval_id in self.done:
-            score, stats = self.done[unit.eval_id]
+            self._set_reference(*self.done[unit.eval_id])
         else:
-            [(_, out, worker)] = self.pool.stream([unit], per_call=1)
-            self.writer.add(unit, out, out.score, worker)
-            self.writer.flush()
-            score, stats = out.score, out.stats
-        self.baseline = (score, stats)
-        if self.cfg.significance.enabled:
-            self.tracker = SignificanceTracker(
-                self.cfg.significance, self.store, self.run_id, self.info.metric, stats, family_prefix=self.prefix
-            )
+            self._reference = unit
+
+    def ensure_reference(self) -> None:
+        """Evaluate a planned reference now, if no pass has taken it yet (a step kind needs the baseline)."""
+        if self._reference is not None:
+            self.evaluate([])
 
     def evaluate(self, units: Sequence[WorkUnit]) -> None:
         """Stream ``units`` through the workers, writing and testing each result as it lands.
 
         Eval ids are given as the kinds plan them; this context's prefix is added. Units a resumed
         run already stored are not computed again; their stored statistics join the significance
-        family.
+        family. A planned reference goes first in the same stream.
         """
         record = self._recording()
-        if self.baseline is None:
-            raise RuntimeError("the reference (baseline) is evaluated before any other unit")
+        reference, self._reference = self._reference, None
+        if self.baseline is None and reference is None:
+            raise RuntimeError("the reference (baseline) is planned before any other unit")
         units = unique(with_prefix(units, self.prefix))
         record.n_planned += len(units)
-        tracker = self.tracker
-        if tracker is not None:
-            tracker.expect(units)
-            for unit in units:
-                if unit.eval_id in self.done:
-                    tracker.add(unit, self.done[unit.eval_id][1])
         todo = [u for u in units if u.eval_id not in self.done]
-        progress = Progress(len(todo), enabled=self.show_progress, detail=self.pool.status_line)
-        for unit, out, worker in self.pool.stream(todo, units_per_call(self.cfg.sweep.masks_per_batch)):
+        held: list[tuple[WorkUnit, Any, str]] = []  # results that landed before the reference
+
+        def land(unit: WorkUnit, out: Any, worker: str) -> None:
             self.writer.add(unit, out, self.baseline[0], worker)
             self.writer.maybe_flush()
-            if tracker is not None:
-                tracker.add(unit, out.stats)
+            if self.tracker is not None:
+                self.tracker.add(unit, out.stats)
+
+        if reference is None:
+            self._expect(units)
+        progress = Progress(len(todo) + (reference is not None), enabled=self.show_progress,
+                            detail=self.pool.status_line)
+        stream = [reference, *todo] if reference is not None else todo
+        for unit, out, worker in self.pool.stream(stream, units_per_call(self.cfg.sweep.masks_per_batch)):
+            if unit is reference:
+                self.writer.add(unit, out, out.score, worker)
+                self.writer.flush()
+                self._set_reference(out.score, out.stats)
+                self._expect(units)
+                for args in held:
+                    land(*args)
+                held.clear()
+            elif self.baseline is None:
+                held.append((unit, out, worker))
+            else:
+                land(unit, out, worker)
             progress.update(1, f"[{unit.eval_id}]")
             record.heartbeat()
+
+    def _set_reference(self, score: float, stats: np.ndarray) -> None:
+        self.baseline = (score, stats)
+        if self.cfg.significance.enabled:
+            self.tracker = SignificanceTracker(
+                self.cfg.significance, self.store, self.run_id, self.info.metric, stats, family_prefix=self.prefix
+            )
+
+    def _expect(self, units: Sequence[WorkUnit]) -> None:
+        """Announce ``units`` to the significance tests; those a resumed run stored join with their statistics."""
+        if self.tracker is None:
+            return
+        self.tracker.expect(units)
+        for unit in units:
+            if unit.eval_id in self.done:
+                self.tracker.add(unit, self.done[unit.eval_id][1])
 
     def write(self, table: str, rows: list[dict], name: str) -> None:
         """Write ``rows`` to ``table`` as one file of this run, named ``name`` (with this context's prefix)."""
