@@ -100,6 +100,10 @@ def run_query(store: ResultStore, sql: str, params: list | None = None) -> pa.Ta
         return relation.to_arrow_table() if relation is not None else pa.table({})
     except duckdb.Error as exc:
         raise _scan_error(store, exc) from None
+    except RuntimeError as exc:
+        if "interrupted" in str(exc).lower():  # DuckDB turns Ctrl-C into RuntimeError("Query interrupted")
+            raise KeyboardInterrupt from None
+        raise
     finally:
         con.close()
 

@@ -8,15 +8,26 @@ it use ``IS NOT DISTINCT FROM`` so that the null checkpoint matches itself.
 from __future__ import annotations
 
 from headsweep.results.schema import HEAD_COLUMNS
+from headsweep.workers.metrics import LOWER_IS_BETTER
 
 # The test shown next to a delta (the other tests stay in `significance`): a t-test for accuracy, the
-# paired bootstrap for corpus metrics (BLEU) and for any metric not named here.
-PRIMARY_TEST = {"accuracy": "paired_ttest", "bleu": "paired_bootstrap"}
+# paired bootstrap for corpus metrics (BLEU, perplexity) and for any metric not named here.
+PRIMARY_TEST = {"accuracy": "paired_ttest", "bleu": "paired_bootstrap", "perplexity": "paired_bootstrap"}
 OTHER_METRICS_TEST = "paired_bootstrap"
 
 
 def _literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
+
+
+def harm_sql(delta: str, metric: str) -> str:
+    """SQL for how much worse than the baseline a score is, from its ``delta`` and the ``metric`` column's
+    direction (``headsweep.workers.metrics.Metric.higher_is_better``): ``-delta`` where higher is better,
+    ``delta`` where lower is (perplexity). Positive harm: the masked heads were needed."""
+    if not LOWER_IS_BETTER:
+        return f"-{delta}"
+    names = ", ".join(_literal(m) for m in LOWER_IS_BETTER)
+    return f"CASE WHEN {metric} IN ({names}) THEN {delta} ELSE -{delta} END"
 
 
 def primary_test_sql(metric: str) -> str:
@@ -29,7 +40,7 @@ DELTAS = f"""
 CREATE VIEW deltas AS
 SELECT e.run_id, e.eval_id, e.experiment, e.attention, e.layer, e.head, e.level, e.checkpoint, e.n_masked,
        e.heads_masked, e.metric, e.score, e.baseline_score, e.delta, s.test, s.p_value, s.p_adjusted, s.correction,
-       s.alpha, s.significant, s.ci_low, s.ci_high
+       s.alpha, s.significant, s.ci_low, s.ci_high, {harm_sql("e.delta", "e.metric")} AS harm
 FROM evaluations e
 LEFT JOIN significance s
   ON s.run_id = e.run_id AND s.eval_id = e.eval_id
@@ -64,7 +75,7 @@ inventory AS (
 )
 SELECT i.run_id, i.checkpoint, i.attention, i.layer, i.head, i.attention || ':' || i.layer || ':' || i.head AS name,
        coalesce(b.metric, s.metric) AS metric, coalesce(b.score, s.baseline_score) AS baseline_score,
-       s.score, s.delta, s.test, s.p_value, s.p_adjusted, s.correction, s.alpha, s.significant,
+       s.score, s.delta, s.test, s.p_value, s.p_adjusted, s.correction, s.alpha, s.significant, s.harm,
        a.score AS all_but_one_score, a.delta AS all_but_one_delta,
        m.method AS importance_method, m.score AS importance, m.score_normalized AS importance_normalized,
        m.rank AS importance_rank
@@ -77,8 +88,9 @@ LEFT JOIN importance m ON {_same_head("m", "i")}
 """
 
 # All-but-one (Michel et al. sec. 3.3): per layer of each attention type, the head that scores
-# best when it is the only one kept (ties go to the lowest head index), with its test.
-LAYERS = """
+# best (in the metric's direction: lowest perplexity) when it is the only one kept (ties go to the
+# lowest head index), with its test; `worst_delta` is the delta of the worst kept head.
+LAYERS = f"""
 CREATE VIEW layers AS
 SELECT run_id, checkpoint, attention, layer, n_heads, head AS best_head,
        attention || ':' || layer || ':' || head AS best_name, metric, score, baseline_score, delta,
@@ -87,10 +99,10 @@ FROM (
     SELECT *,
            row_number() OVER w_sorted AS position,
            count(*) OVER w AS n_heads,
-           min(delta) OVER w AS worst_delta
+           arg_max(delta, harm) OVER w AS worst_delta
     FROM deltas WHERE experiment = 'all_but_one'
     WINDOW w AS (PARTITION BY run_id, checkpoint, attention, layer),
-           w_sorted AS (PARTITION BY run_id, checkpoint, attention, layer ORDER BY score DESC, head)
+           w_sorted AS (PARTITION BY run_id, checkpoint, attention, layer ORDER BY {harm_sql("score", "metric")}, head)
 )
 WHERE position = 1
 """

@@ -296,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         console.finish()
         console.say("headsweep: interrupted")
         return 130
+    except BrokenPipeError:
+        console.stdout_closed()  # e.g. `headsweep query ... | head -1`: the reader has what it wanted
+        console.finish(name_log=False)
+        return 0
     except Exception as exc:
         if con.log_path is None:
             raise  # --verbose: the traceback on the terminal, as Python prints it

@@ -2,7 +2,9 @@
 
 Two runs of the same model on different evaluation sets (e.g. in-domain and out-of-domain test
 sets) are compared head by head: Spearman and Pearson correlations of their single-head deltas
-and of their importance scores, and the overlap of the heads each finds significant.
+(each in its metric's direction: as harm, so that an accuracy run and a perplexity run of one model
+correlate positively when the same heads matter) and of their importance scores, and the overlap
+of the heads each finds significant.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from scipy import stats
 from headsweep.errors import HeadsweepError
 from headsweep.results.query import run_query
 from headsweep.results.store import ResultStore
+from headsweep.workers.metrics import higher_is_better
 
 # Per head of one run (the run id is a query parameter, never pasted into the SQL).
 DELTAS_SQL = """SELECT attention, layer, head, delta FROM evaluations
@@ -56,8 +59,11 @@ def compare_runs(store: ResultStore, run_a: str, run_b: str) -> tuple[pa.Table, 
     if json.loads(ra["heads"]) != json.loads(rb["heads"]):
         raise HeadsweepError(f"runs {run_a} and {run_b} are not of the same model (their heads differ)")
     deltas, importance, significant = {}, {}, {}
-    for run_id in (run_a, run_b):
-        deltas[run_id] = _by_head(run_query(store, DELTAS_SQL, [run_id]), "delta")
+    for run_id, run in ((run_a, ra), (run_b, rb)):
+        # As harm (positive: the head was needed), so that runs of metrics of opposite directions (accuracy
+        # and perplexity) correlate the right way round; for two runs of one metric this changes nothing.
+        sign = -1.0 if higher_is_better(run["metric"]) else 1.0
+        deltas[run_id] = {h: sign * d for h, d in _by_head(run_query(store, DELTAS_SQL, [run_id]), "delta").items()}
         importance[run_id] = _by_head(run_query(store, IMPORTANCE_SQL, [run_id]), "score")
         significant[run_id] = set(_by_head(run_query(store, SIGNIFICANT_SQL, [run_id]), "s"))
     if not deltas[run_a] and not importance[run_a]:

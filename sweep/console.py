@@ -11,8 +11,9 @@ What the command line does (unless ``--verbose``):
   ``print``, tqdm bars, C code writing to fd 2, the Ray processes the driver starts), lands there.
   headsweep's own lines go to duplicates of the original descriptors: ``out`` (results: run ids,
   tables, paths) and ``say`` (progress, status, warnings, errors).
-- Python warnings become log records (``logging.captureWarnings``, done by hand so that a warning
-  raised by headsweep's own code reaches the console as ``headsweep: warning: ...``); the root
+- Python warnings become log records (``logging.captureWarnings``), all of them: a warning's file
+  and line say where it was triggered, not whose it is (hydra's deprecation notices point into
+  headsweep's code), so headsweep says its own warnings through its logger instead. The root
   logger writes records to the log file at INFO, which also makes a library's later
   ``logging.basicConfig(level=DEBUG)`` (fairseq's wav2vec module does one at import) a no-op.
 - The ``headsweep`` logger's warnings reach the console as ``headsweep: warning: ...``.
@@ -31,19 +32,15 @@ import os
 import sys
 import tempfile
 import threading
-import warnings
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-# Where log files go when the store is not a local folder (or when there is no store).
+# A folder for every command's log file, instead of the default (see ``log_dir``).
 LOG_DIR_ENV = "HEADSWEEP_LOG_DIR"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 OWN_PREFIX = "headsweep:"
-# headsweep's source folders: a warning raised from a file below one of them is headsweep's own.
-_OWN_ROOTS = tuple(str(Path(__file__).resolve().parent.parent / name) + os.sep
-                   for name in ("sweep", "workers", "results", "headsweep"))
 
 
 @dataclass
@@ -80,17 +77,35 @@ def out_stream() -> TextIO:
     return _console.out if _console is not None else sys.stdout
 
 
-def say(message: str) -> None:
+def say(message: object) -> None:
     """One of headsweep's own status lines, on stderr (above the progress bar, if one is drawn)."""
+    message = str(message)
     _write(err_stream(), message + "\n")
     if _console is not None and not _console.verbose:
         # The log file keeps headsweep's lines too, so that other libraries' messages have their context.
         logging.getLogger("headsweep.console").info(message)
 
 
-def out(text: str, end: str = "\n") -> None:
-    """headsweep's results (a run id, a table, a path), on stdout."""
-    _write(out_stream(), text + end)
+def out(text: object, end: str = "\n") -> None:
+    """headsweep's results (a run id, a table, a path), on stdout (anything ``print`` takes: ``str(text)``)."""
+    _write(out_stream(), str(text) + end)
+
+
+def stdout_closed() -> None:
+    """The reader of stdout went away (``headsweep query ... | head -1``): drop the rest, as Unix tools do.
+
+    The broken stream is closed (its unwritten buffer discarded) and stdout points at the null
+    device, so nothing fails again when Python flushes its streams at exit.
+    """
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - kept open for the rest of the process
+    broken = out_stream()
+    if _console is not None:
+        _console.out = devnull
+    sys.stdout = devnull
+    with contextlib.suppress(OSError):
+        os.dup2(devnull.fileno(), 1)
+    with contextlib.suppress(OSError, ValueError):
+        broken.close()
 
 
 def _write(stream: TextIO, text: str) -> None:
@@ -110,7 +125,7 @@ def _write(stream: TextIO, text: str) -> None:
 
 
 def attach_live(bar: Any) -> None:
-    """Register the terminal's progress bar (an object with ``clear`` and ``refresh``)."""
+    """Register the terminal's live progress line (an object with ``clear``, ``refresh`` and ``close``)."""
     if _console is not None:
         with _console.lock:
             _console.live = bar
@@ -121,6 +136,14 @@ def detach_live(bar: Any) -> None:
         with _console.lock:
             if _console.live is bar:
                 _console.live = None
+
+
+def end_live() -> None:
+    """Leave the live progress line where it stands (a command that fails mid-step), so that the
+    lines that follow, the error last, are not redrawn over."""
+    live = _console.live if _console is not None else None
+    if live is not None:
+        live.close()
 
 
 def log_dir(store: str | None) -> Path:
@@ -242,16 +265,7 @@ def _route_logging(console: Console) -> None:
     if not console.verbose:
         own.addHandler(to_file)
     own.setLevel(logging.INFO)
-    warnings.showwarning = _show_warning
-
-
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """Python warnings as log records: headsweep's own on the console, the others' in the log file."""
-    if str(Path(filename).resolve()).startswith(_OWN_ROOTS):
-        logging.getLogger("headsweep").warning("%s", message)
-        return
-    text = warnings.formatwarning(message, category, filename, lineno, line)
-    logging.getLogger("py.warnings").warning("%s", text.rstrip())
+    logging.captureWarnings(True)
 
 
 def relay_ray_workers() -> None:
@@ -285,6 +299,7 @@ def _relay(data: dict) -> None:
 def finish(name_log: bool = True) -> None:
     """End of the command: name the log file if something went into it and it was not named yet
     (unless ``name_log`` is false: a one-line error says all); remove it when it stayed empty."""
+    end_live()
     console = _console
     if console is None or console.log_path is None:
         return

@@ -9,6 +9,7 @@ for significance, and the run's row in ``runs`` says how far it got (``headsweep
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,7 @@ class Sweep:
     resume: str | None = None
     auto_resume: bool = True
     done: StoredResults = field(default_factory=dict)
+    warned: set[str] = field(default_factory=set)  # data warnings already shown
 
     def model_variants(self) -> list[tuple[str | None, Any]]:
         """``(checkpoint, model config)`` for each model of the run: one, or one per training checkpoint."""
@@ -102,6 +104,10 @@ class Sweep:
                 raise cause from None
             raise HeadsweepError(f"worker failed to load the model: {str(cause).splitlines()[0]}") from None
         log(f"{len(actors)} workers ready: {', '.join(pool.names)}")
+        for text in dict.fromkeys(w for info in infos for w in info.facts.get("warnings", [])):
+            if text not in self.warned:  # once per run, whatever the number of workers and checkpoints
+                self.warned.add(text)
+                warn(text)
         return pool, infos[0]
 
     def execute(self) -> str:
@@ -193,6 +199,11 @@ class Sweep:
                     kind.run(ctx)
         ctx.ensure_reference()  # a run of the baseline alone
         ctx.flush()
+
+
+def warn(text: str) -> None:
+    """A ``headsweep: warning: ...`` line (the console shows the ``headsweep`` logger's warnings)."""
+    logging.getLogger("headsweep").warning("%s", text)
 
 
 def describe_heads(inventory: HeadInventory) -> str:

@@ -16,19 +16,27 @@ from matplotlib import colormaps
 from matplotlib.colors import Normalize, TwoSlopeNorm
 from matplotlib.figure import Figure
 
+from headsweep.workers.metrics import higher_is_better
+
 DPI = 100
 SIGNIFICANT_MARK = "*"
 # Cells carry their value as text while it stays legible.
 MAX_ANNOTATED_HEADS = 16
 NOT_EVALUATED = "#d9d9d9"  # grey cells: heads the run did not evaluate
 
-METRIC_NAMES = {"accuracy": "accuracy", "bleu": "BLEU"}
-METRIC_UNITS = {"accuracy": "fraction correct, 0-1", "bleu": "sacrebleu, 0-100"}
+METRIC_NAMES = {"accuracy": "accuracy", "bleu": "BLEU", "perplexity": "perplexity"}
+METRIC_UNITS = {"accuracy": "fraction correct, 0-1", "bleu": "sacrebleu, 0-100",
+                "perplexity": "exp(mean NLL per token), lower is better"}
 
 
 def metric_name(metric: str | None) -> str:
     """The metric as people write it (``BLEU``)."""
     return METRIC_NAMES.get(metric or "", metric or "score")
+
+
+def harm(metric: str | None, delta: float) -> float:
+    """How much worse than the baseline a score is (positive: the masked heads were needed)."""
+    return -delta if higher_is_better(metric) else delta
 
 
 def metric_label(metric: str | None) -> str:
@@ -68,7 +76,9 @@ def heatmap_size(grids: Sequence[tuple[int, int]]) -> tuple[float, float, bool]:
 
 
 def _heatmaps(rows: Sequence[dict], key: str, attention_order: Sequence[str], *, title: str, colour_label: str,
-              centred: bool, text: callable) -> Figure:
+              centred: bool, text: callable, harm_positive: bool = False) -> Figure:
+    """One heat map per attention type. Diverging maps are red where a value means harm: negative values,
+    or positive ones with ``harm_positive`` (deltas of a metric where lower is better)."""
     types = _order(rows, attention_order)
     grids = [_grid(rows, a, key) for a in types]
     values = np.concatenate([g[~np.isnan(g)] for g in grids]) if grids else np.array([])
@@ -77,7 +87,8 @@ def _heatmaps(rows: Sequence[dict], key: str, attention_order: Sequence[str], *,
         # Centred on zero so that white means "no change" and the two signs are equally intense.
         span = float(np.abs(values).max()) if values.size else 0.0
         span = span if span > 0 else 1e-9
-        norm, cmap = TwoSlopeNorm(vcenter=0.0, vmin=-span, vmax=span), colormaps["RdBu"]
+        norm = TwoSlopeNorm(vcenter=0.0, vmin=-span, vmax=span)
+        cmap = colormaps["RdBu_r" if harm_positive else "RdBu"]
     else:
         top = float(values.max()) if values.size and values.max() > 0 else 1.0
         norm, cmap = Normalize(vmin=0.0, vmax=top), colormaps["viridis"]
@@ -132,10 +143,11 @@ def delta_heatmap(rows: Sequence[dict], attention_order: Sequence[str], metric: 
         return (f"{value:+.2g}" if value else "0") + mark if len(rows) <= 64 else mark
 
     test = f"adjusted p < {alpha:g} ({correction})" if alpha is not None else "adjusted p"
+    worse = "red = worse" + ("" if higher_is_better(metric) else f" ({metric_name(metric)} went up)")
     title = (f"Single-head ablation: change in {metric_name(metric)} when one head is masked\n"
-             f"{SIGNIFICANT_MARK} = significant, {test}")
+             f"{SIGNIFICANT_MARK} = significant, {test}; {worse}")
     return _heatmaps(rows, "delta", attention_order, title=title, colour_label=f"delta {metric_label(metric)}",
-                     centred=True, text=text)
+                     centred=True, text=text, harm_positive=not higher_is_better(metric))
 
 
 def importance_heatmap(rows: Sequence[dict], attention_order: Sequence[str]) -> Figure:
@@ -198,7 +210,7 @@ def pruning_figure(curves: Sequence[Curve], metric: str | None, heads_per_type: 
     ax.set_xlabel("heads pruned (% of the heads in scope, least important first)")
     ax.set_ylabel(metric_label(metric))
     ax.set_xlim(-3, 103)
-    ax.set_title("Pruning curve")
+    ax.set_title("Pruning curve" + ("" if higher_is_better(metric) else f" (lower {metric_name(metric)} is better)"))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     if with_types:

@@ -114,7 +114,7 @@ class _Live:
                        ncols=None if dynamic else 100, mininterval=0.2, leave=True, smoothing=0.1)
         self._set_postfix()
         self.bar.refresh()
-        console.attach_live(self.bar)
+        console.attach_live(self)
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="headsweep-progress", daemon=True)
         self._ticker.start()
@@ -132,6 +132,15 @@ class _Live:
                 self._set_postfix()
                 self.bar.refresh()
 
+    def clear(self) -> None:
+        """Erase the line (a line of headsweep's own is about to be written)."""
+        with self.lock:
+            self.bar.clear()
+
+    def refresh(self) -> None:
+        with self.lock:
+            self.bar.refresh()
+
     def update(self, n: int, desc: str | None) -> None:
         with self.lock:
             if desc:
@@ -140,10 +149,13 @@ class _Live:
             self.bar.update(n)
 
     def close(self, leave: bool = True) -> None:
+        """Stop redrawing; ``leave`` the last state on the terminal as a line, or erase it."""
         self._stop.set()
         with self.lock:
+            if self.bar.disable:  # closed already
+                return
             self._set_postfix()
-            console.detach_live(self.bar)
+            console.detach_live(self)
             self.bar.leave = leave
             self.bar.close()
 

@@ -171,6 +171,7 @@ def _run_section(page: _Page, con: duckdb.DuckDBPyConnection, run: dict) -> None
     page.add(_facts_table([
         ("status", run["status"]), ("model", run["model"]), ("data", run["dataset"]),
         ("metric", figures.metric_label(metric)),
+        ("direction", "higher is better" if figures.higher_is_better(metric) else "lower is better"),
         ("baseline score", run["baseline_score"]), ("examples", run["n_examples"]),
         ("evaluations done / planned", f"{run['n_done']} / {run['n_planned']}"),
         ("heads", ", ".join(f"{a}: {n}" for a, n in heads_per_type.items())),
@@ -190,7 +191,9 @@ def _run_section(page: _Page, con: duckdb.DuckDBPyConnection, run: dict) -> None
         layers.sort(key=lambda r: (order.index(r["attention"]) if r["attention"] in order else 99, r["layer"]))
         if layers:
             page.add("<h4>All-but-one: the best head to keep alone in each layer</h4>")
-            page.add('<p class="note">Every other head of the layer (same attention type) is masked; delta is '
+            better = "highest" if figures.higher_is_better(metric) else "lowest"
+            page.add('<p class="note">Every other head of the layer (same attention type) is masked; the best head '
+                     f"is the one with the {better} {html.escape(figures.metric_name(metric))}; delta is "
                      "against the unmasked baseline.</p>")
             page.add(_table(layers, [("attention", "attention"), ("layer", "layer"), ("best_head", "best head"),
                                      _score_column(metric), ("delta", "delta"),
@@ -227,8 +230,10 @@ def _single_head(page: _Page, heads: list[dict], order: list[str], metric: str |
     page.add("<h4>Single-head ablation</h4>")
     page.figure(figures.delta_heatmap(heads, order, metric, correction, alpha), f"{prefix}-deltas.png",
                 "single-head delta heat map")
-    worst = sorted(evaluated, key=lambda h: (h["delta"], h["name"]))[:TOP_HEADS]
-    page.add(f"<p>Heads whose removal hurts most ({len(evaluated)} heads evaluated, "
+    # Most harmful first, in the metric's direction (a head whose removal raises perplexity hurts).
+    worst = sorted(evaluated, key=lambda h: (-figures.harm(metric, h["delta"]), h["name"]))[:TOP_HEADS]
+    direction = "" if figures.higher_is_better(metric) else f"; lower {figures.metric_name(metric)} is better"
+    page.add(f"<p>Heads whose removal hurts most ({len(evaluated)} heads evaluated{direction}, "
              f"{sum(bool(h['significant']) for h in evaluated)} significant at adjusted p &lt; {_fmt(alpha)}, "
              f"{html.escape(correction or 'no')} correction):</p>")
     page.add(_table(worst, [("name", "head"), _score_column(metric), ("delta", "delta"),
@@ -286,7 +291,8 @@ def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path) ->
         page.add(f"<h1>{html.escape(title)}</h1>")
         page.add(f'<p class="note">Store: {html.escape(store.uri)}, read with results schema version '
                  f"{SCHEMA_VERSION}. Delta = score with the heads masked minus the baseline score; negative "
-                 "means the heads were needed.</p>")
+                 "means the heads were needed where higher is better (accuracy, BLEU), positive where lower is "
+                 "(perplexity).</p>")
         for run in runs:
             _run_section(page, con, run)
     finally:

@@ -28,9 +28,12 @@ from headsweep.workers.metrics import metric_by_name
 from headsweep.workers.work import WorkUnit
 
 # The papers' tests: paired bootstrap for BLEU (Koehn 2004), a t-test for accuracy, with
-# McNemar's exact test as the better-founded companion for binary outcomes.
+# McNemar's exact test as the better-founded companion for binary outcomes. Perplexity: the paired
+# bootstrap over windows (as for BLEU, a corpus score from summed statistics), and a paired t-test
+# on per-window mean NLL (``Metric.example_values``).
 # The ``deltas`` view shows each metric's primary test (``headsweep.results.views.PRIMARY_TEST``), one of these.
-DEFAULT_TESTS = {"bleu": ["paired_bootstrap"], "accuracy": ["paired_ttest", "mcnemar_exact"]}
+DEFAULT_TESTS = {"bleu": ["paired_bootstrap"], "accuracy": ["paired_ttest", "mcnemar_exact"],
+                 "perplexity": ["paired_bootstrap", "paired_ttest"]}
 TESTS_PER_TASK = 32
 
 
@@ -46,12 +49,13 @@ def raw_tests(
 ) -> list[TestResult]:
     """Each requested test of ``systems`` (S, N, k) against ``baseline`` (N, k)."""
     results = []
+    m = metric_by_name(metric)
     for test in tests:
         if test == "paired_bootstrap":
-            score = metric_by_name(metric).score_from_stats
-            results.append(paired_bootstrap(baseline, systems, score, n_resamples=n_resamples, seed=seed))
+            results.append(paired_bootstrap(baseline, systems, m.score_from_stats, n_resamples=n_resamples, seed=seed))
         elif test == "paired_ttest":
-            results.append(paired_ttest(baseline[:, 0], systems[:, :, 0]))
+            # per-example values: correctness for accuracy, mean NLL per window for perplexity
+            results.append(paired_ttest(m.example_values(baseline), m.example_values(systems)))
         elif test == "mcnemar_exact":
             results.append(mcnemar_exact(baseline[:, 0], systems[:, :, 0]))
     return results

@@ -61,3 +61,18 @@ def test_unknown_format_and_duplicate_ids(tmp_path):
     q.write_text("id\tsentence\tlabel\n1\ta\t0\n1\tb\t1\n")
     with pytest.raises(HeadsweepError, match="duplicate ids"):
         read_examples(ClassifierData(path=str(q), id_column="id"))
+
+
+def test_text_is_read_as_text(tmp_path):
+    """Columns are strings as written (an id 007 stays 007), a UTF-8 byte order mark is no part of the header,
+    and Parquet ``binary`` text is decoded strictly with ``data.encoding`` (not turned into "b'...'")."""
+    tsv = tmp_path / "d.tsv"
+    tsv.write_bytes("\ufeffid\tsentence\tlabel\n007\tcafé\t1\n".encode())
+    ex = read_examples(ClassifierData(path=str(tsv), id_column="id"))
+    assert (ex.ids, ex.texts, ex.labels) == (["007"], ["café"], ["1"])
+    parquet = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"sentence": pa.array([b"ok", b"caf\xe9"], pa.binary()), "label": [1, 0]}), parquet)
+    with pytest.raises(HeadsweepError, match=r"column 'sentence' row 1 is not valid utf-8 text \(byte 0xe9 at byte "
+                                             r"offset 3 of the value\)"):
+        read_examples(ClassifierData(path=str(parquet)))
+    assert read_examples(ClassifierData(path=str(parquet), encoding="latin-1")).texts == ["ok", "café"]

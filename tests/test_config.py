@@ -73,4 +73,4 @@ def test_every_example_config_validates():
     assert len(files) >= 5
     for path in files:
         cfg = build_config(read_yaml(Path(path)))
-        assert cfg.model.kind in ("hf_classifier", "fairseq_translation"), path
+        assert cfg.model.kind in ("hf_classifier", "fairseq_translation", "hf_causal_lm"), path

@@ -205,3 +205,26 @@ print("ok")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_warnings_go_to_the_log_even_when_they_point_into_headsweep(tmp_path):
+    """A library's warning is attributed to its caller's line (hydra's deprecation notices point at the demo's
+    code); it still goes to the log file, while headsweep's own logger warnings reach the console."""
+    code = f"""
+import logging, warnings
+from headsweep.sweep import console
+console.setup("check", store={str(tmp_path / "store")!r})
+warnings.warn_explicit("a deprecated keyword", UserWarning, {str(REPO / "sweep" / "demo" / "translation.py")!r}, 118)
+print("a library's print")
+logging.getLogger("headsweep.workers.families.x").warning("the data look odd")
+console.out("result")
+console.finish()
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**os.environ, **LOUD})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "result\n"
+    lines = proc.stderr.splitlines()
+    assert lines[0] == "headsweep: warning: the data look odd" and foreign_lines(proc.stderr) == [], proc.stderr
+    text = log_file(proc.stderr).read_text()
+    assert "UserWarning: a deprecated keyword" in text and "a library's print" in text

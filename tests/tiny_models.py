@@ -95,3 +95,110 @@ def zeroed_copy(model, heads):
             s = sites[(h.attention, h.layer)]
             s.out_proj.weight[:, h.head * s.head_dim : (h.head + 1) * s.head_dim] = 0.0
     return ref
+
+
+# -- decoder-only language models -------------------------------------------------------------------------
+
+LM_WORDS = ("the a cat dog bird sees likes eats runs sleeps big small red green and then today here there "
+            "quickly slowly river tree house").split()
+LM_SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
+
+# (transformers config class name, query heads, key/value heads, extra config): the shapes the gate tests cover.
+CAUSAL_LM_SHAPES = {
+    "llama_8q2kv": ("LlamaConfig", 8, 2, {}),
+    "qwen2_14q2kv": ("Qwen2Config", 14, 2, {}),  # Qwen2.5-0.5B's non-power-of-two shape; q/k/v biases
+    "llama_mqa_4q1kv": ("LlamaConfig", 4, 1, {}),
+    "llama_4q4kv": ("LlamaConfig", 4, 4, {}),
+    "mistral_4q2kv": ("MistralConfig", 4, 2, {}),
+    "qwen3_4q2kv": ("Qwen3Config", 4, 2, {}),
+    "gpt2": ("GPT2Config", 4, 4, {}),
+    "gpt_bigcode_mqa": ("GPTBigCodeConfig", 4, 1, {"multi_query": True}),
+}
+
+
+def build_lm_tokenizer():
+    """A word-level tokenizer over ``LM_WORDS`` with BOS ``<s>`` and EOS ``</s>``, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(LM_SPECIALS + LM_WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def tiny_causal_lm(shape: str = "llama_8q2kv", attn: str = "eager", layers: int = 2, seed: int = 0,
+                   head_dim: int = 4, vocab_size: int | None = None, max_positions: int = 64):
+    """A randomly initialised causal LM of one of ``CAUSAL_LM_SHAPES``, in eval mode.
+
+    Weights larger than the default initialisation, so that single heads change the logits visibly.
+    """
+    import transformers
+
+    name, heads, kv, extra = CAUSAL_LM_SHAPES[shape]
+    torch.manual_seed(seed)
+    vocab = vocab_size or len(LM_SPECIALS) + len(LM_WORDS)
+    width = heads * head_dim
+    common = dict(vocab_size=vocab, initializer_range=0.2, bos_token_id=2, eos_token_id=3, pad_token_id=0,
+                  attn_implementation=attn)
+    if name in ("GPT2Config", "GPTBigCodeConfig"):
+        cfg = getattr(transformers, name)(n_embd=width, n_layer=layers, n_head=heads, n_inner=2 * width,
+                                          n_positions=max_positions, **common, **extra)
+    else:
+        cfg = getattr(transformers, name)(hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
+                                          num_key_value_heads=kv, head_dim=head_dim, intermediate_size=2 * width,
+                                          max_position_embeddings=max_positions, **common, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    if name == "Qwen2Config":  # the biases start at zero: make them matter
+        with torch.no_grad():
+            for module in model.modules():
+                for proj in ("q_proj", "k_proj", "v_proj"):
+                    bias = getattr(getattr(module, proj, None), "bias", None)
+                    if bias is not None:
+                        bias.normal_(0.0, 0.5)
+    return model.eval()
+
+
+def save_tiny_causal_lm(out_dir, shape: str = "llama_8q2kv", layers: int = 2, seed: int = 0,
+                        max_positions: int = 64, tokenizer: bool = True):
+    """A tiny random causal LM and its word-level tokenizer, saved like a user's model directory."""
+    model = tiny_causal_lm(shape, "eager", layers=layers, seed=seed, max_positions=max_positions)
+    model.config._attn_implementation = None  # let the loader choose (eager / sdpa) as a user's folder does
+    model.save_pretrained(out_dir)
+    if tokenizer:
+        build_lm_tokenizer().save_pretrained(out_dir)
+    return out_dir
+
+
+def lm_text(n_words: int, seed: int = 0) -> str:
+    """Random text over ``LM_WORDS``: lines of 3 to 12 words."""
+    import random
+
+    rng = random.Random(seed)
+    lines, left = [], n_words
+    while left > 0:
+        k = min(left, rng.randint(3, 12))
+        lines.append(" ".join(rng.choice(LM_WORDS) for _ in range(k)))
+        left -= k
+    return "\n".join(lines) + "\n"
+
+
+def zeroed_output_columns(model, heads):
+    """The independent route for decoder-only models: a copy whose output projection has each head's input
+    features zeroed by weight surgery (``o_proj`` columns; rows of GPT-2's transposed ``Conv1D`` ``c_proj``)."""
+    from torch import nn
+
+    from headsweep.workers.families.hf_causal_lm.sites import find_sites
+
+    ref = copy.deepcopy(model)
+    sites = {s.key: s for s in find_sites(ref)}
+    with torch.no_grad():
+        for h in heads:
+            s = sites[(h.attention, h.layer)]
+            span = slice(h.head * s.head_dim, (h.head + 1) * s.head_dim)
+            if isinstance(s.out_proj, nn.Linear):
+                s.out_proj.weight[:, span] = 0.0
+            else:  # Conv1D: weight (in, out)
+                s.out_proj.weight[span, :] = 0.0
+    return ref

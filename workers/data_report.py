@@ -29,7 +29,7 @@ def report(subject: str, findings: list[Finding]) -> dict[str, Any]:
     facts: dict[str, Any] = {f.key: len(f.ids) for f in findings}
     found = [f for f in findings if f.ids]
     if found:
-        parts = "; ".join(f"{len(f.ids)} {f.description} ({_ids(f.ids)})" for f in found)
+        parts = "; ".join(f"{f.description}: {len(f.ids)} ({_ids(f.ids)})" for f in found)
         facts[WARNINGS_KEY] = [f"{subject}: {parts} (counted in runs.facts)"]
     return facts
 

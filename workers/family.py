@@ -202,9 +202,10 @@ TaskAdapter = EvalAdapter
 
 def _registry() -> dict[str, ModelFamily]:
     from headsweep.workers.families.fairseq_translation.family import FAIRSEQ_TRANSLATION
+    from headsweep.workers.families.hf_causal_lm.family import HF_CAUSAL_LM
     from headsweep.workers.families.hf_classifier.family import HF_CLASSIFIER
 
-    return {f.name: f for f in (HF_CLASSIFIER, FAIRSEQ_TRANSLATION)}
+    return {f.name: f for f in (HF_CLASSIFIER, FAIRSEQ_TRANSLATION, HF_CAUSAL_LM)}
 
 
 def builtin_families() -> list[ModelFamily]:

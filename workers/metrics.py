@@ -18,18 +18,40 @@ def accuracy_from_stats(stats_sum: np.ndarray, n: int) -> np.ndarray:
     return np.asarray(stats_sum, dtype=np.float64)[..., 0] / n
 
 
+def first_stat(stats: np.ndarray) -> np.ndarray:
+    """Per-example values for tests on them: the first statistic (accuracy: correct or not)."""
+    return np.asarray(stats, dtype=np.float64)[..., 0]
+
+
 @dataclass(frozen=True)
 class Metric:
-    """A corpus metric: the names of its per-example statistics and its corpus score."""
+    """A corpus metric: the names of its per-example statistics and its corpus score.
+
+    ``higher_is_better`` is the metric's direction (perplexity: lower is better): what "a head whose
+    removal hurts" means, how heads are ranked by harm, which kept head is best. ``example_values``
+    turns per-example statistics (..., n_stats) into one value per example (...) for tests on
+    per-example values (the paired t-test).
+    """
 
     name: str
     stat_names: tuple[str, ...]
     score_from_stats: Callable[[np.ndarray, int], np.ndarray]
+    higher_is_better: bool = True
+    example_values: Callable[[np.ndarray], np.ndarray] = first_stat
 
     def score(self, stats: np.ndarray) -> float:
         """Corpus score of per-example statistics of shape (n_examples, n_stats)."""
         stats = np.asarray(stats, dtype=np.float64)
         return float(self.score_from_stats(stats.sum(axis=0), len(stats)))
+
+    @property
+    def sign(self) -> int:
+        """+1 when higher is better, -1 when lower is: ``sign * delta < 0`` means the masked heads were needed."""
+        return 1 if self.higher_is_better else -1
+
+    def harm(self, delta: float) -> float:
+        """How much worse a score is than the baseline (``delta`` = score - baseline; positive = worse)."""
+        return -self.sign * delta
 
 
 ACCURACY = Metric("accuracy", ("correct",), accuracy_from_stats)
@@ -77,7 +99,37 @@ def bleu_from_stats(stats_sum: np.ndarray, n: int | None = None, effective_order
 
 BLEU = Metric("bleu", BLEU_STAT_NAMES, bleu_from_stats)
 
-METRICS = {m.name: m for m in (ACCURACY, BLEU)}
+
+PERPLEXITY_STAT_NAMES = ("nll_sum", "n_tokens")
+
+
+def perplexity_from_stats(stats_sum: np.ndarray, n: int | None = None) -> np.ndarray:
+    """Corpus perplexity ``exp(sum nll / sum tokens)`` from summed per-window ``[nll_sum, n_tokens]``
+    (natural log; every leading index is one corpus, e.g. one bootstrap resample). ``n`` (the number
+    of windows) is not needed and only kept for the ``Metric`` signature."""
+    s = np.asarray(stats_sum, dtype=np.float64)
+    return np.exp(s[..., 0] / s[..., 1])
+
+
+def mean_nll(stats: np.ndarray) -> np.ndarray:
+    """Per-window mean negative log-likelihood in nats (``nll_sum / n_tokens``): the paired t-test's values."""
+    s = np.asarray(stats, dtype=np.float64)
+    return s[..., 0] / s[..., 1]
+
+
+PERPLEXITY = Metric("perplexity", PERPLEXITY_STAT_NAMES, perplexity_from_stats, higher_is_better=False,
+                    example_values=mean_nll)
+
+METRICS = {m.name: m for m in (ACCURACY, BLEU, PERPLEXITY)}
+
+#: Names of the metrics for which a lower score is better (the SQL views are generated from it).
+LOWER_IS_BETTER = tuple(m.name for m in METRICS.values() if not m.higher_is_better)
+
+
+def higher_is_better(metric: str | None) -> bool:
+    """The direction of the metric a run recorded by name; one headsweep does not know counts as higher-better."""
+    known = METRICS.get(metric or "")
+    return True if known is None else known.higher_is_better
 
 
 def metric_by_name(name: str) -> Metric:

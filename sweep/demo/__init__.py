@@ -111,7 +111,8 @@ def summarise(store: ResultStore, run_id: str) -> None:
         store, "SELECT model, dataset, metric, baseline_score, n_done FROM runs WHERE run_id = ?", [run_id]
     )
     console.out(format_table(base))
-    console.out("\nheads whose removal hurts most (single_head, most negative delta first; p from the paired test,")
+    console.out("\nheads whose removal hurts most (single_head, most harmful delta first in the metric's direction; "
+                "p from the paired test,")
     console.out("adjusted over all heads of the experiment, * = significant at the adjusted level):")
     console.out(
         format_table(
@@ -120,7 +121,7 @@ def summarise(store: ResultStore, run_id: str) -> None:
                 """SELECT name AS head, score, delta, test, p_value, p_adjusted, correction,
                           CASE WHEN significant THEN '*' ELSE '' END AS sig
                    FROM heads WHERE run_id = ? AND delta IS NOT NULL
-                   ORDER BY delta, attention, layer, head LIMIT 5""",
+                   ORDER BY harm DESC, attention, layer, head LIMIT 5""",
                 [run_id],
             )
         )

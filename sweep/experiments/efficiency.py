@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.experiments.base import Experiment
+from headsweep.sweep.progress import step
 from headsweep.sweep.sections import Config
 from headsweep.sweep.stored_masks import efficiency_mask, explicit_mask
 from headsweep.workers.heads import Head
@@ -62,8 +63,10 @@ class Efficiency(Experiment):
         from headsweep.workers.efficiency import efficiency_on_worker  # torch: only when a run times models
 
         choice = efficiency_mask(ctx.cfg.efficiency, ctx.store, ctx.run_id, ctx.inventory, ctx.prefix, ctx.checkpoint)
+        with step("efficiency timing", enabled=ctx.show_progress, detail=ctx.pool.status_line):
+            timed = ctx.pool.call(efficiency_on_worker, choice.heads, ctx.cfg.efficiency)
         rows = [{**choice.columns(ctx.inventory), **row, "checkpoint": ctx.checkpoint, "finished_at": datetime.now(UTC)}
-                for row in ctx.pool.call(efficiency_on_worker, choice.heads, ctx.cfg.efficiency)]
+                for row in timed]
         ctx.write("efficiency", rows, name="efficiency")
 
 

@@ -1,9 +1,11 @@
 """``importance`` (Michel et al. sec. 4.1): a score per head, written to the ``importance`` table.
 
 ``importance.method: gradient`` estimates ``E|dL/dxi_h|`` on ``importance.data`` in a worker
-(``headsweep.workers.importance.importance_on_worker``); ``ablation`` takes minus the single-head
-delta of this run (or of ``importance.from_run``). The scores (normalised per layer or raw, as
-configured) are left in ``ctx.shared["importance"]`` for the kinds that order heads by them.
+(``headsweep.workers.importance.importance_on_worker``); ``ablation`` takes the harm of each head's
+single-head ablation in this run (or in ``importance.from_run``): minus the delta where the metric's
+higher is better, the delta where lower is (perplexity), see ``headsweep.sweep.pruning.ablation_importance``.
+The scores (normalised per layer or raw, as configured) are left in ``ctx.shared["importance"]`` for the
+kinds that order heads by them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.experiments.base import Experiment
+from headsweep.sweep.progress import step
 from headsweep.sweep.pruning import ablation_importance
 from headsweep.sweep.sections import Config, from_dict
 from headsweep.workers.family import model_family
@@ -92,7 +95,8 @@ class Importance(Experiment):
 
         imp = ctx.cfg.importance
         if imp.method == "gradient":
-            result = ctx.pool.call(importance_on_worker, importance_data(ctx.cfg), imp.per_token, imp.normalize, ())
+            with step("gradient importance", enabled=ctx.show_progress, detail=ctx.pool.status_line):
+                result = ctx.pool.call(importance_on_worker, importance_data(ctx.cfg), imp.per_token, imp.normalize, ())
             raw, normalized = result.raw, result.normalized
         else:
             source = imp.from_run or ctx.run_id

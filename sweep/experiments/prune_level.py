@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.experiments.importance import SHARED_KEY, importance_data
 from headsweep.sweep.plan import check_attention_types
+from headsweep.sweep.progress import step
 from headsweep.sweep.pruning import iterative_level_masks, level_masks
 from headsweep.sweep.sections import Config
 from headsweep.workers.heads import Head
@@ -60,7 +61,8 @@ class PruneLevel(Experiment):
         data_cfg = importance_data(ctx.cfg)
 
         def estimate(mask: tuple[Head, ...]) -> dict[Head, float]:
-            return ctx.pool.call(importance_on_worker, data_cfg, imp.per_token, imp.normalize, mask).scores
+            with step("importance re-estimate", enabled=ctx.show_progress, detail=ctx.pool.status_line):
+                return ctx.pool.call(importance_on_worker, data_cfg, imp.per_token, imp.normalize, mask).scores
 
         return iterative_level_masks(estimate, ctx.inventory, prune.levels, prune.attention, prune.min_heads_per_layer)
 

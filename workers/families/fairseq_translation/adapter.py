@@ -34,9 +34,17 @@ from sacrebleu.metrics import BLEU as SacreBLEU
 from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
+from headsweep.workers.data_report import report
 from headsweep.workers.efficiency import median_batch, take_rows
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
-from headsweep.workers.families.fairseq_translation.data import ParallelExamples, TextPipeline, load_examples
+from headsweep.workers.families.fairseq_translation.data import (
+    ParallelExamples,
+    TextPipeline,
+    check_lengths,
+    data_subject,
+    findings,
+    load_examples,
+)
 from headsweep.workers.families.fairseq_translation.model import load_model
 from headsweep.workers.families.fairseq_translation.reuse import EncoderReuse
 from headsweep.workers.families.fairseq_translation.search import (
@@ -77,6 +85,10 @@ class TranslationAdapter:
         self.pipeline = TextPipeline(model_cfg, data_cfg, self.src_dict, self.tgt_dict,
                                      self.source_lang, self.target_lang)
         self.examples: ParallelExamples = load_examples(data_cfg, self.pipeline)
+        limits = check_lengths(self.examples, self.model.max_positions())
+        self.data_facts = {"encoding": data_cfg.encoding, "max_source_positions": limits[0],
+                           "max_target_positions": limits[1],
+                           **report(data_subject(data_cfg), findings(self.examples))}
         self.batches = self.batched(runtime.batch_size)
         self._bleu = _sacrebleu(self.examples.references)
         checkpoint = Path(model_cfg.checkpoint)
@@ -136,6 +148,7 @@ class TranslationAdapter:
                 "unk_rate_target": ex.unk_rate_target,
                 "loss": "teacher-forced cross-entropy of the reference, nats per target token (EOS included)",
                 "reuse": self.reuse_note,
+                **self.data_facts,
             },
         )
 

@@ -9,8 +9,10 @@ needs full unpickling loads only when the user says they trust it (``model.trust
 
 from __future__ import annotations
 
+import codecs
 import pickle
 import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ def read_checkpoint(path: str | Path, trusted: bool) -> dict:
         raise HeadsweepError("config key 'model.checkpoint' is required (a fairseq checkpoint .pt file)")
     if not p.is_file():
         raise HeadsweepError(f"checkpoint not found: {path}")
+    _check_torch_file(p)
     try:
         state = torch.load(p, map_location="cpu", weights_only=not trusted)
     except pickle.UnpicklingError as exc:
@@ -37,12 +40,54 @@ def read_checkpoint(path: str | Path, trusted: bool) -> dict:
                 "set model.trusted=true"
             ) from None
         raise HeadsweepError(f"{path} is not a fairseq checkpoint: torch cannot read it ({_reason(exc)})") from None
-    except (RuntimeError, EOFError, OSError, ValueError, AttributeError, ModuleNotFoundError) as exc:
+    except EOFError as exc:
+        raise HeadsweepError(f"checkpoint {path} is truncated: torch ran out of data reading it ({_first_line(exc)}; "
+                             f"{REFETCH})") from None
+    except (RuntimeError, OSError, ValueError, AttributeError, ModuleNotFoundError, KeyError, IndexError,
+            TypeError) as exc:
         raise HeadsweepError(f"{path} is not a fairseq checkpoint: torch cannot read it ({_first_line(exc)})") from None
     if not isinstance(state, dict) or "model" not in state or not (state.get("cfg") or state.get("args")):
         keys = ", ".join(map(str, state)) if isinstance(state, dict) else type(state).__name__
         raise HeadsweepError(f"{path} is not a fairseq checkpoint: no 'model' with 'cfg' or 'args' (found: {keys})")
     return state
+
+
+REFETCH = "an interrupted download or copy? fetch or copy it again"
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
+PICKLE_MAGIC = b"\x80"  # the legacy format: a pickle, starting with its protocol opcode
+
+
+def _check_torch_file(path: Path) -> None:
+    """One-line error unless ``path`` starts as ``torch.save`` writes files, and a zip one is whole.
+
+    torch's own errors for a foreign file are opaque (a text file reads as ``KeyError: 101``, the
+    pickle memo index its first bytes happen to spell)."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if not head:
+        raise HeadsweepError(f"checkpoint {path} is empty ({REFETCH})")
+    if head.startswith(ZIP_MAGIC):
+        if not zipfile.is_zipfile(path):
+            raise HeadsweepError(f"checkpoint {path} is truncated: a zip archive without its end ({REFETCH})")
+        return
+    if head.startswith(PICKLE_MAGIC):
+        return
+    text = _as_text(head)
+    if text is not None:
+        what = f"a text file (it starts {text.strip().splitlines()[0][:40]!r})" if text.strip() else "blank text"
+    else:
+        what = f"not a file torch.save wrote (its first bytes are {head[:8].hex(' ')})"
+    raise HeadsweepError(f"{path} is not a fairseq checkpoint: it is {what}; model.checkpoint must name the .pt "
+                         "file fairseq-train wrote (e.g. checkpoints/checkpoint_best.pt)")
+
+
+def _as_text(head: bytes) -> str | None:
+    """The first bytes of a file as text, if they are printable UTF-8 (a character cut at the end allowed)."""
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(head)
+    except UnicodeDecodeError:
+        return None
+    return text if all(c.isprintable() or c in "\r\n\t" for c in text) else None
 
 
 def _reason(exc: BaseException) -> str:

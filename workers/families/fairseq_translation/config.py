@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from headsweep.workers.text_files import check_encoding
+
 
 @dataclass
 class TranslationModel:
@@ -49,7 +51,8 @@ class TranslationData:
     tokenisation, then ``bpe_codes`` for subword-nmt or ``sentencepiece_model``), and the
     target lines are the references as written. Binarised: ``data_bin`` and ``split``
     (``<split>.<src>-<tgt>.<lang>.{bin,idx}``), whose token ids must use the model's
-    dictionaries; references are the decoded, detokenised targets.
+    dictionaries; references are the decoded, detokenised targets. ``encoding`` is the raw text
+    files' encoding: a byte it cannot decode stops the run with the file, line and byte offset.
     """
 
     source: str | None = None
@@ -60,3 +63,8 @@ class TranslationData:
     split: str = "test"
     max_examples: int | None = None
     name: str | None = None
+    encoding: str = "utf-8"
+
+    def check(self) -> None:
+        """What can be checked without the model or the files (the worker checks the rest)."""
+        check_encoding(self.encoding)

@@ -7,7 +7,6 @@ string with ``--post-process``, then detokenisation), with fairseq's own encoder
 
 from __future__ import annotations
 
-import gzip
 import logging
 import warnings
 from dataclasses import dataclass
@@ -16,7 +15,9 @@ from pathlib import Path
 import torch
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.data_report import Finding
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+from headsweep.workers.text_files import read_text, split_lines
 
 logger = logging.getLogger(__name__)
 
@@ -119,15 +120,10 @@ def _existing(path: str, key: str) -> Path:
     return p
 
 
-def read_lines(path: str | Path, key: str) -> list[str]:
-    """Lines of a text file, plain or gzip, without their line endings."""
+def read_lines(path: str | Path, key: str, encoding: str = "utf-8") -> list[str]:
+    """Lines of a text file, plain or gzip, decoded strictly with ``encoding``, without their line endings."""
     p = _existing(str(path), key)
-    opener = gzip.open if p.suffix == ".gz" else open
-    try:
-        with opener(p, "rt", encoding="utf-8") as f:
-            return [line.rstrip("\r\n") for line in f]
-    except (OSError, UnicodeDecodeError) as exc:
-        raise HeadsweepError(f"{key}: cannot read {path} as UTF-8 text: {exc}") from None
+    return split_lines(read_text(p, encoding))
 
 
 @dataclass
@@ -141,6 +137,11 @@ class ParallelExamples:
     references: list[str]
     unk_rate_source: float
     unk_rate_target: float
+    # Where the examples come from, for messages: example i is ``<unit> <i + first>`` of these files.
+    source_file: str = ""
+    target_file: str = ""
+    unit: str = "line"
+    first: int = 1
 
 
 def load_examples(data_cfg: TranslationData, pipeline: TextPipeline) -> ParallelExamples:
@@ -165,8 +166,8 @@ def load_examples(data_cfg: TranslationData, pipeline: TextPipeline) -> Parallel
 def _from_text(data_cfg: TranslationData, pipeline: TextPipeline) -> ParallelExamples:
     if not data_cfg.source or not data_cfg.target:
         raise HeadsweepError("raw-text data need both data.source and data.target")
-    src = read_lines(data_cfg.source, "data.source")
-    tgt = read_lines(data_cfg.target, "data.target")
+    src = read_lines(data_cfg.source, "data.source", data_cfg.encoding)
+    tgt = read_lines(data_cfg.target, "data.target", data_cfg.encoding)
     if len(src) != len(tgt):
         raise HeadsweepError(
             f"data.source has {len(src)} lines but data.target has {len(tgt)}: they must be line-aligned"
@@ -184,6 +185,8 @@ def _from_text(data_cfg: TranslationData, pipeline: TextPipeline) -> ParallelExa
         references=[line.strip() for line in tgt],
         unk_rate_source=_unk_rate(s_ids, pipeline.src_dict),
         unk_rate_target=_unk_rate(t_ids, pipeline.tgt_dict),
+        source_file=f"data.source {data_cfg.source}",
+        target_file=f"data.target {data_cfg.target}",
     )
 
 
@@ -236,6 +239,10 @@ def _from_data_bin(data_cfg: TranslationData, pipeline: TextPipeline) -> Paralle
         references=[pipeline.decode(t) for t in t_ids],
         unk_rate_source=_unk_rate(s_ids, pipeline.src_dict),
         unk_rate_target=_unk_rate(t_ids, pipeline.tgt_dict),
+        source_file=f"{folder / f'{split}.{pair}.{src}'}",
+        target_file=f"{folder / f'{split}.{pair}.{tgt}'}",
+        unit="sentence",
+        first=0,
     )
 
 
@@ -258,3 +265,47 @@ def _check_unknowns(ex: ParallelExamples, pipeline: TextPipeline) -> None:
         message = f"{rate:.1%} of the {side} tokens of {ex.name!r} are unknown to the model's dictionary; {hint}"
         logger.warning(message)
         warnings.warn(message, stacklevel=3)
+
+
+def check_lengths(ex: ParallelExamples, max_positions: object) -> tuple[int | None, int | None]:
+    """Refuse sentences longer than the model's source or target positions (``model.max_positions()``),
+    as fairseq-generate does; returns the two limits (None where the model sets none)."""
+    limits = tuple(max_positions) if isinstance(max_positions, (tuple, list)) else (max_positions, max_positions)
+    limits = tuple(int(x) if isinstance(x, (int, float)) and x > 0 else None for x in limits[:2])
+    for side, seqs, limit, where in (("source", ex.source, limits[0], ex.source_file),
+                                     ("target", ex.target, limits[1], ex.target_file)):
+        long = [i for i, s in enumerate(seqs) if limit is not None and len(s) > limit]
+        if long:
+            i = long[0]
+            more = f" ({len(long)} {ex.unit}s in all)" if len(long) > 1 else ""
+            raise HeadsweepError(
+                f"{where}: {ex.unit} {i + ex.first} is {len(seqs[i])} tokens long (after BPE, with EOS), more than "
+                f"the model's {limit} {side} positions{more}: shorten or remove it (fairseq-generate refuses it too)"
+            )
+    return limits
+
+
+def findings(ex: ParallelExamples) -> list[Finding]:
+    """Sentence pairs that look wrong but are evaluated as they are: an empty source or target
+    (nothing but the EOS every sentence ends in), and a source that repeats an earlier one."""
+    empty_source = Finding("empty_sources", "empty source sentences")
+    empty_target = Finding("empty_targets", "empty target sentences")
+    repeated = Finding("duplicate_sources", "repeated source sentences")
+    seen: set[tuple[int, ...]] = set()
+    for example_id, s, t in zip(ex.ids, ex.source, ex.target, strict=True):
+        if len(s) <= 1:
+            empty_source.ids.append(example_id)
+        if len(t) <= 1:
+            empty_target.ids.append(example_id)
+        key = tuple(s.tolist())
+        if key in seen:
+            repeated.ids.append(example_id)
+        seen.add(key)
+    return [empty_source, empty_target, repeated]
+
+
+def data_subject(data_cfg: TranslationData) -> str:
+    """How a warning names the evaluation data."""
+    if data_cfg.source:
+        return f"data {data_cfg.source} / {data_cfg.target}"
+    return f"data {data_cfg.data_bin} split {data_cfg.split!r}"

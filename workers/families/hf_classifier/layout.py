@@ -9,17 +9,23 @@ are read from the modules themselves, never from user input.
   computes the per-head contexts; ``.output.dense`` is W_O, applied after it.
 * ``distilbert``: ``q_lin``, ``k_lin``, ``v_lin``, ``out_lin`` and ``n_heads`` on the module
   itself, whose forward already ends with W_O.
-* ``llama``: decoder-only models (Llama, Mistral, Qwen, ...): ``q_proj``, ``k_proj``,
-  ``v_proj``, ``o_proj``, ``head_dim``, head counts in ``config`` (grouped-query attention).
+* ``llama``: decoder-only models (Llama, Mistral, Qwen2, Qwen3, Phi-3, ...): ``q_proj``,
+  ``k_proj``, ``v_proj`` (or a fused ``qkv_proj``), ``o_proj``, ``head_dim``; query heads counted
+  from ``o_proj``'s input, key/value heads from ``k_proj``'s output (grouped-query attention).
+* ``gpt2``: GPT-2 and GPTBigCode: a fused ``c_attn`` and ``c_proj``, ``num_heads``, ``head_dim``
+  (GPTBigCode: ``kv_heads``, 1 with multi-query attention). GPT-2's projections are ``Conv1D``
+  layers whose weight is transposed against ``nn.Linear`` (``(in, out)``): head h is still input
+  features ``h*d .. (h+1)*d-1`` of ``c_proj``, which is where the gates act.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-LAYOUTS = ("bert", "distilbert", "llama")
+LAYOUTS = ("bert", "distilbert", "llama", "gpt2")
 
 
 @dataclass(frozen=True)
@@ -35,10 +41,10 @@ class AttentionLayout:
     module: nn.Module
     core: nn.Module
     core_projects: bool
-    query: nn.Linear
-    key: nn.Linear
-    value: nn.Linear
-    out_proj: nn.Linear
+    query: nn.Module  # a fused query/key/value projection (gpt2, Phi-3) stands in for all three
+    key: nn.Module
+    value: nn.Module
+    out_proj: nn.Module  # nn.Linear, or transformers' Conv1D (GPT-2)
     num_heads: int
     head_dim: int
     num_kv_heads: int
@@ -87,21 +93,57 @@ def _distilbert(module: nn.Module) -> AttentionLayout | None:
                            getattr(module, "k_lin", None), getattr(module, "v_lin", None), out, n, head_dim, n)
 
 
+def projection_inputs(proj: nn.Module) -> int | None:
+    """Input features of a projection: ``nn.Linear``'s ``in_features``, or a ``Conv1D``'s ``nx`` (its
+    weight is ``(in, out)``); None for anything else."""
+    if isinstance(proj, nn.Linear):
+        return int(proj.in_features)
+    weight = getattr(proj, "weight", None)
+    if hasattr(proj, "nf") and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    return None
+
+
 def _llama(module: nn.Module) -> AttentionLayout | None:
     out = getattr(module, "o_proj", None)
     config = getattr(module, "config", None)
-    if not isinstance(out, nn.Linear) or config is None or not hasattr(module, "head_dim"):
+    head_dim = getattr(module, "head_dim", None)
+    if not isinstance(out, nn.Linear) or config is None or not isinstance(head_dim, int) or head_dim <= 0:
         return None
-    n = int(config.num_attention_heads)
-    kv = int(getattr(config, "num_key_value_heads", None) or n)
-    return AttentionLayout("llama", module, module, True, getattr(module, "q_proj", None),
-                           getattr(module, "k_proj", None), getattr(module, "v_proj", None), out, n,
-                           int(module.head_dim), kv)
+    if getattr(module, "is_cross_attention", False):
+        return None
+    # Counted from the modules (what physical pruning changes), not from the config.
+    n = out.in_features // head_dim
+    key = getattr(module, "k_proj", None)
+    fused = getattr(module, "qkv_proj", None)
+    if isinstance(key, nn.Linear):
+        kv = key.out_features // head_dim
+    else:
+        kv = int(getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", n))
+    query, value = getattr(module, "q_proj", None), getattr(module, "v_proj", None)
+    return AttentionLayout("llama", module, module, True, fused if query is None else query,
+                           fused if key is None else key, fused if value is None else value, out, n, head_dim, kv)
+
+
+def _gpt2(module: nn.Module) -> AttentionLayout | None:
+    out = getattr(module, "c_proj", None)
+    fused = getattr(module, "c_attn", None)
+    head_dim = getattr(module, "head_dim", None)
+    if out is None or fused is None or not isinstance(head_dim, int) or head_dim <= 0:
+        return None
+    if getattr(module, "is_cross_attention", False) or not hasattr(module, "num_heads"):
+        return None
+    width = projection_inputs(out)
+    if width is None:
+        return None
+    n = width // head_dim
+    kv = int(getattr(module, "kv_heads", None) or n)
+    return AttentionLayout("gpt2", module, module, True, fused, fused, fused, out, n, head_dim, kv)
 
 
 def attention_layout(module: nn.Module) -> AttentionLayout | None:
     """The layout of ``module`` if it is a self-attention module of a known layout, else None."""
-    for recognise in (_bert, _distilbert, _llama):
+    for recognise in (_bert, _distilbert, _llama, _gpt2):
         found = recognise(module)
         if found is not None:
             return found

@@ -57,7 +57,7 @@ def read_json(file: Path) -> Any:
         cut = not text[exc.pos:].strip() or exc.msg.startswith("Unterminated string")
         cause = f"the file ends early, it looks truncated ({REFETCH})" if cut else "the file is damaged or not JSON"
         raise HeadsweepError(
-            f"{file} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): {cause}"
+            f"{file} is not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno}): {cause}"
         ) from None
 
 

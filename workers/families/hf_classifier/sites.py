@@ -1,15 +1,29 @@
 """Find the attention modules of a transformers model and their output projections.
 
-The layouts recognised (BERT family, DistilBERT, Llama-style decoders) are described once, in
-:mod:`headsweep.workers.families.hf_classifier.layout`.
+The layouts recognised (BERT family, DistilBERT, Llama-style decoders, GPT-2 and GPTBigCode) are
+described once, in :mod:`headsweep.workers.families.hf_classifier.layout`.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from headsweep.workers.families.hf_classifier.layout import attention_layout
+from headsweep.errors import HeadsweepError
+from headsweep.workers.families.hf_classifier.layout import attention_layout, projection_inputs
 from headsweep.workers.gates import AttentionSite
+
+
+class TransformersSite(AttentionSite):
+    """An attention site whose output projection may be transformers' ``Conv1D`` (GPT-2) as well as
+    ``nn.Linear``: the gate acts on the projection's input either way, only the width is read otherwise."""
+
+    def check_projection(self) -> None:
+        width = projection_inputs(self.out_proj)
+        if width != self.num_heads * self.head_dim:
+            raise HeadsweepError(
+                f"{self.module_name}: output projection takes {width} features, "
+                f"not num_heads x head_dim = {self.num_heads} x {self.head_dim}"
+            )
 
 
 def find_sites(model: nn.Module) -> list[AttentionSite]:
@@ -26,8 +40,9 @@ def find_sites(model: nn.Module) -> list[AttentionSite]:
         layer += 1
         if found.num_heads == 0:  # every head of this layer was physically removed: nothing to gate
             continue
+        site_class = AttentionSite if isinstance(found.out_proj, nn.Linear) else TransformersSite
         sites.append(
-            AttentionSite(
+            site_class(
                 attention="self",
                 layer=layer - 1,
                 num_heads=found.num_heads,

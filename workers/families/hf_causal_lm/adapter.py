@@ -1,0 +1,264 @@
+"""Evaluation adapter for transformers causal language models: perplexity of a text corpus.
+
+The corpus is tokenised once and cut into windows (:func:`~.data.plan_windows`); all windows have
+the same length, so batches need no padding and stay on the device. Several masks share one
+forward pass: the batch is repeated once per mask and each copy carries its own gates. Per window
+the statistics are ``[nll_sum, n_tokens]`` (natural log), so corpus perplexity, bootstrap resamples
+and per-window mean NLL all come from the stored rows (:data:`headsweep.workers.metrics.PERPLEXITY`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from headsweep.errors import HeadsweepError
+from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
+from headsweep.workers.families.hf_causal_lm.config import DEFAULT_WINDOW, CausalLMData, CausalLMModel
+from headsweep.workers.families.hf_causal_lm.data import Window, plan_windows, read_corpus
+from headsweep.workers.families.hf_causal_lm.model import load_causal_lm, max_positions
+from headsweep.workers.families.hf_causal_lm.sites import kv_groups, sites_or_error
+from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
+from headsweep.workers.gates import HeadGates
+from headsweep.workers.heads import Head
+from headsweep.workers.metrics import PERPLEXITY
+
+logger = logging.getLogger(__name__)
+
+LOSS_NAME = "token cross-entropy"
+
+
+def resolve_window(requested: int | None, limit: int | None, model_dir: str) -> int:
+    """``data.window``, checked against the model's maximum positions; unset, the default or the model's maximum."""
+    if requested is None:
+        return min(DEFAULT_WINDOW, limit) if limit else DEFAULT_WINDOW
+    if requested < 2:
+        raise HeadsweepError(f"data.window must be at least 2 tokens, got {requested}")
+    if limit is not None and requested > limit:
+        raise HeadsweepError(
+            f"data.window {requested} is above the model's maximum of {limit} positions "
+            f"({model_dir}/config.json, max_position_embeddings): set data.window to {limit} or less"
+        )
+    return requested
+
+
+class CausalLMAdapter:
+    """A gated causal LM with its corpus cut into windows (an ``EvalAdapter``)."""
+
+    metric = PERPLEXITY
+
+    def __init__(self, model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
+        data_cfg.check()
+        if runtime.threads > 0:
+            torch.set_num_threads(runtime.threads)
+        self.device = torch.device(runtime.device)
+        self.runtime = runtime
+        text = read_corpus(data_cfg)
+        loaded = load_causal_lm(model_cfg, runtime.device)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.gates = HeadGates(sites_or_error(self.model))
+        self.max_positions = max_positions(self.model.config)
+        self.window = resolve_window(data_cfg.window, self.max_positions, model_cfg.path)
+        self.add_bos = bool(data_cfg.add_bos)
+        bos = self._bos_id() if self.add_bos else None
+        ids = self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        self.windows = plan_windows(len(ids), self.window, data_cfg.stride, self.add_bos)
+        if not self.windows:
+            text_per_window = self.window - (1 if self.add_bos else 0)
+            raise HeadsweepError(
+                f"data file {data_cfg.path} is too short: {len(ids)} tokens, fewer than one window of "
+                f"{text_per_window} text tokens (data.window {self.window}{', with BOS' if self.add_bos else ''}); "
+                "use more text or a smaller data.window"
+            )
+        available = len(self.windows)
+        if data_cfg.max_windows is not None:
+            self.windows = self.windows[: data_cfg.max_windows]
+        self.inputs = self._window_inputs(ids, bos).to(self.device)
+        # scored[w, j]: window w's position j + 1 is scored (predicted from positions 0..j)
+        starts = torch.tensor([w.score_from for w in self.windows])
+        self.scored = (torch.arange(1, self.window).unsqueeze(0) >= starts.unsqueeze(1)).to(self.device)
+        self.n_tokens = self.scored.sum(dim=1).double().cpu().numpy()
+        self.batches = [torch.arange(i, min(i + runtime.batch_size, len(self.windows)))
+                        for i in range(0, len(self.windows), runtime.batch_size)]
+        self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.model_name = Path(model_cfg.path).name
+        self.dataset_name = data_cfg.name or Path(Path(data_cfg.path).name.removesuffix(".gz")).stem
+        self.reuse_note = "none: every mask runs the whole model (prefix reuse for causal LMs is not implemented)"
+        scored_total = int(self.n_tokens.sum())
+        self.data_facts = {
+            "window": self.window, "stride": data_cfg.stride or self.window - (1 if self.add_bos else 0),
+            "add_bos": self.add_bos, "max_positions": self.max_positions, "corpus_tokens": len(ids),
+            "windows": len(self.windows), "windows_available": available, "scored_tokens": scored_total,
+            "perplexity": "exp(sum of per-token NLL / scored tokens), natural log, over windows of data.window "
+                          "positions (BOS included), tokens after each window's first scored once; last partial "
+                          "window dropped; tokenised once without special tokens",
+            "encoding": data_cfg.encoding,
+        }
+        self._baseline: MaskOutput | None = None
+
+    def _bos_id(self) -> int:
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if bos is None:
+            raise HeadsweepError("data.add_bos is true but the tokenizer has no BOS token (bos_token); "
+                                 "set data.add_bos: false")
+        return int(bos)
+
+    def _window_inputs(self, ids: list[int], bos: int | None) -> torch.Tensor:
+        rows = [ids[w.start : w.start + w.length] for w in self.windows]
+        if bos is not None:
+            rows = [[bos, *row] for row in rows]
+        return torch.tensor(rows, dtype=torch.long)
+
+    # -- the adapter contract ------------------------------------------------------------
+    def describe(self) -> DatasetInfo:
+        baseline = self.baseline()
+        mean = float(baseline.stats[:, 0].sum() / baseline.stats[:, 1].sum())
+        cfg = self.model.config
+        groups = kv_groups(self.gates.sites)
+        return DatasetInfo(
+            model=self.model_name,
+            dataset=self.dataset_name,
+            metric=self.metric.name,
+            stat_names=list(self.metric.stat_names),
+            example_ids=[f"w{i}" for i in range(len(self.windows))],
+            references=[self._span(w) for w in self.windows],
+            inventory=self.gates.inventory,
+            facts={"model_class": type(self.model).__name__, "model_type": getattr(cfg, "model_type", None),
+                   "attn_implementation": getattr(cfg, "_attn_implementation", None),
+                   "dtype": str(self.model.dtype).removeprefix("torch."),
+                   "num_key_value_heads": {k: len(v) for k, v in groups.items()}, "kv_groups": groups,
+                   "mean_nll_nats": mean, "reuse": self.reuse_note, **self.data_facts},
+        )
+
+    def _span(self, window: Window) -> str:
+        first, last = window.scored_tokens(self.add_bos)
+        return f"tokens {first}-{last}"
+
+    def baseline(self) -> MaskOutput:
+        """The unmasked evaluation, computed once (``describe`` records its mean NLL) and reused."""
+        if self._baseline is None:
+            self._baseline = self.evaluate([[]])[0]
+        return self._baseline
+
+    def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
+        masks = [list(m) for m in masks]
+        for mask in masks:
+            for head in mask:
+                self.gates.inventory.check(head)
+        todo = [i for i, m in enumerate(masks) if m or self._baseline is None]
+        start = time.perf_counter()
+        nll = self.nll([masks[i] for i in todo]) if todo else np.zeros((0, len(self.windows)))
+        seconds_each = (time.perf_counter() - start) / max(1, len(todo))
+        results: list[MaskOutput] = []
+        computed = dict(zip(todo, nll, strict=True))
+        for i in range(len(masks)):
+            if i not in computed:
+                results.append(self._baseline)
+                continue
+            stats = np.stack([computed[i], self.n_tokens], axis=1)
+            results.append(MaskOutput(stats=stats, loss=computed[i] / self.n_tokens,
+                                      outputs=[""] * len(self.windows), score=self.metric.score(stats),
+                                      seconds=seconds_each))
+        return results
+
+    @torch.inference_mode()
+    def nll(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
+        """Summed NLL (nats) of each window's scored tokens under each mask: shape (n_masks, n_windows), float64."""
+        out = np.empty((len(masks), len(self.windows)), dtype=np.float64)
+        for idx in self.batches:
+            inputs = self.inputs[idx.to(self.device)]
+            scored = self.scored[idx.to(self.device)]
+            rows = inputs.shape[0]
+            per = self.masks_per_forward(rows)
+            for first in range(0, len(masks), per):
+                chunk = masks[first : first + per]
+                if len(chunk) == 1:
+                    self.gates.set_mask(chunk[0])
+                    stacked, stacked_scored = inputs, scored
+                else:
+                    self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
+                    stacked, stacked_scored = inputs.repeat(len(chunk), 1), scored.repeat(len(chunk), 1)
+                try:
+                    token_nll = self.token_nll(stacked, stacked_scored)
+                finally:
+                    self.gates.clear()
+                sums = (token_nll.double() * stacked_scored).sum(dim=1)
+                out[first : first + len(chunk), idx.numpy()] = sums.view(len(chunk), rows).cpu().numpy()
+        return out
+
+    def token_nll(self, inputs: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+        """Per-position NLL (nats; float32, or float64 for a float64 model) of ``inputs[:, 1:]`` given the
+        positions before: shape (B, W - 1).
+
+        Only the logits from the first scored position on are computed where the model allows it
+        (``logits_to_keep``); positions before it come back as zeros and are never scored.
+        """
+        width = inputs.shape[1] - 1
+        needed = width - int(scored.float().argmax(dim=1).min()) if bool(scored.any()) else 1
+        extra = {"logits_to_keep": needed + 1} if self._keep_logits else {}
+        logits = self.model(input_ids=inputs, use_cache=False, **extra).logits
+        logits = logits[:, -(needed + 1) : -1]
+        targets = inputs[:, -needed:]
+        # At least float32 (bfloat16 logits lose digits in log-softmax); a float64 model stays float64.
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+        full = nll.new_zeros(inputs.shape[0], width)
+        full[:, width - needed :] = nll.view(inputs.shape[0], needed)
+        return full
+
+    def bytes_per_row(self) -> int:
+        """Activation bytes of one window at the widest point (an estimate, see batch_budget): hidden
+        states, queries/keys/values and outputs (~8 x hidden), the feed-forward activation (2 x
+        intermediate), a row of attention scores per head (2 x heads x window), and the logits with
+        their float32 copy and log-softmax (3 x vocabulary)."""
+        cfg = self.model.config
+        hidden = int(getattr(cfg, "hidden_size", 0) or 768)
+        inner = int(getattr(cfg, "intermediate_size", 0) or getattr(cfg, "n_inner", 0) or 4 * hidden)
+        heads = int(getattr(cfg, "num_attention_heads", 0) or 12)
+        vocab = int(getattr(cfg, "vocab_size", 0) or 32000)
+        itemsize = torch.finfo(self.model.dtype).bits // 8
+        w = self.window
+        return w * itemsize * (8 * hidden + 2 * inner + 2 * heads * w) + w * 4 * 3 * vocab
+
+    def masks_per_forward(self, rows: int) -> int:
+        """``sweep.masks_per_batch``, or (0: automatic) as many copies of a batch as the activation budget holds."""
+        return budget_masks_per_forward(self.runtime.masks_per_batch, max(1, rows), self.bytes_per_row(), self.device)
+
+    def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
+        """The windows as summed NLL of their scored tokens (``label_smoothing`` does not apply: the
+        training loss of a causal LM is plain token cross-entropy); every position is a real token."""
+        return LossBatches([self._loss_batch(idx, dtype) for idx in self.batches], LOSS_NAME)
+
+    def _loss_batch(self, idx: torch.Tensor, dtype: torch.dtype) -> LossBatch:
+        inputs = self.inputs[idx.to(self.device)]
+        scored = self.scored[idx.to(self.device)]
+        real = torch.ones(inputs.shape, dtype=torch.bool, device=inputs.device)
+
+        def loss() -> torch.Tensor:
+            logits = self.model(input_ids=inputs, use_cache=False).logits[:, :-1]
+            nll = F.cross_entropy(logits.to(dtype).reshape(-1, logits.shape[-1]), inputs[:, 1:].reshape(-1),
+                                  reduction="none").view(scored.shape)
+            return (nll * scored).sum()
+
+        return LossBatch({site.key: real for site in self.gates.sites}, int(idx.numel()), loss)
+
+    def workload(self, batch_size: int, max_length: int) -> Workload:
+        """``batch_size`` windows (cycled if there are fewer), cut to ``max_length`` tokens when given."""
+        rows = torch.arange(batch_size) % len(self.windows)
+        inputs = self.inputs[rows.to(self.device)]
+        if max_length:
+            inputs = inputs[:, :max_length]
+        return Workload(batch_size, int(inputs.numel()), lambda model: model(input_ids=inputs, use_cache=False))
+
+
+def load_causal_lm_adapter(model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions
+                           ) -> CausalLMAdapter:
+    """Loader named by the ``hf_causal_lm`` model family."""
+    return CausalLMAdapter(model_cfg, data_cfg, runtime)

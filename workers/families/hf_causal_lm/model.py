@@ -1,0 +1,93 @@
+"""Loading a transformers causal language model and its tokenizer from local folders, offline."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from headsweep.errors import HeadsweepError
+from headsweep.workers.families.hf_causal_lm.config import CausalLMModel
+from headsweep.workers.families.hf_classifier.model import resolve_model_dir
+from headsweep.workers.families.hf_classifier.model_files import check_model_files
+
+SUPPORTED = ("decoder-only causal LMs with Llama-style attention (Llama, Mistral, Qwen2, Qwen3, Phi-3, ...), "
+             "GPT-2 and GPTBigCode")
+
+
+# What save_pretrained writes for a tokenizer (fast, or slow with its vocabulary files); a SentencePiece
+# ``*.model`` file counts too.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt")
+
+
+@dataclass
+class LoadedCausalLM:
+    """A causal LM and its tokenizer (what ``ModelFamily.load_model`` gives)."""
+
+    model: nn.Module
+    tokenizer: object
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _check_decoder_only(model_dir: Path) -> None:
+    """Refuse encoder-decoder models before transformers loads them (it would load T5 as a causal LM head)."""
+    config = check_model_files(model_dir)
+    names = config.get("architectures") or [config.get("model_type", "?")]
+    if config.get("is_encoder_decoder"):
+        raise HeadsweepError(
+            f"{model_dir} holds an encoder-decoder model ({names[0]}): model.kind hf_causal_lm takes {SUPPORTED}"
+        )
+
+
+def load_causal_lm(cfg: CausalLMModel, device: str) -> LoadedCausalLM:
+    """Load model (eval mode, on ``device``) and tokenizer from local folders, offline."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model_dir = resolve_model_dir(cfg.path)
+    if cfg.attn_implementation not in (None, "eager", "sdpa"):
+        raise HeadsweepError(f"model.attn_implementation must be eager or sdpa, got {cfg.attn_implementation!r}")
+    dtype = getattr(torch, cfg.dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise HeadsweepError(f"model.dtype {cfg.dtype!r} is not a torch floating-point dtype (e.g. float32, bfloat16)")
+    _check_decoder_only(model_dir)
+    tokenizer = load_tokenizer(cfg.tokenizer or str(model_dir), given=cfg.tokenizer is not None)
+    extra = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True, **extra)
+    # Whatever a damaged, foreign or unsupported folder makes transformers raise: one line with the cause.
+    except Exception as exc:  # noqa: BLE001
+        raise HeadsweepError(f"cannot load a causal LM from {model_dir} (model.kind hf_causal_lm takes "
+                             f"{SUPPORTED}): {_first_line(exc)}") from None
+    return LoadedCausalLM(model.to(device).eval(), tokenizer)
+
+
+def load_tokenizer(folder: str, given: bool):
+    """The tokenizer in ``folder`` (``model.tokenizer`` when ``given``, else the model's folder)."""
+    from transformers import AutoTokenizer
+
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise HeadsweepError(f"tokenizer directory not found: {folder} (model.tokenizer)")
+    hint = "" if given else "; save the tokenizer there or set model.tokenizer to its folder"
+    if not any((path / name).is_file() for name in TOKENIZER_FILES) and not any(path.glob("*.model")):
+        raise HeadsweepError(f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)}){hint}")
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 (as for the model above)
+        raise HeadsweepError(f"cannot load the tokenizer from {path}: {_first_line(exc)}{hint}") from None
+
+
+def max_positions(config) -> int | None:
+    """The longest input (in tokens) the model's position embeddings cover, or None if it does not say."""
+    n = getattr(config, "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None

@@ -1,0 +1,48 @@
+"""Attention sites of a causal LM, and which query heads share a key/value head.
+
+The sites are the transformers layouts of :mod:`headsweep.workers.families.hf_classifier.layout`
+(Llama-style ``o_proj``, GPT-2 / GPTBigCode ``c_proj``); the gates act on the output projection's
+input, one slice of ``head_dim`` features per query head.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from headsweep.errors import HeadsweepError
+from headsweep.workers.families.hf_causal_lm.model import SUPPORTED
+from headsweep.workers.families.hf_classifier.layout import attention_layout
+from headsweep.workers.families.hf_classifier.sites import find_sites as find_transformers_sites
+from headsweep.workers.gates import AttentionSite
+
+
+def find_sites(model: nn.Module) -> list[AttentionSite]:
+    """Every self-attention module of a decoder-only transformers model (empty if none is recognised)."""
+    return find_transformers_sites(model)
+
+
+def sites_or_error(model: nn.Module) -> list[AttentionSite]:
+    """:func:`find_sites`, or the one-line error naming the supported families."""
+    sites = find_sites(model)
+    if not sites:
+        raise HeadsweepError(f"no attention modules recognised in {type(model).__name__} "
+                             f"(model.kind hf_causal_lm takes {SUPPORTED})")
+    return sites
+
+
+def kv_groups(sites: list[AttentionSite]) -> dict[str, list[list[int]]]:
+    """For each layer (``self:LAYER``), the query heads of each key/value head, in key/value head order.
+
+    Query head h reads key/value head ``h // (H / H_kv)`` (transformers' ``repeat_kv``); plain
+    multi-head attention has one query head per group, multi-query attention one group.
+    """
+    groups = {}
+    for site in sites:
+        layout = attention_layout(site.module)
+        kv = layout.num_kv_heads if layout is not None else site.num_heads
+        if kv < 1 or site.num_heads % kv:
+            raise HeadsweepError(f"{site.module_name}: {site.num_heads} query heads cannot share {kv} key/value "
+                                 "heads evenly")
+        size = site.num_heads // kv
+        groups[f"{site.attention}:{site.layer}"] = [list(range(g * size, (g + 1) * size)) for g in range(kv)]
+    return groups
