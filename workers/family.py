@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from headsweep.errors import HeadsweepError
+from headsweep.plugins import load_plugin
 from headsweep.workers.heads import Head, HeadInventory, SiteKey
 from headsweep.workers.metrics import Metric
 
@@ -233,13 +234,4 @@ task_kind = model_family  # older name, used by the driver
 
 
 def _plugin_family(name: str) -> ModelFamily:
-    module, attribute = name.split(":", 1)
-    try:
-        family = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise HeadsweepError(f"model.kind {name!r}: cannot import it ({exc})") from None
-    if not isinstance(family, ModelFamily):
-        raise HeadsweepError(
-            f"model.kind {name!r} is a {type(family).__name__}, not a headsweep.workers.family.ModelFamily"
-        )
-    return family
+    return load_plugin(name, ModelFamily, "model.kind")

@@ -15,11 +15,11 @@ a kind with a ``run`` step runs alone, in dependency order (ties in registration
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
+from headsweep.plugins import load_plugin
 from headsweep.results.schema import TABLES
 from headsweep.sweep.experiments.all_but_one import ALL_BUT_ONE
 from headsweep.sweep.experiments.base import Experiment
@@ -78,15 +78,7 @@ def experiment_kind(name: str) -> Experiment:
 
 
 def _plugin(name: str) -> Experiment:
-    module, attribute = name.split(":", 1)
-    try:
-        kind = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise HeadsweepError(f"experiment kind {name!r}: cannot import it ({exc})") from None
-    if not isinstance(kind, Experiment):
-        raise HeadsweepError(
-            f"experiment kind {name!r} is a {type(kind).__name__}, not a headsweep.sweep.experiments.Experiment"
-        )
+    kind = load_plugin(name, Experiment, "experiment kind")
     return register(kind)
 
 
