@@ -68,9 +68,19 @@ def open_store(uri: str = "headsweep-store") -> Store:
 
 
 def load_pruned(path: str):
-    """A transformers model exported by ``headsweep export`` with its heads physically removed."""
-    from headsweep.workers.families.hf_classifier.pruning import load_pruned as _load
+    """A transformers model exported by ``headsweep export`` with its heads physically removed.
 
+    Classifiers and causal LMs alike: ``config.json`` names the architecture, and the family that
+    exported it rebuilds it.
+    """
+    import json
+    from pathlib import Path
+
+    architectures = json.loads((Path(path) / "config.json").read_text()).get("architectures") or [""]
+    if architectures[0].endswith(("ForCausalLM", "LMHeadModel")):
+        from headsweep.workers.families.hf_causal_lm.pruning import load_pruned as _load
+    else:
+        from headsweep.workers.families.hf_classifier.pruning import load_pruned as _load
     return _load(path)
 
 

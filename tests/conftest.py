@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,15 @@ def tiny_dev_tsv(tmp_path_factory) -> Path:
     from headsweep.sweep.demo.sentiment import generate, write_tsv
 
     return write_tsv(generate(40, seed=7), tmp_path_factory.mktemp("data") / "dev.tsv")
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` for a CLI the test will interrupt: Ctrl-C back to its default.
+
+    A shell that starts the suite in the background (no job control) starts it with SIGINT
+    ignored, children inherit that, and Python then never raises KeyboardInterrupt.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:

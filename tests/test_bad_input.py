@@ -9,7 +9,7 @@ import time
 
 import pytest
 import yaml
-from conftest import REPO, run_cli
+from conftest import REPO, default_sigint, run_cli
 
 from headsweep.results.store import ResultStore
 
@@ -112,7 +112,7 @@ def test_interrupted_run_is_marked_and_store_stays_valid(tmp_path, tiny_bert_dir
     store = tmp_path / "store"
     proc = subprocess.Popen([sys.executable, "-m", "headsweep", "run", str(cfg), "--store", str(store),
                              "--address", ray_address, "--quiet"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     reader = ResultStore(str(store))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and reader.read("evaluations").num_rows < 3:

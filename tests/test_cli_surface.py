@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, error_line, run_cli
+from conftest import REPO, default_sigint, error_line, run_cli
 from small_store import small_store
 
 COMMANDS = ["run", "query", "runs", "report", "submit", "jobs", "compare", "export", "demo"]
@@ -119,7 +119,7 @@ def test_a_closed_pipe_ends_a_query_quietly(tmp_path):
 
 def test_ctrl_c_during_a_query_is_exit_130(tmp_path):
     proc = cli("query", "SELECT count(*) FROM range(100000000000) a", "--store", str(tmp_path / "s"),
-               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint)
     time.sleep(6)  # past start-up: the query is running
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

@@ -184,6 +184,10 @@ class ModelFamily:
         """Every attention module of ``model`` whose heads can be gated; empty if it is not this family's."""
         raise self._unsupported("finding attention sites")
 
+    def owns(self, model: nn.Module) -> bool:
+        """Whether a bare ``model`` is this family's (asked in registry order by ``workers.pruning``)."""
+        return bool(self.find_sites(model))
+
     def prune(self, model: nn.Module, heads: Sequence[Head]) -> dict[SiteKey, HeadSlice]:
         """Remove ``heads`` from ``model`` in place; each pruned module's slice by ``(attention, layer)``."""
         raise self._unsupported("physical pruning")

@@ -43,7 +43,7 @@ def family_of_model(model: nn.Module) -> ModelFamily:
     """The built-in family whose attention sites ``model`` has."""
     for family in builtin_families():
         try:
-            if family.find_sites(model):
+            if family.owns(model):
                 return family
         except ImportError:  # that family's library is not installed, so the model is not one of its
             continue

@@ -36,14 +36,16 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def _check_decoder_only(model_dir: Path) -> None:
-    """Refuse encoder-decoder models before transformers loads them (it would load T5 as a causal LM head)."""
+def _check_decoder_only(model_dir: Path) -> dict:
+    """Refuse encoder-decoder models before transformers loads them (it would load T5 as a causal LM head);
+    returns the folder's config.json."""
     config = check_model_files(model_dir)
     names = config.get("architectures") or [config.get("model_type", "?")]
     if config.get("is_encoder_decoder"):
         raise HeadsweepError(
             f"{model_dir} holds an encoder-decoder model ({names[0]}): model.kind hf_causal_lm takes {SUPPORTED}"
         )
+    return config
 
 
 def load_causal_lm(cfg: CausalLMModel, device: str) -> LoadedCausalLM:
@@ -59,8 +61,12 @@ def load_causal_lm(cfg: CausalLMModel, device: str) -> LoadedCausalLM:
     dtype = getattr(torch, cfg.dtype, None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise HeadsweepError(f"model.dtype {cfg.dtype!r} is not a torch floating-point dtype (e.g. float32, bfloat16)")
-    _check_decoder_only(model_dir)
+    pruned = bool(_check_decoder_only(model_dir).get("pruned_heads"))
     tokenizer = load_tokenizer(cfg.tokenizer or str(model_dir), given=cfg.tokenizer is not None)
+    if pruned:  # per-layer head counts (headsweep export): stock transformers cannot load it by itself
+        from headsweep.workers.families.hf_causal_lm.pruning import load_pruned
+
+        return LoadedCausalLM(load_pruned(model_dir, cfg.attn_implementation, device, dtype), tokenizer)
     extra = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True, **extra)

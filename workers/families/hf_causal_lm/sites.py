@@ -35,9 +35,16 @@ def kv_groups(sites: list[AttentionSite]) -> dict[str, list[list[int]]]:
 
     Query head h reads key/value head ``h // (H / H_kv)`` (transformers' ``repeat_kv``); plain
     multi-head attention has one query head per group, multi-query attention one group.
+    A physically pruned module says which key/value head each of its (renumbered) query heads reads: its
+    groups may differ in size.
     """
     groups = {}
     for site in sites:
+        index = getattr(site.module, "headsweep_kv_index", None)
+        if index is not None:  # physically pruned (pruning.KV_INDEX_ATTR): groups of any size
+            groups[f"{site.attention}:{site.layer}"] = [[h for h, kv in enumerate(index) if kv == g]
+                                                        for g in range(max(index, default=-1) + 1)]
+            continue
         layout = attention_layout(site.module)
         kv = layout.num_kv_heads if layout is not None else site.num_heads
         if kv < 1 or site.num_heads % kv:

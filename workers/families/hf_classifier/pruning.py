@@ -95,7 +95,7 @@ def _prunable_layout(site: AttentionSite) -> AttentionLayout:
     if layout is None or layout.name not in ("bert", "distilbert"):
         raise HeadsweepError(
             f"{site.module_name} ({type(site.module).__name__}): physical pruning supports BERT-family and "
-            "DistilBERT attention; decoder-only models with grouped-query attention are not supported yet"
+            "DistilBERT attention; decoder-only models (grouped-query attention) are pruned by model.kind hf_causal_lm"
         )
     return layout
 

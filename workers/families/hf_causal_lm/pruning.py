@@ -1,0 +1,320 @@
+"""Physical head pruning of decoder-only LMs with grouped-query attention, and pruned ``save_pretrained`` folders.
+
+Supported layouts (:mod:`headsweep.workers.families.hf_classifier.layout`): Llama-style attention with separate
+``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3), GPT-2
+(one ``Conv1D`` ``c_attn`` holding q, k and v, and ``c_proj``; both keep their weight as ``(in, out)``) and
+GPTBigCode (an ``nn.Linear`` ``c_attn``; multi-query or not). The rule is
+:mod:`headsweep.workers.head_slicing`: a query head's rows of ``q_proj`` and columns of ``o_proj`` go; a key/value
+head's rows of ``k_proj`` and ``v_proj`` go only when every query head reading it is gone.
+
+After pruning, layers have their own head counts, which a stock config cannot state, so the pruned modules carry
+them in the attributes their forward reads (transformers 5):
+
+* Llama-style: ``num_key_value_groups`` (read by the eager and SDPA attention functions to repeat key/value heads).
+  When every kept key/value head keeps the same number of query heads, that number is all it takes. Otherwise
+  (uneven groups, e.g. 3 and 4 query heads left of 4 and 4) ``k_proj`` and ``v_proj`` become
+  :class:`GroupedKVProjection`: the same weights (kept key/value heads only), whose output is laid out once per
+  kept query head, and ``num_key_value_groups`` is 1. The query/output shapes come from the weights (the forward
+  reshapes with ``-1`` heads).
+* GPT-2: ``split_size`` (where ``c_attn``'s output is split into q, k, v) and ``num_heads``/``embed_dim``;
+  GPTBigCode: ``embed_dim`` (its split) and ``num_key_value_groups`` (multi-query), or ``num_heads``.
+
+A layer that loses every head gets :class:`EmptyAttention`: no attention is computed and the layer adds only the
+output projection's bias (zero for Llama, which has none), as the gated model does with every gate at 0. With a
+cache it still records one zero key/value head per position, so that the cache's length stays right when
+generating (transformers 5 counts a layer that holds no elements as length 0).
+
+Each pruned attention module records, in ``headsweep_kv_index``, the kept key/value head each kept query head
+reads (:attr:`HeadSlice.kv_index`), so :func:`~.sites.kv_groups` can name the groups of a pruned model.
+
+Exported models keep the removed heads in ``config.pruned_heads`` (``{"layer": [head, ...]}``, original numbers,
+as the classifier family writes them); :func:`load_pruned` rebuilds the stock architecture from ``config.json``,
+removes the same heads and loads the saved weights strictly (tied weights, which ``save_pretrained`` writes
+once, excepted). A static (pre-allocated) cache sized from the config does not fit a pruned model: generate with
+the default dynamic cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headsweep.errors import HeadsweepError
+from headsweep.workers.families.hf_causal_lm.sites import find_sites
+from headsweep.workers.families.hf_classifier.layout import AttentionLayout, attention_layout
+from headsweep.workers.families.hf_classifier.pruning import PRUNED_HEADS_KEY, pruned_heads_of
+from headsweep.workers.gates import AttentionSite
+from headsweep.workers.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
+from headsweep.workers.heads import Head, SiteKey
+from headsweep.workers.pruning import group_by_site
+
+#: Attribute of a pruned attention module: for each kept query head, the position of its key/value head.
+KV_INDEX_ATTR = "headsweep_kv_index"
+
+
+class GroupedKVProjection(nn.Linear):
+    """``k_proj`` / ``v_proj`` of a pruned layer whose key/value groups have different sizes.
+
+    Its parameters are the kept key/value heads' rows only (``out_features`` = kept key/value heads x
+    ``head_dim``, the state dict keys unchanged); its output repeats each key/value head once per kept query
+    head reading it (``kv_index``), so the attention runs with one query head per key/value head.
+    """
+
+    def __init__(self, linear: nn.Linear, kv_index: tuple[int, ...], head_dim: int):
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                         device=linear.weight.device, dtype=linear.weight.dtype)
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.head_dim = head_dim
+        self.register_buffer("kv_index", torch.tensor(kv_index, dtype=torch.long, device=linear.weight.device),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        heads = y.view(*y.shape[:-1], -1, self.head_dim).index_select(-2, self.kv_index)
+        return heads.flatten(-2)
+
+
+class EmptyAttention(nn.Module):
+    """A decoder self-attention module that has lost every head: it adds the output projection's bias.
+
+    The emptied projections stay as children (the state dict keeps its keys); with a cache, one zero key/value
+    head per position is recorded (never read), so that the cache's sequence length stays right.
+    """
+
+    def __init__(self, module: nn.Module, out_proj: nn.Module, head_dim: int):
+        super().__init__()
+        for name, child in module.named_children():
+            self.add_module(name, child)
+        for name, buffer in module.named_buffers(recurse=False):
+            self.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
+        self.config = getattr(module, "config", None)
+        self.layer_idx = getattr(module, "layer_idx", None)
+        self.head_dim = head_dim
+        # Still recognised as an attention layout with 0 heads (GPT-2's needs num_heads): the layers after it keep
+        # their numbers in find_sites.
+        self.num_heads = 0
+        self.is_causal = True
+        self._out_name = next(n for n, c in module.named_children() if c is out_proj)
+        setattr(self, KV_INDEX_ATTR, ())
+
+    def forward(self, hidden_states: torch.Tensor, *args, past_key_values=None, **kwargs) -> tuple[torch.Tensor, None]:
+        if past_key_values is None:
+            past_key_values = kwargs.get("layer_past")  # GPTBigCode's name for it
+        if past_key_values is not None and self.layer_idx is not None:
+            cache = getattr(past_key_values, "self_attention_cache", past_key_values)
+            # One head, not zero: transformers 5 reports a layer whose cache holds no elements as length 0.
+            kv = hidden_states.new_zeros(hidden_states.shape[0], 1, hidden_states.shape[1], self.head_dim)
+            cache.update(kv, kv, self.layer_idx)
+        # What the output projection makes of an empty input (Conv1D cannot take one): its bias, or zeros.
+        out = hidden_states.new_zeros(hidden_states.shape)
+        bias = getattr(getattr(self, self._out_name), "bias", None)
+        return (out if bias is None else out + bias), None
+
+
+def prune_causal_lm_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteKey, HeadSlice]:
+    """Remove ``heads`` (attention ``self``, original numbers) from a transformers causal LM, in place.
+
+    Returns each pruned module's slice. Every module is checked before the first one changes.
+    """
+    if getattr(getattr(model, "config", None), PRUNED_HEADS_KEY, None):
+        # Its heads are renumbered: a mask in the original numbers would remove the wrong ones.
+        raise HeadsweepError("this model was already pruned (config.pruned_heads is set): prune the original model")
+    sites = find_sites(model)
+    if not sites:
+        raise HeadsweepError(f"no attention modules recognised in {type(model).__name__}: nothing to prune")
+    grouped = group_by_site(sites, heads)
+    work = []
+    for site in sites:
+        if grouped.get(site.key):
+            layout = _prunable_layout(site)
+            work.append((site, layout, plan_slice(site.num_heads, site.head_dim, grouped[site.key],
+                                                  layout.num_kv_heads)))
+    for site, layout, plan in work:
+        if layout.name == "llama":
+            _apply_llama(model, site, layout, plan)
+        elif hasattr(site.module, "kv_heads"):
+            _apply_gpt_bigcode(model, site, layout, plan)
+        else:
+            _apply_gpt2(model, site, layout, plan)
+    slices = {site.key: plan for site, _, plan in work}
+    config = getattr(model, "config", None)
+    if config is not None:
+        setattr(config, PRUNED_HEADS_KEY, {str(layer): list(s.removed) for (_, layer), s in sorted(slices.items())})
+    return slices
+
+
+def _prunable_layout(site: AttentionSite) -> AttentionLayout:
+    layout = attention_layout(site.module)
+    name = type(site.module).__name__
+    if layout is None or layout.name not in ("llama", "gpt2"):
+        raise HeadsweepError(f"{site.module_name} ({name}): not a decoder attention layout headsweep can prune")
+    if layout.name == "llama" and (layout.query is layout.key or not isinstance(layout.key, nn.Linear)):
+        raise HeadsweepError(f"{site.module_name} ({name}): physical pruning of a fused qkv_proj (Phi-3) is not "
+                             "supported; Llama-style models with separate q_proj, k_proj, v_proj are")
+    if layout.name == "gpt2" and getattr(site.module, "q_attn", None) is not None:
+        raise HeadsweepError(f"{site.module_name} ({name}): physical pruning of cross-attention is not supported")
+    if getattr(site.module, KV_INDEX_ATTR, None) is not None:
+        raise HeadsweepError(f"{site.module_name} was already pruned: prune the original model")
+    return layout
+
+
+def _apply_llama(model: nn.Module, site: AttentionSite, layout: AttentionLayout, plan: HeadSlice) -> None:
+    module = site.module
+    keep_rows(layout.query, plan.query_rows)
+    keep_rows(layout.key, plan.kv_rows)
+    keep_rows(layout.value, plan.kv_rows)
+    keep_columns(layout.out_proj, plan.query_rows)
+    if not plan.kept:
+        _replace(model, site.module_name, EmptyAttention(module, layout.out_proj, plan.head_dim))
+        return
+    index = plan.kv_index
+    sizes = {index.count(kv) for kv in range(len(plan.kept_kv))}
+    if len(sizes) == 1:  # even groups: the stock forward repeats each key/value head this many times
+        module.num_key_value_groups = sizes.pop()
+    else:
+        module.k_proj = GroupedKVProjection(layout.key, index, plan.head_dim)
+        module.v_proj = GroupedKVProjection(layout.value, index, plan.head_dim)
+        module.num_key_value_groups = 1
+    setattr(module, KV_INDEX_ATTR, index)
+
+
+def _apply_gpt2(model: nn.Module, site: AttentionSite, layout: AttentionLayout, plan: HeadSlice) -> None:
+    module = site.module
+    width = layout.num_heads * layout.head_dim  # c_attn's output: q, k, v of this width each
+    rows = plan.query_rows
+    _keep_conv1d_outputs(layout.query, torch.cat([rows, rows + width, rows + 2 * width]))
+    _keep_conv1d_inputs(layout.out_proj, rows)
+    kept = len(plan.kept)
+    if not kept:
+        _replace(model, site.module_name, EmptyAttention(module, layout.out_proj, plan.head_dim))
+        return
+    module.num_heads = kept
+    module.embed_dim = kept * plan.head_dim  # GPT-2's forward splits c_attn's output by split_size
+    module.split_size = kept * plan.head_dim
+    setattr(module, KV_INDEX_ATTR, plan.kv_index)
+
+
+def _apply_gpt_bigcode(model: nn.Module, site: AttentionSite, layout: AttentionLayout, plan: HeadSlice) -> None:
+    """GPTBigCode: ``c_attn`` is an ``nn.Linear``; with multi-query attention its output is all query heads, then
+    the one key and the one value head; without, each head's q, k, v side by side (``3 * head_dim`` per head)."""
+    module, d = site.module, plan.head_dim
+    if module.multi_query:
+        width = layout.num_heads * d
+        kv = torch.arange(width, width + 2 * module.kv_dim) if plan.kept else torch.empty(0, dtype=torch.long)
+        keep_rows(layout.query, torch.cat([plan.query_rows, kv]))
+    else:
+        keep_rows(layout.query, _rows_of(plan.kept, 3 * d))
+    keep_columns(layout.out_proj, plan.query_rows)
+    kept = len(plan.kept)
+    if not kept:
+        _replace(model, site.module_name, EmptyAttention(module, layout.out_proj, d))
+        return
+    module.num_heads = kept
+    module.embed_dim = kept * d  # where the multi-query forward splits c_attn's output
+    module.split_size = kept * d
+    if module.multi_query:
+        module.num_key_value_groups = kept
+    else:
+        module.kv_heads = kept
+        module.kv_dim = kept * d
+    setattr(module, KV_INDEX_ATTR, plan.kv_index)
+
+
+def _rows_of(heads: tuple[int, ...], size: int) -> torch.Tensor:
+    if not heads:
+        return torch.empty(0, dtype=torch.long)
+    return torch.cat([torch.arange(h * size, (h + 1) * size) for h in heads])
+
+
+def _keep_conv1d_outputs(conv: nn.Module, columns: torch.Tensor) -> None:
+    """Keep only ``columns`` of a ``Conv1D``'s output (weight ``(in, out)``: its columns; and the bias)."""
+    columns = columns.to(conv.weight.device)
+    conv.weight = _parameter(conv.weight, conv.weight.detach().index_select(1, columns))
+    conv.bias = _parameter(conv.bias, conv.bias.detach().index_select(0, columns))
+    conv.nf = int(columns.numel())
+
+
+def _keep_conv1d_inputs(conv: nn.Module, rows: torch.Tensor) -> None:
+    """Keep only ``rows`` of a ``Conv1D``'s input (its weight's rows; the bias is untouched)."""
+    conv.weight = _parameter(conv.weight, conv.weight.detach().index_select(0, rows.to(conv.weight.device)))
+    conv.nx = int(rows.numel())
+
+
+def _parameter(old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(data.clone().contiguous(), requires_grad=old.requires_grad)
+
+
+def _replace(model: nn.Module, module_name: str, new: nn.Module) -> None:
+    parent, _, child = module_name.rpartition(".")
+    setattr(model.get_submodule(parent), child, new)
+
+
+def save_pruned(model: nn.Module, out_dir: str | Path, tokenizer=None) -> Path:
+    """``save_pretrained`` a pruned causal LM (and its tokenizer); :func:`load_pruned` reads it back."""
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def load_pruned(model_dir: str | Path, attn_implementation: str | None = None, device: str = "cpu",
+                dtype: torch.dtype | None = None) -> nn.Module:
+    """Load a causal LM saved by :func:`save_pruned` (or any ``save_pretrained`` folder), in eval mode.
+
+    The architecture named in ``config.architectures`` is built from the config with stock transformers, the
+    heads in ``config.pruned_heads`` are removed, and the saved weights are loaded with strict key and shape
+    checks; only weights tied to another one (``save_pretrained`` writes a tied pair once) may be absent.
+    """
+    import transformers
+    from safetensors.torch import load_file
+
+    from headsweep.workers.families.hf_classifier.pruning import _weight_files
+
+    model_dir = Path(model_dir)
+    try:
+        config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise HeadsweepError(f"cannot read the model config in {model_dir}: {str(exc).splitlines()[0]}") from None
+    names = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, names[0], None) if names else None
+    if cls is None:
+        raise HeadsweepError(f"{model_dir}/config.json names no transformers architecture (architectures: {names})")
+    if attn_implementation:
+        config._attn_implementation = attn_implementation
+    heads = pruned_heads_of(config)
+    setattr(config, PRUNED_HEADS_KEY, {})
+    model = cls(config)
+    if heads:
+        prune_causal_lm_heads(model, heads)
+    state: dict[str, torch.Tensor] = {}
+    for file in _weight_files(model_dir):
+        state.update(load_file(str(file)))
+    floating = [t.dtype for t in state.values() if t.is_floating_point()]
+    if dtype is not None or floating:
+        model.to(dtype or floating[0])
+    _load_strict(model, state, model_dir)
+    return model.to(device).eval()
+
+
+def _load_strict(model: nn.Module, state: dict[str, torch.Tensor], model_dir: Path) -> None:
+    """``load_state_dict`` that refuses unexpected keys, wrong shapes and missing keys, except a missing key
+    whose parameter is shared with a loaded one (tied input and output embeddings)."""
+    owners: dict[int, list[str]] = {}
+    for name, param in model.state_dict(keep_vars=True).items():
+        owners.setdefault(id(param), []).append(name)
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shapes that do not fit
+        reason = str(exc).splitlines()[0] + " " + " ".join(str(exc).splitlines()[1:2]).strip()
+        raise HeadsweepError(f"the weights in {model_dir} do not fit its pruned config: {reason}") from None
+    tied = {n for names in owners.values() if any(m in state for m in names) for n in names}
+    missing = [k for k in result.missing_keys if k not in tied]
+    if result.unexpected_keys or missing:
+        what = f"unexpected {result.unexpected_keys[:3]}" if result.unexpected_keys else f"missing {missing[:3]}"
+        raise HeadsweepError(f"the weights in {model_dir} do not fit its pruned config: {what}")
