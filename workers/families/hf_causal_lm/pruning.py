@@ -46,7 +46,7 @@ from torch import nn
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_causal_lm.sites import find_sites
 from headsweep.workers.families.hf_classifier.layout import AttentionLayout, attention_layout
-from headsweep.workers.families.hf_classifier.pruning import PRUNED_HEADS_KEY, pruned_heads_of
+from headsweep.workers.families.hf_classifier.pruning import PRUNED_HEADS_KEY, rebuild_pruned
 from headsweep.workers.gates import AttentionSite
 from headsweep.workers.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
 from headsweep.workers.heads import Head, SiteKey
@@ -271,30 +271,8 @@ def load_pruned(model_dir: str | Path, attn_implementation: str | None = None, d
     heads in ``config.pruned_heads`` are removed, and the saved weights are loaded with strict key and shape
     checks; only weights tied to another one (``save_pretrained`` writes a tied pair once) may be absent.
     """
-    import transformers
-    from safetensors.torch import load_file
-
-    from headsweep.workers.families.hf_classifier.pruning import _weight_files
-
     model_dir = Path(model_dir)
-    try:
-        config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise HeadsweepError(f"cannot read the model config in {model_dir}: {str(exc).splitlines()[0]}") from None
-    names = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, names[0], None) if names else None
-    if cls is None:
-        raise HeadsweepError(f"{model_dir}/config.json names no transformers architecture (architectures: {names})")
-    if attn_implementation:
-        config._attn_implementation = attn_implementation
-    heads = pruned_heads_of(config)
-    setattr(config, PRUNED_HEADS_KEY, {})
-    model = cls(config)
-    if heads:
-        prune_causal_lm_heads(model, heads)
-    state: dict[str, torch.Tensor] = {}
-    for file in _weight_files(model_dir):
-        state.update(load_file(str(file)))
+    model, state = rebuild_pruned(model_dir, attn_implementation, prune_causal_lm_heads)
     floating = [t.dtype for t in state.values() if t.is_floating_point()]
     if dtype is not None or floating:
         model.to(dtype or floating[0])

@@ -17,7 +17,7 @@ shape checks.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -137,13 +137,12 @@ def save_pruned(model: nn.Module, out_dir: str | Path, tokenizer=None) -> Path:
     return out
 
 
-def load_pruned(model_dir: str | Path, attn_implementation: str | None = None, device: str = "cpu") -> nn.Module:
-    """Load a model saved by :func:`save_pruned` (or any ``save_pretrained`` directory), in eval mode.
+def rebuild_pruned(model_dir: str | Path, attn_implementation: str | None,
+                   prune: Callable[[nn.Module, list[Head]], object]) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The architecture ``config.architectures`` names, built from ``model_dir``'s config with stock transformers,
+    with the heads of ``config.pruned_heads`` removed by ``prune``; and the folder's saved weights (not loaded yet).
 
-    The architecture named in ``config.architectures`` is built from the config with stock
-    transformers, the heads in ``config.pruned_heads`` are removed, and the saved weights are
-    loaded strictly (every key, every shape). A directory without ``pruned_heads`` loads as
-    the full model.
+    Shared by the transformers families' ``load_pruned`` (classifiers here, causal LMs in ``hf_causal_lm``).
     """
     import transformers
     from safetensors.torch import load_file
@@ -163,10 +162,22 @@ def load_pruned(model_dir: str | Path, attn_implementation: str | None = None, d
     setattr(config, PRUNED_HEADS_KEY, {})
     model = cls(config)
     if heads:
-        prune_hf_heads(model, heads)
+        prune(model, heads)
     state: dict[str, torch.Tensor] = {}
     for file in _weight_files(model_dir):
         state.update(load_file(str(file)))
+    return model, state
+
+
+def load_pruned(model_dir: str | Path, attn_implementation: str | None = None, device: str = "cpu") -> nn.Module:
+    """Load a model saved by :func:`save_pruned` (or any ``save_pretrained`` directory), in eval mode.
+
+    The architecture named in ``config.architectures`` is built from the config with stock
+    transformers, the heads in ``config.pruned_heads`` are removed, and the saved weights are
+    loaded strictly (every key, every shape). A directory without ``pruned_heads`` loads as
+    the full model.
+    """
+    model, state = rebuild_pruned(model_dir, attn_implementation, prune_hf_heads)
     floating = [t.dtype for t in state.values() if t.is_floating_point()]
     if floating:
         model.to(floating[0])
