@@ -38,13 +38,10 @@ class CausalLMFamily(ModelFamily):
         return find_sites(model)
 
     def owns(self, model: nn.Module) -> bool:
-        """A bare model is this family's when all its attention modules have decoder layouts (llama, gpt2):
-        both transformers families recognise the same modules, so the layout decides."""
-        from headsweep.workers.families.hf_classifier.layout import attention_layout
+        """A bare model is this family's when all its attention modules have decoder layouts (llama, gpt2)."""
+        from headsweep.workers.families.hf_classifier.layout import only_layouts
 
-        sites = self.find_sites(model)
-        layouts = {getattr(attention_layout(s.module), "name", None) for s in sites}
-        return bool(sites) and layouts <= {"llama", "gpt2"}
+        return only_layouts(self.find_sites(model), {"llama", "gpt2"})
 
     def prune(self, model: nn.Module, heads: Sequence[Head]) -> dict[SiteKey, HeadSlice]:
         from headsweep.workers.families.hf_causal_lm.pruning import prune_causal_lm_heads

@@ -36,13 +36,10 @@ class ClassifierFamily(ModelFamily):
         return find_sites(model)
 
     def owns(self, model: nn.Module) -> bool:
-        """A bare model is this family's when all its attention modules have encoder layouts (bert, distilbert):
-        both transformers families recognise the same modules, so the layout decides."""
-        from headsweep.workers.families.hf_classifier.layout import attention_layout
+        """A bare model is this family's when all its attention modules have encoder layouts (bert, distilbert)."""
+        from headsweep.workers.families.hf_classifier.layout import only_layouts
 
-        sites = self.find_sites(model)
-        layouts = {getattr(attention_layout(s.module), "name", None) for s in sites}
-        return bool(sites) and layouts <= {"bert", "distilbert"}
+        return only_layouts(self.find_sites(model), {"bert", "distilbert"})
 
     def prune(self, model: nn.Module, heads: Sequence[Head]) -> dict[SiteKey, HeadSlice]:
         from headsweep.workers.families.hf_classifier.pruning import prune_hf_heads

@@ -20,10 +20,15 @@ are read from the modules themselves, never from user input.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from headsweep.workers.gates import AttentionSite
 
 LAYOUTS = ("bert", "distilbert", "llama", "gpt2")
 
@@ -148,3 +153,11 @@ def attention_layout(module: nn.Module) -> AttentionLayout | None:
         if found is not None:
             return found
     return None
+
+
+def only_layouts(sites: Sequence[AttentionSite], names: set[str]) -> bool:
+    """Whether there are sites and every one's module has a layout among ``names``.
+
+    Both transformers families recognise the same modules, so a bare model's layouts say whose it is.
+    """
+    return bool(sites) and {getattr(attention_layout(s.module), "name", None) for s in sites} <= names
