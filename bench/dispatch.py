@@ -49,7 +49,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from headsweep.workers.family import DatasetInfo, MaskOutput, RuntimeOptions, TaskKind  # noqa: E402
+from headsweep.workers.family import DatasetInfo, MaskOutput, ModelFamily, RuntimeOptions  # noqa: E402
 from headsweep.workers.heads import Head, HeadInventory, LayerShape  # noqa: E402
 from headsweep.workers.metrics import ACCURACY  # noqa: E402
 
@@ -91,7 +91,7 @@ class TrivialTask:
         return [MaskOutput(self.stats, self.loss, self.outputs, 1.0, 0.0) for _ in masks]
 
 
-TRIVIAL = TaskKind("dispatch:TRIVIAL", TrivialModel, TrivialData, "dispatch:TrivialTask")
+TRIVIAL = ModelFamily("dispatch:TRIVIAL", TrivialModel, TrivialData, "dispatch:TrivialTask")
 
 
 @dataclass
@@ -126,7 +126,7 @@ class SleepTask(TrivialTask):
         return [MaskOutput(self.stats, self.loss, self.outputs, 1.0, per_mask) for _ in masks]
 
 
-SLEEP = TaskKind("dispatch:SLEEP", TrivialModel, SleepData, "dispatch:SleepTask")
+SLEEP = ModelFamily("dispatch:SLEEP", TrivialModel, SleepData, "dispatch:SleepTask")
 
 
 def child(n_units: int, examples: int, workers: int, store: str) -> dict:

@@ -34,7 +34,7 @@ from headsweep.sweep.config import load_config
 from headsweep.workers.families.fairseq_translation.adapter import load_translation
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 from headsweep.workers.families.fairseq_translation.sites import find_fairseq_sites, gate_fairseq_model
-from headsweep.workers.family import RuntimeOptions, task_kind
+from headsweep.workers.family import RuntimeOptions, model_family
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.metrics import BLEU, bleu_from_stats
@@ -262,7 +262,7 @@ def test_checkpoint_loads_back_through_the_config(tiny, fresh, tmp_path):
     path = root / "sweep.yaml"
     path.write_text(yaml.safe_dump(config))
     cfg = load_config(path)
-    loaded = task_kind(cfg.model.kind).load(cfg.model, cfg.data, RuntimeOptions())
+    loaded = model_family(cfg.model.kind).load(cfg.model, cfg.data, RuntimeOptions())
     reference = fresh[0].state_dict()
     for key, value in loaded.model.state_dict().items():
         assert torch.equal(value, reference[key]), key

@@ -234,7 +234,7 @@ def model_family(name: str) -> ModelFamily:
     return families[name]
 
 
-task_kind = model_family  # older name, used by the driver
+task_kind = model_family  # older name, kept for code written against it
 
 
 def _plugin_family(name: str) -> ModelFamily:
