@@ -10,6 +10,8 @@ import copy
 import pytest
 import torch
 from tiny_models import CAUSAL_LM_SHAPES, tiny_causal_lm, zeroed_output_columns
+from tiny_models import lm_batch as batch
+from tiny_models import lm_logits as logits
 from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
@@ -23,15 +25,6 @@ ATTN = ["eager", "sdpa"]
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread(one_thread):
     yield
-
-
-def batch(vocab: int, rows: int = 3, length: int = 10, seed: int = 1) -> torch.Tensor:
-    return torch.randint(4, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits
 
 
 def all_masks(inventory):

@@ -15,6 +15,8 @@ import torch
 import yaml
 from conftest import run_cli
 from tiny_models import CAUSAL_LM_SHAPES, lm_text, save_tiny_causal_lm, tiny_causal_lm
+from tiny_models import lm_batch as batch
+from tiny_models import lm_logits as logits
 from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
@@ -38,15 +40,6 @@ LAYERS = 2
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread(one_thread):
     yield
-
-
-def batch(vocab: int, rows: int = 3, length: int = 10, seed: int = 1) -> torch.Tensor:
-    return torch.randint(4, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits
 
 
 def agree(actual, reference, shape, what):

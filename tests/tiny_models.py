@@ -202,3 +202,14 @@ def zeroed_output_columns(model, heads):
             else:  # Conv1D: weight (in, out)
                 s.out_proj.weight[span, :] = 0.0
     return ref
+
+
+def lm_batch(vocab: int, rows: int = 3, length: int = 10, seed: int = 1) -> torch.Tensor:
+    """Random token ids (above the special tokens 0-3) for a tiny causal LM."""
+    return torch.randint(4, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def lm_logits(model, ids):
+    """A causal LM's logits for ``ids``, without gradients or a key/value cache."""
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits

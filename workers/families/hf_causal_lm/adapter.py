@@ -25,6 +25,7 @@ from headsweep.workers.families.hf_causal_lm.config import DEFAULT_WINDOW, Causa
 from headsweep.workers.families.hf_causal_lm.data import Window, plan_windows, read_corpus
 from headsweep.workers.families.hf_causal_lm.model import load_causal_lm, max_positions
 from headsweep.workers.families.hf_causal_lm.sites import kv_groups, sites_or_error
+from headsweep.workers.families.hf_classifier.model import resolve_positions
 from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
@@ -36,17 +37,8 @@ LOSS_NAME = "token cross-entropy"
 
 
 def resolve_window(requested: int | None, limit: int | None, model_dir: str) -> int:
-    """``data.window``, checked against the model's maximum positions; unset, the default or the model's maximum."""
-    if requested is None:
-        return min(DEFAULT_WINDOW, limit) if limit else DEFAULT_WINDOW
-    if requested < 2:
-        raise HeadsweepError(f"data.window must be at least 2 tokens, got {requested}")
-    if limit is not None and requested > limit:
-        raise HeadsweepError(
-            f"data.window {requested} is above the model's maximum of {limit} positions "
-            f"({model_dir}/config.json, max_position_embeddings): set data.window to {limit} or less"
-        )
-    return requested
+    """``data.window`` (tokens per window, at least 2: one to condition on, one to score), against the model."""
+    return resolve_positions("data.window", requested, limit, model_dir, DEFAULT_WINDOW, minimum=2)
 
 
 class CausalLMAdapter:

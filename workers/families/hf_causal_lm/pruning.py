@@ -46,11 +46,10 @@ from torch import nn
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_causal_lm.sites import find_sites
 from headsweep.workers.families.hf_classifier.layout import AttentionLayout, attention_layout
-from headsweep.workers.families.hf_classifier.pruning import PRUNED_HEADS_KEY, rebuild_pruned
+from headsweep.workers.families.hf_classifier.pruning import PRUNED_HEADS_KEY, rebuild_pruned, sites_to_prune
 from headsweep.workers.gates import AttentionSite
 from headsweep.workers.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
 from headsweep.workers.heads import Head, SiteKey
-from headsweep.workers.pruning import group_by_site
 
 #: Attribute of a pruned attention module: for each kept query head, the position of its key/value head.
 KV_INDEX_ATTR = "headsweep_kv_index"
@@ -121,13 +120,7 @@ def prune_causal_lm_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteK
 
     Returns each pruned module's slice. Every module is checked before the first one changes.
     """
-    if getattr(getattr(model, "config", None), PRUNED_HEADS_KEY, None):
-        # Its heads are renumbered: a mask in the original numbers would remove the wrong ones.
-        raise HeadsweepError("this model was already pruned (config.pruned_heads is set): prune the original model")
-    sites = find_sites(model)
-    if not sites:
-        raise HeadsweepError(f"no attention modules recognised in {type(model).__name__}: nothing to prune")
-    grouped = group_by_site(sites, heads)
+    sites, grouped = sites_to_prune(model, heads, find_sites)
     work = []
     for site in sites:
         if grouped.get(site.key):

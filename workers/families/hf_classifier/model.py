@@ -110,17 +110,23 @@ def max_positions(config) -> int | None:
     return n
 
 
-def resolve_max_length(requested: int | None, limit: int | None, model_dir: str) -> int:
-    """``data.max_length``, checked against the model's maximum positions ``limit``; unset, the default
-    (or the model's maximum if smaller). Longer than the model's positions is refused, not clipped:
-    the run would either fail on the first long example or not do what the config says."""
+def resolve_positions(key: str, requested: int | None, limit: int | None, model_dir: str, default: int,
+                      minimum: int = 1) -> int:
+    """A setting counted in model positions (``data.max_length``, ``data.window``), checked against the model's
+    maximum ``limit``; unset, ``default`` (or the model's maximum if smaller). Above the model's positions is
+    refused, not clipped: the run would either fail on the first long example or not do what the config says."""
     if requested is None:
-        return min(DEFAULT_MAX_LENGTH, limit) if limit else DEFAULT_MAX_LENGTH
-    if requested < 1:
-        raise HeadsweepError(f"data.max_length must be at least 1, got {requested}")
+        return min(default, limit) if limit else default
+    if requested < minimum:
+        raise HeadsweepError(f"{key} must be at least {minimum}, got {requested}")
     if limit is not None and requested > limit:
         raise HeadsweepError(
-            f"data.max_length {requested} is above the model's maximum of {limit} positions "
-            f"({model_dir}/config.json, max_position_embeddings): set data.max_length to {limit} or less"
+            f"{key} {requested} is above the model's maximum of {limit} positions "
+            f"({model_dir}/config.json, max_position_embeddings): set {key} to {limit} or less"
         )
     return requested
+
+
+def resolve_max_length(requested: int | None, limit: int | None, model_dir: str) -> int:
+    """``data.max_length`` (see :func:`resolve_positions`)."""
+    return resolve_positions("data.max_length", requested, limit, model_dir, DEFAULT_MAX_LENGTH)

@@ -72,15 +72,22 @@ class EmptyDistilBertAttention(nn.Module):
         return self.out_lin(hidden_states.new_zeros(*hidden_states.shape[:-1], 0)), None
 
 
-def prune_hf_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteKey, HeadSlice]:
-    """Remove ``heads`` (attention ``self``) from a transformers BERT-family or DistilBERT model, in place."""
+def sites_to_prune(model: nn.Module, heads: Iterable[Head],
+                   find: Callable[[nn.Module], list[AttentionSite]]) -> tuple[list[AttentionSite], dict]:
+    """The attention sites of a transformers ``model`` (found by ``find``) and ``heads`` grouped by site, checked:
+    a model pruned before is refused (its heads are renumbered: a mask in the original numbers would remove the
+    wrong ones), and so is one without attention sites. Shared by both transformers families."""
     if getattr(getattr(model, "config", None), PRUNED_HEADS_KEY, None):
-        # Its heads are renumbered: a mask in the original numbers would remove the wrong ones.
         raise HeadsweepError("this model was already pruned (config.pruned_heads is set): prune the original model")
-    sites = find_sites(model)
+    sites = find(model)
     if not sites:
         raise HeadsweepError(f"no attention modules recognised in {type(model).__name__}: nothing to prune")
-    grouped = group_by_site(sites, heads)
+    return sites, group_by_site(sites, heads)
+
+
+def prune_hf_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteKey, HeadSlice]:
+    """Remove ``heads`` (attention ``self``) from a transformers BERT-family or DistilBERT model, in place."""
+    sites, grouped = sites_to_prune(model, heads, find_sites)
     work = [(site, _prunable_layout(site), plan_slice(site.num_heads, site.head_dim, grouped[site.key]))
             for site in sites if grouped.get(site.key)]
     for site, layout, plan in work:  # every module checked before the first one changes
