@@ -1,0 +1,308 @@
+"""Benchmark: the single-head grid of a small Llama-style LM with grouped-query attention, scored by
+perplexity: headsweep's plain path vs compute reuse, and the loop a user would write with TransformerLens.
+
+The model (trained once, cached under ~/.cache/headsweep/bench/ or $HEADSWEEP_BENCH_CACHE): a Llama
+decoder of 4 layers, 8 query heads sharing 2 key/value heads, width 256, a byte-level BPE of 4,096
+pieces, trained for a fixed time budget on English from ../shared/data (Multi30k English train
+captions and SST-2 train sentences). Held-out text: Multi30k's English test_2016_flickr and
+test_2017_mscoco captions, never seen in training.
+
+Three routes over the same windows (``--window`` tokens, ``--windows`` of them) and the same 32
+single-head masks plus the baseline, in one process (no Ray: start-up is not counted):
+
+* plain: ``sweep.reuse: false, masks_per_batch: 1``: the whole model once per mask;
+* reuse: ``sweep.reuse: true, masks_per_batch: 0`` (headsweep's default): baseline states kept per
+  window batch, each mask starting at its first gated layer, masks of one layer packed in one pass;
+* TransformerLens 4 (when ``transformer_lens`` imports beside this transformers): its
+  ``TransformerBridge`` over the same HF model, one forward per head with a hook zeroing that head's
+  ``hook_z`` (the input of the output projection), the perplexity computed from the returned logits
+  exactly as headsweep scores windows.
+
+Ends with ``RESULT lm_grid ratio=<plain_s/reuse_s> max_abs_ppl_diff=<x> max_rel_ppl_diff=<y>`` and,
+when TransformerLens runs, ``RESULT lm_grid_vs_transformerlens ratio=<tl_s/reuse_s> max_abs_ppl_diff=<x>``.
+
+Usage: python bench/lm_grid.py [--train-minutes M] [--windows N] [--threads T] [sweep.device=cuda]
+       [model.dtype=bfloat16]
+Skips (exit 0) when ../shared/data (relative to the repository root) is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from grid_speed import PeakRSS, mib  # noqa: E402  (the same memory sampler as the other grid bench)
+
+DATA = ROOT.parent / "shared" / "data"
+CACHE = Path(os.environ.get("HEADSWEEP_BENCH_CACHE", Path.home() / ".cache" / "headsweep" / "bench"))
+VOCAB = 4096
+SHAPE = {"layers": 4, "heads": 8, "kv_heads": 2, "hidden": 256, "intermediate": 688, "window": 128}
+
+
+def skip(reason: str) -> None:
+    print(f"SKIP lm_grid: {reason}")
+    sys.exit(0)
+
+
+def read_gz(path: Path) -> list[str]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f]
+
+
+def sst2_sentences(split: str) -> list[str]:
+    with open(DATA / "sst2" / f"{split}.tsv", encoding="utf-8", newline="") as f:
+        return [row["sentence"] for row in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
+
+
+def train_text() -> str:
+    return "\n".join(read_gz(DATA / "multi30k" / "train.en.gz") + sst2_sentences("train")) + "\n"
+
+
+def heldout_text() -> str:
+    return "\n".join(read_gz(DATA / "multi30k" / "test_2016_flickr.en.gz")
+                     + read_gz(DATA / "multi30k" / "test_2017_mscoco.en.gz")) + "\n"
+
+
+def build_tokenizer(text: str):
+    """A byte-level BPE (GPT-2's scheme: spaces and newlines kept) trained on ``text``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(text.splitlines(keepends=True), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>")
+
+
+def model_dir(train_minutes: float) -> Path:
+    key = (f"llama-{SHAPE['layers']}x{SHAPE['heads']}q{SHAPE['kv_heads']}kv-d{SHAPE['hidden']}-bpe{VOCAB}"
+           f"-{train_minutes:g}min")
+    return CACHE / "lm_grid" / key
+
+
+def train(out: Path, train_minutes: float, threads: int) -> Path:
+    """Train the benchmark model once (a fixed time budget) and cache it; later runs load it."""
+    done = out / "trained.json"
+    if done.exists():
+        print(f"using cached model {out} ({done.read_text().strip()})", flush=True)
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
+    torch.manual_seed(0)
+    torch.set_num_threads(threads)
+    text = train_text()
+    tokenizer = build_tokenizer(text)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    window = SHAPE["window"]
+    rows = torch.tensor(ids[: len(ids) // window * window]).view(-1, window)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=SHAPE["hidden"],
+                         intermediate_size=SHAPE["intermediate"], num_hidden_layers=SHAPE["layers"],
+                         num_attention_heads=SHAPE["heads"], num_key_value_heads=SHAPE["kv_heads"],
+                         max_position_embeddings=2 * window, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    print(f"training {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters on {len(ids):,} tokens "
+          f"({len(rows):,} windows of {window}) for {train_minutes:g} min, {threads} threads", flush=True)
+    batch, lr = 16, 2e-3
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    budget = train_minutes * 60
+    start = time.perf_counter()
+    g = torch.Generator().manual_seed(0)
+    order = torch.randperm(len(rows), generator=g)
+    step, position, recent = 0, 0, []
+    model.train()
+    while time.perf_counter() - start < budget:
+        if position + batch > len(order):
+            order, position = torch.randperm(len(rows), generator=g), 0
+        chunk = rows[order[position : position + batch]]
+        position += batch
+        # Linear warm-up, then cosine decay over the time budget (the number of steps is not known).
+        done_frac = (time.perf_counter() - start) / budget
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(1.0, done_frac)))
+        loss = model(input_ids=chunk, labels=chunk, use_cache=False).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        recent = (recent + [loss.item()])[-50:]
+        if step % 50 == 0:
+            print(f"  step {step}: train loss {sum(recent) / len(recent):.3f} "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    summary = {"steps": step, "tokens_seen": step * batch * window, "seconds": round(time.perf_counter() - start),
+               "train_loss_last50": round(sum(recent) / max(1, len(recent)), 4), "threads": threads}
+    # Written last: a run stopped mid-training leaves no marker and is trained again.
+    done.write_text(json.dumps(summary) + "\n")
+    print(f"trained: {summary}", flush=True)
+    return out
+
+
+def headsweep_adapter(path: Path, heldout: Path, args, reuse: bool):
+    from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+    from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+    from headsweep.workers.family import RuntimeOptions
+
+    model = CausalLMModel(path=str(path), attn_implementation="sdpa", dtype=args.dtype)
+    data = CausalLMData(path=str(heldout), window=SHAPE["window"], max_windows=args.windows)
+    runtime = RuntimeOptions(device=args.device, batch_size=args.batch_size, masks_per_batch=0 if reuse else 1,
+                             reuse=reuse, threads=args.threads)
+    return load_causal_lm_adapter(model, data, runtime)
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def headsweep_grid(adapter, masks: list, device: str) -> list[float]:
+    """Perplexity of the baseline and every mask, as a sweep evaluates them (baseline first)."""
+    adapter.baseline()
+    outputs = adapter.evaluate(masks)
+    synchronize(device)
+    return [o.score for o in outputs]
+
+
+def transformer_lens_grid(adapter, masks: list, device: str) -> list[float]:
+    """The loop a TransformerLens 4 user writes: one forward per head, its ``hook_z`` zeroed by a hook."""
+    import torch
+    import torch.nn.functional as F
+    from transformer_lens.model_bridge import TransformerBridge
+
+    bridge = TransformerBridge.boot_transformers(str(adapter.model.name_or_path), device=device,
+                                                 dtype=adapter.model.dtype, hf_model=adapter.model)
+    scored = adapter.scored
+    inputs = adapter.inputs
+    results = []
+    for mask in masks:
+        hooks = []
+        for head in mask:
+            def zero(z, hook, h=head.head):  # z: (batch, position, head, d_head)
+                z[:, :, h, :] = 0.0
+                return z
+            hooks.append((f"blocks.{head.layer}.attn.hook_z", zero))
+        nll_sum, tokens = 0.0, 0.0
+        with torch.inference_mode():
+            for start in range(0, len(inputs), adapter.runtime.batch_size):
+                ids = inputs[start : start + adapter.runtime.batch_size]
+                logits = bridge.run_with_hooks(ids, fwd_hooks=hooks, return_type="logits")
+                nll = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                      ids[:, 1:].reshape(-1), reduction="none").view(ids.shape[0], -1)
+                keep = scored[start : start + ids.shape[0]]
+                nll_sum += float((nll.double() * keep).sum())
+                tokens += float(keep.sum())
+        results.append(math.exp(nll_sum / tokens))
+    synchronize(device)
+    return results
+
+
+def overrides(values: list[str], args) -> None:
+    """``sweep.device=cuda`` / ``model.dtype=bfloat16`` as in headsweep's own command line."""
+    known = {"sweep.device": "device", "model.dtype": "dtype", "sweep.batch_size": "batch_size",
+             "sweep.threads": "threads"}
+    for item in values:
+        key, _, value = item.partition("=")
+        if key not in known:
+            sys.exit(f"lm_grid: unknown override {key!r} (takes {', '.join(known)})")
+        setattr(args, known[key], int(value) if key in ("sweep.batch_size", "sweep.threads") else value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="sweep.device=cuda, model.dtype=bfloat16, ...")
+    parser.add_argument("--train-minutes", type=float, default=10.0)
+    parser.add_argument("--windows", type=int, default=96, help="held-out windows of 128 tokens")
+    parser.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--skip-transformerlens", action="store_true")
+    parser.add_argument("--train-only", action="store_true", help="train and cache the model, then stop")
+    args = parser.parse_args()
+    overrides(args.overrides, args)
+    if not DATA.is_dir():
+        skip(f"{DATA} not found")
+
+    import torch
+
+    from headsweep.workers.heads import Head
+
+    torch.set_num_threads(args.threads)
+    path = train(model_dir(args.train_minutes), args.train_minutes, args.threads)
+    if args.train_only:
+        return
+    heldout = CACHE / "lm_grid" / "heldout.en.txt"
+    if not heldout.exists():
+        heldout.write_text(heldout_text(), encoding="utf-8")
+
+    masks = [[]] + [[Head("self", layer, head)] for layer in range(SHAPE["layers"]) for head in range(SHAPE["heads"])]
+    peak = PeakRSS()
+    cuda = args.device.startswith("cuda")
+    print(f"device {args.device}, dtype {args.dtype}, threads {args.threads}, {args.windows} windows of "
+          f"{SHAPE['window']} tokens, {len(masks) - 1} single-head masks + baseline", flush=True)
+    seconds, scores, memory = {}, {}, {}
+    for name, reuse in (("plain", False), ("reuse", True)):
+        adapter = headsweep_adapter(path, heldout, args, reuse)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        scores[name], seconds[name] = peak.timed(name, headsweep_grid, adapter, masks, args.device)
+        memory[name] = torch.cuda.max_memory_allocated() if cuda else peak.peak[name]
+        print(f"  {name:<6} {seconds[name]:7.1f} s  ({seconds[name] / len(masks):.3f} s a mask)  "
+              f"peak {'GPU memory' if cuda else 'RSS'} {mib(memory[name])}  reuse: {adapter.reuse_note}", flush=True)
+    base = scores["plain"][0]
+    worst = max(range(1, len(masks)), key=lambda i: scores["plain"][i])
+    print(f"baseline perplexity {base:.4f}; most harmful head {masks[worst][0]} "
+          f"(perplexity {scores['plain'][worst]:.4f})", flush=True)
+    diffs = [abs(a - b) for a, b in zip(scores["plain"], scores["reuse"], strict=True)]
+    rel = [d / a for d, a in zip(diffs, scores["plain"], strict=True)]
+    lines = [f"RESULT lm_grid ratio={seconds['plain'] / seconds['reuse']:.2f} max_abs_ppl_diff={max(diffs):.3g} "
+             f"max_rel_ppl_diff={max(rel):.3g} plain_s={seconds['plain']:.1f} reuse_s={seconds['reuse']:.1f} "
+             f"plain_peak_mib={memory['plain'] / (1 << 20):.0f} reuse_peak_mib={memory['reuse'] / (1 << 20):.0f}"]
+    if args.skip_transformerlens:
+        print("TransformerLens: skipped (--skip-transformerlens)")
+    else:
+        try:
+            import transformer_lens  # noqa: F401
+        except ImportError as exc:
+            print(f"TransformerLens: not run: {exc} (pip install transformer-lens==4.3.0 to compare)")
+        else:
+            adapter = headsweep_adapter(path, heldout, args, True)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            tl, tl_s = peak.timed("transformer_lens", transformer_lens_grid, adapter, masks, args.device)
+            tl_mem = torch.cuda.max_memory_allocated() if cuda else peak.peak["transformer_lens"]
+            print(f"  TransformerLens {tl_s:7.1f} s  ({tl_s / len(masks):.3f} s a mask)  peak "
+                  f"{'GPU memory' if cuda else 'RSS'} {mib(tl_mem)}", flush=True)
+            tl_diff = max(abs(a - b) for a, b in zip(tl, scores["reuse"], strict=True))
+            lines.append(f"RESULT lm_grid_vs_transformerlens ratio={tl_s / seconds['reuse']:.2f} "
+                         f"max_abs_ppl_diff={tl_diff:.3g} transformerlens_s={tl_s:.1f} "
+                         f"reuse_s={seconds['reuse']:.1f}")
+    peak.stop()
+    for line in lines:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
