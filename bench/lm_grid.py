@@ -3,8 +3,9 @@ perplexity: headsweep's plain path vs compute reuse, and the loop a user would w
 
 The model (trained once, cached under ~/.cache/headsweep/bench/ or $HEADSWEEP_BENCH_CACHE): a Llama
 decoder of 4 layers, 8 query heads sharing 2 key/value heads, width 256, a byte-level BPE of 4,096
-pieces, trained for a fixed time budget on English from ../shared/data (Multi30k English train
-captions and SST-2 train sentences). Held-out text: Multi30k's English test_2016_flickr and
+pieces, trained for a fixed number of updates (``--train-steps``, batches of 16 windows of 128
+tokens; a fixed count rather than a time budget, so a busy machine gives the same model, later) on
+English from ../shared/data (Multi30k English train captions and SST-2 train sentences). Held-out text: Multi30k's English test_2016_flickr and
 test_2017_mscoco captions, never seen in training.
 
 Three routes over the same windows (``--window`` tokens, ``--windows`` of them) and the same 32
@@ -21,7 +22,7 @@ single-head masks plus the baseline, in one process (no Ray: start-up is not cou
 Ends with ``RESULT lm_grid ratio=<plain_s/reuse_s> max_abs_ppl_diff=<x> max_rel_ppl_diff=<y>`` and,
 when TransformerLens runs, ``RESULT lm_grid_vs_transformerlens ratio=<tl_s/reuse_s> max_abs_ppl_diff=<x>``.
 
-Usage: python bench/lm_grid.py [--train-minutes M] [--windows N] [--threads T] [sweep.device=cuda]
+Usage: python bench/lm_grid.py [--train-steps N] [--windows N] [--threads T] [sweep.device=cuda]
        [model.dtype=bfloat16]
 Skips (exit 0) when ../shared/data (relative to the repository root) is absent.
 """
@@ -87,14 +88,14 @@ def build_tokenizer(text: str):
                                    unk_token="<|endoftext|>")
 
 
-def model_dir(train_minutes: float) -> Path:
+def model_dir(steps: int) -> Path:
     key = (f"llama-{SHAPE['layers']}x{SHAPE['heads']}q{SHAPE['kv_heads']}kv-d{SHAPE['hidden']}-bpe{VOCAB}"
-           f"-{train_minutes:g}min")
+           f"-{steps}steps")
     return CACHE / "lm_grid" / key
 
 
-def train(out: Path, train_minutes: float, threads: int) -> Path:
-    """Train the benchmark model once (a fixed time budget) and cache it; later runs load it."""
+def train(out: Path, steps: int, threads: int) -> Path:
+    """Train the benchmark model once (``steps`` updates) and cache it; later runs load it."""
     done = out / "trained.json"
     if done.exists():
         print(f"using cached model {out} ({done.read_text().strip()})", flush=True)
@@ -118,24 +119,21 @@ def train(out: Path, train_minutes: float, threads: int) -> Path:
                          eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
     model = LlamaForCausalLM(config)
     print(f"training {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters on {len(ids):,} tokens "
-          f"({len(rows):,} windows of {window}) for {train_minutes:g} min, {threads} threads", flush=True)
+          f"({len(rows):,} windows of {window}) for {steps} updates, {threads} threads", flush=True)
     batch, lr = 16, 2e-3
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-    budget = train_minutes * 60
     start = time.perf_counter()
     g = torch.Generator().manual_seed(0)
     order = torch.randperm(len(rows), generator=g)
     step, position, recent = 0, 0, []
     model.train()
-    while time.perf_counter() - start < budget:
+    while step < steps:
         if position + batch > len(order):
             order, position = torch.randperm(len(rows), generator=g), 0
         chunk = rows[order[position : position + batch]]
         position += batch
-        # Linear warm-up, then cosine decay over the time budget (the number of steps is not known).
-        done_frac = (time.perf_counter() - start) / budget
-        for group in opt.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(1.0, done_frac)))
+        for group in opt.param_groups:  # linear warm-up, then cosine decay
+            group["lr"] = lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / steps))
         loss = model(input_ids=chunk, labels=chunk, use_cache=False).loss
         opt.zero_grad()
         loss.backward()
@@ -232,7 +230,7 @@ def overrides(values: list[str], args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="sweep.device=cuda, model.dtype=bfloat16, ...")
-    parser.add_argument("--train-minutes", type=float, default=10.0)
+    parser.add_argument("--train-steps", type=int, default=600, help="updates of 16 x 128 tokens")
     parser.add_argument("--windows", type=int, default=96, help="held-out windows of 128 tokens")
     parser.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -250,7 +248,7 @@ def main() -> None:
     from headsweep.workers.heads import Head
 
     torch.set_num_threads(args.threads)
-    path = train(model_dir(args.train_minutes), args.train_minutes, args.threads)
+    path = train(model_dir(args.train_steps), args.train_steps, args.threads)
     if args.train_only:
         return
     heldout = CACHE / "lm_grid" / "heldout.en.txt"

@@ -38,7 +38,7 @@ STDERR_SHAPES = {
     "demo training": r"training the demo [\w ]+ \(once; cached in \S+\) \.\.\.",
     "demo epochs": r"training the demo [\w ]+: \d+/\d+ \(\d+%\) \S+ \S+ elapsed \d+:\d\d:\d\d ETA \S+( .+)?",
     "demo model": r"training fairseq transformer: .+",
-    "demo sweep": r"sweeping the heads of the demo \w+ on \d+ worker\(s\) \.\.\.",
+    "demo sweep": r"sweeping the heads of the demo [\w ]+ on \d+ worker\(s\) \.\.\.",
 }
 ALLOWED = re.compile("|".join(f"(?:{shape})" for shape in STDERR_SHAPES.values()))
 RUN_ID = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}")
