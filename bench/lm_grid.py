@@ -5,10 +5,11 @@ The model (trained once, cached under ~/.cache/headsweep/bench/ or $HEADSWEEP_BE
 decoder of 4 layers, 8 query heads sharing 2 key/value heads, width 256, a byte-level BPE of 4,096
 pieces, trained for a fixed number of updates (``--train-steps``, batches of 16 windows of 128
 tokens; a fixed count rather than a time budget, so a busy machine gives the same model, later) on
-English from ../shared/data (Multi30k English train captions and SST-2 train sentences). Held-out text: Multi30k's English test_2016_flickr and
-test_2017_mscoco captions, never seen in training.
+English from ../shared/data (Multi30k English train captions and SST-2 train sentences).
+Held-out text: Multi30k's English test_2016_flickr and test_2017_mscoco captions, never seen in
+training.
 
-Three routes over the same windows (``--window`` tokens, ``--windows`` of them) and the same 32
+Three routes over the same windows (128 tokens, ``--windows`` of them) and the same 32
 single-head masks plus the baseline, in one process (no Ray: start-up is not counted):
 
 * plain: ``sweep.reuse: false, masks_per_batch: 1``: the whole model once per mask;
