@@ -66,8 +66,8 @@ def settings(train_minutes: float, threads: int):
     )
 
 
-def prepare(workdir: Path) -> tuple[Path, Path]:
-    """A joint SentencePiece model and a fairseq data-bin of the train/valid splits."""
+def prepare(workdir: Path, vocab: int = VOCAB) -> tuple[Path, Path]:
+    """A joint SentencePiece model of ``vocab`` pieces and a fairseq data-bin of the train/valid splits."""
     import sentencepiece as spm
 
     from headsweep.workers.families.fairseq_translation.train import write_data_bin
@@ -79,7 +79,7 @@ def prepare(workdir: Path) -> tuple[Path, Path]:
         lines = read_gz(DATA / f"train.{SRC}.gz") + read_gz(DATA / f"train.{TGT}.gz")
         text.write_text("\n".join(lines) + "\n", encoding="utf-8")
         spm.SentencePieceTrainer.train(
-            input=str(text), model_prefix=str(workdir / "spm"), vocab_size=VOCAB, model_type="bpe",
+            input=str(text), model_prefix=str(workdir / "spm"), vocab_size=vocab, model_type="bpe",
             character_coverage=1.0, num_threads=2, minloglevel=2,
         )
         text.unlink()

@@ -13,11 +13,12 @@ import pyarrow as pa
 # additive (a new table, a new nullable column), so a release reads every older store: a table
 # an older store lacks reads empty, a column its files lack reads null. A store holding runs of a
 # newer version is refused (results/query.py). Bump it with every change and say what changed.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SCHEMA_HISTORY = {
     1: "runs, evaluations, examples, significance, importance",
     2: "new table efficiency (speed and memory of full and pruned models)",
+    3: "new table head_roles (confidence, positional and rare-word statistics and roles of each head)",
 }
 
 HEAD_COLUMNS = [("attention", pa.string()), ("layer", pa.int32()), ("head", pa.int32())]
@@ -129,6 +130,24 @@ TABLES: dict[str, pa.Schema] = {
             ("tokens_per_s_iqr", pa.float64()),
             ("speedup", pa.float64()),
             ("finished_at", pa.timestamp("us", tz="UTC")),
+        ]
+    ),
+    # The roles experiment (Voita et al. 2019): one row per checkpoint and head, statistics of its unmasked
+    # attention maps (headsweep.workers.head_roles). More statistics (e.g. per syntactic relation, an accuracy
+    # and a baseline column each) are added as nullable columns: older files then read them as null.
+    "head_roles": pa.schema(
+        [
+            ("checkpoint", pa.string()),
+            *HEAD_COLUMNS,
+            ("n_tokens", pa.int64()),
+            ("confidence", pa.float64()),
+            ("entropy", pa.float64()),
+            ("top_offset", pa.int32()),
+            ("top_offset_share", pa.float64()),
+            ("rare_share", pa.float64()),
+            ("rare_sentences", pa.int64()),
+            ("rare_chance", pa.float64()),
+            ("roles", pa.list_(pa.string())),
         ]
     ),
 }

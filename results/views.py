@@ -10,9 +10,11 @@ from __future__ import annotations
 from headsweep.results.schema import HEAD_COLUMNS
 from headsweep.workers.metrics import LOWER_IS_BETTER
 
-# The test shown next to a delta (the other tests stay in `significance`): a t-test for accuracy, the
-# paired bootstrap for corpus metrics (BLEU, perplexity) and for any metric not named here.
-PRIMARY_TEST = {"accuracy": "paired_ttest", "bleu": "paired_bootstrap", "perplexity": "paired_bootstrap"}
+# The test shown next to a delta (the other tests stay in `significance`): a t-test for accuracy (and multiple
+# choice's length-normalised accuracy_norm), the paired bootstrap for corpus metrics (BLEU, perplexity) and for
+# any metric not named here.
+PRIMARY_TEST = {"accuracy": "paired_ttest", "accuracy_norm": "paired_ttest", "bleu": "paired_bootstrap",
+                "perplexity": "paired_bootstrap"}
 OTHER_METRICS_TEST = "paired_bootstrap"
 
 
@@ -132,8 +134,22 @@ LEFT JOIN (SELECT run_id, count(DISTINCT coalesce(checkpoint, '')) AS n_checkpoi
   USING (run_id)
 """
 
+# What each head attends to (`head_roles`, Voita et al. 2019) beside its single-head delta, test and importance
+# (from `heads`; null where the run has none).
+ROLES = f"""
+CREATE VIEW roles AS
+SELECT r.run_id, r.checkpoint, r.attention, r.layer, r.head, r.attention || ':' || r.layer || ':' || r.head AS name,
+       r.confidence, r.entropy, r.top_offset, r.top_offset_share, r.rare_share, r.rare_sentences, r.rare_chance,
+       r.n_tokens, r.roles, h.metric, h.baseline_score, h.score, h.delta, h.test, h.p_value, h.p_adjusted,
+       h.correction, h.alpha, h.significant, h.harm, h.importance_method, h.importance, h.importance_normalized,
+       h.importance_rank
+FROM head_roles r
+LEFT JOIN heads h ON {_same_head("h", "r")}
+"""
+
 # In creation order: a view may use the ones before it.
-VIEWS: dict[str, str] = {"deltas": DELTAS, "heads": HEADS, "layers": LAYERS, "pruning": PRUNING, "summary": SUMMARY}
+VIEWS: dict[str, str] = {"deltas": DELTAS, "heads": HEADS, "layers": LAYERS, "pruning": PRUNING, "summary": SUMMARY,
+                         "roles": ROLES}
 
 # What `headsweep runs` lists, newest first.
 RUNS_LIST = "SELECT * FROM summary ORDER BY created_at DESC, run_id"

@@ -61,7 +61,7 @@ class ChunkWriter:
                     "eval_id": unit.eval_id,
                     "example_id": example_id,
                     "stats": out.stats[i].tolist(),
-                    "loss": float(out.loss[i]),
+                    "loss": None if out.loss is None else float(out.loss[i]),
                     "output": out.outputs[i],
                     "reference": self.info.references[i],
                 }

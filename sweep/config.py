@@ -22,6 +22,7 @@ from headsweep.sweep.sections import (
     EfficiencySection,
     ImportanceSection,
     PruneSection,
+    RolesSection,
     SignificanceSection,
     SweepSection,
     coerce,
@@ -83,6 +84,13 @@ def _resolve_paths(data: dict, base: Path) -> None:
     importance = data.get("importance")
     if isinstance(importance, dict):
         sections.append(importance.get("data"))
+    roles = data.get("roles")
+    if isinstance(roles, dict):
+        sections.append(roles.get("data"))
+        frequencies = roles.get("frequencies")
+        if isinstance(frequencies, str) and frequencies != "dictionary" and not Path(frequencies).is_absolute():
+            if (base / frequencies).exists():
+                roles["frequencies"] = str((base / frequencies).resolve())
     for section in sections:
         if not isinstance(section, dict):
             continue
@@ -141,6 +149,7 @@ def build_config(data: dict) -> Config:
         importance=from_dict(ImportanceSection, data.get("importance"), "importance"),
         prune=from_dict(PruneSection, data.get("prune"), "prune"),
         efficiency=from_dict(EfficiencySection, data.get("efficiency"), "efficiency"),
+        roles=from_dict(RolesSection, data.get("roles"), "roles"),
         checkpoints=coerce(data.get("checkpoints"), list[str] | None, "checkpoints"),
     )
     if cfg.importance.data is not None:
@@ -164,12 +173,18 @@ def validate(cfg: Config) -> None:
 
 def _check_sections(cfg: Config) -> None:
     cfg.sweep.check()
+    if cfg.sweep.max_tokens is not None and not model_family(cfg.model.kind).batches_by_tokens:
+        raise HeadsweepError(
+            f"sweep.max_tokens applies to model families that batch by tokens (fairseq_translation), "
+            f"not {cfg.model.kind}: use sweep.batch_size"
+        )
     cfg.significance.check()
     cfg.importance.check()
     cfg.prune.check()
     if cfg.prune.reestimate and cfg.importance.method != "gradient":
         raise HeadsweepError("prune.reestimate needs importance.method gradient")
     cfg.efficiency.check()
+    cfg.roles.check()
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:

@@ -75,11 +75,13 @@ class Sweep:
         threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // s.workers)
         runtime = RuntimeOptions(
             device=resolve_device(self.cfg),
-            batch_size=s.batch_size,
             masks_per_batch=s.masks_per_batch,
             reuse=s.reuse,
             threads=threads,
             seed=self.cfg.seed,
+            loss=s.loss,
+            fused_attention=s.fused_attention,
+            **s.batching(),
         )
         names = [f"worker-{i}" for i in range(s.workers)]
         actors = [

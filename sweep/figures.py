@@ -24,8 +24,10 @@ SIGNIFICANT_MARK = "*"
 MAX_ANNOTATED_HEADS = 16
 NOT_EVALUATED = "#d9d9d9"  # grey cells: heads the run did not evaluate
 
-METRIC_NAMES = {"accuracy": "accuracy", "bleu": "BLEU", "perplexity": "perplexity"}
-METRIC_UNITS = {"accuracy": "fraction correct, 0-1", "bleu": "sacrebleu, 0-100",
+METRIC_NAMES = {"accuracy": "accuracy", "accuracy_norm": "length-normalised accuracy", "bleu": "BLEU",
+                "perplexity": "perplexity"}
+METRIC_UNITS = {"accuracy": "fraction correct, 0-1", "accuracy_norm": "fraction correct, 0-1",
+                "bleu": "sacrebleu, 0-100",
                 "perplexity": "exp(mean NLL per token), lower is better"}
 
 

@@ -37,9 +37,12 @@ class SweepSection:
     num_gpus_per_worker: float = 0.0
     device: str = "auto"
     threads_per_worker: int = 0
-    batch_size: int = 32
+    batch_size: int | None = None  # examples per batch; null: 32 (translation: the token budget instead)
+    max_tokens: int | None = None  # translation: token budget per batch; null: 6000, or batch_size when set
     masks_per_batch: int = 0
     reuse: bool = True
+    loss: bool = False  # translation: the teacher-forced pass that fills examples.loss (else null)
+    fused_attention: bool = True  # translation: modules no mask of a batch gates keep fairseq's fused kernel
     flush_every: int = 64
     flush_seconds: float = 10.0
     max_retries: int = 2
@@ -47,12 +50,31 @@ class SweepSection:
     placement_timeout_s: float = 600.0
     wait_for_resources: bool = False
 
+    def batching(self) -> dict[str, int]:
+        """``RuntimeOptions``' ``batch_size`` and ``max_tokens`` for what is set; the rest keep their defaults.
+
+        A ``batch_size`` set alone batches translation by sentences too (``max_tokens`` 0).
+        """
+        out: dict[str, int] = {}
+        if self.batch_size is not None:
+            out.update(batch_size=self.batch_size, max_tokens=0)
+        if self.max_tokens is not None:
+            out["max_tokens"] = self.max_tokens
+        return out
+
     def check(self) -> None:
         """Worker counts, resources and devices that cannot work."""
         if self.workers < 1:
             raise HeadsweepError(f"sweep.workers must be at least 1, got {self.workers}")
-        if self.batch_size < 1:
+        if self.batch_size is not None and self.batch_size < 1:
             raise HeadsweepError(f"sweep.batch_size must be at least 1, got {self.batch_size}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise HeadsweepError(f"sweep.max_tokens must be at least 1, got {self.max_tokens}")
+        if self.batch_size is not None and self.max_tokens is not None:
+            raise HeadsweepError(
+                "sweep.batch_size and sweep.max_tokens are both set: translation batches either by sentences "
+                "(batch_size) or by a token budget (max_tokens); set one"
+            )
         if self.num_cpus_per_worker <= 0:
             raise HeadsweepError(f"sweep.num_cpus_per_worker must be positive, got {self.num_cpus_per_worker}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -163,6 +185,39 @@ class EfficiencySection:
 
 
 @dataclass
+class RolesSection:
+    """The ``roles`` experiment (Voita et al. 2019): what each head attends to (``headsweep.workers.head_roles``).
+
+    ``data`` has the keys of the model kind's ``data`` section (default: the evaluation set).
+    ``frequencies``: ``dictionary`` (a fairseq model's dictionary counts, the default for fairseq), a
+    corpus file (one sentence a line), or null (other families: no rare-word statistics).
+    """
+
+    data: dict | None = None
+    frequencies: str | None = None
+    offsets: list[int] = field(default_factory=lambda: [-1, 1])
+    positional_threshold: float = 0.9
+    rare_top: int = 500
+    rare_threshold: float = 0.5
+    rare_min_sentences: int = 10
+
+    def check(self) -> None:
+        if not self.offsets:
+            raise HeadsweepError("roles.offsets must name at least one relative offset (e.g. [-1, 1])")
+        if 0 in self.offsets or len(set(self.offsets)) != len(self.offsets):
+            raise HeadsweepError(f"roles.offsets must be distinct non-zero relative offsets (e.g. [-1, 1]: the "
+                                 f"previous and the next token), got {self.offsets}")
+        for key in ("positional_threshold", "rare_threshold"):
+            value = getattr(self, key)
+            if not 0 < value <= 1:
+                raise HeadsweepError(f"roles.{key} must be a share in (0, 1], got {value}")
+        if self.rare_top < 1:
+            raise HeadsweepError(f"roles.rare_top must be at least 1, got {self.rare_top}")
+        if self.rare_min_sentences < 1:
+            raise HeadsweepError(f"roles.rare_min_sentences must be at least 1, got {self.rare_min_sentences}")
+
+
+@dataclass
 class Config:
     """A whole sweep. ``model`` and ``data`` are the dataclasses of ``model.kind``."""
 
@@ -175,6 +230,7 @@ class Config:
     importance: ImportanceSection = field(default_factory=ImportanceSection)
     prune: PruneSection = field(default_factory=PruneSection)
     efficiency: EfficiencySection = field(default_factory=EfficiencySection)
+    roles: RolesSection = field(default_factory=RolesSection)
     checkpoints: list[str] | None = None
 
     def to_dict(self) -> dict:

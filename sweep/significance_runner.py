@@ -24,23 +24,26 @@ from headsweep.sweep.significance import (
     paired_ttest,
     significance_rows,
 )
-from headsweep.workers.metrics import metric_by_name
+from headsweep.workers.metrics import METRICS, metric_by_name
 from headsweep.workers.work import WorkUnit
 
 # The papers' tests: paired bootstrap for BLEU (Koehn 2004), a t-test for accuracy, with
-# McNemar's exact test as the better-founded companion for binary outcomes. Perplexity: the paired
-# bootstrap over windows (as for BLEU, a corpus score from summed statistics), and a paired t-test
-# on per-window mean NLL (``Metric.example_values``).
+# McNemar's exact test as the better-founded companion for binary outcomes (``Metric.binary``: multiple
+# choice's ``accuracy_norm`` too). Perplexity: the paired bootstrap over windows (as for BLEU, a corpus score
+# from summed statistics), and a paired t-test on per-window mean NLL (``Metric.example_values``).
 # The ``deltas`` view shows each metric's primary test (``headsweep.results.views.PRIMARY_TEST``), one of these.
 DEFAULT_TESTS = {"bleu": ["paired_bootstrap"], "accuracy": ["paired_ttest", "mcnemar_exact"],
-                 "perplexity": ["paired_bootstrap", "paired_ttest"]}
+                 "accuracy_norm": ["paired_ttest", "mcnemar_exact"], "perplexity": ["paired_bootstrap", "paired_ttest"]}
 TESTS_PER_TASK = 32
 
 
 def tests_for(section: SignificanceSection, metric: str) -> list[str]:
     tests = section.tests if section.tests is not None else DEFAULT_TESTS.get(metric, ["paired_bootstrap"])
-    if metric != "accuracy" and "mcnemar_exact" in tests:
-        raise HeadsweepError("significance.tests: mcnemar_exact needs binary outcomes (metric accuracy)")
+    known = METRICS.get(metric)
+    if "mcnemar_exact" in tests and not (known and known.binary):
+        binary = ", ".join(m.name for m in METRICS.values() if m.binary)
+        raise HeadsweepError(f"significance.tests: mcnemar_exact needs binary outcomes (metric {binary}), "
+                             f"not {metric}")
     return tests
 
 
@@ -57,7 +60,8 @@ def raw_tests(
             # per-example values: correctness for accuracy, mean NLL per window for perplexity
             results.append(paired_ttest(m.example_values(baseline), m.example_values(systems)))
         elif test == "mcnemar_exact":
-            results.append(mcnemar_exact(baseline[:, 0], systems[:, :, 0]))
+            # the metric's own 0/1 outcomes: correct for accuracy, correct_norm for accuracy_norm
+            results.append(mcnemar_exact(m.example_values(baseline), m.example_values(systems)))
     return results
 
 

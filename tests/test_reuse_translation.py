@@ -33,7 +33,7 @@ def make_task(tiny, batch_size=64, **runtime):
     model_cfg = TranslationModel(checkpoint=str(tiny.checkpoint), data_bin=str(tiny.data.data_bin), beam=BEAM,
                                  max_len_b=MAX_LEN_B)
     data_cfg = TranslationData(data_bin=str(tiny.data.data_bin), split="test")
-    return load_translation(model_cfg, data_cfg, RuntimeOptions(batch_size=batch_size, **runtime))
+    return load_translation(model_cfg, data_cfg, RuntimeOptions(batch_size=batch_size, max_tokens=0, **runtime))
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,10 @@ if TYPE_CHECKING:  # the driver imports this module: keep torch out of its impor
     from headsweep.workers.head_slicing import HeadSlice
 
 
+# fairseq-generate's usual --max-tokens for evaluation (see README, "Translation models").
+DEFAULT_MAX_TOKENS = 6000
+
+
 @dataclass
 class RuntimeOptions:
     """How an adapter runs: the driver's ``sweep`` section, resolved for one worker."""
@@ -55,6 +59,16 @@ class RuntimeOptions:
     reuse: bool = True  # share work between masks (prefix/encoder reuse); False: plain reference path
     threads: int = 0
     seed: int = 0
+    # Families that batch by tokens (fairseq translation): sentences per batch bounded by a token
+    # budget, fairseq's --max-tokens (sentences x longest source <= max_tokens), instead of
+    # batch_size sentences; 0: batches of batch_size sentences. Other families ignore it.
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    # Families whose per-example loss costs a pass of its own (translation: a teacher-forced pass
+    # per mask): False stores no loss (examples.loss null). Others get it free and always store it.
+    loss: bool = False
+    # fairseq translation: attention modules that no mask of a batch gates keep fairseq's fused
+    # attention kernel; False: every gated module takes the unfused path (the plain reference).
+    fused_attention: bool = True
 
 
 @dataclass
@@ -80,7 +94,7 @@ class MaskOutput:
     """One evaluation of one mask: per-example statistics, loss and output, in example order."""
 
     stats: np.ndarray
-    loss: np.ndarray
+    loss: np.ndarray | None  # None: not computed (stored as null)
     outputs: list[str]
     score: float
     seconds: float
@@ -161,8 +175,9 @@ class ModelFamily:
 
     ``loader`` is ``package.module:NAME`` of a callable ``(model_cfg, data_cfg, runtime)`` returning
     the :class:`EvalAdapter` (imported when first used). ``checkpoint_key`` is the ``model`` key a
-    run over training checkpoints replaces. The methods past ``load`` refuse with a clear error
-    unless a subclass implements them.
+    run over training checkpoints replaces. ``batches_by_tokens``: its adapter reads
+    ``RuntimeOptions.max_tokens`` (``sweep.max_tokens`` is refused for the others). The methods
+    past ``load`` refuse with a clear error unless a subclass implements them.
     """
 
     name: str
@@ -170,6 +185,7 @@ class ModelFamily:
     data_config: type
     loader: str
     checkpoint_key: str = "path"
+    batches_by_tokens: bool = False
 
     def load(self, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions) -> EvalAdapter:
         """The evaluation adapter: the gated model on the evaluation data."""

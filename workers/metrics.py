@@ -23,6 +23,16 @@ def first_stat(stats: np.ndarray) -> np.ndarray:
     return np.asarray(stats, dtype=np.float64)[..., 0]
 
 
+def second_stat(stats: np.ndarray) -> np.ndarray:
+    """Per-example values from the second statistic (multiple choice: correct by the length-normalised rule)."""
+    return np.asarray(stats, dtype=np.float64)[..., 1]
+
+
+def accuracy_norm_from_stats(stats_sum: np.ndarray, n: int) -> np.ndarray:
+    """Length-normalised multiple-choice accuracy from summed ``[correct, correct_norm]`` of ``n`` questions."""
+    return np.asarray(stats_sum, dtype=np.float64)[..., 1] / n
+
+
 @dataclass(frozen=True)
 class Metric:
     """A corpus metric: the names of its per-example statistics and its corpus score.
@@ -30,7 +40,8 @@ class Metric:
     ``higher_is_better`` is the metric's direction (perplexity: lower is better): what "a head whose
     removal hurts" means, how heads are ranked by harm, which kept head is best. ``example_values``
     turns per-example statistics (..., n_stats) into one value per example (...) for tests on
-    per-example values (the paired t-test).
+    per-example values (the paired t-test). ``binary``: those values are 0/1 outcomes (right or
+    wrong), which McNemar's exact test needs.
     """
 
     name: str
@@ -38,6 +49,7 @@ class Metric:
     score_from_stats: Callable[[np.ndarray, int], np.ndarray]
     higher_is_better: bool = True
     example_values: Callable[[np.ndarray], np.ndarray] = first_stat
+    binary: bool = False
 
     def score(self, stats: np.ndarray) -> float:
         """Corpus score of per-example statistics of shape (n_examples, n_stats)."""
@@ -54,7 +66,15 @@ class Metric:
         return -self.sign * delta
 
 
-ACCURACY = Metric("accuracy", ("correct",), accuracy_from_stats)
+ACCURACY = Metric("accuracy", ("correct",), accuracy_from_stats, binary=True)
+
+# Multiple choice (causal LMs, lm-evaluation-harness's acc and acc_norm): every question carries both outcomes,
+# ``[correct, correct_norm]``, whichever one the run reports. ``accuracy`` reads column 0 as ACCURACY does, so
+# the registered ACCURACY serves runs of either (significance and the views look metrics up by name).
+MC_STAT_NAMES = ("correct", "correct_norm")
+MC_ACCURACY = Metric("accuracy", MC_STAT_NAMES, accuracy_from_stats, binary=True)
+MC_ACCURACY_NORM = Metric("accuracy_norm", MC_STAT_NAMES, accuracy_norm_from_stats, example_values=second_stat,
+                          binary=True)
 
 
 BLEU_STAT_NAMES = (
@@ -120,7 +140,7 @@ def mean_nll(stats: np.ndarray) -> np.ndarray:
 PERPLEXITY = Metric("perplexity", PERPLEXITY_STAT_NAMES, perplexity_from_stats, higher_is_better=False,
                     example_values=mean_nll)
 
-METRICS = {m.name: m for m in (ACCURACY, BLEU, PERPLEXITY)}
+METRICS = {m.name: m for m in (ACCURACY, MC_ACCURACY_NORM, BLEU, PERPLEXITY)}
 
 #: Names of the metrics for which a lower score is better (the SQL views are generated from it).
 LOWER_IS_BETTER = tuple(m.name for m in METRICS.values() if not m.higher_is_better)

@@ -29,6 +29,7 @@ from headsweep.sweep.experiments.efficiency import EFFICIENCY
 from headsweep.sweep.experiments.importance import IMPORTANCE
 from headsweep.sweep.experiments.kv_group import KV_GROUP
 from headsweep.sweep.experiments.prune_level import PRUNE_LEVEL
+from headsweep.sweep.experiments.roles import ROLES
 from headsweep.sweep.experiments.single_head import SINGLE_HEAD
 from headsweep.sweep.plan import attention_types
 from headsweep.sweep.sections import Config
@@ -61,7 +62,7 @@ def register(kind: Experiment, replace: bool = False) -> Experiment:
     return kind
 
 
-for _kind in (BASELINE, SINGLE_HEAD, ALL_BUT_ONE, CUSTOM, IMPORTANCE, PRUNE_LEVEL, EFFICIENCY, KV_GROUP):
+for _kind in (BASELINE, SINGLE_HEAD, ALL_BUT_ONE, CUSTOM, IMPORTANCE, PRUNE_LEVEL, EFFICIENCY, KV_GROUP, ROLES):
     register(_kind)
 
 

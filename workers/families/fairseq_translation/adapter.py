@@ -81,7 +81,7 @@ class TranslationAdapter:
         self.src_dict, self.tgt_dict = loaded.src_dict, loaded.tgt_dict
         self.source_lang, self.target_lang = loaded.source_lang, loaded.target_lang
         self.left_pad_source, self.num_updates = loaded.left_pad_source, loaded.num_updates
-        self.gates = gate_fairseq_model(self.model)
+        self.gates = gate_fairseq_model(self.model, keep_fused=runtime.fused_attention)
         self.pipeline = TextPipeline(model_cfg, data_cfg, self.src_dict, self.tgt_dict,
                                      self.source_lang, self.target_lang)
         self.examples: ParallelExamples = load_examples(data_cfg, self.pipeline)
@@ -89,7 +89,9 @@ class TranslationAdapter:
         self.data_facts = {"encoding": data_cfg.encoding, "max_source_positions": limits[0],
                            "max_target_positions": limits[1],
                            **report(data_subject(data_cfg), findings(self.examples))}
-        self.batches = self.batched(runtime.batch_size)
+        if runtime.max_tokens < 0:
+            raise HeadsweepError(f"sweep.max_tokens must not be negative, got {runtime.max_tokens}")
+        self.batches = self.batched(runtime.batch_size, runtime.max_tokens)
         self._bleu = _sacrebleu(self.examples.references)
         checkpoint = Path(model_cfg.checkpoint)
         self.model_name = model_cfg.name or f"{checkpoint.parent.name}/{checkpoint.name}"
@@ -105,8 +107,15 @@ class TranslationAdapter:
                 logger.warning("%s: %s", self.model_name, self.reuse_note)
 
     # -- data ----------------------------------------------------------------------------
-    def batched(self, batch_size: int) -> list[dict]:
-        """fairseq samples (``LanguagePairDataset.collater``) of similar-length sentences."""
+    def batched(self, batch_size: int, max_tokens: int = 0) -> list[dict]:
+        """fairseq samples (``LanguagePairDataset.collater``) of similar-length sentences.
+
+        Sentences sorted by source length (then position) go into batches of ``batch_size``, or,
+        with ``max_tokens`` > 0, into batches as large as fairseq's ``--max-tokens`` allows:
+        sentences x longest source (EOS included) at most ``max_tokens`` (a longer sentence
+        alone). Batches hold whole sentences and never mix them in a search, so batching changes
+        nothing but the summation order of padded matrix products.
+        """
         ex = self.examples
         ds = LanguagePairDataset(
             ex.source, np.array([len(s) for s in ex.source]), self.src_dict,
@@ -114,11 +123,8 @@ class TranslationAdapter:
             left_pad_source=self.left_pad_source, left_pad_target=False,
         )
         order = sorted(range(len(ex.source)), key=lambda i: (len(ex.source[i]), i))
-        batches = []
-        for start in range(0, len(order), batch_size):
-            sample = ds.collater([ds[i] for i in order[start : start + batch_size]])
-            batches.append(to_device(sample, self.device))
-        return batches
+        return [to_device(ds.collater([ds[i] for i in group]), self.device)
+                for group in token_batches(order, [len(s) for s in ex.source], batch_size, max_tokens)]
 
     # -- EvalAdapter ---------------------------------------------------------------------
     def describe(self) -> DatasetInfo:
@@ -146,7 +152,12 @@ class TranslationAdapter:
                 "sacrebleu_signature": str(self._bleu.get_signature()),
                 "unk_rate_source": ex.unk_rate_source,
                 "unk_rate_target": ex.unk_rate_target,
-                "loss": "teacher-forced cross-entropy of the reference, nats per target token (EOS included)",
+                "loss": ("teacher-forced cross-entropy of the reference, nats per target token (EOS included)"
+                         if self.runtime.loss else "not computed (sweep.loss: false): examples.loss is null"),
+                "batching": (f"at most {self.runtime.max_tokens} source tokens per batch (sweep.max_tokens)"
+                             if self.runtime.max_tokens > 0 else f"{self.runtime.batch_size} sentences per batch"),
+                "fused_attention": ("kept by modules no mask of the batch gates" if self.runtime.fused_attention
+                                    else "off for every gated module (sweep.fused_attention: false)"),
                 "reuse": self.reuse_note,
                 **self.data_facts,
             },
@@ -155,7 +166,8 @@ class TranslationAdapter:
     def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
         start = time.perf_counter()
         hyps = self.translate(masks)
-        losses = self.reference_loss(masks)
+        # The teacher-forced pass costs about a third of a beam search; only when asked (sweep.loss).
+        losses = self.reference_loss(masks) if self.runtime.loss else [None] * len(masks)
         seconds_each = (time.perf_counter() - start) / max(1, len(masks))
         results = []
         for mask_hyps, loss in zip(hyps, losses, strict=True):
@@ -204,9 +216,15 @@ class TranslationAdapter:
 
     def masks_per_forward(self, sample: dict | None = None) -> int:
         """``sweep.masks_per_batch``, or (0: automatic) as many copies of the batch ``sample``
-        (default: the longest) as the activation budget holds."""
-        return budget_masks_per_forward(self.runtime.masks_per_batch, self.runtime.batch_size,
-                                        self.bytes_per_sentence(sample), self.device)
+        (default: the longest) as the activation budget holds and, with a token budget
+        (``sweep.max_tokens``), as that budget holds: masks fill the budget a short batch leaves."""
+        sample = sample if sample is not None else max(self.batches, key=self.bytes_per_sentence)
+        rows = len(sample["id"])
+        per = budget_masks_per_forward(self.runtime.masks_per_batch, rows, self.bytes_per_sentence(sample),
+                                       self.device)
+        if self.runtime.masks_per_batch > 0 or self.runtime.max_tokens <= 0:
+            return per
+        return max(1, min(per, self.runtime.max_tokens // batch_tokens(sample)))
 
     def sentence_stats(self, hypotheses: list[str]) -> np.ndarray:
         """sacrebleu's per-sentence BLEU statistics (n, 10) of detokenised hypotheses."""
@@ -239,8 +257,14 @@ class TranslationAdapter:
                 self.gates.set_mask(chunk[0])
                 hypos = make_generator(self.cfg, self.tgt_dict, [self.model]).generate([self.model], sample)
                 return [(0, ids, hypos)]
-            # Every row's gates are routed; with reuse the encoder output comes from the reuse cache.
+            # With reuse the encoder output comes from the reuse cache. One mask: its gates hold for
+            # the whole search; several: every row's gates are routed.
             encode = None if self._reuse is None else (lambda: self._reuse.encode(key, sample["net_input"], chunk))
+            if len(chunk) == 1:
+                ensemble = RoutedEnsemble(self.model, self.gates, None, None, encode=encode,
+                                          fixed=lambda: self.gates.set_mask(chunk[0]))
+                hypos = make_generator(self.cfg, self.tgt_dict, ensemble).generate([self.model], sample)
+                return [(0, ids, hypos)]
             row_mask = torch.arange(len(chunk), device=self.device).repeat_interleave(rows)
             ensemble = RoutedEnsemble(self.model, self.gates, self.gates.gate_tables(chunk, self.device), row_mask,
                                       encode=encode)
@@ -303,6 +327,32 @@ class TranslationAdapter:
         keep = target.ne(self.tgt_dict.pad())
         per_sentence = (nll * keep).sum(-1) / keep.sum(-1).clamp(min=1)
         return per_sentence.double().cpu().numpy()
+
+
+def token_batches(order: Sequence[int], lengths: Sequence[int], batch_size: int, max_tokens: int) -> list[list[int]]:
+    """``order`` cut into consecutive batches: ``batch_size`` items each, or (``max_tokens`` > 0) as
+    many as keep items x longest length within ``max_tokens`` (fairseq's ``batch_by_size`` rule,
+    without its multiple-of-8 rounding); an item longer than the budget makes a batch alone."""
+    if max_tokens <= 0:
+        return [list(order[i : i + batch_size]) for i in range(0, len(order), batch_size)]
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        wider = max(longest, lengths[i])
+        if current and wider * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current, wider = [], lengths[i]
+        current.append(i)
+        longest = wider
+    if current:
+        batches.append(current)
+    return batches
+
+
+def batch_tokens(sample: dict) -> int:
+    """Padded source tokens of a fairseq sample (what ``max_tokens`` bounds)."""
+    return max(1, int(sample["net_input"]["src_tokens"].numel()))
 
 
 def _sacrebleu(references: list[str]) -> SacreBLEU:

@@ -55,4 +55,4 @@ class TranslationFamily(ModelFamily):
 
 FAIRSEQ_TRANSLATION = TranslationFamily("fairseq_translation", TranslationModel, TranslationData,
                                         "headsweep.workers.families.fairseq_translation.adapter:load_translation",
-                                        checkpoint_key="checkpoint")
+                                        checkpoint_key="checkpoint", batches_by_tokens=True)

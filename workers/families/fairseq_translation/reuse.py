@@ -17,6 +17,7 @@ encoder heads are replaced by their own encoder output.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,12 @@ class EncoderStates:
     def nbytes(self) -> int:
         tensors = [t for v in self.out.values() for t in v if torch.is_tensor(t)] + self.hidden + self.contexts
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def unfused(gates: HeadGates):
+    """Every encoder layer off fairseq's fused attention path (it computes no per-head contexts to
+    record, and the layers after a replayed one must repeat the recorded baseline's arithmetic)."""
+    return gates.unfused() if hasattr(gates, "unfused") else nullcontext()
 
 
 def first_encoder_layer(mask: Sequence[Head]) -> int | None:
@@ -94,7 +101,8 @@ class EncoderReuse:
                     for i, s in enumerate(self.sites)]
         self.gates.clear()
         try:
-            out = self.encoder.forward_torchscript(net_input)
+            with unfused(self.gates):
+                out = self.encoder.forward_torchscript(net_input)
         finally:
             for h in handles:
                 h.remove()
@@ -147,7 +155,7 @@ class EncoderReuse:
         if any(later):
             self.gates.set_masks_per_example(later, rows_per_mask=rows)
         try:
-            with replaced_forwards(replacements):
+            with replaced_forwards(replacements), unfused(self.gates):
                 return self.encoder.forward_torchscript(stacked)["encoder_out"][0]
         finally:
             self.gates.clear()

@@ -33,22 +33,31 @@ class Hypothesis:
 class RoutedEnsemble(EnsembleModel):
     """fairseq's ``EnsembleModel`` of one model, whose per-row gates follow beam search's reordering.
 
-    ``tables[site]`` holds one gate row per mask and ``rows[i]`` is the mask of batch row i.
+    ``tables[site]`` holds one gate row per mask and ``rows[i]`` is the mask of batch row i; or
+    ``fixed`` sets one mask's gates for every row (called once the encoder output is there).
     The encoder runs once on the packed sentences (or ``encode()`` gives its output: encoder
     reuse); every later batch (the beams, then fewer as sentences finish) is formed by
     ``reorder_encoder_out(new_order)``, so applying ``new_order`` to ``rows`` too keeps each
     row's gates with the sentence whose encoder output it reads.
     """
 
-    def __init__(self, model, gates: FairseqHeadGates, tables: dict[SiteKey, torch.Tensor],
-                 rows: torch.Tensor, encode: Callable[[], dict] | None = None):
+    def __init__(self, model, gates: FairseqHeadGates, tables: dict[SiteKey, torch.Tensor] | None,
+                 rows: torch.Tensor | None, encode: Callable[[], dict] | None = None,
+                 fixed: Callable[[], None] | None = None):
         super().__init__([model])
-        self._gates, self._tables, self._rows, self._encode = gates, tables, rows, encode
+        self._gates, self._tables, self._rows, self._encode, self._fixed = gates, tables, rows, encode, fixed
 
     def _route(self) -> None:
+        if self._fixed is not None:
+            return
         self._gates.set_values({key: table.index_select(0, self._rows) for key, table in self._tables.items()})
 
     def forward_encoder(self, net_input):
+        if self._fixed is not None:
+            # One mask for every row: set once the encoder output is there (encoder reuse clears gates).
+            outs = [self._encode()] if self._encode is not None else None
+            self._fixed()
+            return outs if outs is not None else super().forward_encoder(net_input)
         if self._encode is not None:
             outs = [self._encode()]
             self._route()
@@ -57,8 +66,9 @@ class RoutedEnsemble(EnsembleModel):
         return super().forward_encoder(net_input)
 
     def reorder_encoder_out(self, encoder_outs, new_order):
-        self._rows = self._rows.index_select(0, new_order)
-        self._route()
+        if self._fixed is None:
+            self._rows = self._rows.index_select(0, new_order)
+            self._route()
         return super().reorder_encoder_out(encoder_outs, new_order)
 
 

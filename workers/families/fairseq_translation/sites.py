@@ -9,9 +9,18 @@ The other path calls ``self.out_proj(attn)`` and the hook works.
 
 The fused path is skipped whenever ``skip_embed_dim_check`` is True: that is the flag fairseq
 sets itself after pruning heads (``_set_skip_embed_dim_check``), and its only other effect is
-to skip an assertion on the query's embedding size. :class:`FairseqHeadGates` sets it on every
-gated module for as long as the gates are installed (masked or not, so a baseline and its
-ablations are computed by the same arithmetic) and restores the old value on ``remove()``.
+to skip an assertion on the query's embedding size. :class:`FairseqHeadGates` sets it on exactly
+the modules that have a gate set (``keep_fused``, the default): a module no mask of the batch
+touches keeps fairseq's fused kernel, as the same model with weight surgery runs in fairseq
+(whose results it then equals bit for bit), and a gated one takes the path its hook acts on.
+With ``keep_fused=False`` every gated module is kept off the fused path for as long as the gates
+are installed (masked or not: the plain reference, where a baseline and its ablations share
+one arithmetic). :meth:`FairseqHeadGates.unfused` turns the fused path off everywhere for a
+while (encoder reuse records per-head contexts, which only the unfused path computes), and
+``remove()`` restores every module's own value.
+
+Only calls without an incremental state take the fused path: in beam search that is the
+encoder; decoder self-attention takes it in teacher-forced scoring, encoder-decoder attention never.
 
 fairseq is time-first: the output projection's input is (time, batch, embed), so
 ``batch_dim=1``.
@@ -19,7 +28,8 @@ fairseq is time-first: the output projection's input is (time, batch, embed), so
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from torch import nn
 
@@ -73,13 +83,55 @@ def find_fairseq_sites(model: nn.Module) -> list[AttentionSite]:
 
 
 class FairseqHeadGates(HeadGates):
-    """Head gates for fairseq models that also keep every gated module off the fused path."""
+    """Head gates for fairseq models that keep every gated module off the fused path.
 
-    def __init__(self, sites: Sequence[AttentionSite]):
+    ``keep_fused`` (default): only modules with a gate set leave the fused path, and only while
+    it is set. False: every module stays off it until ``remove()`` (the plain reference).
+    """
+
+    def __init__(self, sites: Sequence[AttentionSite], keep_fused: bool = True):
         super().__init__(sites)
+        self.keep_fused = keep_fused
         self._saved_flags = [(s.module, s.module.skip_embed_dim_check) for s in self.sites]
-        for site in self.sites:
-            site.module.skip_embed_dim_check = True
+        self._unfused = 0
+        self._sync_paths()
+
+    def _sync_paths(self) -> None:
+        """Each module off the fused path iff it is gated now (or always, without ``keep_fused``)."""
+        if not self._saved_flags:  # removed: the modules have their own values back
+            return
+        everywhere = self._unfused > 0 or not self.keep_fused
+        for site, (module, stock) in zip(self.sites, self._saved_flags, strict=True):
+            module.skip_embed_dim_check = stock or everywhere or site.key in self._gates
+
+    # Every way of setting gates ends here, so no gate is ever set on a module on the fused path
+    # (where its hook would silently not run).
+    def clear(self) -> None:
+        super().clear()
+        self._sync_paths()
+
+    def set_mask(self, masked, device=None) -> None:
+        super().set_mask(masked, device)
+        self._sync_paths()
+
+    def set_masks_per_example(self, masks, rows_per_mask, device=None) -> None:
+        super().set_masks_per_example(masks, rows_per_mask, device)
+        self._sync_paths()
+
+    def set_values(self, values) -> None:
+        super().set_values(values)
+        self._sync_paths()
+
+    @contextmanager
+    def unfused(self) -> Iterator[None]:
+        """Every gated module off the fused path inside (gates set or not), as it was after."""
+        self._unfused += 1
+        self._sync_paths()
+        try:
+            yield
+        finally:
+            self._unfused -= 1
+            self._sync_paths()
 
     def remove(self) -> None:
         """Take the hooks off and give each module its fused path back."""
@@ -93,6 +145,6 @@ class FairseqHeadGates(HeadGates):
         module.skip_embed_dim_check = module.num_heads * module.head_dim != module.out_proj.out_features
 
 
-def gate_fairseq_model(model: nn.Module) -> FairseqHeadGates:
-    """Install gates on every attention module of a fairseq encoder-decoder model."""
-    return FairseqHeadGates(find_fairseq_sites(model))
+def gate_fairseq_model(model: nn.Module, keep_fused: bool = True) -> FairseqHeadGates:
+    """Install gates on every attention module of a fairseq encoder-decoder model (see :class:`FairseqHeadGates`)."""
+    return FairseqHeadGates(find_fairseq_sites(model), keep_fused)

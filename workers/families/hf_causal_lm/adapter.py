@@ -2,9 +2,12 @@
 
 The corpus is tokenised once and cut into windows (:func:`~.data.plan_windows`); all windows have
 the same length, so batches need no padding and stay on the device. Several masks share one
-forward pass: the batch is repeated once per mask and each copy carries its own gates. Per window
-the statistics are ``[nll_sum, n_tokens]`` (natural log), so corpus perplexity, bootstrap resamples
-and per-window mean NLL all come from the stored rows (:data:`headsweep.workers.metrics.PERPLEXITY`).
+forward pass: the batch is repeated once per mask and each copy carries its own gates. With
+``sweep.reuse`` (the default) each mask's pass also starts at its first gated layer from cached baseline
+states (:mod:`headsweep.workers.families.hf_causal_lm.reuse`); ``reuse: false`` runs every mask through
+the whole model. Per window the statistics are ``[nll_sum, n_tokens]`` (natural log), so corpus
+perplexity, bootstrap resamples and per-window mean NLL all come from the stored rows
+(:data:`headsweep.workers.metrics.PERPLEXITY`).
 """
 
 from __future__ import annotations
@@ -20,16 +23,19 @@ import torch
 import torch.nn.functional as F
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.families.hf_causal_lm.config import DEFAULT_WINDOW, CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.data import Window, plan_windows, read_corpus
 from headsweep.workers.families.hf_causal_lm.model import load_causal_lm, max_positions
+from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout, first_gated_layer
 from headsweep.workers.families.hf_causal_lm.sites import kv_groups, sites_or_error
 from headsweep.workers.families.hf_classifier.model import resolve_positions
 from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.metrics import PERPLEXITY
+from headsweep.workers.replay import ReuseUnsupported
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +88,17 @@ class CausalLMAdapter:
         self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.model_name = Path(model_cfg.path).name
         self.dataset_name = data_cfg.name or Path(Path(data_cfg.path).name.removesuffix(".gz")).stem
-        self.reuse_note = "none: every mask runs the whole model (prefix reuse for causal LMs is not implemented)"
+        self._reuse: PrefixReuse | None = None
+        self.reuse_note = "off (sweep.reuse: false): every mask runs the whole model"
+        if runtime.reuse:
+            try:
+                layout = decoder_layout(self.model, self.gates.sites)
+            except ReuseUnsupported as exc:
+                self._no_reuse(str(exc))
+            else:
+                self._reuse = PrefixReuse(self.model, self.gates, layout, self.token_nll, cache_budget(self.device))
+                self.reuse_note = ("prefix: masks start at their first gated layer from cached baseline states "
+                                   "(layer outputs and per-head contexts per window batch)")
         scored_total = int(self.n_tokens.sum())
         self.data_facts = {
             "window": self.window, "stride": data_cfg.stride or self.window - (1 if self.add_bos else 0),
@@ -94,6 +110,11 @@ class CausalLMAdapter:
             "encoding": data_cfg.encoding,
         }
         self._baseline: MaskOutput | None = None
+
+    def _no_reuse(self, reason: str) -> None:
+        self._reuse = None
+        self.reuse_note = f"plain path: prefix reuse does not support this model ({reason})"
+        logger.warning("%s: %s", self.model_name, self.reuse_note)
 
     def _bos_id(self) -> int:
         bos = getattr(self.tokenizer, "bos_token_id", None)
@@ -163,10 +184,52 @@ class CausalLMAdapter:
     @torch.inference_mode()
     def nll(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
         """Summed NLL (nats) of each window's scored tokens under each mask: shape (n_masks, n_windows), float64."""
+        if self._reuse is not None:
+            try:
+                return self._nll_reused(masks)
+            except ReuseUnsupported as exc:
+                self._no_reuse(str(exc))
+        return self._nll_plain(masks)
+
+    def _batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = idx.to(self.device)
+        return self.inputs[rows], self.scored[rows]
+
+    def _nll_reused(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
+        """Masks grouped by first gated layer; each group starts there from the batch's baseline states, the empty
+        mask is the baseline itself."""
+        out = np.empty((len(masks), len(self.windows)), dtype=np.float64)
+        groups: dict[int | None, list[int]] = {}
+        for i, mask in enumerate(masks):
+            for head in mask:  # a head the model lacks is the caller's error, not a reason to stop reusing
+                self.gates.inventory.check(head)
+            groups.setdefault(first_gated_layer(mask), []).append(i)
+        for key, idx in enumerate(self.batches):
+            inputs, scored = self._batch(idx)
+            rows = inputs.shape[0]
+            states = self._reuse.states(key, inputs, scored)
+            if not self._reuse.verified:
+                # Once per adapter, on the deepest layer (the most replayed): before describe() reports reuse.
+                site = self.gates.sites[-1]
+                self._reuse.verify(inputs, scored, states, [Head(site.attention, site.layer, 0)])
+            per = self.masks_per_forward(rows)
+            for layer, members in groups.items():
+                for first in range(0, len(members), per):
+                    chunk = members[first : first + per]
+                    if layer is None:
+                        token_nll, chunk_scored = states.token_nll.repeat(len(chunk), 1), scored.repeat(len(chunk), 1)
+                    else:
+                        token_nll = self._reuse.run(inputs, scored, states, layer, [masks[i] for i in chunk])
+                        chunk_scored = scored.repeat(len(chunk), 1)
+                    sums = (token_nll.double() * chunk_scored).sum(dim=1)
+                    out[np.ix_(chunk, idx.numpy())] = sums.view(len(chunk), rows).cpu().numpy()
+        return out
+
+    def _nll_plain(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
+        """The reference: every mask (one copy of the batch each) runs the whole model."""
         out = np.empty((len(masks), len(self.windows)), dtype=np.float64)
         for idx in self.batches:
-            inputs = self.inputs[idx.to(self.device)]
-            scored = self.scored[idx.to(self.device)]
+            inputs, scored = self._batch(idx)
             rows = inputs.shape[0]
             per = self.masks_per_forward(rows)
             for first in range(0, len(masks), per):
@@ -250,7 +313,11 @@ class CausalLMAdapter:
         return Workload(batch_size, int(inputs.numel()), lambda model: model(input_ids=inputs, use_cache=False))
 
 
-def load_causal_lm_adapter(model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions
-                           ) -> CausalLMAdapter:
-    """Loader named by the ``hf_causal_lm`` model family."""
+def load_causal_lm_adapter(model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
+    """Loader named by the ``hf_causal_lm`` model family: by ``data.task``, the perplexity adapter or
+    (``multiple_choice``) :class:`~headsweep.workers.families.hf_causal_lm.multiple_choice.MultipleChoiceAdapter`."""
+    if data_cfg.task == "multiple_choice":
+        from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoiceAdapter
+
+        return MultipleChoiceAdapter(model_cfg, data_cfg, runtime)
     return CausalLMAdapter(model_cfg, data_cfg, runtime)

@@ -10,6 +10,9 @@ from headsweep.workers.text_files import check_encoding
 # data.window when unset: this many tokens, or the model's maximum positions if it has fewer.
 DEFAULT_WINDOW = 512
 
+TASKS = ("perplexity", "multiple_choice")
+CHOICE_SCORES = {"acc": "accuracy", "acc_norm": "accuracy_norm"}  # data.choice_score -> the run's metric
+
 
 @dataclass
 class CausalLMModel:
@@ -27,8 +30,9 @@ class CausalLMModel:
 
 @dataclass
 class CausalLMData:
-    """A text corpus scored by perplexity: plain text (``.txt``, or anything else; ``.gz`` is
-    gunzipped), or JSONL / Parquet with the text in ``text_column`` (``format`` overrides the suffix).
+    """A text corpus scored by perplexity (``task: perplexity``, the default): plain text (``.txt``, or
+    anything else; ``.gz`` is gunzipped), or JSONL / Parquet with the text in ``text_column`` (``format``
+    overrides the suffix).
 
     The convention (it is what makes numbers comparable with published ones): the file's text as it
     is (JSONL and Parquet rows joined by newlines) is tokenised once, without special tokens; windows
@@ -37,6 +41,14 @@ class CausalLMData:
     tokens after the first, and with ``stride`` below the window only the tokens no earlier window
     scored. ``add_bos`` puts the tokenizer's BOS token at the start of every window (unscored; the
     window then takes ``window - 1`` text tokens, all scored). ``max_windows`` keeps the first windows.
+
+    ``task: multiple_choice`` reads a JSONL file of questions instead, in lm-evaluation-harness's
+    convention (:mod:`headsweep.workers.families.hf_causal_lm.multiple_choice`): each line holds a
+    context (``context_field``), a list of choices (``choices_field``) and the index of the right one
+    (``gold_field``); choice c is scored by the summed log-likelihood of ``target_delimiter + c`` after
+    the context. ``choice_score`` names the run's metric: ``acc`` (accuracy: the likeliest choice) or
+    ``acc_norm`` (accuracy_norm: the likeliest per character of the choice); both are stored per
+    question. ``max_questions`` keeps the first questions.
     """
 
     path: str = ""
@@ -48,10 +60,23 @@ class CausalLMData:
     add_bos: bool = False
     max_windows: int | None = None
     encoding: str = "utf-8"
+    task: str = "perplexity"  # perplexity | multiple_choice
+    context_field: str = "context"
+    choices_field: str = "choices"
+    gold_field: str = "gold"
+    target_delimiter: str = " "
+    choice_score: str = "acc"  # acc | acc_norm: which one is the run's metric
+    max_questions: int | None = None
 
     def check(self) -> None:
         """What can be checked without the model or the file (the worker checks the rest)."""
         check_encoding(self.encoding)
+        if self.task not in TASKS:
+            raise HeadsweepError(f"data.task must be perplexity or multiple_choice, got {self.task!r}")
+        if self.task == "multiple_choice":
+            self._check_multiple_choice()
+        else:
+            self._refuse_keys_of("multiple_choice", self._multiple_choice_keys())
         if not self.path:
             raise HeadsweepError("config key 'data.path' is required (a text, JSONL or Parquet file)")
         if self.format not in (None, "text", "jsonl", "parquet"):
@@ -63,3 +88,39 @@ class CausalLMData:
             raise HeadsweepError(f"data.stride must be at least 1, got {self.stride}")
         if self.max_windows is not None and self.max_windows < 1:
             raise HeadsweepError(f"data.max_windows must be at least 1, got {self.max_windows}")
+
+    def _perplexity_keys(self) -> list[str]:
+        defaults = CausalLMData()
+        keys = ["text_column", "window", "stride", "add_bos", "max_windows"]
+        return [k for k in keys if getattr(self, k) != getattr(defaults, k)]
+
+    def _multiple_choice_keys(self) -> list[str]:
+        defaults = CausalLMData()
+        keys = ["context_field", "choices_field", "gold_field", "target_delimiter", "choice_score", "max_questions"]
+        return [k for k in keys if getattr(self, k) != getattr(defaults, k)]
+
+    def _refuse_keys_of(self, task: str, keys: list[str]) -> None:
+        if keys:
+            raise HeadsweepError(f"data.{keys[0]} applies to data.task {task}, not {self.task}: remove it, or "
+                                 f"set data.task: {task}")
+
+    def _check_multiple_choice(self) -> None:
+        self._refuse_keys_of("perplexity", self._perplexity_keys())
+        if self.format not in (None, "jsonl"):
+            raise HeadsweepError(f"data.task multiple_choice reads JSONL (one question per line), so data.format "
+                                 f"must be jsonl or unset, got {self.format!r}")
+        if not self.path:
+            raise HeadsweepError("config key 'data.path' is required (a JSONL file of questions for data.task "
+                                 "multiple_choice)")
+        if self.choice_score not in CHOICE_SCORES:
+            raise HeadsweepError(f"data.choice_score must be acc or acc_norm, got {self.choice_score!r}")
+        fields = {"context_field": self.context_field, "choices_field": self.choices_field,
+                  "gold_field": self.gold_field}
+        for key, value in fields.items():
+            if not value:
+                raise HeadsweepError(f"data.{key} must name a JSONL field, got an empty name")
+        if len(set(fields.values())) < len(fields):
+            raise HeadsweepError(f"data.context_field, data.choices_field and data.gold_field must name three "
+                                 f"different JSONL fields, got {', '.join(repr(v) for v in fields.values())}")
+        if self.max_questions is not None and self.max_questions < 1:
+            raise HeadsweepError(f"data.max_questions must be at least 1, got {self.max_questions}")

@@ -1,4 +1,5 @@
-"""Loading a transformers causal language model and its tokenizer from local folders, offline."""
+"""Loading a transformers causal language model and its tokenizer from local folders, offline; and what the
+perplexity and multiple-choice adapters share (activation estimate, per-token NLL, facts about the model)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from headsweep.errors import HeadsweepError
@@ -97,3 +99,43 @@ def max_positions(config) -> int | None:
     """The longest input (in tokens) the model's position embeddings cover, or None if it does not say."""
     n = getattr(config, "max_position_embeddings", None)
     return n if isinstance(n, int) and n > 0 else None
+
+
+# -- shared by the perplexity and multiple-choice adapters ------------------------------------------------
+
+def activation_bytes_per_row(config, dtype: torch.dtype, positions: int, logit_positions: int) -> int:
+    """Activation bytes of one input row of ``positions`` tokens at the widest point (an estimate, see
+    batch_budget): hidden states, queries/keys/values and outputs (~8 x hidden), the feed-forward activation
+    (2 x intermediate), a row of attention scores per head (2 x heads x positions), and for each of the
+    ``logit_positions`` positions whose logits are computed, the logits with their float32 copy and
+    log-softmax (3 x vocabulary)."""
+    hidden = int(getattr(config, "hidden_size", 0) or 768)
+    inner = int(getattr(config, "intermediate_size", 0) or getattr(config, "n_inner", 0) or 4 * hidden)
+    heads = int(getattr(config, "num_attention_heads", 0) or 12)
+    vocab = int(getattr(config, "vocab_size", 0) or 32000)
+    itemsize = torch.finfo(dtype).bits // 8
+    w = positions
+    return w * itemsize * (8 * hidden + 2 * inner + 2 * heads * w) + logit_positions * 4 * 3 * vocab
+
+
+def target_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-position NLL (nats) of ``targets`` (shape ``S``) under ``logits`` (shape ``S + (vocab,)``).
+
+    Computed in at least float32 (bfloat16 logits lose digits in log-softmax); a float64 model stays float64.
+    """
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    return nll.view(targets.shape)
+
+
+def model_facts(model: nn.Module, sites) -> dict:
+    """What ``runs.facts`` records about a causal LM: class, type, attention implementation, dtype, and its
+    key/value heads (their number per layer and the query heads each serves)."""
+    from headsweep.workers.families.hf_causal_lm.sites import kv_groups  # sites imports this module
+
+    cfg = model.config
+    groups = kv_groups(sites)
+    return {"model_class": type(model).__name__, "model_type": getattr(cfg, "model_type", None),
+            "attn_implementation": getattr(cfg, "_attn_implementation", None),
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "num_key_value_heads": {k: len(v) for k, v in groups.items()}, "kv_groups": groups}

@@ -1,0 +1,525 @@
+"""Benchmark: single-head grids of a fairseq Transformer, headsweep against fairseq's own generator loop.
+
+What a user writes without headsweep (issue #21) is the anchor: for each head, a weight-surgery
+copy of the model (the head's columns of its attention's output projection zeroed, fairseq
+``out_proj.weight[:, h*d:(h+1)*d] = 0``), decoded by fairseq's own ``SequenceGenerator``
+through ``task.inference_step`` in batches of ``max_tokens=6000`` (fairseq-generate's
+batching: ``task.get_batch_iterator``, ``required_batch_size_multiple`` 8), in one process.
+Timed in the same run, on the same model, sentences and masks:
+
+* (a) ``fairseq``: that loop, copy and surgery included in its time;
+* (b) ``hs_plain``: headsweep's plain path (``sweep.reuse: false``, one mask per search, and
+  the plain setting of every speed option it has);
+* (c) ``hs_default``: headsweep's default settings (plus any ``--max-tokens`` / ``--no-loss`` /
+  ``--batch-size`` given here), masks sent in calls of the driver's size.
+
+(b) and (c) run headsweep's own adapter in this process (``load_translation`` with
+``RuntimeOptions``, as ``bench/grid_speed.py`` does): no Ray, so Ray's start-up and the
+driver's bookkeeping are not counted. Masks go round in chunks of the driver's call size,
+(a), (b) and (c) one after another per chunk, so a change in the machine's load hits all three.
+
+The model: a fairseq ``transformer`` of 3+3 layers, 8 heads, width 256 (ffn 1024), a joint
+SentencePiece BPE of 8,000 pieces, trained on Multi30k en-fr with the machinery of
+``bench/multi30k_translation.py`` and cached under ``~/.cache/headsweep/bench`` (or
+``$HEADSWEEP_BENCH_CACHE``) in a folder keyed by its settings; ``trained.json`` there records
+its training and its BLEU on test_2016_flickr (beam 5, sacrebleu on the detokenised text, fairseq's
+loop). ``--train-only`` trains (or continues, ``--more-minutes``) and stops.
+
+Agreement: corpus BLEU per mask of (c) and (a) (sacrebleu on the same detokenised text), the
+masks whose BLEU is identical, and per mask the sentences whose hypotheses differ, each
+difference classified: a beam tie (both hypotheses scored within ``TIE`` under the mask by
+fairseq's own generator) or not. Memory: the highest resident set size sampled during each
+path's calls, and the most it rose above a call's start (all paths live in one process).
+
+Run: ``python bench/translation_vs_fairseq.py [--masks 24] [--max-examples N] [--threads 2]``.
+Last line: ``RESULT translation_vs_fairseq ratio=<a_s/c_s> identical_bleu=<n>/<masks> plain_s=<b_s>``.
+Skips (exit 0) when ../shared/data is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+import sys
+import time
+import warnings
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(BENCH))
+import multi30k_translation as m30k  # noqa: E402  (Multi30k data, SentencePiece + data-bin preparation)
+
+VOCAB = 8000
+TEST = "test_2016_flickr"
+TARGET_BLEU = 35.0
+FAIRSEQ_MAX_TOKENS = 6000
+# Two hypotheses whose scores (fairseq's length-normalised log-probability) differ by less than
+# this are a beam tie: summation-order noise between batchings decides between them.
+TIE = 1e-4
+
+
+def skip(reason: str) -> None:
+    print(f"SKIP translation_vs_fairseq: {reason}")
+    sys.exit(0)
+
+
+# -- the model --------------------------------------------------------------------------------
+def train_settings(minutes: float, threads: int):
+    """The benchmark model: 3+3 layers, 8 heads, d=256, ffn 1024, shared 8k joint vocabulary."""
+    from headsweep.workers.families.fairseq_translation.train import TrainSettings
+
+    return TrainSettings(
+        threads=threads, encoder_layers=3, decoder_layers=3, embed_dim=256, ffn_dim=1024, attention_heads=8,
+        dropout=0.1, share_all_embeddings=True, share_decoder_input_output_embed=True, lr=1.5e-3,
+        warmup_updates=500, clip_norm=1.0, label_smoothing=0.1, max_tokens=4096, max_epochs=100,
+        max_seconds=minutes * 60, seed=1,
+    )
+
+
+def model_dir(minutes: float) -> Path:
+    """The cache folder of the model trained with ``minutes`` (the thread count does not enter the key)."""
+    settings = dataclasses.replace(train_settings(minutes, threads=0), threads=0)
+    key = hashlib.sha256(json.dumps([VOCAB, repr(settings)]).encode()).hexdigest()[:10]
+    return m30k.CACHE / f"vs_fairseq_3x3_h8_d256_{m30k.SRC}_{m30k.TGT}_{key}"
+
+
+def marker(workdir: Path) -> Path:
+    return workdir / "checkpoints" / "trained.json"
+
+
+def ensure_model(minutes: float, threads: int, max_tokens: int) -> tuple[Path, Path, Path, dict]:
+    """(checkpoint, spm model, data-bin, marker record): trains once, then reads the cache."""
+    from headsweep.workers.families.fairseq_translation.train import train_translation
+
+    workdir = model_dir(minutes)
+    workdir.mkdir(parents=True, exist_ok=True)
+    spm_model, data_bin = m30k.prepare(workdir, vocab=VOCAB)
+    checkpoint = workdir / "checkpoints" / "checkpoint_last.pt"
+    if marker(workdir).exists():
+        record = json.loads(marker(workdir).read_text())
+        print(f"using cached model {checkpoint}: {describe_record(record)}", flush=True)
+        return checkpoint, spm_model, data_bin, record
+    trained = workdir / "checkpoints" / "training.json"
+    if not trained.exists():
+        result = train_translation(data_bin, workdir / "checkpoints", m30k.SRC, m30k.TGT,
+                                   train_settings(minutes, threads), log=lambda msg: print(msg, flush=True))
+        # Written once training is over, so that a failure in what follows does not train again.
+        trained.write_text(json.dumps({
+            "epochs": result.epochs, "updates": result.updates, "train_seconds": round(result.seconds, 1),
+            "valid_loss": result.valid_loss, "train_loss": result.train_loss, "threads": threads,
+            "settings": repr(train_settings(minutes, threads)),
+        }, indent=1) + "\n")
+    record = json.loads(trained.read_text())
+    record.update(test_bleu(checkpoint, spm_model, data_bin, max_tokens))
+    # Written last: the model is complete, with its BLEU.
+    marker(workdir).write_text(json.dumps(record, indent=1) + "\n")
+    print(f"trained: {describe_record(record)}", flush=True)
+    return checkpoint, spm_model, data_bin, record
+
+
+def describe_record(record: dict) -> str:
+    return (f"{record['epochs']} epochs, {record['updates']} updates, {record['train_seconds']:.0f}s training, "
+            f"valid loss {record['valid_loss']:.3f}; {TEST} BLEU {record['bleu']:.2f} (beam 5, fairseq loop, "
+            f"{record['sacrebleu']})")
+
+
+def test_bleu(checkpoint: Path, spm_model: Path, data_bin: Path, max_tokens: int) -> dict:
+    """BLEU of the unmasked model on the whole test set, decoded by fairseq's own loop."""
+    sources, references = read_test(None)
+    loop = FairseqLoop(checkpoint, data_bin, spm_model, sources, max_tokens)
+    start = time.perf_counter()
+    hyps = loop.decode([])
+    bleu = corpus_bleu(hyps.texts, references)
+    return {"bleu": round(bleu.score, 2), "sacrebleu": str(bleu.get_signature()) if hasattr(bleu, "get_signature")
+            else "", "bleu_decode_seconds": round(time.perf_counter() - start, 1), "checkpoint": str(checkpoint)}
+
+
+def read_test(max_examples: int | None) -> tuple[list[str], list[str]]:
+    src = m30k.read_gz(m30k.DATA / f"{TEST}.{m30k.SRC}.gz")
+    ref = [line.strip() for line in m30k.read_gz(m30k.DATA / f"{TEST}.{m30k.TGT}.gz")]
+    n = len(src) if max_examples is None else min(len(src), max_examples)
+    return src[:n], ref[:n]
+
+
+_BLEU = {}
+
+
+def corpus_bleu(hypotheses: list[str], references: list[str]):
+    """sacrebleu's corpus BLEU (default 13a tokenisation), references cached per list."""
+    from sacrebleu.metrics import BLEU
+
+    key = id(references)
+    if key not in _BLEU:
+        _BLEU[key] = (references, BLEU(force=True, references=[references]))
+    return _BLEU[key][1].corpus_score(hypotheses, None)
+
+
+# -- (a): the loop a user writes with fairseq alone ------------------------------------------
+@dataclasses.dataclass
+class Decoded:
+    """Best hypothesis per sentence: detokenised text, tokens and fairseq's score."""
+
+    texts: list[str]
+    tokens: list
+    scores: list[float]
+
+
+class FairseqLoop:
+    """fairseq's own route: load with ``checkpoint_utils``, weight surgery per mask, ``task.inference_step``."""
+
+    def __init__(self, checkpoint: Path, data_bin: Path, spm_model: Path, sources: list[str], max_tokens: int,
+                 generation: dict | None = None):
+        import sentencepiece as spm
+        from fairseq import checkpoint_utils, utils
+        from fairseq.dataclass.configs import GenerationConfig
+
+        models, _cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+            [str(checkpoint)], arg_overrides={"data": str(data_bin)})
+        self.model, self.task = models[0].eval(), task
+        sp = spm.SentencePieceProcessor(model_file=str(spm_model))
+        src_dict = task.source_dictionary
+        tokens = [src_dict.encode_line(" ".join(sp.encode(line.strip(), out_type=str)), add_if_not_exist=False,
+                                       append_eos=True).long() for line in sources]
+        self.dataset = task.build_dataset_for_inference(tokens, [t.numel() for t in tokens])
+        self.max_tokens = max_tokens
+        self.max_positions = utils.resolve_max_positions(task.max_positions(), self.model.max_positions())
+        self.generation = GenerationConfig(**{"beam": 5, **(generation or {})})
+
+    def masked_model(self, mask):
+        """A copy of the model with each head of ``mask`` cut out of its output projection's input."""
+        import torch
+
+        model = copy.deepcopy(self.model)
+        with torch.no_grad():
+            for head in mask:
+                attn = attention_module(model, head)
+                d = attn.head_dim
+                attn.out_proj.weight[:, head.head * d : (head.head + 1) * d] = 0
+        return model
+
+    def decode(self, mask) -> Decoded:
+        """Every sentence under ``mask`` (a list of headsweep ``Head``), fairseq-generate style."""
+        model = self.masked_model(mask) if mask else self.model
+        generator = self.task.build_generator([model], self.generation)
+        itr = self.task.get_batch_iterator(
+            dataset=self.dataset, max_tokens=self.max_tokens, max_positions=self.max_positions,
+            required_batch_size_multiple=8, seed=1, num_workers=0,
+        ).next_epoch_itr(shuffle=False)
+        n = len(self.dataset)
+        texts, tokens, scores = [""] * n, [None] * n, [0.0] * n
+        tgt_dict = self.task.target_dictionary
+        strip = generator.symbols_to_strip_from_output
+        for sample in itr:
+            hypos = self.task.inference_step(generator, [model], sample)
+            for i, hypo in zip(sample["id"].tolist(), hypos, strict=True):
+                best = hypo[0]
+                tokens[i] = best["tokens"].cpu()
+                scores[i] = float(best["score"])
+                texts[i] = tgt_dict.string(best["tokens"].int().cpu(), "sentencepiece",
+                                           extra_symbols_to_ignore=strip)
+        return Decoded(texts, tokens, scores)
+
+
+def attention_module(model, head):
+    """The fairseq ``MultiheadAttention`` a headsweep ``Head`` names."""
+    if head.attention == "enc_self":
+        return model.encoder.layers[head.layer].self_attn
+    if head.attention == "enc_dec":
+        return model.decoder.layers[head.layer].encoder_attn
+    if head.attention == "dec_self":
+        return model.decoder.layers[head.layer].self_attn
+    raise ValueError(f"not a fairseq translation head: {head}")
+
+
+# -- (b), (c): headsweep's adapter in this process ------------------------------------------
+# The plain value of every speed option headsweep's RuntimeOptions may have; options this
+# headsweep lacks are left out (the bench runs before and after they land).
+PLAIN = {"reuse": False, "masks_per_batch": 1, "max_tokens": 0, "fused_attention": False, "loss": True}
+
+
+def runtime_fields() -> set[str]:
+    from headsweep.workers.family import RuntimeOptions
+
+    return {f.name for f in dataclasses.fields(RuntimeOptions)}
+
+
+def parse_value(text: str):
+    """A command-line value as YAML would read it (ints, floats, true/false, null, strings)."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("null", "none"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def headsweep_options(args) -> tuple[object, object, list[str]]:
+    """(plain, default) RuntimeOptions and notes on what was set or could not be."""
+    from headsweep.workers.family import RuntimeOptions
+
+    fields = runtime_fields()
+    notes = []
+    plain = {k: v for k, v in PLAIN.items() if k in fields}
+    notes.append("(b) plain: " + ", ".join(f"{k}={v}" for k, v in plain.items()))
+    chosen = {}
+    for item in args.sweep:
+        key, _, value = item.partition("=")
+        chosen[key.strip()] = parse_value(value.strip())
+    if args.max_tokens is not None:
+        chosen["max_tokens"] = args.max_tokens
+    if args.batch_size is not None:
+        chosen["batch_size"] = args.batch_size
+    if args.masks_per_batch is not None:
+        chosen["masks_per_batch"] = args.masks_per_batch
+    if args.no_loss:
+        chosen["loss"] = False
+    unknown = sorted(set(chosen) - fields)
+    if unknown:
+        notes.append(f"not options of this headsweep, ignored: {', '.join(unknown)}")
+    chosen = {k: v for k, v in chosen.items() if k in fields}
+    notes.append("(c) default" + ("" if not chosen else " + " + ", ".join(f"{k}={v}" for k, v in chosen.items())))
+    common = {"threads": args.threads}
+    return RuntimeOptions(**common, **plain), RuntimeOptions(**common, **chosen), notes
+
+
+def translation_configs(checkpoint: Path, data_bin: Path, spm_model: Path, max_examples: int | None, args):
+    """headsweep's model and data sections: beam 5 and fairseq-generate's other defaults, like (a)."""
+    from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+
+    model_fields = {f.name for f in dataclasses.fields(TranslationModel)}
+    extra = {}
+    for item in args.model:
+        key, _, value = item.partition("=")
+        if key.strip() not in model_fields:
+            raise SystemExit(f"--model {key!r}: not a key of headsweep's fairseq_translation model section")
+        extra[key.strip()] = parse_value(value.strip())
+    model = TranslationModel(checkpoint=str(checkpoint), data_bin=str(data_bin), beam=5, **extra)
+    data = TranslationData(source=str(m30k.DATA / f"{TEST}.{m30k.SRC}.gz"),
+                           target=str(m30k.DATA / f"{TEST}.{m30k.TGT}.gz"),
+                           sentencepiece_model=str(spm_model), max_examples=max_examples, name=TEST)
+    return model, data
+
+
+def choose_masks(inventory, count: int) -> list[list]:
+    """``count`` single-head masks, a third per attention type, each third spread over its heads."""
+    from grid_speed import spread
+
+    by_type: dict[str, list] = {}
+    for head in inventory.heads:
+        by_type.setdefault(head.attention, []).append(head)
+    types = [t for t in ("enc_self", "enc_dec", "dec_self") if t in by_type]
+    masks = []
+    for i, kind in enumerate(types):
+        share = count // len(types) + (1 if i < count % len(types) else 0)
+        heads = by_type[kind]
+        masks += [[heads[j]] for j in spread(len(heads), share)] if share else []
+    return masks
+
+
+# -- comparison -------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Difference:
+    """Sentences whose best hypotheses differ between two routes, and how."""
+
+    n: int = 0
+    ties: int = 0  # both hypotheses scored within TIE by their own searches
+    max_len: int = 0  # one of them stopped at the length limit
+    unk: int = 0  # one of them holds <unk>
+    examples: list = dataclasses.field(default_factory=list)
+
+
+def compare(a: Decoded, c_outputs: list[str], c_hyps, max_lens: list[int]) -> Difference:
+    """Where (a)'s hypotheses and (c)'s differ (text), and whether each difference is a beam tie."""
+    diff = Difference()
+    for i, (text_a, text_c) in enumerate(zip(a.texts, c_outputs, strict=True)):
+        if text_a == text_c:
+            continue
+        diff.n += 1
+        score_c = c_hyps[i].score if c_hyps is not None else float("nan")
+        gap = abs(a.scores[i] - score_c)
+        diff.ties += gap < TIE
+        len_a, len_c = len(a.tokens[i]), (len(c_hyps[i].tokens) if c_hyps is not None else -1)
+        diff.max_len += max(len_a, len_c) >= max_lens[i]
+        diff.unk += "<unk>" in text_a or "<unk>" in text_c
+        if len(diff.examples) < 3:
+            diff.examples.append((i, a.scores[i], score_c, len_a, len_c, text_a, text_c))
+    return diff
+
+
+# -- main -------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--masks", type=int, default=24,
+                        help="single-head masks, spread evenly over enc_self, enc_dec and dec_self (besides the "
+                             "baseline)")
+    parser.add_argument("--max-examples", type=int, default=None, help="the first N test sentences (default: all)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads, every path alike")
+    parser.add_argument("--train-minutes", type=float, default=45.0, help="training budget (part of the cache key)")
+    parser.add_argument("--train-only", action="store_true", help="train (or read) the model, report its BLEU, stop")
+    parser.add_argument("--fairseq-max-tokens", type=int, default=FAIRSEQ_MAX_TOKENS,
+                        help="(a)'s batches, in tokens (fairseq-generate's --max-tokens)")
+    parser.add_argument("--skip-a", action="store_true", help="leave out (a), fairseq's loop")
+    parser.add_argument("--skip-b", action="store_true", help="leave out (b), headsweep's plain path")
+    parser.add_argument("--max-tokens", type=int, default=None, help="(c): sweep.max_tokens (token-budget batches)")
+    parser.add_argument("--batch-size", type=int, default=None, help="(c): sweep.batch_size")
+    parser.add_argument("--masks-per-batch", type=int, default=None, help="(c): sweep.masks_per_batch")
+    parser.add_argument("--no-loss", action="store_true", help="(c): no teacher-forced loss pass")
+    parser.add_argument("--sweep", action="append", default=[], metavar="KEY=VALUE",
+                        help="(c): any other RuntimeOptions field (repeatable)")
+    parser.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
+                        help="headsweep's model section for (b) and (c), e.g. lenpen=1.0 (repeatable); (a) gets "
+                             "the same generation keys")
+    args = parser.parse_args()
+
+    if not m30k.DATA.is_dir():
+        skip(f"{m30k.DATA} not found (the shared data folder beside the repository)")
+    try:
+        import sentencepiece  # noqa: F401
+    except ImportError:
+        skip("the sentencepiece package is not installed (pip install sentencepiece)")
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("fairseq").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    checkpoint, spm_model, data_bin, record = ensure_model(args.train_minutes, args.threads, args.fairseq_max_tokens)
+    if args.train_only:
+        print(f"RESULT translation_vs_fairseq_model bleu={record['bleu']:.2f} train_s={record['train_seconds']:.0f}")
+        return
+
+    from grid_speed import PeakRSS, mib, run_grid
+
+    from headsweep.sweep.dispatch import units_per_call
+    from headsweep.workers.families.fairseq_translation.adapter import load_translation
+
+    sources, references = read_test(args.max_examples)
+    plain_opts, default_opts, notes = headsweep_options(args)
+    model_cfg, data_cfg = translation_configs(checkpoint, data_bin, spm_model, args.max_examples, args)
+    generation = {k: getattr(model_cfg, k) for k in ("beam", "lenpen", "max_len_a", "max_len_b", "min_len",
+                                                     "unkpen", "no_repeat_ngram_size")}
+    peak = PeakRSS()
+    rss = {"start": PeakRSS.rss()}
+    loop = None if args.skip_a else FairseqLoop(checkpoint, data_bin, spm_model, sources, args.fairseq_max_tokens,
+                                                generation)
+    rss["after (a) load"] = PeakRSS.rss()
+    tasks = {}
+    if not args.skip_b:
+        tasks["hs_plain"] = load_translation(model_cfg, data_cfg, plain_opts)
+    rss["after (b) load"] = PeakRSS.rss()
+    tasks["hs_default"] = load_translation(model_cfg, data_cfg, default_opts)
+    rss["after (c) load"] = PeakRSS.rss()
+    options = {"hs_plain": plain_opts, "hs_default": default_opts}
+    info = tasks["hs_default"].describe()
+    singles = choose_masks(info.inventory, args.masks)
+    masks = [[]] + singles
+    n_total = len(m30k.read_gz(m30k.DATA / f"{TEST}.{m30k.SRC}.gz"))
+    print(f"model: {describe_record(record)}")
+    print(f"data: {TEST}, {info.n_examples} of {n_total} sentences; beam 5, generation {generation}; "
+          f"torch threads {args.threads}; {len(singles)} single-head masks + the baseline")
+    print(f"(a) fairseq: checkpoint_utils.load_model_ensemble_and_task, a deepcopy with out_proj columns zeroed per "
+          f"mask, task.build_generator + task.inference_step, get_batch_iterator(max_tokens="
+          f"{args.fairseq_max_tokens}, required_batch_size_multiple=8)")
+    print("(b), (c): headsweep's TranslationAdapter in this process (no Ray: its start-up is not counted); "
+          + "; ".join(notes))
+    print(f"(c): reuse: {info.facts.get('reuse')}; masks per call {units_per_call(default_opts.masks_per_batch)}, "
+          f"masks per search {tasks['hs_default'].masks_per_forward()}", flush=True)
+
+    call = units_per_call(default_opts.masks_per_batch)
+    seconds = {"fairseq": 0.0, **dict.fromkeys(tasks, 0.0)}
+    per_mask = {k: [] for k in seconds}
+    outs: dict[str, list] = {k: [] for k in seconds}
+    for first in range(0, len(masks), call):
+        chunk = masks[first : first + call]
+        if loop is not None:
+            for mask in chunk:
+                got, s = peak.timed("fairseq", loop.decode, mask)
+                outs["fairseq"].append(got)
+                per_mask["fairseq"].append(s)
+                seconds["fairseq"] += s
+        for k, task in tasks.items():
+            got, s = run_grid(task, chunk, options[k], peak, k)
+            outs[k] += got
+            per_mask[k] += [o.seconds for o in got]
+            seconds[k] += s
+        print(f"  masks {first}..{first + len(chunk) - 1}: " + ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
+              + " (cumulative)", flush=True)
+
+    # Hypotheses with their scores, for the tie check: (c)'s adapter translates again, untimed.
+    print("comparing (hypothesis scores of (c) come from one more, untimed, translate() call)", flush=True)
+    hyps_c = tasks["hs_default"].translate(masks)
+    lengths = [len(t) for t in tasks["hs_default"].examples.source]
+    max_lens = [int(min(model_cfg.max_len_a * n + model_cfg.max_len_b,
+                        tasks["hs_default"].model.max_decoder_positions() - 1)) for n in lengths]
+    rows, identical = [], 0
+    total_diff = Difference()
+    for j, mask in enumerate(masks):
+        c = outs["hs_default"][j]
+        c_text_again = [h.text for h in hyps_c[j]]
+        if c_text_again != c.outputs:
+            print(f"  note: (c)'s untimed translate() of {mask} differs from its timed evaluate() "
+                  f"in {sum(x != y for x, y in zip(c_text_again, c.outputs, strict=True))} sentences")
+        bleu_c = corpus_bleu(c.outputs, references).score
+        row = {"mask": str(mask[0]) if mask else "baseline", "c": bleu_c, "c_s": per_mask["hs_default"][j]}
+        if "hs_plain" in outs:
+            b = outs["hs_plain"][j]
+            row.update(b=corpus_bleu(b.outputs, references).score, b_s=per_mask["hs_plain"][j],
+                       b_vs_c=sum(x != y for x, y in zip(b.outputs, c.outputs, strict=True)))
+        if loop is not None:
+            a = outs["fairseq"][j]
+            bleu_a = corpus_bleu(a.texts, references).score
+            diff = compare(a, c.outputs, hyps_c[j], max_lens)
+            identical += bleu_a == bleu_c
+            row.update(a=bleu_a, a_s=per_mask["fairseq"][j], diff=diff)
+            for name in ("n", "ties", "max_len", "unk"):
+                setattr(total_diff, name, getattr(total_diff, name) + getattr(diff, name))
+            total_diff.examples += [(row["mask"], *e) for e in diff.examples]
+        rows.append(row)
+
+    print(f"\n{'mask':<14}{'BLEU a':>8}{'BLEU b':>8}{'BLEU c':>8}  same  {'differ a/c':>10}{'ties':>6}"
+          f"{'b/c':>5}{'a s':>7}{'b s':>7}{'c s':>7}")
+    for r in rows:
+        d = r.get("diff")
+        print(f"{r['mask']:<14}{r.get('a', float('nan')):8.2f}{r.get('b', float('nan')):8.2f}{r['c']:8.2f}  "
+              f"{('yes' if r.get('a') == r['c'] else 'NO') if d else '-':<4}  {d.n if d else '-':>10}"
+              f"{d.ties if d else '-':>6}{r.get('b_vs_c', '-'):>5}{r.get('a_s', float('nan')):7.2f}"
+              f"{r.get('b_s', float('nan')):7.2f}{r['c_s']:7.2f}")
+    n = len(masks)
+    print(f"\ntimes for {n} decodes of {info.n_examples} sentences (baseline included):")
+    labels = {"fairseq": "(a) fairseq loop", "hs_plain": "(b) headsweep plain", "hs_default": "(c) headsweep default"}
+    for k, s in seconds.items():
+        if k == "fairseq" and loop is None:
+            continue
+        print(f"  {labels[k]:<22} {s:7.1f}s  ({s / n:.2f}s a decode)  peak RSS {mib(peak.peak[k])}, at most "
+              f"{mib(peak.rise[k])} above a call's start")
+    print("  resident memory: " + ", ".join(f"{k} {mib(v)}" for k, v in rss.items()))
+    peak.stop()
+    if loop is None:
+        print(f"RESULT translation_vs_fairseq ratio=nan identical_bleu=0/0 plain_s={seconds.get('hs_plain', 0):.1f} "
+              f"default_s={seconds['hs_default']:.1f}")
+        return
+    print(f"(a) vs (c): {total_diff.n} sentence hypotheses differ over {n} masks x {info.n_examples} sentences; "
+          f"{total_diff.ties} of them beam ties (scores within {TIE:g}), {total_diff.max_len} at the length "
+          f"limit, {total_diff.unk} with <unk>")
+    for mask_name, i, sa, sc, la, lc, ta, tc in total_diff.examples[:8]:
+        print(f"  {mask_name} sentence {i}: (a) score {sa:.6f} len {la}: {ta!r}\n"
+              f"  {'':<{len(mask_name)}} {'':>{len(str(i)) + 9}} (c) score {sc:.6f} len {lc}: {tc!r}")
+    b_part = f" plain_s={seconds['hs_plain']:.1f}" if "hs_plain" in seconds else ""
+    print(f"RESULT translation_vs_fairseq ratio={seconds['fairseq'] / seconds['hs_default']:.2f} "
+          f"identical_bleu={identical}/{n} fairseq_s={seconds['fairseq']:.1f} default_s={seconds['hs_default']:.1f}"
+          f"{b_part}")
+
+
+if __name__ == "__main__":
+    main()

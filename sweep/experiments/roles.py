@@ -1,0 +1,102 @@
+"""``roles`` (Voita et al. 2019, secs. 4, 5.1, 5.3): what each head attends to, written to ``head_roles``.
+
+A worker reads every head's attention maps of the unmasked model on the evaluation set (or on
+``roles.data``) and computes its confidence, entropy, offsets and rare-word share
+(``headsweep.workers.roles.roles_on_worker``; the definitions are in ``headsweep.workers.head_roles``).
+One row per checkpoint and head; the ``roles`` view puts each row beside the head's single-head delta,
+test and importance. Where token frequencies come from is recorded in ``runs.facts["roles"]``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from headsweep.errors import HeadsweepError
+from headsweep.sweep.experiments.base import Experiment
+from headsweep.sweep.progress import step
+from headsweep.sweep.sections import Config, from_dict
+from headsweep.workers.family import model_family
+
+if TYPE_CHECKING:
+    from headsweep.sweep.experiments.context import Context
+
+FACT = "roles"
+DICTIONARY = "dictionary"
+FAIRSEQ = "fairseq_translation"
+
+
+def roles_data(cfg: Config) -> Any:
+    """``roles.data`` typed as the model family's data section (None: the evaluation set)."""
+    if cfg.roles.data is None:
+        return None
+    return from_dict(model_family(cfg.model.kind).data_config, cfg.roles.data, "roles.data")
+
+
+def role_settings(cfg: Config):
+    """The ``roles`` section as the workers take it."""
+    from headsweep.workers.head_roles import RoleSettings
+
+    r = cfg.roles
+    return RoleSettings(offsets=tuple(r.offsets), positional_threshold=r.positional_threshold, rare_top=r.rare_top,
+                        rare_threshold=r.rare_threshold, rare_min_sentences=r.rare_min_sentences,
+                        frequencies=r.frequencies)
+
+
+def settings_fact(cfg: Config) -> dict:
+    """What ``runs.facts["roles"]`` records of the config: the data, the frequency source and the thresholds."""
+    r = cfg.roles
+    return {"data": "roles.data" if r.data is not None else "the evaluation set",
+            "frequencies": r.frequencies or (DICTIONARY if cfg.model.kind == FAIRSEQ else None),
+            "offsets": list(r.offsets), "positional_threshold": r.positional_threshold, "rare_top": r.rare_top,
+            "rare_threshold": r.rare_threshold, "rare_min_sentences": r.rare_min_sentences}
+
+
+class Roles(Experiment):
+    """Head statistics and roles, once per model (a resumed run keeps the rows it stored)."""
+
+    name = "roles"
+    section = "roles"
+    table = "head_roles"
+
+    def check_config(self, cfg: Config) -> None:
+        roles = cfg.roles
+        roles_data(cfg)  # a misspelt key fails here, not on a worker
+        frequencies = roles.frequencies
+        kind = cfg.model.kind
+        if frequencies == DICTIONARY:
+            if kind != FAIRSEQ and ":" not in kind:
+                raise HeadsweepError(f"roles.frequencies: dictionary needs a fairseq model (its dictionaries' counts); "
+                                     f"for model.kind {kind} give a corpus file (one sentence a line)")
+        elif frequencies is not None and not Path(frequencies).is_file():
+            raise HeadsweepError(f"roles.frequencies: file not found: {frequencies} (a corpus, one sentence a line"
+                                 f"{', or dictionary' if kind == FAIRSEQ else ''})")
+
+    def validate(self, ctx: Context) -> None:
+        from headsweep.workers.roles import roles_problem_on_worker
+
+        problem = ctx.pool.call(roles_problem_on_worker, roles_data(ctx.cfg))
+        if problem:
+            raise HeadsweepError(problem)
+        # Recorded with the run (runs.facts, written after validation); the worker's step adds what it counted.
+        ctx.info.facts[FACT] = settings_fact(ctx.cfg)
+
+    def run(self, ctx: Context) -> None:
+        from headsweep.workers.roles import roles_on_worker
+
+        if ctx.done and any(r["checkpoint"] == ctx.checkpoint for r in ctx.store.read("head_roles", ctx.run_id,
+                                                                                       ).to_pylist()):
+            return  # a resumed run keeps the rows it stored for this model
+        with step("head roles", enabled=ctx.show_progress, detail=ctx.pool.status_line):
+            result = ctx.pool.call(roles_on_worker, roles_data(ctx.cfg), role_settings(ctx.cfg))
+        ctx.info.facts[FACT] = {**settings_fact(ctx.cfg), "frequency_source": result.frequencies,
+                                "sentences": result.n_sentences}
+        rows = [{"checkpoint": ctx.checkpoint, "attention": h.attention, "layer": h.layer, "head": h.head,
+                 "n_tokens": h.n_tokens, "confidence": h.confidence, "entropy": h.entropy, "top_offset": h.top_offset,
+                 "top_offset_share": h.top_offset_share, "rare_share": h.rare_share,
+                 "rare_sentences": h.rare_sentences, "rare_chance": h.rare_chance, "roles": h.roles}
+                for h in result.heads]
+        ctx.write("head_roles", rows, name="roles")
+
+
+ROLES = Roles()

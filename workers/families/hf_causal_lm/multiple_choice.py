@@ -1,0 +1,502 @@
+"""Multiple-choice accuracy of a causal LM, in lm-evaluation-harness's convention (``data.task: multiple_choice``).
+
+The convention (lm-eval's ``output_type: multiple_choice`` with a Hugging Face causal LM, zero-shot; what
+makes the numbers comparable with its ``acc`` and ``acc_norm``):
+
+1. each question is a JSONL line with a context, a list of choices and the index of the right one;
+2. choice c is the request ``(context, target_delimiter + c)`` (``data.target_delimiter``, default " ");
+3. a request is tokenised as lm-eval's ``TemplateLM._encode_pair``: whitespace at the end of the context
+   moves to the start of the continuation, ``whole = encode(context + continuation)``,
+   ``context_tokens = encode(context)``, ``continuation_tokens = whole[len(context_tokens):]``, encoded
+   without special tokens; an empty context is the tokenizer's BOS token alone (its EOS token if it has no
+   BOS), the continuation then encoded by itself;
+4. the model reads ``(context_tokens + continuation_tokens)[-(max_length + 1):][:-1]`` (longer requests lose
+   context tokens from the left; ``max_length`` is the model's positions), and the choice's log-likelihood is
+   the sum of the log-probabilities of its continuation tokens;
+5. ``acc`` is 1 when the argmax of the log-likelihoods is the gold index, ``acc_norm`` when the argmax of
+   log-likelihood / ``len(choice)`` (characters of the choice, without the delimiter) is; ties go to the first
+   choice (``numpy.argmax``).
+
+Every question stores ``[correct, correct_norm]``; ``data.choice_score`` picks the run's metric (``accuracy``
+or ``accuracy_norm``, :mod:`headsweep.workers.metrics`). Rows are (question, choice) pairs, right-padded in
+batches with an attention mask, and the logits are computed only at the positions that predict continuation
+tokens. Several masks share one forward pass, as for perplexity; there is no prefix reuse here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from headsweep.errors import HeadsweepError
+from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
+from headsweep.workers.data_report import Finding, report
+from headsweep.workers.efficiency import median_batch, take_rows
+from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+from headsweep.workers.families.hf_causal_lm.model import (
+    activation_bytes_per_row,
+    load_causal_lm,
+    max_positions,
+    model_facts,
+    target_nll,
+)
+from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
+from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
+from headsweep.workers.gates import HeadGates
+from headsweep.workers.heads import Head
+from headsweep.workers.metrics import MC_ACCURACY, MC_ACCURACY_NORM, Metric
+from headsweep.workers.text_files import decode, read_bytes, split_lines
+
+logger = logging.getLogger(__name__)
+
+LOSS_NAME = "token cross-entropy of the gold continuations"
+# lm-eval's HFLM.max_length when neither the model nor the tokenizer says (and the tokenizers' "no limit").
+DEFAULT_MAX_LENGTH = 2048
+TOKENIZER_INFINITY = 1000000000000000019884624838656
+# data.choice_score -> the run's metric (config.CHOICE_SCORES names them)
+METRICS_BY_SCORE = {"acc": MC_ACCURACY, "acc_norm": MC_ACCURACY_NORM}
+
+CONVENTION = (
+    "lm-evaluation-harness multiple_choice, zero-shot: choice c scored by the summed log-likelihood of "
+    "target_delimiter + c after the context (trailing context whitespace moved to the continuation; "
+    "continuation tokens = encode(context + continuation)[len(encode(context)):], no special tokens; empty "
+    "context: BOS alone); inputs longer than max_length cut from the left; acc: argmax log-likelihood == gold; "
+    "acc_norm: argmax log-likelihood / len(choice in characters) == gold"
+)
+
+
+# -- the questions ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Question:
+    """One line of the file: the context, the choices, the gold index and the line number (from 1)."""
+
+    context: str
+    choices: tuple[str, ...]
+    gold: int
+    line: int
+
+
+def read_questions(cfg: CausalLMData) -> list[Question]:
+    """Every question of the JSONL file ``cfg.path`` (blank lines skipped), or one clear line naming the file and
+    line of the first that is not a question: not JSON, not an object, a missing field, a context that is not
+    text, no choices, a choice that is not text, a gold index that is not an integer or not one of the choices."""
+    path = Path(cfg.path)
+    if not path.is_file():
+        raise HeadsweepError(f"data file not found: {cfg.path}")
+    data, where = read_bytes(path)
+    questions = []
+    for number, line in enumerate(split_lines(decode(data, cfg.encoding, f"data file {path}", where=where)), 1):
+        if line.strip():
+            questions.append(_question(json_line(line, f"data file {path}: line {number}"), number, cfg,
+                                       f"data file {path}: line {number}"))
+    if not questions:
+        raise HeadsweepError(f"data file {path} holds no questions (one JSON object per line, with "
+                             f"{cfg.context_field!r}, {cfg.choices_field!r} and {cfg.gold_field!r})")
+    return questions
+
+
+def json_line(line: str, where: str) -> object:
+    """One JSONL line parsed, or a one-line error saying where it is not JSON."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise HeadsweepError(f"{where} is not JSON ({exc.msg}, column {exc.colno})") from None
+
+
+def _question(row: object, number: int, cfg: CausalLMData, where: str) -> Question:
+    if not isinstance(row, dict):
+        raise HeadsweepError(f"{where} is a JSON {type(row).__name__}, not an object with the fields "
+                             f"{cfg.context_field!r}, {cfg.choices_field!r} and {cfg.gold_field!r}")
+    for key, field in (("context_field", cfg.context_field), ("choices_field", cfg.choices_field),
+                       ("gold_field", cfg.gold_field)):
+        if field not in row:
+            raise HeadsweepError(f"{where} has no field {field!r} (fields: {', '.join(map(repr, row)) or 'none'}); "
+                                 f"set data.{key}")
+    context, choices, gold = row[cfg.context_field], row[cfg.choices_field], row[cfg.gold_field]
+    if not isinstance(context, str):
+        raise HeadsweepError(f"{where}: field {cfg.context_field!r} is {type(context).__name__}, not text")
+    if not isinstance(choices, list):
+        raise HeadsweepError(f"{where}: field {cfg.choices_field!r} is {type(choices).__name__}, not a list of "
+                             "choices")
+    if not choices:
+        raise HeadsweepError(f"{where}: no choices (field {cfg.choices_field!r} is an empty list)")
+    for i, choice in enumerate(choices):
+        if not isinstance(choice, str):
+            raise HeadsweepError(f"{where}: choice {i} is {type(choice).__name__}, not text")
+    # bool is an int in Python, and 1.0 is a float in JSON: neither is an index.
+    if not isinstance(gold, int) or isinstance(gold, bool):
+        raise HeadsweepError(f"{where}: field {cfg.gold_field!r} is {json.dumps(gold)}, not the index of the right "
+                             "choice (an integer from 0)")
+    if not 0 <= gold < len(choices):
+        raise HeadsweepError(f"{where}: gold index {gold} is out of range for {len(choices)} choice"
+                             f"{'s' if len(choices) > 1 else ''} (0 to {len(choices) - 1})")
+    return Question(context, tuple(choices), gold, number)
+
+
+# -- tokenisation -----------------------------------------------------------------------------------------------
+
+def encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text without special tokens (lm-eval's ``tok_encode`` for causal LMs)."""
+    if not texts:
+        return []
+    return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def split_context(context: str, continuation: str) -> tuple[str, str]:
+    """lm-eval's ``_encode_pair``: whitespace at the end of the context moves to the continuation's start."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces > 0:
+        return context[:-n_spaces], context[-n_spaces:] + continuation
+    return context, continuation
+
+
+def prefix_token(tokenizer) -> int:
+    """The token an empty context stands for (lm-eval's ``prefix_token_id``): BOS, else EOS."""
+    for name in ("bos_token_id", "eos_token_id"):
+        token = getattr(tokenizer, name, None)
+        if token is not None:
+            return int(token)
+    raise HeadsweepError("a question has an empty context, which lm-evaluation-harness's convention replaces by "
+                         "the tokenizer's BOS (or EOS) token, and this tokenizer has neither")
+
+
+Encoded = list[list[tuple[list[int], list[int]]]]  # per question, per choice: (context, continuation) tokens
+
+
+def encode_requests(tokenizer, questions: Sequence[Question], delimiter: str) -> Encoded:
+    """``(context tokens, continuation tokens)`` of every choice of every question, as lm-eval encodes the request
+    ``(context, delimiter + choice)`` (see the module docstring). A context of whitespace alone keeps no token
+    (lm-eval fails on it; :func:`plan_rows` refuses it)."""
+    # None: the empty context, which lm-eval replaces by the prefix token (not the same as "" left by a context
+    # of whitespace alone, which it encodes to no tokens)
+    pairs = [[split_context(q.context, delimiter + c) if q.context else (None, delimiter + c) for c in q.choices]
+             for q in questions]
+    flat = [pair for row in pairs for pair in row]
+    # The context is the same for every choice unless whitespace moved: encode each distinct one once.
+    contexts = sorted({ctx for ctx, _ in flat if ctx is not None})
+    context_ids = dict(zip(contexts, encode(tokenizer, contexts), strict=True))
+    wholes = iter(encode(tokenizer, [(ctx or "") + cont for ctx, cont in flat]))
+    prefix = prefix_token(tokenizer) if any(not q.context for q in questions) else None
+    out = []
+    for row in pairs:
+        encoded = []
+        for ctx, _ in row:
+            whole = list(next(wholes))
+            if ctx is None:
+                encoded.append(([prefix], whole))
+            else:
+                ctx_ids = list(context_ids[ctx])
+                encoded.append((ctx_ids, whole[len(ctx_ids):]))
+        out.append(encoded)
+    return out
+
+
+@dataclass(frozen=True)
+class Row:
+    """One (question, choice) request as the model reads it: ``inputs`` (at most max_length tokens), of which the
+    last ``len(targets)`` positions predict the continuation tokens ``targets``."""
+
+    question: int
+    choice: int
+    inputs: tuple[int, ...]
+    targets: tuple[int, ...]
+
+
+def plan_rows(questions: Sequence[Question], encoded: Encoded, max_length: int, path: str, delimiter: str
+              ) -> tuple[list[Row], list[int]]:
+    """The rows of every choice, and the questions whose context was cut from the left to fit ``max_length``."""
+    rows, truncated = [], []
+    for qi, (q, pairs) in enumerate(zip(questions, encoded, strict=True)):
+        cut = False
+        for ci, (ctx, cont) in enumerate(pairs):
+            where = f"data file {path}: line {q.line}"
+            if not ctx:
+                raise HeadsweepError(
+                    f"{where}: the context {q.context!r} has no tokens once its trailing whitespace moves to the "
+                    "choices (lm-evaluation-harness's convention needs at least one context token; an empty "
+                    "context stands for the BOS token)")
+            if not cont:
+                raise HeadsweepError(f"{where}: choice {ci} ({q.choices[ci]!r}) adds no token to the context (with "
+                                     f"data.target_delimiter {delimiter!r}); a choice must add at least one")
+            if len(cont) > max_length:
+                raise HeadsweepError(f"{where}: choice {ci} is {len(cont)} tokens, more than the model's "
+                                     f"{max_length} positions")
+            seq = (ctx + cont)[-(max_length + 1):]
+            cut = cut or len(ctx) + len(cont) > max_length + 1
+            rows.append(Row(qi, ci, tuple(seq[:-1]), tuple(cont)))
+        if cut:
+            truncated.append(qi)
+    return rows, truncated
+
+
+# -- scoring ----------------------------------------------------------------------------------------------------
+
+def predictions(lls: np.ndarray, index: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The choice lm-eval picks for each question by ``acc`` and by ``acc_norm``, from the rows' log-likelihoods
+    ``lls`` (n_rows,): ``argmax(lls)`` and ``argmax(lls / len(choice))``, the first maximum on ties.
+
+    ``index`` (n_questions, max_choices) holds each question's rows (-1: no such choice, never picked),
+    ``lengths`` the choices' lengths in characters in the same layout (1 where there is no choice).
+    """
+    present = index >= 0
+    per_question = np.where(present, lls[np.maximum(index, 0)], -np.inf)
+    with np.errstate(divide="ignore", invalid="ignore"):  # an empty choice: lm-eval divides by zero too
+        normalised = np.where(present, per_question / lengths, -np.inf)
+    return per_question.argmax(axis=-1), normalised.argmax(axis=-1)
+
+
+@dataclass
+class RowBatch:
+    """Rows right-padded to one width, on the device: ``positions[b, k]`` are the input positions whose logits
+    are kept (the last ``K`` of each row, K the batch's longest continuation), ``targets[b, k]`` the tokens they
+    predict, ``scored[b, k]`` whether it is a continuation token of the row (shorter continuations leave the
+    first ``K - len`` unscored)."""
+
+    rows: torch.Tensor  # indices into the adapter's rows (CPU)
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor
+    scored: torch.Tensor
+
+    def repeat(self, n: int) -> RowBatch:
+        """The batch stacked ``n`` times (one copy per mask)."""
+        if n == 1:
+            return self
+        return RowBatch(self.rows, *(t.repeat(n, 1) for t in (self.input_ids, self.attention_mask, self.positions,
+                                                               self.targets, self.scored)))
+
+
+def row_batch(rows: Sequence[Row], which: Sequence[int], device: torch.device) -> RowBatch:
+    """The rows ``which`` as one right-padded batch (padding id 0: masked out, and never read by a real token of a
+    causal model)."""
+    width = max(len(rows[i].inputs) for i in which)
+    keep = max(len(rows[i].targets) for i in which)
+    n = len(which)
+    input_ids = torch.zeros(n, width, dtype=torch.long)
+    attention = torch.zeros(n, width, dtype=torch.long)
+    positions = torch.zeros(n, keep, dtype=torch.long)
+    targets = torch.zeros(n, keep, dtype=torch.long)
+    scored = torch.zeros(n, keep, dtype=torch.bool)
+    for b, i in enumerate(which):
+        row = rows[i]
+        length, c = len(row.inputs), len(row.targets)
+        input_ids[b, :length] = torch.tensor(row.inputs)
+        attention[b, :length] = 1
+        # position p predicts token p + 1: the last c positions predict the c continuation tokens
+        positions[b] = (torch.arange(length - keep, length)).clamp(min=0)
+        targets[b, keep - c :] = torch.tensor(row.targets)
+        scored[b, keep - c :] = True
+    return RowBatch(torch.tensor(list(which)), input_ids.to(device), attention.to(device), positions.to(device),
+                    targets.to(device), scored.to(device))
+
+
+class MultipleChoiceAdapter:
+    """A gated causal LM with a multiple-choice question set (an ``EvalAdapter``)."""
+
+    def __init__(self, model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
+        data_cfg.check()
+        # Read (and refuse) the file before loading the model: a bad line costs no model load.
+        questions = read_questions(data_cfg)
+        if runtime.threads > 0:
+            torch.set_num_threads(runtime.threads)
+        self.device = torch.device(runtime.device)
+        self.runtime = runtime
+        self.metric: Metric = METRICS_BY_SCORE[data_cfg.choice_score]
+        loaded = load_causal_lm(model_cfg, runtime.device)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.gates = HeadGates(sites_or_error(self.model))
+        self.max_length, source = self._max_length()
+        available = len(questions)
+        if data_cfg.max_questions is not None:
+            questions = questions[: data_cfg.max_questions]
+        self.questions = questions
+        self.delimiter = data_cfg.target_delimiter
+        encoded = encode_requests(self.tokenizer, questions, self.delimiter)
+        self.rows, truncated = plan_rows(questions, encoded, self.max_length, data_cfg.path, self.delimiter)
+        n_choices = max(len(q.choices) for q in questions)
+        self.index = np.full((len(questions), n_choices), -1, dtype=np.int64)
+        self.lengths = np.ones((len(questions), n_choices), dtype=np.float64)
+        for r, row in enumerate(self.rows):
+            self.index[row.question, row.choice] = r
+            self.lengths[row.question, row.choice] = float(len(questions[row.question].choices[row.choice]))
+        self.gold = np.array([q.gold for q in questions], dtype=np.int64)
+        self.gold_rows = self.index[np.arange(len(questions)), self.gold]
+        self.batches = self._batches(range(len(self.rows)), runtime.batch_size)
+        self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.model_name = Path(model_cfg.path).name
+        self.dataset_name = data_cfg.name or Path(Path(data_cfg.path).name.removesuffix(".gz")).stem
+        self.reuse_note = ("plain path: every mask runs the whole model (prefix reuse is not implemented for "
+                           "multiple choice)")
+        ids = [f"q{i}" for i in range(len(questions))]
+        counts: dict[str, int] = {}
+        for q in questions:
+            counts[str(len(q.choices))] = counts.get(str(len(q.choices)), 0) + 1
+        self.data_facts = {
+            "task": "multiple_choice", "questions": len(questions), "questions_available": available,
+            "choices_per_question": counts, "rows": len(self.rows), "target_delimiter": self.delimiter,
+            "choice_score": data_cfg.choice_score, "max_length": self.max_length, "max_length_from": source,
+            "convention": CONVENTION, "encoding": data_cfg.encoding,
+            **report(f"data file {data_cfg.path}", [Finding(
+                "truncated_questions", f"questions longer than the model's {self.max_length} positions, context "
+                "cut from the left", [ids[i] for i in truncated])]),
+        }
+        self.example_ids = ids
+        self._baseline: MaskOutput | None = None
+
+    def _max_length(self) -> tuple[int, str]:
+        """lm-eval's ``HFLM.max_length``: the model's positions, else the tokenizer's ``model_max_length``, else
+        2048; and where it came from."""
+        n = max_positions(self.model.config)
+        if n:
+            return n, "model config (max_position_embeddings)"
+        n = getattr(self.tokenizer, "model_max_length", None)
+        if isinstance(n, int) and 0 < n < TOKENIZER_INFINITY:
+            return n, "tokenizer (model_max_length)"
+        return DEFAULT_MAX_LENGTH, "lm-evaluation-harness's default"
+
+    def _batches(self, which: Sequence[int], batch_size: int) -> list[RowBatch]:
+        """Rows sorted by length (little padding), ``batch_size`` rows a batch."""
+        order = sorted(which, key=lambda i: len(self.rows[i].inputs))
+        return [row_batch(self.rows, order[i : i + batch_size], self.device)
+                for i in range(0, len(order), max(1, batch_size))]
+
+    # -- the adapter contract ------------------------------------------------------------------------------------
+    def describe(self) -> DatasetInfo:
+        baseline = self.baseline()
+        acc, acc_norm = (float(v) for v in baseline.stats.mean(axis=0))
+        return DatasetInfo(
+            model=self.model_name,
+            dataset=self.dataset_name,
+            metric=self.metric.name,
+            stat_names=list(self.metric.stat_names),
+            example_ids=self.example_ids,
+            references=[str(q.gold) for q in self.questions],
+            inventory=self.gates.inventory,
+            facts={**model_facts(self.model, self.gates.sites), "reuse": self.reuse_note, **self.data_facts,
+                   "baseline_acc": acc, "baseline_acc_norm": acc_norm},
+        )
+
+    def baseline(self) -> MaskOutput:
+        """The unmasked evaluation, computed once (``describe`` records its acc and acc_norm) and reused."""
+        if self._baseline is None:
+            self._baseline = self.evaluate([[]])[0]
+        return self._baseline
+
+    def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
+        masks = [list(m) for m in masks]
+        for mask in masks:
+            for head in mask:
+                self.gates.inventory.check(head)
+        todo = [i for i, m in enumerate(masks) if m or self._baseline is None]
+        start = time.perf_counter()
+        lls = self.loglikelihoods([masks[i] for i in todo]) if todo else np.zeros((0, len(self.rows)))
+        seconds_each = (time.perf_counter() - start) / max(1, len(todo))
+        computed = dict(zip(todo, lls, strict=True))
+        results: list[MaskOutput] = []
+        for i in range(len(masks)):
+            if i not in computed:
+                results.append(self._baseline)
+                continue
+            pred, pred_norm = predictions(computed[i], self.index, self.lengths)
+            stats = np.stack([pred == self.gold, pred_norm == self.gold], axis=1).astype(np.float64)
+            # output: the choice the run's metric picks; loss: the gold continuation's NLL
+            picked = pred_norm if self.metric is MC_ACCURACY_NORM else pred
+            results.append(MaskOutput(stats=stats, loss=-computed[i][self.gold_rows],
+                                      outputs=[str(p) for p in picked], score=self.metric.score(stats),
+                                      seconds=seconds_each))
+        return results
+
+    @torch.inference_mode()
+    def loglikelihoods(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
+        """Each row's log-likelihood (nats, summed over its continuation tokens) under each mask: shape
+        (n_masks, n_rows), float64. Every mask runs the whole model; ``masks_per_forward`` masks share a pass."""
+        out = np.empty((len(masks), len(self.rows)), dtype=np.float64)
+        for batch in self.batches:
+            rows = batch.rows.numel()
+            per = self.masks_per_forward(batch)
+            for first in range(0, len(masks), per):
+                chunk = masks[first : first + per]
+                if len(chunk) == 1:
+                    self.gates.set_mask(chunk[0])
+                else:
+                    self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
+                stacked = batch.repeat(len(chunk))
+                try:
+                    nll = self.continuation_nll(stacked)
+                finally:
+                    self.gates.clear()
+                sums = -(nll.double() * stacked.scored).sum(dim=1)
+                out[first : first + len(chunk), batch.rows.numpy()] = sums.view(len(chunk), rows).cpu().numpy()
+        return out
+
+    def continuation_nll(self, batch: RowBatch, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Per-position NLL of ``batch.targets`` at ``batch.positions`` (shape (B, K); unscored places hold
+        whatever the padding gives), from one forward pass with the gates as they are set; the loss is taken in
+        ``dtype`` when given (at least float32 otherwise).
+
+        Where the model takes ``logits_to_keep`` as positions per row, only those logits are computed; otherwise
+        (or if the model gives another shape) the full logits are computed and the positions taken from them.
+        """
+        logits = None
+        if self._keep_logits:
+            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                                logits_to_keep=batch.positions).logits
+            if logits.shape[:2] != batch.positions.shape:
+                self._keep_logits = False
+                logger.warning("%s: logits_to_keep per row is not supported; computing every position's logits",
+                               self.model_name)
+                logits = None
+        if logits is None:
+            full = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+            logits = torch.take_along_dim(full, batch.positions.unsqueeze(-1), dim=1)
+        if dtype is not None:
+            logits = logits.to(dtype)
+        return target_nll(logits, batch.targets)
+
+    def bytes_per_row(self, batch: RowBatch) -> int:
+        """Activation bytes of one row of ``batch`` (see :func:`~.model.activation_bytes_per_row`)."""
+        width, keep = batch.input_ids.shape[1], batch.positions.shape[1]
+        return activation_bytes_per_row(self.model.config, self.model.dtype, width,
+                                        keep if self._keep_logits else width)
+
+    def masks_per_forward(self, batch: RowBatch) -> int:
+        """``sweep.masks_per_batch``, or (0: automatic) as many copies of ``batch`` as the activation budget holds."""
+        rows = batch.rows.numel()
+        return budget_masks_per_forward(self.runtime.masks_per_batch, max(1, rows), self.bytes_per_row(batch),
+                                        self.device)
+
+    def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
+        """The questions as the summed NLL of their gold continuations (``label_smoothing`` does not apply: a
+        causal LM's training loss is plain token cross-entropy); the real tokens are the unpadded ones."""
+        batches = self._batches([int(r) for r in self.gold_rows], self.runtime.batch_size)
+        return LossBatches([self._loss_batch(b, dtype) for b in batches], LOSS_NAME)
+
+    def _loss_batch(self, batch: RowBatch, dtype: torch.dtype) -> LossBatch:
+        real = batch.attention_mask.bool()
+
+        def loss() -> torch.Tensor:
+            return (self.continuation_nll(batch, dtype) * batch.scored).sum()
+
+        return LossBatch({site.key: real for site in self.gates.sites}, int(batch.rows.numel()), loss)
+
+    def workload(self, batch_size: int, max_length: int) -> Workload:
+        """``batch_size`` rows around the median length (cycled if there are fewer), cut to ``max_length`` tokens
+        when given."""
+        batch = median_batch(self.batches, lambda b: int(b.rows.numel()))
+        n = int(batch.rows.numel())
+        input_ids = take_rows(batch.input_ids, n, batch_size)
+        attention = take_rows(batch.attention_mask, n, batch_size)
+        if max_length:
+            input_ids, attention = input_ids[:, :max_length], attention[:, :max_length]
+        return Workload(batch_size, int(attention.sum()),
+                        lambda model: model(input_ids=input_ids, attention_mask=attention, use_cache=False))

@@ -1,0 +1,246 @@
+"""Prefix reuse for causal LMs: each mask's forward pass over a window batch starts at its first gated layer.
+
+For every window batch the baseline runs once with recording hooks: the output of every decoder layer and the
+input of every attention output projection (the per-head contexts), plus the baseline's per-token NLL (which
+*is* the empty mask's result). A mask whose first gated layer is l then runs the model's own forward with
+
+* the input embeddings returning zeros of the right shape and dtype (their values go nowhere now; the model
+  still builds its position ids, rotary tables and causal mask from them, as it always does),
+* layers 0..l-2 passed through and layer l-1 returning its cached output,
+* layer l's attention module returning the output projection of its cached contexts with the masked heads
+  gated off (:func:`headsweep.workers.replay.gated_projection`): no query/key/value or attention-score work,
+* layers after l, the final norm and the LM head computed as usual, with per-example gates for any heads
+  masked there, and only the logits the windows score (the adapter's ``logits_to_keep``).
+
+Masks with the same first layer share one forward pass (the window batch repeated once per mask).
+
+Layouts (:mod:`headsweep.workers.families.hf_classifier.layout`): Llama-style attention (Llama, Mistral, Qwen2,
+Qwen3, ...) and GPT-2 / GPTBigCode, whose decoder layers form one ``nn.ModuleList``, return a tensor, and whose
+attention module returns ``(output projection's output, weights)``. Recording checks all of that on the model
+itself, and the first masked pass is compared bit for bit with the whole gated model (:meth:`PrefixReuse.verify`);
+anything else raises :class:`~headsweep.workers.replay.ReuseUnsupported` and the plain path runs instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from headsweep.workers.families.hf_classifier.layout import attention_layout
+from headsweep.workers.families.hf_classifier.reuse import _enclosing_layer, first_gated_layer
+from headsweep.workers.gates import AttentionSite, HeadGates
+from headsweep.workers.heads import Head
+from headsweep.workers.replay import (
+    BaselineCache,
+    ReuseUnsupported,
+    gated_projection,
+    pass_through,
+    replaced_forwards,
+    returning,
+)
+
+__all__ = ["BaselineStates", "DecoderLayout", "PrefixReuse", "decoder_layout", "first_gated_layer"]
+
+#: ``(input_ids, scored) -> per-position NLL``: the adapter's forward pass (and loss) over a window batch.
+TokenNLL = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LinearWeights:
+    """An output projection's weight and bias in ``nn.Linear``'s orientation ``(out, in)``, what
+    :func:`~headsweep.workers.replay.gated_projection` reads.
+
+    GPT-2's ``c_proj`` is a ``Conv1D`` computing ``addmm(bias, x, W)`` with ``W`` stored ``(in, out)``; handing
+    ``W.t()`` (a view) to ``F.linear`` multiplies the same matrices, so the projection is the same floats (the
+    tests and :meth:`PrefixReuse.verify` check it bit for bit).
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+@dataclass
+class DecoderLayout:
+    """Where a causal LM's decoder layers, attention modules and output projections are."""
+
+    sites: list[AttentionSite]
+    layers: list[nn.Module]  # the decoder layer stack; site.layer indexes it
+    projections: list[nn.Module | LinearWeights]  # per site: nn.Linear, or a Conv1D's weights turned round
+    embeddings: nn.Module | None  # the input embeddings (token ids -> vectors)
+
+    def site_at(self, layer: int) -> tuple[int, AttentionSite]:
+        """The position in ``sites`` and the site of decoder layer ``layer``."""
+        for i, site in enumerate(self.sites):
+            if site.layer == layer:
+                return i, site
+        raise ReuseUnsupported(f"layer {layer} has no attention heads to gate")
+
+
+def _projection(site: AttentionSite) -> nn.Module | LinearWeights:
+    out = site.out_proj
+    if isinstance(out, nn.Linear):
+        return out
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(out, Conv1D) and out.weight.dim() == 2:
+        return LinearWeights(out.weight.t(), out.bias)
+    raise ReuseUnsupported(f"{site.module_name}: output projection {type(out).__name__} is neither nn.Linear nor "
+                           "GPT-2's Conv1D")
+
+
+def decoder_layout(model: nn.Module, sites: Sequence[AttentionSite]) -> DecoderLayout:
+    """The layout prefix reuse needs, or :class:`ReuseUnsupported` naming what does not fit."""
+    if model.training:
+        raise ReuseUnsupported("the model is in training mode (dropout would differ between passes)")
+    modules = dict(model.named_modules())
+    found = [_enclosing_layer(model, modules, s.module_name) for s in sites]
+    lists = {parent for parent, _ in found}
+    if len(lists) != 1:
+        raise ReuseUnsupported(f"attention modules sit in {len(lists)} layer lists, not one stack")
+    stack = modules[lists.pop()]
+    for site, (_, index) in zip(sites, found, strict=True):
+        if index != site.layer:
+            raise ReuseUnsupported(f"{site.module_name} is in decoder layer {index}, not layer {site.layer} of the "
+                                   "stack (one attention module per layer, in order)")
+        layout = attention_layout(site.module)
+        if layout is None or layout.name not in ("llama", "gpt2") or layout.out_proj is not site.out_proj:
+            raise ReuseUnsupported(f"{site.module_name} ({type(site.module).__name__}) is neither a Llama-style "
+                                   "(o_proj) nor a GPT-2 / GPTBigCode (c_proj) attention module")
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    return DecoderLayout(list(sites), list(stack), [_projection(s) for s in sites],
+                         embeddings if isinstance(embeddings, nn.Module) else None)
+
+
+@dataclass
+class BaselineStates:
+    """One window batch's baseline: per-position NLL, the layer outputs and per-head contexts masks start from."""
+
+    token_nll: torch.Tensor  # (B, W - 1): the adapter's token NLL of the ungated model
+    hidden: dict[int, torch.Tensor]  # output of layer i, kept for every i = site.layer - 1 >= 0
+    contexts: list[torch.Tensor]  # per site: the input of its output projection
+    embedding_shape: tuple[int, ...] | None  # the input embeddings' output shape; None: do not skip them
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.token_nll, *self.hidden.values(), *self.contexts]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class PrefixReuse:
+    """Baseline states per window batch, and masked forward passes that start from them."""
+
+    def __init__(self, model: nn.Module, gates: HeadGates, layout: DecoderLayout, token_nll: TokenNLL,
+                 budget_bytes: int):
+        self.model, self.gates, self.layout, self.token_nll = model, gates, layout, token_nll
+        self.cache: BaselineCache[BaselineStates] = BaselineCache(budget_bytes)
+        self.verified = False
+
+    @property
+    def kept_bytes(self) -> int:
+        return self.cache.kept_bytes
+
+    def states(self, key: int, inputs: torch.Tensor, scored: torch.Tensor) -> BaselineStates:
+        """Baseline states of batch ``key``: kept from an earlier call, or recorded now (and kept if they fit)."""
+        return self.cache.get(key, lambda: self.record(inputs, scored))
+
+    def record(self, inputs: torch.Tensor, scored: torch.Tensor) -> BaselineStates:
+        """Run the ungated model once, keeping each needed layer output and each projection's input, and check on
+        the way that the model computes what replaying it assumes."""
+        lay = self.layout
+        keep = {s.layer - 1 for s in lay.sites if s.layer > 0}
+        layer_out: dict[int, list] = {i: [] for i in range(len(lay.layers))}  # (is a tensor, kept output)
+        contexts: list[list] = [[] for _ in lay.sites]
+        projected: list = [None] * len(lay.sites)
+        returns_projection: list[list[bool]] = [[] for _ in lay.sites]
+        embedded: list = []
+
+        def layer_hook(i):
+            return lambda _m, _a, out: layer_out[i].append((torch.is_tensor(out), out if i in keep else None))
+
+        def attention_hook(i):
+            def hook(_m, _a, out):
+                ok = isinstance(out, tuple) and len(out) == 2 and projected[i] is not None and out[0] is projected[i]
+                returns_projection[i].append(ok)
+                projected[i] = None
+            return hook
+
+        handles = [layer.register_forward_hook(layer_hook(i)) for i, layer in enumerate(lay.layers)]
+        for i, site in enumerate(lay.sites):
+            handles.append(site.out_proj.register_forward_pre_hook(lambda _m, args, i=i: contexts[i].append(args[0])))
+            handles.append(site.out_proj.register_forward_hook(lambda _m, _a, out, i=i: projected.__setitem__(i, out)))
+            handles.append(site.module.register_forward_hook(attention_hook(i)))
+        if lay.embeddings is not None:
+            handles.append(lay.embeddings.register_forward_hook(
+                lambda _m, _a, out: embedded.append(tuple(out.shape) if torch.is_tensor(out) else None)))
+        self.gates.clear()
+        try:
+            token_nll = self.token_nll(inputs, scored)
+        finally:
+            for h in handles:
+                h.remove()
+        for i, outs in layer_out.items():
+            if len(outs) != 1 or not outs[0][0]:
+                raise ReuseUnsupported(f"decoder layer {i} ran {len(outs)} times or did not return one tensor")
+        for i, site in enumerate(lay.sites):
+            if len(contexts[i]) != 1 or returns_projection[i] != [True]:
+                raise ReuseUnsupported(f"{site.module_name} does not call its output projection once and return "
+                                       "(its result, attention weights) unchanged")
+        shape = embedded[0] if len(embedded) == 1 else None
+        embedding_shape = shape if shape is not None and shape[:2] == tuple(inputs.shape) else None
+        return BaselineStates(token_nll, {i: layer_out[i][0][1] for i in sorted(keep)},
+                              [c[0] for c in contexts], embedding_shape)
+
+    def run(self, inputs: torch.Tensor, scored: torch.Tensor, states: BaselineStates, layer: int,
+            masks: Sequence[Sequence[Head]]) -> torch.Tensor:
+        """Per-position NLL of the batch under each mask (all first gated at ``layer``), mask-major: (k*B, W-1)."""
+        lay = self.layout
+        k, rows = len(masks), inputs.shape[0]
+        index, site = lay.site_at(layer)
+        at_layer = [[h.head for h in m if h.layer == layer] for m in masks]
+        later = [[h for h in m if h.layer > layer] for m in masks]
+        if any(h.layer < layer for m in masks for h in m):
+            raise ValueError(f"a mask gates a head below its first gated layer {layer}")
+        attention = gated_projection(states.contexts[index], lay.projections[index], site.num_heads, at_layer,
+                                     batch_dim=0)
+        replacements: dict[nn.Module, Callable] = {site.module: returning((attention, None))}
+        if layer > 0:
+            for j in range(layer - 1):
+                replacements[lay.layers[j]] = pass_through
+            replacements[lay.layers[layer - 1]] = returning(_repeat(states.hidden[layer - 1], k))
+            if lay.embeddings is not None and states.embedding_shape is not None:
+                # Only the shape and dtype of the embeddings are read now (positions, rotary tables, masks).
+                shape = (rows * k, *states.embedding_shape[1:])
+                replacements[lay.embeddings] = returning(states.hidden[layer - 1].new_zeros(shape))
+        if any(later):
+            self.gates.set_masks_per_example(later, rows_per_mask=rows)
+        try:
+            with replaced_forwards(replacements):
+                return self.token_nll(_repeat(inputs, k), _repeat(scored, k))
+        finally:
+            self.gates.clear()
+
+    def verify(self, inputs: torch.Tensor, scored: torch.Tensor, states: BaselineStates,
+               mask: Sequence[Head]) -> None:
+        """Check once that a masked pass replayed from the cached states is the whole gated model's pass, bit for
+        bit (one mask, the same shapes: the same kernels); :class:`ReuseUnsupported` if not.
+
+        Recording checks the layout's shape; this checks what it cannot see (a layer reading more than its input,
+        state carried between layers, a cached tensor changed in place).
+        """
+        layer = first_gated_layer(mask)
+        replayed = self.run(inputs, scored, states, layer, [mask])
+        with self.gates.masked(mask):
+            whole = self.token_nll(inputs, scored)
+        same = (replayed == whole) | (replayed.isnan() & whole.isnan())
+        if replayed.shape != whole.shape or not bool(same.all()):
+            raise ReuseUnsupported(f"replaying the model from cached states (mask {[str(h) for h in mask]}) does not "
+                                   "reproduce the whole model's result exactly")
+        self.verified = True
+
+
+def _repeat(t: torch.Tensor, k: int) -> torch.Tensor:
+    return t if k == 1 else t.repeat(k, *([1] * (t.dim() - 1)))

@@ -1,0 +1,316 @@
+"""Reading every head's attention maps through a model family's adapter, and the ``roles`` worker step.
+
+The statistics are family-independent (:mod:`headsweep.workers.head_roles`); what is per family is
+small: a reader that runs the adapter's evaluation batches through the unmasked model and yields, per
+batch, each site's weights ``(batch, heads, query, key)`` with the tokens its queries and keys run
+over (:class:`~headsweep.workers.head_roles.SiteAttention`).
+
+The weights are captured at the attention modules, on the path that computes them:
+
+* transformers (``hf_classifier``, ``hf_causal_lm``): the model is switched to the eager attention
+  path for the analysis (``set_attn_implementation("eager")``, the implementation it had is put back
+  afterwards) and a forward hook on each attention module takes the weights the module returns. SDPA
+  and flash kernels return none; a module that still returns none on the eager path is an error,
+  never a map of zeros.
+* fairseq (``fairseq_translation``): each ``MultiheadAttention`` is taken off its fused path for the
+  analysis (``F.multi_head_attention_forward`` returns the heads' average at best) and asked for per-head
+  weights (``need_head_weights``); its caller gets back what it asked for (no weights, or the head
+  average), so the model computes what its unfused path computes without the analysis. Teacher forcing
+  on the references: the decoder reads the reference's previous tokens.
+
+A plugin family takes part by giving its adapter an ``attention_maps()`` method yielding the same
+per-batch dicts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from headsweep.errors import HeadsweepError
+from headsweep.workers.gates import AttentionSite
+from headsweep.workers.head_roles import (
+    FrequencyTable,
+    HeadRole,
+    RoleSettings,
+    RoleTotals,
+    SiteAttention,
+    TokenSide,
+    sentence_statistics,
+)
+from headsweep.workers.heads import SiteKey
+from headsweep.workers.text_files import read_text, split_lines
+
+AttentionBatch = dict[SiteKey, SiteAttention]
+DICTIONARY = "dictionary"
+
+
+# -- capture at the attention modules ------------------------------------------------------------------
+@contextmanager
+def transformers_attention(model: nn.Module, sites: Sequence[AttentionSite]) -> Iterator[dict[SiteKey, torch.Tensor]]:
+    """While inside, every forward of ``model`` leaves each site's attention weights (B, H, Q, K) in the
+    yielded dict (replaced at each forward). The model runs the eager attention path meanwhile."""
+    config = model.config
+    previous = getattr(config, "_attn_implementation", None)
+    if previous != "eager":
+        model.set_attn_implementation("eager")
+        if config._attn_implementation != "eager":
+            raise HeadsweepError(f"{type(model).__name__} cannot switch to the eager attention path "
+                                 f"(it runs {previous!r}, whose kernel returns no attention weights): roles "
+                                 "cannot read its heads' attention")
+    captured: dict[SiteKey, torch.Tensor] = {}
+    handles = []
+
+    def recorder(site: AttentionSite) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+            if not isinstance(weights, torch.Tensor) or weights.dim() != 4 or weights.shape[1] != site.num_heads:
+                raise HeadsweepError(f"{site.module_name} returned no per-head attention weights on the eager "
+                                     "path: roles cannot read this model's attention")
+            captured[site.key] = weights.detach()
+
+        return hook
+
+    try:
+        for site in sites:
+            handles.append(site.module.register_forward_hook(recorder(site)))
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+        if previous != "eager" and previous is not None:
+            model.set_attn_implementation(previous)
+
+
+@contextmanager
+def fairseq_attention(sites: Sequence[AttentionSite]) -> Iterator[dict[SiteKey, torch.Tensor]]:
+    """While inside, every forward through the sites' fairseq ``MultiheadAttention`` modules leaves their
+    per-head weights (B, H, Q, K) in the yielded dict; callers still get the weights they asked for."""
+    captured: dict[SiteKey, torch.Tensor] = {}
+    asked: dict[int, list[tuple[bool, bool]]] = {}
+    handles, flags = [], []
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        asked.setdefault(id(module), []).append((bool(kwargs.get("need_weights", True)),
+                                                 bool(kwargs.get("need_head_weights", False))))
+        return args, {**kwargs, "need_weights": True, "need_head_weights": True}
+
+    def recorder(site: AttentionSite) -> Callable:
+        def after(module: nn.Module, args: tuple, kwargs: dict, output: tuple) -> tuple:
+            need_weights, need_heads = asked[id(module)].pop()
+            attn, weights = output
+            if not isinstance(weights, torch.Tensor) or weights.dim() != 4:
+                raise HeadsweepError(f"{site.module_name} returned no per-head attention weights: roles cannot "
+                                     "read this model's attention")
+            captured[site.key] = weights.detach().transpose(0, 1)  # fairseq: (H, B, Q, K)
+            if need_heads:
+                return attn, weights
+            # As MultiheadAttention averages when only need_weights is asked for.
+            return attn, weights.mean(dim=0) if need_weights else None
+
+        return after
+
+    try:
+        for site in sites:
+            module = site.module
+            if hasattr(module, "skip_embed_dim_check"):
+                # Off the fused path (F.multi_head_attention_forward), which averages the heads' weights.
+                flags.append((module, module.skip_embed_dim_check))
+                module.skip_embed_dim_check = True
+            handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(module.register_forward_hook(recorder(site), with_kwargs=True))
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, flag in flags:
+            module.skip_embed_dim_check = flag
+
+
+# -- per-family readers ----------------------------------------------------------------------------
+def _special(ids: torch.Tensor, special_ids: set[int]) -> torch.Tensor:
+    if not special_ids:
+        return torch.zeros_like(ids, dtype=torch.bool)
+    return torch.isin(ids, torch.tensor(sorted(special_ids), device=ids.device))
+
+
+def tokenizer_specials(tokenizer: Any) -> set[int]:
+    """A transformers tokenizer's special ids ([CLS], [SEP], BOS, EOS, padding...) except the unknown token."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return {int(i) for i in getattr(tokenizer, "all_special_ids", []) if i is not None and i != unk}
+
+
+def classifier_maps(adapter: Any) -> Iterator[AttentionBatch]:
+    """A transformers classifier (``hf_classifier``) on its evaluation batches: every site is self-attention
+    over the batch's tokens; [CLS]/[SEP] (the tokenizer's special ids but the unknown token) are special."""
+    specials = tokenizer_specials(adapter.tokenizer)
+    adapter.gates.clear()
+    with transformers_attention(adapter.model, adapter.gates.sites) as captured, torch.inference_mode():
+        for _idx, inputs in adapter.batches:
+            captured.clear()
+            adapter.model(**inputs)
+            ids = inputs["input_ids"]
+            mask = inputs.get("attention_mask")
+            real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+            side = TokenSide(ids, real, _special(ids, specials) & real, "text")
+            yield {key: SiteAttention(w, side, side) for key, w in captured.items()}
+
+
+def causal_lm_maps(adapter: Any) -> Iterator[AttentionBatch]:
+    """A decoder-only model (``hf_causal_lm``) on its evaluation windows: causal self-attention over each
+    window; a window's BOS (``data.add_bos``) and any other special id are special."""
+    if not hasattr(adapter, "inputs") or not hasattr(adapter, "batches"):
+        raise HeadsweepError(f"{type(adapter).__name__}: roles reads decoder-only models on perplexity windows "
+                             "(data.task: perplexity) only")
+    specials = tokenizer_specials(adapter.tokenizer)
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(adapter.model.forward).parameters else {}
+    adapter.gates.clear()
+    with transformers_attention(adapter.model, adapter.gates.sites) as captured, torch.inference_mode():
+        for idx in adapter.batches:
+            ids = adapter.inputs[idx.to(adapter.inputs.device)]
+            captured.clear()
+            adapter.model(input_ids=ids, use_cache=False, **extra)
+            real = torch.ones_like(ids, dtype=torch.bool)
+            side = TokenSide(ids, real, _special(ids, specials), "text")
+            yield {key: SiteAttention(w, side, side, causal=True) for key, w in captured.items()}
+
+
+def _dictionary_side(tokens: torch.Tensor, dictionary: Any, vocab: str) -> TokenSide:
+    real = tokens.ne(dictionary.pad())
+    special = _special(tokens, {dictionary.bos(), dictionary.eos(), dictionary.pad()}) & real
+    return TokenSide(tokens, real, special, vocab)
+
+
+def translation_maps(adapter: Any) -> Iterator[AttentionBatch]:
+    """A fairseq translation model (``fairseq_translation``), teacher-forced on the references: ``enc_self``
+    over the source, ``dec_self`` (causal) over the decoder's input (EOS, then the reference but its last
+    token), ``enc_dec`` from the decoder's input to the source. EOS, BOS and padding are special."""
+    model = adapter.model
+    if hasattr(model.decoder, "set_beam_size"):
+        model.decoder.set_beam_size(1)  # a beam search may have left "beamable" encoder attention on
+    adapter.gates.clear()
+    with fairseq_attention(adapter.gates.sites) as captured, torch.inference_mode():
+        for sample in adapter.batches:
+            net = sample["net_input"]
+            captured.clear()
+            model(**net)
+            source = _dictionary_side(net["src_tokens"], adapter.src_dict, "source")
+            target = _dictionary_side(net["prev_output_tokens"], adapter.tgt_dict, "target")
+            sides = {"enc_self": (source, source, False), "dec_self": (target, target, True),
+                     "enc_dec": (target, source, False)}
+            yield {key: SiteAttention(w, *sides[key[0]]) for key, w in captured.items()}
+
+
+READERS: dict[str, Callable[[Any], Iterator[AttentionBatch]]] = {
+    "hf_classifier": classifier_maps,
+    "hf_causal_lm": causal_lm_maps,
+    "fairseq_translation": translation_maps,
+}
+
+
+def attention_maps(adapter: Any, family: str) -> Iterator[AttentionBatch]:
+    """Each batch's attention maps of ``adapter``'s unmasked model (family ``family``'s reader, or the
+    adapter's own ``attention_maps()``)."""
+    own = getattr(adapter, "attention_maps", None)
+    if callable(own):
+        return own()
+    if family not in READERS:
+        raise HeadsweepError(f"model family {family!r} gives no attention maps (its adapter has no "
+                             "attention_maps()): roles cannot run on it")
+    return READERS[family](adapter)
+
+
+# -- token frequencies ----------------------------------------------------------------------------
+def frequency_tables(adapter: Any, family: str, spec: str | None, top: int) -> tuple[dict[str, FrequencyTable], str]:
+    """The frequency table of each vocabulary ``spec`` gives (``roles.frequencies``) and a description of it.
+
+    ``dictionary``: a fairseq model's source and target dictionaries' counts (as fairseq wrote them into
+    ``dict.<lang>.txt`` from the training data; its special symbols count 1). A file: a corpus, one
+    sentence a line (UTF-8, plain or .gz), tokenised as the model's inputs are (without special tokens;
+    for fairseq as the source side, so only source keys get frequencies). None: fairseq's dictionaries,
+    for other families no frequencies (rare-word statistics are left null).
+    """
+    if spec is None:
+        if family != "fairseq_translation":
+            return {}, "none: rare-word statistics not computed (set roles.frequencies to a corpus file)"
+        spec = DICTIONARY
+    if spec == DICTIONARY:
+        if not hasattr(adapter, "src_dict"):
+            raise HeadsweepError("roles.frequencies: dictionary needs a fairseq model (its dictionaries' counts); "
+                                 "give a corpus file instead")
+        tables = {"source": FrequencyTable(np.asarray(adapter.src_dict.count), top, "source dictionary"),
+                  "target": FrequencyTable(np.asarray(adapter.tgt_dict.count), top, "target dictionary")}
+        return tables, (f"fairseq dictionaries' counts (dict.{adapter.source_lang}.txt, dict.{adapter.target_lang}.txt"
+                        f" of the model's data_bin); rare: outside the {top} most frequent types")
+    lines = [line for line in split_lines(read_text(spec, key="roles.frequencies")) if line.strip()]
+    if hasattr(adapter, "pipeline"):  # fairseq: the source side's tokenisation and dictionary
+        counts = np.zeros(len(adapter.src_dict), dtype=np.int64)
+        for line in lines:
+            ids = adapter.pipeline.encode(line, "source")[:-1].numpy()  # without the EOS it appends
+            np.add.at(counts, ids, 1)
+        vocab = "source"
+    elif hasattr(adapter, "tokenizer"):
+        counts = np.zeros(len(adapter.tokenizer), dtype=np.int64)
+        for ids in adapter.tokenizer(lines, add_special_tokens=False, verbose=False)["input_ids"]:
+            np.add.at(counts, np.asarray(ids, dtype=np.int64), 1)
+        vocab = "text"
+    else:
+        raise HeadsweepError(f"roles.frequencies: cannot tokenise a corpus for {type(adapter).__name__}")
+    name = Path(spec).name
+    return ({vocab: FrequencyTable(counts, top, name)},
+            f"corpus file {spec} ({len(lines)} lines, {int(counts.sum())} tokens, tokenised as the model's "
+            f"{'source ' if vocab == 'source' else ''}input); rare: outside the {top} most frequent types")
+
+
+# -- the worker step -------------------------------------------------------------------------------
+@dataclass
+class RolesResult:
+    """Every head's statistics and roles, with what they were computed on."""
+
+    heads: list[HeadRole]
+    frequencies: str
+    n_sentences: int
+
+
+def head_roles(adapter: Any, family: str, settings: RoleSettings) -> RolesResult:
+    """Statistics and roles of every head of ``adapter``'s unmasked model on its evaluation data."""
+    tables, described = frequency_tables(adapter, family, settings.frequencies, settings.rare_top)
+    totals: dict[SiteKey, RoleTotals] = {}
+    for batch in attention_maps(adapter, family):
+        for key, site in batch.items():
+            stats = sentence_statistics(site, tables.get(site.keys.vocab))
+            totals.setdefault(key, RoleTotals(site.weights.shape[1])).add(stats)
+    heads: list[HeadRole] = []
+    for shape in adapter.gates.inventory.layers:
+        key = (shape.attention, shape.layer)
+        if key not in totals:
+            raise HeadsweepError(f"{shape.attention}:{shape.layer}: no attention weights were read for this layer")
+        heads += totals[key].heads(shape.attention, shape.layer, settings)
+    n_sentences = max((t.n_sentences for t in totals.values()), default=0)
+    return RolesResult(heads, described, n_sentences)
+
+
+def roles_on_worker(worker: Any, data_cfg: Any, settings: RoleSettings) -> RolesResult:
+    """Worker-side step of the ``roles`` experiment (``EvalWorker.run``) on ``data_cfg`` (None: the evaluation set)."""
+    return head_roles(worker.adapter(data_cfg), worker.kind, settings)
+
+
+def roles_problem_on_worker(worker: Any, data_cfg: Any) -> str | None:
+    """Why roles cannot read this worker's model (None when it can), asked before anything is written."""
+    adapter = worker.adapter(data_cfg)
+    if callable(getattr(adapter, "attention_maps", None)):
+        return None
+    if worker.kind not in READERS:
+        return (f"model family {worker.kind!r} gives no attention maps (its adapter has no attention_maps()): "
+                "roles cannot run on it")
+    if worker.kind == "hf_causal_lm" and not hasattr(adapter, "inputs"):
+        return f"{type(adapter).__name__}: roles reads decoder-only models on perplexity windows only"
+    return None
