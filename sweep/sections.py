@@ -240,8 +240,36 @@ class Config:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     def hash(self) -> str:
-        """Identity of what is computed: the canonical JSON of the config."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+        """Identity of what is computed: the canonical JSON of the settings that differ from their defaults.
+
+        Defaults are left out so that a later version adding a key (with a default that keeps today's
+        behaviour) does not change the identity of runs already in a store: they still resume.
+        """
+        canonical = json.dumps(settings_changed(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def settings_changed(section: Any) -> dict:
+    """The fields of a dataclass tree whose values differ from their defaults (nested sections likewise)."""
+    changed = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            inner = settings_changed(value)
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            if inner or type(value) is not type(default):
+                changed[f.name] = {"__type__": type(value).__name__, **inner}
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            changed[f.name] = value
+            continue
+        if value != default:
+            changed[f.name] = value
+    return changed
 
 
 def _type_name(tp: Any) -> str:

@@ -6,6 +6,7 @@ import pytest
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.config import apply_overrides, build_config, load_config, read_yaml
+from headsweep.sweep.sections import SignificanceSection, SweepSection, settings_changed
 
 
 def test_include_overrides_and_relative_paths(tmp_path):
@@ -24,6 +25,25 @@ def test_include_overrides_and_relative_paths(tmp_path):
                                      "sweep.experiments=[baseline,single_head]",
                                      "significance.correction=holm"]).hash()
     assert cfg.hash() != load_config(tmp_path / "run.yaml").hash()
+
+
+def test_the_hash_leaves_out_defaults_so_new_keys_keep_old_runs_resumable():
+    base = {"model": {"kind": "hf_classifier", "path": "/models/m"}, "data": {"path": "/data/dev.tsv"}}
+    default = SweepSection()
+    spelled = {**base, "sweep": {"workers": default.workers, "batch_size": default.batch_size,
+                                 "reuse": default.reuse},
+               "significance": {"alpha": SignificanceSection().alpha}}
+    assert build_config(spelled).hash() == build_config(base).hash()
+    changed = {**base, "sweep": {"workers": default.workers + 1}}
+    assert build_config(changed).hash() != build_config(base).hash()
+    # what the canonical form holds: only the settings that differ, and each section's type
+    assert settings_changed(build_config(changed)) == {
+        "model": {"__type__": "ClassifierModel", "path": "/models/m"},
+        "data": {"__type__": "ClassifierData", "path": "/data/dev.tsv"},
+        "sweep": {"__type__": "SweepSection", "workers": default.workers + 1}}
+    # another family with the same (default) keys is another computation
+    other = {"model": {"kind": "hf_causal_lm", "path": "/models/m"}, "data": {"path": "/data/dev.tsv"}}
+    assert build_config(other).hash() != build_config(base).hash()
 
 
 @pytest.mark.parametrize(

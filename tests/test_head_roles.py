@@ -242,14 +242,14 @@ def test_bert_maps_equal_the_models_eager_attentions(tiny_bert_dir, tiny_dev_tsv
     from headsweep.workers.families.hf_classifier.adapter import load_classifier
     from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
     from headsweep.workers.family import RuntimeOptions
-    from headsweep.workers.roles import classifier_maps
+    from headsweep.workers.roles import attention_maps
 
     adapter = load_classifier(ClassifierModel(path=str(tiny_bert_dir), attn_implementation="sdpa"),
                               ClassifierData(path=str(tiny_dev_tsv)), RuntimeOptions(batch_size=16))
     reference = AutoModelForSequenceClassification.from_pretrained(tiny_bert_dir, attn_implementation="eager").eval()
     tok = adapter.tokenizer
     n = 0
-    for (_idx, inputs), maps in zip(adapter.batches, classifier_maps(adapter), strict=True):
+    for (_idx, inputs), maps in zip(adapter.batches, attention_maps(adapter, "hf_classifier"), strict=True):
         with torch.no_grad():
             expected = reference(**inputs, output_attentions=True).attentions
         assert sorted(maps) == [("self", 0), ("self", 1)]
@@ -272,7 +272,7 @@ def test_llama_maps_equal_the_models_eager_attentions(tmp_path, one_thread):
     from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
     from headsweep.workers.family import RuntimeOptions
-    from headsweep.workers.roles import causal_lm_maps
+    from headsweep.workers.roles import attention_maps
 
     model_dir = save_tiny_causal_lm(tmp_path / "llama", "llama_8q2kv")
     corpus = tmp_path / "corpus.txt"
@@ -281,7 +281,7 @@ def test_llama_maps_equal_the_models_eager_attentions(tmp_path, one_thread):
                               CausalLMData(path=str(corpus), window=12, add_bos=True), RuntimeOptions(batch_size=4))
     reference = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
     batches = 0
-    for idx, maps in zip(adapter.batches, causal_lm_maps(adapter), strict=True):
+    for idx, maps in zip(adapter.batches, attention_maps(adapter, "hf_causal_lm"), strict=True):
         ids = adapter.inputs[idx]
         with torch.no_grad():
             expected = reference(input_ids=ids, use_cache=False, output_attentions=True).attentions
@@ -333,7 +333,7 @@ def test_fairseq_maps_equal_the_models_attention(tiny_translation):
     from tiny_fairseq import BOUND_SHAPE, attention_module, fairseq_load
 
     from headsweep.workers.heads import Head
-    from headsweep.workers.roles import translation_maps
+    from headsweep.workers.roles import attention_maps
 
     tiny, adapter = tiny_translation
     fresh, _task = fairseq_load(tiny.checkpoint, tiny.data.data_bin)
@@ -350,7 +350,7 @@ def test_fairseq_maps_equal_the_models_attention(tiny_translation):
                for a, layer in keys]
     sentences = 0
     try:
-        for sample, maps in zip(adapter.batches, translation_maps(adapter), strict=True):
+        for sample, maps in zip(adapter.batches, attention_maps(adapter, "fairseq_translation"), strict=True):
             net = sample["net_input"]
             inputs.clear()
             with torch.no_grad():

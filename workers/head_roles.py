@@ -179,7 +179,8 @@ def _allowed(site: SiteAttention, keys: torch.Tensor) -> torch.Tensor:
 
 def sentence_statistics(site: SiteAttention, frequencies: FrequencyTable | None = None) -> SentenceStats:
     """Sufficient statistics of every sentence of ``site`` (see the module docstring for the definitions)."""
-    w = site.weights
+    # At least float32 (bfloat16 maps lose digits); float64 maps (the tests' hand-built ones) stay float64.
+    w = site.weights.to(torch.promote_types(site.weights.dtype, torch.float32))
     b, h, q, k = w.shape
     real = _allowed(site, site.keys.real)  # (B, Q, K): keys a query may attend to
     words = _allowed(site, site.keys.words)  # ... that are words
@@ -189,11 +190,10 @@ def sentence_statistics(site: SiteAttention, frequencies: FrequencyTable | None 
     # set to -1, below any probability. max() returns the first of equal maxima (the lowest position).
     top = w.masked_fill(~words[:, None], -1.0).amax(-1)  # (B, H, Q)
     where = w.masked_fill(~real[:, None], -1.0).argmax(-1)
-    w64 = w.double()
     max_sum = (top.double() * counted_h).sum(-1)
-    logs = torch.where(w64 > 0, w64.log(), torch.zeros((), dtype=torch.float64, device=w.device))
-    entropy = -(w64 * logs).sum(-1)
-    entropy_sum = (entropy * counted_h).sum(-1)
+    # Per-query entropy in the map's dtype (a sum over one row), summed over queries in float64.
+    entropy = -torch.special.xlogy(w, w).sum(-1)
+    entropy_sum = (entropy.double() * counted_h).sum(-1)
     key_pos = site.keys.positions.gather(1, where.reshape(b, -1)).view(b, h, q)
     offsets = key_pos - site.queries.positions[:, None, :]
     first_offset = -(q - 1)
@@ -208,12 +208,12 @@ def sentence_statistics(site: SiteAttention, frequencies: FrequencyTable | None 
         first_offset=first_offset,
     )
     if frequencies is not None:
-        _rare_words(site, frequencies, real, counted, w64, stats)
+        _rare_words(site, frequencies, real, counted, w, stats)
     return stats
 
 
 def _rare_words(site: SiteAttention, table: FrequencyTable, real: torch.Tensor, counted: torch.Tensor,
-                w64: torch.Tensor, stats: SentenceStats) -> None:
+                w: torch.Tensor, stats: SentenceStats) -> None:
     words = site.keys.words
     count = table.lookup(site.keys.ids).masked_fill(~words, float("inf"))
     lowest = count.min(-1).values  # (B,)
@@ -221,7 +221,7 @@ def _rare_words(site: SiteAttention, table: FrequencyTable, real: torch.Tensor, 
     seen = real & counted[:, :, None]  # (B, Q, K): counted query q may attend to real key k
     eligible = counted.any(-1) & (lowest < table.floor)
     # Mean attention each key receives from the counted queries that may attend to it.
-    received = (w64 * seen[:, None]).sum(2)  # (B, H, K)
+    received = torch.einsum("bhqk,bqk->bhk", w, seen.to(w.dtype)).double()  # (B, H, K)
     viewers = seen.sum(1)  # (B, K)
     mean = (received / viewers.clamp(min=1)[:, None]).masked_fill(viewers.eq(0)[:, None], -1.0)
     pointed = mean.argmax(-1)  # (B, H): the first of equal maxima

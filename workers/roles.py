@@ -1,9 +1,9 @@
 """Reading every head's attention maps through a model family's adapter, and the ``roles`` worker step.
 
 The statistics are family-independent (:mod:`headsweep.workers.head_roles`); what is per family is
-small: a reader that runs the adapter's evaluation batches through the unmasked model and yields, per
-batch, each site's weights ``(batch, heads, query, key)`` with the tokens its queries and keys run
-over (:class:`~headsweep.workers.head_roles.SiteAttention`).
+small: a reader that runs the adapter's evaluation batches through the unmasked model and hands each
+site's weights ``(batch, heads, query, key)``, with the tokens its queries and keys run over
+(:class:`~headsweep.workers.head_roles.SiteAttention`), to a sink as the module returns them.
 
 The weights are captured at the attention modules, on the path that computes them:
 
@@ -18,8 +18,9 @@ The weights are captured at the attention modules, on the path that computes the
   average), so the model computes what its unfused path computes without the analysis. Teacher forcing
   on the references: the decoder reads the reference's previous tokens.
 
-A plugin family takes part by giving its adapter an ``attention_maps()`` method yielding the same
-per-batch dicts.
+Each site's maps are handed on as its module returns them, so one layer's maps are held at a time. A
+plugin family takes part by giving its adapter an ``attention_maps(sink)`` method that runs its batches,
+calls ``sink(site_key, SiteAttention)`` for every site and yields after each batch.
 """
 
 from __future__ import annotations
@@ -54,10 +55,15 @@ DICTIONARY = "dictionary"
 
 
 # -- capture at the attention modules ------------------------------------------------------------------
+Consumer = Callable[[SiteKey, torch.Tensor], None]
+
+
 @contextmanager
-def transformers_attention(model: nn.Module, sites: Sequence[AttentionSite]) -> Iterator[dict[SiteKey, torch.Tensor]]:
+def transformers_attention(model: nn.Module, sites: Sequence[AttentionSite],
+                           consume: Consumer | None = None) -> Iterator[dict[SiteKey, torch.Tensor]]:
     """While inside, every forward of ``model`` leaves each site's attention weights (B, H, Q, K) in the
-    yielded dict (replaced at each forward). The model runs the eager attention path meanwhile."""
+    yielded dict (replaced at each forward), or hands them to ``consume(key, weights)`` as each module
+    returns them (so only one layer's maps are held at a time). The model runs the eager path meanwhile."""
     config = model.config
     previous = getattr(config, "_attn_implementation", None)
     if previous != "eager":
@@ -75,7 +81,10 @@ def transformers_attention(model: nn.Module, sites: Sequence[AttentionSite]) -> 
             if not isinstance(weights, torch.Tensor) or weights.dim() != 4 or weights.shape[1] != site.num_heads:
                 raise HeadsweepError(f"{site.module_name} returned no per-head attention weights on the eager "
                                      "path: roles cannot read this model's attention")
-            captured[site.key] = weights.detach()
+            if consume is None:
+                captured[site.key] = weights.detach()
+            else:
+                consume(site.key, weights.detach())
 
         return hook
 
@@ -91,9 +100,11 @@ def transformers_attention(model: nn.Module, sites: Sequence[AttentionSite]) -> 
 
 
 @contextmanager
-def fairseq_attention(sites: Sequence[AttentionSite]) -> Iterator[dict[SiteKey, torch.Tensor]]:
+def fairseq_attention(sites: Sequence[AttentionSite],
+                      consume: Consumer | None = None) -> Iterator[dict[SiteKey, torch.Tensor]]:
     """While inside, every forward through the sites' fairseq ``MultiheadAttention`` modules leaves their
-    per-head weights (B, H, Q, K) in the yielded dict; callers still get the weights they asked for."""
+    per-head weights (B, H, Q, K) in the yielded dict, or hands them to ``consume(key, weights)``; callers
+    still get the weights they asked for."""
     captured: dict[SiteKey, torch.Tensor] = {}
     asked: dict[int, list[tuple[bool, bool]]] = {}
     handles, flags = [], []
@@ -110,7 +121,11 @@ def fairseq_attention(sites: Sequence[AttentionSite]) -> Iterator[dict[SiteKey, 
             if not isinstance(weights, torch.Tensor) or weights.dim() != 4:
                 raise HeadsweepError(f"{site.module_name} returned no per-head attention weights: roles cannot "
                                      "read this model's attention")
-            captured[site.key] = weights.detach().transpose(0, 1)  # fairseq: (H, B, Q, K)
+            per_head = weights.detach().transpose(0, 1)  # fairseq: (H, B, Q, K)
+            if consume is None:
+                captured[site.key] = per_head
+            else:
+                consume(site.key, per_head)
             if need_heads:
                 return attn, weights
             # As MultiheadAttention averages when only need_weights is asked for.
@@ -148,23 +163,29 @@ def tokenizer_specials(tokenizer: Any) -> set[int]:
     return {int(i) for i in getattr(tokenizer, "all_special_ids", []) if i is not None and i != unk}
 
 
-def classifier_maps(adapter: Any) -> Iterator[AttentionBatch]:
+Sink = Callable[[SiteKey, SiteAttention], None]
+
+
+def classifier_maps(adapter: Any, sink: Sink) -> Iterator[None]:
     """A transformers classifier (``hf_classifier``) on its evaluation batches: every site is self-attention
-    over the batch's tokens; [CLS]/[SEP] (the tokenizer's special ids but the unknown token) are special."""
+    over the batch's tokens; [CLS]/[SEP] (the tokenizer's special ids but the unknown token) are special.
+    Hands each site's maps to ``sink`` as its module returns them; yields after each batch."""
     specials = tokenizer_specials(adapter.tokenizer)
+    now: dict[str, TokenSide] = {}
     adapter.gates.clear()
-    with transformers_attention(adapter.model, adapter.gates.sites) as captured, torch.inference_mode():
+    with transformers_attention(adapter.model, adapter.gates.sites,
+                                lambda key, w: sink(key, SiteAttention(w, now["side"], now["side"]))):
         for _idx, inputs in adapter.batches:
-            captured.clear()
-            adapter.model(**inputs)
             ids = inputs["input_ids"]
             mask = inputs.get("attention_mask")
             real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
-            side = TokenSide(ids, real, _special(ids, specials) & real, "text")
-            yield {key: SiteAttention(w, side, side) for key, w in captured.items()}
+            now["side"] = TokenSide(ids, real, _special(ids, specials) & real, "text")
+            with torch.inference_mode():  # not across the yield: the caller's code runs as it chose
+                adapter.model(**inputs)
+            yield
 
 
-def causal_lm_maps(adapter: Any) -> Iterator[AttentionBatch]:
+def causal_lm_maps(adapter: Any, sink: Sink) -> Iterator[None]:
     """A decoder-only model (``hf_causal_lm``) on its evaluation windows: causal self-attention over each
     window; a window's BOS (``data.add_bos``) and any other special id are special."""
     if not hasattr(adapter, "inputs") or not hasattr(adapter, "batches"):
@@ -172,15 +193,16 @@ def causal_lm_maps(adapter: Any) -> Iterator[AttentionBatch]:
                              "(data.task: perplexity) only")
     specials = tokenizer_specials(adapter.tokenizer)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(adapter.model.forward).parameters else {}
+    now: dict[str, TokenSide] = {}
     adapter.gates.clear()
-    with transformers_attention(adapter.model, adapter.gates.sites) as captured, torch.inference_mode():
+    with transformers_attention(adapter.model, adapter.gates.sites,
+                                lambda key, w: sink(key, SiteAttention(w, now["side"], now["side"], causal=True))):
         for idx in adapter.batches:
             ids = adapter.inputs[idx.to(adapter.inputs.device)]
-            captured.clear()
-            adapter.model(input_ids=ids, use_cache=False, **extra)
-            real = torch.ones_like(ids, dtype=torch.bool)
-            side = TokenSide(ids, real, _special(ids, specials), "text")
-            yield {key: SiteAttention(w, side, side, causal=True) for key, w in captured.items()}
+            now["side"] = TokenSide(ids, torch.ones_like(ids, dtype=torch.bool), _special(ids, specials), "text")
+            with torch.inference_mode():
+                adapter.model(input_ids=ids, use_cache=False, **extra)
+            yield
 
 
 def _dictionary_side(tokens: torch.Tensor, dictionary: Any, vocab: str) -> TokenSide:
@@ -189,43 +211,52 @@ def _dictionary_side(tokens: torch.Tensor, dictionary: Any, vocab: str) -> Token
     return TokenSide(tokens, real, special, vocab)
 
 
-def translation_maps(adapter: Any) -> Iterator[AttentionBatch]:
+def translation_maps(adapter: Any, sink: Sink) -> Iterator[None]:
     """A fairseq translation model (``fairseq_translation``), teacher-forced on the references: ``enc_self``
     over the source, ``dec_self`` (causal) over the decoder's input (EOS, then the reference but its last
     token), ``enc_dec`` from the decoder's input to the source. EOS, BOS and padding are special."""
     model = adapter.model
     if hasattr(model.decoder, "set_beam_size"):
         model.decoder.set_beam_size(1)  # a beam search may have left "beamable" encoder attention on
+    sides: dict[str, tuple[TokenSide, TokenSide, bool]] = {}
     adapter.gates.clear()
-    with fairseq_attention(adapter.gates.sites) as captured, torch.inference_mode():
+    with fairseq_attention(adapter.gates.sites, lambda key, w: sink(key, SiteAttention(w, *sides[key[0]]))):
         for sample in adapter.batches:
             net = sample["net_input"]
-            captured.clear()
-            model(**net)
             source = _dictionary_side(net["src_tokens"], adapter.src_dict, "source")
             target = _dictionary_side(net["prev_output_tokens"], adapter.tgt_dict, "target")
-            sides = {"enc_self": (source, source, False), "dec_self": (target, target, True),
-                     "enc_dec": (target, source, False)}
-            yield {key: SiteAttention(w, *sides[key[0]]) for key, w in captured.items()}
+            sides.update({"enc_self": (source, source, False), "dec_self": (target, target, True),
+                          "enc_dec": (target, source, False)})
+            with torch.inference_mode():
+                model(**net)
+            yield
 
 
-READERS: dict[str, Callable[[Any], Iterator[AttentionBatch]]] = {
+READERS: dict[str, Callable[[Any, Sink], Iterator[None]]] = {
     "hf_classifier": classifier_maps,
     "hf_causal_lm": causal_lm_maps,
     "fairseq_translation": translation_maps,
 }
 
 
-def attention_maps(adapter: Any, family: str) -> Iterator[AttentionBatch]:
-    """Each batch's attention maps of ``adapter``'s unmasked model (family ``family``'s reader, or the
-    adapter's own ``attention_maps()``)."""
+def read_attention(adapter: Any, family: str, sink: Sink) -> Iterator[None]:
+    """Run ``adapter``'s unmasked model on its batches, handing every site's maps to ``sink`` as its module
+    returns them (family ``family``'s reader, or the adapter's own ``attention_maps(sink)``); yields per batch."""
     own = getattr(adapter, "attention_maps", None)
     if callable(own):
-        return own()
+        return own(sink)
     if family not in READERS:
         raise HeadsweepError(f"model family {family!r} gives no attention maps (its adapter has no "
                              "attention_maps()): roles cannot run on it")
-    return READERS[family](adapter)
+    return READERS[family](adapter, sink)
+
+
+def attention_maps(adapter: Any, family: str) -> Iterator[AttentionBatch]:
+    """Each batch's maps of every site, together (holds all layers' maps of a batch: for inspection and tests)."""
+    batch: AttentionBatch = {}
+    for _ in read_attention(adapter, family, batch.__setitem__):
+        yield dict(batch)
+        batch.clear()
 
 
 # -- token frequencies ----------------------------------------------------------------------------
@@ -284,10 +315,13 @@ def head_roles(adapter: Any, family: str, settings: RoleSettings) -> RolesResult
     """Statistics and roles of every head of ``adapter``'s unmasked model on its evaluation data."""
     tables, described = frequency_tables(adapter, family, settings.frequencies, settings.rare_top)
     totals: dict[SiteKey, RoleTotals] = {}
-    for batch in attention_maps(adapter, family):
-        for key, site in batch.items():
-            stats = sentence_statistics(site, tables.get(site.keys.vocab))
-            totals.setdefault(key, RoleTotals(site.weights.shape[1])).add(stats)
+
+    def add(key: SiteKey, site: SiteAttention) -> None:
+        stats = sentence_statistics(site, tables.get(site.keys.vocab))
+        totals.setdefault(key, RoleTotals(site.weights.shape[1])).add(stats)
+
+    for _ in read_attention(adapter, family, add):
+        pass
     heads: list[HeadRole] = []
     for shape in adapter.gates.inventory.layers:
         key = (shape.attention, shape.layer)

@@ -52,6 +52,7 @@ from headsweep.workers.families.fairseq_translation.search import (
     RoutedEnsemble,
     make_generator,
     repeat_sample,
+    set_beamable,
     to_device,
 )
 from headsweep.workers.families.fairseq_translation.sites import gate_fairseq_model
@@ -252,10 +253,11 @@ class TranslationAdapter:
         """Beam search of one batch under each mask of ``chunk``: ``(mask index, example ids, hypotheses)``."""
         ids = sample["id"].tolist()
         rows = len(ids)
+        beamable = self.runtime.fused_attention
         try:
             if self._reuse is None and len(chunk) == 1:
                 self.gates.set_mask(chunk[0])
-                hypos = make_generator(self.cfg, self.tgt_dict, [self.model]).generate([self.model], sample)
+                hypos = make_generator(self.cfg, self.tgt_dict, [self.model], beamable).generate([self.model], sample)
                 return [(0, ids, hypos)]
             # With reuse the encoder output comes from the reuse cache. One mask: its gates hold for
             # the whole search; several: every row's gates are routed.
@@ -263,16 +265,18 @@ class TranslationAdapter:
             if len(chunk) == 1:
                 ensemble = RoutedEnsemble(self.model, self.gates, None, None, encode=encode,
                                           fixed=lambda: self.gates.set_mask(chunk[0]))
-                hypos = make_generator(self.cfg, self.tgt_dict, ensemble).generate([self.model], sample)
+                hypos = make_generator(self.cfg, self.tgt_dict, ensemble, beamable).generate([self.model], sample)
                 return [(0, ids, hypos)]
             row_mask = torch.arange(len(chunk), device=self.device).repeat_interleave(rows)
             ensemble = RoutedEnsemble(self.model, self.gates, self.gates.gate_tables(chunk, self.device), row_mask,
                                       encode=encode)
-            hypos = make_generator(self.cfg, self.tgt_dict, ensemble).generate([self.model],
-                                                                               repeat_sample(sample, len(chunk)))
+            hypos = make_generator(self.cfg, self.tgt_dict, ensemble, beamable).generate(
+                [self.model], repeat_sample(sample, len(chunk)))
             return [(m, ids, hypos[m * rows : (m + 1) * rows]) for m in range(len(chunk))]
         finally:
             self.gates.clear()
+            if beamable:
+                set_beamable(self.model, 1)
 
     @torch.inference_mode()
     def reference_loss(self, masks: Sequence[Sequence[Head]]) -> list[np.ndarray]:

@@ -72,14 +72,37 @@ class RoutedEnsemble(EnsembleModel):
         return super().reorder_encoder_out(encoder_outs, new_order)
 
 
-def make_generator(cfg: TranslationModel, tgt_dict, models) -> SequenceGenerator:
-    """fairseq's beam search with the config's decoding options, over ``models`` (a list, or an ensemble)."""
+def make_generator(cfg: TranslationModel, tgt_dict, models, beamable: bool = False) -> SequenceGenerator:
+    """fairseq's beam search with the config's decoding options, over ``models`` (a list, or an ensemble).
+
+    ``beamable``: encoder-decoder attention computes its keys and values once per sentence instead
+    of once per beam (:func:`set_beamable`); the caller turns it off again after the search.
+    """
     # Built per search: its constructor sets the beam size of models that have one (teacher forcing resets it).
-    return SequenceGenerator(
+    generator = SequenceGenerator(
         models, tgt_dict, beam_size=cfg.beam, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b,
         min_len=cfg.min_len, len_penalty=cfg.lenpen, unk_penalty=cfg.unkpen,
         no_repeat_ngram_size=cfg.no_repeat_ngram_size,
     )
+    if beamable:
+        for model in generator.model.models:
+            set_beamable(model, generator.beam_size)
+    return generator
+
+
+def set_beamable(model, beam: int) -> None:
+    """fairseq's "beamable" encoder-decoder attention at ``beam`` (1: off), as BART models get it.
+
+    fairseq's generator turns it on only for models with their own ``set_beam_size`` (BART), not
+    for ``TransformerModel``, whose beam search then projects the encoder output to keys and values
+    once per beam (identical rows) and reorders those caches every step. With it on, every
+    encoder-decoder ``MultiheadAttention`` keeps one copy per sentence (the beams of a sentence read
+    the same encoder output) and attends with it through its beam-shaped ``einsum``: the same
+    products, without the copies. Teacher-forced rows are not beams: turn it off before scoring.
+    """
+    decoder = getattr(model, "decoder", None)
+    if hasattr(decoder, "set_beam_size"):
+        decoder.set_beam_size(beam)
 
 
 def repeat_sample(sample: dict, k: int) -> dict:

@@ -123,6 +123,7 @@ class BaselineStates:
     hidden: dict[int, torch.Tensor]  # output of layer i, kept for every i = site.layer - 1 >= 0
     contexts: list[torch.Tensor]  # per site: the input of its output projection
     embedding_shape: tuple[int, ...] | None  # the input embeddings' output shape; None: do not skip them
+    embedding_dtype: torch.dtype | None = None  # and its dtype (rotary tables are built in it)
 
     @property
     def nbytes(self) -> int:
@@ -175,7 +176,7 @@ class PrefixReuse:
             handles.append(site.module.register_forward_hook(attention_hook(i)))
         if lay.embeddings is not None:
             handles.append(lay.embeddings.register_forward_hook(
-                lambda _m, _a, out: embedded.append(tuple(out.shape) if torch.is_tensor(out) else None)))
+                lambda _m, _a, out: embedded.append((tuple(out.shape), out.dtype) if torch.is_tensor(out) else None)))
         self.gates.clear()
         try:
             token_nll = self.token_nll(inputs, scored)
@@ -189,10 +190,11 @@ class PrefixReuse:
             if len(contexts[i]) != 1 or returns_projection[i] != [True]:
                 raise ReuseUnsupported(f"{site.module_name} does not call its output projection once and return "
                                        "(its result, attention weights) unchanged")
-        shape = embedded[0] if len(embedded) == 1 else None
-        embedding_shape = shape if shape is not None and shape[:2] == tuple(inputs.shape) else None
+        shape, dtype = embedded[0] if len(embedded) == 1 and embedded[0] is not None else (None, None)
+        if shape is None or shape[:2] != tuple(inputs.shape):
+            shape, dtype = None, None
         return BaselineStates(token_nll, {i: layer_out[i][0][1] for i in sorted(keep)},
-                              [c[0] for c in contexts], embedding_shape)
+                              [c[0] for c in contexts], shape, dtype)
 
     def run(self, inputs: torch.Tensor, scored: torch.Tensor, states: BaselineStates, layer: int,
             masks: Sequence[Sequence[Head]]) -> torch.Tensor:
@@ -214,7 +216,8 @@ class PrefixReuse:
             if lay.embeddings is not None and states.embedding_shape is not None:
                 # Only the shape and dtype of the embeddings are read now (positions, rotary tables, masks).
                 shape = (rows * k, *states.embedding_shape[1:])
-                replacements[lay.embeddings] = returning(states.hidden[layer - 1].new_zeros(shape))
+                zeros = states.hidden[layer - 1].new_zeros(shape, dtype=states.embedding_dtype)
+                replacements[lay.embeddings] = returning(zeros)
         if any(later):
             self.gates.set_masks_per_example(later, rows_per_mask=rows)
         try:
