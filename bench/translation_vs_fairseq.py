@@ -3,8 +3,10 @@
 What a user writes without headsweep (issue #21) is the anchor: for each head, a weight-surgery
 copy of the model (the head's columns of its attention's output projection zeroed, fairseq
 ``out_proj.weight[:, h*d:(h+1)*d] = 0``), decoded by fairseq's own ``SequenceGenerator``
-through ``task.inference_step`` in batches of ``max_tokens=6000`` (fairseq-generate's
-batching: ``task.get_batch_iterator``, ``required_batch_size_multiple`` 8), in one process.
+through ``task.inference_step`` in batches of ``max_tokens=6000`` (``task.get_batch_iterator``
+as fairseq-generate calls it, but with ``required_batch_size_multiple=1``: with its default 8,
+fairseq drops the last batch when its size is not a multiple of 8, e.g. 4 of the first 100
+test sentences), in one process.
 Timed in the same run, on the same model, sentences and masks:
 
 * (a) ``fairseq``: that loop, copy and surgery included in its time;
@@ -113,14 +115,67 @@ def ensure_model(minutes: float, threads: int, max_tokens: int) -> tuple[Path, P
         trained.write_text(json.dumps({
             "epochs": result.epochs, "updates": result.updates, "train_seconds": round(result.seconds, 1),
             "valid_loss": result.valid_loss, "train_loss": result.train_loss, "threads": threads,
-            "settings": repr(train_settings(minutes, threads)),
+            "settings": repr(train_settings(minutes, threads)), "stages": [],
         }, indent=1) + "\n")
-    record = json.loads(trained.read_text())
-    record.update(test_bleu(checkpoint, spm_model, data_bin, max_tokens))
+    return checkpoint, spm_model, data_bin, measure(workdir, max_tokens)
+
+
+def measure(workdir: Path, max_tokens: int) -> dict:
+    """The training record with the checkpoint's test BLEU, written as the model's marker."""
+    checkpoint = workdir / "checkpoints" / "checkpoint_last.pt"
+    record = json.loads((workdir / "checkpoints" / "training.json").read_text())
+    record.update(test_bleu(checkpoint, workdir / "spm.model", workdir / "data-bin", max_tokens))
     # Written last: the model is complete, with its BLEU.
     marker(workdir).write_text(json.dumps(record, indent=1) + "\n")
     print(f"trained: {describe_record(record)}", flush=True)
-    return checkpoint, spm_model, data_bin, record
+    return record
+
+
+def continue_training(minutes: float, more_minutes: float, threads: int, max_tokens: int) -> dict:
+    """Train the cached model ``more_minutes`` longer, from its ``checkpoint_last.pt``, then measure it again.
+
+    ``train_translation`` always starts from a fresh model and its checkpoints keep no optimizer
+    state, so this continues the way ``fairseq-train --restore-file ... --reset-optimizer`` does:
+    the weights and the update count (hence the inverse-sqrt learning rate) come from the
+    checkpoint, Adam's moments start afresh. fairseq's ``Trainer`` is swapped, for the call, for
+    one that loads the checkpoint when it is built (``train_translation`` has no restore option).
+    """
+    import fairseq.trainer
+
+    from headsweep.workers.families.fairseq_translation.train import train_translation
+
+    workdir = model_dir(minutes)
+    checkpoint = workdir / "checkpoints" / "checkpoint_last.pt"
+    trained = workdir / "checkpoints" / "training.json"
+    if not trained.exists():
+        raise SystemExit(f"no trained model to continue in {workdir} (train it first: --train-only)")
+    record = json.loads(trained.read_text())
+    stock = fairseq.trainer.Trainer
+
+    class Restored(stock):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.load_checkpoint(str(checkpoint), reset_optimizer=True, reset_meters=True)
+            # No optimizer state in the file, so fairseq leaves the update count at 0: the
+            # schedule goes on from the checkpoint's (the model already holds it).
+            self.set_num_updates(record["updates"])
+
+    fairseq.trainer.Trainer = Restored
+    try:
+        result = train_translation(workdir / "data-bin", workdir / "checkpoints", m30k.SRC, m30k.TGT,
+                                   train_settings(more_minutes, threads),
+                                   log=lambda msg: print(msg, flush=True))
+    finally:
+        fairseq.trainer.Trainer = stock
+    stage = {"minutes": more_minutes, "epochs": result.epochs, "updates": result.updates - record["updates"],
+             "seconds": round(result.seconds, 1), "valid_loss": result.valid_loss,
+             "bleu_before": json.loads(marker(workdir).read_text()).get("bleu") if marker(workdir).exists() else None}
+    record.update(epochs=record["epochs"] + result.epochs, updates=result.updates,
+                  train_seconds=round(record["train_seconds"] + result.seconds, 1), valid_loss=result.valid_loss,
+                  train_loss=result.train_loss, stages=[*record.get("stages", []), stage])
+    trained.write_text(json.dumps(record, indent=1) + "\n")
+    marker(workdir).unlink(missing_ok=True)
+    return measure(workdir, max_tokens)
 
 
 def describe_record(record: dict) -> str:
@@ -209,7 +264,7 @@ class FairseqLoop:
         generator = self.task.build_generator([model], self.generation)
         itr = self.task.get_batch_iterator(
             dataset=self.dataset, max_tokens=self.max_tokens, max_positions=self.max_positions,
-            required_batch_size_multiple=8, seed=1, num_workers=0,
+            required_batch_size_multiple=1, seed=1, num_workers=0,
         ).next_epoch_itr(shuffle=False)
         n = len(self.dataset)
         texts, tokens, scores = [""] * n, [None] * n, [0.0] * n
@@ -223,6 +278,9 @@ class FairseqLoop:
                 scores[i] = float(best["score"])
                 texts[i] = tgt_dict.string(best["tokens"].int().cpu(), "sentencepiece",
                                            extra_symbols_to_ignore=strip)
+        missing = [i for i, t in enumerate(tokens) if t is None]
+        if missing:
+            raise RuntimeError(f"fairseq's batches left out {len(missing)} sentences, e.g. {missing[:5]}")
         return Decoded(texts, tokens, scores)
 
 
@@ -367,6 +425,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads, every path alike")
     parser.add_argument("--train-minutes", type=float, default=45.0, help="training budget (part of the cache key)")
     parser.add_argument("--train-only", action="store_true", help="train (or read) the model, report its BLEU, stop")
+    parser.add_argument("--more-minutes", type=float, default=0.0,
+                        help="with --train-only: train the cached model this much longer (from its checkpoint)")
     parser.add_argument("--fairseq-max-tokens", type=int, default=FAIRSEQ_MAX_TOKENS,
                         help="(a)'s batches, in tokens (fairseq-generate's --max-tokens)")
     parser.add_argument("--skip-a", action="store_true", help="leave out (a), fairseq's loop")
@@ -395,6 +455,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     checkpoint, spm_model, data_bin, record = ensure_model(args.train_minutes, args.threads, args.fairseq_max_tokens)
+    if args.train_only and args.more_minutes > 0:
+        record = continue_training(args.train_minutes, args.more_minutes, args.threads, args.fairseq_max_tokens)
     if args.train_only:
         print(f"RESULT translation_vs_fairseq_model bleu={record['bleu']:.2f} train_s={record['train_seconds']:.0f}")
         return
@@ -430,7 +492,7 @@ def main() -> None:
           f"torch threads {args.threads}; {len(singles)} single-head masks + the baseline")
     print(f"(a) fairseq: checkpoint_utils.load_model_ensemble_and_task, a deepcopy with out_proj columns zeroed per "
           f"mask, task.build_generator + task.inference_step, get_batch_iterator(max_tokens="
-          f"{args.fairseq_max_tokens}, required_batch_size_multiple=8)")
+          f"{args.fairseq_max_tokens}, required_batch_size_multiple=1)")
     print("(b), (c): headsweep's TranslationAdapter in this process (no Ray: its start-up is not counted); "
           + "; ".join(notes))
     print(f"(c): reuse: {info.facts.get('reuse')}; masks per call {units_per_call(default_opts.masks_per_batch)}, "

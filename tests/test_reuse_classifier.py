@@ -16,12 +16,12 @@ from transformers import ElectraConfig, ElectraForSequenceClassification, LlamaC
 from headsweep.workers.batch_budget import CPU_ACTIVATION_BYTES, masks_per_forward
 from headsweep.workers.families.hf_classifier.adapter import load_classifier
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
-from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout, first_gated_layer
+from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout
 from headsweep.workers.families.hf_classifier.sites import find_sites
 from headsweep.workers.family import RuntimeOptions
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
-from headsweep.workers.replay import ReuseUnsupported
+from headsweep.workers.replay import ReuseUnsupported, first_gated_layer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LAYERS, HEADS = 3, 4

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headsweep.workers.gates import gate_rows
+from headsweep.workers.gates import AttentionSite, gate_rows
+from headsweep.workers.heads import Head
 
 
 class ReuseUnsupported(Exception):
@@ -63,6 +64,32 @@ class BaselineCache(Generic[S]):
             self._kept[key] = states
             self.kept_bytes += states.nbytes
         return states
+
+
+def first_gated_layer(mask: Sequence[Head]) -> int | None:
+    """The lowest layer with a masked head (None for the empty mask): where a masked pass starts."""
+    return min((h.layer for h in mask), default=None)
+
+
+def _enclosing_layer(modules: dict[str, nn.Module], name: str) -> tuple[str, int]:
+    """The name of the ``nn.ModuleList`` element that contains module ``name``, and its index."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[: i - 1]) if i > 1 else ""
+        if parts[i - 1].isdigit() and isinstance(modules.get(parent), nn.ModuleList):
+            return parent, int(parts[i - 1])
+    raise ReuseUnsupported(f"{name} is not inside a layer list (nn.ModuleList)")
+
+
+def layer_stack(model: nn.Module, sites: Sequence[AttentionSite]) -> tuple[nn.ModuleList, list[int]]:
+    """The one layer list (``nn.ModuleList``) holding every attention site, and each site's index in it; or
+    :class:`ReuseUnsupported` when the sites sit in several lists or outside any."""
+    modules = dict(model.named_modules())
+    found = [_enclosing_layer(modules, s.module_name) for s in sites]
+    lists = {parent for parent, _ in found}
+    if len(lists) != 1:
+        raise ReuseUnsupported(f"attention modules sit in {len(lists)} layer lists, not one stack")
+    return modules[lists.pop()], [index for _, index in found]
 
 
 @contextmanager

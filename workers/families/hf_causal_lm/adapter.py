@@ -20,22 +20,28 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.families.hf_causal_lm.config import DEFAULT_WINDOW, CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.data import Window, plan_windows, read_corpus
-from headsweep.workers.families.hf_causal_lm.model import load_causal_lm, max_positions
-from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout, first_gated_layer
-from headsweep.workers.families.hf_causal_lm.sites import kv_groups, sites_or_error
+from headsweep.workers.families.hf_causal_lm.model import (
+    activation_bytes_per_row,
+    load_causal_lm,
+    max_positions,
+    model_facts,
+    target_nll,
+)
+from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoiceAdapter
+from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
+from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
 from headsweep.workers.families.hf_classifier.model import resolve_positions
 from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.metrics import PERPLEXITY
-from headsweep.workers.replay import ReuseUnsupported
+from headsweep.workers.replay import ReuseUnsupported, first_gated_layer
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +139,6 @@ class CausalLMAdapter:
     def describe(self) -> DatasetInfo:
         baseline = self.baseline()
         mean = float(baseline.stats[:, 0].sum() / baseline.stats[:, 1].sum())
-        cfg = self.model.config
-        groups = kv_groups(self.gates.sites)
         return DatasetInfo(
             model=self.model_name,
             dataset=self.dataset_name,
@@ -143,11 +147,8 @@ class CausalLMAdapter:
             example_ids=[f"w{i}" for i in range(len(self.windows))],
             references=[self._span(w) for w in self.windows],
             inventory=self.gates.inventory,
-            facts={"model_class": type(self.model).__name__, "model_type": getattr(cfg, "model_type", None),
-                   "attn_implementation": getattr(cfg, "_attn_implementation", None),
-                   "dtype": str(self.model.dtype).removeprefix("torch."),
-                   "num_key_value_heads": {k: len(v) for k, v in groups.items()}, "kv_groups": groups,
-                   "mean_nll_nats": mean, "reuse": self.reuse_note, **self.data_facts},
+            facts={**model_facts(self.model, self.gates.sites), "mean_nll_nats": mean, "reuse": self.reuse_note,
+                   **self.data_facts},
         )
 
     def _span(self, window: Window) -> str:
@@ -259,28 +260,14 @@ class CausalLMAdapter:
         needed = width - int(scored.float().argmax(dim=1).min()) if bool(scored.any()) else 1
         extra = {"logits_to_keep": needed + 1} if self._keep_logits else {}
         logits = self.model(input_ids=inputs, use_cache=False, **extra).logits
-        logits = logits[:, -(needed + 1) : -1]
-        targets = inputs[:, -needed:]
-        # At least float32 (bfloat16 logits lose digits in log-softmax); a float64 model stays float64.
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+        nll = target_nll(logits[:, -(needed + 1) : -1], inputs[:, -needed:])
         full = nll.new_zeros(inputs.shape[0], width)
-        full[:, width - needed :] = nll.view(inputs.shape[0], needed)
+        full[:, width - needed :] = nll
         return full
 
     def bytes_per_row(self) -> int:
-        """Activation bytes of one window at the widest point (an estimate, see batch_budget): hidden
-        states, queries/keys/values and outputs (~8 x hidden), the feed-forward activation (2 x
-        intermediate), a row of attention scores per head (2 x heads x window), and the logits with
-        their float32 copy and log-softmax (3 x vocabulary)."""
-        cfg = self.model.config
-        hidden = int(getattr(cfg, "hidden_size", 0) or 768)
-        inner = int(getattr(cfg, "intermediate_size", 0) or getattr(cfg, "n_inner", 0) or 4 * hidden)
-        heads = int(getattr(cfg, "num_attention_heads", 0) or 12)
-        vocab = int(getattr(cfg, "vocab_size", 0) or 32000)
-        itemsize = torch.finfo(self.model.dtype).bits // 8
-        w = self.window
-        return w * itemsize * (8 * hidden + 2 * inner + 2 * heads * w) + w * 4 * 3 * vocab
+        """Activation bytes of one window at the widest point (an estimate: :func:`.model.activation_bytes_per_row`)."""
+        return activation_bytes_per_row(self.model.config, self.model.dtype, self.window, self.window)
 
     def masks_per_forward(self, rows: int) -> int:
         """``sweep.masks_per_batch``, or (0: automatic) as many copies of a batch as the activation budget holds."""
@@ -298,9 +285,7 @@ class CausalLMAdapter:
 
         def loss() -> torch.Tensor:
             logits = self.model(input_ids=inputs, use_cache=False).logits[:, :-1]
-            nll = F.cross_entropy(logits.to(dtype).reshape(-1, logits.shape[-1]), inputs[:, 1:].reshape(-1),
-                                  reduction="none").view(scored.shape)
-            return (nll * scored).sum()
+            return (target_nll(logits.to(dtype), inputs[:, 1:]) * scored).sum()
 
         return LossBatch({site.key: real for site in self.gates.sites}, int(idx.numel()), loss)
 
@@ -313,11 +298,10 @@ class CausalLMAdapter:
         return Workload(batch_size, int(inputs.numel()), lambda model: model(input_ids=inputs, use_cache=False))
 
 
-def load_causal_lm_adapter(model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
+def load_causal_lm_adapter(model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions
+                           ) -> CausalLMAdapter | MultipleChoiceAdapter:
     """Loader named by the ``hf_causal_lm`` model family: by ``data.task``, the perplexity adapter or
     (``multiple_choice``) :class:`~headsweep.workers.families.hf_causal_lm.multiple_choice.MultipleChoiceAdapter`."""
     if data_cfg.task == "multiple_choice":
-        from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoiceAdapter
-
         return MultipleChoiceAdapter(model_cfg, data_cfg, runtime)
     return CausalLMAdapter(model_cfg, data_cfg, runtime)

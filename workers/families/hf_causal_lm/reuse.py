@@ -30,19 +30,18 @@ import torch
 from torch import nn
 
 from headsweep.workers.families.hf_classifier.layout import attention_layout
-from headsweep.workers.families.hf_classifier.reuse import _enclosing_layer, first_gated_layer
 from headsweep.workers.gates import AttentionSite, HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.replay import (
     BaselineCache,
     ReuseUnsupported,
+    first_gated_layer,
     gated_projection,
+    layer_stack,
     pass_through,
     replaced_forwards,
     returning,
 )
-
-__all__ = ["BaselineStates", "DecoderLayout", "PrefixReuse", "decoder_layout", "first_gated_layer"]
 
 #: ``(input_ids, scored) -> per-position NLL``: the adapter's forward pass (and loss) over a window batch.
 TokenNLL = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -95,13 +94,8 @@ def decoder_layout(model: nn.Module, sites: Sequence[AttentionSite]) -> DecoderL
     """The layout prefix reuse needs, or :class:`ReuseUnsupported` naming what does not fit."""
     if model.training:
         raise ReuseUnsupported("the model is in training mode (dropout would differ between passes)")
-    modules = dict(model.named_modules())
-    found = [_enclosing_layer(model, modules, s.module_name) for s in sites]
-    lists = {parent for parent, _ in found}
-    if len(lists) != 1:
-        raise ReuseUnsupported(f"attention modules sit in {len(lists)} layer lists, not one stack")
-    stack = modules[lists.pop()]
-    for site, (_, index) in zip(sites, found, strict=True):
+    stack, indices = layer_stack(model, sites)
+    for site, index in zip(sites, indices, strict=True):
         if index != site.layer:
             raise ReuseUnsupported(f"{site.module_name} is in decoder layer {index}, not layer {site.layer} of the "
                                    "stack (one attention module per layer, in order)")

@@ -25,14 +25,14 @@ from headsweep.workers.efficiency import median_batch, take_rows
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 from headsweep.workers.families.hf_classifier.data import findings, read_examples
 from headsweep.workers.families.hf_classifier.model import load_hf_model, max_positions, resolve_max_length
-from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout, first_gated_layer
+from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout
 from headsweep.workers.families.hf_classifier.sites import find_sites
 from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches
 from headsweep.workers.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.metrics import ACCURACY
-from headsweep.workers.replay import ReuseUnsupported
+from headsweep.workers.replay import ReuseUnsupported, first_gated_layer
 
 logger = logging.getLogger(__name__)
 

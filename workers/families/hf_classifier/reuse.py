@@ -33,6 +33,7 @@ from headsweep.workers.replay import (
     BaselineCache,
     ReuseUnsupported,
     gated_projection,
+    layer_stack,
     pass_through,
     replaced_forwards,
     returning,
@@ -64,25 +65,10 @@ class BaselineStates:
         return sum(t.numel() * t.element_size() for t in [self.logits, *self.hidden, *self.contexts])
 
 
-def _enclosing_layer(model: nn.Module, modules: dict[str, nn.Module], name: str) -> tuple[str, int]:
-    """The name of the ``nn.ModuleList`` element that contains module ``name``, and its index."""
-    parts = name.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        parent = ".".join(parts[: i - 1]) if i > 1 else ""
-        if parts[i - 1].isdigit() and isinstance(modules.get(parent), nn.ModuleList):
-            return parent, int(parts[i - 1])
-    raise ReuseUnsupported(f"{name} is not inside a layer list (nn.ModuleList)")
-
-
 def classifier_layout(model: nn.Module, sites: Sequence[AttentionSite]) -> ClassifierLayout:
     """The layout prefix reuse needs, or :class:`ReuseUnsupported` naming what does not fit."""
-    modules = dict(model.named_modules())
-    found = [_enclosing_layer(model, modules, s.module_name) for s in sites]
-    lists = {parent for parent, _ in found}
-    if len(lists) != 1:
-        raise ReuseUnsupported(f"attention modules sit in {len(lists)} layer lists, not one stack")
-    stack = modules[lists.pop()]
-    if [i for _, i in found] != list(range(len(stack))):
+    stack, indices = layer_stack(model, sites)
+    if indices != list(range(len(stack))):
         raise ReuseUnsupported("the layer stack does not hold exactly one attention module per layer, in order")
     cores, identities = [], []
     for site in sites:
@@ -97,11 +83,6 @@ def classifier_layout(model: nn.Module, sites: Sequence[AttentionSite]) -> Class
     embeddings = getattr(getattr(model, "base_model", model), "embeddings", None)
     return ClassifierLayout(list(sites), list(stack), cores, identities,
                             embeddings if isinstance(embeddings, nn.Module) else None)
-
-
-def first_gated_layer(mask: Sequence[Head]) -> int | None:
-    """The lowest layer with a masked head (None for the empty mask)."""
-    return min((h.layer for h in mask), default=None)
 
 
 class PrefixReuse:
