@@ -95,8 +95,10 @@ def marker(workdir: Path) -> Path:
     return workdir / "checkpoints" / "trained.json"
 
 
-def ensure_model(minutes: float, threads: int, max_tokens: int) -> tuple[Path, Path, Path, dict]:
-    """(checkpoint, spm model, data-bin, marker record): trains once, then reads the cache."""
+def ensure_model(minutes: float, threads: int, max_tokens: int, measured: bool = True
+                 ) -> tuple[Path, Path, Path, dict]:
+    """(checkpoint, spm model, data-bin, marker record): trains once, then reads the cache; ``measured``
+    False leaves a model without its BLEU unmeasured (the training record instead)."""
     from headsweep.workers.families.fairseq_translation.train import train_translation
 
     workdir = model_dir(minutes)
@@ -117,6 +119,8 @@ def ensure_model(minutes: float, threads: int, max_tokens: int) -> tuple[Path, P
             "valid_loss": result.valid_loss, "train_loss": result.train_loss, "threads": threads,
             "settings": repr(train_settings(minutes, threads)), "stages": [],
         }, indent=1) + "\n")
+    if not measured:
+        return checkpoint, spm_model, data_bin, json.loads(trained.read_text())
     return checkpoint, spm_model, data_bin, measure(workdir, max_tokens)
 
 
@@ -369,6 +373,21 @@ def translation_configs(checkpoint: Path, data_bin: Path, spm_model: Path, max_e
     return model, data
 
 
+def capture_hypotheses(task) -> list:
+    """Keep what ``task.translate`` returns inside ``evaluate`` (hypotheses with their beam scores,
+    which ``MaskOutput`` does not carry), one list per call; costs nothing measurable."""
+    captured: list = []
+    translate = task.translate
+
+    def keeping(masks):
+        out = translate(masks)
+        captured.append(out)
+        return out
+
+    task.translate = keeping
+    return captured
+
+
 def choose_masks(inventory, count: int) -> list[list]:
     """``count`` single-head masks, a third per attention type, each third spread over its heads."""
     from grid_speed import spread
@@ -454,8 +473,10 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    checkpoint, spm_model, data_bin, record = ensure_model(args.train_minutes, args.threads, args.fairseq_max_tokens)
-    if args.train_only and args.more_minutes > 0:
+    more = args.train_only and args.more_minutes > 0
+    checkpoint, spm_model, data_bin, record = ensure_model(args.train_minutes, args.threads, args.fairseq_max_tokens,
+                                                           measured=not more)
+    if more:
         record = continue_training(args.train_minutes, args.more_minutes, args.threads, args.fairseq_max_tokens)
     if args.train_only:
         print(f"RESULT translation_vs_fairseq_model bleu={record['bleu']:.2f} train_s={record['train_seconds']:.0f}")
@@ -499,6 +520,7 @@ def main() -> None:
           f"masks per search {tasks['hs_default'].masks_per_forward()}", flush=True)
 
     call = units_per_call(default_opts.masks_per_batch)
+    captured = capture_hypotheses(tasks["hs_default"])
     seconds = {"fairseq": 0.0, **dict.fromkeys(tasks, 0.0)}
     per_mask = {k: [] for k in seconds}
     outs: dict[str, list] = {k: [] for k in seconds}
@@ -518,9 +540,11 @@ def main() -> None:
         print(f"  masks {first}..{first + len(chunk) - 1}: " + ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
               + " (cumulative)", flush=True)
 
-    # Hypotheses with their scores, for the tie check: (c)'s adapter translates again, untimed.
-    print("comparing (hypothesis scores of (c) come from one more, untimed, translate() call)", flush=True)
-    hyps_c = tasks["hs_default"].translate(masks)
+    hyps_c = [h for call_hyps in captured for h in call_hyps]
+    if len(hyps_c) != len(masks):
+        # This headsweep's evaluate() does not go through translate(): one more, untimed, decode.
+        print("(c)'s hypothesis scores come from one more, untimed, translate() call", flush=True)
+        hyps_c = tasks["hs_default"].translate(masks)
     lengths = [len(t) for t in tasks["hs_default"].examples.source]
     max_lens = [int(min(model_cfg.max_len_a * n + model_cfg.max_len_b,
                         tasks["hs_default"].model.max_decoder_positions() - 1)) for n in lengths]

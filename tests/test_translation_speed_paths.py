@@ -206,8 +206,9 @@ def sweep_config(tiny, **sweep) -> dict:
         "model": {"kind": "fairseq_translation", "checkpoint": str(tiny.checkpoint),
                   "data_bin": str(tiny.data.data_bin), "beam": BEAM, "max_len_b": MAX_LEN_B},
         "data": {"data_bin": str(tiny.data.data_bin), "split": "test"},
-        "sweep": {"experiments": ["baseline", "single_head"], "attention": ["enc_dec", "dec_self"],
-                  "workers": 1, **sweep},
+        # One thread: two per worker thrash when other processes share the two cores.
+        "sweep": {"experiments": ["baseline", "single_head"], "attention": ["enc_dec"], "workers": 1,
+                  "threads_per_worker": 1, **sweep},
         "significance": {"enabled": False},
     }
 
@@ -226,7 +227,7 @@ def test_sweep_without_the_loss_pass_stores_null_losses_and_the_same_rest(tiny, 
         return {tuple(r[k] for k in key): r for r in store.read(table).to_pylist()}
 
     off, on = (rows(stores[x], "examples", ("eval_id", "example_id")) for x in (False, True))
-    assert off.keys() == on.keys() and len(off) == 17 * 40
+    assert off.keys() == on.keys() and len(off) == 9 * 40
     assert all(r["loss"] is None for r in off.values())
     assert all(r["loss"] is not None and r["loss"] > 0 for r in on.values())
     for key, row in off.items():

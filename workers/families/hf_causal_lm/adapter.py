@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per
 from headsweep.workers.families.hf_causal_lm.config import DEFAULT_WINDOW, CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.data import Window, plan_windows, read_corpus
 from headsweep.workers.families.hf_causal_lm.model import (
+    BaselineOnce,
     activation_bytes_per_row,
     load_causal_lm,
     max_positions,
@@ -53,8 +53,9 @@ def resolve_window(requested: int | None, limit: int | None, model_dir: str) -> 
     return resolve_positions("data.window", requested, limit, model_dir, DEFAULT_WINDOW, minimum=2)
 
 
-class CausalLMAdapter:
-    """A gated causal LM with its corpus cut into windows (an ``EvalAdapter``)."""
+class CausalLMAdapter(BaselineOnce):
+    """A gated causal LM with its corpus cut into windows (an ``EvalAdapter``); ``describe`` records the
+    baseline's mean NLL."""
 
     metric = PERPLEXITY
 
@@ -155,32 +156,13 @@ class CausalLMAdapter:
         first, last = window.scored_tokens(self.add_bos)
         return f"tokens {first}-{last}"
 
-    def baseline(self) -> MaskOutput:
-        """The unmasked evaluation, computed once (``describe`` records its mean NLL) and reused."""
-        if self._baseline is None:
-            self._baseline = self.evaluate([[]])[0]
-        return self._baseline
+    def values(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
+        return self.nll(masks)
 
-    def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
-        masks = [list(m) for m in masks]
-        for mask in masks:
-            for head in mask:
-                self.gates.inventory.check(head)
-        todo = [i for i, m in enumerate(masks) if m or self._baseline is None]
-        start = time.perf_counter()
-        nll = self.nll([masks[i] for i in todo]) if todo else np.zeros((0, len(self.windows)))
-        seconds_each = (time.perf_counter() - start) / max(1, len(todo))
-        results: list[MaskOutput] = []
-        computed = dict(zip(todo, nll, strict=True))
-        for i in range(len(masks)):
-            if i not in computed:
-                results.append(self._baseline)
-                continue
-            stats = np.stack([computed[i], self.n_tokens], axis=1)
-            results.append(MaskOutput(stats=stats, loss=computed[i] / self.n_tokens,
-                                      outputs=[""] * len(self.windows), score=self.metric.score(stats),
-                                      seconds=seconds_each))
-        return results
+    def output(self, values: np.ndarray, seconds: float) -> MaskOutput:
+        stats = np.stack([values, self.n_tokens], axis=1)
+        return MaskOutput(stats=stats, loss=values / self.n_tokens, outputs=[""] * len(self.windows),
+                          score=self.metric.score(stats), seconds=seconds)
 
     @torch.inference_mode()
     def nll(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:

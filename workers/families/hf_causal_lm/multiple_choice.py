@@ -28,7 +28,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from headsweep.workers.data_report import Finding, report
 from headsweep.workers.efficiency import median_batch, take_rows
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.model import (
+    BaselineOnce,
     activation_bytes_per_row,
     load_causal_lm,
     max_positions,
@@ -300,7 +300,7 @@ def row_batch(rows: Sequence[Row], which: Sequence[int], device: torch.device) -
                     targets.to(device), scored.to(device))
 
 
-class MultipleChoiceAdapter:
+class MultipleChoiceAdapter(BaselineOnce):
     """A gated causal LM with a multiple-choice question set (an ``EvalAdapter``)."""
 
     def __init__(self, model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
@@ -386,35 +386,16 @@ class MultipleChoiceAdapter:
                    "baseline_acc": acc, "baseline_acc_norm": acc_norm},
         )
 
-    def baseline(self) -> MaskOutput:
-        """The unmasked evaluation, computed once (``describe`` records its acc and acc_norm) and reused."""
-        if self._baseline is None:
-            self._baseline = self.evaluate([[]])[0]
-        return self._baseline
+    def values(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
+        return self.loglikelihoods(masks)
 
-    def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
-        masks = [list(m) for m in masks]
-        for mask in masks:
-            for head in mask:
-                self.gates.inventory.check(head)
-        todo = [i for i, m in enumerate(masks) if m or self._baseline is None]
-        start = time.perf_counter()
-        lls = self.loglikelihoods([masks[i] for i in todo]) if todo else np.zeros((0, len(self.rows)))
-        seconds_each = (time.perf_counter() - start) / max(1, len(todo))
-        computed = dict(zip(todo, lls, strict=True))
-        results: list[MaskOutput] = []
-        for i in range(len(masks)):
-            if i not in computed:
-                results.append(self._baseline)
-                continue
-            pred, pred_norm = predictions(computed[i], self.index, self.lengths)
-            stats = np.stack([pred == self.gold, pred_norm == self.gold], axis=1).astype(np.float64)
-            # output: the choice the run's metric picks; loss: the gold continuation's NLL
-            picked = pred_norm if self.metric is MC_ACCURACY_NORM else pred
-            results.append(MaskOutput(stats=stats, loss=-computed[i][self.gold_rows],
-                                      outputs=[str(p) for p in picked], score=self.metric.score(stats),
-                                      seconds=seconds_each))
-        return results
+    def output(self, values: np.ndarray, seconds: float) -> MaskOutput:
+        pred, pred_norm = predictions(values, self.index, self.lengths)
+        stats = np.stack([pred == self.gold, pred_norm == self.gold], axis=1).astype(np.float64)
+        # output: the choice the run's metric picks; loss: the gold continuation's NLL
+        picked = pred_norm if self.metric is MC_ACCURACY_NORM else pred
+        return MaskOutput(stats=stats, loss=-values[self.gold_rows], outputs=[str(p) for p in picked],
+                          score=self.metric.score(stats), seconds=seconds)
 
     @torch.inference_mode()
     def loglikelihoods(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
