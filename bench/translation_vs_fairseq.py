@@ -245,6 +245,7 @@ class FairseqLoop:
         src_dict = task.source_dictionary
         tokens = [src_dict.encode_line(" ".join(sp.encode(line.strip(), out_type=str)), add_if_not_exist=False,
                                        append_eos=True).long() for line in sources]
+        self.tokens = tokens
         self.dataset = task.build_dataset_for_inference(tokens, [t.numel() for t in tokens])
         self.max_tokens = max_tokens
         self.max_positions = utils.resolve_max_positions(task.max_positions(), self.model.max_positions())
@@ -286,6 +287,21 @@ class FairseqLoop:
         if missing:
             raise RuntimeError(f"fairseq's batches left out {len(missing)} sentences, e.g. {missing[:5]}")
         return Decoded(texts, tokens, scores)
+
+    def decode_alone(self, mask, ids: list[int]) -> dict[int, str]:
+        """Sentences ``ids`` under ``mask``, each in a batch of its own: the same route with other
+        batches, which shows whether a difference is batch-dependent float noise (a near-tie)."""
+        model = self.masked_model(mask) if mask else self.model
+        generator = self.task.build_generator([model], self.generation)
+        strip = generator.symbols_to_strip_from_output
+        out = {}
+        for i in ids:
+            one = self.task.build_dataset_for_inference([self.tokens[i]], [self.tokens[i].numel()])
+            sample = one.collater([one[0]])
+            best = self.task.inference_step(generator, [model], sample)[0][0]
+            out[i] = self.task.target_dictionary.string(best["tokens"].int().cpu(), "sentencepiece",
+                                                        extra_symbols_to_ignore=strip)
+        return out
 
 
 def attention_module(model, head):
@@ -413,6 +429,9 @@ class Difference:
     ties: int = 0  # both hypotheses scored within TIE by their own searches
     max_len: int = 0  # one of them stopped at the length limit
     unk: int = 0  # one of them holds <unk>
+    ids: list = dataclasses.field(default_factory=list)
+    alone_a: int = 0  # decoded alone by (a)'s route: (a)'s hypothesis again
+    alone_c: int = 0  # decoded alone by (a)'s route: (c)'s hypothesis
     examples: list = dataclasses.field(default_factory=list)
 
 
@@ -423,6 +442,7 @@ def compare(a: Decoded, c_outputs: list[str], c_hyps, max_lens: list[int]) -> Di
         if text_a == text_c:
             continue
         diff.n += 1
+        diff.ids.append(i)
         score_c = c_hyps[i].score if c_hyps is not None else float("nan")
         gap = abs(a.scores[i] - score_c)
         diff.ties += gap < TIE
@@ -566,9 +586,13 @@ def main() -> None:
             a = outs["fairseq"][j]
             bleu_a = corpus_bleu(a.texts, references).score
             diff = compare(a, c.outputs, hyps_c[j], max_lens)
+            if diff.ids:
+                alone = loop.decode_alone(mask, diff.ids)
+                diff.alone_a = sum(alone[i] == a.texts[i] for i in diff.ids)
+                diff.alone_c = sum(alone[i] == c.outputs[i] for i in diff.ids)
             identical += bleu_a == bleu_c
             row.update(a=bleu_a, a_s=per_mask["fairseq"][j], diff=diff)
-            for name in ("n", "ties", "max_len", "unk"):
+            for name in ("n", "ties", "max_len", "unk", "alone_a", "alone_c"):
                 setattr(total_diff, name, getattr(total_diff, name) + getattr(diff, name))
             total_diff.examples += [(row["mask"], *e) for e in diff.examples]
         rows.append(row)
@@ -597,7 +621,8 @@ def main() -> None:
         return
     print(f"(a) vs (c): {total_diff.n} sentence hypotheses differ over {n} masks x {info.n_examples} sentences; "
           f"{total_diff.ties} of them beam ties (scores within {TIE:g}), {total_diff.max_len} at the length "
-          f"limit, {total_diff.unk} with <unk>")
+          f"limit, {total_diff.unk} with <unk>; decoded again by (a)'s route one sentence a batch: "
+          f"{total_diff.alone_a} give (a)'s hypothesis, {total_diff.alone_c} give (c)'s")
     for mask_name, i, sa, sc, la, lc, ta, tc in total_diff.examples[:8]:
         print(f"  {mask_name} sentence {i}: (a) score {sa:.6f} len {la}: {ta!r}\n"
               f"  {'':<{len(mask_name)}} {'':>{len(str(i)) + 9}} (c) score {sc:.6f} len {lc}: {tc!r}")
