@@ -42,7 +42,7 @@ class SweepSection:
     masks_per_batch: int = 0
     reuse: bool = True
     loss: bool = False  # translation: the teacher-forced pass that fills examples.loss (else null)
-    fused_attention: bool = True  # translation: modules no mask of a batch gates keep fairseq's fused kernel
+    fused_attention: bool = True  # translation: fairseq's fused/beamable attention where no gate needs it off
     flush_every: int = 64
     flush_seconds: float = 10.0
     max_retries: int = 2

@@ -66,8 +66,9 @@ class RuntimeOptions:
     # Families whose per-example loss costs a pass of its own (translation: a teacher-forced pass
     # per mask): False stores no loss (examples.loss null). Others get it free and always store it.
     loss: bool = False
-    # fairseq translation: attention modules that no mask of a batch gates keep fairseq's fused
-    # attention kernel; False: every gated module takes the unfused path (the plain reference).
+    # fairseq translation: fairseq's fast attention paths where gates allow them (the fused kernel
+    # in modules no mask of a batch gates; encoder-decoder keys once per sentence, not per beam);
+    # False: neither, every gated module unfused (the plain reference).
     fused_attention: bool = True
 
 

@@ -1,8 +1,11 @@
-"""Evaluation adapter for fairseq translation models: beam-search BLEU and teacher-forced loss per mask.
+"""Evaluation adapter for fairseq translation models: beam-search BLEU (and, with ``sweep.loss``,
+teacher-forced loss) per mask.
 
 Every mask is evaluated by a real ``fairseq.sequence_generator.SequenceGenerator`` beam
-search over the whole evaluation set. Sentences are sorted by length into batches. Several
-masks can share one beam search: the batch is repeated once per mask and each row carries
+search over the whole evaluation set. Sentences are sorted by length into batches under a
+token budget (``sweep.max_tokens``, fairseq's ``--max-tokens``), or of ``sweep.batch_size``
+sentences. Several masks can share one beam search, as many as the token budget leaves room
+for (a full batch: one): the batch is repeated once per mask and each row carries
 its mask's gates, routed through beam search's reordering
 (:class:`headsweep.workers.families.fairseq_translation.search.RoutedEnsemble`). Sentences never
 interact in fairseq's beam search, and a packed batch holds exactly the sentences (and padding)
@@ -14,6 +17,10 @@ masks gating only ``enc_dec`` / ``dec_self`` heads read the baseline encoder out
 gating ``enc_self`` heads start the encoder at their first gated layer
 (:mod:`headsweep.workers.families.fairseq_translation.reuse`), in beam search and in
 teacher-forced scoring alike. ``reuse: false`` runs the whole model for every mask (the reference).
+
+With ``sweep.fused_attention`` (the default) modules no mask of a batch gates keep fairseq's
+fused attention kernel (``sites.py``), and beam search computes encoder-decoder keys once per
+sentence, not once per beam (``search.set_beamable``).
 
 Per-sentence statistics are sacrebleu's own BLEU sufficient statistics of the detokenised
 hypothesis against the reference; the corpus score is computed from their sum.
@@ -167,7 +174,7 @@ class TranslationAdapter:
     def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
         start = time.perf_counter()
         hyps = self.translate(masks)
-        # The teacher-forced pass costs about a third of a beam search; only when asked (sweep.loss).
+        # The teacher-forced pass costs 13-28% of a beam search (measured, see README): only when asked (sweep.loss).
         losses = self.reference_loss(masks) if self.runtime.loss else [None] * len(masks)
         seconds_each = (time.perf_counter() - start) / max(1, len(masks))
         results = []
