@@ -164,7 +164,8 @@ def headsweep_adapter(path: Path, heldout: Path, args, reuse: bool):
 
     model = CausalLMModel(path=str(path), attn_implementation="sdpa", dtype=args.dtype)
     data = CausalLMData(path=str(heldout), window=SHAPE["window"], max_windows=args.windows)
-    runtime = RuntimeOptions(device=args.device, batch_size=args.batch_size, masks_per_batch=0 if reuse else 1,
+    runtime = RuntimeOptions(device=args.device, batch_size=args.batch_size,
+                             masks_per_batch=args.masks_per_batch if reuse else 1,
                              reuse=reuse, threads=args.threads)
     return load_causal_lm_adapter(model, data, runtime)
 
@@ -220,12 +221,13 @@ def transformer_lens_grid(adapter, masks: list, device: str) -> list[float]:
 def overrides(values: list[str], args) -> None:
     """``sweep.device=cuda`` / ``model.dtype=bfloat16`` as in headsweep's own command line."""
     known = {"sweep.device": "device", "model.dtype": "dtype", "sweep.batch_size": "batch_size",
-             "sweep.threads": "threads"}
+             "sweep.threads": "threads", "sweep.masks_per_batch": "masks_per_batch"}
     for item in values:
         key, _, value = item.partition("=")
         if key not in known:
             sys.exit(f"lm_grid: unknown override {key!r} (takes {', '.join(known)})")
-        setattr(args, known[key], int(value) if key in ("sweep.batch_size", "sweep.threads") else value)
+        numeric = key in ("sweep.batch_size", "sweep.threads", "sweep.masks_per_batch")
+        setattr(args, known[key], int(value) if numeric else value)
 
 
 def main() -> None:
@@ -237,6 +239,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--masks-per-batch", type=int, default=0,
+                        help="the reuse route's sweep.masks_per_batch (0: automatic, headsweep's default)")
     parser.add_argument("--skip-transformerlens", action="store_true")
     parser.add_argument("--train-only", action="store_true", help="train and cache the model, then stop")
     args = parser.parse_args()

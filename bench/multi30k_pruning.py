@@ -17,8 +17,6 @@ Skips (exit 0) when ../shared/data (relative to the repository root) is absent.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import logging
 import sys
 import time
@@ -54,13 +52,7 @@ def main() -> None:
     from headsweep.workers.importance import gradient_importance
 
     torch.set_num_threads(args.threads)
-    trained = m30k.settings(12.0, threads=0)
-    # The grid benchmark's cache key, so both benchmarks share one trained model.
-    key = hashlib.sha256(json.dumps([m30k.VOCAB, repr(trained)]).encode()).hexdigest()[:10]
-    workdir = m30k.CACHE / f"multi30k_{m30k.SRC}_{m30k.TGT}_{key}"
-    workdir.mkdir(parents=True, exist_ok=True)
-    checkpoint = m30k.train(workdir, 12.0, args.threads)
-    spm_model, data_bin = m30k.prepare(workdir)
+    checkpoint, spm_model, data_bin = m30k.cached_model(args.threads)
     model_cfg = TranslationModel(checkpoint=str(checkpoint), data_bin=str(data_bin), beam=args.beam)
     runtime = RuntimeOptions(batch_size=64)
 

@@ -118,6 +118,18 @@ def train(workdir: Path, train_minutes: float, threads: int) -> Path:
     return checkpoint
 
 
+def cached_model(threads: int, train_minutes: float = 12.0) -> tuple[Path, Path, Path]:
+    """(checkpoint, SentencePiece model, data-bin) of this benchmark's model: trained once with ``train_minutes``
+    and cached under a key of its settings, so every Multi30k benchmark shares it."""
+    trained = settings(train_minutes, threads=0)  # the thread count does not change the model
+    key = hashlib.sha256(json.dumps([VOCAB, repr(trained)]).encode()).hexdigest()[:10]
+    workdir = CACHE / f"multi30k_{SRC}_{TGT}_{key}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    checkpoint = train(workdir, train_minutes, threads)
+    spm_model, data_bin = prepare(workdir)
+    return checkpoint, spm_model, data_bin
+
+
 def grids(inventory) -> tuple[list[list], list[list]]:
     """Masks of Michel et al.'s single-head (sec. 3.2) and all-but-one (sec. 3.3) experiments."""
     single = [[h] for h in inventory.heads]
@@ -154,13 +166,8 @@ def main() -> None:
     from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
     from headsweep.workers.family import RuntimeOptions
 
-    trained = settings(args.train_minutes, threads=0)  # the thread count does not change the model
-    key = hashlib.sha256(json.dumps([VOCAB, repr(trained)]).encode()).hexdigest()[:10]
-    workdir = CACHE / f"multi30k_{SRC}_{TGT}_{key}"
-    workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    checkpoint = train(workdir, args.train_minutes, args.threads)
-    spm_model, data_bin = prepare(workdir)
+    checkpoint, spm_model, data_bin = cached_model(args.threads, args.train_minutes)
     print(f"model ready in {time.perf_counter() - t0:.0f}s", flush=True)
 
     test = "test_2016_flickr"

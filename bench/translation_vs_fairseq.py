@@ -25,16 +25,29 @@ SentencePiece BPE of 8,000 pieces, trained on Multi30k en-fr with the machinery 
 ``bench/multi30k_translation.py`` and cached under ``~/.cache/headsweep/bench`` (or
 ``$HEADSWEEP_BENCH_CACHE``) in a folder keyed by its settings; ``trained.json`` there records
 its training and its BLEU on test_2016_flickr (beam 5, sacrebleu on the detokenised text, fairseq's
-loop). ``--train-only`` trains (or continues, ``--more-minutes``) and stops.
+loop). ``--train-only`` trains and stops; ``--train-only --more-minutes M`` trains the cached model
+M minutes longer from its checkpoint (``fairseq-train --restore-file --reset-optimizer`` style:
+weights and update count kept, Adam's moments afresh), updating the record epoch by epoch.
+
+Generation settings are the same on every path: beam 5 and fairseq-generate's defaults (lenpen 1,
+unkpen 0, min_len 1, max_len_a 0, max_len_b 200), or what ``--model KEY=VALUE`` sets for all three.
+Keep ``max_len_a`` at 0 for the comparison: fairseq's ``SequenceGenerator`` takes
+``max_len_a x (the longest source in the batch) + max_len_b`` as every sentence's length limit,
+so with a != 0 a sentence's limit depends on which batch it lands in, and (a)'s and headsweep's
+batches differ.
 
 Agreement: corpus BLEU per mask of (c) and (a) (sacrebleu on the same detokenised text), the
-masks whose BLEU is identical, and per mask the sentences whose hypotheses differ, each
-difference classified: a beam tie (both hypotheses scored within ``TIE`` under the mask by
-fairseq's own generator) or not. Memory: the highest resident set size sampled during each
-path's calls, and the most it rose above a call's start (all paths live in one process).
+masks whose BLEU is identical (the baseline counts as one), and per mask the sentences whose
+hypotheses differ, each difference classified: a beam tie (both best hypotheses scored within
+``TIE``), at the length limit, holding <unk>, and whether (a)'s own route, decoding that sentence
+alone (other batches, same model), gives (a)'s or (c)'s hypothesis, i.e. whether the difference is
+batch-dependent float noise between near-equal beams. Memory: the highest resident set size
+sampled during each path's calls, and the most it rose above a call's start (all paths live in
+one process).
 
 Run: ``python bench/translation_vs_fairseq.py [--masks 24] [--max-examples N] [--threads 2]``.
-Last line: ``RESULT translation_vs_fairseq ratio=<a_s/c_s> identical_bleu=<n>/<masks> plain_s=<b_s>``.
+Last line: ``RESULT translation_vs_fairseq ratio=<a_s/c_s> identical_bleu=<n>/<masks> fairseq_s=<a_s>
+default_s=<c_s> plain_s=<b_s>``.
 Skips (exit 0) when ../shared/data is absent.
 """
 
@@ -46,6 +59,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 import sys
 import time
 import warnings
@@ -59,6 +73,7 @@ import multi30k_translation as m30k  # noqa: E402  (Multi30k data, SentencePiece
 
 VOCAB = 8000
 TEST = "test_2016_flickr"
+DEFAULT_TRAIN_MINUTES = 45.0  # the first training stage's budget (part of the cache key; later stages: --more-minutes)
 TARGET_BLEU = 35.0
 FAIRSEQ_MAX_TOKENS = 6000
 # Two hypotheses whose scores (fairseq's length-normalised log-probability) differ by less than
@@ -155,6 +170,13 @@ def continue_training(minutes: float, more_minutes: float, threads: int, max_tok
         raise SystemExit(f"no trained model to continue in {workdir} (train it first: --train-only)")
     record = json.loads(trained.read_text())
     stock = fairseq.trainer.Trainer
+    start_updates = checkpoint_updates(checkpoint)
+    if start_updates != record["updates"]:
+        # A continuation stopped from outside after saving an epoch: its checkpoint is the model.
+        print(f"checkpoint holds {start_updates} updates, the record {record['updates']}: going on from the "
+              f"checkpoint", flush=True)
+        record.setdefault("unrecorded_updates", 0)
+        record["unrecorded_updates"] += start_updates - record["updates"]
 
     class Restored(stock):
         def __init__(self, *args, **kwargs):
@@ -162,24 +184,47 @@ def continue_training(minutes: float, more_minutes: float, threads: int, max_tok
             self.load_checkpoint(str(checkpoint), reset_optimizer=True, reset_meters=True)
             # No optimizer state in the file, so fairseq leaves the update count at 0: the
             # schedule goes on from the checkpoint's (the model already holds it).
-            self.set_num_updates(record["updates"])
+            self.set_num_updates(start_updates)
+
+    stage = {"minutes": more_minutes, "from_updates": start_updates,
+             "bleu_before": json.loads(marker(workdir).read_text()).get("bleu") if marker(workdir).exists() else None}
+    began = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        if msg.startswith("epoch "):
+            # checkpoint_last.pt was just saved: the record follows it, epoch by epoch.
+            updates = checkpoint_updates(checkpoint)
+            stage.update(updates=updates - start_updates, seconds=round(time.perf_counter() - began, 1),
+                         epochs=stage.get("epochs", 0) + 1, last=msg)
+            valid = re.search(r"valid loss ([0-9.]+)", msg)
+            if valid:
+                stage["valid_loss"] = float(valid.group(1))
+            done = {**record, "epochs": record["epochs"] + stage["epochs"], "updates": updates,
+                    "valid_loss": stage.get("valid_loss", record["valid_loss"]),
+                    "train_seconds": round(record["train_seconds"] + stage["seconds"], 1),
+                    "stages": [*record.get("stages", []), stage]}
+            trained.write_text(json.dumps(done, indent=1) + "\n")
 
     fairseq.trainer.Trainer = Restored
     try:
         result = train_translation(workdir / "data-bin", workdir / "checkpoints", m30k.SRC, m30k.TGT,
-                                   train_settings(more_minutes, threads),
-                                   log=lambda msg: print(msg, flush=True))
+                                   train_settings(more_minutes, threads), log=log)
     finally:
         fairseq.trainer.Trainer = stock
-    stage = {"minutes": more_minutes, "epochs": result.epochs, "updates": result.updates - record["updates"],
-             "seconds": round(result.seconds, 1), "valid_loss": result.valid_loss,
-             "bleu_before": json.loads(marker(workdir).read_text()).get("bleu") if marker(workdir).exists() else None}
-    record.update(epochs=record["epochs"] + result.epochs, updates=result.updates,
-                  train_seconds=round(record["train_seconds"] + result.seconds, 1), valid_loss=result.valid_loss,
-                  train_loss=result.train_loss, stages=[*record.get("stages", []), stage])
+    record = json.loads(trained.read_text())
+    record.update(valid_loss=result.valid_loss, train_loss=result.train_loss)
     trained.write_text(json.dumps(record, indent=1) + "\n")
     marker(workdir).unlink(missing_ok=True)
     return measure(workdir, max_tokens)
+
+
+def checkpoint_updates(checkpoint: Path) -> int:
+    """The update count a fairseq checkpoint records."""
+    import torch
+
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    return int(state["optimizer_history"][-1]["num_updates"])
 
 
 def describe_record(record: dict) -> str:
@@ -462,7 +507,8 @@ def main() -> None:
                              "baseline)")
     parser.add_argument("--max-examples", type=int, default=None, help="the first N test sentences (default: all)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads, every path alike")
-    parser.add_argument("--train-minutes", type=float, default=45.0, help="training budget (part of the cache key)")
+    parser.add_argument("--train-minutes", type=float, default=DEFAULT_TRAIN_MINUTES,
+                        help="training budget (part of the cache key)")
     parser.add_argument("--train-only", action="store_true", help="train (or read) the model, report its BLEU, stop")
     parser.add_argument("--more-minutes", type=float, default=0.0,
                         help="with --train-only: train the cached model this much longer (from its checkpoint)")

@@ -13,15 +13,29 @@ import pyarrow as pa
 # additive (a new table, a new nullable column), so a release reads every older store: a table
 # an older store lacks reads empty, a column its files lack reads null. A store holding runs of a
 # newer version is refused (results/query.py). Bump it with every change and say what changed.
-SCHEMA_VERSION = 3
-
 SCHEMA_HISTORY = {
     1: "runs, evaluations, examples, significance, importance",
     2: "new table efficiency (speed and memory of full and pruned models)",
     3: "new table head_roles (confidence, positional and rare-word statistics and roles of each head)",
+    4: "head_roles gains syntactic accuracy and baseline columns per relation",
+    5: "new table interactions (pairwise head interactions)",
+    6: "new table gates (Hard Concrete L0 gates per lambda)",
 }
 
+SCHEMA_VERSION = max(SCHEMA_HISTORY)
+
 HEAD_COLUMNS = [("attention", pa.string()), ("layer", pa.int32()), ("head", pa.int32())]
+
+# Syntactic heads (head_roles, headsweep.workers.syntax.syntax_columns names the same): per relation and direction
+# (dep2gov: from the dependent to its governor; gov2dep: back) the head's accuracy and the most-frequent-offset
+# baseline, and the relation's instances. Null where no parses were given or the attention type is not parsed.
+SYNTAX_RELATIONS = ("nsubj", "obj", "amod", "advmod")
+SYNTAX_COLUMNS = [
+    col for rel in SYNTAX_RELATIONS
+    for col in ((f"{rel}_dep2gov", pa.float64()), (f"{rel}_dep2gov_baseline", pa.float64()),
+                (f"{rel}_gov2dep", pa.float64()), (f"{rel}_gov2dep_baseline", pa.float64()),
+                (f"{rel}_instances", pa.int64()))
+]
 
 TABLES: dict[str, pa.Schema] = {
     "runs": pa.schema(
@@ -132,6 +146,20 @@ TABLES: dict[str, pa.Schema] = {
             ("finished_at", pa.timestamp("us", tz="UTC")),
         ]
     ),
+    # The l0 experiment (Voita et al. 2019 sec. 6): one row per penalty weight and gated head, the trained
+    # Hard Concrete gate (headsweep.workers.hard_concrete). p_open = P(g > 0); closed by the run's l0.closing rule.
+    "gates": pa.schema(
+        [
+            ("lambda", pa.float64()),
+            *HEAD_COLUMNS,
+            ("log_alpha", pa.float64()),
+            ("p_open", pa.float64()),
+            ("closed", pa.bool_()),
+            ("step", pa.int64()),
+            ("train", pa.string()),
+            ("checkpoint", pa.string()),
+        ]
+    ),
     # The roles experiment (Voita et al. 2019): one row per checkpoint and head, statistics of its unmasked
     # attention maps (headsweep.workers.head_roles). More statistics (e.g. per syntactic relation, an accuracy
     # and a baseline column each) are added as nullable columns: older files then read them as null.
@@ -148,14 +176,51 @@ TABLES: dict[str, pa.Schema] = {
             ("rare_sentences", pa.int64()),
             ("rare_chance", pa.float64()),
             ("roles", pa.list_(pa.string())),
+            *SYNTAX_COLUMNS,
+        ]
+    ),
+    # The pairs experiment: one row per checkpoint and pair of heads i < j (model order), the interaction
+    # delta_ij - delta_i - delta_j in the metric's units with its paired bootstrap over the four evaluations
+    # (headsweep.sweep.interactions); excess_harm is the interaction in the direction "pair hurts more than the sum".
+    "interactions": pa.schema(
+        [
+            ("eval_id", pa.string()),
+            ("checkpoint", pa.string()),
+            ("metric", pa.string()),
+            ("head_i", pa.string()),
+            ("attention_i", pa.string()),
+            ("layer_i", pa.int32()),
+            ("index_i", pa.int32()),
+            ("head_j", pa.string()),
+            ("attention_j", pa.string()),
+            ("layer_j", pa.int32()),
+            ("index_j", pa.int32()),
+            ("same_layer", pa.bool_()),
+            ("baseline_score", pa.float64()),
+            ("delta_i", pa.float64()),
+            ("delta_j", pa.float64()),
+            ("delta_ij", pa.float64()),
+            ("interaction", pa.float64()),
+            ("excess_harm", pa.float64()),
+            ("test", pa.string()),
+            ("ci_low", pa.float64()),
+            ("ci_high", pa.float64()),
+            ("p_value", pa.float64()),
+            ("p_adjusted", pa.float64()),
+            ("correction", pa.string()),
+            ("alpha", pa.float64()),
+            ("significant", pa.bool_()),
+            ("n_resamples", pa.int64()),
+            ("seed", pa.int64()),
         ]
     ),
 }
 
 # A run's status in ``runs``: running (its driver is writing it, or died), complete, failed (an
-# error stopped it), interrupted (Ctrl-C). The driver writes these names and nothing else.
-RUNNING, COMPLETE, FAILED, INTERRUPTED = "running", "complete", "failed", "interrupted"
-RUN_STATUSES = (RUNNING, COMPLETE, FAILED, INTERRUPTED)
+# error stopped it), interrupted (Ctrl-C), partial (``sweep.budget`` reached; resumable like an
+# interrupted run). The driver writes these names and nothing else.
+RUNNING, COMPLETE, FAILED, INTERRUPTED, PARTIAL = "running", "complete", "failed", "interrupted", "partial"
+RUN_STATUSES = (RUNNING, COMPLETE, FAILED, INTERRUPTED, PARTIAL)
 
 
 def with_run_id(schema: pa.Schema) -> pa.Schema:

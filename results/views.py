@@ -7,7 +7,7 @@ it use ``IS NOT DISTINCT FROM`` so that the null checkpoint matches itself.
 
 from __future__ import annotations
 
-from headsweep.results.schema import HEAD_COLUMNS
+from headsweep.results.schema import HEAD_COLUMNS, SYNTAX_COLUMNS
 from headsweep.workers.metrics import LOWER_IS_BETTER
 
 # The test shown next to a delta (the other tests stay in `significance`): a t-test for accuracy (and multiple
@@ -110,22 +110,32 @@ WHERE position = 1
 """
 
 # Pruning curves (sec. 4.2): `scope` is `global`, one attention type, or types joined by `+`
-# (from the evaluation id); `attention` is set only when the scope is one attention type.
+# (from the evaluation id); `attention` is set only when the scope is one attention type. `method` is
+# `importance` (prune_level: the least important heads masked) or `l0` (l0_gates: the heads whose trained
+# Hard Concrete gate closed, Voita et al. sec. 6; `l0_lambda` is its penalty weight), so both curves of a
+# run compare at the same number of heads masked (`n_masked`, `level` = its share of the scope's heads).
 PRUNING = """
 CREATE VIEW pruning AS
-SELECT run_id, checkpoint, regexp_extract(eval_id, 'prune_level/([^/]+)/', 1) AS scope, attention, level, n_masked,
-       heads_masked, metric, score, baseline_score, delta, score / nullif(baseline_score, 0) AS relative_score,
-       test, p_value, p_adjusted, correction, alpha, significant
-FROM deltas WHERE experiment = 'prune_level'
+SELECT run_id, checkpoint, regexp_extract(eval_id, '(prune_level|l0_gates)/([^/]+)/', 2) AS scope, attention,
+       level, n_masked, heads_masked, metric, score, baseline_score, delta,
+       score / nullif(baseline_score, 0) AS relative_score, test, p_value, p_adjusted, correction, alpha, significant,
+       CASE WHEN experiment = 'l0_gates' THEN 'l0' ELSE 'importance' END AS method,
+       CASE WHEN experiment = 'l0_gates' THEN TRY_CAST(regexp_extract(eval_id, '/([^/]+)$', 1) AS DOUBLE) END
+         AS l0_lambda
+FROM deltas WHERE experiment IN ('prune_level', 'l0_gates')
 """
 
 # One line per run: what `headsweep runs` prints. `n_significant` counts heads whose single-head
-# ablation is significant (in any checkpoint).
+# ablation is significant (in any checkpoint, from the written families); while a run goes,
+# `significant_so_far` (corrected over the heads tested so far) and `eta_s` (of the pass in
+# progress) come from the live row's facts.progress (null once it has ended).
 SUMMARY = """
 CREATE VIEW summary AS
 SELECT r.run_id, r.name, r.status, r.created_at, r.model, r.dataset, r.metric, r.baseline_score, r.n_examples,
        r.n_planned, r.n_done, coalesce(c.n_checkpoints, 0) AS n_checkpoints, coalesce(h.n_heads, 0) AS n_heads,
-       coalesce(h.n_significant, 0) AS n_significant
+       coalesce(h.n_significant, 0) AS n_significant,
+       CAST(json_extract(r.facts, '$.progress.significant_so_far') AS INTEGER) AS significant_so_far,
+       CAST(json_extract(r.facts, '$.progress.eta_s') AS DOUBLE) AS eta_s, r.updated_at
 FROM runs r
 LEFT JOIN (SELECT run_id, count(DISTINCT name) AS n_heads, count(DISTINCT name) FILTER (WHERE significant)
                   AS n_significant
@@ -134,13 +144,15 @@ LEFT JOIN (SELECT run_id, count(DISTINCT coalesce(checkpoint, '')) AS n_checkpoi
   USING (run_id)
 """
 
+_SYNTAX = ", ".join("r." + name for name, _ in SYNTAX_COLUMNS)
+
 # What each head attends to (`head_roles`, Voita et al. 2019) beside its single-head delta, test and importance
 # (from `heads`; null where the run has none).
 ROLES = f"""
 CREATE VIEW roles AS
 SELECT r.run_id, r.checkpoint, r.attention, r.layer, r.head, r.attention || ':' || r.layer || ':' || r.head AS name,
        r.confidence, r.entropy, r.top_offset, r.top_offset_share, r.rare_share, r.rare_sentences, r.rare_chance,
-       r.n_tokens, r.roles, h.metric, h.baseline_score, h.score, h.delta, h.test, h.p_value, h.p_adjusted,
+       r.n_tokens, r.roles, {_SYNTAX}, h.metric, h.baseline_score, h.score, h.delta, h.test, h.p_value, h.p_adjusted,
        h.correction, h.alpha, h.significant, h.harm, h.importance_method, h.importance, h.importance_normalized,
        h.importance_rank
 FROM head_roles r

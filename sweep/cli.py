@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--format", default="table", choices=["table", "csv", "json", "parquet"])
     runs.add_argument("--out", metavar="FILE", help="write the list to FILE (needed for --format parquet)")
 
+    status = sub.add_parser("status", help="where one run stands: stored, significant so far, ETA")
+    status.add_argument("run_id", metavar="RUN_ID")
+    _store_arg(status)
+
     report = sub.add_parser("report", help="an HTML page with figures of one or more runs; prints its path")
     report.add_argument("run_ids", nargs="+", metavar="RUN_ID")
     _store_arg(report)
@@ -178,6 +182,14 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return _query_out(args, RUNS_LIST)
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from headsweep.results.store import ResultStore
+    from headsweep.sweep.status import status_lines
+
+    console.out("\n".join(status_lines(ResultStore(args.store), args.run_id)))
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from headsweep.results.store import ResultStore
     from headsweep.sweep.report import default_report_dir, write_report
@@ -259,7 +271,8 @@ def _stop_ray() -> None:
 
 
 COMMANDS = {"run": cmd_run, "submit": cmd_submit, "jobs": cmd_jobs, "query": cmd_query, "runs": cmd_runs,
-            "report": cmd_report, "compare": cmd_compare, "export": cmd_export, "demo": cmd_demo}
+            "status": cmd_status, "report": cmd_report, "compare": cmd_compare, "export": cmd_export,
+            "demo": cmd_demo}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -21,6 +21,8 @@ from headsweep.sweep.sections import (
     Config,
     EfficiencySection,
     ImportanceSection,
+    L0Section,
+    PairsSection,
     PruneSection,
     RolesSection,
     SignificanceSection,
@@ -84,6 +86,9 @@ def _resolve_paths(data: dict, base: Path) -> None:
     importance = data.get("importance")
     if isinstance(importance, dict):
         sections.append(importance.get("data"))
+    l0 = data.get("l0")
+    if isinstance(l0, dict):
+        sections.append(l0.get("data"))
     roles = data.get("roles")
     if isinstance(roles, dict):
         sections.append(roles.get("data"))
@@ -91,6 +96,9 @@ def _resolve_paths(data: dict, base: Path) -> None:
         if isinstance(frequencies, str) and frequencies != "dictionary" and not Path(frequencies).is_absolute():
             if (base / frequencies).exists():
                 roles["frequencies"] = str((base / frequencies).resolve())
+        parses = roles.get("parses")
+        if isinstance(parses, str) and parses and not Path(parses).is_absolute() and (base / parses).exists():
+            roles["parses"] = str((base / parses).resolve())
     for section in sections:
         if not isinstance(section, dict):
             continue
@@ -150,6 +158,8 @@ def build_config(data: dict) -> Config:
         prune=from_dict(PruneSection, data.get("prune"), "prune"),
         efficiency=from_dict(EfficiencySection, data.get("efficiency"), "efficiency"),
         roles=from_dict(RolesSection, data.get("roles"), "roles"),
+        pairs=from_dict(PairsSection, data.get("pairs"), "pairs"),
+        l0=from_dict(L0Section, data.get("l0"), "l0"),
         checkpoints=coerce(data.get("checkpoints"), list[str] | None, "checkpoints"),
     )
     if cfg.importance.data is not None:
@@ -165,8 +175,8 @@ def validate(cfg: Config) -> None:
     ``sweep.experiments`` may grow here: a kind implied by other keys joins it (``sweep.masks``
     adds ``custom``), so that the config's hash says what the run computes.
     """
-    kinds = experiments_of(cfg)
     _check_sections(cfg)
+    kinds = experiments_of(cfg)
     for kind in kinds:
         kind.check_config(cfg)
 
@@ -183,6 +193,11 @@ def _check_sections(cfg: Config) -> None:
     cfg.prune.check()
     if cfg.prune.reestimate and cfg.importance.method != "gradient":
         raise HeadsweepError("prune.reestimate needs importance.method gradient")
+    if cfg.sweep.order == "importance" and cfg.importance.method == "ablation" and not cfg.importance.from_run:
+        raise HeadsweepError(
+            "sweep.order: importance evaluates masks by importance estimated before the grid: set "
+            "importance.method to gradient or lrp, or name an earlier run with importance.from_run"
+        )
     cfg.efficiency.check()
     cfg.roles.check()
 

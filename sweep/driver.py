@@ -18,9 +18,10 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from headsweep.errors import HeadsweepError
-from headsweep.results.schema import COMPLETE, FAILED, INTERRUPTED, RUNNING
+from headsweep.results.schema import COMPLETE, FAILED, INTERRUPTED, PARTIAL, RUNNING
 from headsweep.results.store import ResultStore
 from headsweep.sweep import experiments
+from headsweep.sweep.budget import BudgetReached, SessionBudget
 from headsweep.sweep.chunks import ChunkWriter
 from headsweep.sweep.dispatch import WorkerPool, log, unwrap, wait_until_placed
 from headsweep.sweep.experiments.context import Context
@@ -123,6 +124,7 @@ class Sweep:
         except BaseException:
             pool.stop()
             raise
+        budget = SessionBudget.from_config(self.cfg.sweep.budget)
         try:
             for index, (checkpoint, model_cfg) in enumerate(variants):
                 if index > 0:
@@ -132,6 +134,7 @@ class Sweep:
                     self.cfg, info, pool, self.store, self.run_id,
                     prefix=f"ckpt{index}/" if checkpoint is not None else "", checkpoint=checkpoint,
                     done=self.done, writer=record.writer, record=record, show_progress=self.show_progress,
+                    budget=budget,
                 )
                 self.sweep_model(ctx)
                 if index == 0:
@@ -139,6 +142,13 @@ class Sweep:
                 # Workers go first: the remaining significance tasks may need the CPUs they hold.
                 pool.stop()
                 ctx.finish()
+        except BudgetReached as exc:
+            record.writer.flush()
+            record.progress = {}
+            record.write(PARTIAL)
+            log(f"budget reached ({exc}): run {self.run_id} is marked partial with {record.writer.written} "
+                "evaluations stored; run the same command again to continue it")
+            return self.run_id
         except BaseException as exc:
             record.writer.flush()
             status = INTERRUPTED if isinstance(exc, KeyboardInterrupt) else FAILED

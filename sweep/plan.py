@@ -8,11 +8,11 @@ checkpoints puts ``ckpt<i>/`` in front of every id of checkpoint i.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.sections import Config
-from headsweep.workers.heads import HeadInventory
+from headsweep.workers.heads import Head, HeadInventory
 from headsweep.workers.work import WorkUnit
 
 
@@ -43,3 +43,15 @@ def unique(units: Iterable[WorkUnit]) -> list[WorkUnit]:
     """``units`` without repeated eval ids (the first one stays), in their order."""
     seen: set[str] = set()
     return [u for u in units if not (u.eval_id in seen or seen.add(u.eval_id))]
+
+
+def by_importance(units: Sequence[WorkUnit], scores: Mapping[Head, float]) -> list[WorkUnit]:
+    """``units`` with the masks of the most important heads first (``sweep.order: importance``).
+
+    A mask's expected effect is the summed importance of the heads it gates off (heads without a score count 0);
+    ties keep their planned order, so the order is deterministic.
+    """
+    def expected(unit: WorkUnit) -> float:
+        return sum(scores.get(head, 0.0) for head in unit.masked)
+
+    return sorted(units, key=lambda u: -expected(u))

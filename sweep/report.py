@@ -22,7 +22,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.query import connect
 from headsweep.results.schema import SCHEMA_VERSION
 from headsweep.results.store import ResultStore
-from headsweep.sweep import figures
+from headsweep.sweep import figures, report_roles
 
 TOP_HEADS = 10
 # Baselines of two runs closer than this are the same model on the same data.
@@ -130,6 +130,9 @@ def _pruning_curves(con: duckdb.DuckDBPyConnection, run: dict, checkpoints: list
             ORDER BY r.created_at DESC, p.run_id, p.scope, p.level""",
                        [run_id, checkpoint, run["model"], run["dataset"], run["metric"],
                         baseline[0]["score"] if baseline else None]) if own else []
+        for r in own + others:  # L0 gates (Voita et al.) beside the importance curve of the same scope
+            if r.get("method") == "l0":
+                r["scope"] = f"L0 gates, {r['scope']}"
         by_curve: dict[tuple[str, str], list[dict]] = {}
         for r in own:
             by_curve.setdefault((r["scope"], run_id), []).append(r)
@@ -203,6 +206,8 @@ def _run_section(page: _Page, con: duckdb.DuckDBPyConnection, run: dict) -> None
             page.add("<h4>Head importance</h4>")
             page.figure(figures.importance_heatmap([h for h in heads if h["importance"] is not None], order),
                         f"{prefix}-importance.png", "importance heat map")
+        _roles(page, con, run_id, checkpoint, order, metric, prefix)
+        _interactions(page, con, run_id, checkpoint, order, metric, prefix)
 
     curves, table = _pruning_curves(con, run, checkpoints, heads_per_type)
     if curves:
@@ -214,6 +219,52 @@ def _run_section(page: _Page, con: duckdb.DuckDBPyConnection, run: dict) -> None
                                 _score_column(metric), ("relative_score", "relative to baseline"),
                                 ("p_adjusted", "adjusted p"), ("significant", "significant")]))
     _reproducibility(page, run, config, facts)
+
+
+def _interactions(page: _Page, con: duckdb.DuckDBPyConnection, run_id: str, checkpoint: str | None,
+                  order: list[str], metric: str | None, prefix: str) -> None:
+    """Pairwise interactions (the ``pairs`` kind): a heads x heads matrix per attention type, the strongest pairs."""
+    rows = _rows(con, f"SELECT * FROM interactions WHERE run_id = ? AND {_same('checkpoint')} ORDER BY head_i, "
+                      "head_j", [run_id, checkpoint])
+    if not rows:
+        return
+    page.add("<h4>Pairwise interactions</h4>")
+    page.add('<p class="note">Interaction = delta(i,j) - delta(i) - delta(j): zero where masking both heads costs '
+             "what masking each alone adds up to; excess harm is positive where the pair hurts more (the heads "
+             "back each other up). Paired bootstrap over the four evaluations, adjusted over the pairs.</p>")
+    for attention in [a for a in order if any(r["attention_i"] == r["attention_j"] == a for r in rows)]:
+        first = rows[0]
+        page.figure(figures.interaction_matrix(rows, attention, metric, first["correction"], first["alpha"]),
+                    f"{prefix}-interactions-{attention}.png", f"pairwise interactions, {attention} attention")
+    strongest = sorted(rows, key=lambda r: (-abs(r["excess_harm"]), r["head_i"], r["head_j"]))[:TOP_HEADS]
+    page.add(_table(strongest, [("head_i", "head i"), ("head_j", "head j"), ("delta_i", "delta i"),
+                                ("delta_j", "delta j"), ("delta_ij", "delta both"), ("interaction", "interaction"),
+                                ("excess_harm", "excess harm"), ("ci_low", "CI low"), ("ci_high", "CI high"),
+                                ("p_adjusted", "adjusted p"), ("significant", "significant")]))
+
+
+def _roles(page: _Page, con: duckdb.DuckDBPyConnection, run_id: str, checkpoint: str | None, order: list[str],
+           metric: str | None, prefix: str) -> None:
+    """What the heads do (the ``roles`` kind): confidence and role map, scatters, the share of heads with a role."""
+    rows = _rows(con, f"SELECT * FROM roles WHERE run_id = ? AND {_same('checkpoint')} ORDER BY attention, layer, "
+                      "head", [run_id, checkpoint])
+    if not rows:
+        return
+    page.add("<h4>What the heads do (Voita et al. 2019)</h4>")
+    page.figure(report_roles.confidence_role_map(rows, order), f"{prefix}-roles.png", "confidence and role map")
+    fig, correlations = report_roles.scatter_panels(rows, metric)
+    if fig is not None:
+        page.figure(fig, f"{prefix}-roles-scatter.png", "confidence and importance against ablation harm")
+        page.add(_table(correlations, [("x", "x"), ("y", "y"), ("rho", "Spearman rho"), ("p_value", "p"),
+                                       ("n", "heads")]))
+    levels = _rows(con, f"SELECT * FROM pruning WHERE run_id = ? AND {_same('checkpoint')}", [run_id, checkpoint])
+    scopes = sorted({r["scope"] for r in levels}, key=lambda x: (x != "all", x))
+    first = report_roles.pruned_first([r for r in levels if scopes and r["scope"] == scopes[0]])
+    page.add('<p class="note">Of the heads whose single-head removal is significant, and of those the first '
+             "pruning level removes, how many play a role; the first row is the base rate.</p>")
+    page.add(_table(report_roles.role_shares(rows, first),
+                    [("group", "heads"), ("heads", "n"), ("with_role", "with a role"), ("share", "share"),
+                     ("positional", "positional"), ("rare_words", "rare words"), ("syntactic", "syntactic")]))
 
 
 def _score_column(metric: str | None) -> tuple[str, str]:

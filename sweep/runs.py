@@ -134,6 +134,7 @@ class RunRecord:
     writer: ChunkWriter
     n_planned: int = 0
     baseline_score: float | None = None
+    progress: dict = field(default_factory=dict)  # facts.progress: what `headsweep status` shows of a live run
     _last_beat: float = field(default_factory=time.monotonic)
 
     def row(self, status: str, n_done: int, **extra) -> dict:
@@ -150,7 +151,9 @@ class RunRecord:
             "metric": info.metric,
             "n_examples": info.n_examples,
             "heads": json.dumps(info.inventory.to_json()),
-            "facts": json.dumps({**info.facts, "driver": driver_id()}, sort_keys=True, default=str),
+            "facts": json.dumps({**info.facts, "driver": driver_id(), **({"progress": self.progress}
+                                                                           if self.progress else {})},
+                                sort_keys=True, default=str),
             "code_version": code_version(),
             "schema_version": SCHEMA_VERSION,
             "n_planned": self.n_planned,
@@ -167,7 +170,11 @@ class RunRecord:
         self.store.write_rows("runs", self.run_id, [self.row(status, n_done, **extra)], "run")
         self._last_beat = time.monotonic()
 
+    def beat_due(self) -> bool:
+        """Whether :meth:`heartbeat` would rewrite the row now."""
+        return time.monotonic() - self._last_beat >= HEARTBEAT_S
+
     def heartbeat(self) -> None:
         """Rewrite the row now and then, so that another driver can tell this run is alive."""
-        if time.monotonic() - self._last_beat >= HEARTBEAT_S:
+        if self.beat_due():
             self.write(RUNNING)

@@ -19,10 +19,15 @@ from typing import Any
 
 from headsweep.errors import HeadsweepError
 
-IMPORTANCE_METHODS = ("gradient", "ablation")
+IMPORTANCE_METHODS = ("gradient", "ablation", "lrp")
 DEFAULT_LEVELS = [round(0.1 * i, 1) for i in range(11)]
 TESTS = ("paired_bootstrap", "paired_ttest", "mcnemar_exact")
 CORRECTIONS = ("bh", "holm", "bonferroni", "none")
+SWEEP_ORDERS = ("planned", "importance")
+BUDGETS = ("evaluations", "minutes")
+# How a session runs, not what it computes: left out of the config hash, so a run resumes whatever they are
+# (a budgeted run is finished by the same command, or by one without the budget).
+SESSION_ONLY = {"sweep": ("budget", "order")}
 
 
 @dataclass
@@ -49,6 +54,8 @@ class SweepSection:
     worker_restarts: int = 3
     placement_timeout_s: float = 600.0
     wait_for_resources: bool = False
+    order: str = "planned"  # or "importance": masks of the most important heads first (importance runs first)
+    budget: dict | None = None  # {"evaluations": N} or {"minutes": M}: stop cleanly, run marked partial
 
     def batching(self) -> dict[str, int]:
         """``RuntimeOptions``' ``batch_size`` and ``max_tokens`` for what is set; the rest keep their defaults.
@@ -93,6 +100,17 @@ class SweepSection:
             )
         if self.max_retries < 0 or self.worker_restarts < 0:
             raise HeadsweepError("sweep.max_retries and sweep.worker_restarts must not be negative")
+        if self.order not in SWEEP_ORDERS:
+            raise HeadsweepError(f"unknown sweep.order {self.order!r} (known: {', '.join(SWEEP_ORDERS)})")
+        if self.budget is not None:
+            if not isinstance(self.budget, dict) or len(self.budget) != 1 or next(iter(self.budget)) not in BUDGETS:
+                raise HeadsweepError(f"sweep.budget takes one of {', '.join(BUDGETS)}, e.g. sweep.budget: "
+                                     f"{{evaluations: 100}}; got {self.budget!r}")
+            (key, value), = self.budget.items()
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise HeadsweepError(f"sweep.budget.{key} must be a positive number, got {value!r}")
+            if key == "evaluations" and value != int(value):
+                raise HeadsweepError(f"sweep.budget.evaluations must be a whole number, got {value!r}")
 
 
 @dataclass
@@ -191,6 +209,10 @@ class RolesSection:
     ``data`` has the keys of the model kind's ``data`` section (default: the evaluation set).
     ``frequencies``: ``dictionary`` (a fairseq model's dictionary counts, the default for fairseq), a
     corpus file (one sentence a line), or null (other families: no rare-word statistics).
+    ``parses``: a CoNLL-U file, one parse per evaluation example (syntactic heads); else ``parser: spacy``
+    parses with the installed pipeline ``spacy_model``. ``relations`` give ``syntactic:<relation>`` roles when
+    a head's accuracy beats the most-frequent-offset baseline by ``syntactic_margin`` over at least
+    ``syntactic_min_instances`` instances.
     """
 
     data: dict | None = None
@@ -200,8 +222,29 @@ class RolesSection:
     rare_top: int = 500
     rare_threshold: float = 0.5
     rare_min_sentences: int = 10
+    # Syntactic heads (headsweep.workers.syntax): a CoNLL-U file aligned with the evaluation text, or parser: spacy.
+    parses: str | None = None
+    parser: str | None = None
+    spacy_model: str = "en_core_web_sm"
+    relations: list[str] = field(default_factory=lambda: ["nsubj", "obj", "amod", "advmod"])
+    syntactic_margin: float = 0.1
+    syntactic_min_instances: int = 10
 
     def check(self) -> None:
+        from headsweep.workers.syntax import ALIASES, RELATIONS
+
+        if self.parser not in (None, "spacy"):
+            raise HeadsweepError(f"roles.parser must be spacy (or unset), got {self.parser!r}")
+        unknown = [r for r in self.relations if ALIASES.get(r, r) not in RELATIONS]
+        if unknown or not self.relations:
+            raise HeadsweepError(f"roles.relations: unknown relation {unknown[0] if unknown else '(none given)'!r}"
+                                 f" (known: {', '.join(RELATIONS)}; dobj counts as obj)")
+        self.relations = list(dict.fromkeys(ALIASES.get(r, r) for r in self.relations))
+        if not 0 < self.syntactic_margin <= 1:
+            raise HeadsweepError(f"roles.syntactic_margin must be a share in (0, 1], got {self.syntactic_margin}")
+        if self.syntactic_min_instances < 1:
+            raise HeadsweepError(f"roles.syntactic_min_instances must be at least 1, got "
+                                 f"{self.syntactic_min_instances}")
         if not self.offsets:
             raise HeadsweepError("roles.offsets must name at least one relative offset (e.g. [-1, 1])")
         if 0 in self.offsets or len(set(self.offsets)) != len(self.offsets):
@@ -215,6 +258,94 @@ class RolesSection:
             raise HeadsweepError(f"roles.rare_top must be at least 1, got {self.rare_top}")
         if self.rare_min_sentences < 1:
             raise HeadsweepError(f"roles.rare_min_sentences must be at least 1, got {self.rare_min_sentences}")
+
+
+PAIR_SELECTS = ("all", "importance", "single_head", "list")
+PAIR_SCOPES = ("all", "layer")
+
+
+@dataclass
+class PairsSection:
+    """The ``pairs`` experiment: pairwise head interactions (``headsweep.sweep.experiments.pairs``).
+
+    ``select`` picks the heads: ``all`` (every head of ``sweep.attention``), the ``top_k`` heads ranked
+    by ``importance`` (the run's importance scores) or by ``single_head`` |delta| (of this run, or of
+    ``from_run``), or ``list`` (``heads``, head names). ``scope``: ``all`` pairs among them, or only
+    pairs within one ``layer``. More than ``max_pairs`` pairs is refused before anything runs.
+    """
+
+    select: str = "all"
+    top_k: int = 10
+    scope: str = "all"
+    heads: list[str] | None = None
+    from_run: str | None = None
+    max_pairs: int = 500
+
+    def check(self) -> None:
+        if self.select not in PAIR_SELECTS:
+            raise HeadsweepError(f"unknown pairs.select {self.select!r} (known: {', '.join(PAIR_SELECTS)})")
+        if self.scope not in PAIR_SCOPES:
+            raise HeadsweepError(f"unknown pairs.scope {self.scope!r} (known: {', '.join(PAIR_SCOPES)})")
+        if self.top_k < 2:
+            raise HeadsweepError(f"pairs.top_k must be at least 2 (a pair needs two heads), got {self.top_k}")
+        if self.max_pairs < 1:
+            raise HeadsweepError(f"pairs.max_pairs must be at least 1, got {self.max_pairs}")
+        if self.select == "list" and len(set(self.heads or [])) < 2:
+            raise HeadsweepError("pairs.select list needs pairs.heads: at least two head names (attention:layer:head)")
+        if self.select != "list" and self.heads:
+            raise HeadsweepError(f"pairs.heads is read with pairs.select list, not {self.select}")
+        if self.from_run and self.select not in ("importance", "single_head"):
+            raise HeadsweepError(f"pairs.from_run ranks heads for pairs.select importance or single_head, "
+                                 f"not {self.select}")
+
+
+@dataclass
+class L0Section:
+    """The ``l0`` experiment (Voita et al. 2019 sec. 6): Hard Concrete head gates trained per penalty weight.
+
+    One Ray Tune trial per ``lambdas`` entry trains the gates (``train: gates``, model frozen; or ``all``)
+    for ``steps`` Adam updates at ``lr`` on ``data`` (keys of the model kind's ``data`` section; training
+    data, never the evaluation set or a test split), starting from the converged model with every
+    ``log_alpha`` at ``init_log_alpha``. ``beta`` is the temperature (0.33 as Voita et al.'s code; the paper
+    says 2/3). ``closing``: ``test_gate`` (closed when the test-time gate is 0) or ``larger_probability``
+    (Voita: P(g=0) > P(g=1)). ``attention``: the attention types that get gates (null: all).
+    ``label_smoothing`` (translation) null: the value the checkpoint was trained with (else fairseq's 0.1).
+    """
+
+    lambdas: list[float] = field(default_factory=lambda: [0.0, 0.01, 0.05, 0.1])
+    data: dict | None = None
+    steps: int = 500
+    lr: float = 0.05
+    train: str = "gates"
+    beta: float = 0.33
+    init_log_alpha: float = 3.0
+    seed: int = 0
+    closing: str = "test_gate"
+    attention: list[str] | None = None
+    label_smoothing: float | None = None
+    checkpoint_every: int = 100
+    allow_eval_data: bool = False
+
+    def check(self) -> None:
+        if not self.lambdas:
+            raise HeadsweepError("l0.lambdas must list at least one penalty weight")
+        for lam in self.lambdas:
+            if not lam >= 0:
+                raise HeadsweepError(f"l0.lambdas: a penalty weight must be >= 0, got lambda={lam}")
+        if len(set(self.lambdas)) != len(self.lambdas):
+            raise HeadsweepError(f"l0.lambdas lists a penalty weight twice: {self.lambdas}")
+        if self.steps < 1:
+            raise HeadsweepError(f"l0.steps must be at least 1, got {self.steps}")
+        if not self.lr > 0:
+            raise HeadsweepError(f"l0.lr must be positive, got {self.lr}")
+        if self.train not in ("gates", "all"):
+            raise HeadsweepError(f"l0.train must be gates or all, got {self.train!r}")
+        if not self.beta > 0:
+            raise HeadsweepError(f"l0.beta must be positive, got {self.beta}")
+        if self.closing not in ("test_gate", "larger_probability"):
+            raise HeadsweepError(f"l0.closing must be test_gate or larger_probability, got {self.closing!r}")
+        if self.checkpoint_every < 0:
+            raise HeadsweepError(f"l0.checkpoint_every must be >= 0 (0: at the end only), got {self.checkpoint_every}")
 
 
 @dataclass
@@ -231,6 +362,8 @@ class Config:
     prune: PruneSection = field(default_factory=PruneSection)
     efficiency: EfficiencySection = field(default_factory=EfficiencySection)
     roles: RolesSection = field(default_factory=RolesSection)
+    pairs: PairsSection = field(default_factory=PairsSection)
+    l0: L0Section = field(default_factory=L0Section)
     checkpoints: list[str] | None = None
 
     def to_dict(self) -> dict:
@@ -245,7 +378,13 @@ class Config:
         Defaults are left out so that a later version adding a key (with a default that keeps today's
         behaviour) does not change the identity of runs already in a store: they still resume.
         """
-        canonical = json.dumps(settings_changed(self), sort_keys=True, separators=(",", ":"))
+        changed = settings_changed(self)
+        for section, keys in SESSION_ONLY.items():
+            for key in keys:
+                changed.get(section, {}).pop(key, None)
+            if changed.get(section) == {"__type__": type(getattr(self, section)).__name__}:
+                del changed[section]
+        canonical = json.dumps(changed, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 

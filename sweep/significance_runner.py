@@ -16,6 +16,7 @@ import ray
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
+from headsweep.results.views import OTHER_METRICS_TEST, PRIMARY_TEST
 from headsweep.sweep.sections import SignificanceSection
 from headsweep.sweep.significance import (
     TestResult,
@@ -154,16 +155,31 @@ class SignificanceTracker:
             if wait:
                 break
 
+    def significant_so_far(self, experiment: str = "single_head") -> int:
+        """Evaluations of ``experiment`` significant among those tested so far, the correction applied over them
+        only (provisional: the written family is corrected over all of its evaluations)."""
+        if not self.done.get(experiment):
+            return 0
+        rows = self._family_rows(experiment)
+        primary = PRIMARY_TEST.get(self.metric, OTHER_METRICS_TEST)  # the test the views report
+        if primary not in self.tests:
+            primary = self.tests[0]
+        return sum(r["significant"] for r in rows if r["test"] == primary)
+
     def finish(self) -> None:
         """Submit what is buffered, wait for every task, write every complete family."""
         for experiment in list(self.buffer):
             self._submit(experiment)
         self.poll(wait=True)
 
-    def _write(self, experiment: str) -> None:
+    def _family_rows(self, experiment: str) -> list[dict]:
+        """Significance rows of the evaluations of ``experiment`` tested so far, corrected over them."""
         parts = self.done[experiment]
         eval_ids = [i for ids, _ in parts for i in ids]
         results = [concat_results([res[t] for _, res in parts]) for t in range(len(self.tests))]
-        rows = family_rows(eval_ids, results, self.section.correction, self.section.alpha)
+        return family_rows(eval_ids, results, self.section.correction, self.section.alpha)
+
+    def _write(self, experiment: str) -> None:
+        rows = self._family_rows(experiment)
         name = (self.family_prefix + experiment).replace("/", "-")
         self.store.write_rows("significance", self.run_id, rows, name=name)

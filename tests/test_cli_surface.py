@@ -21,7 +21,7 @@ import yaml
 from conftest import REPO, default_sigint, error_line, run_cli
 from small_store import small_store
 
-COMMANDS = ["run", "query", "runs", "report", "submit", "jobs", "compare", "export", "demo"]
+COMMANDS = ["run", "query", "runs", "status", "report", "submit", "jobs", "compare", "export", "demo"]
 
 
 def test_every_help_page():
@@ -64,6 +64,7 @@ def test_every_command_against_every_kind_of_store(stores, tmp_path, tiny_bert_d
             ("query", "SELECT count(*) FROM evaluations"),
             ("query", "SELECT * FROM heads LIMIT 3"),
             ("runs",),
+            ("status", "no-such-run"),
             ("report", "no-such-run", "--out", str(tmp_path / "report")),
             ("compare", "run-a", "run-b"),
             ("export", str(config), "--from-run", "no-such-run", "--level", "0.5", "--out", str(tmp_path / "x")),

@@ -108,11 +108,16 @@ class LossBatch:
     ``tokens[site]`` is the batch's (B, T) mask of real (non-padding) tokens as the site sees
     them (batch first, whatever the model's layout); ``loss()`` runs the model (with whatever
     gates are set) and returns the batch's training loss, summed over its examples.
+    ``outputs()`` (None where a family has none) runs the model and returns its logits
+    ``(..., V)`` with a boolean mask ``(...)`` of the predictions that count (a classifier's
+    examples, a translation's real target tokens, a language model's scored tokens): what
+    relevance propagation explains.
     """
 
     tokens: dict[SiteKey, torch.Tensor]
     n_examples: int
     loss: Callable[[], torch.Tensor]
+    outputs: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass

@@ -69,6 +69,7 @@ class TokenSide:
     real: torch.Tensor
     special: torch.Tensor
     vocab: str = "text"
+    examples: torch.Tensor | None = None  # (B,) the evaluation example of each row, where the reader knows it
 
     @property
     def words(self) -> torch.Tensor:
@@ -147,6 +148,18 @@ class RoleSettings:
     rare_threshold: float = 0.5
     rare_min_sentences: int = 10
     frequencies: str | None = None
+    # Syntactic heads (headsweep.workers.syntax): a CoNLL-U file, or spaCy when parser == "spacy".
+    parses: str | None = None
+    parser: str | None = None
+    spacy_model: str = "en_core_web_sm"
+    relations: tuple[str, ...] = ("nsubj", "obj", "amod", "advmod")
+    syntactic_margin: float = 0.1
+    syntactic_min_instances: int = 10
+
+    @property
+    def syntax(self) -> bool:
+        """Whether syntactic statistics are asked for."""
+        return bool(self.parses) or self.parser == "spacy"
 
 
 @dataclass
@@ -165,6 +178,7 @@ class HeadRole:
     rare_sentences: int | None
     rare_chance: float | None
     roles: list[str]
+    syntax: dict[str, float | int | None] = field(default_factory=dict)  # headsweep.workers.syntax columns
 
 
 def _allowed(site: SiteAttention, keys: torch.Tensor) -> torch.Tensor:

@@ -108,8 +108,8 @@ def gradient_importance(
     totals = {key: torch.zeros(h, dtype=torch.float64) for key, h in num_heads.items()}
     counts = dict.fromkeys(num_heads, 0)
     loss_total, n_examples = 0.0, 0
-    prepared = _loss_batches(adapter, label_smoothing)
-    for batch in _gate_gradients(adapter, masked, prepared.batches):
+    prepared = loss_batches_of(adapter, label_smoothing)
+    for batch in batch_gate_gradients(adapter, masked, prepared.batches):
         loss_total += batch.loss
         n_examples += batch.n_examples
         for key, grad in batch.grads.items():
@@ -155,11 +155,13 @@ def gate_gradients(
     parameter ``.grad`` is touched and no weight gradients are computed. Takes the same
     ``adapter`` and ``label_smoothing`` as :func:`gradient_importance`.
     """
-    return _gate_gradients(adapter, mask, _loss_batches(adapter, label_smoothing).batches)
+    return batch_gate_gradients(adapter, mask, loss_batches_of(adapter, label_smoothing).batches)
 
 
-def _gate_gradients(adapter: EvalAdapter, mask: Sequence[Head],
-                    batches: Sequence[LossBatch]) -> Iterator[BatchGateGradients]:
+def batch_gate_gradients(adapter: EvalAdapter, mask: Sequence[Head],
+                         batches: Sequence[LossBatch]) -> Iterator[BatchGateGradients]:
+    """:func:`gate_gradients` of prepared ``batches``: per-token gradients of each ``batch.loss()`` (any
+    scalar the batch computes, e.g. the explained logits of relevance propagation) at the gates."""
     gates = adapter.gates
     model = adapter.model
     dtype = _gate_dtype(model)
@@ -231,7 +233,8 @@ def _site_layout(site: AttentionSite, tokens: torch.Tensor) -> torch.Tensor:
     return tokens.transpose(0, 1) if site.batch_dim == 1 else tokens
 
 
-def _loss_batches(adapter: EvalAdapter, label_smoothing: float | None) -> LossBatches:
+def loss_batches_of(adapter: EvalAdapter, label_smoothing: float | None) -> LossBatches:
+    """The adapter's loss batches for gradient methods (at least float32), or one line saying why there are none."""
     if not hasattr(adapter, "loss_batches"):
         raise HeadsweepError(f"{type(adapter).__name__}: this model family declares no training loss "
                              "(EvalAdapter.loss_batches), so gradient importance cannot be estimated")

@@ -25,6 +25,7 @@ calls ``sink(site_key, SiteAttention)`` for every site and yields after each bat
 
 from __future__ import annotations
 
+import html
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -48,6 +49,21 @@ from headsweep.workers.head_roles import (
     sentence_statistics,
 )
 from headsweep.workers.heads import SiteKey
+from headsweep.workers.syntax import (
+    Aligned,
+    SyntaxSettings,
+    SyntaxTotals,
+    align,
+    check_parses,
+    describe_parses,
+    offset_spans,
+    parses_source,
+    piece_string_spans,
+    read_conllu,
+    sentence_syntax,
+    spacy_parses,
+    word_spans,
+)
 from headsweep.workers.text_files import read_text, split_lines
 
 AttentionBatch = dict[SiteKey, SiteAttention]
@@ -179,7 +195,7 @@ def classifier_maps(adapter: Any, sink: Sink) -> Iterator[None]:
             ids = inputs["input_ids"]
             mask = inputs.get("attention_mask")
             real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
-            now["side"] = TokenSide(ids, real, _special(ids, specials) & real, "text")
+            now["side"] = TokenSide(ids, real, _special(ids, specials) & real, "text", _idx)
             with torch.inference_mode():  # not across the yield: the caller's code runs as it chose
                 adapter.model(**inputs)
             yield
@@ -205,10 +221,11 @@ def causal_lm_maps(adapter: Any, sink: Sink) -> Iterator[None]:
             yield
 
 
-def _dictionary_side(tokens: torch.Tensor, dictionary: Any, vocab: str) -> TokenSide:
+def _dictionary_side(tokens: torch.Tensor, dictionary: Any, vocab: str, examples: torch.Tensor | None = None
+                     ) -> TokenSide:
     real = tokens.ne(dictionary.pad())
     special = _special(tokens, {dictionary.bos(), dictionary.eos(), dictionary.pad()}) & real
-    return TokenSide(tokens, real, special, vocab)
+    return TokenSide(tokens, real, special, vocab, examples)
 
 
 def translation_maps(adapter: Any, sink: Sink) -> Iterator[None]:
@@ -223,7 +240,7 @@ def translation_maps(adapter: Any, sink: Sink) -> Iterator[None]:
     with fairseq_attention(adapter.gates.sites, lambda key, w: sink(key, SiteAttention(w, *sides[key[0]]))):
         for sample in adapter.batches:
             net = sample["net_input"]
-            source = _dictionary_side(net["src_tokens"], adapter.src_dict, "source")
+            source = _dictionary_side(net["src_tokens"], adapter.src_dict, "source", sample["id"])
             target = _dictionary_side(net["prev_output_tokens"], adapter.tgt_dict, "target")
             sides.update({"enc_self": (source, source, False), "dec_self": (target, target, True),
                           "enc_dec": (target, source, False)})
@@ -301,6 +318,121 @@ def frequency_tables(adapter: Any, family: str, spec: str | None, top: int) -> t
             f"{'source ' if vocab == 'source' else ''}input); rare: outside the {top} most frequent types")
 
 
+# -- syntactic heads: parses aligned with the model's pieces -------------------------------------------
+# Attention types scored against the parses: self-attention over the parsed text. Translation models: the source
+# side (enc_self); dec_self and enc_dec would need target-side parses, which roles does not read (yet).
+SYNTAX_ATTENTION = {"hf_classifier": "self", "fairseq_translation": "enc_self"}
+SYNTAX_FAMILIES = tuple(SYNTAX_ATTENTION)
+
+
+@dataclass
+class SyntaxInputs:
+    """The aligned sentences by example index (unaligned ones left out), and what runs.facts records."""
+
+    attention: str
+    sentences: dict[int, Aligned]
+    facts: dict
+
+
+def _classifier_pieces(adapter: Any, texts: list[str]) -> list[list[tuple[int, int] | None]]:
+    """Each example's pieces (as the adapter tokenises it: the same truncation) as compact character spans of
+    its first text; the second text of a pair and special tokens span nothing."""
+    tok = adapter.tokenizer
+    if not getattr(tok, "is_fast", False):
+        raise HeadsweepError(f"syntactic heads need a fast tokenizer (character offsets); {type(tok).__name__} "
+                             "gives none")
+    ex = adapter.examples
+    enc = tok(ex.texts, ex.text_pairs, truncation=True, max_length=adapter.max_length, return_offsets_mapping=True,
+              verbose=False)
+    spans = []
+    for i, text in enumerate(texts):
+        first = [s == 0 for s in enc.sequence_ids(i)]
+        offsets = [o if keep else (0, 0) for o, keep in zip(enc["offset_mapping"][i], first, strict=True)]
+        spans.append(offset_spans(text, offsets))
+    return spans
+
+
+def _fairseq_pieces(adapter: Any) -> tuple[list[str], list[list[tuple[int, int] | None] | None]]:
+    """Each source sentence spelled by its pieces (BPE markers removed, Moses escapes undone) and the pieces'
+    compact spans (EOS spans nothing); None for a sentence holding ``<unk>`` (it spells no characters)."""
+    d = adapter.src_dict
+    pipeline = getattr(adapter, "pipeline", None)
+    continuation = "" if getattr(pipeline, "post_process", None) == "sentencepiece" else "@@"
+    texts, spans = [], []
+    for ids in adapter.examples.source:
+        ids = [int(i) for i in ids]
+        pieces = [html.unescape(d[i]) for i in ids if i != d.eos()]
+        text, piece_spans = piece_string_spans(pieces, continuation)
+        texts.append(text)
+        spans.append(None if d.unk() in ids else [*piece_spans, None])
+    return texts, spans
+
+
+def syntax_inputs(adapter: Any, family: str, settings: RoleSettings) -> SyntaxInputs | None:
+    """The parses of ``adapter``'s evaluation text (``roles.parses`` or spaCy), checked against it word by word
+    and aligned with the model's pieces; None when no syntax is asked for. Cached on the adapter, so the check
+    before the run and the run parse once."""
+    if not settings.syntax:
+        return None
+    key = (settings.parses, settings.parser, settings.spacy_model)
+    cached = getattr(adapter, "_headsweep_syntax", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if family not in SYNTAX_ATTENTION:
+        raise HeadsweepError(f"syntactic heads need sentences of a parsed text: model families "
+                             f"{', '.join(SYNTAX_FAMILIES)}, not {family!r}")
+    if family == "fairseq_translation":
+        texts, spans = _fairseq_pieces(adapter)
+    else:
+        texts = list(adapter.examples.texts)
+        spans = None
+    made_by = ""
+    if settings.parses:
+        parses = read_conllu(settings.parses)
+        source = f"roles.parses {settings.parses}"
+    else:
+        parses, made_by = spacy_parses(texts, settings.spacy_model)
+        source = f"spaCy {settings.spacy_model}"
+    checked = [i for i in range(len(texts)) if spans is None or spans[i] is not None]
+    if len(parses) != len(texts):
+        check_parses(parses, texts, source)  # raises: the counts differ
+    check_parses([parses[i] for i in checked], [texts[i] for i in checked], source)
+    if spans is None:
+        spans = _classifier_pieces(adapter, texts)
+    sentences: dict[int, Aligned] = {}
+    unaligned = []
+    for i, parse in enumerate(parses):
+        pieces = None if spans[i] is None else align(spans[i], word_spans(parse.words))
+        if pieces is None:
+            unaligned.append(i)
+        else:
+            sentences[i] = Aligned(pieces, parse.arcs)
+    ids = getattr(adapter.examples, "ids", None) or [str(i) for i in range(len(texts))]
+    counts = describe_parses([parses[i] for i in sentences])
+    facts = {"parses": parses_source(settings.parses, settings.parser, settings.spacy_model, made_by),
+             "attention": SYNTAX_ATTENTION[family], "sentences": len(parses), "aligned": len(sentences),
+             "unaligned": len(unaligned), "unaligned_examples": [ids[i] for i in unaligned[:10]],
+             "instances": counts, "relations": list(settings.relations), "margin": settings.syntactic_margin,
+             "min_instances": settings.syntactic_min_instances, "directions": "either (dep2gov or gov2dep)"}
+    result = SyntaxInputs(SYNTAX_ATTENTION[family], sentences, facts)
+    adapter._headsweep_syntax = (key, result)
+    return result
+
+
+def _add_syntax(site: SiteAttention, syntax: SyntaxInputs, totals: SyntaxTotals) -> None:
+    """Add the statistics of the batch's parsed sentences (each row's real tokens, so padding does not matter)."""
+    examples = site.keys.examples
+    if examples is None:
+        raise HeadsweepError("syntactic heads: the attention reader gives no example indices")
+    for b, ex in enumerate(examples.tolist()):
+        sentence = syntax.sentences.get(int(ex))
+        if sentence is None:
+            continue
+        real = site.keys.real[b].nonzero().squeeze(1)
+        weights = site.weights[b][:, real][:, :, real]
+        totals.add(sentence_syntax(weights, sentence))
+
+
 # -- the worker step -------------------------------------------------------------------------------
 @dataclass
 class RolesResult:
@@ -309,27 +441,38 @@ class RolesResult:
     heads: list[HeadRole]
     frequencies: str
     n_sentences: int
+    syntax: dict | None = None  # what runs.facts records of the parses (None: no syntax asked for)
 
 
 def head_roles(adapter: Any, family: str, settings: RoleSettings) -> RolesResult:
     """Statistics and roles of every head of ``adapter``'s unmasked model on its evaluation data."""
     tables, described = frequency_tables(adapter, family, settings.frequencies, settings.rare_top)
+    syntax = syntax_inputs(adapter, family, settings)
     totals: dict[SiteKey, RoleTotals] = {}
+    syntax_totals: dict[SiteKey, SyntaxTotals] = {}
 
     def add(key: SiteKey, site: SiteAttention) -> None:
         stats = sentence_statistics(site, tables.get(site.keys.vocab))
         totals.setdefault(key, RoleTotals(site.weights.shape[1])).add(stats)
+        if syntax is not None and key[0] == syntax.attention:
+            _add_syntax(site, syntax, syntax_totals.setdefault(key, SyntaxTotals(site.weights.shape[1])))
 
     for _ in read_attention(adapter, family, add):
         pass
     heads: list[HeadRole] = []
+    rules = SyntaxSettings(settings.relations, settings.syntactic_margin, settings.syntactic_min_instances)
     for shape in adapter.gates.inventory.layers:
         key = (shape.attention, shape.layer)
         if key not in totals:
             raise HeadsweepError(f"{shape.attention}:{shape.layer}: no attention weights were read for this layer")
-        heads += totals[key].heads(shape.attention, shape.layer, settings)
+        layer = totals[key].heads(shape.attention, shape.layer, settings)
+        if key in syntax_totals:
+            for head in layer:
+                head.syntax, roles = syntax_totals[key].head(head.head, rules)
+                head.roles += roles
+        heads += layer
     n_sentences = max((t.n_sentences for t in totals.values()), default=0)
-    return RolesResult(heads, described, n_sentences)
+    return RolesResult(heads, described, n_sentences, None if syntax is None else syntax.facts)
 
 
 def roles_on_worker(worker: Any, data_cfg: Any, settings: RoleSettings) -> RolesResult:
@@ -337,9 +480,15 @@ def roles_on_worker(worker: Any, data_cfg: Any, settings: RoleSettings) -> Roles
     return head_roles(worker.adapter(data_cfg), worker.kind, settings)
 
 
-def roles_problem_on_worker(worker: Any, data_cfg: Any) -> str | None:
-    """Why roles cannot read this worker's model (None when it can), asked before anything is written."""
+def roles_problem_on_worker(worker: Any, data_cfg: Any, settings: RoleSettings | None = None) -> str | None:
+    """Why roles cannot read this worker's model or align its parses (None when it can), asked before anything
+    is written."""
     adapter = worker.adapter(data_cfg)
+    if settings is not None and settings.syntax:
+        try:
+            syntax_inputs(adapter, worker.kind, settings)
+        except HeadsweepError as exc:
+            return str(exc)
     if callable(getattr(adapter, "attention_maps", None)):
         return None
     if worker.kind not in READERS:

@@ -28,6 +28,8 @@ from headsweep.sweep.experiments.custom import CUSTOM
 from headsweep.sweep.experiments.efficiency import EFFICIENCY
 from headsweep.sweep.experiments.importance import IMPORTANCE
 from headsweep.sweep.experiments.kv_group import KV_GROUP
+from headsweep.sweep.experiments.l0 import L0
+from headsweep.sweep.experiments.pairs import PAIRS
 from headsweep.sweep.experiments.prune_level import PRUNE_LEVEL
 from headsweep.sweep.experiments.roles import ROLES
 from headsweep.sweep.experiments.single_head import SINGLE_HEAD
@@ -62,7 +64,8 @@ def register(kind: Experiment, replace: bool = False) -> Experiment:
     return kind
 
 
-for _kind in (BASELINE, SINGLE_HEAD, ALL_BUT_ONE, CUSTOM, IMPORTANCE, PRUNE_LEVEL, EFFICIENCY, KV_GROUP, ROLES):
+for _kind in (BASELINE, SINGLE_HEAD, ALL_BUT_ONE, CUSTOM, IMPORTANCE, PRUNE_LEVEL, EFFICIENCY, KV_GROUP, ROLES, PAIRS,
+              L0):
     register(_kind)
 
 
@@ -85,6 +88,9 @@ def _plugin(name: str) -> Experiment:
 
 def _dependencies(kind: Experiment, cfg: Config) -> list[Experiment]:
     needed = [experiment_kind(n) for n in kind.needs(cfg)]
+    if cfg.sweep.order == "importance" and kind.plans_masks and kind.name not in (REFERENCE, IMPORTANCE.name):
+        # Masks go out most important heads first, so the scores come before every grid.
+        needed.append(IMPORTANCE)
     return needed if kind.name == REFERENCE else [KINDS[REFERENCE], *needed]
 
 

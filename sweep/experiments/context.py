@@ -8,6 +8,7 @@ it to the significance tests; it knows which evaluations a resumed run already s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,9 +16,10 @@ from typing import Any
 import numpy as np
 
 from headsweep.results.store import ResultStore
+from headsweep.sweep.budget import BudgetReached, SessionBudget
 from headsweep.sweep.chunks import ChunkWriter
 from headsweep.sweep.dispatch import WorkerPool, units_per_call
-from headsweep.sweep.plan import unique, with_prefix
+from headsweep.sweep.plan import by_importance, unique, with_prefix
 from headsweep.sweep.progress import Progress
 from headsweep.sweep.runs import RunRecord
 from headsweep.sweep.sections import Config
@@ -51,6 +53,7 @@ class Context:
     show_progress: bool = True
     baseline: tuple[float, np.ndarray] | None = None  # score and statistics of the unmasked model
     tracker: SignificanceTracker | None = None
+    budget: SessionBudget | None = None  # sweep.budget, shared by the contexts of one session
     _reference: WorkUnit | None = field(default=None, repr=False)  # planned, not yet evaluated
 
     @property
@@ -95,7 +98,12 @@ class Context:
         units = unique(with_prefix(units, self.prefix))
         record.n_planned += len(units)
         todo = [u for u in units if u.eval_id not in self.done]
+        if self.cfg.sweep.order == "importance" and "importance" in self.shared:
+            todo = by_importance(todo, self.shared["importance"])
+        if self.budget is not None and self.budget.reached() and (todo or reference is not None):
+            raise BudgetReached(self.budget.describe())
         held: list[tuple[WorkUnit, Any, str]] = []  # results that landed before the reference
+        started, landed, left = time.monotonic(), 0, len(todo) + (reference is not None)
 
         def land(unit: WorkUnit, out: Any, worker: str) -> None:
             self.writer.add(unit, out, self.baseline[0], worker)
@@ -122,7 +130,22 @@ class Context:
             else:
                 land(unit, out, worker)
             progress.update(1, f"[{unit.eval_id}]")
+            landed, left = landed + 1, left - 1
+            if record.beat_due():  # progress is only read from the row, so only computed when it is written
+                self._note_progress(record, landed, left, time.monotonic() - started)
             record.heartbeat()
+            if self.budget is not None:
+                self.budget.count()
+                if left and self.budget.reached():
+                    raise BudgetReached(self.budget.describe())
+
+    def _note_progress(self, record: RunRecord, landed: int, left: int, elapsed: float) -> None:
+        """What ``headsweep status`` shows while the run goes: stored, significant so far, ETA of this pass."""
+        rate = landed / elapsed if elapsed > 0 else None
+        record.progress = {
+            "stored": self.writer.written, "pass_left": left, "eta_s": round(left / rate, 1) if rate else None,
+            "significant_so_far": self.tracker.significant_so_far() if self.tracker is not None else None,
+        }
 
     def _set_reference(self, score: float, stats: np.ndarray) -> None:
         self.baseline = (score, stats)

@@ -1,8 +1,9 @@
 """``importance`` (Michel et al. sec. 4.1): a score per head, written to the ``importance`` table.
 
 ``importance.method: gradient`` estimates ``E|dL/dxi_h|`` on ``importance.data`` in a worker
-(``headsweep.workers.importance.importance_on_worker``); ``ablation`` takes the harm of each head's
-single-head ablation in this run (or in ``importance.from_run``): minus the delta where the metric's
+(``headsweep.workers.importance.importance_on_worker``); ``lrp`` each head's share of the relevance of the
+top-1 logit on ``importance.data`` (Voita et al. sec. 4; ``headsweep.workers.lrp``); ``ablation`` takes the
+harm of each head's single-head ablation in this run (or in ``importance.from_run``): minus the delta where the metric's
 higher is better, the delta where lower is (perplexity), see ``headsweep.sweep.pruning.ablation_importance``.
 The scores (normalised per layer or raw, as configured) are left in ``ctx.shared["importance"]`` for the
 kinds that order heads by them.
@@ -33,14 +34,16 @@ def importance_data(cfg: Config) -> Any:
     return from_dict(model_family(cfg.model.kind).data_config, cfg.importance.data, "importance.data")
 
 
-def _same_file(a: dict, b: Any) -> bool:
+def same_data_file(a: dict, b: Any) -> bool:
+    """Whether the data section ``a`` (a dict) names the same file as the typed data section ``b``."""
     keys = ("path", "source", "target", "split")
     mine = {k: a.get(k) for k in keys if a.get(k)}
     theirs = {k: getattr(b, k, None) for k in keys if getattr(b, k, None)}
     return bool(mine) and mine == theirs
 
 
-def _names_test_split(data: dict) -> bool:
+def names_test_split(data: dict) -> bool:
+    """Whether a data section names a test split (a file or split called test...)."""
     keys = ("path", "source", "name", "split") if data.get("data_bin") else ("path", "source", "name")
     names = [str(data.get(k) or "") for k in keys]
     return any(Path(n).name.lower().startswith("test") or n.lower() == "test" for n in names if n)
@@ -59,19 +62,19 @@ class Importance(Experiment):
 
     def check_config(self, cfg: Config) -> None:
         imp = cfg.importance
-        if imp.method == "gradient":
+        if imp.method in ("gradient", "lrp"):
             if imp.data is None:
                 raise HeadsweepError(
-                    "gradient importance needs importance.data (training or validation data, kept apart from the "
-                    "evaluation set)"
+                    f"{imp.method} importance needs importance.data (training or validation data, kept apart from "
+                    "the evaluation set)"
                 )
             if not imp.allow_eval_data:
-                if imp.data == dataclasses.asdict(cfg.data) or _same_file(imp.data, cfg.data):
+                if imp.data == dataclasses.asdict(cfg.data) or same_data_file(imp.data, cfg.data):
                     raise HeadsweepError(
                         "importance.data is the evaluation set; estimate importance on training or validation data, "
                         "or set importance.allow_eval_data: true"
                     )
-                if _names_test_split(imp.data):
+                if names_test_split(imp.data):
                     raise HeadsweepError(
                         "importance.data looks like a test split; use training or validation data, "
                         "or set importance.allow_eval_data: true"
@@ -97,6 +100,12 @@ class Importance(Experiment):
         if imp.method == "gradient":
             with step("gradient importance", enabled=ctx.show_progress, detail=ctx.pool.status_line):
                 result = ctx.pool.call(importance_on_worker, importance_data(ctx.cfg), imp.per_token, imp.normalize, ())
+            raw, normalized = result.raw, result.normalized
+        elif imp.method == "lrp":
+            from headsweep.workers.lrp import lrp_on_worker
+
+            with step("LRP relevance", enabled=ctx.show_progress, detail=ctx.pool.status_line):
+                result = ctx.pool.call(lrp_on_worker, importance_data(ctx.cfg), imp.normalize, ())
             raw, normalized = result.raw, result.normalized
         else:
             source = imp.from_run or ctx.run_id

@@ -1,10 +1,13 @@
-"""``roles`` (Voita et al. 2019, secs. 4, 5.1, 5.3): what each head attends to, written to ``head_roles``.
+"""``roles`` (Voita et al. 2019, secs. 4, 5.1, 5.2, 5.3): what each head attends to, written to ``head_roles``.
 
 A worker reads every head's attention maps of the unmasked model on the evaluation set (or on
 ``roles.data``) and computes its confidence, entropy, offsets and rare-word share
 (``headsweep.workers.roles.roles_on_worker``; the definitions are in ``headsweep.workers.head_roles``).
 One row per checkpoint and head; the ``roles`` view puts each row beside the head's single-head delta,
-test and importance. Where token frequencies come from is recorded in ``runs.facts["roles"]``.
+test and importance. Where token frequencies come from is recorded in ``runs.facts["roles"]``, and with
+``roles.parses`` (a CoNLL-U file) or ``roles.parser: spacy`` the parses' source, how many sentences aligned
+with the model's pieces and how many did not (``runs.facts["roles"]["syntax"]``; the statistics are in
+``headsweep.workers.syntax``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ if TYPE_CHECKING:
 FACT = "roles"
 DICTIONARY = "dictionary"
 FAIRSEQ = "fairseq_translation"
+SYNTAX_FAMILIES = ("hf_classifier", FAIRSEQ)  # as headsweep.workers.roles.SYNTAX_ATTENTION (no torch import here)
 
 
 def roles_data(cfg: Config) -> Any:
@@ -40,7 +44,9 @@ def role_settings(cfg: Config):
     r = cfg.roles
     return RoleSettings(offsets=tuple(r.offsets), positional_threshold=r.positional_threshold, rare_top=r.rare_top,
                         rare_threshold=r.rare_threshold, rare_min_sentences=r.rare_min_sentences,
-                        frequencies=r.frequencies)
+                        frequencies=r.frequencies, parses=r.parses, parser=r.parser, spacy_model=r.spacy_model,
+                        relations=tuple(r.relations), syntactic_margin=r.syntactic_margin,
+                        syntactic_min_instances=r.syntactic_min_instances)
 
 
 def settings_fact(cfg: Config) -> dict:
@@ -49,7 +55,8 @@ def settings_fact(cfg: Config) -> dict:
     return {"data": "roles.data" if r.data is not None else "the evaluation set",
             "frequencies": r.frequencies or (DICTIONARY if cfg.model.kind == FAIRSEQ else None),
             "offsets": list(r.offsets), "positional_threshold": r.positional_threshold, "rare_top": r.rare_top,
-            "rare_threshold": r.rare_threshold, "rare_min_sentences": r.rare_min_sentences}
+            "rare_threshold": r.rare_threshold, "rare_min_sentences": r.rare_min_sentences,
+            "parses": r.parses, "parser": None if r.parses else r.parser}
 
 
 class Roles(Experiment):
@@ -71,11 +78,18 @@ class Roles(Experiment):
         elif frequencies is not None and not Path(frequencies).is_file():
             raise HeadsweepError(f"roles.frequencies: file not found: {frequencies} (a corpus, one sentence a line"
                                  f"{', or dictionary' if kind == FAIRSEQ else ''})")
+        if roles.parses is not None and not Path(roles.parses).is_file():
+            raise HeadsweepError(f"roles.parses: file not found: {roles.parses} (a CoNLL-U file, one parse per "
+                                 "evaluation example)")
+        if (roles.parses or roles.parser) and kind not in SYNTAX_FAMILIES and ":" not in kind:
+            raise HeadsweepError(f"roles.parses / roles.parser: syntactic heads need sentences of a parsed text "
+                                 f"(model.kind {' or '.join(SYNTAX_FAMILIES)}), not model.kind {kind}")
 
     def validate(self, ctx: Context) -> None:
         from headsweep.workers.roles import roles_problem_on_worker
 
-        problem = ctx.pool.call(roles_problem_on_worker, roles_data(ctx.cfg))
+        # Also reads the parses and checks them against the evaluation text: a mismatch stops the run here.
+        problem = ctx.pool.call(roles_problem_on_worker, roles_data(ctx.cfg), role_settings(ctx.cfg))
         if problem:
             raise HeadsweepError(problem)
         # Recorded with the run (runs.facts, written after validation); the worker's step adds what it counted.
@@ -91,10 +105,12 @@ class Roles(Experiment):
             result = ctx.pool.call(roles_on_worker, roles_data(ctx.cfg), role_settings(ctx.cfg))
         ctx.info.facts[FACT] = {**settings_fact(ctx.cfg), "frequency_source": result.frequencies,
                                 "sentences": result.n_sentences}
+        if result.syntax is not None:
+            ctx.info.facts[FACT]["syntax"] = result.syntax
         rows = [{"checkpoint": ctx.checkpoint, "attention": h.attention, "layer": h.layer, "head": h.head,
                  "n_tokens": h.n_tokens, "confidence": h.confidence, "entropy": h.entropy, "top_offset": h.top_offset,
                  "top_offset_share": h.top_offset_share, "rare_share": h.rare_share,
-                 "rare_sentences": h.rare_sentences, "rare_chance": h.rare_chance, "roles": h.roles}
+                 "rare_sentences": h.rare_sentences, "rare_chance": h.rare_chance, "roles": h.roles, **h.syntax}
                 for h in result.heads]
         ctx.write("head_roles", rows, name="roles")
 

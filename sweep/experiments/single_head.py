@@ -6,10 +6,16 @@ from typing import TYPE_CHECKING
 
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.plan import attention_types
+from headsweep.workers.heads import Head
 from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:
     from headsweep.sweep.experiments.context import Context
+
+
+def single_head_unit(h: Head) -> WorkUnit:
+    """The evaluation of head ``h`` masked alone (other kinds plan it under this id to share a stored one)."""
+    return WorkUnit(f"single_head/{h}", "single_head", (h,), h.attention, h.layer, h.head)
 
 
 class SingleHead(Experiment):
@@ -20,11 +26,7 @@ class SingleHead(Experiment):
 
     def plan(self, ctx: Context) -> list[WorkUnit]:
         types = attention_types(ctx.cfg, ctx.inventory)
-        return [
-            WorkUnit(f"single_head/{h}", "single_head", (h,), h.attention, h.layer, h.head)
-            for h in ctx.inventory.heads
-            if h.attention in types
-        ]
+        return [single_head_unit(h) for h in ctx.inventory.heads if h.attention in types]
 
 
 SINGLE_HEAD = SingleHead()

@@ -57,4 +57,7 @@ def _batch(model: nn.Module, gates: HeadGates, sample: dict, src_pad: int, tgt_p
                                                  ignore_index=tgt_pad, reduce=True)
         return smoothed
 
-    return LossBatch(tokens, int(target.shape[0]), loss)
+    def outputs() -> tuple[torch.Tensor, torch.Tensor]:
+        return model(**net)[0], target.ne(tgt_pad)
+
+    return LossBatch(tokens, int(target.shape[0]), loss, outputs)

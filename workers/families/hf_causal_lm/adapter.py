@@ -269,7 +269,10 @@ class CausalLMAdapter(BaselineOnce):
             logits = self.model(input_ids=inputs, use_cache=False).logits[:, :-1]
             return (target_nll(logits.to(dtype), inputs[:, 1:]) * scored).sum()
 
-        return LossBatch({site.key: real for site in self.gates.sites}, int(idx.numel()), loss)
+        def outputs() -> tuple[torch.Tensor, torch.Tensor]:
+            return self.model(input_ids=inputs, use_cache=False).logits[:, :-1], scored.bool()
+
+        return LossBatch({site.key: real for site in self.gates.sites}, int(idx.numel()), loss, outputs)
 
     def workload(self, batch_size: int, max_length: int) -> Workload:
         """``batch_size`` windows (cycled if there are fewer), cut to ``max_length`` tokens when given."""

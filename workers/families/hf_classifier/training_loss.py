@@ -37,4 +37,8 @@ def _batch(model: nn.Module, gates: HeadGates, idx: torch.Tensor, inputs: dict, 
         logits = model(**inputs).logits
         return F.cross_entropy(logits.to(dtype), targets.to(logits.device), reduction="sum")
 
-    return LossBatch({site.key: real for site in gates.sites}, int(idx.numel()), loss)
+    def outputs() -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(**inputs).logits
+        return logits, torch.ones(logits.shape[:-1], dtype=torch.bool, device=logits.device)
+
+    return LossBatch({site.key: real for site in gates.sites}, int(idx.numel()), loss, outputs)

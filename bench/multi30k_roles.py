@@ -1,0 +1,168 @@
+"""Benchmark: what the encoder heads of the Multi30k model do (Voita et al. 2019), and whether it predicts
+what removing them costs.
+
+Model (``--model``): ``vs_fairseq`` (default), the en->fr Transformer of ``bench/translation_vs_fairseq.py``
+(3+3 layers x 8 heads, d=256, SentencePiece 8k; its cached checkpoint as it stands, trained there), or ``small``,
+the 3+3 x 4-head model of ``bench/multi30k_translation.py`` (trained and cached there on first use, shared with
+``bench/multi30k_pruning.py``). On test_2016_flickr:
+
+1. single-head BLEU deltas of every encoder self-attention head (beam 5, sacrebleu);
+2. the roles of every encoder head (``headsweep.workers.roles.head_roles``): confidence, positional, rare-word
+   (token frequencies from the fairseq dictionary's counts) and, when spaCy and an English pipeline are
+   installed (``pip install -e .[syntax]``, see the README), syntactic roles from spaCy's parses of the English
+   source;
+3. LRP relevance of every head (``headsweep.workers.lrp``) on validation pairs, never on the test set;
+4. Spearman's rank correlation of confidence and of LRP relevance with the harm of each encoder head's removal
+   (minus its BLEU delta), as the paper relates confidence and relevance to importance.
+
+Ends with ``RESULT roles positional=<n> rare_words=<n> syntactic=<n> spearman_confidence_delta=<x>
+spearman_lrp_delta=<x>`` (``syntactic=na`` without spaCy).
+
+Usage: python bench/multi30k_roles.py [--max-examples N] [--lrp-examples N] [--threads T]
+Skips (exit 0) when ../shared/data (relative to the repository root) is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import warnings
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+import multi30k_translation as m30k  # noqa: E402  (the model and data of the grid benchmark)
+
+
+def spacy_available(model: str) -> str | None:
+    """None when spaCy can parse with ``model`` here, else why not."""
+    from headsweep.errors import HeadsweepError
+    from headsweep.workers.syntax import spacy_pipeline
+
+    try:
+        spacy_pipeline(model)
+    except HeadsweepError as exc:
+        return str(exc)
+    return None
+
+
+def model_files(name: str, threads: int) -> tuple[Path, Path, Path]:
+    """(checkpoint, SentencePiece model, data-bin) of the chosen benchmark model."""
+    if name == "vs_fairseq":
+        import translation_vs_fairseq as vs
+
+        workdir = vs.model_dir(vs.DEFAULT_TRAIN_MINUTES)
+        checkpoint = workdir / "checkpoints" / "checkpoint_last.pt"
+        if not checkpoint.exists():
+            sys.exit(f"no trained model in {workdir}: train it with python bench/translation_vs_fairseq.py "
+                     "--train-only, or use --model small")
+        return checkpoint, workdir / "spm.model", workdir / "data-bin"
+    return m30k.cached_model(threads)
+
+
+def encoder_rows(roles, encoder) -> list:
+    """The roles result's rows of the encoder heads."""
+    wanted = {(h.attention, h.layer, h.head) for h in encoder}
+    return [r for r in roles.heads if (r.attention, r.layer, r.head) in wanted]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-examples", type=int, default=None, help="test sentences (default: all 1,000)")
+    parser.add_argument("--lrp-examples", type=int, default=500, help="validation pairs for LRP relevance")
+    parser.add_argument("--beam", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--spacy-model", default="en_core_web_sm")
+    parser.add_argument("--model", choices=("vs_fairseq", "small"), default="vs_fairseq")
+    args = parser.parse_args()
+    if not m30k.DATA.is_dir():
+        m30k.skip(f"{m30k.DATA} not found (the shared data folder beside the repository)")
+    logging.getLogger("fairseq").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    import torch
+    from scipy import stats
+
+    from headsweep.workers.families.fairseq_translation.adapter import load_translation
+    from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+    from headsweep.workers.family import RuntimeOptions
+    from headsweep.workers.head_roles import RoleSettings
+    from headsweep.workers.lrp import lrp_relevance
+    from headsweep.workers.roles import head_roles
+
+    torch.set_num_threads(args.threads)
+    checkpoint, spm_model, data_bin = model_files(args.model, args.threads)
+    print(f"model {checkpoint}", flush=True)
+    model_cfg = TranslationModel(checkpoint=str(checkpoint), data_bin=str(data_bin), beam=args.beam)
+    runtime = RuntimeOptions()
+    test = "test_2016_flickr"
+    flickr = load_translation(
+        model_cfg,
+        TranslationData(source=str(m30k.DATA / f"{test}.{m30k.SRC}.gz"),
+                        target=str(m30k.DATA / f"{test}.{m30k.TGT}.gz"), sentencepiece_model=str(spm_model),
+                        max_examples=args.max_examples, name=test),
+        runtime,
+    )
+    inventory = flickr.describe().inventory
+    encoder = [h for h in inventory.heads if h.attention == "enc_self"]
+
+    start = time.perf_counter()
+    outs = flickr.evaluate([[]] + [[h] for h in encoder])
+    baseline = outs[0].score
+    delta = {h: o.score - baseline for h, o in zip(encoder, outs[1:], strict=True)}
+    ablation_s = time.perf_counter() - start
+    print(f"{test}: baseline BLEU {baseline:.2f}; {len(encoder)} encoder single-head ablations in "
+          f"{ablation_s:.1f}s", flush=True)
+
+    why_not = spacy_available(args.spacy_model)
+    settings = RoleSettings(parser=None if why_not else "spacy", spacy_model=args.spacy_model)
+    if why_not:
+        print(f"syntactic roles: not computed (spaCy with {args.spacy_model}: {why_not})", flush=True)
+    start = time.perf_counter()
+    roles = head_roles(flickr, "fairseq_translation", settings)
+    roles_s = time.perf_counter() - start
+    mine = {(r.attention, r.layer, r.head): r for r in roles.heads}
+    print(f"roles of {len(roles.heads)} heads on {roles.n_sentences} sentences in {roles_s:.1f}s "
+          f"(frequencies: {roles.frequencies})", flush=True)
+    if roles.syntax is not None:
+        from headsweep.workers.syntax import DIRECTIONS, RELATIONS
+
+        print(f"parses: {json.dumps(roles.syntax, default=str)[:600]}")
+        for rel in RELATIONS:
+            for d in DIRECTIONS:
+                best = max(encoder_rows(roles, encoder), key=lambda r: r.syntax.get(f"{rel}_{d}") or -1.0)
+                print(f"  {rel:<7} {d}: best head {best.attention}:{best.layer}:{best.head} accuracy "
+                      f"{best.syntax.get(f'{rel}_{d}')}, baseline {best.syntax.get(f'{rel}_{d}_baseline')}, "
+                      f"instances {best.syntax.get(f'{rel}_instances')}")
+
+    start = time.perf_counter()
+    valid = load_translation(model_cfg, TranslationData(data_bin=str(data_bin), split="valid",
+                                                        max_examples=args.lrp_examples), runtime)
+    relevance = lrp_relevance(valid)
+    lrp_s = time.perf_counter() - start
+    print(f"LRP relevance on {relevance.n_examples} validation pairs in {lrp_s:.1f}s", flush=True)
+
+    print(f"\n{'head':<12} {'delta':>7} {'conf':>6} {'lrp':>6}  roles")
+    for h in encoder:
+        r = mine[(h.attention, h.layer, h.head)]
+        print(f"{h!s:<12} {delta[h]:+7.2f} {r.confidence:6.3f} {relevance.normalized[h]:6.3f}  "
+              f"{', '.join(r.roles) or '-'}")
+    harm = [-delta[h] for h in encoder]
+    rho_conf = stats.spearmanr([mine[(h.attention, h.layer, h.head)].confidence for h in encoder], harm).statistic
+    rho_lrp = stats.spearmanr([relevance.normalized[h] for h in encoder], harm).statistic
+    enc_roles = [mine[(h.attention, h.layer, h.head)].roles for h in encoder]
+
+    def count(kind: str) -> int:
+        return sum(any(x.split(":")[0] == kind for x in rs) for rs in enc_roles)
+
+    syntactic = "na" if why_not else str(count("syntactic"))
+    print(f"\nencoder heads: {len(encoder)}; positional {count('positional')}, rare words {count('rare_words')}, "
+          f"syntactic {syntactic}; wall time {ablation_s + roles_s + lrp_s:.0f}s")
+    print(f"RESULT roles positional={count('positional')} rare_words={count('rare_words')} syntactic={syntactic} "
+          f"spearman_confidence_delta={rho_conf:.3f} spearman_lrp_delta={rho_lrp:.3f}")
+
+
+if __name__ == "__main__":
+    main()

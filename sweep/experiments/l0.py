@@ -1,0 +1,238 @@
+"""``l0`` (Voita et al. 2019 sec. 6): Hard Concrete head gates trained per penalty weight, on Ray Tune.
+
+One Tune trial per ``l0.lambdas`` entry runs ``headsweep.workers.l0_training.l0_trainable``: the run's
+model (this context's checkpoint) loaded on ``l0.data``, gates trained for ``l0.steps`` updates, each
+trial asking what a sweep worker asks (``sweep.num_cpus_per_worker``, ``sweep.num_gpus_per_worker``),
+a trial checkpoint every ``l0.checkpoint_every`` steps, ``FailureConfig(max_failures=sweep.max_retries)``
+so a trial whose process dies continues from its last checkpoint. The Tune experiment lives in the store
+beside the tables, ``<store>/tune/run_id=<run>/<prefix>l0`` (not a table: readers never scan it); a rerun
+of a failed run restores it (``Tuner.restore(..., resume_errored=True)``), so finished trials are not
+trained again and a failed one resumes from its checkpoint. Each trial's loss and expected number of open
+gates are logged live (and kept in Tune's ``progress.csv`` / ``result.json`` in that folder).
+
+Then, per lambda: its gates go to the ``gates`` table, and the mask of its closed gates is evaluated
+through the normal evaluation path as experiment ``l0_gates`` (eval id ``l0_gates/<scope>/<lambda>``,
+``level`` = share of the gated heads closed, tested against the baseline like every evaluation), so it
+sits in the ``pruning`` view beside the gradient-importance curve of ``prune_level``. Closed heads are
+switched off and every other head left at gate 1, as a pruned model runs. A trial that fails its
+retries fails the run with one line naming its lambda, after the other trials' results are stored.
+
+``l0.train: all`` (model weights trained with the gates) is refused for now: the run's workers hold the
+original weights, and evaluating each trial's fine-tuned weights through them is not built yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any
+
+from headsweep.errors import HeadsweepError
+from headsweep.sweep.dispatch import log
+from headsweep.sweep.experiments.base import Experiment
+from headsweep.sweep.experiments.importance import names_test_split, same_data_file
+from headsweep.sweep.experiments.prune_level import prune_scope_name
+from headsweep.sweep.plan import check_attention_types
+from headsweep.sweep.sections import Config, from_dict
+from headsweep.workers.family import RuntimeOptions, model_family
+from headsweep.workers.heads import Head
+from headsweep.workers.work import WorkUnit
+
+if TYPE_CHECKING:
+    from headsweep.sweep.experiments.context import Context
+
+EVAL_EXPERIMENT = "l0_gates"
+
+
+def l0_data(cfg: Config) -> Any:
+    """``l0.data`` typed as the model family's data section."""
+    return from_dict(model_family(cfg.model.kind).data_config, cfg.l0.data, "l0.data")
+
+
+def lambda_name(lam: float) -> str:
+    """How a lambda is written in eval ids and file names (shortest exact repr)."""
+    return repr(float(lam))
+
+
+class L0Gates(Experiment):
+    """Hard Concrete gates per lambda (Ray Tune), their table, and the evaluation of each closed-gate mask."""
+
+    name = "l0"
+    section = "l0"
+    table = "gates"
+
+    def check_config(self, cfg: Config) -> None:
+        l0 = cfg.l0
+        l0.check()
+        if l0.data is None:
+            raise HeadsweepError("l0 needs l0.data: the training data of the gates, kept apart from the evaluation set")
+        data = l0_data(cfg)
+        if not l0.allow_eval_data:
+            if l0.data == dataclasses.asdict(cfg.data) or same_data_file(l0.data, cfg.data) or data == cfg.data:
+                raise HeadsweepError("l0.data is the evaluation set; train the gates on training data, "
+                                     "or set l0.allow_eval_data: true")
+            if names_test_split(l0.data):
+                raise HeadsweepError("l0.data looks like a test split; train the gates on training data, "
+                                     "or set l0.allow_eval_data: true")
+        if l0.train == "all":
+            raise HeadsweepError(
+                "l0.train: all trains the model's weights too, and evaluating each trial's fine-tuned weights "
+                "through the run's workers is not supported yet; use l0.train: gates (the model frozen)"
+            )
+
+    def validate(self, ctx: Context) -> None:
+        from headsweep.workers.l0_training import l0_data_on_worker
+
+        if ctx.cfg.l0.attention:
+            check_attention_types(ctx.cfg.l0.attention, ctx.inventory, "l0.attention")
+        self._check_resources(ctx.cfg)
+        # The training data loads in a worker now (kept there), so a bad or empty file fails before any write.
+        if ctx.pool.call(l0_data_on_worker, l0_data(ctx.cfg)) == 0:
+            raise HeadsweepError("l0.data has no examples: no training data for the L0 gates")
+
+    def _check_resources(self, cfg: Config) -> None:
+        """A trial asks what a worker asks, beside the workers: refuse a cluster where none could ever start."""
+        import ray
+
+        s = cfg.sweep
+        if s.wait_for_resources or not ray.is_initialized():
+            return
+        total = ray.cluster_resources()
+        for key, per in (("CPU", s.num_cpus_per_worker), ("GPU", s.num_gpus_per_worker)):
+            left = total.get(key, 0.0) - s.workers * per
+            if per > 0 and left + 1e-9 < per:
+                raise HeadsweepError(
+                    f"l0: each Tune trial asks {per:g} {key} like a sweep worker, but the cluster has "
+                    f"{total.get(key, 0.0):g} {key} and the {s.workers} worker(s) hold {s.workers * per:g}; "
+                    "lower sweep.workers, or set sweep.wait_for_resources: true on an autoscaling cluster"
+                )
+
+    def run(self, ctx: Context) -> None:
+        from headsweep.workers.hard_concrete import HardConcrete
+        from headsweep.workers.l0_training import load_trial_state, rows_from_state
+
+        l0 = ctx.cfg.l0
+        scope = prune_scope_name(l0.attention)
+        gated = [layer for layer in ctx.inventory.layers if l0.attention is None or layer.attention in l0.attention]
+        n_gated = sum(layer.num_heads for layer in gated)
+        sites = [(layer.attention, layer.layer, layer.num_heads) for layer in gated]
+        concrete = HardConcrete(beta=l0.beta)
+        results = self.tune(ctx)
+        units, failed = [], []
+        for lam in l0.lambdas:
+            result = results.get(lam)
+            if result is None or result.error is not None or result.checkpoint is None:
+                failed.append((lam, result))
+                continue
+            rows = rows_from_state(load_trial_state(result.checkpoint), sites, concrete, l0.closing)
+            for row in rows:
+                row.update({"lambda": float(lam), "train": l0.train, "checkpoint": ctx.checkpoint})
+            ctx.write("gates", rows, name=f"l0-lambda-{lambda_name(lam)}")
+            mask = tuple(sorted(Head(r["attention"], r["layer"], r["head"]) for r in rows if r["closed"]))
+            units.append(WorkUnit(f"{EVAL_EXPERIMENT}/{scope}/{lambda_name(lam)}", EVAL_EXPERIMENT, mask,
+                                  l0.attention[0] if l0.attention and len(l0.attention) == 1 else None,
+                                  level=len(mask) / n_gated))
+            log(f"l0 lambda={lam:g}: {len(mask)} of {n_gated} gates closed")
+        if units:
+            ctx.evaluate(units)
+        if failed:
+            ctx.flush()
+            lam, result = failed[0]
+            why = _last_line(result.error or "no checkpoint") if result is not None else "no result"
+            raise HeadsweepError(
+                f"l0: the Tune trial of lambda={lam:g} failed after {ctx.cfg.sweep.max_retries} retries ({why[:300]}); "
+                f"the other trials' results are stored, and rerunning the config resumes it from its last checkpoint"
+            )
+
+    # -- Ray Tune ------------------------------------------------------------------------------
+    def tune(self, ctx: Context) -> dict[float, Any]:
+        """Run (or restore and finish) the Tune experiment of this context; its results by lambda."""
+        from pyarrow import fs as pafs
+        from ray import tune
+
+        from headsweep.sweep.ray_session import resolve_device  # imports the config module, which imports the kinds
+        from headsweep.workers.l0_training import L0Job, L0Settings, l0_trainable
+
+        cfg, l0, s = ctx.cfg, ctx.cfg.l0, ctx.cfg.sweep
+        family = model_family(cfg.model.kind)
+        model_cfg = cfg.model if ctx.checkpoint is None else dataclasses.replace(
+            cfg.model, **{family.checkpoint_key: ctx.checkpoint})
+        runtime = RuntimeOptions(device=resolve_device(cfg), threads=max(1, int(s.num_cpus_per_worker)),
+                                 seed=cfg.seed, reuse=False, **s.batching())
+        settings = L0Settings(lam=0.0, steps=l0.steps, lr=l0.lr, train=l0.train, beta=l0.beta,
+                              init_log_alpha=l0.init_log_alpha, seed=l0.seed, label_smoothing=l0.label_smoothing,
+                              closing=l0.closing, attention=l0.attention)
+        job = L0Job(cfg.model.kind, model_cfg, l0_data(cfg), runtime, settings, checkpoint_every=l0.checkpoint_every,
+                    report_every=max(1, l0.steps // 20))
+        trainable = tune.with_resources(tune.with_parameters(l0_trainable, job=job),
+                                        {"cpu": s.num_cpus_per_worker, "gpu": s.num_gpus_per_worker})
+        remote = not isinstance(ctx.store.fs, pafs.LocalFileSystem)
+        storage_fs = ctx.store.fs if remote else None
+        storage = f"{ctx.store.root}/tune/run_id={ctx.run_id}"
+        name = (ctx.prefix + "l0").replace("/", "-")
+        path = f"{storage}/{name}"
+        if tune.Tuner.can_restore(path, storage_filesystem=storage_fs):
+            log(f"l0: resuming the Tune experiment in {path}")
+            tuner = tune.Tuner.restore(path, trainable, resume_errored=True, storage_filesystem=storage_fs)
+        else:
+            tuner = tune.Tuner(
+                trainable,
+                param_space={"lam": tune.grid_search([float(x) for x in l0.lambdas])},
+                tune_config=tune.TuneConfig(reuse_actors=False),
+                run_config=tune.RunConfig(
+                    name=name, storage_path=storage, storage_filesystem=storage_fs, verbose=0,
+                    failure_config=tune.FailureConfig(max_failures=s.max_retries),
+                    checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
+                    callbacks=[_LiveLog()],
+                ),
+            )
+        log(f"l0: {len(l0.lambdas)} Tune trials ({l0.steps} steps each) in {path}")
+        grid = tuner.fit()
+        out: dict[float, Any] = {}
+        for i in range(len(grid)):
+            result = grid[i]
+            lam = float(result.config["lam"])
+            out[lam] = result
+        return out
+
+
+def _last_line(error: object) -> str:
+    """The cause of a trial's failure: the last line of Tune's error (the worker's own exception comes last)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+def _live_log_class() -> type:
+    from ray.tune import Callback
+
+    class LiveLog(Callback):
+        """Each trial's reported loss and expected open gates as the driver's status lines."""
+
+        every_s = 10.0  # one line per trial every few seconds: a 500-step trial reports 20 times or more
+
+        def __init__(self) -> None:
+            self.last: dict[str, float] = {}
+
+        def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+            now = time.monotonic()
+            if now - self.last.get(trial.trial_id, -1e9) < self.every_s and not result.get("done"):
+                return
+            self.last[trial.trial_id] = now
+            lam = trial.config.get("lam")
+            loss = result.get("loss")
+            text = f"loss {loss:.4g}, " if loss is not None else ""
+            log(f"l0 lambda={lam:g} step {result.get('step')}: {text}expected open gates "
+                f"{result.get('expected_open', float('nan')):.3g}, closed {result.get('closed')}")
+
+        def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+            log(f"l0 lambda={trial.config.get('lam'):g}: trial failed (Tune retries it from its last checkpoint "
+                "while retries are left)")
+
+    return LiveLog
+
+
+def _LiveLog() -> Any:  # noqa: N802 - reads as the class it builds; ray.tune is imported only when l0 runs
+    return _live_log_class()()
+
+
+L0 = L0Gates()

@@ -1,0 +1,323 @@
+"""Training Hard Concrete head gates from a converged model (Voita et al. 2019 sec. 6).
+
+The gates sit where every other head gate of headsweep sits (``headsweep.workers.gates``: the input
+of each attention module's output projection), so one trainer serves every model family: the loss
+is the family's own training loss as gradient importance uses it (``EvalAdapter.loss_batches``):
+cross-entropy for classifiers, teacher-forced label-smoothed cross-entropy for fairseq translation
+(epsilon ``label_smoothing``, default the family's 0.1, as ``headsweep.workers.families.fairseq_translation.train``
+trains), token negative log-likelihood for causal LMs. Each step takes the next batch of the training
+data (cyclically), samples one gate per head for the batch (Hard Concrete, ``headsweep.workers.hard_concrete``)
+and minimises
+
+    loss(batch) / n_examples(batch) + lambda * sum_h P(g_h > 0)
+
+with Adam (``lr`` for the gates). ``train: gates`` updates only ``log_alpha`` (the model is frozen);
+``train: all`` updates the model's weights as well (as the paper does), at ``model_lr``. The model runs
+in eval mode (no dropout), so a run is a deterministic function of its settings: the noise of step
+``t`` comes from a generator seeded with ``(seed, t)``, which is also what makes a run resumed from a
+checkpoint (:meth:`L0Trainer.state_dict`) reach exactly the gates of an uninterrupted one.
+
+``l0_trainable`` is the Ray Tune function trainable: one trial per lambda.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from headsweep.errors import HeadsweepError
+from headsweep.workers.family import EvalAdapter, RuntimeOptions, model_family
+from headsweep.workers.hard_concrete import CLOSING_RULES, HardConcrete
+from headsweep.workers.heads import Head, SiteKey
+
+TRAIN_MODES = ("gates", "all")
+STATE_FILE = "l0_state.pt"
+
+
+@dataclass
+class L0Settings:
+    """One trial's training: penalty weight ``lam`` and everything else of the ``l0`` section."""
+
+    lam: float
+    steps: int
+    lr: float = 0.05
+    train: str = "gates"
+    beta: float = 0.33
+    init_log_alpha: float = 3.0
+    seed: int = 0
+    label_smoothing: float | None = None
+    closing: str = "test_gate"
+    attention: list[str] | None = None  # attention types that get gates; None: every one
+    model_lr: float | None = None  # train: all, the model's weights (None: lr)
+
+    def check(self) -> None:
+        """Refuse settings that cannot train."""
+        if not self.lam >= 0:
+            raise HeadsweepError(f"l0 lambda must be >= 0, got {self.lam}")
+        if self.steps < 1:
+            raise HeadsweepError(f"l0.steps must be at least 1, got {self.steps}")
+        if not self.lr > 0:
+            raise HeadsweepError(f"l0.lr must be positive, got {self.lr}")
+        if self.train not in TRAIN_MODES:
+            raise HeadsweepError(f"l0.train must be one of {', '.join(TRAIN_MODES)}, got {self.train!r}")
+        if self.closing not in CLOSING_RULES:
+            raise HeadsweepError(f"l0.closing must be one of {', '.join(CLOSING_RULES)}, got {self.closing!r}")
+        if not self.beta > 0:
+            raise HeadsweepError(f"l0.beta must be positive, got {self.beta}")
+
+
+def _step_seed(seed: int, step: int) -> int:
+    # One generator per step: the noise of step t does not depend on how many steps ran in this process.
+    return (seed * 1_000_003 + step) % (2**63 - 1)
+
+
+@dataclass
+class StepMetrics:
+    """What one step reports: task loss (per example), expected open gates, the total."""
+
+    step: int
+    task_loss: float
+    expected_open: float
+    loss: float
+    closed: int
+
+
+class L0Trainer:
+    """Hard Concrete gates on ``adapter``'s model, trained on ``adapter``'s data (its ``loss_batches``)."""
+
+    def __init__(self, adapter: EvalAdapter, settings: L0Settings):
+        settings.check()
+        if not hasattr(adapter, "loss_batches"):
+            raise HeadsweepError(f"{type(adapter).__name__}: this model family declares no training loss "
+                                 "(EvalAdapter.loss_batches), so L0 gates cannot be trained")
+        self.adapter, self.settings = adapter, settings
+        self.gates = adapter.gates
+        self.model = adapter.model
+        self.concrete = HardConcrete(beta=settings.beta)
+        self.sites = [s for s in self.gates.sites if settings.attention is None or s.attention in settings.attention]
+        if not self.sites:
+            raise HeadsweepError(f"l0.attention {settings.attention} names no attention type of the model")
+        param = next(self.model.parameters())
+        self.dtype = torch.promote_types(param.dtype, torch.float32)
+        self.device = param.device
+        self.log_alpha: dict[SiteKey, torch.Tensor] = {
+            s.key: torch.full((s.num_heads,), float(settings.init_log_alpha), dtype=torch.float32,
+                              device=self.device, requires_grad=True)
+            for s in self.sites
+        }
+        prepared = adapter.loss_batches(settings.label_smoothing, self.dtype)
+        if not prepared.batches:
+            raise HeadsweepError("no training data for the L0 gates (l0.data has no examples)")
+        self.batches = prepared.batches
+        self.loss_name = prepared.loss_name
+        groups: list[dict] = [{"params": list(self.log_alpha.values()), "lr": settings.lr}]
+        self._frozen = [p for p in self.model.parameters() if p.requires_grad]
+        if settings.train == "all":
+            # The weights of a converged model want a far smaller step than the gates (model_lr).
+            groups.append({"params": self._frozen, "lr": settings.model_lr or settings.lr})
+            self._frozen = []
+        self.optimizer = torch.optim.Adam(groups)
+        self.step = 0
+
+    # -- training -------------------------------------------------------------------------
+    def train_step(self) -> StepMetrics:
+        """One update on the next batch; returns its metrics."""
+        batch = self.batches[self.step % len(self.batches)]
+        generator = torch.Generator().manual_seed(_step_seed(self.settings.seed, self.step))
+        was_training = self.model.training
+        self.model.eval()
+        for p in self._frozen:
+            p.requires_grad_(False)
+        try:
+            # inference_mode(False): a caller inside inference mode (a Ray actor's default is not) gets a graph.
+            with torch.inference_mode(False), torch.enable_grad():
+                values = {key: self.concrete.sample(la, generator).to(self.dtype) for key, la in self.log_alpha.items()}
+                self.gates.set_values(values)
+                task = batch.loss() / batch.n_examples
+                penalty = self.expected_open()
+                total = task + self.settings.lam * penalty
+                if not torch.isfinite(total):
+                    # A NaN step would leave NaN gates that close nothing and read as a result.
+                    raise HeadsweepError(f"l0 lambda={self.settings.lam:g}: the loss is not finite at step "
+                                         f"{self.step + 1} (task loss {float(task):g}, expected open gates "
+                                         f"{float(penalty):g}); lower lambda or l0.lr")
+                self.optimizer.zero_grad(set_to_none=True)
+                total.backward()
+                self.optimizer.step()
+        finally:
+            self.gates.clear()
+            for p in self._frozen:
+                p.requires_grad_(True)
+            self.model.train(was_training)
+        self.step += 1
+        return StepMetrics(self.step, float(task.detach()), float(penalty.detach()), float(total.detach()),
+                           len(self.closed_heads()))
+
+    def expected_open(self) -> torch.Tensor:
+        """The L0 penalty: expected number of open gates over every gated head."""
+        return sum(self.concrete.penalty(la) for la in self.log_alpha.values())
+
+    def train(self, steps: int | None = None) -> list[StepMetrics]:
+        """Run until ``steps`` updates in all (default ``settings.steps``)."""
+        target = self.settings.steps if steps is None else steps
+        return [self.train_step() for _ in range(max(0, target - self.step))]
+
+    # -- results --------------------------------------------------------------------------
+    def closed_heads(self) -> list[Head]:
+        """Heads whose gate is closed by ``settings.closing``, in inventory order."""
+        out = []
+        with torch.no_grad():
+            for site in self.sites:
+                closed = self.concrete.closed(self.log_alpha[site.key], self.settings.closing)
+                out += [Head(site.attention, site.layer, h) for h in range(site.num_heads) if bool(closed[h])]
+        return sorted(out)
+
+    def gate_rows(self) -> list[dict]:
+        """One row per gated head: attention, layer, head, log_alpha, p_open, closed, step."""
+        sites = [(s.attention, s.layer, s.num_heads) for s in self.sites]
+        return rows_from_state(self.state_dict(), sites, self.concrete, self.settings.closing)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed trial needs to continue bit for bit (the model only with ``train: all``)."""
+        state = {
+            "step": self.step,
+            "log_alpha": {f"{k[0]}:{k[1]}": v.detach().cpu().clone() for k, v in self.log_alpha.items()},
+            "optimizer": self.optimizer.state_dict(),
+        }
+        if self.settings.train == "all":
+            state["model"] = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`."""
+        with torch.no_grad():
+            for key, tensor in self.log_alpha.items():
+                tensor.copy_(state["log_alpha"][f"{key[0]}:{key[1]}"].to(tensor.device))
+        if "model" in state:
+            self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+
+
+def l0_data_on_worker(worker: Any, data_cfg: Any) -> int:
+    """Worker-side check of the ``l0`` experiment (``EvalWorker.run``), before anything is written: the training
+    data loads with the run's model and has loss batches; returns their number (0: no training data)."""
+    adapter = worker.adapter(data_cfg)
+    if not hasattr(adapter, "loss_batches"):
+        raise HeadsweepError(f"{type(adapter).__name__}: this model family declares no training loss "
+                             "(EvalAdapter.loss_batches), so L0 gates cannot be trained")
+    return len(adapter.loss_batches(None, torch.float32).batches)
+
+
+# -- Ray Tune ----------------------------------------------------------------------------------
+@dataclass
+class L0Job:
+    """What every trial of a run shares: the model, the training data, how it runs, the ``l0`` settings.
+
+    ``settings.lam`` is replaced by the trial's lambda. ``checkpoint_every`` 0: a checkpoint at the end only.
+    """
+
+    kind: str
+    model_cfg: Any
+    data_cfg: Any
+    runtime: RuntimeOptions
+    settings: L0Settings
+    checkpoint_every: int = 0
+    report_every: int = 1
+    notes: list[str] = field(default_factory=list)
+
+
+def l0_trainable(config: dict, job: L0Job) -> None:
+    """The Tune trainable: train the gates of one lambda (``config["lam"]``), checkpointing as it goes.
+
+    Reports ``loss``, ``task_loss``, ``expected_open``, ``closed``, ``step`` and ``pid`` (the trial's process)
+    every ``job.report_every``
+    steps; a checkpoint (``l0_state.pt``) every ``job.checkpoint_every`` steps and at the end. A trial
+    restarted by Tune (``FailureConfig``) continues from its latest checkpoint.
+    """
+    from ray import tune
+
+    if job.runtime.threads:
+        torch.set_num_threads(job.runtime.threads)
+    settings = L0Settings(**{**job.settings.__dict__, "lam": float(config["lam"])})
+    if settings.label_smoothing is None:
+        settings.label_smoothing = checkpoint_label_smoothing(job.model_cfg)
+    adapter = model_family(job.kind).load(job.model_cfg, job.data_cfg, job.runtime)
+    trainer = L0Trainer(adapter, settings)
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as folder:
+            trainer.load_state_dict(torch.load(os.path.join(folder, STATE_FILE), weights_only=False))
+    if trainer.step >= settings.steps:  # finished before it was restarted
+        _report(tune, trainer, None, with_checkpoint=True)
+        return
+    while trainer.step < settings.steps:
+        metrics = trainer.train_step()
+        last = trainer.step == settings.steps
+        save = last or (job.checkpoint_every > 0 and trainer.step % job.checkpoint_every == 0)
+        if save or last or trainer.step % max(1, job.report_every) == 0:
+            _report(tune, trainer, metrics, with_checkpoint=save)
+
+
+def _report(tune: Any, trainer: L0Trainer, metrics: StepMetrics | None, with_checkpoint: bool) -> None:
+    values = {"step": trainer.step, "expected_open": float(trainer.expected_open().detach()),
+              "closed": len(trainer.closed_heads()), "pid": os.getpid()}
+    if metrics is not None:
+        values.update(loss=metrics.loss, task_loss=metrics.task_loss)
+    if not with_checkpoint:
+        tune.report(values)
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        torch.save(trainer.state_dict(), os.path.join(folder, STATE_FILE))
+        tune.report(values, checkpoint=tune.Checkpoint.from_directory(folder))
+
+
+def checkpoint_label_smoothing(model_cfg: Any) -> float | None:
+    """The label smoothing a fairseq checkpoint was trained with (its stored criterion options), or None.
+
+    None (other families, or a checkpoint that does not say) leaves the family's default (0.1 for fairseq).
+    """
+    path = getattr(model_cfg, "checkpoint", None)
+    if getattr(model_cfg, "kind", None) != "fairseq_translation" or not path or not os.path.isfile(path):
+        return None
+    try:
+        # mmap: the options are wanted, not the weights; fairseq checkpoints hold option objects (not weights-only).
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # noqa: BLE001 - the adapter's loader reports a bad checkpoint in its own words
+        return None
+    args = state.get("args")
+    if args is not None and getattr(args, "label_smoothing", None) is not None:
+        return float(args.label_smoothing)
+    criterion = (state.get("cfg") or {}).get("criterion")
+    value = criterion.get("label_smoothing") if hasattr(criterion, "get") else getattr(criterion, "label_smoothing",
+                                                                                        None)
+    return None if value is None else float(value)
+
+
+def load_trial_state(checkpoint: Any) -> dict[str, Any]:
+    """The trainer state stored in a Tune ``Checkpoint``."""
+    with checkpoint.as_directory() as folder:
+        return torch.load(os.path.join(folder, STATE_FILE), weights_only=False)
+
+
+def rows_from_state(state: dict[str, Any], sites: Sequence[tuple[str, int, int]], concrete: HardConcrete,
+                    closing: str) -> list[dict]:
+    """Gate rows (attention, layer, head, log_alpha, p_open, closed, step) from a stored trainer state.
+
+    ``sites`` lists ``(attention, layer, num_heads)`` of the gated sites, in inventory order.
+    """
+    rows = []
+    for attention, layer, num_heads in sites:
+        la = state["log_alpha"][f"{attention}:{layer}"].double()
+        p_open = concrete.p_open(la)
+        closed = concrete.closed(la, closing)
+        for h in range(num_heads):
+            rows.append({"attention": attention, "layer": layer, "head": h, "log_alpha": float(la[h]),
+                         "p_open": float(p_open[h]), "closed": bool(closed[h]), "step": int(state["step"])})
+    return rows
