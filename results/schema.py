@@ -20,6 +20,7 @@ SCHEMA_HISTORY = {
     4: "head_roles gains syntactic accuracy and baseline columns per relation",
     5: "new table interactions (pairwise head interactions)",
     6: "new table gates (Hard Concrete L0 gates per lambda)",
+    7: "evaluations gain screen, screen_examples, screen_ci_low, screen_ci_high (sequential screening)",
 }
 
 SCHEMA_VERSION = max(SCHEMA_HISTORY)
@@ -77,6 +78,12 @@ TABLES: dict[str, pa.Schema] = {
             ("seconds", pa.float64()),
             ("worker", pa.string()),
             ("finished_at", pa.timestamp("us", tz="UTC")),
+            # sweep.screen (headsweep.sweep.screening): screened_out (this row is the subset's) or completed;
+            # the subset's size and its confidence interval for the delta. Null when the run did not screen.
+            ("screen", pa.string()),
+            ("screen_examples", pa.int64()),
+            ("screen_ci_low", pa.float64()),
+            ("screen_ci_high", pa.float64()),
         ]
     ),
     "examples": pa.schema(

@@ -42,7 +42,7 @@ DELTAS = f"""
 CREATE VIEW deltas AS
 SELECT e.run_id, e.eval_id, e.experiment, e.attention, e.layer, e.head, e.level, e.checkpoint, e.n_masked,
        e.heads_masked, e.metric, e.score, e.baseline_score, e.delta, s.test, s.p_value, s.p_adjusted, s.correction,
-       s.alpha, s.significant, s.ci_low, s.ci_high, {harm_sql("e.delta", "e.metric")} AS harm
+       s.alpha, s.significant, s.ci_low, s.ci_high, {harm_sql("e.delta", "e.metric")} AS harm, e.screen
 FROM evaluations e
 LEFT JOIN significance s
   ON s.run_id = e.run_id AND s.eval_id = e.eval_id
@@ -77,7 +77,7 @@ inventory AS (
 )
 SELECT i.run_id, i.checkpoint, i.attention, i.layer, i.head, i.attention || ':' || i.layer || ':' || i.head AS name,
        coalesce(b.metric, s.metric) AS metric, coalesce(b.score, s.baseline_score) AS baseline_score,
-       s.score, s.delta, s.test, s.p_value, s.p_adjusted, s.correction, s.alpha, s.significant, s.harm,
+       s.score, s.delta, s.test, s.p_value, s.p_adjusted, s.correction, s.alpha, s.significant, s.harm, s.screen,
        a.score AS all_but_one_score, a.delta AS all_but_one_delta,
        m.method AS importance_method, m.score AS importance, m.score_normalized AS importance_normalized,
        m.rank AS importance_rank

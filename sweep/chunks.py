@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -32,8 +33,13 @@ class ChunkWriter:
     written: int = 0
     _last_flush: float = field(default_factory=time.monotonic)
 
-    def add(self, unit: WorkUnit, out: MaskOutput, baseline_score: float, worker: str) -> None:
-        """Buffer one evaluation's row and its per-example rows."""
+    def add(self, unit: WorkUnit, out: MaskOutput, baseline_score: float, worker: str,
+            positions: Sequence[int] | None = None, extra: dict | None = None) -> None:
+        """Buffer one evaluation's row and its per-example rows.
+
+        ``positions``: the evaluation set's examples ``out`` holds, in order (a screening subset); None: all of
+        them. ``extra``: more columns of the ``evaluations`` row (``screen``...).
+        """
         self.eval_rows.append(
             {
                 "eval_id": unit.eval_id,
@@ -53,17 +59,19 @@ class ChunkWriter:
                 "seconds": out.seconds,
                 "worker": worker,
                 "finished_at": datetime.now(UTC),
+                **(extra or {}),
             }
         )
-        for i, example_id in enumerate(self.info.example_ids):
+        rows = range(len(self.info.example_ids)) if positions is None else positions
+        for i, p in enumerate(rows):
             self.example_rows.append(
                 {
                     "eval_id": unit.eval_id,
-                    "example_id": example_id,
+                    "example_id": self.info.example_ids[p],
                     "stats": out.stats[i].tolist(),
                     "loss": None if out.loss is None else float(out.loss[i]),
                     "output": out.outputs[i],
-                    "reference": self.info.references[i],
+                    "reference": self.info.references[p],
                 }
             )
 

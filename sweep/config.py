@@ -198,6 +198,12 @@ def _check_sections(cfg: Config) -> None:
             "sweep.order: importance evaluates masks by importance estimated before the grid: set "
             "importance.method to gradient or lrp, or name an earlier run with importance.from_run"
         )
+    if cfg.sweep.screen is not None and "single_head" not in cfg.sweep.experiments:
+        raise HeadsweepError("sweep.screen screens single_head masks, and this run has no single_head experiment: "
+                             "add it to sweep.experiments or remove sweep.screen")
+    if cfg.sweep.screen is not None and "pairs" in cfg.sweep.experiments:
+        raise HeadsweepError("sweep.screen cannot be combined with pairs: interactions need every head's single-head "
+                             "evaluation on the whole set; run the pairs in a run of their own")
     cfg.efficiency.check()
     cfg.roles.check()
 

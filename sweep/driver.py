@@ -35,8 +35,10 @@ from headsweep.sweep.runs import (
     now,
     refuse_if_live,
     resumable,
+    screened_out,
     stored_results,
 )
+from headsweep.sweep.screening import ScreenSettings
 from headsweep.sweep.sections import Config
 from headsweep.sweep.significance_runner import tests_for
 from headsweep.workers.actor import EvalWorker
@@ -60,6 +62,7 @@ class Sweep:
     resume: str | None = None
     auto_resume: bool = True
     done: StoredResults = field(default_factory=dict)
+    screened: set[str] = field(default_factory=set)  # of a resumed run: eval ids screened out (sweep.screen)
     warned: set[str] = field(default_factory=set)  # data warnings already shown
 
     def model_variants(self) -> list[tuple[str | None, Any]]:
@@ -134,7 +137,7 @@ class Sweep:
                     self.cfg, info, pool, self.store, self.run_id,
                     prefix=f"ckpt{index}/" if checkpoint is not None else "", checkpoint=checkpoint,
                     done=self.done, writer=record.writer, record=record, show_progress=self.show_progress,
-                    budget=budget,
+                    budget=budget, screened=set(self.screened),
                 )
                 self.sweep_model(ctx)
                 if index == 0:
@@ -167,6 +170,9 @@ class Sweep:
         Every check against the model comes before the first write, so bad input leaves the store untouched.
         """
         tests_for(self.cfg.significance, info.metric)
+        screening = ScreenSettings.from_config(self.cfg.sweep.screen, self.cfg.significance.seed)
+        if screening is not None:
+            screening.check_size(info.n_examples)
         experiments.validate(Context(self.cfg, info, pool, self.store, self.run_id))
         self.check_checkpoints(pool, info)
         previous = resumable(self.store, self.cfg, self.resume, self.auto_resume)
@@ -174,6 +180,7 @@ class Sweep:
         if previous is not None:
             self.run_id, created_at = previous["run_id"], previous["created_at"]
             self.done = stored_results(self.store, self.run_id, info)
+            self.screened = screened_out(self.store, self.run_id)
             log(f"resuming run {self.run_id}: {len(self.done)} evaluations already stored")
         writer = ChunkWriter(self.store, self.run_id, info, self.cfg.sweep.flush_every, self.cfg.sweep.flush_seconds)
         writer.written = len(self.done)

@@ -56,6 +56,8 @@ class SweepSection:
     wait_for_resources: bool = False
     order: str = "planned"  # or "importance": masks of the most important heads first (importance runs first)
     budget: dict | None = None  # {"evaluations": N} or {"minutes": M}: stop cleanly, run marked partial
+    # {"fraction": 0.2, "equivalence": E, "confidence": 0.99}: single-head masks screened on a subset first
+    screen: dict | None = None
 
     def batching(self) -> dict[str, int]:
         """``RuntimeOptions``' ``batch_size`` and ``max_tokens`` for what is set; the rest keep their defaults.
@@ -111,6 +113,9 @@ class SweepSection:
                 raise HeadsweepError(f"sweep.budget.{key} must be a positive number, got {value!r}")
             if key == "evaluations" and value != int(value):
                 raise HeadsweepError(f"sweep.budget.evaluations must be a whole number, got {value!r}")
+        from headsweep.sweep.screening import check_screen  # numpy and the tests: only when the section is checked
+
+        check_screen(self.screen)
 
 
 @dataclass

@@ -113,6 +113,7 @@ class SignificanceTracker:
         self.done: dict[str, list[tuple[list[str], list[TestResult]]]] = defaultdict(list)
         self.tested: Counter = Counter()
         self.family_prefix = family_prefix
+        self.screened: set[str] = set()
 
     def expect(self, units: list[WorkUnit]) -> None:
         """Announce units to come; a family is complete once all its announced units are tested."""
@@ -127,6 +128,18 @@ class SignificanceTracker:
         if buffered >= TESTS_PER_TASK or complete:
             self._submit(unit.experiment)
         self.poll()
+
+    def add_screened(self, unit: WorkUnit) -> None:
+        """A mask screened out on a subset (``sweep.screen``): in its family with p = 1 for every test, so the
+        correction counts it, and no row of its own."""
+        nan = np.full(1, np.nan)
+        results = [TestResult(test, nan, np.ones(1), nan, nan, 0, None) for test in self.tests]
+        self.screened.add(unit.eval_id)
+        self.done[unit.experiment].append(([unit.eval_id], results))
+        self.submitted[unit.experiment] += 1
+        self.tested[unit.experiment] += 1
+        if self.tested[unit.experiment] == self.expected[unit.experiment] and not self.buffer.get(unit.experiment):
+            self._write(unit.experiment)
 
     def _submit(self, experiment: str) -> None:
         batch = self.buffer.pop(experiment, [])
@@ -177,7 +190,8 @@ class SignificanceTracker:
         parts = self.done[experiment]
         eval_ids = [i for ids, _ in parts for i in ids]
         results = [concat_results([res[t] for _, res in parts]) for t in range(len(self.tests))]
-        return family_rows(eval_ids, results, self.section.correction, self.section.alpha)
+        rows = family_rows(eval_ids, results, self.section.correction, self.section.alpha)
+        return [r for r in rows if r["eval_id"] not in self.screened]
 
     def _write(self, experiment: str) -> None:
         rows = self._family_rows(experiment)

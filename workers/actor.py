@@ -13,6 +13,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -40,6 +41,7 @@ class EvalWorker:
         self.kind, self.model_cfg, self.data_cfg, self.runtime = kind, model_cfg, data_cfg, runtime
         self._adapter: EvalAdapter | None = None
         self._other: dict[str, EvalAdapter] = {}  # repr(data config) -> adapter on that data
+        self._subset: tuple[tuple[int, ...], EvalAdapter] | None = None  # screening: positions, adapter
 
     def load(self) -> DatasetInfo:
         """Load model and data (errors surface here, not in the constructor, with their cause)."""
@@ -67,7 +69,23 @@ class EvalWorker:
     def where(self) -> str:
         return f"{self.name}@{socket.gethostname()}:{os.getpid()}"
 
+    def subset_adapter(self, examples: tuple[int, ...]) -> EvalAdapter:
+        """The adapter on the evaluation examples at ``examples`` (a screening subset), loaded once and kept."""
+        if self._subset is None or self._subset[0] != examples:
+            self._subset = None  # one model copy at a time beside the main one
+            self._subset = (examples, model_family(self.kind).load(
+                self.model_cfg, self.data_cfg, replace(self.runtime, examples=examples)))
+        return self._subset[1]
+
     def evaluate(self, units: list) -> list[tuple[str, MaskOutput]]:
-        """Evaluate work units (``headsweep.workers.work.WorkUnit``); returns ``(eval_id, output)`` pairs."""
-        outputs = self.adapter().evaluate([u.masked for u in units])
-        return [(u.eval_id, out) for u, out in zip(units, outputs, strict=True)]
+        """Evaluate work units (``headsweep.workers.work.WorkUnit``); returns ``(eval_id, output)`` pairs.
+
+        Units that name ``examples`` run on the adapter of that subset, the others on the whole set.
+        """
+        results: list[tuple[str, MaskOutput]] = []
+        for subset in dict.fromkeys(u.examples for u in units):
+            group = [u for u in units if u.examples == subset]
+            adapter = self.adapter() if subset is None else self.subset_adapter(subset)
+            outputs = adapter.evaluate([u.masked for u in group])
+            results.extend((u.eval_id, out) for u, out in zip(group, outputs, strict=True))
+        return results

@@ -70,6 +70,9 @@ class RuntimeOptions:
     # in modules no mask of a batch gates; encoder-decoder keys once per sentence, not per beam);
     # False: neither, every gated module unfused (the plain reference).
     fused_attention: bool = True
+    # Only these examples (positions in the evaluation set, after data.max_examples), for the subset that
+    # sequential screening evaluates first (sweep.screen); None: every example. See workers/example_subset.py.
+    examples: tuple[int, ...] | None = None
 
 
 @dataclass

@@ -22,3 +22,6 @@ class WorkUnit:
     layer: int | None = None
     head: int | None = None
     level: float | None = None
+    # Evaluate on these examples only (positions in the evaluation set): a screening evaluation
+    # (sweep.screen); None: the whole evaluation set.
+    examples: tuple[int, ...] | None = None

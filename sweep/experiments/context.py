@@ -22,6 +22,7 @@ from headsweep.sweep.dispatch import WorkerPool, units_per_call
 from headsweep.sweep.plan import by_importance, unique, with_prefix
 from headsweep.sweep.progress import Progress
 from headsweep.sweep.runs import RunRecord
+from headsweep.sweep.screening import ScreenSettings, screen
 from headsweep.sweep.sections import Config
 from headsweep.sweep.significance_runner import SignificanceTracker
 from headsweep.workers.family import DatasetInfo
@@ -54,6 +55,10 @@ class Context:
     baseline: tuple[float, np.ndarray] | None = None  # score and statistics of the unmasked model
     tracker: SignificanceTracker | None = None
     budget: SessionBudget | None = None  # sweep.budget, shared by the contexts of one session
+    # sweep.screen: eval ids screened out (this session's and a resumed run's), screening columns of the
+    # completed ones (for their full rows). See headsweep.sweep.screening.
+    screened: set[str] = field(default_factory=set)
+    screen_notes: dict[str, dict] = field(default_factory=dict)
     _reference: WorkUnit | None = field(default=None, repr=False)  # planned, not yet evaluated
 
     @property
@@ -100,13 +105,16 @@ class Context:
         todo = [u for u in units if u.eval_id not in self.done]
         if self.cfg.sweep.order == "importance" and "importance" in self.shared:
             todo = by_importance(todo, self.shared["importance"])
+        settings = ScreenSettings.from_config(self.cfg.sweep.screen, self.cfg.significance.seed)
+        if settings is not None and todo:
+            todo = screen(self, todo, settings)
         if self.budget is not None and self.budget.reached() and (todo or reference is not None):
             raise BudgetReached(self.budget.describe())
         held: list[tuple[WorkUnit, Any, str]] = []  # results that landed before the reference
         started, landed, left = time.monotonic(), 0, len(todo) + (reference is not None)
 
         def land(unit: WorkUnit, out: Any, worker: str) -> None:
-            self.writer.add(unit, out, self.baseline[0], worker)
+            self.writer.add(unit, out, self.baseline[0], worker, extra=self.screen_notes.get(unit.eval_id))
             self.writer.maybe_flush()
             if self.tracker is not None:
                 self.tracker.add(unit, out.stats)
@@ -116,7 +124,7 @@ class Context:
         progress = Progress(len(todo) + (reference is not None), enabled=self.show_progress,
                             detail=self.pool.status_line)
         stream = [reference, *todo] if reference is not None else todo
-        for unit, out, worker in self.pool.stream(stream, units_per_call(self.cfg.sweep.masks_per_batch)):
+        for unit, out, worker in self.pool.stream(stream, self.units_per_call()):
             if unit is reference:
                 self.writer.add(unit, out, out.score, worker)
                 self.writer.flush()
@@ -139,6 +147,22 @@ class Context:
                 if left and self.budget.reached():
                     raise BudgetReached(self.budget.describe())
 
+    def units_per_call(self) -> int:
+        """Work units in one worker call (``sweep.masks_per_batch``)."""
+        return units_per_call(self.cfg.sweep.masks_per_batch)
+
+    def count_for_budget(self) -> None:
+        """One more evaluation computed in this session (``sweep.budget``), checked before the next pass."""
+        if self.budget is not None:
+            self.budget.count()
+
+    def say_screened(self, n_out: int, n_screened: int, subset: int) -> None:
+        """The screening pass's one status line."""
+        from headsweep.sweep.console import say
+
+        say(f"screening: {n_out} of {n_screened} masks screened out on {subset} of {self.info.n_examples} "
+            f"examples; {n_screened - n_out} go on to the whole set")
+
     def _note_progress(self, record: RunRecord, landed: int, left: int, elapsed: float) -> None:
         """What ``headsweep status`` shows while the run goes: stored, significant so far, ETA of this pass."""
         rate = landed / elapsed if elapsed > 0 else None
@@ -160,7 +184,9 @@ class Context:
             return
         self.tracker.expect(units)
         for unit in units:
-            if unit.eval_id in self.done:
+            if unit.eval_id in self.screened:  # in the family with p = 1, no test of its own
+                self.tracker.add_screened(unit)
+            elif unit.eval_id in self.done:
                 self.tracker.add(unit, self.done[unit.eval_id][1])
 
     def write(self, table: str, rows: list[dict], name: str) -> None:

@@ -43,6 +43,7 @@ from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.data_report import report
 from headsweep.workers.efficiency import median_batch, take_rows
+from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 from headsweep.workers.families.fairseq_translation.data import (
     ParallelExamples,
@@ -92,7 +93,7 @@ class TranslationAdapter:
         self.gates = gate_fairseq_model(self.model, keep_fused=runtime.fused_attention)
         self.pipeline = TextPipeline(model_cfg, data_cfg, self.src_dict, self.tgt_dict,
                                      self.source_lang, self.target_lang)
-        self.examples: ParallelExamples = load_examples(data_cfg, self.pipeline)
+        self.examples: ParallelExamples = at_positions(load_examples(data_cfg, self.pipeline), runtime.examples)
         limits = check_lengths(self.examples, self.model.max_positions())
         self.data_facts = {"encoding": data_cfg.encoding, "max_source_positions": limits[0],
                            "max_target_positions": limits[1],

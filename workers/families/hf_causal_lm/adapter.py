@@ -23,6 +23,7 @@ import torch
 from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
+from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import DEFAULT_WINDOW, CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.data import Window, plan_windows, read_corpus
 from headsweep.workers.families.hf_causal_lm.model import (
@@ -85,6 +86,7 @@ class CausalLMAdapter(BaselineOnce):
         available = len(self.windows)
         if data_cfg.max_windows is not None:
             self.windows = self.windows[: data_cfg.max_windows]
+        self.windows = at_positions(self.windows, runtime.examples)
         self.inputs = self._window_inputs(ids, bos).to(self.device)
         # scored[w, j]: window w's position j + 1 is scored (predicted from positions 0..j)
         starts = torch.tensor([w.score_from for w in self.windows])

@@ -39,6 +39,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.data_report import Finding, report
 from headsweep.workers.efficiency import median_batch, take_rows
+from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.model import (
     BaselineOnce,
@@ -319,6 +320,7 @@ class MultipleChoiceAdapter(BaselineOnce):
         available = len(questions)
         if data_cfg.max_questions is not None:
             questions = questions[: data_cfg.max_questions]
+        questions = at_positions(questions, runtime.examples)
         self.questions = questions
         self.delimiter = data_cfg.target_delimiter
         encoded = encode_requests(self.tokenizer, questions, self.delimiter)

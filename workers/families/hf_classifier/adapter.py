@@ -22,6 +22,7 @@ from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.data_report import Finding, report
 from headsweep.workers.efficiency import median_batch, take_rows
+from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 from headsweep.workers.families.hf_classifier.data import findings, read_examples
 from headsweep.workers.families.hf_classifier.model import load_hf_model, max_positions, resolve_max_length
@@ -66,7 +67,7 @@ class ClassifierAdapter:
             torch.set_num_threads(runtime.threads)
         self.device = torch.device(runtime.device)
         self.runtime = runtime
-        examples = read_examples(data_cfg)
+        examples = at_positions(read_examples(data_cfg), runtime.examples)
         self.model, self.tokenizer = load_hf_model(model_cfg, runtime.device)
         self.gates = HeadGates(_sites_or_error(self.model))
         id2label = {int(k): v for k, v in self.model.config.id2label.items()}
