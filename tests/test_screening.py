@@ -1,0 +1,237 @@
+"""Sequential screening (#20 item 3): ``sweep.screen``.
+
+- The subset: an adapter on chosen positions gives, for every family, exactly the full evaluation's rows at
+  those positions (the independent route: the whole-set evaluation of the same mask).
+- The rule on hand-built statistics with known answers.
+- Through the real CLI on a constructed classifier whose answer is known (some heads have their output
+  projection zeroed, so masking them changes nothing; labels are the model's own predictions, so a head that
+  matters costs accuracy): every head the full run finds significant is completed, with the full run's
+  values; the zeroed heads are screened out; the rows, examples and significance family say so; and a
+  budgeted screened run resumes to the tables of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+from conftest import run_cli
+
+from headsweep.errors import HeadsweepError
+from headsweep.results.store import ResultStore
+from headsweep.sweep.config import build_config
+from headsweep.sweep.screening import ScreenSettings, verdicts
+from headsweep.sweep.significance import adjust_pvalues
+from headsweep.workers.example_subset import at_positions
+from headsweep.workers.heads import Head
+
+
+# -- the subset ---------------------------------------------------------------------------------------------------
+def test_positions_are_a_seeded_sorted_sample():
+    s = ScreenSettings(fraction=0.2, equivalence=0.01, confidence=0.99, n_resamples=1000, seed=4)
+    first = s.positions(101)
+    assert len(first) == 21 and list(first) == sorted(set(first)) and 0 <= first[0] and first[-1] < 101
+    assert s.positions(101) == first and ScreenSettings(0.2, 0.01, 0.99, 1000, 5).positions(101) != first
+    with pytest.raises(HeadsweepError, match="is 8 examples, fewer than 20"):
+        s.check_size(40)
+    with pytest.raises(HeadsweepError, match="is every example"):
+        ScreenSettings(0.99, 0.01, 0.99, 1000, 0).check_size(50)
+
+
+def test_at_positions_keeps_per_example_lists_and_other_fields():
+    from headsweep.workers.families.fairseq_translation.data import ParallelExamples
+
+    ex = ParallelExamples(name="x", ids=["0", "1", "2"], source=[[1], [2], [3]], target=[[4], [5], [6]],
+                          references=["a", "b", "c"], unk_rate_source=0.5, unk_rate_target=0.0,
+                          source_file="s", target_file="t")
+    sub = at_positions(ex, (0, 2))
+    assert sub.ids == ["0", "2"] and sub.source == [[1], [3]] and sub.references == ["a", "c"]
+    assert sub.name == "x" and sub.unk_rate_source == 0.5
+    assert at_positions(["a", "b", "c"], (1,)) == ["b"] and at_positions(ex, None) is ex
+    with pytest.raises(HeadsweepError, match="position 3 is outside the evaluation set of 3 examples"):
+        at_positions(ex, (3,))
+
+
+def subset_matches_full(load, model_cfg, data_cfg, masks, positions, **runtime):
+    """The adapter on ``positions`` against the whole-set adapter, mask by mask."""
+    from headsweep.workers.family import RuntimeOptions
+
+    full = load(model_cfg, data_cfg, RuntimeOptions(**runtime)).evaluate(masks)
+    part = load(model_cfg, data_cfg, RuntimeOptions(**runtime, examples=positions)).evaluate(masks)
+    for f, p in zip(full, part, strict=True):
+        assert p.stats.shape[0] == len(positions)
+        np.testing.assert_array_equal(p.stats, f.stats[list(positions)])
+        assert p.outputs == [f.outputs[i] for i in positions]
+
+
+def test_subset_adapters_equal_the_full_evaluation_at_their_positions(tmp_path, tiny_bert_dir, tiny_dev_tsv):
+    from tiny_fairseq import train_tiny
+    from tiny_models import lm_text, save_tiny_causal_lm
+
+    from headsweep.workers.families.fairseq_translation.adapter import load_translation
+    from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+    from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+    from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+    from headsweep.workers.families.hf_classifier.adapter import load_classifier
+    from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
+
+    positions = (1, 4, 5, 11, 30, 39)
+    subset_matches_full(load_classifier, ClassifierModel(path=str(tiny_bert_dir)),
+                        ClassifierData(path=str(tiny_dev_tsv)),
+                        [(), (Head("self", 0, 1),), (Head("self", 1, 2), Head("self", 0, 0))], positions,
+                        batch_size=7)
+    tiny = train_tiny(tmp_path / "fairseq")
+    subset_matches_full(load_translation, TranslationModel(checkpoint=str(tiny.checkpoint),
+                                                           data_bin=str(tiny.data.data_bin)),
+                        TranslationData(data_bin=str(tiny.data.data_bin), split="test"),
+                        [(), (Head("enc_self", 0, 1),), (Head("enc_dec", 1, 3),)], positions, batch_size=8,
+                        max_tokens=0)
+    lm_dir = save_tiny_causal_lm(tmp_path / "lm")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(lm_text(900))
+    subset_matches_full(load_causal_lm_adapter, CausalLMModel(path=str(lm_dir)),
+                        CausalLMData(path=str(corpus), window=16), [(), (Head("self", 1, 3),)], (0, 2, 3), batch_size=4)
+
+
+# -- the rule -----------------------------------------------------------------------------------------------------
+def accuracy_stats(correct: list[int]) -> np.ndarray:
+    """Per-example accuracy statistics (correct, 1)."""
+    return np.array([[c, 1.0] for c in correct])
+
+
+def test_the_rule_on_hand_built_cases():
+    base = accuracy_stats([1] * 80 + [0] * 20)
+    same = base.copy()
+    harmful = accuracy_stats([1] * 40 + [0] * 60)  # 40 points worse: far outside any small margin
+    one_flip = accuracy_stats([1] * 79 + [0] * 21)  # one point worse on 100 examples: inside a 5-point margin
+    s = ScreenSettings(0.2, 0.05, 0.99, 1000, 0)
+    v_same, v_harm, v_flip = verdicts("accuracy", base, np.stack([same, harmful, one_flip]), s)
+    assert (v_same.ci_low, v_same.ci_high, v_same.screened_out) == (0.0, 0.0, True)
+    assert v_harm.ci_low < -0.4 < v_harm.ci_high < -0.2 and not v_harm.screened_out
+    assert -0.05 <= v_flip.ci_low <= -0.01 and v_flip.ci_high == 0.0 and v_flip.screened_out
+    # a margin below what one flip costs keeps it
+    [tight] = verdicts("accuracy", base, one_flip[None], ScreenSettings(0.2, 0.005, 0.99, 1000, 0))
+    assert not tight.screened_out
+
+
+@pytest.mark.parametrize("screen, message", [
+    ({"fraction": 0.2}, "sweep.screen needs equivalence"),
+    ({"equivalence": 0.01, "fraction": 0}, "sweep.screen.fraction must be between 0 and 1"),
+    ({"equivalence": -1}, "sweep.screen.equivalence must be positive"),
+    ({"equivalence": 0.01, "confidence": 1.0}, r"sweep.screen.confidence must be in \[0.5, 1\)"),
+    ({"equivalence": 0.01, "n_resamples": 10}, "sweep.screen.n_resamples must be a whole number of at least 100"),
+    ({"equivalence": 0.01, "alpha": 0.1}, "unknown key sweep.screen.alpha"),
+])
+def test_bad_screen_settings(tmp_path, screen, message):
+    with pytest.raises(HeadsweepError, match=message):
+        build_config(config(tmp_path, tmp_path / "d.tsv", screen=screen))
+
+
+def test_screen_needs_single_heads_and_refuses_pairs(tmp_path):
+    with pytest.raises(HeadsweepError, match="sweep.screen screens single_head masks"):
+        build_config(config(tmp_path, tmp_path / "d.tsv", screen={"equivalence": 0.01}, experiments=["baseline"]))
+    with pytest.raises(HeadsweepError, match="sweep.screen cannot be combined with pairs"):
+        build_config(config(tmp_path, tmp_path / "d.tsv", screen={"equivalence": 0.01},
+                            experiments=["single_head", "pairs"]))
+
+
+# -- a constructed case through the CLI ---------------------------------------------------------------------------
+ZEROED = [Head("self", 0, 1), Head("self", 0, 3), Head("self", 1, 0), Head("self", 1, 2)]
+
+
+@pytest.fixture(scope="module")
+def known_case(tmp_path_factory):
+    """A tiny classifier with the W_O columns of ``ZEROED`` set to zero, and 300 examples labelled with its own
+    predictions (baseline accuracy 1)."""
+    import torch
+    from tiny_models import save_tiny_classifier, zeroed_copy
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from headsweep.sweep.demo.sentiment import generate, write_tsv
+
+    folder = tmp_path_factory.mktemp("screen_case")
+    raw = save_tiny_classifier(folder / "raw")
+    model = zeroed_copy(AutoModelForSequenceClassification.from_pretrained(raw).eval(), ZEROED)
+    model.save_pretrained(folder / "model")
+    tokenizer = AutoTokenizer.from_pretrained(raw)
+    tokenizer.save_pretrained(folder / "model")
+    texts = [text for text, _ in generate(300, seed=11)]
+    with torch.no_grad():
+        predicted = [model(**tokenizer(t, return_tensors="pt")).logits.argmax(-1).item() for t in texts]
+    return folder / "model", write_tsv(list(zip(texts, predicted, strict=True)), folder / "dev.tsv")
+
+
+def config(model_dir, data, experiments=("baseline", "single_head"), **sweep) -> dict:
+    return {"model": {"kind": "hf_classifier", "path": str(model_dir)}, "data": {"path": str(data)},
+            "sweep": {"experiments": list(experiments), "batch_size": 32, **sweep},
+            "significance": {"n_resamples": 200, "seed": 5, "correction": "holm"}}
+
+
+def run(tmp_path, name, cfg, ray_address, store="store"):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = run_cli("run", str(path), "--store", str(tmp_path / store), "--address", ray_address, "--quiet")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip().splitlines()[-1], proc
+
+
+def tables(tmp_path, run_id, store="store"):
+    s = ResultStore(str(tmp_path / store))
+    evals = {r["eval_id"]: r for r in s.read("evaluations", run_id).to_pylist()}
+    sig = {(r["eval_id"], r["test"]): r for r in s.read("significance", run_id).to_pylist()}
+    examples = s.read("examples", run_id, columns=["eval_id", "example_id", "stats"]).to_pylist()
+    return evals, sig, examples
+
+
+def test_screening_keeps_every_significant_head_and_screens_out_the_dead_ones(tmp_path, ray_address, known_case):
+    model_dir, dev = known_case
+    screen = {"fraction": 0.2, "equivalence": 0.02}
+    full_id, _ = run(tmp_path, "full", config(model_dir, dev), ray_address)
+    screened_id, proc = run(tmp_path, "screened", config(model_dir, dev, screen=screen), ray_address)
+    assert "screening: 4 of 8 masks screened out on 60 of 300 examples; 4 go on to the whole set" in proc.stderr
+    full, full_sig, _ = tables(tmp_path, full_id)
+    scr, scr_sig, scr_examples = tables(tmp_path, screened_id)
+    significant = {e for (e, t), r in full_sig.items() if t == "paired_ttest" and r["significant"]}
+    assert significant, "the constructed case must have significant heads, or the test shows nothing"
+    dead = {f"single_head/{h}" for h in ZEROED}
+    assert {e for e, r in scr.items() if r["screen"] == "screened_out"} == dead
+    assert not significant & dead
+    for eval_id in significant:  # completed: the full run's row and tests, plus the screening columns
+        row = scr[eval_id]
+        assert row["screen"] == "completed" and row["screen_examples"] == 60
+        assert row["screen_ci_low"] < -0.02  # the subset interval reaches past the margin
+        assert (row["score"], row["delta"], row["n_examples"]) == (full[eval_id]["score"], full[eval_id]["delta"], 300)
+        assert scr_sig[(eval_id, "paired_ttest")]["p_value"] == full_sig[(eval_id, "paired_ttest")]["p_value"]
+        assert scr_sig[(eval_id, "paired_ttest")]["significant"]
+    for eval_id in dead:  # screened out: the subset's row and examples, no tests
+        row = scr[eval_id]
+        assert (row["n_examples"], row["screen_examples"], row["delta"]) == (60, 60, 0.0)
+        assert (row["screen_ci_low"], row["screen_ci_high"]) == (0.0, 0.0)
+        assert row["baseline_score"] == 1.0 and full[eval_id]["delta"] == 0.0
+        assert sum(e["eval_id"] == eval_id for e in scr_examples) == 60
+        assert not any(k[0] == eval_id for k in scr_sig)
+    # the family counts the screened-out heads with p = 1 (Holm over all 8 heads)
+    completed = sorted(e for e, r in scr.items() if r["screen"] == "completed")
+    raw = [scr_sig[(e, "paired_ttest")]["p_value"] for e in completed]
+    expected = adjust_pvalues(np.array(raw + [1.0] * len(dead)), "holm")[: len(raw)]
+    assert [scr_sig[(e, "paired_ttest")]["p_adjusted"] for e in completed] == pytest.approx(expected, rel=1e-12)
+    proc = run_cli("query", f"SELECT count(*) FILTER (WHERE screen = 'screened_out') FROM heads "
+                   f"WHERE run_id = '{screened_id}'", "--store", str(tmp_path / "store"), "--format", "csv")
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "4", proc.stderr
+
+
+def test_a_budgeted_screened_run_resumes_to_the_uninterrupted_tables(tmp_path, ray_address, known_case):
+    model_dir, dev = known_case
+    screen = {"fraction": 0.2, "equivalence": 0.02}
+    whole_id, _ = run(tmp_path, "whole", config(model_dir, dev, screen=screen), ray_address, store="a")
+    partial_id, _ = run(tmp_path, "budget", config(model_dir, dev, screen=screen, budget={"evaluations": 3}),
+                        ray_address, store="b")
+    runs = ResultStore(str(tmp_path / "b")).read("runs", partial_id).to_pylist()
+    assert runs[0]["status"] == "partial"
+    resumed_id, _ = run(tmp_path, "budget", config(model_dir, dev, screen=screen), ray_address, store="b")
+    assert resumed_id == partial_id
+    whole, whole_sig, _ = tables(tmp_path, whole_id, "a")
+    resumed, resumed_sig, _ = tables(tmp_path, resumed_id, "b")
+    keep = ("score", "delta", "n_examples", "screen", "screen_examples", "screen_ci_low", "screen_ci_high")
+    assert {e: [r[k] for k in keep] for e, r in resumed.items()} == {e: [r[k] for k in keep] for e, r in whole.items()}
+    assert {k: r["p_adjusted"] for k, r in resumed_sig.items()} == {k: r["p_adjusted"] for k, r in whole_sig.items()}
