@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import stats as _sps
 
 from headsweep.workers.metrics import accuracy_from_stats, bleu_from_stats
 
@@ -270,6 +269,8 @@ def paired_ttest(
         t = mean / se
     first = d[:, 0]
     t = np.where(constant, np.where(first > 0, np.inf, np.where(first < 0, -np.inf, 0.0)), t)
+    from scipy import stats as _sps  # 1 s of import: only where a t-test runs, not in every driver
+
     p = 2.0 * _sps.t.sf(np.abs(t), df)
     p = np.minimum(p, 1.0)
     half = _sps.t.ppf(0.5 + confidence / 2.0, df) * np.where(constant, 0.0, se)
@@ -302,6 +303,8 @@ def mcnemar_exact(baseline_correct: np.ndarray, system_correct: np.ndarray) -> T
     c = (~base & sys_).sum(axis=1)
     m = b + c
     low = np.minimum(b, c)
+    from scipy import stats as _sps
+
     p = np.where(m > 0, np.minimum(1.0, 2.0 * _sps.binom.cdf(low, np.maximum(m, 1), 0.5)), 1.0)
     nan = np.full(low.shape, np.nan)
     return TestResult(

@@ -327,6 +327,124 @@ def test_two_lambda_tune_run_through_the_cli_with_a_killed_trial(tmp_path, ray_a
     assert len(progress) == 2 and all("expected_open" in p.read_text().splitlines()[0] for p in progress)
 
 
+# -- train: all: the fine-tuned weights evaluated by the run's workers ------------------------------------------------
+def test_a_unit_with_weights_evaluates_a_model_holding_them(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):
+    """A worker evaluating units that name ``weights`` (a state dict file) gives what an adapter loaded from a
+    save_pretrained folder of that model gives (the independent route); units without weights keep the loaded
+    model, in the same call."""
+    import shutil
+
+    import numpy as np
+    import ray
+
+    from headsweep.workers.actor import EvalWorker
+    from headsweep.workers.work import WorkUnit
+
+    model_cfg = ClassifierModel(path=str(tiny_bert_dir), attn_implementation="eager")
+    data_cfg = ClassifierData(path=str(tiny_dev_tsv))
+    runtime = RuntimeOptions(batch_size=8, seed=0, threads=1)
+    family = model_family("hf_classifier")
+    original = family.load(model_cfg, data_cfg, runtime)
+    perturbed = family.load(model_cfg, data_cfg, runtime).model
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    weights = tmp_path / "weights.pt"
+    torch.save(perturbed.state_dict(), weights)
+    folder = tmp_path / "perturbed"
+    shutil.copytree(tiny_bert_dir, folder)  # the tokenizer files; the model's are overwritten
+    perturbed.save_pretrained(folder)
+    independent = family.load(ClassifierModel(path=str(folder), attn_implementation="eager"), data_cfg, runtime)
+
+    head = Head("self", 1, 2)
+    units = [WorkUnit("plain", "x", ()), WorkUnit("tuned", "x", (), weights=str(weights)),
+             WorkUnit("tuned-masked", "x", (head,), weights=str(weights)), WorkUnit("plain-masked", "x", (head,)),
+             WorkUnit("tuned-subset", "x", (head,), examples=(3, 7, 20), weights=str(weights))]
+    worker = EvalWorker.options(num_cpus=1).remote("w", "hf_classifier", model_cfg, data_cfg, runtime)
+    try:
+        ray.get(worker.load.remote())
+        got = dict(ray.get(worker.evaluate.remote(units)))
+    finally:
+        ray.kill(worker)
+    expected = dict(zip(["tuned", "tuned-masked"], independent.evaluate([(), (head,)]), strict=True))
+    expected.update(zip(["plain", "plain-masked"], original.evaluate([(), (head,)]), strict=True))
+    for eval_id, out in expected.items():
+        # exact: the same weights (a float32 file round trip), kernels and batches in both routes
+        np.testing.assert_array_equal(got[eval_id].stats, out.stats)
+        np.testing.assert_array_equal(got[eval_id].loss, out.loss)
+        assert got[eval_id].score == out.score
+    subset = expected["tuned-masked"]
+    np.testing.assert_array_equal(got["tuned-subset"].stats, subset.stats[[3, 7, 20]])
+    # summation order: the subset's batches hold other examples, padded to other lengths
+    assert_routes_agree(got["tuned-subset"].loss, subset.loss[[3, 7, 20]], depth=2, width=64)
+    assert max_difference(got["tuned"].loss, got["plain"].loss) > 1e-3  # the weights do change the model
+
+
+def test_train_all_through_the_cli_evaluates_each_trials_fine_tuned_model(tmp_path, ray_address, tiny_bert_dir,
+                                                                          tiny_dev_tsv, train_tsv):
+    """``l0.train: all``, two lambdas: the gates rows say ``all``, each ``l0_gates`` row is the trial's fine-tuned
+    model with its closed heads masked (the same training and evaluation in this process), compared with the
+    original model's baseline (its score, and the significance test on its per-example statistics)."""
+    import duckdb
+    import numpy as np
+    import yaml
+    from conftest import run_cli
+
+    store = tmp_path / "store"
+    steps = 60
+    config = l0_config(tmp_path / "l0.yaml", tiny_bert_dir, tiny_dev_tsv, train_tsv, steps=steps, lr=0.1,
+                       checkpoint_every=30)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["l0"]["train"] = "all"  # (l0_config's own ``train`` is the training data)
+    config.write_text(yaml.safe_dump(cfg))
+    proc = run_cli("run", str(config), "--store", str(store), "--address", ray_address, "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_id = proc.stdout.strip().splitlines()[-1]
+    con = duckdb.connect()
+    gates = con.sql(f"SELECT \"lambda\", layer, head, closed, train FROM {duck(store, 'gates')} "
+                    "ORDER BY \"lambda\", layer, head").fetchall()
+    assert len(gates) == 16 and {g[4] for g in gates} == {"all"}
+    evals = {e[0]: e for e in con.sql(
+        f"SELECT eval_id, score, baseline_score, n_masked FROM {duck(store, 'evaluations')}").fetchall()}
+    assert set(evals) == {"baseline", "l0_gates/global/0.0", "l0_gates/global/50.0"}
+    losses = {}
+    for eval_id, loss in con.sql(f"SELECT eval_id, list(loss ORDER BY example_id) FROM {duck(store, 'examples')} "
+                                 "GROUP BY eval_id").fetchall():
+        losses[eval_id] = np.array(loss)
+    ids = [r[0] for r in con.sql(f"SELECT DISTINCT example_id FROM {duck(store, 'examples')} ORDER BY example_id"
+                                 ).fetchall()]
+    assert con.sql(f"SELECT count(*) FROM {duck(store, 'significance')} WHERE eval_id LIKE 'l0_gates/%'"
+                   ).fetchall() == [(2,)]
+    model_cfg = ClassifierModel(path=str(tiny_bert_dir), attn_implementation="eager")
+    evaluator = model_family("hf_classifier").load(model_cfg, ClassifierData(path=str(tiny_dev_tsv)),
+                                                   RuntimeOptions(batch_size=8, seed=0))
+    order = np.argsort(evaluator.describe().example_ids)
+    assert [evaluator.describe().example_ids[i] for i in order] == ids
+    for lam in (0.0, 50.0):
+        row = evals[f"l0_gates/global/{lam!r}"]
+        assert row[2] == evals["baseline"][1]  # the original model is the baseline of every row
+        # The same training in this process (same seed, data and steps), then its model evaluated here.
+        trainer = L0Trainer(model_family("hf_classifier").load(
+            model_cfg, ClassifierData(path=str(train_tsv)), RuntimeOptions(batch_size=8, seed=0, reuse=False)),
+            settings(lam, steps=steps, lr=0.1, train="all"))
+        trainer.train()
+        mask = trainer.closed_heads()
+        assert sorted((g[1], g[2]) for g in gates if g[0] == lam and g[3]) == [(h.layer, h.head) for h in mask]
+        assert row[3] == len(mask) == (0 if lam == 0.0 else 8)
+        evaluator.model.load_state_dict(trainer.model.state_dict())
+        [out] = evaluator.evaluate([mask])
+        # other: the same float32 training in another process with its own thread count (reduction order),
+        # 60 Adam updates of every weight
+        assert losses[f"l0_gates/global/{lam!r}"] == pytest.approx(out.loss[order], rel=1e-4, abs=1e-5)
+        assert row[1] == pytest.approx(out.score, abs=1e-12)
+        # the fine-tuned model is not the original one
+        assert max_difference(losses[f"l0_gates/global/{lam!r}"], losses["baseline"]) > 1e-3
+    # the fine-tuned weights stay in the run's Tune folder
+    assert sorted(p.name for p in (store / "tune" / f"run_id={run_id}" / "l0-weights").iterdir()) == [
+        "lambda-0.0.pt", "lambda-50.0.pt"]
+
+
 # -- bad input ----------------------------------------------------------------------------------------------------
 def l0_cfg(dev, **l0):
     return {"model": {"kind": "hf_classifier", "path": "m"}, "data": {"path": str(dev)},
@@ -339,7 +457,7 @@ def l0_cfg(dev, **l0):
     ({"data": None}, "l0 needs l0.data"),
     ({"data": {"path": "data/test.tsv"}}, "looks like a test split"),
     ({"lambdas": []}, "at least one penalty weight"),
-    ({"train": "all"}, "l0.train: all"),
+    ({"train": "some"}, "l0.train must be gates or all, got 'some'"),
     ({"closing": "majority"}, "l0.closing"),
 ])
 def test_bad_l0_configs_are_refused_in_one_line(l0, words):

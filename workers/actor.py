@@ -42,6 +42,7 @@ class EvalWorker:
         self._adapter: EvalAdapter | None = None
         self._other: dict[str, EvalAdapter] = {}  # repr(data config) -> adapter on that data
         self._subset: tuple[tuple[int, ...], EvalAdapter] | None = None  # screening: positions, adapter
+        self._weighted: tuple[tuple, EvalAdapter] | None = None  # (positions, weights file), adapter
 
     def load(self) -> DatasetInfo:
         """Load model and data (errors surface here, not in the constructor, with their cause)."""
@@ -77,15 +78,35 @@ class EvalWorker:
                 self.model_cfg, self.data_cfg, replace(self.runtime, examples=examples)))
         return self._subset[1]
 
+    def weights_adapter(self, examples: tuple[int, ...] | None, weights: str) -> EvalAdapter:
+        """The adapter whose model holds the state dict at ``weights`` (``WorkUnit.weights``), on ``examples``
+        (None: the whole set); loaded once and kept, one at a time."""
+        import torch
+
+        key = (examples, weights)
+        if self._weighted is None or self._weighted[0] != key:
+            self._weighted = None  # one model copy at a time beside the main one
+            adapter = model_family(self.kind).load(self.model_cfg, self.data_cfg,
+                                                   replace(self.runtime, examples=examples))
+            # Before its first evaluation: load_state_dict copies in place, and the reuse caches (baseline states)
+            # are filled lazily from the weights the model holds when a mask first runs.
+            adapter.model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+            self._weighted = (key, adapter)
+        return self._weighted[1]
+
     def evaluate(self, units: list) -> list[tuple[str, MaskOutput]]:
         """Evaluate work units (``headsweep.workers.work.WorkUnit``); returns ``(eval_id, output)`` pairs.
 
-        Units that name ``examples`` run on the adapter of that subset, the others on the whole set.
+        Units that name ``examples`` run on the adapter of that subset, the others on the whole set; units that
+        name ``weights`` on an adapter whose model holds those weights.
         """
         results: list[tuple[str, MaskOutput]] = []
-        for subset in dict.fromkeys(u.examples for u in units):
-            group = [u for u in units if u.examples == subset]
-            adapter = self.adapter() if subset is None else self.subset_adapter(subset)
+        for subset, weights in dict.fromkeys((u.examples, u.weights) for u in units):
+            group = [u for u in units if (u.examples, u.weights) == (subset, weights)]
+            if weights is not None:
+                adapter = self.weights_adapter(subset, weights)
+            else:
+                adapter = self.adapter() if subset is None else self.subset_adapter(subset)
             outputs = adapter.evaluate([u.masked for u in group])
             results.extend((u.eval_id, out) for u, out in zip(group, outputs, strict=True))
         return results

@@ -6,7 +6,6 @@ from typing import Any
 
 from headsweep.workers.family import ModelFamily, model_family
 from headsweep.workers.heads import HeadInventory
-from headsweep.workers.pruning import site_inventory
 
 
 def model_heads_on_worker(worker: Any, model_cfg: Any) -> HeadInventory | None:
@@ -15,6 +14,8 @@ def model_heads_on_worker(worker: Any, model_cfg: Any) -> HeadInventory | None:
     None for a model family that cannot load a bare model (a plugin without ``load_model``): the
     model is then first opened when its turn comes.
     """
+    from headsweep.workers.pruning import site_inventory  # torch: on the worker only, not in the driver's import
+
     family = model_family(model_cfg.kind)
     if type(family).load_model is ModelFamily.load_model:  # a family that cannot: nothing to check here
         return None

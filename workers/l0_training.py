@@ -239,7 +239,9 @@ def l0_trainable(config: dict, job: L0Job) -> None:
     Reports ``loss``, ``task_loss``, ``expected_open``, ``closed``, ``step`` and ``pid`` (the trial's process)
     every ``job.report_every``
     steps; a checkpoint (``l0_state.pt``) every ``job.checkpoint_every`` steps and at the end. A trial
-    restarted by Tune (``FailureConfig``) continues from its latest checkpoint.
+    restarted by Tune (``FailureConfig``) continues from its latest checkpoint. With ``train: all`` every
+    checkpoint holds the model's state dict (``state["model"]``: its own parameters and buffers, no gates), so a
+    restarted trial resumes the fine-tuned weights and the final checkpoint holds the model the run evaluates.
     """
     from ray import tune
 

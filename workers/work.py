@@ -25,3 +25,7 @@ class WorkUnit:
     # Evaluate on these examples only (positions in the evaluation set): a screening evaluation
     # (sweep.screen); None: the whole evaluation set.
     examples: tuple[int, ...] | None = None
+    # Evaluate a model holding these weights instead of the loaded ones: the path of a torch state dict of the
+    # same model (a fine-tuned copy, e.g. an ``l0.train: all`` trial's), readable by the workers (a local path:
+    # the run's store on this machine or a shared filesystem); None: the loaded model.
+    weights: str | None = None

@@ -17,8 +17,12 @@ sits in the ``pruning`` view beside the gradient-importance curve of ``prune_lev
 switched off and every other head left at gate 1, as a pruned model runs. A trial that fails its
 retries fails the run with one line naming its lambda, after the other trials' results are stored.
 
-``l0.train: all`` (model weights trained with the gates) is refused for now: the run's workers hold the
-original weights, and evaluating each trial's fine-tuned weights through them is not built yet.
+``l0.train: all`` (model weights trained with the gates, as the paper): the trial's final checkpoint holds the
+fine-tuned model's state dict; it is written to ``<store>/tune/run_id=<run>/<prefix>l0-weights/lambda-<lambda>.pt``
+and the unit of that lambda names it (``WorkUnit.weights``), so the workers evaluate the fine-tuned model with its
+closed heads masked. The row's baseline stays the original model's (the paper's comparison), and its significance
+test pairs the fine-tuned model's per-example statistics with the original model's. The workers read that file, so
+``train: all`` needs a store on the local filesystem (one machine, or a filesystem the workers share).
 """
 
 from __future__ import annotations
@@ -74,11 +78,6 @@ class L0Gates(Experiment):
             if names_test_split(l0.data):
                 raise HeadsweepError("l0.data looks like a test split; train the gates on training data, "
                                      "or set l0.allow_eval_data: true")
-        if l0.train == "all":
-            raise HeadsweepError(
-                "l0.train: all trains the model's weights too, and evaluating each trial's fine-tuned weights "
-                "through the run's workers is not supported yet; use l0.train: gates (the model frozen)"
-            )
 
     def validate(self, ctx: Context) -> None:
         from headsweep.workers.l0_training import l0_data_on_worker
@@ -86,6 +85,11 @@ class L0Gates(Experiment):
         if ctx.cfg.l0.attention:
             check_attention_types(ctx.cfg.l0.attention, ctx.inventory, "l0.attention")
         self._check_resources(ctx.cfg)
+        if ctx.cfg.l0.train == "all" and not _local_store(ctx):
+            raise HeadsweepError(
+                f"l0.train: all needs a store on the local filesystem (the workers read each trial's fine-tuned "
+                f"weights from it), got {ctx.store.root}; use a local --store, or l0.train: gates"
+            )
         # The training data loads in a worker now (kept there), so a bad or empty file fails before any write.
         if ctx.pool.call(l0_data_on_worker, l0_data(ctx.cfg)) == 0:
             raise HeadsweepError("l0.data has no examples: no training data for the L0 gates")
@@ -124,14 +128,17 @@ class L0Gates(Experiment):
             if result is None or result.error is not None or result.checkpoint is None:
                 failed.append((lam, result))
                 continue
-            rows = rows_from_state(load_trial_state(result.checkpoint), sites, concrete, l0.closing)
+            state = load_trial_state(result.checkpoint)
+            rows = rows_from_state(state, sites, concrete, l0.closing)
             for row in rows:
                 row.update({"lambda": float(lam), "train": l0.train, "checkpoint": ctx.checkpoint})
             ctx.write("gates", rows, name=f"l0-lambda-{lambda_name(lam)}")
             mask = tuple(sorted(Head(r["attention"], r["layer"], r["head"]) for r in rows if r["closed"]))
+            # train: all evaluates the trial's fine-tuned model (its closed heads masked) against the original one
+            weights = self.save_weights(ctx, lam, state) if l0.train == "all" else None
             units.append(WorkUnit(f"{EVAL_EXPERIMENT}/{scope}/{lambda_name(lam)}", EVAL_EXPERIMENT, mask,
                                   l0.attention[0] if l0.attention and len(l0.attention) == 1 else None,
-                                  level=len(mask) / n_gated))
+                                  level=len(mask) / n_gated, weights=weights))
             log(f"l0 lambda={lam:g}: {len(mask)} of {n_gated} gates closed")
         if units:
             ctx.evaluate(units)
@@ -144,10 +151,31 @@ class L0Gates(Experiment):
                 f"the other trials' results are stored, and rerunning the config resumes it from its last checkpoint"
             )
 
+    def save_weights(self, ctx: Context, lam: float, state: dict[str, Any]) -> str:
+        """Write the fine-tuned model of a ``train: all`` trial (its state's ``model``) where the workers read it.
+
+        Returns the file's path, ``<tune folder>/<prefix>l0-weights/lambda-<lambda>.pt``: the model's own
+        parameters and buffers (no gates), loadable with ``torch.load(..., weights_only=True)``. Written to a
+        temporary name and renamed, so a file that exists is whole (a resumed run writes it again).
+        """
+        import os
+
+        import torch
+
+        if "model" not in state:
+            raise HeadsweepError(f"l0: the checkpoint of the lambda={lam:g} trial holds no model weights (was it "
+                                 "trained with l0.train: gates?); train it again with l0.train: all")
+        storage, name = _tune_location(ctx)
+        folder = os.path.join(storage, f"{name}-weights")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"lambda-{lambda_name(lam)}.pt")
+        torch.save(state["model"], path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return path
+
     # -- Ray Tune ------------------------------------------------------------------------------
     def tune(self, ctx: Context) -> dict[float, Any]:
         """Run (or restore and finish) the Tune experiment of this context; its results by lambda."""
-        from pyarrow import fs as pafs
         from ray import tune
 
         from headsweep.sweep.ray_session import resolve_device  # imports the config module, which imports the kinds
@@ -166,10 +194,8 @@ class L0Gates(Experiment):
                     report_every=max(1, l0.steps // 20))
         trainable = tune.with_resources(tune.with_parameters(l0_trainable, job=job),
                                         {"cpu": s.num_cpus_per_worker, "gpu": s.num_gpus_per_worker})
-        remote = not isinstance(ctx.store.fs, pafs.LocalFileSystem)
-        storage_fs = ctx.store.fs if remote else None
-        storage = f"{ctx.store.root}/tune/run_id={ctx.run_id}"
-        name = (ctx.prefix + "l0").replace("/", "-")
+        storage_fs = None if _local_store(ctx) else ctx.store.fs
+        storage, name = _tune_location(ctx)
         path = f"{storage}/{name}"
         if tune.Tuner.can_restore(path, storage_filesystem=storage_fs):
             log(f"l0: resuming the Tune experiment in {path}")
@@ -194,6 +220,17 @@ class L0Gates(Experiment):
             lam = float(result.config["lam"])
             out[lam] = result
         return out
+
+
+def _local_store(ctx: Context) -> bool:
+    from pyarrow import fs as pafs
+
+    return isinstance(ctx.store.fs, pafs.LocalFileSystem)
+
+
+def _tune_location(ctx: Context) -> tuple[str, str]:
+    """The run's Tune folder in the store and this context's experiment name in it."""
+    return f"{ctx.store.root}/tune/run_id={ctx.run_id}", (ctx.prefix + "l0").replace("/", "-")
 
 
 def _last_line(error: object) -> str:
