@@ -22,6 +22,7 @@ and Bonferroni this is conservative: adjusted p-values can only grow).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -150,8 +151,7 @@ def screen(ctx: Context, units: list[WorkUnit], settings: ScreenSettings) -> lis
         return units
     positions = settings.positions(ctx.info.n_examples)
     subset = [WorkUnit(SUBSET_BASELINE, "screen", (), examples=positions)]
-    subset += [WorkUnit(u.eval_id, u.experiment, u.masked, u.attention, u.layer, u.head, u.level, examples=positions)
-               for u in candidates]
+    subset += [dataclasses.replace(u, examples=positions) for u in candidates]
     by_id = {u.eval_id: u for u in candidates}
     outputs: dict[str, Any] = {}
     progress = Progress(len(subset), enabled=ctx.show_progress, label="screening", detail=ctx.pool.status_line)

@@ -321,6 +321,7 @@ class L0Section:
     data: dict | None = None
     steps: int = 500
     lr: float = 0.05
+    model_lr: float | None = None  # train: all, the model's own weights (null: lr); a converged model wants less
     train: str = "gates"
     beta: float = 0.33
     init_log_alpha: float = 3.0
@@ -343,6 +344,11 @@ class L0Section:
             raise HeadsweepError(f"l0.steps must be at least 1, got {self.steps}")
         if not self.lr > 0:
             raise HeadsweepError(f"l0.lr must be positive, got {self.lr}")
+        if self.model_lr is not None and not self.model_lr > 0:
+            raise HeadsweepError(f"l0.model_lr must be positive, got {self.model_lr}")
+        if self.model_lr is not None and self.train != "all":
+            raise HeadsweepError("l0.model_lr is the learning rate of the model's weights under l0.train: all; "
+                                 "with l0.train: gates the model is frozen: remove it or set l0.train: all")
         if self.train not in ("gates", "all"):
             raise HeadsweepError(f"l0.train must be gates or all, got {self.train!r}")
         if not self.beta > 0:

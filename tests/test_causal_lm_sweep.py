@@ -193,6 +193,7 @@ def fail(tmp_path, ray_address, config, message):
     assert ResultStore(str(store)).read("evaluations").num_rows == 0
 
 
+@pytest.mark.slow  # five CLI runs; each message is the loader's own
 def test_bad_input_is_one_line(tmp_path, lm_files, ray_address):
     from transformers import T5Config, T5ForConditionalGeneration
 

@@ -110,6 +110,7 @@ def test_export_cli(tmp_path, tiny_bert_dir, tiny_dev_tsv):
         export_pruned(load_config(tmp_path / "c.yaml"), out, mask=["self:0:1"])
 
 
+@pytest.mark.slow  # export: test_export_cli; sweeping an export: test_causal_lm_pruning
 def test_an_exported_model_is_swept_like_any_other(tmp_path, tiny_bert_dir, tiny_dev_tsv, ray_address):
     """`headsweep run` on an export: its baseline is the full model under the removed mask, evaluation by
     evaluation, and only the kept heads are swept (layer 1, emptied, has none)."""

@@ -458,6 +458,8 @@ def l0_cfg(dev, **l0):
     ({"data": {"path": "data/test.tsv"}}, "looks like a test split"),
     ({"lambdas": []}, "at least one penalty weight"),
     ({"train": "some"}, "l0.train must be gates or all, got 'some'"),
+    ({"train": "all", "model_lr": 0}, "l0.model_lr must be positive, got 0"),
+    ({"model_lr": 1e-4}, "l0.model_lr is the learning rate of the model's weights under l0.train: all"),
     ({"closing": "majority"}, "l0.closing"),
 ])
 def test_bad_l0_configs_are_refused_in_one_line(l0, words):
@@ -543,6 +545,9 @@ def test_causal_lm_gates(tmp_path):
     assert first.task_loss > 0 and math.isfinite(first.task_loss)
 
 
+# fairseq gates in-process: test_fairseq_gates_on_encoder_self_attention_with_the_checkpoints_label_smoothing;
+# Tune through the CLI: the killed-trial test
+@pytest.mark.slow
 def test_two_lambda_tune_run_on_fairseq_through_the_cli(tmp_path, ray_address, tiny_translation):
     import duckdb
     import yaml
@@ -575,6 +580,7 @@ def test_two_lambda_tune_run_on_fairseq_through_the_cli(tmp_path, ray_address, t
 
 
 
+@pytest.mark.slow  # Tune failures and restarts through the CLI: the killed-trial test
 def test_a_trial_that_fails_its_retries_fails_the_run_naming_its_lambda(tmp_path, ray_address, tiny_bert_dir,
                                                                           tiny_dev_tsv, train_tsv):
     """lambda = 1e308 overflows the loss: that trial fails (no retries left), the run fails with one line naming

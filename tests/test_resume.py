@@ -16,7 +16,7 @@ from headsweep.sweep.demo.sentiment import generate, write_tsv
 
 
 def test_sigkill_then_rerun_computes_only_the_missing(tmp_path, tiny_bert_dir, ray_address):
-    data = write_tsv(generate(2000, seed=3), tmp_path / "dev.tsv")
+    data = write_tsv(generate(1000, seed=3), tmp_path / "dev.tsv")
     cfg = {
         "model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)},
         "data": {"path": str(data)},
@@ -49,7 +49,7 @@ def test_sigkill_then_rerun_computes_only_the_missing(tmp_path, tiny_bert_dir, r
     assert len(ids) == len(set(ids)) == 17  # baseline + 8 single-head + 8 all-but-one, each once
     new = {e["eval_id"] for e in evals if e["finished_at"] >= started}
     assert new == set(ids) - before
-    assert reader.read("examples").num_rows == 17 * 2000
+    assert reader.read("examples").num_rows == 17 * 1000
     [run] = reader.read("runs").to_pylist()
     assert run["status"] == "complete" and run["n_done"] == 17
     sig = reader.read("significance").to_pylist()

@@ -183,12 +183,22 @@ def tables(tmp_path, run_id, store="store"):
     return evals, sig, examples
 
 
-def test_screening_keeps_every_significant_head_and_screens_out_the_dead_ones(tmp_path, ray_address, known_case):
+SCREEN = {"fraction": 0.2, "equivalence": 0.02}
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, ray_address, known_case):
+    """The full grid and the screened grid of the known case, in one store: (folder, full id, screened id, stderr)."""
     model_dir, dev = known_case
-    screen = {"fraction": 0.2, "equivalence": 0.02}
-    full_id, _ = run(tmp_path, "full", config(model_dir, dev), ray_address)
-    screened_id, proc = run(tmp_path, "screened", config(model_dir, dev, screen=screen), ray_address)
-    assert "screening: 4 of 8 masks screened out on 60 of 300 examples; 4 go on to the whole set" in proc.stderr
+    folder = tmp_path_factory.mktemp("screen_runs")
+    full_id, _ = run(folder, "full", config(model_dir, dev), ray_address)
+    screened_id, proc = run(folder, "screened", config(model_dir, dev, screen=SCREEN), ray_address)
+    return folder, full_id, screened_id, proc.stderr
+
+
+def test_screening_keeps_every_significant_head_and_screens_out_the_dead_ones(two_runs):
+    tmp_path, full_id, screened_id, stderr = two_runs
+    assert "screening: 4 of 8 masks screened out on 60 of 300 examples; 4 go on to the whole set" in stderr
     full, full_sig, _ = tables(tmp_path, full_id)
     scr, scr_sig, scr_examples = tables(tmp_path, screened_id)
     significant = {e for (e, t), r in full_sig.items() if t == "paired_ttest" and r["significant"]}
@@ -220,17 +230,15 @@ def test_screening_keeps_every_significant_head_and_screens_out_the_dead_ones(tm
     assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "4", proc.stderr
 
 
-def test_a_budgeted_screened_run_resumes_to_the_uninterrupted_tables(tmp_path, ray_address, known_case):
+def test_a_budgeted_screened_run_resumes_to_the_uninterrupted_tables(tmp_path, ray_address, known_case, two_runs):
     model_dir, dev = known_case
-    screen = {"fraction": 0.2, "equivalence": 0.02}
-    whole_id, _ = run(tmp_path, "whole", config(model_dir, dev, screen=screen), ray_address, store="a")
-    partial_id, _ = run(tmp_path, "budget", config(model_dir, dev, screen=screen, budget={"evaluations": 3}),
+    partial_id, _ = run(tmp_path, "budget", config(model_dir, dev, screen=SCREEN, budget={"evaluations": 3}),
                         ray_address, store="b")
     runs = ResultStore(str(tmp_path / "b")).read("runs", partial_id).to_pylist()
     assert runs[0]["status"] == "partial"
-    resumed_id, _ = run(tmp_path, "budget", config(model_dir, dev, screen=screen), ray_address, store="b")
+    resumed_id, _ = run(tmp_path, "budget", config(model_dir, dev, screen=SCREEN), ray_address, store="b")
     assert resumed_id == partial_id
-    whole, whole_sig, _ = tables(tmp_path, whole_id, "a")
+    whole, whole_sig, _ = tables(two_runs[0], two_runs[2])
     resumed, resumed_sig, _ = tables(tmp_path, resumed_id, "b")
     keep = ("score", "delta", "n_examples", "screen", "screen_examples", "screen_ci_low", "screen_ci_high")
     assert {e: [r[k] for k in keep] for e, r in resumed.items()} == {e: [r[k] for k in keep] for e, r in whole.items()}

@@ -213,6 +213,7 @@ def sweep_config(tiny, **sweep) -> dict:
     }
 
 
+@pytest.mark.slow  # the loss pass in-process: test_loss_pass_only_when_asked
 def test_sweep_without_the_loss_pass_stores_null_losses_and_the_same_rest(tiny, tmp_path, ray_address):
     stores = {}
     for loss in (False, True):

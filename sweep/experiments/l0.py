@@ -187,7 +187,7 @@ class L0Gates(Experiment):
             cfg.model, **{family.checkpoint_key: ctx.checkpoint})
         runtime = RuntimeOptions(device=resolve_device(cfg), threads=max(1, int(s.num_cpus_per_worker)),
                                  seed=cfg.seed, reuse=False, **s.batching())
-        settings = L0Settings(lam=0.0, steps=l0.steps, lr=l0.lr, train=l0.train, beta=l0.beta,
+        settings = L0Settings(lam=0.0, steps=l0.steps, lr=l0.lr, model_lr=l0.model_lr, train=l0.train, beta=l0.beta,
                               init_log_alpha=l0.init_log_alpha, seed=l0.seed, label_smoothing=l0.label_smoothing,
                               closing=l0.closing, attention=l0.attention)
         job = L0Job(cfg.model.kind, model_cfg, l0_data(cfg), runtime, settings, checkpoint_every=l0.checkpoint_every,
