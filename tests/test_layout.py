@@ -144,3 +144,12 @@ def test_installed_distribution_has_one_top_level_name(tmp_path):
 def test_python_dash_m_headsweep():
     proc = subprocess.run([sys.executable, "-m", "headsweep", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "usage: headsweep" in proc.stdout
+
+
+def test_the_driver_imports_neither_torch_nor_scipy_stats():
+    """Every ``headsweep`` command starts a driver: torch (2 s) and scipy.stats (1 s) load in the workers and the
+    significance tasks that use them, not in every CLI start."""
+    code = ("import sys; import headsweep.sweep.cli, headsweep.sweep.driver, headsweep.sweep.experiments; "
+            "print(sorted(m for m in ('torch', 'scipy.stats', 'transformers', 'fairseq') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr

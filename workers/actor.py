@@ -41,8 +41,7 @@ class EvalWorker:
         self.kind, self.model_cfg, self.data_cfg, self.runtime = kind, model_cfg, data_cfg, runtime
         self._adapter: EvalAdapter | None = None
         self._other: dict[str, EvalAdapter] = {}  # repr(data config) -> adapter on that data
-        self._subset: tuple[tuple[int, ...], EvalAdapter] | None = None  # screening: positions, adapter
-        self._weighted: tuple[tuple, EvalAdapter] | None = None  # (positions, weights file), adapter
+        self._variant: tuple[tuple, EvalAdapter] | None = None  # ((positions, weights file), adapter)
 
     def load(self) -> DatasetInfo:
         """Load model and data (errors surface here, not in the constructor, with their cause)."""
@@ -70,29 +69,25 @@ class EvalWorker:
     def where(self) -> str:
         return f"{self.name}@{socket.gethostname()}:{os.getpid()}"
 
-    def subset_adapter(self, examples: tuple[int, ...]) -> EvalAdapter:
-        """The adapter on the evaluation examples at ``examples`` (a screening subset), loaded once and kept."""
-        if self._subset is None or self._subset[0] != examples:
-            self._subset = None  # one model copy at a time beside the main one
-            self._subset = (examples, model_family(self.kind).load(
-                self.model_cfg, self.data_cfg, replace(self.runtime, examples=examples)))
-        return self._subset[1]
+    def variant_adapter(self, examples: tuple[int, ...] | None, weights: str | None) -> EvalAdapter:
+        """The adapter on the examples at ``examples`` (a screening subset, ``WorkUnit.examples``; None: all) whose
+        model holds the state dict at ``weights`` (``WorkUnit.weights``; None: the loaded weights).
 
-    def weights_adapter(self, examples: tuple[int, ...] | None, weights: str) -> EvalAdapter:
-        """The adapter whose model holds the state dict at ``weights`` (``WorkUnit.weights``), on ``examples``
-        (None: the whole set); loaded once and kept, one at a time."""
-        import torch
-
+        Loaded on first use and kept, one variant at a time beside the main adapter (a second model copy).
+        """
         key = (examples, weights)
-        if self._weighted is None or self._weighted[0] != key:
-            self._weighted = None  # one model copy at a time beside the main one
+        if self._variant is None or self._variant[0] != key:
+            self._variant = None  # free the previous copy before loading the next
             adapter = model_family(self.kind).load(self.model_cfg, self.data_cfg,
                                                    replace(self.runtime, examples=examples))
-            # Before its first evaluation: load_state_dict copies in place, and the reuse caches (baseline states)
-            # are filled lazily from the weights the model holds when a mask first runs.
-            adapter.model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
-            self._weighted = (key, adapter)
-        return self._weighted[1]
+            if weights is not None:
+                import torch
+
+                # Before its first evaluation: load_state_dict copies in place, and the reuse caches (baseline
+                # states) are filled lazily from the weights the model holds when a mask first runs.
+                adapter.model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+            self._variant = (key, adapter)
+        return self._variant[1]
 
     def evaluate(self, units: list) -> list[tuple[str, MaskOutput]]:
         """Evaluate work units (``headsweep.workers.work.WorkUnit``); returns ``(eval_id, output)`` pairs.
@@ -103,10 +98,8 @@ class EvalWorker:
         results: list[tuple[str, MaskOutput]] = []
         for subset, weights in dict.fromkeys((u.examples, u.weights) for u in units):
             group = [u for u in units if (u.examples, u.weights) == (subset, weights)]
-            if weights is not None:
-                adapter = self.weights_adapter(subset, weights)
-            else:
-                adapter = self.adapter() if subset is None else self.subset_adapter(subset)
+            plain = subset is None and weights is None
+            adapter = self.adapter() if plain else self.variant_adapter(subset, weights)
             outputs = adapter.evaluate([u.masked for u in group])
             results.extend((u.eval_id, out) for u, out in zip(group, outputs, strict=True))
         return results
