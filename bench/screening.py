@@ -9,7 +9,7 @@ BLEU, corrected over the grid) that the screened run screened out, i.e. missed.
 
 * classifier: the 6-layer, 12-head BERT of ``bench/grid_speed.py`` (random init, word tokenizer over SST-2
   train) on the first ``--classifier-examples`` sentences of SST-2 dev; equivalence ``--accuracy-margin``.
-* translation: the Multi30k en-fr benchmark model of ``bench/multi30k_translation.py`` (6+6 layers, 4 heads,
+* translation: the Multi30k en-fr benchmark model of ``bench/multi30k_translation.py`` (3+3 layers, 4 heads,
   trained once and cached) on ``--translation-examples`` sentences of test_2016_flickr, beam 5; equivalence
   ``--bleu-margin`` BLEU points.
 
