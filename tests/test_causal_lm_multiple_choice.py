@@ -366,7 +366,9 @@ def mc_config(path, model_dir, data_file, **data):
     return path
 
 
-@pytest.mark.parametrize("score, metric, column", [("acc", "accuracy", 0), ("acc_norm", "accuracy_norm", 1)])
+# acc_norm through the CLI is the slow variant: its scoring is tested in-process like acc's, and the CLI route is one
+@pytest.mark.parametrize("score, metric, column", [
+    ("acc", "accuracy", 0), pytest.param("acc_norm", "accuracy_norm", 1, marks=pytest.mark.slow)])
 def test_sweep_through_the_cli(score, metric, column, sweep_files, word_lm, ray_address):
     tmp, data, questions, golds = sweep_files
     store = tmp / f"store-{score}"
