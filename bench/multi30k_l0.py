@@ -14,7 +14,7 @@ Transformer of ``bench/multi30k_translation.py`` (trained and cached there on fi
 
 Prints ``RESULT l0 heads_kept=<k1,k2,...> bleu_l0=<...> bleu_importance=<...>`` and the wall time.
 
-Usage: python bench/multi30k_l0.py [--lambdas 0.5,1,2,5] [--steps N] [--train-examples N] [--max-examples N]
+Usage: python bench/multi30k_l0.py [--lambdas 0.1,0.2,0.3,0.5] [--steps N] [--train-examples N] [--max-examples N]
 Skips (exit 0) when ../shared/data (relative to the repository root) is absent.
 """
 
@@ -33,7 +33,9 @@ sys.path.insert(0, str(BENCH))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lambdas", default="0.5,1,2,5", help="penalty weights, comma-separated (at least four)")
+    parser.add_argument("--lambdas", default="0.1,0.2,0.3,0.5",
+                        help="penalty weights, comma-separated (at least four); measured: 0.1 keeps all 12 encoder "
+                        "heads, 0.3 keeps 2, 0.5 none (300 steps)")
     parser.add_argument("--steps", type=int, default=1000, help="updates per lambda")
     parser.add_argument("--lr", type=float, default=0.05, help="Adam learning rate of the gates")
     parser.add_argument("--model-lr", type=float, default=1e-5, help="Adam learning rate of the model (train all)")
