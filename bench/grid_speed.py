@@ -181,13 +181,11 @@ def word_tokenizer(sentences: list[str], size: int = 16000):
                                    sep_token="[SEP]", mask_token="[MASK]")
 
 
-def classifier_bench(args, peak: PeakRSS, workdir: Path) -> str:
+def save_classifier(workdir: Path, n_examples: int = N_CLASSIFIER) -> tuple[Path, Path, str]:
+    """This benchmark's classifier (random 6x12 BERT, word tokenizer over SST-2 train) and its first
+    ``n_examples`` SST-2 dev rows, saved under ``workdir``: (model folder, data file, where the rows came from)."""
     import torch
     from transformers import BertConfig, BertForSequenceClassification
-
-    from headsweep.workers.families.hf_classifier.adapter import load_classifier
-    from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
-    from headsweep.workers.family import RuntimeOptions
 
     rows, train_text, source = sst2_rows()
     tokenizer = word_tokenizer(train_text)
@@ -198,8 +196,17 @@ def classifier_bench(args, peak: PeakRSS, workdir: Path) -> str:
     model_dir = workdir / "bert-6x12"
     BertForSequenceClassification(cfg).eval().save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    data = workdir / "sst2-1000.tsv"
-    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows), encoding="utf-8")
+    data = workdir / f"sst2-{n_examples}.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows[:n_examples]), encoding="utf-8")
+    return model_dir, data, source
+
+
+def classifier_bench(args, peak: PeakRSS, workdir: Path) -> str:
+    from headsweep.workers.families.hf_classifier.adapter import load_classifier
+    from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
+    from headsweep.workers.family import RuntimeOptions
+
+    model_dir, data, source = save_classifier(workdir)
 
     sides = {
         "plain": RuntimeOptions(batch_size=args.batch_size, masks_per_batch=1, reuse=False),

@@ -37,21 +37,8 @@ import multi30k_translation as m30k  # noqa: E402
 
 def classifier_config(workdir: Path, n_examples: int) -> dict:
     """grid_speed's random 6x12 BERT and the first ``n_examples`` SST-2 dev sentences, saved under ``workdir``."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
-
-    rows, train_text, source = grid_speed.sst2_rows()
-    tokenizer = grid_speed.word_tokenizer(train_text)
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=len(tokenizer), hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
-                     intermediate_size=1536, max_position_embeddings=128, num_labels=2, initializer_range=0.2,
-                     id2label={0: "0", 1: "1"}, label2id={"0": 0, "1": 1})
-    model_dir = workdir / "bert-6x12"
-    BertForSequenceClassification(cfg).eval().save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    data = workdir / "sst2.tsv"
-    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows[:n_examples]), encoding="utf-8")
-    print(f"classifier: {source}, {min(n_examples, len(rows))} sentences, 6 layers x 12 heads", flush=True)
+    model_dir, data, source = grid_speed.save_classifier(workdir, n_examples)
+    print(f"classifier: {source}, up to {n_examples} sentences, 6 layers x 12 heads", flush=True)
     return {"model": {"kind": "hf_classifier", "path": str(model_dir)}, "data": {"path": str(data)},
             "sweep": {"batch_size": 64}}
 
