@@ -49,6 +49,16 @@ def names_test_split(data: dict) -> bool:
     return any(Path(n).name.lower().startswith("test") or n.lower() == "test" for n in names if n)
 
 
+def refuse_eval_data(key: str, data: dict, cfg: Config, same_advice: str, test_advice: str,
+                     resolved: Any = None) -> None:
+    """The rule for data a kind trains or estimates on (``importance.data``, ``l0.data``): not the evaluation set
+    (the same section, file, or ``resolved`` typed section) nor a test split, unless ``<key>.allow_eval_data``."""
+    if data == dataclasses.asdict(cfg.data) or same_data_file(data, cfg.data) or resolved == cfg.data:
+        raise HeadsweepError(f"{key}.data is the evaluation set; {same_advice}, or set {key}.allow_eval_data: true")
+    if names_test_split(data):
+        raise HeadsweepError(f"{key}.data looks like a test split; {test_advice}, or set {key}.allow_eval_data: true")
+
+
 class Importance(Experiment):
     """Head importance, estimated once per model (a resumed run reuses the scores it stored)."""
 
@@ -69,16 +79,8 @@ class Importance(Experiment):
                     "the evaluation set)"
                 )
             if not imp.allow_eval_data:
-                if imp.data == dataclasses.asdict(cfg.data) or same_data_file(imp.data, cfg.data):
-                    raise HeadsweepError(
-                        "importance.data is the evaluation set; estimate importance on training or validation data, "
-                        "or set importance.allow_eval_data: true"
-                    )
-                if names_test_split(imp.data):
-                    raise HeadsweepError(
-                        "importance.data looks like a test split; use training or validation data, "
-                        "or set importance.allow_eval_data: true"
-                    )
+                refuse_eval_data("importance", imp.data, cfg, "estimate importance on training or validation data",
+                                 "use training or validation data")
         if imp.method == "ablation" and not imp.from_run and "single_head" not in cfg.sweep.experiments:
             raise HeadsweepError(
                 "importance.method ablation orders heads by single-head deltas: add single_head to sweep.experiments "

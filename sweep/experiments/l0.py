@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.dispatch import log
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.experiments.importance import names_test_split, same_data_file
+from headsweep.sweep.experiments.importance import refuse_eval_data
 from headsweep.sweep.experiments.prune_level import prune_scope_name
 from headsweep.sweep.plan import check_attention_types
 from headsweep.sweep.sections import Config, from_dict
@@ -72,12 +72,8 @@ class L0Gates(Experiment):
             raise HeadsweepError("l0 needs l0.data: the training data of the gates, kept apart from the evaluation set")
         data = l0_data(cfg)
         if not l0.allow_eval_data:
-            if l0.data == dataclasses.asdict(cfg.data) or same_data_file(l0.data, cfg.data) or data == cfg.data:
-                raise HeadsweepError("l0.data is the evaluation set; train the gates on training data, "
-                                     "or set l0.allow_eval_data: true")
-            if names_test_split(l0.data):
-                raise HeadsweepError("l0.data looks like a test split; train the gates on training data, "
-                                     "or set l0.allow_eval_data: true")
+            advice = "train the gates on training data"
+            refuse_eval_data("l0", l0.data, cfg, advice, advice, resolved=data)
 
     def validate(self, ctx: Context) -> None:
         from headsweep.workers.l0_training import l0_data_on_worker
