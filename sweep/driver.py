@@ -25,6 +25,7 @@ from headsweep.sweep.budget import BudgetReached, SessionBudget
 from headsweep.sweep.chunks import ChunkWriter
 from headsweep.sweep.dispatch import WorkerPool, log, unwrap, wait_until_placed
 from headsweep.sweep.experiments.context import Context
+from headsweep.sweep.experiments.single_head import SINGLE_HEAD
 from headsweep.sweep.placement import alive_nodes, check_placement
 from headsweep.sweep.ray_session import init_ray, resolve_device
 from headsweep.sweep.runs import (
@@ -170,10 +171,13 @@ class Sweep:
         Every check against the model comes before the first write, so bad input leaves the store untouched.
         """
         tests_for(self.cfg.significance, info.metric)
-        screening = ScreenSettings.from_config(self.cfg.sweep.screen, self.cfg.significance.seed)
+        ctx = Context(self.cfg, info, pool, self.store, self.run_id)
+        screening = ScreenSettings.from_config(self.cfg.sweep.screen, self.cfg.significance.seed,
+                                               self.cfg.significance.alpha)
         if screening is not None:
             screening.check_size(info.n_examples)
-        experiments.validate(Context(self.cfg, info, pool, self.store, self.run_id))
+            screening.check_cut(len(SINGLE_HEAD.plan(ctx)))
+        experiments.validate(ctx)
         self.check_checkpoints(pool, info)
         previous = resumable(self.store, self.cfg, self.resume, self.auto_resume)
         created_at = now()

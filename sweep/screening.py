@@ -2,29 +2,51 @@
 
 Each ``single_head`` mask is first evaluated on the same random subset of the evaluation set (``fraction`` of
 it, at least ``MIN_EXAMPLES`` examples, drawn once per run from ``seed``), together with the unmasked model on
-that subset. The rule, a two one-sided tests (TOST) equivalence test (Schuirmann 1987) on the subset: a mask is
-**screened out** (negligible, not evaluated further) when the subset's paired-bootstrap confidence interval
-(``confidence``, default 0.99, sacrebleu's percentile convention) for its delta lies inside
-``[-equivalence, +equivalence]`` (metric units: accuracy as a fraction, BLEU points, perplexity); every other
-mask is **completed**, i.e. evaluated on the whole set like an unscreened one. A 1 - 2a interval inside the
-margin rejects both one-sided nulls |delta| >= equivalence at level a, so a mask whose true effect on the
-evaluation set's population is at least ``equivalence`` is screened out with probability at most
-(1 - confidence) / 2 (0.5% by default), up to the bootstrap's approximation on a subset of this size.
+that subset. A mask is **screened out** (not evaluated further) when one of two rules, ``rule``, calls it
+negligible from the subset; every other mask is **completed**: evaluated on the rest of the set, its rows and
+statistics the subset's and the rest's together, i.e. the whole set's, as an unscreened run stores them.
+
+``rule: equivalence`` (needs ``equivalence``, a margin in the metric's units: accuracy as a fraction, BLEU
+points, perplexity): two one-sided tests (TOST, Schuirmann 1987). Screened out when the subset's
+paired-bootstrap confidence interval (``confidence``, default 0.99, sacrebleu's percentile convention) for the
+delta lies inside ``[-equivalence, +equivalence]``. A 1 - 2a interval inside the margin rejects both one-sided
+nulls |delta| >= equivalence at level a, so a mask whose true effect is at least ``equivalence`` is screened
+out with probability at most (1 - confidence) / 2 (0.5% by default). The guarantee is about effect sizes.
+
+``rule: futility`` (takes ``miss``, default 0.05): stochastic curtailment against the run's own significance
+test. Given the whole set's data, a simple random subset of fraction f has a z statistic
+z_sub ~ N(sqrt(f) z_full, 1 - f) (normal approximation; finite-population variance). A mask is screened out
+when |z_sub| < k, with z_sub = subset delta / its paired-bootstrap standard error and
+
+    k = sqrt(f) z* + sqrt(1 - f) Phi^-1(miss),   z* = Phi^-1(1 - alpha / (2 m))
+
+(m the single-head masks of the family, alpha ``significance.alpha``): a head whose whole-set test reaches
+the Bonferroni boundary alpha / m is screened out with probability at most ``miss``, and a stronger one with
+probability Phi((k - sqrt(f) |z_full|) / sqrt(1 - f)), which falls fast (``miss_chance``). The guarantee is
+about what the full run would call significant; heads that the run's correction (Holm, BH) admits only above
+alpha / m carry more risk. A mask with no change on any subset example is screened out under either rule.
 
 What is stored. A screened-out mask's ``evaluations`` row holds its subset score, the unmasked model's subset
 score as ``baseline_score`` and their difference as ``delta``, ``n_examples`` the subset size, and
-``screen = 'screened_out'``; its ``examples`` rows are the subset's. A completed mask's row is the full
-evaluation, with ``screen = 'completed'``. Both carry ``screen_examples`` and the subset interval
-(``screen_ci_low``, ``screen_ci_high``). Significance: a screened-out mask gets no test rows, and it stays in
-its experiment's multiple-comparison family with p = 1, so the correction is over every head planned (for Holm
-and Bonferroni this is conservative: adjusted p-values can only grow).
+``screen = 'screened_out'``; its ``examples`` rows are the subset's. A completed mask's row is the whole set's,
+with ``screen = 'completed'``. Both carry ``screen_examples`` and the subset interval (``screen_ci_low``,
+``screen_ci_high``). Significance: a screened-out mask gets no test rows, and it stays in its experiment's
+multiple-comparison family with p = 1, so the correction is over every head planned (for Holm and Bonferroni
+this is conservative: adjusted p-values can only grow).
+
+Completion evaluates only the examples outside the subset and joins the two outputs by position
+(:func:`joined`): the same numbers as a whole-set evaluation wherever an example's result does not depend on
+which examples share its batch (the classifier and language-model families; in beam search, only near-ties
+between hypotheses can fall the other way, as between any two batchings).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,6 +54,7 @@ import numpy as np
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.progress import Progress
 from headsweep.sweep.significance import paired_bootstrap
+from headsweep.workers.family import MaskOutput
 from headsweep.workers.metrics import metric_by_name
 from headsweep.workers.work import WorkUnit
 
@@ -41,7 +64,9 @@ if TYPE_CHECKING:
 SCREENED_EXPERIMENTS = ("single_head",)
 SCREENED_OUT, COMPLETED = "screened_out", "completed"
 MIN_EXAMPLES = 20  # fewer examples than this make a bootstrap interval meaningless
-DEFAULTS = {"fraction": 0.2, "equivalence": None, "confidence": 0.99, "n_resamples": 1000}
+RULES = ("equivalence", "futility")
+DEFAULTS = {"fraction": 0.2, "rule": "equivalence", "equivalence": None, "miss": 0.05, "confidence": 0.99,
+            "n_resamples": 1000}
 SUBSET_BASELINE = "screen/baseline"  # the unmasked model on the subset (not stored: recomputed by each session)
 
 
@@ -56,7 +81,16 @@ def check_screen(screen: Any) -> None:
     if unknown:
         raise HeadsweepError(f"unknown key sweep.screen.{unknown[0]} (known: {', '.join(DEFAULTS)})")
     values = {**DEFAULTS, **screen}
-    for key in ("fraction", "equivalence", "confidence"):
+    if values["rule"] not in RULES:
+        raise HeadsweepError(f"unknown sweep.screen.rule {values['rule']!r} (known: {', '.join(RULES)})")
+    futility = values["rule"] == "futility"
+    if futility and values["equivalence"] is not None:
+        raise HeadsweepError("sweep.screen.equivalence is the equivalence rule's margin; rule futility takes miss "
+                             "(the largest chance of screening out a head the full run would call significant)")
+    if not futility and "miss" in screen:
+        raise HeadsweepError("sweep.screen.miss belongs to rule futility; the equivalence rule takes equivalence "
+                             "(or set rule: futility)")
+    for key in ("fraction", "miss", "confidence") + (() if futility else ("equivalence",)):
         if not _is_number(values[key]):
             if key == "equivalence":
                 raise HeadsweepError(
@@ -65,8 +99,10 @@ def check_screen(screen: Any) -> None:
             raise HeadsweepError(f"sweep.screen.{key} must be a number, got {values[key]!r}")
     if not 0 < values["fraction"] < 1:
         raise HeadsweepError(f"sweep.screen.fraction must be between 0 and 1 (exclusive), got {values['fraction']}")
-    if values["equivalence"] <= 0:
+    if not futility and values["equivalence"] <= 0:
         raise HeadsweepError(f"sweep.screen.equivalence must be positive, got {values['equivalence']}")
+    if not 0 < values["miss"] < 0.5:
+        raise HeadsweepError(f"sweep.screen.miss must be between 0 and 0.5 (exclusive), got {values['miss']}")
     if not 0.5 <= values["confidence"] < 1:
         raise HeadsweepError(f"sweep.screen.confidence must be in [0.5, 1), got {values['confidence']}")
     n = values["n_resamples"]
@@ -83,18 +119,47 @@ class ScreenSettings:
     """``sweep.screen`` resolved (checked by :func:`check_screen`), with the seed of the subset and resamples."""
 
     fraction: float
-    equivalence: float
+    equivalence: float | None
     confidence: float
     n_resamples: int
     seed: int
+    rule: str = "equivalence"
+    miss: float = 0.05
+    alpha: float = 0.01  # significance.alpha: the futility rule's boundary
 
     @classmethod
-    def from_config(cls, screen: dict | None, seed: int) -> ScreenSettings | None:
+    def from_config(cls, screen: dict | None, seed: int, alpha: float = 0.01) -> ScreenSettings | None:
         if not screen:
             return None
         values = {**DEFAULTS, **screen}
-        return cls(float(values["fraction"]), float(values["equivalence"]), float(values["confidence"]),
-                   int(values["n_resamples"]), int(seed))
+        margin = values["equivalence"]
+        return cls(float(values["fraction"]), None if margin is None else float(margin),
+                   float(values["confidence"]), int(values["n_resamples"]), int(seed), str(values["rule"]),
+                   float(values["miss"]), float(alpha))
+
+    def cut(self, n_masks: int) -> float:
+        """The futility rule's k: a mask is screened out when its subset |z| is below it (module docstring)."""
+        z_star = NormalDist().inv_cdf(1 - self.alpha / (2 * max(1, n_masks)))
+        f = self.fraction
+        return math.sqrt(f) * z_star + math.sqrt(1 - f) * NormalDist().inv_cdf(self.miss)
+
+    def miss_chance(self, n_masks: int, z_full: float) -> float:
+        """The futility rule's chance of screening out a mask whose whole-set statistic is ``z_full``."""
+        f, k = self.fraction, self.cut(n_masks)
+        if k <= 0:
+            return 0.0
+        sd = math.sqrt(1 - f)
+        centre = math.sqrt(f) * abs(z_full)
+        return NormalDist(centre, sd).cdf(k) - NormalDist(centre, sd).cdf(-k)
+
+    def check_cut(self, n_masks: int) -> None:
+        """Refuse a futility rule that could screen out nothing (its k is not positive)."""
+        if self.rule != "futility" or self.cut(n_masks) > 0:
+            return
+        raise HeadsweepError(
+            f"sweep.screen: with fraction {self.fraction:g}, miss {self.miss:g} and {n_masks} single-head masks "
+            f"at significance.alpha {self.alpha:g}, the futility rule could screen out no mask: raise the fraction "
+            "(0.3-0.4 suits most grids) or miss")
 
     def subset_size(self, n_examples: int) -> int:
         return math.ceil(self.fraction * n_examples)
@@ -119,11 +184,12 @@ class ScreenSettings:
 
 @dataclass(frozen=True)
 class Verdict:
-    """One mask's screening on the subset: its delta's interval and whether that makes it negligible."""
+    """One mask's screening on the subset: its delta's interval, z statistic and whether it is negligible."""
 
     ci_low: float
     ci_high: float
     screened_out: bool
+    z: float = math.nan
 
     def columns(self, n_examples: int) -> dict:
         """The ``evaluations`` columns that record it."""
@@ -131,25 +197,76 @@ class Verdict:
                 "screen_ci_low": self.ci_low, "screen_ci_high": self.ci_high}
 
 
-def verdicts(metric: str, baseline: np.ndarray, masks: np.ndarray, settings: ScreenSettings) -> list[Verdict]:
-    """The rule on ``masks`` (S, n, k) against the unmasked ``baseline`` (n, k), both on the subset."""
+def verdicts(metric: str, baseline: np.ndarray, masks: np.ndarray, settings: ScreenSettings,
+             n_masks: int | None = None) -> list[Verdict]:
+    """The rule on ``masks`` (S, n, k) against the unmasked ``baseline`` (n, k), both on the subset.
+
+    ``n_masks``: the family's size for the futility rule's boundary (default: the S masks given).
+    """
+    masks = np.asarray(masks, dtype=np.float64)
     result = paired_bootstrap(baseline, masks, metric_by_name(metric).score_from_stats,
                               n_resamples=settings.n_resamples, seed=settings.seed, confidence=settings.confidence)
-    eq = settings.equivalence
-    return [Verdict(float(lo), float(hi), bool(-eq <= lo and hi <= eq))
-            for lo, hi in zip(result.ci_low, result.ci_high, strict=True)]
+    same = (masks == np.asarray(baseline, dtype=np.float64)).all(axis=(1, 2))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.where(same, 0.0, result.statistic / result.std_error)
+    if settings.rule == "futility":
+        k = settings.cut(len(masks) if n_masks is None else n_masks)
+        # a constant non-zero shift has no resampling spread: |z| is infinite, never screened out
+        out = same | (np.abs(np.nan_to_num(z, nan=np.inf)) < k)
+    else:
+        eq = settings.equivalence
+        out = same | ((-eq <= result.ci_low) & (result.ci_high <= eq))
+    return [Verdict(float(lo), float(hi), bool(o), float(zz))
+            for lo, hi, o, zz in zip(result.ci_low, result.ci_high, out, z, strict=True)]
 
 
-def screen(ctx: Context, units: list[WorkUnit], settings: ScreenSettings) -> list[WorkUnit]:
-    """Screen the ``single_head`` units among ``units``; returns the units to evaluate on the whole set.
+def complement(positions: Sequence[int], n_examples: int) -> tuple[int, ...]:
+    """The positions of the evaluation set outside ``positions``, in order (what completing a mask evaluates)."""
+    inside = set(positions)
+    return tuple(p for p in range(n_examples) if p not in inside)
 
-    Screened-out masks are written here (rows on the subset) and recorded in ``ctx.screened``; completed ones
-    get their screening columns in ``ctx.screen_notes`` for the full row written later.
+
+def joined(metric: str, first: MaskOutput, first_positions: Sequence[int], rest: MaskOutput,
+           rest_positions: Sequence[int]) -> MaskOutput:
+    """One mask's outputs on two disjoint parts of the evaluation set as one output on the whole set.
+
+    Per-example statistics, losses and outputs are placed at their positions; the score is the metric's corpus
+    score of the whole set's statistics (sacrebleu's shape: summed sufficient statistics), as an adapter scores a
+    whole-set evaluation.
+    """
+    n = len(first_positions) + len(rest_positions)
+    where = np.asarray([*first_positions, *rest_positions])
+    if len(first.outputs) != len(first_positions) or len(rest.outputs) != len(rest_positions) or \
+            sorted(where.tolist()) != list(range(n)):
+        raise ValueError("the two parts must cover the evaluation set once, one output per position")
+    stats = np.empty((n, first.stats.shape[1]), dtype=np.result_type(first.stats, rest.stats))
+    stats[where] = np.concatenate([first.stats, rest.stats])
+    loss = None
+    if first.loss is not None and rest.loss is not None:
+        loss = np.empty(n, dtype=np.result_type(first.loss, rest.loss))
+        loss[where] = np.concatenate([first.loss, rest.loss])
+    outputs = [""] * n
+    for p, text in zip(where.tolist(), [*first.outputs, *rest.outputs], strict=True):
+        outputs[p] = text
+    return MaskOutput(stats=stats, loss=loss, outputs=outputs, score=metric_by_name(metric).score(stats),
+                      seconds=first.seconds + rest.seconds)
+
+
+def screen(ctx: Context, units: list[WorkUnit], settings: ScreenSettings, family: int) -> list[WorkUnit]:
+    """Screen the ``single_head`` units among ``units``; returns the units still to evaluate.
+
+    ``family``: the single-head masks of the run's family, stored ones included (the futility rule's m).
+
+    Screened-out masks are written here (rows on the subset) and recorded in ``ctx.screened``. Completed ones come
+    back on the rest of the set (``WorkUnit.examples``), their subset outputs and screening columns kept in
+    ``ctx.screen_parts`` and ``ctx.screen_notes`` until the rest lands (:meth:`Context.evaluate` joins them).
     """
     candidates = [u for u in units if u.experiment in SCREENED_EXPERIMENTS]
     if not candidates:
         return units
-    positions = settings.positions(ctx.info.n_examples)
+    n_examples = ctx.info.n_examples
+    positions = settings.positions(n_examples)
+    rest = complement(positions, n_examples)
     subset = [WorkUnit(SUBSET_BASELINE, "screen", (), examples=positions)]
     subset += [dataclasses.replace(u, examples=positions) for u in candidates]
     by_id = {u.eval_id: u for u in candidates}
@@ -163,10 +280,10 @@ def screen(ctx: Context, units: list[WorkUnit], settings: ScreenSettings) -> lis
     ids = [u.eval_id for u in candidates]
     stacked = np.stack([outputs[i][0].stats for i in ids]).astype(np.float64)
     out_ids = []
-    for eval_id, verdict in zip(ids, verdicts(ctx.info.metric, base.stats, stacked, settings), strict=True):
+    for eval_id, verdict in zip(ids, verdicts(ctx.info.metric, base.stats, stacked, settings, family), strict=True):
         columns = verdict.columns(len(positions))
+        out, worker = outputs[eval_id]
         if verdict.screened_out:
-            out, worker = outputs[eval_id]
             ctx.writer.add(by_id[eval_id], out, base.score, worker, positions=positions, extra=columns)
             ctx.writer.maybe_flush()
             ctx.screened.add(eval_id)
@@ -174,5 +291,7 @@ def screen(ctx: Context, units: list[WorkUnit], settings: ScreenSettings) -> lis
             ctx.count_for_budget()
         else:
             ctx.screen_notes[eval_id] = columns
+            ctx.screen_parts[eval_id] = (out, positions, rest)
     ctx.say_screened(len(out_ids), len(candidates), len(positions))
-    return [u for u in units if u.eval_id not in ctx.screened]
+    return [dataclasses.replace(u, examples=rest) if u.eval_id in ctx.screen_parts else u
+            for u in units if u.eval_id not in ctx.screened]

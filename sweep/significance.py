@@ -69,6 +69,7 @@ class TestResult:
       of the delta system - baseline; NaN for McNemar, which has none.
     * ``n_resamples``: bootstrap resamples, 0 for tests that do not resample.
     * ``seed``: seed of the resamples, None for tests that do not resample.
+    * ``std_error``: ``paired_bootstrap`` only: the standard deviation of the resampled deltas.
     """
 
     __test__ = False  # not a pytest test class despite the name
@@ -80,6 +81,8 @@ class TestResult:
     ci_high: np.ndarray
     n_resamples: int
     seed: int | None
+    # paired_bootstrap: the resampled deltas' standard deviation (the delta's bootstrap standard error)
+    std_error: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.p_value.shape[0])
@@ -223,6 +226,7 @@ def paired_bootstrap(
         ci_high=ordered[hi_i].copy(),
         n_resamples=int(n_res),
         seed=seed,
+        std_error=deltas.std(axis=0, ddof=1) if n_res > 1 else np.full(n_sys, np.nan),
     )
 
 

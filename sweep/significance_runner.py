@@ -90,6 +90,7 @@ def concat_results(parts: list[TestResult]) -> TestResult:
         ci_high=np.concatenate([p.ci_high for p in parts]),
         n_resamples=first.n_resamples,
         seed=first.seed,
+        std_error=None if any(p.std_error is None for p in parts) else np.concatenate([p.std_error for p in parts]),
     )
 
 

@@ -12,15 +12,17 @@
 
 from __future__ import annotations
 
+from statistics import NormalDist
+
 import numpy as np
 import pytest
 import yaml
-from conftest import run_cli
+from conftest import error_line, run_cli
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.config import build_config
-from headsweep.sweep.screening import ScreenSettings, verdicts
+from headsweep.sweep.screening import ScreenSettings, complement, joined, verdicts
 from headsweep.sweep.significance import adjust_pvalues
 from headsweep.workers.example_subset import at_positions
 from headsweep.workers.heads import Head
@@ -53,15 +55,26 @@ def test_at_positions_keeps_per_example_lists_and_other_fields():
 
 
 def subset_matches_full(load, model_cfg, data_cfg, masks, positions, **runtime):
-    """The adapter on ``positions`` against the whole-set adapter, mask by mask."""
+    """The adapter on ``positions`` against the whole-set adapter, mask by mask; and the subset's and the rest's
+    outputs joined against the whole set's."""
     from headsweep.workers.family import RuntimeOptions
 
-    full = load(model_cfg, data_cfg, RuntimeOptions(**runtime)).evaluate(masks)
+    whole_set = load(model_cfg, data_cfg, RuntimeOptions(**runtime))
+    metric = whole_set.describe().metric
+    full = whole_set.evaluate(masks)
     part = load(model_cfg, data_cfg, RuntimeOptions(**runtime, examples=positions)).evaluate(masks)
-    for f, p in zip(full, part, strict=True):
+    rest = complement(positions, len(full[0].outputs))
+    rest_part = load(model_cfg, data_cfg, RuntimeOptions(**runtime, examples=rest)).evaluate(masks)
+    for f, p, r in zip(full, part, rest_part, strict=True):
         assert p.stats.shape[0] == len(positions)
         np.testing.assert_array_equal(p.stats, f.stats[list(positions)])
         assert p.outputs == [f.outputs[i] for i in positions]
+        # completing a screened mask: the subset and the rest joined are the whole-set evaluation
+        whole = joined(metric, p, positions, r, rest)
+        np.testing.assert_array_equal(whole.stats, f.stats)
+        assert whole.outputs == f.outputs and whole.score == f.score
+        if f.loss is not None:  # float32 losses of padded batches: other batch-mates, other rounding
+            np.testing.assert_allclose(whole.loss, f.loss, rtol=1e-5, atol=1e-5)
 
 
 def test_subset_adapters_equal_the_full_evaluation_at_their_positions(tmp_path, tiny_bert_dir, tiny_dev_tsv):
@@ -114,8 +127,72 @@ def test_the_rule_on_hand_built_cases():
     assert not tight.screened_out
 
 
+def test_joined_places_each_part_at_its_positions():
+    from headsweep.workers.family import MaskOutput
+
+    first = MaskOutput(accuracy_stats([1, 0]), np.array([0.1, 0.2]), ["a", "b"], 0.5, 1.0)
+    rest = MaskOutput(accuracy_stats([1, 1, 0]), None, ["c", "d", "e"], 2 / 3, 2.0)
+    whole = joined("accuracy", first, (1, 3), rest, (0, 2, 4))
+    np.testing.assert_array_equal(whole.stats, accuracy_stats([1, 1, 1, 0, 0]))
+    assert whole.outputs == ["c", "a", "d", "b", "e"] and whole.score == 0.6 and whole.seconds == 3.0
+    assert whole.loss is None  # one part without losses: none stored, never half
+    assert complement((1, 3), 5) == (0, 2, 4)
+    with pytest.raises(ValueError, match="cover the evaluation set once"):
+        joined("accuracy", first, (1, 3), rest, (0, 2, 3))
+
+
+def test_futility_cut_by_hand():
+    # k = sqrt(f) z* + sqrt(1 - f) Phi^-1(miss); miss 0.5 leaves sqrt(f) z*: 0.5 x 1.959964 (alpha 0.05, m 1)
+    assert ScreenSettings(0.25, None, 0.99, 1000, 0, "futility", 0.5, 0.05).cut(1) == pytest.approx(0.979982, abs=1e-6)
+    # f 0.36, miss 0.1, alpha 0.01 over 50 masks: z* = Phi^-1(1 - 1e-4) = 3.719016, Phi^-1(0.1) = -1.281552
+    s = ScreenSettings(0.36, None, 0.99, 1000, 0, "futility", 0.1, 0.01)
+    assert s.cut(50) == pytest.approx(0.6 * 3.719016 - 0.8 * 1.281552, abs=1e-5)
+    # at the boundary the chance of screening out is miss (both tails: the far one is negligible here)
+    assert s.miss_chance(50, 3.719016) == pytest.approx(0.1, abs=1e-4)
+    assert s.miss_chance(50, 8.0) < 1e-4
+    with pytest.raises(HeadsweepError, match="could screen out no mask: raise the fraction"):
+        ScreenSettings(0.1, None, 0.99, 1000, 0, "futility", 0.05, 0.01).check_cut(8)
+
+
+def flips(n: int, down: int, up: int) -> tuple[np.ndarray, np.ndarray]:
+    """A baseline right on the first half and a system that loses ``down`` of those and gains ``up`` of the rest."""
+    base = np.r_[np.ones(n // 2), np.zeros(n - n // 2)]
+    system = base.copy()
+    system[:down] = 0
+    system[n // 2 : n // 2 + up] = 1
+    return accuracy_stats(list(base)), accuracy_stats(list(system))
+
+
+def test_futility_rule_misses_a_boundary_head_at_the_promised_rate():
+    """Monte Carlo over random subsets: a head whose whole-set z sits at the Bonferroni boundary is screened out
+    about ``miss`` of the time (the normal approximation's promise), a head with no net effect mostly."""
+    n, m = 1000, 20
+    settings = ScreenSettings(0.3, None, 0.99, 200, 0, "futility", 0.1, 0.01)
+    base, boundary = flips(n, 57, 23)  # 34 net losses among 80 changes: z about 34 / sqrt(80)
+    d = boundary[:, 0] - base[:, 0]
+    z_full = abs(d.mean() / d.std(ddof=1) * np.sqrt(n))
+    promised = settings.miss_chance(m, z_full)
+    assert 3.6 < z_full < 4.2 and 0.03 < promised < 0.2  # near z* = 3.48 for 20 masks at 0.01
+    _, null = flips(n, 40, 40)
+    draws = 300
+    out = np.zeros(2)
+    for seed in range(draws):
+        s = ScreenSettings(0.3, None, 0.99, 200, seed, "futility", 0.1, 0.01)
+        pos = list(s.positions(n))
+        v = verdicts("accuracy", base[pos], np.stack([boundary[pos], null[pos]]), s, n_masks=m)
+        out += [v[0].screened_out, v[1].screened_out]
+    rate, null_rate = out / draws
+    assert abs(rate - promised) < 3 * np.sqrt(promised * (1 - promised) / draws) + 0.03
+    k = settings.cut(m)
+    assert null_rate > (2 * NormalDist().cdf(k) - 1) - 0.1  # |z_sub| ~ N(0, 1) for a head with no net effect
+
+
 @pytest.mark.parametrize("screen, message", [
     ({"fraction": 0.2}, "sweep.screen needs equivalence"),
+    ({"rule": "fast"}, "unknown sweep.screen.rule 'fast'"),
+    ({"rule": "futility", "equivalence": 0.01}, "sweep.screen.equivalence is the equivalence rule's margin"),
+    ({"equivalence": 0.01, "miss": 0.1}, "sweep.screen.miss belongs to rule futility"),
+    ({"rule": "futility", "miss": 0.5}, r"sweep.screen.miss must be between 0 and 0.5"),
     ({"equivalence": 0.01, "fraction": 0}, "sweep.screen.fraction must be between 0 and 1"),
     ({"equivalence": -1}, "sweep.screen.equivalence must be positive"),
     ({"equivalence": 0.01, "confidence": 1.0}, r"sweep.screen.confidence must be in \[0.5, 1\)"),
@@ -243,3 +320,32 @@ def test_a_budgeted_screened_run_resumes_to_the_uninterrupted_tables(tmp_path, r
     keep = ("score", "delta", "n_examples", "screen", "screen_examples", "screen_ci_low", "screen_ci_high")
     assert {e: [r[k] for k in keep] for e, r in resumed.items()} == {e: [r[k] for k in keep] for e, r in whole.items()}
     assert {k: r["p_adjusted"] for k, r in resumed_sig.items()} == {k: r["p_adjusted"] for k, r in whole_sig.items()}
+
+
+def test_futility_rule_through_the_cli(tmp_path, ray_address, known_case, two_runs):
+    """The futility rule on the known case: the dead heads (no change at all) screened out, every head the full
+    run finds significant completed with the full run's row, examples and p-value; a rule that could screen
+    nothing is refused with one line before anything is written."""
+    model_dir, dev = known_case
+    folder, full_id = two_runs[0], two_runs[1]
+    run_id, _ = run(tmp_path, "futility", config(model_dir, dev, screen={"rule": "futility", "fraction": 0.3}),
+                    ray_address)
+    full, full_sig, full_examples = tables(folder, full_id)
+    scr, scr_sig, scr_examples = tables(tmp_path, run_id)
+    significant = {e for (e, t), r in full_sig.items() if t == "paired_ttest" and r["significant"]}
+    out = {e for e, r in scr.items() if r["screen"] == "screened_out"}
+    assert {f"single_head/{h}" for h in ZEROED} <= out and not significant & out
+    by_example = {(e["eval_id"], e["example_id"]): e["stats"] for e in full_examples}
+    for eval_id in significant:
+        assert scr[eval_id]["screen"] == "completed" and scr[eval_id]["screen_examples"] == 90
+        assert (scr[eval_id]["score"], scr[eval_id]["n_examples"]) == (full[eval_id]["score"], 300)
+        mine = [e for e in scr_examples if e["eval_id"] == eval_id]
+        assert len(mine) == 300 and all(e["stats"] == by_example[(eval_id, e["example_id"])] for e in mine)
+        assert scr_sig[(eval_id, "paired_ttest")]["p_value"] == full_sig[(eval_id, "paired_ttest")]["p_value"]
+
+    path = tmp_path / "hopeless.yaml"
+    path.write_text(yaml.safe_dump(config(model_dir, dev, screen={"rule": "futility", "fraction": 0.1})))
+    proc = run_cli("run", str(path), "--store", str(tmp_path / "refused"), "--address", ray_address, "--quiet")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "the futility rule could screen out no mask: raise the fraction" in error_line(proc.stderr)
+    assert not list((tmp_path / "refused").rglob("*.parquet"))

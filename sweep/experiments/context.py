@@ -22,7 +22,7 @@ from headsweep.sweep.dispatch import WorkerPool, units_per_call
 from headsweep.sweep.plan import by_importance, unique, with_prefix
 from headsweep.sweep.progress import Progress
 from headsweep.sweep.runs import RunRecord
-from headsweep.sweep.screening import ScreenSettings, screen
+from headsweep.sweep.screening import SCREENED_EXPERIMENTS, ScreenSettings, joined, screen
 from headsweep.sweep.sections import Config
 from headsweep.sweep.significance_runner import SignificanceTracker
 from headsweep.workers.family import DatasetInfo
@@ -59,6 +59,8 @@ class Context:
     # completed ones (for their full rows). See headsweep.sweep.screening.
     screened: set[str] = field(default_factory=set)
     screen_notes: dict[str, dict] = field(default_factory=dict)
+    # completed masks' subset outputs, with the subset's and the rest's positions, until the rest lands
+    screen_parts: dict[str, tuple[Any, tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     _reference: WorkUnit | None = field(default=None, repr=False)  # planned, not yet evaluated
 
     @property
@@ -105,15 +107,19 @@ class Context:
         todo = [u for u in units if u.eval_id not in self.done]
         if self.cfg.sweep.order == "importance" and "importance" in self.shared:
             todo = by_importance(todo, self.shared["importance"])
-        settings = ScreenSettings.from_config(self.cfg.sweep.screen, self.cfg.significance.seed)
+        settings = ScreenSettings.from_config(self.cfg.sweep.screen, self.cfg.significance.seed,
+                                              self.cfg.significance.alpha)
         if settings is not None and todo:
-            todo = screen(self, todo, settings)
+            todo = screen(self, todo, settings, sum(u.experiment in SCREENED_EXPERIMENTS for u in units))
         if self.budget is not None and self.budget.reached() and (todo or reference is not None):
             raise BudgetReached(self.budget.describe())
         held: list[tuple[WorkUnit, Any, str]] = []  # results that landed before the reference
         started, landed, left = time.monotonic(), 0, len(todo) + (reference is not None)
 
         def land(unit: WorkUnit, out: Any, worker: str) -> None:
+            if unit.eval_id in self.screen_parts:  # the rest of a completed mask: with its subset, the whole set
+                part, positions, rest = self.screen_parts.pop(unit.eval_id)
+                out = joined(self.info.metric, part, positions, out, rest)
             self.writer.add(unit, out, self.baseline[0], worker, extra=self.screen_notes.get(unit.eval_id))
             self.writer.maybe_flush()
             if self.tracker is not None:
