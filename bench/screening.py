@@ -2,10 +2,17 @@
 
 For each model, two runs of ``headsweep run`` (the Python API, one local Ray instance, one worker), one after
 the other on the same machine: the full grid (``experiments: [baseline, single_head]``) and the same grid
-with ``sweep.screen`` (``--fraction`` of the examples first; a mask is screened out when its subset delta's
-99% paired-bootstrap interval lies inside +-equivalence). Measured: the wall time of each run, and how many
-heads the full run finds significant (its primary test: paired t-test for accuracy, paired bootstrap for
-BLEU, corrected over the grid) that the screened run screened out, i.e. missed.
+with ``sweep.screen`` (``--rule``: ``futility`` with ``--miss``, the default, or ``equivalence`` with the
+margins below; ``--fraction`` of the examples first, by default the rule's own default). Measured: the wall
+time of each run, and how many heads the full run finds significant (its primary test: paired t-test for
+accuracy, paired bootstrap for BLEU, corrected over the grid) that the screened run screened out, i.e. missed.
+
+One screened run is one draw of the subset. The rates are measured too, not assumed: the full run's stored
+per-example statistics, at ``--draws`` other random subsets (other seeds), go through the same rule
+(``headsweep.sweep.screening.verdicts``); a subset's statistics are the full evaluation's at those positions,
+which ``tests/test_screening.py`` checks for every family. Reported per model: the mean share of heads screened
+out, the expected number of the full run's significant heads screened out, and the share of draws that miss
+at least one.
 
 * classifier: the 6-layer, 12-head BERT of ``bench/grid_speed.py`` (random init, word tokenizer over SST-2
   train) on the first ``--classifier-examples`` sentences of SST-2 dev; equivalence ``--accuracy-margin``.
@@ -14,13 +21,15 @@ BLEU, corrected over the grid) that the screened run screened out, i.e. missed.
   ``--bleu-margin`` BLEU points.
 
 Run: ``python bench/screening.py`` (``--skip-translation`` for the classifier alone). Final lines:
-``RESULT screening_<model> speedup=<full_s/screened_s> missed_significant=<n> of=<m> ...`` per model and
-``RESULT screening speedup=<total full_s / total screened_s> missed_significant=<n> of=<m>``.
+``RESULT screening_<model> speedup=<full_s/screened_s> missed_significant=<n> of=<m> ...`` and
+``RESULT screening_rates_<model> screened_share=<x> expected_missed=<y> draws_missing_any=<z> draws=<R>`` per
+model, and ``RESULT screening speedup=<total full_s / total screened_s> missed_significant=<n> of=<m>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import tempfile
@@ -56,8 +65,8 @@ def translation_config(threads: int, n_examples: int, beam: int) -> dict:
             "sweep": {}}
 
 
-def compare(name: str, base: dict, screen: dict, workdir: Path, threads: int, address: str) -> dict:
-    """The full and the screened run of ``base``; their times and what screening missed."""
+def compare(name: str, base: dict, screen: dict, workdir: Path, threads: int, address: str, draws: int) -> dict:
+    """The full and the screened run of ``base``; their times, what screening missed, and its rates over draws."""
     import headsweep
 
     sweep = {**base["sweep"], "experiments": ["baseline", "single_head"], "workers": 1,
@@ -76,28 +85,89 @@ def compare(name: str, base: dict, screen: dict, workdir: Path, threads: int, ad
             [run_ids["full"]]).fetchall()}
         screened = dict(store.sql("SELECT eval_id, screen FROM evaluations WHERE run_id = ? "
                                   "AND experiment = 'single_head'", [run_ids["screened"]]).fetchall())
+        cfg = json.loads(store.sql("SELECT config FROM runs WHERE run_id = ?", [run_ids["screened"]]).fetchone()[0])
+        p_values = dict(store.sql("SELECT eval_id, p_value FROM deltas WHERE run_id = ? AND significant",
+                                  [run_ids["full"]]).fetchall())
     out = [e for e, s in screened.items() if s == "screened_out"]
     missed = sorted(significant & set(out))
     print(f"  {name}: {len(screened)} heads, {len(out)} screened out, {len(significant)} significant in the full "
           f"run, missed: {', '.join(missed) or 'none'}", flush=True)
+    rates = screening_rates(workdir / "store", run_ids["full"], significant, cfg, draws)
+    print(f"  {name} over {draws} subsets: {rates['share']:.1%} of heads screened out on average; significant "
+          f"heads screened out: {rates['expected_missed']:.3f} expected, in {rates['missing_any']:.1%} of draws"
+          + "".join(f"\n    {e}: full-run p {p_values[e]:.2g}, z {z:.2f} (delta / bootstrap s.e. on the whole set); "
+                    f"screened out in {r:.1%} of draws; the rule's promise at that z: {promised:.1%}"
+                    for e, (r, z, promised) in rates["per_significant"].items()),
+          flush=True)
     return {"full_s": times["full"], "screened_s": times["screened"], "missed": len(missed),
-            "significant": len(significant), "screened_out": len(out), "heads": len(screened)}
+            "significant": len(significant), "screened_out": len(out), "heads": len(screened), "rates": rates}
+
+
+def screening_rates(store_path: Path, full_id: str, significant: set[str], cfg: dict, draws: int) -> dict:
+    """The screened run's rule at ``draws`` random subsets of the full run's stored per-example statistics."""
+    import numpy as np
+
+    import headsweep
+    from headsweep.sweep.screening import ScreenSettings, verdicts
+    from headsweep.sweep.significance import paired_bootstrap
+    from headsweep.workers.metrics import metric_by_name
+
+    with headsweep.open_store(str(store_path)) as store:
+        metric = store.sql("SELECT metric FROM runs WHERE run_id = ?", [full_id]).fetchone()[0]
+        rows = store.sql("SELECT e.eval_id, x.example_id, x.stats FROM examples x JOIN evaluations e "
+                         "USING (run_id, eval_id) WHERE run_id = ? AND e.experiment IN ('baseline', 'single_head')",
+                         [full_id]).fetchall()
+    by_eval: dict[str, dict[str, list]] = {}
+    for eval_id, example_id, stats in rows:
+        by_eval.setdefault(eval_id, {})[example_id] = stats
+    base_id = next(e for e in by_eval if not e.startswith("single_head/"))
+    order = sorted(by_eval[base_id])
+    base = np.array([by_eval[base_id][x] for x in order], dtype=np.float64)
+    heads = sorted(e for e in by_eval if e.startswith("single_head/"))
+    masks = np.stack([[by_eval[e][x] for x in order] for e in heads]).astype(np.float64)
+    sig = np.array([e in significant for e in heads])
+    screened = np.zeros(len(heads))
+    missing_any = 0
+    for seed in range(1, draws + 1):
+        settings = ScreenSettings.from_config(cfg["sweep"]["screen"], seed, cfg["significance"]["alpha"])
+        pos = list(settings.positions(len(order)))
+        out = np.array([v.screened_out for v in verdicts(metric, base[pos], masks[:, pos], settings, len(heads))])
+        screened += out
+        missing_any += bool((out & sig).any())
+    share = screened / draws
+    whole = paired_bootstrap(base, masks, metric_by_name(metric).score_from_stats, n_resamples=1000, seed=0)
+    z_full = np.abs(whole.statistic / whole.std_error)
+    rule = ScreenSettings.from_config(cfg["sweep"]["screen"], 0, cfg["significance"]["alpha"])
+    return {"share": float(share.mean()), "expected_missed": float(share[sig].sum()),
+            "missing_any": missing_any / draws,
+            "per_significant": {e: (float(r), float(z), rule.miss_chance(len(heads), z) if rule.rule == "futility"
+                                    else float("nan"))
+                                for e, r, z, s in zip(heads, share, z_full, sig, strict=True) if s}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fraction", type=float, default=0.2)
+    parser.add_argument("--rule", choices=("futility", "equivalence"), default="futility")
+    parser.add_argument("--miss", type=float, default=None, help="futility: sweep.screen.miss (default: its default)")
+    parser.add_argument("--fraction", type=float, default=None, help="sweep.screen.fraction (default: the rule's)")
     parser.add_argument("--accuracy-margin", type=float, default=0.01, help="equivalence, accuracy (0.01: 1 point)")
     parser.add_argument("--bleu-margin", type=float, default=0.5, help="equivalence, BLEU points")
     parser.add_argument("--classifier-examples", type=int, default=1000)
-    parser.add_argument("--translation-examples", type=int, default=300)
+    parser.add_argument("--translation-examples", type=int, default=1000)
     parser.add_argument("--beam", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--draws", type=int, default=200, help="random subsets for the rates")
     parser.add_argument("--skip-translation", action="store_true")
     args = parser.parse_args()
     logging.getLogger("fairseq").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")
     import ray
+
+    def screen(margin: float) -> dict:
+        chosen = {"rule": args.rule} | ({} if args.fraction is None else {"fraction": args.fraction})
+        if args.rule == "equivalence":
+            return chosen | {"equivalence": margin}
+        return chosen | ({} if args.miss is None else {"miss": args.miss})
 
     ray.init(num_cpus=args.threads + 1, include_dashboard=False, log_to_driver=False)
     address = ray.get_runtime_context().gcs_address
@@ -105,16 +175,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         results["classifier"] = compare("classifier", classifier_config(workdir, args.classifier_examples),
-                                        {"fraction": args.fraction, "equivalence": args.accuracy_margin},
-                                        workdir, args.threads, address)
+                                        screen(args.accuracy_margin), workdir, args.threads, address, args.draws)
         if not args.skip_translation and m30k.DATA.is_dir():
             results["translation"] = compare(
                 "translation", translation_config(args.threads, args.translation_examples, args.beam),
-                {"fraction": args.fraction, "equivalence": args.bleu_margin}, workdir, args.threads, address)
+                screen(args.bleu_margin), workdir, args.threads, address, args.draws)
     for name, r in results.items():
         print(f"RESULT screening_{name} speedup={r['full_s'] / r['screened_s']:.2f} missed_significant={r['missed']} "
               f"of={r['significant']} screened_out={r['screened_out']} heads={r['heads']} full_s={r['full_s']:.1f} "
               f"screened_s={r['screened_s']:.1f}")
+        rates = r["rates"]
+        print(f"RESULT screening_rates_{name} screened_share={rates['share']:.3f} "
+              f"expected_missed={rates['expected_missed']:.3f} draws_missing_any={rates['missing_any']:.3f} "
+              f"draws={args.draws}")
     full = sum(r["full_s"] for r in results.values())
     screened = sum(r["screened_s"] for r in results.values())
     missed = sum(r["missed"] for r in results.values())

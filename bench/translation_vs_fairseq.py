@@ -500,6 +500,54 @@ def compare(a: Decoded, c_outputs: list[str], c_hyps, max_lens: list[int]) -> Di
 
 
 # -- main -------------------------------------------------------------------------------------
+# -- (d): headsweep's default in several worker processes ---------------------------------------------------------
+_WORKER: dict = {}
+
+
+def _start_worker(model_cfg, data_cfg, options, threads: int) -> None:
+    """A (d) process: headsweep's adapter with ``threads`` torch threads, as a Ray worker holds it."""
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("fairseq").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    import torch
+
+    from headsweep.workers.families.fairseq_translation.adapter import load_translation
+
+    torch.set_num_threads(threads)
+    _WORKER["task"] = load_translation(model_cfg, data_cfg, options)
+
+
+def _worker_call(masks: list) -> list:
+    """One call of a (d) process."""
+    return _WORKER["task"].evaluate(masks)
+
+
+class WorkerProcesses:
+    """(d): headsweep's default settings in ``workers`` processes of ``threads // workers`` threads each, as
+    ``sweep.workers`` Ray actors run them (without Ray's start-up and the driver); each round of masks is split
+    evenly between the processes, one call each."""
+
+    def __init__(self, workers: int, threads: int, model_cfg, data_cfg, options):
+        import multiprocessing
+
+        per = max(1, threads // workers)
+        self.workers = workers
+        self.options = dataclasses.replace(options, threads=per)
+        self.pool = multiprocessing.get_context("spawn").Pool(
+            workers, initializer=_start_worker, initargs=(model_cfg, data_cfg, self.options, per))
+        # every process loaded before timing starts (the pool starts them lazily: one tiny call each)
+        self.pool.map(_worker_call, [[] for _ in range(workers)], chunksize=1)
+
+    def evaluate(self, masks: list) -> list:
+        """The outputs of ``masks``, in order."""
+        share = -(-len(masks) // self.workers)
+        parts = [masks[i : i + share] for i in range(0, len(masks), share)]
+        return [o for outs in self.pool.map(_worker_call, parts, chunksize=1) for o in outs]
+
+    def close(self) -> None:
+        self.pool.terminate()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--masks", type=int, default=24,
@@ -520,6 +568,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="(c): sweep.batch_size")
     parser.add_argument("--masks-per-batch", type=int, default=None, help="(c): sweep.masks_per_batch")
     parser.add_argument("--no-loss", action="store_true", help="(c): no teacher-forced loss pass")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="(d): headsweep's default settings (as (c)) in this many worker processes of "
+                             "threads / workers torch threads each (sweep.workers); 0: no (d)")
     parser.add_argument("--sweep", action="append", default=[], metavar="KEY=VALUE",
                         help="(c): any other RuntimeOptions field (repeatable)")
     parser.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
@@ -569,6 +620,11 @@ def main() -> None:
     rss["after (b) load"] = PeakRSS.rss()
     tasks["hs_default"] = load_translation(model_cfg, data_cfg, default_opts)
     rss["after (c) load"] = PeakRSS.rss()
+    procs = None
+    if args.workers > 1:
+        procs = WorkerProcesses(args.workers, args.threads, model_cfg, data_cfg, default_opts)
+        print(f"(d): headsweep default in {args.workers} worker processes of {procs.options.threads} torch "
+              "thread(s) each, each round of masks split evenly between them", flush=True)
     options = {"hs_plain": plain_opts, "hs_default": default_opts}
     info = tasks["hs_default"].describe()
     singles = choose_masks(info.inventory, args.masks)
@@ -587,11 +643,12 @@ def main() -> None:
 
     call = units_per_call(default_opts.masks_per_batch)
     captured = capture_hypotheses(tasks["hs_default"])
-    seconds = {"fairseq": 0.0, **dict.fromkeys(tasks, 0.0)}
+    seconds = {"fairseq": 0.0, **dict.fromkeys(tasks, 0.0), **({"hs_workers": 0.0} if procs else {})}
     per_mask = {k: [] for k in seconds}
     outs: dict[str, list] = {k: [] for k in seconds}
-    for first in range(0, len(masks), call):
-        chunk = masks[first : first + call]
+    round_size = call * max(1, args.workers)  # (d) gets one call per worker a round
+    for first in range(0, len(masks), round_size):
+        chunk = masks[first : first + round_size]
         if loop is not None:
             for mask in chunk:
                 got, s = peak.timed("fairseq", loop.decode, mask)
@@ -603,6 +660,13 @@ def main() -> None:
             outs[k] += got
             per_mask[k] += [o.seconds for o in got]
             seconds[k] += s
+        if procs is not None:
+            start = time.perf_counter()
+            got = procs.evaluate(chunk)
+            s = time.perf_counter() - start
+            outs["hs_workers"] += got
+            per_mask["hs_workers"] += [s / len(chunk)] * len(chunk)
+            seconds["hs_workers"] += s
         print(f"  masks {first}..{first + len(chunk) - 1}: " + ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
               + " (cumulative)", flush=True)
 
@@ -614,7 +678,7 @@ def main() -> None:
     lengths = [len(t) for t in tasks["hs_default"].examples.source]
     max_lens = [int(min(model_cfg.max_len_a * n + model_cfg.max_len_b,
                         tasks["hs_default"].model.max_decoder_positions() - 1)) for n in lengths]
-    rows, identical = [], 0
+    rows, identical, identical_d, d_vs_c = [], 0, 0, 0
     total_diff = Difference()
     for j, mask in enumerate(masks):
         c = outs["hs_default"][j]
@@ -628,9 +692,14 @@ def main() -> None:
             b = outs["hs_plain"][j]
             row.update(b=corpus_bleu(b.outputs, references).score, b_s=per_mask["hs_plain"][j],
                        b_vs_c=sum(x != y for x, y in zip(b.outputs, c.outputs, strict=True)))
+        if procs is not None:
+            d = outs["hs_workers"][j]
+            row.update(d=corpus_bleu(d.outputs, references).score)
+            d_vs_c += sum(x != y for x, y in zip(d.outputs, c.outputs, strict=True))
         if loop is not None:
             a = outs["fairseq"][j]
             bleu_a = corpus_bleu(a.texts, references).score
+            identical_d += procs is not None and bleu_a == row["d"]
             diff = compare(a, c.outputs, hyps_c[j], max_lens)
             if diff.ids:
                 alone = loop.decode_alone(mask, diff.ids)
@@ -653,12 +722,18 @@ def main() -> None:
               f"{r.get('b_s', float('nan')):7.2f}{r['c_s']:7.2f}")
     n = len(masks)
     print(f"\ntimes for {n} decodes of {info.n_examples} sentences (baseline included):")
-    labels = {"fairseq": "(a) fairseq loop", "hs_plain": "(b) headsweep plain", "hs_default": "(c) headsweep default"}
+    labels = {"fairseq": "(a) fairseq loop", "hs_plain": "(b) headsweep plain", "hs_default": "(c) headsweep default",
+              "hs_workers": f"(d) default, {args.workers} workers"}
     for k, s in seconds.items():
         if k == "fairseq" and loop is None:
             continue
-        print(f"  {labels[k]:<22} {s:7.1f}s  ({s / n:.2f}s a decode)  peak RSS {mib(peak.peak[k])}, at most "
-              f"{mib(peak.rise[k])} above a call's start")
+        memory = (f"  peak RSS {mib(peak.peak[k])}, at most {mib(peak.rise[k])} above a call's start"
+                  if k in peak.peak else "  (memory: other processes, not sampled)")
+        print(f"  {labels[k]:<22} {s:7.1f}s  ({s / n:.2f}s a decode){memory}")
+    if procs is not None:
+        procs.close()
+        print(f"(d) vs (c): {d_vs_c} sentence hypotheses differ over {n} masks x {info.n_examples} sentences "
+              f"(other thread counts: summation order); BLEU of (d) equals (a)'s for {identical_d} of {n} masks")
     print("  resident memory: " + ", ".join(f"{k} {mib(v)}" for k, v in rss.items()))
     peak.stop()
     if loop is None:
@@ -673,6 +748,10 @@ def main() -> None:
         print(f"  {mask_name} sentence {i}: (a) score {sa:.6f} len {la}: {ta!r}\n"
               f"  {'':<{len(mask_name)}} {'':>{len(str(i)) + 9}} (c) score {sc:.6f} len {lc}: {tc!r}")
     b_part = f" plain_s={seconds['hs_plain']:.1f}" if "hs_plain" in seconds else ""
+    if procs is not None:
+        b_part += (f" workers={args.workers} workers_s={seconds['hs_workers']:.1f} "
+                   f"workers_ratio={seconds['fairseq'] / seconds['hs_workers']:.2f} "
+                   f"workers_identical_bleu={identical_d}/{n}")
     print(f"RESULT translation_vs_fairseq ratio={seconds['fairseq'] / seconds['hs_default']:.2f} "
           f"identical_bleu={identical}/{n} fairseq_s={seconds['fairseq']:.1f} default_s={seconds['hs_default']:.1f}"
           f"{b_part}")

@@ -65,7 +65,10 @@ SCREENED_EXPERIMENTS = ("single_head",)
 SCREENED_OUT, COMPLETED = "screened_out", "completed"
 MIN_EXAMPLES = 20  # fewer examples than this make a bootstrap interval meaningless
 RULES = ("equivalence", "futility")
-DEFAULTS = {"fraction": 0.2, "rule": "equivalence", "equivalence": None, "miss": 0.05, "confidence": 0.99,
+# fraction None: the rule's own (DEFAULT_FRACTION); futility needs a larger subset to tell null heads from heads
+# at the significance boundary (see the README's table of what each fraction screens out)
+DEFAULT_FRACTION = {"equivalence": 0.2, "futility": 0.4}
+DEFAULTS = {"fraction": None, "rule": "equivalence", "equivalence": None, "miss": 0.05, "confidence": 0.99,
             "n_resamples": 1000}
 SUBSET_BASELINE = "screen/baseline"  # the unmasked model on the subset (not stored: recomputed by each session)
 
@@ -84,6 +87,8 @@ def check_screen(screen: Any) -> None:
     if values["rule"] not in RULES:
         raise HeadsweepError(f"unknown sweep.screen.rule {values['rule']!r} (known: {', '.join(RULES)})")
     futility = values["rule"] == "futility"
+    if values["fraction"] is None:
+        values["fraction"] = DEFAULT_FRACTION[values["rule"]]
     if futility and values["equivalence"] is not None:
         raise HeadsweepError("sweep.screen.equivalence is the equivalence rule's margin; rule futility takes miss "
                              "(the largest chance of screening out a head the full run would call significant)")
@@ -133,7 +138,8 @@ class ScreenSettings:
             return None
         values = {**DEFAULTS, **screen}
         margin = values["equivalence"]
-        return cls(float(values["fraction"]), None if margin is None else float(margin),
+        fraction = DEFAULT_FRACTION[values["rule"]] if values["fraction"] is None else values["fraction"]
+        return cls(float(fraction), None if margin is None else float(margin),
                    float(values["confidence"]), int(values["n_resamples"]), int(seed), str(values["rule"]),
                    float(values["miss"]), float(alpha))
 

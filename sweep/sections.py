@@ -56,7 +56,7 @@ class SweepSection:
     wait_for_resources: bool = False
     order: str = "planned"  # or "importance": masks of the most important heads first (importance runs first)
     budget: dict | None = None  # {"evaluations": N} or {"minutes": M}: stop cleanly, run marked partial
-    # {"fraction": 0.2, "equivalence": E, "confidence": 0.99}: single-head masks screened on a subset first
+    # {"rule": "futility", "miss": 0.05} or {"equivalence": E}: single-head masks screened on a subset first
     screen: dict | None = None
 
     def batching(self) -> dict[str, int]:

@@ -1,8 +1,10 @@
 """Sequential screening (#20 item 3): ``sweep.screen``.
 
 - The subset: an adapter on chosen positions gives, for every family, exactly the full evaluation's rows at
-  those positions (the independent route: the whole-set evaluation of the same mask).
-- The rule on hand-built statistics with known answers.
+  those positions, and the subset's and the rest's outputs joined give the whole set's (the independent
+  route: the whole-set evaluation of the same mask).
+- The rules on hand-built statistics with known answers; the futility rule's cut by hand and its promised
+  miss rate at the significance boundary checked by Monte Carlo over random subsets.
 - Through the real CLI on a constructed classifier whose answer is known (some heads have their output
   projection zeroed, so masking them changes nothing; labels are the model's own predictions, so a head that
   matters costs accuracy): every head the full run finds significant is completed, with the full run's
