@@ -121,7 +121,7 @@ def screening_rates(store_path: Path, full_id: str, significant: set[str], cfg: 
     for eval_id, example_id, stats in rows:
         by_eval.setdefault(eval_id, {})[example_id] = stats
     base_id = next(e for e in by_eval if not e.startswith("single_head/"))
-    order = sorted(by_eval[base_id])
+    order = sorted(by_eval[base_id])  # any fixed order serves: each draw is a random subset of the whole set
     base = np.array([by_eval[base_id][x] for x in order], dtype=np.float64)
     heads = sorted(e for e in by_eval if e.startswith("single_head/"))
     masks = np.stack([[by_eval[e][x] for x in order] for e in heads]).astype(np.float64)
