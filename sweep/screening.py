@@ -158,6 +158,13 @@ class ScreenSettings:
         centre = math.sqrt(f) * abs(z_full)
         return NormalDist(centre, sd).cdf(k) - NormalDist(centre, sd).cdf(-k)
 
+    def describe(self, n_masks: int) -> str:
+        """The rule and its cut in a few words, e.g. ``futility: |z| < 1.14, miss 5% at z 3.81``."""
+        if self.rule == "futility":
+            z_star = NormalDist().inv_cdf(1 - self.alpha / (2 * max(1, n_masks)))
+            return f"futility: |z| < {self.cut(n_masks):.2f}, miss {self.miss:.0%} at z {z_star:.2f}"
+        return f"equivalence: interval inside +-{self.equivalence:g}"
+
     def check_cut(self, n_masks: int) -> None:
         """Refuse a futility rule that could screen out nothing (its k is not positive)."""
         if self.rule != "futility" or self.cut(n_masks) > 0:
@@ -298,6 +305,6 @@ def screen(ctx: Context, units: list[WorkUnit], settings: ScreenSettings, family
         else:
             ctx.screen_notes[eval_id] = columns
             ctx.screen_parts[eval_id] = (out, positions, rest)
-    ctx.say_screened(len(out_ids), len(candidates), len(positions))
+    ctx.say_screened(len(out_ids), len(candidates), len(positions), settings.describe(family))
     return [dataclasses.replace(u, examples=rest) if u.eval_id in ctx.screen_parts else u
             for u in units if u.eval_id not in ctx.screened]

@@ -277,7 +277,8 @@ def two_runs(tmp_path_factory, ray_address, known_case):
 
 def test_screening_keeps_every_significant_head_and_screens_out_the_dead_ones(two_runs):
     tmp_path, full_id, screened_id, stderr = two_runs
-    assert "screening: 4 of 8 masks screened out on 60 of 300 examples; 4 go on to the whole set" in stderr
+    assert ("screening (equivalence: interval inside +-0.02): 4 of 8 masks screened out on 60 of 300 examples; "
+            "4 go on to the rest") in stderr
     full, full_sig, _ = tables(tmp_path, full_id)
     scr, scr_sig, scr_examples = tables(tmp_path, screened_id)
     significant = {e for (e, t), r in full_sig.items() if t == "paired_ttest" and r["significant"]}
@@ -330,8 +331,10 @@ def test_futility_rule_through_the_cli(tmp_path, ray_address, known_case, two_ru
     nothing is refused with one line before anything is written."""
     model_dir, dev = known_case
     folder, full_id = two_runs[0], two_runs[1]
-    run_id, _ = run(tmp_path, "futility", config(model_dir, dev, screen={"rule": "futility", "fraction": 0.3}),
-                    ray_address)
+    run_id, proc = run(tmp_path, "futility", config(model_dir, dev, screen={"rule": "futility", "fraction": 0.3}),
+                       ray_address)
+    # k = sqrt(0.3) x 3.227 - sqrt(0.7) x 1.645 for 8 heads at alpha 0.01, miss 0.05
+    assert "screening (futility: |z| < 0.39, miss 5% at z 3.23): " in proc.stderr
     full, full_sig, full_examples = tables(folder, full_id)
     scr, scr_sig, scr_examples = tables(tmp_path, run_id)
     significant = {e for (e, t), r in full_sig.items() if t == "paired_ttest" and r["significant"]}

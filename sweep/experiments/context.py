@@ -162,12 +162,12 @@ class Context:
         if self.budget is not None:
             self.budget.count()
 
-    def say_screened(self, n_out: int, n_screened: int, subset: int) -> None:
-        """The screening pass's one status line."""
+    def say_screened(self, n_out: int, n_screened: int, subset: int, rule: str) -> None:
+        """The screening pass's one status line (``rule``: the rule and its cut, as the user reads it)."""
         from headsweep.sweep.console import say
 
-        say(f"screening: {n_out} of {n_screened} masks screened out on {subset} of {self.info.n_examples} "
-            f"examples; {n_screened - n_out} go on to the whole set")
+        say(f"screening ({rule}): {n_out} of {n_screened} masks screened out on {subset} of {self.info.n_examples} "
+            f"examples; {n_screened - n_out} go on to the rest")
 
     def _note_progress(self, record: RunRecord, landed: int, left: int, elapsed: float) -> None:
         """What ``headsweep status`` shows while the run goes: stored, significant so far, ETA of this pass."""
