@@ -68,27 +68,36 @@ RULES = ("equivalence", "futility")
 # fraction None: the rule's own (DEFAULT_FRACTION); futility needs a larger subset to tell null heads from heads
 # at the significance boundary (see the README's table of what each fraction screens out)
 DEFAULT_FRACTION = {"equivalence": 0.2, "futility": 0.4}
-DEFAULTS = {"fraction": None, "rule": "equivalence", "equivalence": None, "miss": 0.05, "confidence": 0.99,
+# rule None: equivalence when a margin is given, futility otherwise (no setting is required)
+DEFAULTS = {"fraction": None, "rule": None, "equivalence": None, "miss": 0.05, "confidence": 0.99,
             "n_resamples": 1000}
 SUBSET_BASELINE = "screen/baseline"  # the unmasked model on the subset (not stored: recomputed by each session)
 
 
+def resolved(screen: dict) -> dict:
+    """``sweep.screen`` with its defaults: the rule (equivalence when a margin is given) and its fraction."""
+    values = {**DEFAULTS, **screen}
+    if values["rule"] is None:
+        values["rule"] = "futility" if values["equivalence"] is None else "equivalence"
+    if values["fraction"] is None and values["rule"] in DEFAULT_FRACTION:
+        values["fraction"] = DEFAULT_FRACTION[values["rule"]]
+    return values
+
+
 def check_screen(screen: Any) -> None:
-    """The ``sweep.screen`` mapping: known keys, an ``equivalence`` margin, values in range."""
+    """The ``sweep.screen`` mapping: known keys, a known rule and its settings, values in range."""
     if screen is None:
         return
     if not isinstance(screen, dict):
         raise HeadsweepError(
-            f"sweep.screen takes a mapping such as {{fraction: 0.2, equivalence: 0.01}}, got {screen!r}")
+            f"sweep.screen takes a mapping such as {{rule: futility}} or {{equivalence: 0.01}}, got {screen!r}")
     unknown = sorted(set(screen) - set(DEFAULTS))
     if unknown:
         raise HeadsweepError(f"unknown key sweep.screen.{unknown[0]} (known: {', '.join(DEFAULTS)})")
-    values = {**DEFAULTS, **screen}
+    values = resolved(screen)
     if values["rule"] not in RULES:
         raise HeadsweepError(f"unknown sweep.screen.rule {values['rule']!r} (known: {', '.join(RULES)})")
     futility = values["rule"] == "futility"
-    if values["fraction"] is None:
-        values["fraction"] = DEFAULT_FRACTION[values["rule"]]
     if futility and values["equivalence"] is not None:
         raise HeadsweepError("sweep.screen.equivalence is the equivalence rule's margin; rule futility takes miss "
                              "(the largest chance of screening out a head the full run would call significant)")
@@ -134,12 +143,11 @@ class ScreenSettings:
 
     @classmethod
     def from_config(cls, screen: dict | None, seed: int, alpha: float = 0.01) -> ScreenSettings | None:
-        if not screen:
+        if screen is None:
             return None
-        values = {**DEFAULTS, **screen}
+        values = resolved(screen)
         margin = values["equivalence"]
-        fraction = DEFAULT_FRACTION[values["rule"]] if values["fraction"] is None else values["fraction"]
-        return cls(float(fraction), None if margin is None else float(margin),
+        return cls(float(values["fraction"]), None if margin is None else float(margin),
                    float(values["confidence"]), int(values["n_resamples"]), int(seed), str(values["rule"]),
                    float(values["miss"]), float(alpha))
 

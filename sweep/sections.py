@@ -56,7 +56,7 @@ class SweepSection:
     wait_for_resources: bool = False
     order: str = "planned"  # or "importance": masks of the most important heads first (importance runs first)
     budget: dict | None = None  # {"evaluations": N} or {"minutes": M}: stop cleanly, run marked partial
-    # {"rule": "futility", "miss": 0.05} or {"equivalence": E}: single-head masks screened on a subset first
+    # {} (futility rule) or {"equivalence": E}: single-head masks screened on a subset first (sweep/screening.py)
     screen: dict | None = None
 
     def batching(self) -> dict[str, int]:

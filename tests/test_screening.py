@@ -129,6 +129,14 @@ def test_the_rule_on_hand_built_cases():
     assert not tight.screened_out
 
 
+def test_the_rule_follows_the_settings_given():
+    # no setting is required: futility on 40% of the examples; a margin alone means the equivalence rule
+    assert ScreenSettings.from_config({}, 3) == ScreenSettings(0.4, None, 0.99, 1000, 3, "futility", 0.05, 0.01)
+    assert ScreenSettings.from_config({"equivalence": 0.5}, 3).rule == "equivalence"
+    assert ScreenSettings.from_config({"equivalence": 0.5}, 3).fraction == 0.2
+    assert ScreenSettings.from_config(None, 3) is None
+
+
 def test_joined_places_each_part_at_its_positions():
     from headsweep.workers.family import MaskOutput
 
@@ -190,7 +198,7 @@ def test_futility_rule_misses_a_boundary_head_at_the_promised_rate():
 
 
 @pytest.mark.parametrize("screen, message", [
-    ({"fraction": 0.2}, "sweep.screen needs equivalence"),
+    ({"rule": "equivalence"}, "sweep.screen needs equivalence"),
     ({"rule": "fast"}, "unknown sweep.screen.rule 'fast'"),
     ({"rule": "futility", "equivalence": 0.01}, "sweep.screen.equivalence is the equivalence rule's margin"),
     ({"equivalence": 0.01, "miss": 0.1}, "sweep.screen.miss belongs to rule futility"),
