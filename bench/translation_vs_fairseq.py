@@ -499,7 +499,6 @@ def compare(a: Decoded, c_outputs: list[str], c_hyps, max_lens: list[int]) -> Di
     return diff
 
 
-# -- main -------------------------------------------------------------------------------------
 # -- (d): headsweep's default in several worker processes ---------------------------------------------------------
 _WORKER: dict = {}
 
@@ -548,6 +547,7 @@ class WorkerProcesses:
         self.pool.terminate()
 
 
+# -- main -------------------------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--masks", type=int, default=24,
@@ -570,7 +570,7 @@ def main() -> None:
     parser.add_argument("--no-loss", action="store_true", help="(c): no teacher-forced loss pass")
     parser.add_argument("--workers", type=int, default=0,
                         help="(d): headsweep's default settings (as (c)) in this many worker processes of "
-                             "threads / workers torch threads each (sweep.workers); 0: no (d)")
+                             "threads / workers torch threads each (sweep.workers); below 2: no (d)")
     parser.add_argument("--sweep", action="append", default=[], metavar="KEY=VALUE",
                         help="(c): any other RuntimeOptions field (repeatable)")
     parser.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
@@ -665,7 +665,6 @@ def main() -> None:
             got = procs.evaluate(chunk)
             s = time.perf_counter() - start
             outs["hs_workers"] += got
-            per_mask["hs_workers"] += [s / len(chunk)] * len(chunk)
             seconds["hs_workers"] += s
         print(f"  masks {first}..{first + len(chunk) - 1}: " + ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
               + " (cumulative)", flush=True)

@@ -22,7 +22,8 @@ when |z_sub| < k, with z_sub = subset delta / its paired-bootstrap standard erro
 
 (m the single-head masks of the family, alpha ``significance.alpha``): a head whose whole-set test reaches
 the Bonferroni boundary alpha / m is screened out with probability at most ``miss``, and a stronger one with
-probability Phi((k - sqrt(f) |z_full|) / sqrt(1 - f)), which falls fast (``miss_chance``). The guarantee is
+probability Phi((k - sqrt(f) |z_full|) / sqrt(1 - f)) (plus the negligible far tail), which falls fast
+(``miss_chance``). The guarantee is
 about what the full run would call significant; heads that the run's correction (Holm, BH) admits only above
 alpha / m carry more risk. A mask with no change on any subset example is screened out under either rule.
 
@@ -151,11 +152,14 @@ class ScreenSettings:
                    float(values["confidence"]), int(values["n_resamples"]), int(seed), str(values["rule"]),
                    float(values["miss"]), float(alpha))
 
+    def boundary(self, n_masks: int) -> float:
+        """z*: the whole-set |z| of the Bonferroni boundary alpha / m (two-sided) that ``miss`` is stated at."""
+        return NormalDist().inv_cdf(1 - self.alpha / (2 * max(1, n_masks)))
+
     def cut(self, n_masks: int) -> float:
         """The futility rule's k: a mask is screened out when its subset |z| is below it (module docstring)."""
-        z_star = NormalDist().inv_cdf(1 - self.alpha / (2 * max(1, n_masks)))
         f = self.fraction
-        return math.sqrt(f) * z_star + math.sqrt(1 - f) * NormalDist().inv_cdf(self.miss)
+        return math.sqrt(f) * self.boundary(n_masks) + math.sqrt(1 - f) * NormalDist().inv_cdf(self.miss)
 
     def miss_chance(self, n_masks: int, z_full: float) -> float:
         """The futility rule's chance of screening out a mask whose whole-set statistic is ``z_full``."""
@@ -169,8 +173,7 @@ class ScreenSettings:
     def describe(self, n_masks: int) -> str:
         """The rule and its cut in a few words, e.g. ``futility: |z| < 1.14, miss 5% at z 3.81``."""
         if self.rule == "futility":
-            z_star = NormalDist().inv_cdf(1 - self.alpha / (2 * max(1, n_masks)))
-            return f"futility: |z| < {self.cut(n_masks):.2f}, miss {self.miss:.0%} at z {z_star:.2f}"
+            return f"futility: |z| < {self.cut(n_masks):.2f}, miss {self.miss:.0%} at z {self.boundary(n_masks):.2f}"
         return f"equivalence: interval inside +-{self.equivalence:g}"
 
     def check_cut(self, n_masks: int) -> None:
@@ -205,12 +208,11 @@ class ScreenSettings:
 
 @dataclass(frozen=True)
 class Verdict:
-    """One mask's screening on the subset: its delta's interval, z statistic and whether it is negligible."""
+    """One mask's screening on the subset: its delta's interval and whether it is negligible."""
 
     ci_low: float
     ci_high: float
     screened_out: bool
-    z: float = math.nan
 
     def columns(self, n_examples: int) -> dict:
         """The ``evaluations`` columns that record it."""
@@ -237,8 +239,8 @@ def verdicts(metric: str, baseline: np.ndarray, masks: np.ndarray, settings: Scr
     else:
         eq = settings.equivalence
         out = same | ((-eq <= result.ci_low) & (result.ci_high <= eq))
-    return [Verdict(float(lo), float(hi), bool(o), float(zz))
-            for lo, hi, o, zz in zip(result.ci_low, result.ci_high, out, z, strict=True)]
+    return [Verdict(float(lo), float(hi), bool(o))
+            for lo, hi, o in zip(result.ci_low, result.ci_high, out, strict=True)]
 
 
 def complement(positions: Sequence[int], n_examples: int) -> tuple[int, ...]:
