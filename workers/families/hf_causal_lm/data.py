@@ -10,9 +10,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
 from headsweep.workers.text_files import check_encoding, decode, read_bytes, split_lines
@@ -58,6 +55,9 @@ def _jsonl_texts(path: Path, cfg: CausalLMData) -> list[str]:
 
 
 def _parquet_texts(path: Path, cfg: CausalLMData) -> list[str]:
+    import pyarrow as pa  # here, not at the top: reading text corpora needs no pyarrow (bench/gpu_check.py)
+    import pyarrow.parquet as pq
+
     try:
         table = pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as exc:
