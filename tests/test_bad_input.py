@@ -60,7 +60,7 @@ def test_unknown_override_and_experiment(tmp_path, tiny_bert_dir, tiny_dev_tsv, 
 def test_missing_model_directory_and_hub_id(tmp_path, tiny_dev_tsv, ray_address):
     fail(tmp_path, ray_address, config_file(tmp_path, tmp_path / "nope", tiny_dev_tsv), "model directory not found")
     fail(tmp_path, ray_address, config_file(tmp_path, "bert-base-uncased", tiny_dev_tsv),
-         "'bert-base-uncased' is not a local directory, and headsweep never downloads models")
+         "'bert-base-uncased' is neither a local folder nor in the Hugging Face cache")
 
 
 def test_model_without_attention(tmp_path, tiny_dev_tsv, ray_address):

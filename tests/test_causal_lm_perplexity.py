@@ -188,7 +188,7 @@ def test_errors(llama_dir, corpus, tmp_path):
     with pytest.raises(HeadsweepError, match="tokenizer directory not found"):
         CausalLMAdapter(CausalLMModel(path=str(llama_dir), tokenizer=str(tmp_path / "nope")),
                         CausalLMData(path=str(corpus), window=WINDOW), RuntimeOptions())
-    with pytest.raises(HeadsweepError, match="never downloads models"):
+    with pytest.raises(HeadsweepError, match="fetch it with `headsweep fetch meta-llama/Llama-3.2-1B`"):
         adapter("meta-llama/Llama-3.2-1B", corpus)
 
 

@@ -20,6 +20,7 @@ from headsweep.workers.families.hf_classifier.model import resolve_model_dir
 from headsweep.workers.families.hf_classifier.model_files import check_model_files
 from headsweep.workers.family import MaskOutput
 from headsweep.workers.heads import Head
+from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot
 
 SUPPORTED = ("decoder-only causal LMs with Llama-style attention (Llama, Mistral, Qwen2, Qwen3, Phi-3, ...), "
              "GPT-2 and GPTBigCode")
@@ -89,6 +90,8 @@ def load_tokenizer(folder: str, given: bool):
     from transformers import AutoTokenizer
 
     path = Path(folder).expanduser()
+    if given and is_hub_id(folder):  # a hub id: its snapshot in the local Hugging Face cache
+        path = resolve_snapshot(folder, require=None).folder
     if not path.is_dir():
         raise HeadsweepError(f"tokenizer directory not found: {folder} (model.tokenizer)")
     hint = "" if given else "; save the tokenizer there or set model.tokenizer to its folder"

@@ -13,6 +13,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_classifier.config import DEFAULT_MAX_LENGTH, ClassifierModel
 from headsweep.workers.families.hf_classifier.model_files import check_model_files
 from headsweep.workers.families.hf_classifier.pruning import PRUNED_HEADS_KEY, load_pruned
+from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot
 
 # Model types whose position ids start after the padding index (RoBERTa's scheme): of
 # max_position_embeddings, pad_token_id + 1 are never used for tokens.
@@ -33,14 +34,9 @@ def resolve_model_dir(path: str) -> Path:
     if not path:
         raise HeadsweepError("config key 'model.path' is required (a transformers model directory)")
     p = Path(path)
+    if is_hub_id(path):  # org/name[@revision]: its snapshot in the local Hugging Face cache, never downloaded
+        p = resolve_snapshot(path).folder
     if not p.exists():
-        looks_like_hub_id = not path.startswith((".", "/", "~")) and path.count("/") <= 1
-        if looks_like_hub_id:
-            raise HeadsweepError(
-                f"model {path!r} is not a local directory, and headsweep never downloads models: "
-                f"fetch it first (e.g. `hf download {path} --local-dir models/{path.split('/')[-1]}`) "
-                "and set model.path to that folder"
-            )
         raise HeadsweepError(f"model directory not found: {path}")
     if not p.is_dir() or not (p / "config.json").is_file():
         raise HeadsweepError(f"{path} is not a transformers model directory (no config.json)")
