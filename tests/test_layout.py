@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import shutil
 import subprocess
 import sys
@@ -115,7 +116,25 @@ def test_every_package_folder_is_installed():
     listed = set(project["packages"])
     folders = {m for m, p in module_files().items() if p.name == "__init__.py"}
     assert folders == listed
-    assert project["package-dir"] == {v: k for k, v in ROOTS.items()}
+    # No package-dir mapping: the tree under headsweep/ is the package (its sub-folders are links, below).
+    assert "package-dir" not in project
+
+
+def test_the_package_tree_links_the_top_level_folders():
+    """``headsweep/sweep``, ``headsweep/workers``, ``headsweep/results`` are relative links to the repository's
+    folders, so a static tool reading ``headsweep/`` sees the same files that run, and every module imports
+    from the checkout it belongs to (never another checkout's ``sweep/`` through an installed import hook)."""
+    for folder in ("sweep", "workers", "results"):
+        link = REPO / "headsweep" / folder
+        assert link.is_symlink(), f"{link} must be a symbolic link to ../{folder}"
+        assert Path(link.readlink()) == Path("..") / folder, link.readlink()
+    code = ("import headsweep.sweep.cli as c, headsweep.workers.gates as g, headsweep.results.store as s; "
+            "print(c.__file__, g.__file__, s.__file__)")
+    for cwd in (REPO, REPO / "tests"):
+        out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,
+                             check=True).stdout.split()
+        assert [Path(f).resolve() for f in out] == [REPO / "sweep" / "cli.py", REPO / "workers" / "gates.py",
+                                                    REPO / "results" / "store.py"], out
 
 
 def test_installed_distribution_has_one_top_level_name(tmp_path):
@@ -153,3 +172,16 @@ def test_the_driver_imports_neither_torch_nor_scipy_stats():
             "print(sorted(m for m in ('torch', 'scipy.stats', 'transformers', 'fairseq') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_static_tools_resolve_every_import():
+    """pyright (basedpyright, pyrightconfig.json) resolves every import of the package, the tests and the
+    benchmarks without running headsweep's install: no ``headsweep.*`` import is hidden behind an import hook."""
+    tool = shutil.which("basedpyright")
+    assert tool, "basedpyright is not installed: make install installs it with the dev extra"
+    proc = subprocess.run([tool, "--outputjson"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    report = json.loads(proc.stdout)
+    unresolved = [f"{d['file']}:{d['range']['start']['line'] + 1}: {d['message']}"
+                  for d in report["generalDiagnostics"] if d.get("rule") == "reportMissingImports"]
+    assert report["summary"]["filesAnalyzed"] > 100, report["summary"]
+    assert not unresolved, "\n".join(unresolved)

