@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quiet", action="store_true", help="no progress lines")
     demo.add_argument("--report", metavar="DIR", help="folder of the runs' report (default: headsweep-report "
                       "beside the store)")
+    _add_fetch(sub)
     return parser
 
 
@@ -263,6 +264,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.store, workers=args.workers, show_progress=not args.quiet, report=args.report)
 
 
+def _add_fetch(sub: argparse._SubParsersAction) -> None:
+    fetch = sub.add_parser("fetch", help="download a Hugging Face Hub model into the local Hugging Face cache, where "
+                           "runs find it by id (the only command that downloads); prints its snapshot folder")
+    fetch.add_argument("model", help="hub id: org/name or name, optionally @revision")
+    fetch.add_argument("--revision", help="branch, tag or commit (default: main)")
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from headsweep.workers.hub_cache import fetch
+
+    console.out(fetch(args.model, args.revision, say=console.say).folder)
+    return 0
+
+
 def _stop_ray() -> None:
     # Flush the workers' log lines now, so the error is the last line the user sees.
     ray = sys.modules.get("ray")
@@ -272,7 +287,7 @@ def _stop_ray() -> None:
 
 COMMANDS = {"run": cmd_run, "submit": cmd_submit, "jobs": cmd_jobs, "query": cmd_query, "runs": cmd_runs,
             "status": cmd_status, "report": cmd_report, "compare": cmd_compare, "export": cmd_export,
-            "demo": cmd_demo}
+            "demo": cmd_demo, "fetch": cmd_fetch}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -46,6 +46,7 @@ from headsweep.workers.actor import EvalWorker
 from headsweep.workers.checks import model_heads_on_worker
 from headsweep.workers.family import DatasetInfo, RuntimeOptions, model_family
 from headsweep.workers.heads import HeadInventory
+from headsweep.workers.hub_cache import pin_hub_models
 
 # Kept importable from here: the demo logs through the driver, and older callers check drivers with these.
 __all__ = ["STALE_AFTER_S", "Sweep", "log", "refuse_if_live"]
@@ -65,6 +66,7 @@ class Sweep:
     done: StoredResults = field(default_factory=dict)
     screened: set[str] = field(default_factory=set)  # of a resumed run: eval ids screened out (sweep.screen)
     warned: set[str] = field(default_factory=set)  # data warnings already shown
+    hub: dict = field(default_factory=dict)  # runs.facts "hub": each hub id loaded, its commit and cache folder
 
     def model_variants(self) -> list[tuple[str | None, Any]]:
         """``(checkpoint, model config)`` for each model of the run: one, or one per training checkpoint."""
@@ -111,6 +113,8 @@ class Sweep:
                 raise cause from None
             raise HeadsweepError(f"worker failed to load the model: {str(cause).splitlines()[0]}") from None
         log(f"{len(actors)} workers ready: {', '.join(pool.names)}")
+        if self.hub:
+            infos[0].facts = {**infos[0].facts, "hub": self.hub}
         for text in dict.fromkeys(w for info in infos for w in info.facts.get("warnings", [])):
             if text not in self.warned:  # once per run, whatever the number of workers and checkpoints
                 self.warned.add(text)
@@ -120,6 +124,8 @@ class Sweep:
     def execute(self) -> str:
         """Run the sweep; returns the run id. The run row says how it ended."""
         self.store.check_writable()
+        # Hub ids become id@<commit> before anything starts: the config hash names the commit, workers load it.
+        self.cfg, self.hub = pin_hub_models(self.cfg)
         init_ray(self.address, self.cfg)
         variants = self.model_variants()
         pool, info = self.start_workers(variants[0][1])
