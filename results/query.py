@@ -9,21 +9,27 @@ schema version than this release knows is refused.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import math
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
 
 import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from headsweep.errors import HeadsweepError
-from headsweep.results.schema import SCHEMA_VERSION, TABLES
+from headsweep.results.schema import RENAMED, SCHEMA_VERSION, TABLES, with_run_id
 from headsweep.results.store import ResultStore
 from headsweep.results.views import VIEWS
 
 FORMATS = ("table", "csv", "json", "parquet")
+T = TypeVar("T")
 
 
 def store_schema_version(con: duckdb.DuckDBPyConnection) -> int | None:
@@ -55,7 +61,16 @@ def connect(store: ResultStore) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(config={"enable_external_access": False})
     try:
         for table in TABLES:
-            con.register(table, store.dataset(table))
+            renamed = RENAMED.get(table)
+            if renamed is None:
+                con.register(table, store.dataset(table))
+                continue
+            # The files' columns as `_files_<table>`; the table's view takes a renamed column from its old name
+            # where an older file has only that one.
+            con.register(f"_files_{table}", store.dataset(table))
+            columns = ", ".join(f'coalesce("{name}", "{renamed[name]}") AS "{name}"' if name in renamed
+                                else f'"{name}"' for name in with_run_id(TABLES[table]).names)
+            con.execute(f"CREATE VIEW {table} AS SELECT {columns} FROM _files_{table}")
         check_schema_version(con, store.uri)
         for sql in VIEWS.values():
             con.execute(sql)
@@ -92,20 +107,58 @@ def run_query(store: ResultStore, sql: str, params: list | None = None) -> pa.Ta
     """Run ``sql`` (SELECT only) against the store's views and return the result as an Arrow table.
 
     ``params`` fill the ``?`` placeholders of ``sql`` (values from users or data never go into the SQL text).
+    Ctrl-C stops the query (KeyboardInterrupt), also while DuckDB is inside a long scan.
     """
     con = connect(store)
     try:
         check_read_only(con, sql)
-        relation = con.sql(sql, params=params)
-        return relation.to_arrow_table() if relation is not None else pa.table({})
+        return interruptible(con, lambda: _arrow(con.sql(sql, params=params)))
     except duckdb.Error as exc:
         raise _scan_error(store, exc) from None
-    except RuntimeError as exc:
-        if "interrupted" in str(exc).lower():  # DuckDB turns Ctrl-C into RuntimeError("Query interrupted")
-            raise KeyboardInterrupt from None
-        raise
     finally:
-        con.close()
+        with contextlib.suppress(duckdb.Error):  # a query that outlived its interrupt keeps the connection busy
+            con.close()
+
+
+def _arrow(relation: duckdb.DuckDBPyRelation | None) -> pa.Table:
+    return relation.to_arrow_table() if relation is not None else pa.table({})
+
+
+# How long a query may take to stop once DuckDB is told to (it checks between vectors: normally milliseconds).
+INTERRUPT_GRACE_S = 10.0
+
+
+def interruptible(con: duckdb.DuckDBPyConnection, work: Callable[[], T]) -> T:
+    """``work()`` (queries on ``con``) in a worker thread; Ctrl-C interrupts it and raises KeyboardInterrupt.
+
+    A query running inside DuckDB does not return to Python, so a KeyboardInterrupt raised in the thread that
+    runs it may wait until the query ends. Here the main thread only waits, and takes the signal at once; it
+    stops the query with the connection's ``interrupt()`` (DuckDB's documented way, safe from another thread).
+    """
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as exc:  # handed to the main thread, which raises it
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="headsweep-query", daemon=True).start()
+    # An Event, not Thread.join: a KeyboardInterrupt inside join() marks a still-running thread as ended (CPython
+    # 3.11), and short waits, so that the main thread runs the signal handler promptly.
+    try:
+        while not done.wait(0.1):
+            pass
+    except KeyboardInterrupt:
+        con.interrupt()
+        done.wait(INTERRUPT_GRACE_S)
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _scan_error(store: ResultStore, exc: duckdb.Error) -> HeadsweepError:
@@ -153,6 +206,18 @@ def format_table(table: pa.Table, fmt: str = "table", max_rows: int | None = Non
         lines.append(f"... {len(rows) - len(shown)} more rows")
     lines.append(f"({len(rows)} rows)")
     return "\n".join(lines)
+
+
+def check_out(out: str | None, store: ResultStore) -> None:
+    """Refuse an ``--out`` file inside the store: in a table's folder it would be read as the table's data, and
+    anywhere in the store it is no file of the store's own."""
+    if not out or not store.local:
+        return
+    target = Path(out).expanduser().resolve()
+    root = Path(store.root)
+    if target == root or root in target.parents:
+        raise HeadsweepError(f"--out {out} is inside the store {store.uri}, which holds only what headsweep runs "
+                             "write: give --out a file outside it")
 
 
 def write_result(table: pa.Table, fmt: str, out: str | None) -> str | None:

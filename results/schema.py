@@ -11,8 +11,9 @@ import pyarrow as pa
 
 # The version of the tables below, written to `runs.schema_version` with every run. Changes are
 # additive (a new table, a new nullable column), so a release reads every older store: a table
-# an older store lacks reads empty, a column its files lack reads null. A store holding runs of a
-# newer version is refused (results/query.py). Bump it with every change and say what changed.
+# an older store lacks reads empty, a column its files lack reads null; a renamed column reads from
+# its old name in older files (RENAMED). A store holding runs of a newer version is refused
+# (results/query.py). Bump it with every change and say what changed.
 SCHEMA_HISTORY = {
     1: "runs, evaluations, examples, significance, importance",
     2: "new table efficiency (speed and memory of full and pruned models)",
@@ -21,6 +22,7 @@ SCHEMA_HISTORY = {
     5: "new table interactions (pairwise head interactions)",
     6: "new table gates (Hard Concrete L0 gates per lambda)",
     7: "evaluations gain screen, screen_examples, screen_ci_low, screen_ci_high (sequential screening)",
+    8: "gates.lambda renamed l0_lambda (lambda is a keyword in DuckDB's SQL); older files' lambda reads as l0_lambda",
 }
 
 SCHEMA_VERSION = max(SCHEMA_HISTORY)
@@ -157,7 +159,7 @@ TABLES: dict[str, pa.Schema] = {
     # Hard Concrete gate (headsweep.workers.hard_concrete). p_open = P(g > 0); closed by the run's l0.closing rule.
     "gates": pa.schema(
         [
-            ("lambda", pa.float64()),
+            ("l0_lambda", pa.float64()),
             *HEAD_COLUMNS,
             ("log_alpha", pa.float64()),
             ("p_open", pa.float64()),
@@ -230,6 +232,19 @@ RUNNING, COMPLETE, FAILED, INTERRUPTED, PARTIAL = "running", "complete", "failed
 RUN_STATUSES = (RUNNING, COMPLETE, FAILED, INTERRUPTED, PARTIAL)
 
 
+# Columns renamed since they were first written: table -> {name today: name in files of older versions}.
+# Readers take the old column where a file lacks the new one (ResultStore.read, the query views).
+RENAMED: dict[str, dict[str, str]] = {"gates": {"l0_lambda": "lambda"}}
+
+
 def with_run_id(schema: pa.Schema) -> pa.Schema:
     """The schema readers see: ``run_id`` (from the partition path) first."""
     return pa.schema([pa.field("run_id", pa.string()), *schema])
+
+
+def file_schema(table: str) -> pa.Schema:
+    """What the table's files may hold: ``with_run_id`` of its schema plus the old names of renamed columns
+    (``RENAMED``), typed like the columns they became."""
+    schema = with_run_id(TABLES[table])
+    legacy = [pa.field(old, schema.field(new).type) for new, old in RENAMED.get(table, {}).items()]
+    return pa.schema([*schema, *legacy])

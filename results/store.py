@@ -12,16 +12,19 @@ from __future__ import annotations
 import logging
 import os
 import re
+import tempfile
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from headsweep.errors import HeadsweepError
-from headsweep.results.schema import TABLES, with_run_id
+from headsweep.results.schema import RENAMED, TABLES, file_schema
 
 # The files the store writes: one partition folder per run, Parquet files with visible names.
 _OWN_FILE = re.compile(r"run_id=[^/]+/[^./][^/]*\.parquet")
@@ -59,16 +62,65 @@ class ResultStore:
         return f"{self.root}/{table}/run_id={run_id}"
 
     # -- writing ------------------------------------------------------------------------
+    @property
+    def local(self) -> bool:
+        return isinstance(self.fs, pafs.LocalFileSystem)
+
+    def _info(self, path: str) -> pafs.FileInfo:
+        try:
+            return self.fs.get_file_info(path)
+        except (OSError, pa.ArrowException) as exc:
+            raise HeadsweepError(f"cannot open store {self.uri}: {str(exc).splitlines()[0]}") from None
+
+    def check_exists(self) -> None:
+        """Refuse a store URI where nothing is (a typo) or a file is: a reader would show nothing and say nothing."""
+        kind = self._info(self.root).type
+        if kind == pafs.FileType.NotFound:
+            raise HeadsweepError(f"no store at {self.uri}: nothing is there; give --store the folder a run wrote into "
+                                 "(default: $HEADSWEEP_STORE, else ./headsweep-store)")
+        if kind != pafs.FileType.Directory:
+            raise HeadsweepError(f"no store at {self.uri}: it is a file, not a store folder; give --store the folder "
+                                 "a run wrote into")
+
     def check_writable(self) -> None:
-        """Fail with a one-line error now rather than after hours of compute."""
+        """Fail with a one-line error now rather than after hours of compute, creating nothing: the store's folder
+        is made by its first write, so a run refused before that leaves no empty folder behind."""
+        kind = self._info(self.root).type
+        if kind not in (pafs.FileType.Directory, pafs.FileType.NotFound):
+            raise HeadsweepError(f"store {self.uri} is a file, not a folder: give --store a new folder or one a run "
+                                 "wrote into")
+        try:
+            if kind == pafs.FileType.NotFound and self.local:
+                self._check_creatable()
+            else:
+                self._probe()
+        except (OSError, pa.ArrowException) as exc:
+            raise HeadsweepError(f"store {self.uri} is not writable: {str(exc).splitlines()[0]}") from None
+
+    def _probe(self) -> None:
+        """Write and delete a hidden file in the store (object stores need no folder for it)."""
         probe = f"{self.root}/.write-probe-{uuid.uuid4().hex}"
         try:
+            with self.fs.open_output_stream(probe) as out:
+                out.write(b"ok")
+        except (OSError, pa.ArrowException):
+            if self.local:
+                raise
+            # A filesystem with real folders (HDFS, ...): the store's folder first, as the first write would.
             self.fs.create_dir(self.root, recursive=True)
             with self.fs.open_output_stream(probe) as out:
                 out.write(b"ok")
-            self.fs.delete_file(probe)
-        except (OSError, pa.ArrowException) as exc:
-            raise HeadsweepError(f"store {self.uri} is not writable: {str(exc).splitlines()[0]}") from None
+        self.fs.delete_file(probe)
+
+    def _check_creatable(self) -> None:
+        """A local store that does not exist yet: its nearest existing parent must be a folder that takes a new
+        folder (made and removed again here)."""
+        parent = Path(self.root).parent
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise HeadsweepError(f"store {self.uri} cannot be created: {parent} is a file, not a folder")
+        os.rmdir(tempfile.mkdtemp(prefix=".headsweep-probe-", dir=parent))
 
     def write(self, table: str, run_id: str, data: pa.Table, name: str | None = None) -> str:
         """Write ``data`` as one file of ``table`` in the run's partition, atomically."""
@@ -110,8 +162,12 @@ class ResultStore:
         return sorted(own)
 
     def dataset(self, table: str) -> ds.Dataset:
-        """The table as a pyarrow dataset (with ``run_id``), empty if nothing is written yet."""
-        schema = with_run_id(TABLES[table])
+        """The table's files as a pyarrow dataset (with ``run_id``), empty if nothing is written yet.
+
+        Its schema is ``file_schema``: a renamed column comes with its old name beside it (older files fill
+        that one); :meth:`read` and the query views merge the two.
+        """
+        schema = file_schema(table)
         files = self.files(table)
         if not files:
             return ds.dataset(schema.empty_table())
@@ -125,12 +181,25 @@ class ResultStore:
         )
 
     def read(self, table: str, run_id: str | None = None, columns: list[str] | None = None) -> pa.Table:
+        """The table's rows (of one run, or all), with today's columns: a renamed column is read from its old
+        name in files written before the rename."""
+        renamed = RENAMED.get(table, {})
+        wanted = columns
+        if columns is not None:
+            columns = [*columns, *(old for new, old in renamed.items() if new in columns)]
         dataset = self.dataset(table)
         flt = ds.field("run_id") == run_id if run_id is not None else None
         try:
-            return dataset.to_table(columns=columns, filter=flt)
+            data = dataset.to_table(columns=columns, filter=flt)
         except (OSError, pa.ArrowException) as exc:
             raise self.unreadable(table, exc) from None
+        for new, old in renamed.items():
+            if old in data.column_names:
+                if new in data.column_names:
+                    merged = pc.coalesce(data.column(new), data.column(old))
+                    data = data.set_column(data.column_names.index(new), new, merged)
+                data = data.drop_columns([old])
+        return data if wanted is None else data.select(wanted)
 
     def unreadable(self, table: str, exc: BaseException) -> HeadsweepError:
         """The error for a table that failed to read: names the corrupt file when one is found."""
@@ -138,11 +207,65 @@ class ResultStore:
             try:
                 pq.read_metadata(path, filesystem=self.fs)
             except (OSError, pa.ArrowException) as bad:
-                return HeadsweepError(
-                    f"store {self.uri}: {path} is not a readable Parquet file ({str(bad).splitlines()[0]}); "
-                    "it was damaged or not written by headsweep: move it out of the store, or restore it"
-                )
+                return HeadsweepError(self._damaged(path, bad))
         return HeadsweepError(f"cannot read table {table} of store {self.uri}: {str(exc).splitlines()[0]}")
+
+    def _damaged(self, path: str, exc: BaseException) -> str:
+        return (f"store {self.uri}: {path} is not a readable Parquet file ({str(exc).splitlines()[0]}); "
+                "it was damaged or not written by headsweep: move it out of the store, or restore it")
+
+    def check_files(self) -> None:
+        """Before a run adds to the store: every Parquet file in it is a readable file of its table.
+
+        A damaged file, or another tool's Parquet file where a table's files go, would make every later query
+        fail or read it as data; a run refuses such a store up front (one line naming the file) instead of
+        writing beside it. Files of other kinds (notes) and hidden files are left alone.
+        """
+        if self._info(self.root).type != pafs.FileType.Directory:
+            return
+        try:
+            top = self.fs.get_file_info(pafs.FileSelector(self.root))
+            foreign = [i.path for i in top if i.type == pafs.FileType.File and i.base_name.endswith(".parquet")
+                       and not i.base_name.startswith(".")]
+            own: list[tuple[str, str]] = []
+            for table in TABLES:
+                directory = self.table_dir(table)
+                selector = pafs.FileSelector(directory, recursive=True, allow_not_found=True)
+                for info in self.fs.get_file_info(selector):
+                    relative = info.path[len(directory) + 1:]
+                    if info.type != pafs.FileType.File or any(p.startswith(".") for p in relative.split("/")):
+                        continue
+                    if _OWN_FILE.fullmatch(relative):
+                        own.append((table, info.path))
+                    elif relative.endswith(".parquet"):
+                        foreign.append(info.path)
+        except (OSError, pa.ArrowException) as exc:
+            raise HeadsweepError(f"cannot read store {self.uri}: {str(exc).splitlines()[0]}") from None
+        if foreign:
+            raise HeadsweepError(
+                f"store {self.uri} holds {foreign[0]}, a Parquet file headsweep did not write (a table's files are "
+                "<store>/<table>/run_id=<id>/<name>.parquet): move it out of the store, or run with another --store"
+            )
+        with ThreadPoolExecutor(max_workers=16) as pool:  # one footer read each: round trips on an object store
+            problems = pool.map(lambda item: self._file_problem(*item), own)
+            problem = next((p for p in problems if p is not None), None)
+        if problem is not None:
+            raise HeadsweepError(problem)
+
+    def _file_problem(self, table: str, path: str) -> str | None:
+        """Why ``path`` is not a readable file of ``table`` (its footer and columns), or None."""
+        try:
+            schema = pq.read_schema(path, filesystem=self.fs)
+        except (OSError, pa.ArrowException) as exc:
+            return self._damaged(path, exc)
+        expected = file_schema(table)  # and no run_id: that is the folder's name, never a column of a file
+        wrong = [f.name for f in schema if f.name == "run_id" or expected.get_field_index(f.name) < 0
+                 or not f.type.equals(expected.field(f.name).type)]
+        if wrong:
+            return (f"store {self.uri}: {path} is not a file of table {table} (its column"
+                    f"{'s' if len(wrong) > 1 else ''} {', '.join(wrong[:5])} {'are' if len(wrong) > 1 else 'is'} not "
+                    f"the table's); it was not written by headsweep: move it out of the store")
+        return None
 
     def run(self, run_id: str) -> dict | None:
         rows = self.read("runs", run_id).to_pylist()

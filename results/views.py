@@ -7,15 +7,24 @@ it use ``IS NOT DISTINCT FROM`` so that the null checkpoint matches itself.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from headsweep.results.schema import HEAD_COLUMNS, SYNTAX_COLUMNS
 from headsweep.workers.metrics import LOWER_IS_BETTER
 
-# The test shown next to a delta (the other tests stay in `significance`): a t-test for accuracy (and multiple
-# choice's length-normalised accuracy_norm), the paired bootstrap for corpus metrics (BLEU, perplexity) and for
-# any metric not named here.
+# The metric's primary test (a t-test for accuracy and multiple choice's length-normalised accuracy_norm, the
+# paired bootstrap for corpus metrics, BLEU and perplexity, and for any metric not named here).
 PRIMARY_TEST = {"accuracy": "paired_ttest", "accuracy_norm": "paired_ttest", "bleu": "paired_bootstrap",
                 "perplexity": "paired_bootstrap"}
 OTHER_METRICS_TEST = "paired_bootstrap"
+
+
+def shown_test(metric: str, tests: Sequence[str]) -> str:
+    """The one test shown next to a delta (views, ``headsweep status``, the report, a live run's progress): the
+    metric's primary test when the run computed it, else the first of the run's ``significance.tests``. The other
+    tests stay in ``significance``. ``SHOWN_SIGNIFICANCE`` is the same rule in SQL."""
+    primary = PRIMARY_TEST.get(metric, OTHER_METRICS_TEST)
+    return primary if primary in tests else tests[0]
 
 
 def _literal(text: str) -> str:
@@ -38,15 +47,27 @@ def primary_test_sql(metric: str) -> str:
     return f"CASE {metric} {cases} ELSE {_literal(OTHER_METRICS_TEST)} END"
 
 
+# Per evaluation, the significance row of the test ``shown_test`` picks: the metric's primary test when the run
+# has it, else the first test of the run's significance.tests (from its config; null there means the metric's
+# defaults, which hold the primary test), else (a config that names none of the stored tests) the first by name.
+SHOWN_SIGNIFICANCE = f"""
+SELECT s.run_id, s.eval_id, s.test, s.p_value, s.p_adjusted, s.correction, s.alpha, s.significant, s.ci_low, s.ci_high
+FROM significance s
+JOIN (SELECT DISTINCT run_id, eval_id, metric FROM evaluations) e ON e.run_id = s.run_id AND e.eval_id = s.eval_id
+LEFT JOIN (SELECT run_id, any_value(from_json(json_extract(config, '$.significance.tests'), '["VARCHAR"]')) AS tests
+           FROM runs GROUP BY run_id) c ON c.run_id = s.run_id
+QUALIFY row_number() OVER (PARTITION BY s.run_id, s.eval_id
+                           ORDER BY s.test = {primary_test_sql("e.metric")} DESC,
+                                    list_position(c.tests, s.test) NULLS LAST, s.test) = 1
+"""
+
 DELTAS = f"""
 CREATE VIEW deltas AS
 SELECT e.run_id, e.eval_id, e.experiment, e.attention, e.layer, e.head, e.level, e.checkpoint, e.n_masked,
        e.heads_masked, e.metric, e.score, e.baseline_score, e.delta, s.test, s.p_value, s.p_adjusted, s.correction,
        s.alpha, s.significant, s.ci_low, s.ci_high, {harm_sql("e.delta", "e.metric")} AS harm, e.screen
 FROM evaluations e
-LEFT JOIN significance s
-  ON s.run_id = e.run_id AND s.eval_id = e.eval_id
- AND s.test = {primary_test_sql("e.metric")}
+LEFT JOIN ({SHOWN_SIGNIFICANCE}) s ON s.run_id = e.run_id AND s.eval_id = e.eval_id
 """
 
 _HEAD_STRUCT = "[{" + ", ".join(f'"{n}": "{t}"' for n, t in
@@ -126,12 +147,15 @@ FROM deltas WHERE experiment IN ('prune_level', 'l0_gates')
 """
 
 # One line per run: what `headsweep runs` prints. `n_significant` counts heads whose single-head
-# ablation is significant (in any checkpoint, from the written families); while a run goes,
-# `significant_so_far` (corrected over the heads tested so far) and `eta_s` (of the pass in
-# progress) come from the live row's facts.progress (null once it has ended).
+# ablation is significant (in any checkpoint, from the written families, by the test `deltas` shows); while a
+# run goes, `significant_so_far` (corrected over the heads tested so far) and `eta_s` (of the pass in
+# progress) come from the live row's facts.progress (null once it has ended). `baseline_score` is the run
+# row's, else (a run that stopped before its row had it, written by an older release) its first model's
+# baseline evaluation (`baseline` or `ckpt0/baseline`, the smallest eval id).
 SUMMARY = """
 CREATE VIEW summary AS
-SELECT r.run_id, r.name, r.status, r.created_at, r.model, r.dataset, r.metric, r.baseline_score, r.n_examples,
+SELECT r.run_id, r.name, r.status, r.created_at, r.model, r.dataset, r.metric,
+       coalesce(r.baseline_score, b.score) AS baseline_score, r.n_examples,
        r.n_planned, r.n_done, coalesce(c.n_checkpoints, 0) AS n_checkpoints, coalesce(h.n_heads, 0) AS n_heads,
        coalesce(h.n_significant, 0) AS n_significant,
        CAST(json_extract(r.facts, '$.progress.significant_so_far') AS INTEGER) AS significant_so_far,
@@ -142,6 +166,8 @@ LEFT JOIN (SELECT run_id, count(DISTINCT name) AS n_heads, count(DISTINCT name) 
            FROM heads GROUP BY run_id) h USING (run_id)
 LEFT JOIN (SELECT run_id, count(DISTINCT coalesce(checkpoint, '')) AS n_checkpoints FROM evaluations GROUP BY run_id) c
   USING (run_id)
+LEFT JOIN (SELECT run_id, arg_min(score, eval_id) AS score FROM evaluations WHERE experiment = 'baseline'
+           GROUP BY run_id) b USING (run_id)
 """
 
 _SYNTAX = ", ".join("r." + name for name, _ in SYNTAX_COLUMNS)

@@ -122,8 +122,13 @@ class Sweep:
         return pool, infos[0]
 
     def execute(self) -> str:
-        """Run the sweep; returns the run id. The run row says how it ended."""
+        """Run the sweep; returns the run id. The run row says how it ended.
+
+        The store is checked first and written only from the run's first row on (``open_run``): a run refused
+        before that leaves it as it was, not even an empty folder.
+        """
         self.store.check_writable()
+        self.store.check_files()
         # Hub ids become id@<commit> before anything starts: the config hash names the commit, workers load it.
         self.cfg, self.hub = pin_hub_models(self.cfg)
         init_ray(self.address, self.cfg)
@@ -135,6 +140,7 @@ class Sweep:
             pool.stop()
             raise
         budget = SessionBudget.from_config(self.cfg.sweep.budget)
+        first: Context | None = None  # the first model's: its baseline is the run's baseline_score
         try:
             for index, (checkpoint, model_cfg) in enumerate(variants):
                 if index > 0:
@@ -146,21 +152,23 @@ class Sweep:
                     done=self.done, writer=record.writer, record=record, show_progress=self.show_progress,
                     budget=budget, screened=set(self.screened),
                 )
+                if first is None:
+                    first = ctx
                 self.sweep_model(ctx)
-                if index == 0:
-                    record.baseline_score = ctx.baseline_score
+                record.baseline_score = first.baseline_score
                 # Workers go first: the remaining significance tasks may need the CPUs they hold.
                 pool.stop()
                 ctx.finish()
         except BudgetReached as exc:
             record.writer.flush()
-            record.progress = {}
+            record.baseline_score = _baseline(first)
             record.write(PARTIAL)
             log(f"budget reached ({exc}): run {self.run_id} is marked partial with {record.writer.written} "
                 "evaluations stored; run the same command again to continue it")
             return self.run_id
         except BaseException as exc:
             record.writer.flush()
+            record.baseline_score = _baseline(first)
             status = INTERRUPTED if isinstance(exc, KeyboardInterrupt) else FAILED
             error = None if status == INTERRUPTED else str(unwrap(exc)).splitlines()[0][:500]
             record.write(status, error=error)
@@ -228,6 +236,12 @@ class Sweep:
                     kind.run(ctx)
         ctx.ensure_reference()  # a run of the baseline alone
         ctx.flush()
+
+
+def _baseline(first: Context | None) -> float | None:
+    """The run's baseline score: the first model's, once its evaluation is stored (also for a run that stops
+    later: budget, Ctrl-C, an error), else None."""
+    return None if first is None else first.baseline_score
 
 
 def warn(text: str) -> None:

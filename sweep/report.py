@@ -327,7 +327,9 @@ def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path) ->
     try:
         runs = []
         for run_id in run_ids:
-            rows = _rows(con, "SELECT * FROM runs WHERE run_id = ?", [run_id])
+            # the baseline as `summary` gives it: the run row's, else its stored baseline evaluation's
+            rows = _rows(con, "SELECT r.* REPLACE (s.baseline_score AS baseline_score) FROM runs r "
+                              "JOIN summary s ON s.run_id = r.run_id WHERE r.run_id = ?", [run_id])
             if not rows:
                 known = [r["run_id"] for r in _rows(con, "SELECT run_id FROM runs ORDER BY created_at DESC LIMIT 5")]
                 hint = f" (newest: {', '.join(known)})" if known else " (the store has no runs)"

@@ -157,8 +157,9 @@ class RunRecord:
             "metric": info.metric,
             "n_examples": info.n_examples,
             "heads": json.dumps(info.inventory.to_json()),
-            "facts": json.dumps({**info.facts, "driver": driver_id(), **({"progress": self.progress}
-                                                                           if self.progress else {})},
+            # progress is a live run's (ETA, pass left): a row that says how the run ended has none
+            "facts": json.dumps({**info.facts, "driver": driver_id(),
+                                 **({"progress": self.progress} if self.progress and status == RUNNING else {})},
                                 sort_keys=True, default=str),
             "code_version": code_version(),
             "schema_version": SCHEMA_VERSION,

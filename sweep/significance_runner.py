@@ -16,7 +16,7 @@ import ray
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
-from headsweep.results.views import OTHER_METRICS_TEST, PRIMARY_TEST
+from headsweep.results.views import shown_test
 from headsweep.sweep.sections import SignificanceSection
 from headsweep.sweep.significance import (
     TestResult,
@@ -32,7 +32,8 @@ from headsweep.workers.work import WorkUnit
 # McNemar's exact test as the better-founded companion for binary outcomes (``Metric.binary``: multiple
 # choice's ``accuracy_norm`` too). Perplexity: the paired bootstrap over windows (as for BLEU, a corpus score
 # from summed statistics), and a paired t-test on per-window mean NLL (``Metric.example_values``).
-# The ``deltas`` view shows each metric's primary test (``headsweep.results.views.PRIMARY_TEST``), one of these.
+# The ``deltas`` view shows one test per evaluation (``headsweep.results.views.shown_test``): the metric's primary
+# test, one of these, unless significance.tests leaves it out.
 DEFAULT_TESTS = {"bleu": ["paired_bootstrap"], "accuracy": ["paired_ttest", "mcnemar_exact"],
                  "accuracy_norm": ["paired_ttest", "mcnemar_exact"], "perplexity": ["paired_bootstrap", "paired_ttest"]}
 TESTS_PER_TASK = 32
@@ -175,10 +176,8 @@ class SignificanceTracker:
         if not self.done.get(experiment):
             return 0
         rows = self._family_rows(experiment)
-        primary = PRIMARY_TEST.get(self.metric, OTHER_METRICS_TEST)  # the test the views report
-        if primary not in self.tests:
-            primary = self.tests[0]
-        return sum(r["significant"] for r in rows if r["test"] == primary)
+        shown = shown_test(self.metric, self.tests)  # the test the views, status and report show
+        return sum(r["significant"] for r in rows if r["test"] == shown)
 
     def finish(self) -> None:
         """Submit what is buffered, wait for every task, write every complete family."""

@@ -29,7 +29,8 @@ def status_lines(store: ResultStore, run_id: str) -> list[str]:
         raise HeadsweepError(f"no run {run_id!r} in store {store.uri} (headsweep runs lists them)")
     r = rows[0]
     lines = [f"run {r['run_id']} ({r['name']}): {r['status']}",
-             f"model {r['model']}, data {r['dataset']}, metric {r['metric']}, baseline {r['baseline_score']}",
+             f"model {r['model']}, data {r['dataset']}, metric {r['metric']}, baseline "
+             + (f"{r['baseline_score']}" if r["baseline_score"] is not None else "not evaluated yet"),
              f"evaluations stored: {r['n_done']} of {r['n_planned']}"
              + ("" if r["status"] == "complete" else " planned so far")]
     if r["status"] == "running" and r["significant_so_far"] is not None:

@@ -284,8 +284,8 @@ def test_two_lambda_tune_run_through_the_cli_with_a_killed_trial(tmp_path, ray_a
     # one more checkpoint between the test reading its report and the kill landing)
     assert 10 < restarted[0] <= killed_step + 20
     con = duckdb.connect()
-    gates = con.sql(f"SELECT \"lambda\", attention, layer, head, log_alpha, p_open, closed, step, train FROM "
-                    f"{duck(store, 'gates')} WHERE run_id = '{run_id}' ORDER BY \"lambda\", layer, head").fetchall()
+    gates = con.sql(f"SELECT l0_lambda, attention, layer, head, log_alpha, p_open, closed, step, train FROM "
+                    f"{duck(store, 'gates')} WHERE run_id = '{run_id}' ORDER BY l0_lambda, layer, head").fetchall()
     assert len(gates) == 16 and {g[7] for g in gates} == {steps} and {g[8] for g in gates} == {"gates"}
     assert not any(g[6] for g in gates if g[0] == 0.0) and all(g[6] for g in gates if g[0] == 50.0)
     for lam in (0.0, 50.0):
@@ -402,8 +402,8 @@ def test_train_all_through_the_cli_evaluates_each_trials_fine_tuned_model(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_id = proc.stdout.strip().splitlines()[-1]
     con = duckdb.connect()
-    gates = con.sql(f"SELECT \"lambda\", layer, head, closed, train FROM {duck(store, 'gates')} "
-                    "ORDER BY \"lambda\", layer, head").fetchall()
+    gates = con.sql(f"SELECT l0_lambda, layer, head, closed, train FROM {duck(store, 'gates')} "
+                    "ORDER BY l0_lambda, layer, head").fetchall()
     assert len(gates) == 16 and {g[4] for g in gates} == {"all"}
     evals = {e[0]: e for e in con.sql(
         f"SELECT eval_id, score, baseline_score, n_masked FROM {duck(store, 'evaluations')}").fetchall()}
@@ -570,7 +570,7 @@ def test_two_lambda_tune_run_on_fairseq_through_the_cli(tmp_path, ray_address, t
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_id = proc.stdout.strip().splitlines()[-1]
     con = duckdb.connect()
-    gates = con.sql(f"SELECT \"lambda\", attention, closed FROM {duck(store, 'gates')} WHERE run_id = '{run_id}'"
+    gates = con.sql(f"SELECT l0_lambda, attention, closed FROM {duck(store, 'gates')} WHERE run_id = '{run_id}'"
                     ).fetchall()
     assert len(gates) == 16 and {g[1] for g in gates} == {"enc_self"}
     assert sum(g[2] for g in gates if g[0] == 0.0) == 0 and sum(g[2] for g in gates if g[0] == 50.0) == 8
@@ -596,7 +596,7 @@ def test_a_trial_that_fails_its_retries_fails_the_run_naming_its_lambda(tmp_path
     line = error_line(proc.stderr)
     assert "trial of lambda=1e+308 failed" in line and "loss is not finite" in line, line
     con = duckdb.connect()
-    assert con.sql(f"SELECT DISTINCT \"lambda\" FROM {duck(store, 'gates')}").fetchall() == [(0.0,)]
+    assert con.sql(f"SELECT DISTINCT l0_lambda FROM {duck(store, 'gates')}").fetchall() == [(0.0,)]
     assert con.sql(f"SELECT eval_id FROM {duck(store, 'evaluations')} WHERE experiment = 'l0_gates'"
                    ).fetchall() == [("l0_gates/global/0.0",)]
     assert con.sql(f"SELECT status FROM {duck(store, 'runs')}").fetchall() == [("failed",)]

@@ -102,7 +102,9 @@ def test_verbose_shows_what_the_log_file_holds(classifier_config, ray_address):
 
 def test_short_commands_leave_no_empty_log(tmp_path):
     proc = run_cli("runs", "--store", str(tmp_path / "store"), env=LOUD)
-    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith(f"headsweep: error: no store at {tmp_path / 'store'}: "), \
+        proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
     assert list(tmp_path.iterdir()) == []  # neither a store nor an empty log folder
 
 

@@ -127,7 +127,7 @@ class L0Gates(Experiment):
             state = load_trial_state(result.checkpoint)
             rows = rows_from_state(state, sites, concrete, l0.closing)
             for row in rows:
-                row.update({"lambda": float(lam), "train": l0.train, "checkpoint": ctx.checkpoint})
+                row.update({"l0_lambda": float(lam), "train": l0.train, "checkpoint": ctx.checkpoint})
             ctx.write("gates", rows, name=f"l0-lambda-{lambda_name(lam)}")
             mask = tuple(sorted(Head(r["attention"], r["layer"], r["head"]) for r in rows if r["closed"]))
             # train: all evaluates the trial's fine-tuned model (its closed heads masked) against the original one
