@@ -8,9 +8,13 @@ import json
 import os
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep import console
+
+if TYPE_CHECKING:
+    from headsweep.results.store import ResultStore
 
 DEFAULT_STORE = "headsweep-store"
 
@@ -162,12 +166,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _query_out(args: argparse.Namespace, sql: str) -> int:
-    """Run ``sql`` on the store; print the result, or write it to ``--out``."""
-    from headsweep.results.query import run_query, write_result
+def _existing_store(uri: str) -> ResultStore:
+    """The store a reading command names; one line if nothing (or a file) is there, rather than an empty answer."""
     from headsweep.results.store import ResultStore
 
-    text = write_result(run_query(ResultStore(args.store), sql), args.format, args.out)
+    store = ResultStore(uri)
+    store.check_exists()
+    return store
+
+
+def _query_out(args: argparse.Namespace, sql: str) -> int:
+    """Run ``sql`` on the store; print the result, or write it to ``--out`` (never into the store)."""
+    from headsweep.results.query import check_out, run_query, write_result
+
+    store = _existing_store(args.store)
+    check_out(args.out, store)
+    text = write_result(run_query(store, sql), args.format, args.out)
     if text is not None:
         console.out(text)
     return 0
@@ -184,18 +198,17 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from headsweep.results.store import ResultStore
     from headsweep.sweep.status import status_lines
 
-    console.out("\n".join(status_lines(ResultStore(args.store), args.run_id)))
+    console.out("\n".join(status_lines(_existing_store(args.store), args.run_id)))
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from headsweep.results.store import ResultStore
     from headsweep.sweep.report import default_report_dir, write_report
 
-    console.out(write_report(ResultStore(args.store), args.run_ids, args.out or default_report_dir(args.run_ids)))
+    store = _existing_store(args.store)
+    console.out(write_report(store, args.run_ids, args.out or default_report_dir(args.run_ids)))
     return 0
 
 
