@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,11 @@ import pytest
 # The tests' Ray head is private to the session: no token auth, and nothing written to ~/.ray.
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Hub ids resolve in a Hugging Face cache private to the session (test_hub_cache lays models out in it), never
+# the user's; set before the session's Ray instance starts, so that its workers resolve in it too.
+HUB_CACHE = Path(tempfile.mkdtemp(prefix="headsweep-test-hub-"))
+os.environ["HF_HUB_CACHE"] = str(HUB_CACHE)
+atexit.register(shutil.rmtree, HUB_CACHE, True)
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
