@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.data_report import Finding
+from headsweep.workers.data_report import UNKNOWN_SHARE_WARN, Finding
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 from headsweep.workers.text_files import read_text, split_lines
 
@@ -24,8 +24,9 @@ logger = logging.getLogger(__name__)
 # fairseq's --post-process values (fairseq.data.data_utils.post_process).
 POST_PROCESS = ("subword_nmt", "sentencepiece", "@@ ", "@@", "wordpiece", "letter", "silence", "_EOW", "none")
 DETOKENIZERS = ("none", "moses")
-# Above this share of unknown tokens the data are probably not what the model was trained on.
-UNK_WARN = 0.10
+# Above UNK_WARN of unknown tokens (the threshold every family warns at) the data are probably not what
+# the model was trained on; above UNK_ERROR translation refuses them.
+UNK_WARN = UNKNOWN_SHARE_WARN
 UNK_ERROR = 0.50
 
 

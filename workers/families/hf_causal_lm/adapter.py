@@ -23,6 +23,7 @@ import torch
 from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
+from headsweep.workers.data_report import unknown_tokens
 from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import DEFAULT_WINDOW, CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.data import Window, plan_windows, read_corpus
@@ -38,6 +39,7 @@ from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoi
 from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
 from headsweep.workers.families.hf_classifier.model import resolve_positions
+from headsweep.workers.families.hf_classifier.tokenizer import count_unknown
 from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
@@ -117,6 +119,8 @@ class CausalLMAdapter(BaselineOnce):
                           "positions (BOS included), tokens after each window's first scored once; last partial "
                           "window dropped; tokenised once without special tokens",
             "encoding": data_cfg.encoding,
+            **unknown_tokens(f"data file {data_cfg.path}", *count_unknown(self.tokenizer, [ids]),
+                             self.tokenizer.unk_token),
         }
         self._baseline: MaskOutput | None = None
 

@@ -16,19 +16,16 @@ from torch import nn
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_causal_lm.config import CausalLMModel
+from headsweep.workers.families.hf_classifier.architecture import CAUSAL_LM, check_architecture, check_loaded_weights
 from headsweep.workers.families.hf_classifier.model import resolve_model_dir
 from headsweep.workers.families.hf_classifier.model_files import check_model_files
+from headsweep.workers.families.hf_classifier.tokenizer import load_tokenizer as load_tokenizer_from
 from headsweep.workers.family import MaskOutput
 from headsweep.workers.heads import Head
 from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot
 
 SUPPORTED = ("decoder-only causal LMs with Llama-style attention (Llama, Mistral, Qwen2, Qwen3, Phi-3, ...), "
              "GPT-2 and GPTBigCode")
-
-
-# What save_pretrained writes for a tokenizer (fast, or slow with its vocabulary files); a SentencePiece
-# ``*.model`` file counts too.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt")
 
 
 @dataclass
@@ -45,14 +42,10 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _check_decoder_only(model_dir: Path) -> dict:
-    """Refuse encoder-decoder models before transformers loads them (it would load T5 as a causal LM head);
-    returns the folder's config.json."""
+    """Refuse encoder-decoder models, bidirectional encoders and sequence classifiers before transformers loads
+    them (it would load T5 or BERT with a causal LM head); returns the folder's config.json."""
     config = check_model_files(model_dir)
-    names = config.get("architectures") or [config.get("model_type", "?")]
-    if config.get("is_encoder_decoder"):
-        raise HeadsweepError(
-            f"{model_dir} holds an encoder-decoder model ({names[0]}): model.kind hf_causal_lm takes {SUPPORTED}"
-        )
+    check_architecture(model_dir, config, CAUSAL_LM)
     return config
 
 
@@ -77,30 +70,26 @@ def load_causal_lm(cfg: CausalLMModel, device: str) -> LoadedCausalLM:
         return LoadedCausalLM(load_pruned(model_dir, cfg.attn_implementation, device, dtype), tokenizer)
     extra = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True, **extra)
+        model, loading = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True,
+                                                              output_loading_info=True, **extra)
     # Whatever a damaged, foreign or unsupported folder makes transformers raise: one line with the cause.
     except Exception as exc:  # noqa: BLE001
         raise HeadsweepError(f"cannot load a causal LM from {model_dir} (model.kind hf_causal_lm takes "
                              f"{SUPPORTED}): {_first_line(exc)}") from None
+    check_loaded_weights(model_dir, model, loading, CAUSAL_LM)
     return LoadedCausalLM(model.to(device).eval(), tokenizer)
 
 
 def load_tokenizer(folder: str, given: bool):
     """The tokenizer in ``folder`` (``model.tokenizer`` when ``given``, else the model's folder)."""
-    from transformers import AutoTokenizer
-
     path = Path(folder).expanduser()
     if given and is_hub_id(folder):  # a hub id: its snapshot in the local Hugging Face cache
         path = resolve_snapshot(folder, require=None).folder
     if not path.is_dir():
         raise HeadsweepError(f"tokenizer directory not found: {folder} (model.tokenizer)")
-    hint = "" if given else "; save the tokenizer there or set model.tokenizer to its folder"
-    if not any((path / name).is_file() for name in TOKENIZER_FILES) and not any(path.glob("*.model")):
-        raise HeadsweepError(f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)}){hint}")
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 (as for the model above)
-        raise HeadsweepError(f"cannot load the tokenizer from {path}: {_first_line(exc)}{hint}") from None
+    hint = (" (model.tokenizer)" if given else
+            "; save the tokenizer there or set model.tokenizer to the folder it was saved to")
+    return load_tokenizer_from(path, hint)
 
 
 def max_positions(config) -> int | None:

@@ -37,7 +37,7 @@ import torch
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
-from headsweep.workers.data_report import Finding, report
+from headsweep.workers.data_report import Finding, merge, report, unknown_tokens
 from headsweep.workers.efficiency import median_batch, take_rows
 from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
@@ -50,6 +50,7 @@ from headsweep.workers.families.hf_causal_lm.model import (
     target_nll,
 )
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
+from headsweep.workers.families.hf_classifier.tokenizer import count_unknown
 from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
@@ -201,6 +202,15 @@ def encode_requests(tokenizer, questions: Sequence[Question], delimiter: str) ->
     return out
 
 
+def request_tokens(encoded: Encoded) -> list[list[int]]:
+    """Each question's tokens as the model reads them: its context once, then every choice's continuation."""
+    out = []
+    for choices in encoded:
+        context = list(choices[0][0]) if choices else []
+        out.append(context + [t for _, continuation in choices for t in continuation])
+    return out
+
+
 @dataclass(frozen=True)
 class Row:
     """One (question, choice) request as the model reads it: ``inputs`` (at most max_length tokens), of which the
@@ -348,9 +358,11 @@ class MultipleChoiceAdapter(BaselineOnce):
             "choices_per_question": counts, "rows": len(self.rows), "target_delimiter": self.delimiter,
             "choice_score": data_cfg.choice_score, "max_length": self.max_length, "max_length_from": source,
             "convention": CONVENTION, "encoding": data_cfg.encoding,
-            **report(f"data file {data_cfg.path}", [Finding(
+            **merge(report(f"data file {data_cfg.path}", [Finding(
                 "truncated_questions", f"questions longer than the model's {self.max_length} positions, context "
                 "cut from the left", [ids[i] for i in truncated])]),
+                unknown_tokens(f"data file {data_cfg.path}",
+                               *count_unknown(self.tokenizer, request_tokens(encoded)), self.tokenizer.unk_token)),
         }
         self.example_ids = ids
         self._baseline: MaskOutput | None = None

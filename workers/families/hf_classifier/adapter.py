@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
-from headsweep.workers.data_report import Finding, report
+from headsweep.workers.data_report import Finding, merge, report, unknown_tokens
 from headsweep.workers.efficiency import median_batch, take_rows
 from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
@@ -28,6 +28,7 @@ from headsweep.workers.families.hf_classifier.data import findings, read_example
 from headsweep.workers.families.hf_classifier.model import load_hf_model, max_positions, resolve_max_length
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout
 from headsweep.workers.families.hf_classifier.sites import find_sites
+from headsweep.workers.families.hf_classifier.tokenizer import count_unknown
 from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches
 from headsweep.workers.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
@@ -77,9 +78,13 @@ class ClassifierAdapter:
         self.max_positions = max_positions(self.model.config)
         self.max_length = resolve_max_length(data_cfg.max_length, self.max_positions, model_cfg.path)
         self.batches = self.tokenise(self.max_length, runtime.batch_size)
+        whole = self.tokenizer(examples.texts, examples.text_pairs, verbose=False)["input_ids"]  # not truncated
+        subject = f"data file {data_cfg.path}"
         self.data_facts = {"encoding": data_cfg.encoding, "max_length": self.max_length,
                            "max_positions": self.max_positions,
-                           **report(f"data file {data_cfg.path}", [*findings(examples), self.truncated()])}
+                           **merge(report(subject, [*findings(examples), self.truncated(whole)]),
+                                   unknown_tokens(subject, *count_unknown(self.tokenizer, whole),
+                                                  self.tokenizer.unk_token))}
         self.model_name = Path(model_cfg.path).name
         self.dataset_name = data_cfg.name or Path(data_cfg.path).stem
         self._reuse: PrefixReuse | None = None
@@ -111,10 +116,11 @@ class ClassifierAdapter:
             batches.append((torch.tensor(idx), {k: v.to(self.device) for k, v in padded.items()}))
         return batches
 
-    def truncated(self) -> Finding:
-        """The examples longer than ``max_length`` tokens (cut to it by ``tokenise``)."""
+    def truncated(self, whole: list[list[int]]) -> Finding:
+        """The examples longer than ``max_length`` tokens (cut to it by ``tokenise``); ``whole``: their token ids
+        before truncation."""
         ex = self.examples
-        lengths = [len(ids) for ids in self.tokenizer(ex.texts, ex.text_pairs, verbose=False)["input_ids"]]
+        lengths = [len(ids) for ids in whole]
         return Finding("truncated_examples", f"examples longer than data.max_length {self.max_length} tokens, "
                        "truncated to it", [ex.ids[i] for i, n in enumerate(lengths) if n > self.max_length])
 

@@ -10,10 +10,15 @@ import torch
 from torch import nn
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.families.hf_classifier.architecture import CLASSIFIER, check_architecture, check_loaded_weights
 from headsweep.workers.families.hf_classifier.config import DEFAULT_MAX_LENGTH, ClassifierModel
 from headsweep.workers.families.hf_classifier.model_files import check_model_files
 from headsweep.workers.families.hf_classifier.pruning import PRUNED_HEADS_KEY, load_pruned
+from headsweep.workers.families.hf_classifier.tokenizer import load_tokenizer
 from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot
+
+# What to do about a model folder without a usable tokenizer (the classifier's tokenizer lives in its folder).
+TOKENIZER_HINT = "; save the model's tokenizer into that folder (tokenizer.save_pretrained)"
 
 # Model types whose position ids start after the padding index (RoBERTa's scheme): of
 # max_position_embeddings, pad_token_id + 1 are never used for tokens.
@@ -59,30 +64,25 @@ def load_hf_model(cfg: ClassifierModel, device: str):
     dtype = getattr(torch, cfg.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise HeadsweepError(f"model.dtype {cfg.dtype!r} is not a torch dtype (e.g. float32, bfloat16)")
-    if check_model_files(model_dir).get(PRUNED_HEADS_KEY):
+    config = check_model_files(model_dir)
+    check_architecture(model_dir, config, CLASSIFIER)
+    tokenizer = load_tokenizer(model_dir, TOKENIZER_HINT)
+    if config.get(PRUNED_HEADS_KEY):
         # Written by `headsweep export`: stock from_pretrained refuses its smaller attention weights.
         model = load_pruned(model_dir, cfg.attn_implementation, device).to(dtype)
-        return model, _tokenizer(model_dir)
+        return model, tokenizer
     extra = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            model_dir, dtype=dtype, local_files_only=True, **extra
+        model, loading = AutoModelForSequenceClassification.from_pretrained(
+            model_dir, dtype=dtype, local_files_only=True, output_loading_info=True, **extra
         )
     # Whatever a damaged or foreign directory makes transformers raise (safetensors raises its own
     # SafetensorError): one line that names the files, with the cause's first line.
     except Exception as exc:  # noqa: BLE001
         raise HeadsweepError(f"cannot load the model from {model_dir} ({_weights(model_dir)}): "
                              f"{_first_line(exc)}") from None
-    return model.to(device).eval(), _tokenizer(model_dir)
-
-
-def _tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 (as for the model above)
-        raise HeadsweepError(f"cannot load the tokenizer from {model_dir}: {_first_line(exc)}") from None
+    check_loaded_weights(model_dir, model, loading, CLASSIFIER)
+    return model.to(device).eval(), tokenizer
 
 
 def _weights(model_dir: Path) -> str:

@@ -1,0 +1,115 @@
+"""Whether a transformers model folder is one the family it was given to evaluates correctly.
+
+transformers loads nearly any folder as nearly any head: a causal LM as a sequence classifier (with a
+classification head of random weights), BERT as a causal LM (``BertLMHeadModel``, attending both ways,
+its "perplexity" no perplexity), a base model as either. It says so only in a log line ("newly
+initialized"), and the numbers that follow mean nothing. Two checks refuse such folders with one line
+naming the architecture and the family that fits:
+
+* :func:`check_architecture` reads ``config.json`` (``architectures``, ``model_type``,
+  ``is_encoder_decoder``) before any weight is loaded;
+* :func:`check_loaded_weights` reads what transformers reports after loading: weights the folder lacks,
+  which it would have started from random numbers (a classifier saved without its trained head).
+
+Both transformers families (``hf_classifier``, ``hf_causal_lm``) call them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from headsweep.errors import HeadsweepError
+
+CLASSIFIER = "hf_classifier"
+CAUSAL_LM = "hf_causal_lm"
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+SHOWN_KEYS = 3  # missing weights named in the error line (the count is complete)
+
+# What each family needs of a folder, for the error lines.
+TAKES = {
+    CLASSIFIER: "sequence classifiers (...ForSequenceClassification) with their trained classification head",
+    CAUSAL_LM: "decoder-only causal LMs (...ForCausalLM, GPT-2's GPT2LMHeadModel) with their language-model head",
+}
+HEAD = {CLASSIFIER: "classification head", CAUSAL_LM: "language-model head"}
+
+
+def encoder_model_types() -> frozenset[str]:
+    """``model_type`` values of bidirectional (masked-LM) encoders, as transformers lists them, without
+    encoder-decoder models (refused on their own)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return frozenset(MODEL_FOR_MASKED_LM_MAPPING_NAMES) - {"bart", "mbart", "mvp"}
+
+
+def architecture_name(config: Mapping[str, Any]) -> str:
+    """The class ``config.json`` names (its first ``architectures`` entry), else its ``model_type``."""
+    names = config.get("architectures") or []
+    return str(names[0]) if names else f"model_type {config.get('model_type', '?')!r}"
+
+
+def check_architecture(model_dir: Path, config: Mapping[str, Any], family: str) -> None:
+    """Refuse a folder whose ``config.json`` says it is not what ``family`` evaluates, before loading it.
+
+    A folder whose config names no ``architectures`` passes (older saves): :func:`check_loaded_weights`
+    still refuses it if the family's head is missing from its weights.
+    """
+    names = [str(n) for n in config.get("architectures") or []]
+    name = architecture_name(config)
+    encoder_decoder = bool(config.get("is_encoder_decoder"))
+    encoder = config.get("model_type") in encoder_model_types()
+    classifier = any(n.endswith(CLASSIFIER_SUFFIX) for n in names)
+    causal_lm = (not encoder and not encoder_decoder
+                 and any(n.endswith(CAUSAL_LM_SUFFIXES) for n in names))
+    if family == CLASSIFIER:
+        if not names or classifier:
+            return
+        if causal_lm:
+            raise HeadsweepError(
+                f"{model_dir} holds a causal language model ({name}), not a sequence classifier: as "
+                f"model.kind {CLASSIFIER} it would get a classification head of random weights; "
+                f"set model.kind: {CAUSAL_LM} to evaluate it by perplexity or multiple choice"
+            )
+        raise HeadsweepError(
+            f"{model_dir} holds a {name}, not a sequence classifier: as model.kind {CLASSIFIER} it would get a "
+            f"classification head of random weights; model.kind {CLASSIFIER} takes {TAKES[CLASSIFIER]}"
+        )
+    if encoder_decoder:
+        raise HeadsweepError(
+            f"{model_dir} holds an encoder-decoder model ({name}): model.kind {CAUSAL_LM} takes {TAKES[CAUSAL_LM]}"
+        )
+    if encoder:
+        fits = (f"set model.kind: {CLASSIFIER} to sweep it as a classifier" if classifier else
+                f"model.kind {CLASSIFIER} takes such encoders fine-tuned as sequence classifiers")
+        raise HeadsweepError(
+            f"{model_dir} holds a bidirectional encoder ({name}, model_type {config.get('model_type')!r}), not a "
+            f"decoder-only causal LM: its tokens see the tokens after them, so a perplexity would mean nothing; {fits}"
+        )
+    if classifier and not causal_lm:
+        raise HeadsweepError(
+            f"{model_dir} holds a sequence classifier ({name}), not a causal LM: as model.kind {CAUSAL_LM} it "
+            f"would get a language-model head of random weights; set model.kind: {CLASSIFIER}"
+        )
+
+
+def check_loaded_weights(model_dir: Path, model: Any, loading_info: Mapping[str, Iterable[str]], family: str) -> None:
+    """Refuse a model that transformers completed with random weights because the folder lacks them.
+
+    ``loading_info`` is what ``from_pretrained(..., output_loading_info=True)`` returns; its
+    ``missing_keys`` are the parameters the folder's weights do not hold. Those outside the base model
+    (``model.base_model_prefix``) are the family's head.
+    """
+    missing = sorted(loading_info.get("missing_keys") or [])
+    if not missing:
+        return
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    head = [k for k in missing if not k.startswith(prefix)]
+    shown = ", ".join((head or missing)[:SHOWN_KEYS])
+    more = f" and {len(missing) - SHOWN_KEYS} more" if len(missing) > SHOWN_KEYS else ""
+    lacks = f"no trained {HEAD[family]}" if head else "incomplete weights"
+    raise HeadsweepError(
+        f"{model_dir} has {lacks}: its weights lack {shown}{more} of {type(model).__name__}, which transformers "
+        f"would start from random numbers; model.kind {family} takes {TAKES[family]}"
+    )

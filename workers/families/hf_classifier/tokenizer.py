@@ -1,0 +1,69 @@
+"""Loading a transformers tokenizer from a local folder, and counting the tokens it could not read.
+
+Given a model folder without its tokenizer files, transformers may still build a tokenizer from
+``config.json`` alone: an empty one (BERT: its 5 special tokens, every word ``[UNK]``; GPT-2: one
+token, every text no tokens at all). :func:`load_tokenizer` refuses both a folder without tokenizer
+files and a tokenizer without a vocabulary. Both transformers families use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from headsweep.errors import HeadsweepError
+
+# What save_pretrained writes for a tokenizer (fast, or slow with its vocabulary files); a SentencePiece
+# ``*.model`` file counts too.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def load_tokenizer(folder: str | Path, hint: str = ""):
+    """The tokenizer saved in ``folder``, or a one-line error ending in ``hint`` (what to do, e.g. which
+    config key names the tokenizer's folder)."""
+    from transformers import AutoTokenizer
+
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise HeadsweepError(f"tokenizer directory not found: {folder}{hint}")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES) and not any(path.glob("*.model")):
+        raise HeadsweepError(f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)}){hint}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    # Whatever incomplete or foreign files make transformers raise: one line with the cause.
+    except Exception as exc:  # noqa: BLE001
+        raise HeadsweepError(f"cannot load the tokenizer from {path}: {_first_line(exc)}{hint}") from None
+    special = set(tokenizer.all_special_ids)
+    if len(tokenizer) <= len(special):
+        raise HeadsweepError(
+            f"the tokenizer in {path} has no vocabulary ({len(tokenizer)} tokens, all special: "
+            f"{', '.join(tokenizer.all_special_tokens)}): its vocabulary files are missing{hint}"
+        )
+    return tokenizer
+
+
+def count_unknown(tokenizer, sequences: Iterable[Sequence[int]]) -> tuple[int, int]:
+    """``(unknown, total)``: tokens of ``sequences`` that are the tokenizer's unknown token, and all tokens
+    but the special ones the tokenizer adds (``[CLS]``, ``<s>``, padding...).
+
+    A tokenizer whose "unknown" token is its BOS, EOS or padding token (GPT-2's ``<|endoftext|>``) has no
+    unknown token of its own: byte-level BPE reads every text, and ``unknown`` is 0.
+    """
+    unk = getattr(tokenizer, "unk_token_id", None)
+    others = {getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad")}
+    if unk in others:
+        unk = None
+    added = set(tokenizer.all_special_ids) - {unk}
+    unknown = total = 0
+    for ids in sequences:
+        for token in ids:
+            if token in added:
+                continue
+            total += 1
+            unknown += token == unk
+    return unknown, total
