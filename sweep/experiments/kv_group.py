@@ -4,11 +4,13 @@ With grouped-query attention (H query heads, H_kv key/value heads) query head h 
 ``h // (H / H_kv)``; masking the whole group is what removing that key/value head would remove. The
 groups come from the model (``DatasetInfo.facts["kv_groups"]``, recorded by families that know them,
 e.g. ``hf_causal_lm``). A model without grouped heads (plain multi-head attention, or a family that
-records no groups) is not an error: each group is one query head, and ``runs.facts["kv_group"]`` says so.
+records no groups) is not an error: each group is one query head; ``runs.facts["kv_group"]`` says so, and
+so does a ``headsweep: warning:`` line on the terminal.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from headsweep.sweep.experiments.base import Experiment
@@ -18,6 +20,8 @@ from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:
     from headsweep.sweep.experiments.context import Context
+
+logger = logging.getLogger(__name__)  # headsweep's logger: its warnings reach the terminal
 
 FACT = "kv_group"
 UNGROUPED = "the model has no grouped key/value heads: each kv_group is one query head (the same masks as single_head)"
@@ -41,6 +45,10 @@ class KVGroup(Experiment):
                       for g in layer_groups(ctx, shape.attention, shape.layer, shape.num_heads))
         # Recorded with the run (runs.facts), which is written after validation.
         ctx.info.facts[FACT] = "masks every query head of each key/value head" if grouped else UNGROUPED
+        if not grouped:
+            logger.warning("kv_group: the model has no grouped key/value heads (each layer has as many key/value "
+                           "heads as query heads): its %d kv_group masks are one query head each, the same masks as "
+                           "single_head", len(self.plan(ctx)))
 
     def plan(self, ctx: Context) -> list[WorkUnit]:
         types = attention_types(ctx.cfg, ctx.inventory)
