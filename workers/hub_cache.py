@@ -198,7 +198,7 @@ def fetch(spec: str, revision: str | None = None, say=print) -> Snapshot:
     Offline (``HF_HUB_OFFLINE``) or with no network: a one-line :class:`HeadsweepError`.
     """
     parsed = parse_hub_id(spec)
-    if parsed is None or Path(spec).expanduser().exists():
+    if parsed is None:
         raise HeadsweepError(f"{spec!r} is not a Hugging Face Hub model id (org/name or name, optionally @revision)")
     repo_id, at_revision = parsed
     if at_revision and revision and at_revision != revision:
