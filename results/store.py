@@ -119,7 +119,7 @@ class ResultStore:
         while not parent.exists():
             parent = parent.parent
         if not parent.is_dir():
-            raise HeadsweepError(f"store {self.uri} cannot be created: {parent} is a file, not a folder")
+            raise HeadsweepError(f"store {self.uri} is not writable: {parent} is a file, not a folder")
         os.rmdir(tempfile.mkdtemp(prefix=".headsweep-probe-", dir=parent))
 
     def write(self, table: str, run_id: str, data: pa.Table, name: str | None = None) -> str:

@@ -106,6 +106,7 @@ def cli(*args: str, **kwargs) -> subprocess.Popen:
 
 
 def test_a_closed_pipe_ends_a_query_quietly(tmp_path):
+    (tmp_path / "s").mkdir()  # an empty store: a store path where nothing is gets "no store at"
     reader = subprocess.Popen(["head", "-1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     proc = cli("query", "SELECT * FROM range(300000) t(i)", "--format", "csv", "--store", str(tmp_path / "s"),
                stdout=reader.stdin, stderr=subprocess.PIPE)
@@ -119,6 +120,7 @@ def test_a_closed_pipe_ends_a_query_quietly(tmp_path):
 
 
 def test_ctrl_c_during_a_query_is_exit_130(tmp_path):
+    (tmp_path / "s").mkdir()
     proc = cli("query", "SELECT count(*) FROM range(100000000000) a", "--store", str(tmp_path / "s"),
                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint)
     time.sleep(6)  # past start-up: the query is running
