@@ -10,6 +10,7 @@ Each grid size runs in a fresh driver process so its peak RSS is its own::
     python bench/dispatch.py                       # both cases: throughput, then balance
     python bench/dispatch.py --case throughput --sizes 1000 --examples 100
     python bench/dispatch.py --case balance --sleep 0.2
+    python bench/dispatch.py --smoke               # both cases on tiny sizes (seconds; figures mean nothing)
 
 Final line: ``RESULT dispatch units_per_s=<x> peak_rss_mb_1k=<a> peak_rss_mb_20k=<b>``: the rate is the largest
 grid's evaluations recorded per second between its first and last ``finished_at`` (Ray start-up and worker
@@ -48,6 +49,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
+
+import common  # noqa: E402  (RESULT lines, smoke mode)
 
 from headsweep.workers.family import DatasetInfo, MaskOutput, ModelFamily, RuntimeOptions  # noqa: E402
 from headsweep.workers.heads import Head, HeadInventory, LayerShape  # noqa: E402
@@ -244,6 +247,12 @@ def run_child(args: list[str], env: dict, what: str) -> dict | list:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def rate(r: dict) -> float:
+    """Evaluations recorded per second between the first and the last (nan when all landed in one instant, as a
+    tiny grid's may)."""
+    return (r["stored"] - 1) / r["stream_seconds"] if r["stream_seconds"] > 0 else float("nan")
+
+
 def throughput(args: argparse.Namespace, env: dict) -> None:
     results = {}
     for n in args.sizes:
@@ -253,12 +262,12 @@ def throughput(args: argparse.Namespace, env: dict) -> None:
         results[n] = r
         print(f"{n:>6} planned, {r['stored']:>6} stored; whole run {r['seconds']:.1f} s (Ray start, worker load, "
               f"writes); first to last evaluation recorded {r['stream_seconds']:.1f} s = "
-              f"{(r['stored'] - 1) / r['stream_seconds']:.0f} evaluations/s; driver peak RSS {r['peak_rss_mb']:.0f} MB",
+              f"{rate(r):.0f} evaluations/s; driver peak RSS {r['peak_rss_mb']:.0f} MB",
               flush=True)
     small, large = min(results), max(results)
-    rate = (results[large]["stored"] - 1) / results[large]["stream_seconds"]
-    print(f"RESULT dispatch units_per_s={rate:.0f} peak_rss_mb_1k={results[small]['peak_rss_mb']:.0f} "
-          f"peak_rss_mb_20k={results[large]['peak_rss_mb']:.0f}")
+    common.result("dispatch", units_per_s=f"{rate(results[large]):.0f}",
+                  peak_rss_mb_1k=f"{results[small]['peak_rss_mb']:.0f}",
+                  peak_rss_mb_20k=f"{results[large]['peak_rss_mb']:.0f}")
 
 
 def balance(args: argparse.Namespace, env: dict) -> None:
@@ -272,8 +281,8 @@ def balance(args: argparse.Namespace, env: dict) -> None:
         print(f"{c['mode']:<6}{c['workers']:>8}{c['evaluations']:>7}  {' '.join(map(str, c['per_worker'])):<24}"
               f"{' '.join(f'{b:.2f}' for b in c['busy']):<30}{c['wall']:>7.2f}{c['utilisation']:>13.3f}")
     low = {m: min(c["utilisation"] for c in cases if c["mode"] == m) for m in ("pool", "sweep")}
-    print(f"RESULT dispatch_balance utilisation_min={min(low.values()):.3f} pool_min={low['pool']:.3f} "
-          f"sweep_min={low['sweep']:.3f}")
+    common.result("dispatch_balance", utilisation_min=f"{min(low.values()):.3f}", pool_min=f"{low['pool']:.3f}",
+                  sweep_min=f"{low['sweep']:.3f}")
 
 
 def main() -> None:
@@ -288,7 +297,12 @@ def main() -> None:
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--balance-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
+    common.add_argument(parser)
     args = parser.parse_args()
+    if common.enable_smoke(args):
+        # One small grid (its figures stand for both sizes) and one balance case: every child starts Ray.
+        args.sizes, args.examples = [40], 10
+        args.balance_workers, args.balance_sizes, args.sleep = [2], [6], 0.02
     if args.child:
         print(json.dumps(child(args.child, args.examples, args.workers, args.store)))
         return

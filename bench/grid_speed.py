@@ -36,8 +36,8 @@ the one process), the most it rose above its value at the start of one call (aft
 ``malloc_trim``, so freed memory does not hide a call's own), and the bytes of baseline state
 the reuse side keeps between calls.
 
-Run: ``python bench/grid_speed.py``. Final lines:
-``RESULT grid_classifier ratio=<plain_s/reuse_s> max_abs_delta_diff=<x>`` and
+Run: ``python bench/grid_speed.py`` (``--smoke``: tiny models and data, seconds). Each part prints its line as
+soon as it is measured: ``RESULT grid_classifier ratio=<plain_s/reuse_s> max_abs_delta_diff=<x>``, then
 ``RESULT grid_translation ratio=<plain_s/reuse_s> identical_hypotheses=<true|false>``.
 """
 
@@ -62,16 +62,30 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
+import common  # noqa: E402  (RESULT lines, smoke mode)
 import multi30k_translation as m30k  # noqa: E402  (Multi30k data, SentencePiece model, training cache)
 
 from headsweep.sweep.dispatch import units_per_call  # noqa: E402  (the driver's masks per call)
 
-SST2 = ROOT.parent / "shared" / "data" / "sst2"
+SST2 = common.DATA / "sst2"
 try:
     TRIM = ctypes.CDLL("libc.so.6")
 except OSError:
     TRIM = None
 N_CLASSIFIER, N_TRANSLATION = 1000, 500
+CLASSIFIER = {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12, "intermediate_size": 1536}
+N_SYNTHETIC_TRAIN = 3000  # training pairs of the synthetic translation task (without Multi30k)
+
+
+def use_smoke() -> None:
+    """Smoke mode for this benchmark and those that borrow its classifier: a 2x4 BERT of width 32 on the smoke
+    copy of SST-2, and Multi30k's smoke mode for the translation part."""
+    global SST2, N_CLASSIFIER, N_TRANSLATION, CLASSIFIER, N_SYNTHETIC_TRAIN
+    SST2 = common.smoke_data() / "sst2"
+    N_CLASSIFIER = N_TRANSLATION = common.SMOKE_EXAMPLES
+    N_SYNTHETIC_TRAIN = 300
+    CLASSIFIER = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
+    m30k.use_smoke()
 
 
 class PeakRSS:
@@ -151,16 +165,16 @@ def spread(n: int, count: int) -> list[int]:
 
 
 # -- classifier ---------------------------------------------------------------------------------
-def sst2_rows() -> tuple[list[tuple[str, str]], list[str], str]:
-    """(sentence, label) rows to evaluate, training sentences for the vocabulary, and the source."""
+def sst2_rows(n: int) -> tuple[list[tuple[str, str]], list[str], str]:
+    """``n`` (sentence, label) rows to evaluate, training sentences for the vocabulary, and the source."""
     if (SST2 / "dev.tsv").exists() and (SST2 / "train.tsv").exists():
         def read(name):
             with open(SST2 / name, newline="", encoding="utf-8") as f:
                 return [(r[0].strip(), r[1]) for r in list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[1:]]
-        return read("dev.tsv")[:N_CLASSIFIER], [s for s, _ in read("train.tsv")], "SST-2 dev (first 1000)"
+        return read("dev.tsv")[:n], [s for s, _ in read("train.tsv")], f"SST-2 dev (first {n})"
     from headsweep.sweep.demo.sentiment import generate
 
-    rows = [(t, str(y)) for t, y in generate(N_CLASSIFIER, seed=11)]
+    rows = [(t, str(y)) for t, y in generate(n, seed=11)]
     return rows, [t for t, _ in generate(5000, seed=12)], "generated sentences (SST-2 absent)"
 
 
@@ -181,23 +195,28 @@ def word_tokenizer(sentences: list[str], size: int = 16000):
                                    sep_token="[SEP]", mask_token="[MASK]")
 
 
-def save_classifier(workdir: Path, n_examples: int = N_CLASSIFIER) -> tuple[Path, Path, str]:
-    """This benchmark's classifier (random 6x12 BERT, word tokenizer over SST-2 train) and its first
-    ``n_examples`` SST-2 dev rows, saved under ``workdir``: (model folder, data file, where the rows came from)."""
+def classifier_shape() -> str:
+    return f"{CLASSIFIER['num_hidden_layers']} layers x {CLASSIFIER['num_attention_heads']} heads"
+
+
+def save_classifier(workdir: Path, n_examples: int | None = None) -> tuple[Path, Path, str]:
+    """This benchmark's classifier (random BERT of ``CLASSIFIER``'s shape, 6x12 by default, word tokenizer over
+    SST-2 train) and its first ``n_examples`` (default ``N_CLASSIFIER``) SST-2 dev rows, saved under ``workdir``:
+    (model folder, data file, where the rows came from)."""
+    n_examples = n_examples or N_CLASSIFIER
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
-    rows, train_text, source = sst2_rows()
+    rows, train_text, source = sst2_rows(n_examples)
     tokenizer = word_tokenizer(train_text)
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=len(tokenizer), hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
-                     intermediate_size=1536, max_position_embeddings=128, num_labels=2, initializer_range=0.2,
-                     id2label={0: "0", 1: "1"}, label2id={"0": 0, "1": 1})
-    model_dir = workdir / "bert-6x12"
+    cfg = BertConfig(vocab_size=len(tokenizer), **CLASSIFIER, max_position_embeddings=128, num_labels=2,
+                     initializer_range=0.2, id2label={0: "0", 1: "1"}, label2id={"0": 0, "1": 1})
+    model_dir = workdir / f"bert-{CLASSIFIER['num_hidden_layers']}x{CLASSIFIER['num_attention_heads']}"
     BertForSequenceClassification(cfg).eval().save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     data = workdir / f"sst2-{n_examples}.tsv"
-    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows[:n_examples]), encoding="utf-8")
+    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows), encoding="utf-8")
     return model_dir, data, source
 
 
@@ -218,11 +237,12 @@ def classifier_bench(args, peak: PeakRSS, workdir: Path) -> str:
     info = tasks["plain"].describe()
     lengths = [inputs["input_ids"].shape[1] for _, inputs in tasks["plain"].batches]
     print(f"classifier: {source}, {info.n_examples} sentences, batches of {args.batch_size} "
-          f"(padded length {min(lengths)}..{max(lengths)}), 6 layers x 12 heads, hidden 384, random init; "
+          f"(padded length {min(lengths)}..{max(lengths)}), {classifier_shape()}, hidden {CLASSIFIER['hidden_size']}, "
+          f"random init; "
           f"reuse packs {tasks['reuse'].masks_per_forward()} masks per forward", flush=True)
     baselines = {k: t.evaluate([[]])[0] for k, t in tasks.items()}
 
-    chosen = spread(12, args.classifier_masks)
+    chosen = spread(CLASSIFIER["num_attention_heads"], args.classifier_masks)
     by_layer = []
     for shape in info.inventory.layers:
         heads = shape.heads()
@@ -242,26 +262,33 @@ def classifier_bench(args, peak: PeakRSS, workdir: Path) -> str:
         return [o.score - baselines[k].score for o in outs[k]]
 
     delta_diff = max(abs(a - b) for a, b in zip(deltas("plain"), deltas("reuse"), strict=True))
-    loss_diff = max(float(abs(a.loss - b.loss).max()) for a, b in zip(outs["plain"], outs["reuse"], strict=True))
     changed = sum(abs(d) > 0 for d in deltas("plain"))
     kept = tasks["reuse"]._reuse.kept_bytes if tasks["reuse"]._reuse is not None else 0
     print(f"classifier grid: {n} masks ({len(chosen)} single-head + {len(chosen)} all-but-one per layer); "
           f"{changed} change accuracy; baseline accuracy {baselines['plain'].score:.4f}; "
-          f"max |loss diff| per example, reuse vs plain: {loss_diff:.2e}")
+          f"max |loss diff| per example, reuse vs plain: {loss_diff(outs['plain'], outs['reuse'])}")
     report("classifier", seconds, n, peak, kept)
-    return (f"RESULT grid_classifier ratio={seconds['plain'] / seconds['reuse']:.2f} "
-            f"max_abs_delta_diff={delta_diff:.3g}")
+    return common.result("grid_classifier", ratio=f"{seconds['plain'] / seconds['reuse']:.2f}",
+                         max_abs_delta_diff=f"{delta_diff:.3g}")
 
 
 # -- translation --------------------------------------------------------------------------------
+def loss_diff(a: list, b: list) -> str:
+    """The largest per-example loss difference between two sides' outputs, or why there is none."""
+    pairs = [(x.loss, y.loss) for x, y in zip(a, b, strict=True) if x.loss is not None and y.loss is not None]
+    if not pairs:
+        return "not computed (RuntimeOptions.loss off, the default)"
+    return f"{max(float(abs(x - y).max()) for x, y in pairs):.2e}"
+
+
 def translation_settings(train_minutes: float):
     from headsweep.workers.families.fairseq_translation.train import TrainSettings
 
-    return TrainSettings(
+    return common.shrink(TrainSettings(
         encoder_layers=6, decoder_layers=6, embed_dim=128, ffn_dim=512, attention_heads=4, dropout=0.1,
         share_all_embeddings=True, share_decoder_input_output_embed=True, lr=2e-3, warmup_updates=300,
         clip_norm=1.0, label_smoothing=0.1, max_tokens=4096, max_epochs=40, max_seconds=train_minutes * 60, seed=1,
-    )
+    ))
 
 
 def translation_model(args, workdir: Path):
@@ -293,7 +320,8 @@ def translation_model(args, workdir: Path):
     from headsweep.sweep.demo.translation import prepare_synthetic
     from headsweep.workers.families.fairseq_translation.train import train_translation
 
-    data = prepare_synthetic(workdir / "synthetic", n_train=3000, n_valid=100, n_test=N_TRANSLATION, seed=3)
+    data = prepare_synthetic(workdir / "synthetic", n_train=N_SYNTHETIC_TRAIN, n_valid=100, n_test=N_TRANSLATION,
+                             seed=3)
     result = train_translation(data.data_bin, workdir / "synthetic" / "checkpoints", "src", "tgt", settings)
     return (TranslationModel(checkpoint=str(result.checkpoint), data_bin=str(data.data_bin), **decode),
             TranslationData(data_bin=str(data.data_bin), split="test"),
@@ -312,7 +340,9 @@ def translation_bench(args, peak: PeakRSS, workdir: Path) -> str:
     }
     tasks = {k: load_translation(model_cfg, data_cfg, o) for k, o in sides.items()}
     info = tasks["plain"].describe()
-    print(f"translation: {source}; {info.n_examples} sentences, beam 5, 6+6 layers x 4 heads, d=128; "
+    shape = translation_settings(args.train_minutes)
+    print(f"translation: {source}; {info.n_examples} sentences, beam 5, {shape.encoder_layers}+{shape.decoder_layers}"
+          f" layers x {shape.attention_heads} heads, d={shape.embed_dim}; "
           f"reuse packs {tasks['reuse'].masks_per_forward()} masks per search", flush=True)
     baselines = {k: t.evaluate([[]])[0] for k, t in tasks.items()}
 
@@ -331,15 +361,14 @@ def translation_bench(args, peak: PeakRSS, workdir: Path) -> str:
     n = len(masks)
     identical = all(a.outputs == b.outputs for a, b in zip(outs["plain"], outs["reuse"], strict=True))
     identical = identical and baselines["plain"].outputs == baselines["reuse"].outputs
-    loss_diff = max(float(abs(a.loss - b.loss).max()) for a, b in zip(outs["plain"], outs["reuse"], strict=True))
     changed = sum(o.outputs != baselines["plain"].outputs for o in outs["plain"])
     kept = tasks["reuse"]._reuse.kept_bytes if tasks["reuse"]._reuse is not None else 0
     print(f"translation grid: {n} single-head masks ({', '.join(str(m[0]) for m in masks)}); "
           f"{changed} change some hypothesis; baseline BLEU {baselines['plain'].score:.2f}; "
-          f"max |loss diff| per sentence, reuse vs plain: {loss_diff:.2e}")
+          f"max |loss diff| per sentence, reuse vs plain: {loss_diff(outs['plain'], outs['reuse'])}")
     report("translation", seconds, n, peak, kept)
-    return (f"RESULT grid_translation ratio={seconds['plain'] / seconds['reuse']:.2f} "
-            f"identical_hypotheses={str(identical).lower()}")
+    return common.result("grid_translation", ratio=f"{seconds['plain'] / seconds['reuse']:.2f}",
+                         identical_hypotheses=str(identical).lower())
 
 
 def main() -> None:
@@ -353,7 +382,11 @@ def main() -> None:
                         help="single-head masks, spread evenly over the 72 heads (72: the whole grid)")
     parser.add_argument("--train-minutes", type=float, default=4.0)
     parser.add_argument("--skip", choices=["classifier", "translation"], default=None)
+    common.add_argument(parser)
     args = parser.parse_args()
+    if common.enable_smoke(args):
+        use_smoke()
+        args.threads, args.batch_size, args.classifier_masks, args.translation_masks = 1, 8, 1, 3
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("fairseq").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")
@@ -362,15 +395,13 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     peak = PeakRSS()
-    results = []
     with tempfile.TemporaryDirectory() as tmp:
+        # Each part prints its RESULT line when done: a failure in the next part does not lose it.
         if args.skip != "classifier":
-            results.append(classifier_bench(args, peak, Path(tmp)))
+            classifier_bench(args, peak, Path(tmp))
         if args.skip != "translation":
-            results.append(translation_bench(args, peak, Path(tmp)))
+            translation_bench(args, peak, Path(tmp))
     peak.stop()
-    for line in results:
-        print(line)
 
 
 if __name__ == "__main__":

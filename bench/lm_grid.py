@@ -20,11 +20,12 @@ single-head masks plus the baseline, in one process (no Ray: start-up is not cou
   ``hook_z`` (the input of the output projection), the perplexity computed from the returned logits
   exactly as headsweep scores windows.
 
-Ends with ``RESULT lm_grid ratio=<plain_s/reuse_s> max_abs_ppl_diff=<x> max_rel_ppl_diff=<y>`` and,
-when TransformerLens runs, ``RESULT lm_grid_vs_transformerlens ratio=<tl_s/reuse_s> max_abs_ppl_diff=<x>``.
+Prints ``RESULT lm_grid ratio=<plain_s/reuse_s> max_abs_ppl_diff=<x> max_rel_ppl_diff=<y>`` once both
+headsweep routes are measured and, when TransformerLens runs, then
+``RESULT lm_grid_vs_transformerlens ratio=<tl_s/reuse_s> max_abs_ppl_diff=<x>``.
 
 Usage: python bench/lm_grid.py [--train-steps N] [--windows N] [--threads T] [sweep.device=cuda]
-       [model.dtype=bfloat16]
+       [model.dtype=bfloat16] [--smoke]
 Skips (exit 0) when ../shared/data (relative to the repository root) is absent.
 """
 
@@ -42,12 +43,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+import common  # noqa: E402  (RESULT lines, cache, smoke mode)
 from grid_speed import PeakRSS, mib  # noqa: E402  (the same memory sampler as the other grid bench)
 
-DATA = ROOT.parent / "shared" / "data"
-CACHE = Path(os.environ.get("HEADSWEEP_BENCH_CACHE", Path.home() / ".cache" / "headsweep" / "bench"))
+DATA = common.DATA
+CACHE = common.CACHE
 VOCAB = 4096
 SHAPE = {"layers": 4, "heads": 8, "kv_heads": 2, "hidden": 256, "intermediate": 688, "window": 128}
+
+
+def use_smoke() -> None:
+    """A 2-layer Llama (4 query heads on 2 key/value heads, width 32), a BPE of 300 pieces, windows of 32 tokens,
+    on the smoke copy of the data."""
+    global DATA, CACHE, VOCAB, SHAPE
+    DATA, CACHE, VOCAB = common.smoke_data(), common.smoke_cache(), 300
+    SHAPE = {"layers": 2, "heads": 4, "kv_heads": 2, "hidden": 32, "intermediate": 64, "window": 32}
 
 
 def skip(reason: str) -> None:
@@ -243,8 +253,12 @@ def main() -> None:
                         help="the reuse route's sweep.masks_per_batch (0: automatic, headsweep's default)")
     parser.add_argument("--skip-transformerlens", action="store_true")
     parser.add_argument("--train-only", action="store_true", help="train and cache the model, then stop")
+    common.add_argument(parser)
     args = parser.parse_args()
     overrides(args.overrides, args)
+    if common.enable_smoke(args):
+        use_smoke()
+        args.train_steps, args.windows, args.batch_size, args.threads = 4, 4, 4, 1
     if not DATA.is_dir():
         skip(f"{DATA} not found")
 
@@ -280,9 +294,10 @@ def main() -> None:
           f"(perplexity {scores['plain'][worst]:.4f})", flush=True)
     diffs = [abs(a - b) for a, b in zip(scores["plain"], scores["reuse"], strict=True)]
     rel = [d / a for d, a in zip(diffs, scores["plain"], strict=True)]
-    lines = [f"RESULT lm_grid ratio={seconds['plain'] / seconds['reuse']:.2f} max_abs_ppl_diff={max(diffs):.3g} "
-             f"max_rel_ppl_diff={max(rel):.3g} plain_s={seconds['plain']:.1f} reuse_s={seconds['reuse']:.1f} "
-             f"plain_peak_mib={memory['plain'] / (1 << 20):.0f} reuse_peak_mib={memory['reuse'] / (1 << 20):.0f}"]
+    common.result("lm_grid", ratio=f"{seconds['plain'] / seconds['reuse']:.2f}", max_abs_ppl_diff=f"{max(diffs):.3g}",
+                  max_rel_ppl_diff=f"{max(rel):.3g}", plain_s=f"{seconds['plain']:.1f}",
+                  reuse_s=f"{seconds['reuse']:.1f}", plain_peak_mib=f"{memory['plain'] / (1 << 20):.0f}",
+                  reuse_peak_mib=f"{memory['reuse'] / (1 << 20):.0f}")
     if args.skip_transformerlens:
         print("TransformerLens: skipped (--skip-transformerlens)")
     else:
@@ -299,12 +314,10 @@ def main() -> None:
             print(f"  TransformerLens {tl_s:7.1f} s  ({tl_s / len(masks):.3f} s a mask)  peak "
                   f"{'GPU memory' if cuda else 'RSS'} {mib(tl_mem)}", flush=True)
             tl_diff = max(abs(a - b) for a, b in zip(tl, scores["reuse"], strict=True))
-            lines.append(f"RESULT lm_grid_vs_transformerlens ratio={tl_s / seconds['reuse']:.2f} "
-                         f"max_abs_ppl_diff={tl_diff:.3g} transformerlens_s={tl_s:.1f} "
-                         f"reuse_s={seconds['reuse']:.1f}")
+            common.result("lm_grid_vs_transformerlens", ratio=f"{tl_s / seconds['reuse']:.2f}",
+                          max_abs_ppl_diff=f"{tl_diff:.3g}", transformerlens_s=f"{tl_s:.1f}",
+                          reuse_s=f"{seconds['reuse']:.1f}")
     peak.stop()
-    for line in lines:
-        print(line)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Transformer of ``bench/multi30k_translation.py`` (trained and cached there on fi
 Prints ``RESULT l0 heads_kept=<k1,k2,...> bleu_l0=<...> bleu_importance=<...>`` and the wall time.
 
 Usage: python bench/multi30k_l0.py [--lambdas 0.1,0.2,0.3,0.5] [--steps N] [--train-examples N] [--max-examples N]
+       [--smoke]
 Skips (exit 0) when ../shared/data (relative to the repository root) is absent.
 """
 
@@ -29,6 +30,8 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
+import common  # noqa: E402  (RESULT lines, smoke mode)
+import multi30k_translation as m30k  # noqa: E402  (the model and data of the grid benchmark)
 
 
 def main() -> None:
@@ -46,13 +49,16 @@ def main() -> None:
     parser.add_argument("--beam", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    common.add_argument(parser)
     args = parser.parse_args()
     lambdas = [float(x) for x in args.lambdas.split(",") if x.strip()]
     if len(lambdas) < 4:
         parser.error("--lambdas: give at least four penalty weights")
 
-    import multi30k_translation as m30k  # the model and data of the grid benchmark
-
+    if common.enable_smoke(args):
+        m30k.use_smoke()
+        args.steps, args.train_examples = 3, 40
+        args.importance_examples = args.max_examples = common.SMOKE_EXAMPLES
     if not m30k.DATA.is_dir():
         m30k.skip(f"{m30k.DATA} not found (the shared data folder beside the repository)")
     logging.getLogger("fairseq").setLevel(logging.WARNING)
@@ -117,10 +123,10 @@ def main() -> None:
     for (lam, kept, bleu), imp in zip(l0_points, imp_points, strict=True):
         print(f"  {kept:2d} heads kept: L0 (lambda={lam:g}) BLEU {bleu:6.2f}   importance BLEU {imp:6.2f}")
     seconds = time.perf_counter() - wall
-    print(f"RESULT l0 heads_kept={','.join(str(k) for _, k, _ in l0_points)} "
-          f"bleu_l0={','.join(f'{b:.2f}' for _, _, b in l0_points)} "
-          f"bleu_importance={','.join(f'{b:.2f}' for b in imp_points)} baseline={baseline:.2f} "
-          f"train={args.train} steps={args.steps} wall_s={seconds:.0f}")
+    common.result("l0", heads_kept=",".join(str(k) for _, k, _ in l0_points),
+                  bleu_l0=",".join(f"{b:.2f}" for _, _, b in l0_points),
+                  bleu_importance=",".join(f"{b:.2f}" for b in imp_points), baseline=f"{baseline:.2f}",
+                  train=args.train, steps=args.steps, wall_s=f"{seconds:.0f}")
 
 
 if __name__ == "__main__":

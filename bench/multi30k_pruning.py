@@ -10,7 +10,7 @@ there on first use) and reproduces Michel et al. sec. 4.2 and 5 on it:
 3. single-head deltas on test_2016_flickr (in-domain) and test_2017_mscoco (out-of-domain) and
    their Spearman and Pearson correlations.
 
-Usage: python bench/multi30k_pruning.py [--max-examples N] [--importance-examples N]
+Usage: python bench/multi30k_pruning.py [--max-examples N] [--importance-examples N] [--smoke]
 Skips (exit 0) when ../shared/data (relative to the repository root) is absent.
 """
 
@@ -25,6 +25,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
+import common  # noqa: E402  (RESULT lines, smoke mode)
 import multi30k_translation as m30k  # noqa: E402  (the model and data of the grid benchmark)
 
 LEVELS = [round(0.1 * i, 1) for i in range(11)]
@@ -37,7 +38,11 @@ def main() -> None:
     parser.add_argument("--importance-examples", type=int, default=500, help="validation pairs for importance")
     parser.add_argument("--beam", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    common.add_argument(parser)
     args = parser.parse_args()
+    if common.enable_smoke(args):
+        m30k.use_smoke()
+        args.max_examples = args.importance_examples = common.SMOKE_EXAMPLES
     if not m30k.DATA.is_dir():
         m30k.skip(f"{m30k.DATA} not found (the shared data folder beside the repository)")
     logging.getLogger("fairseq").setLevel(logging.WARNING)
@@ -104,9 +109,9 @@ def main() -> None:
     pearson = stats.pearsonr(deltas["test_2016_flickr"], deltas["test_2017_mscoco"]).statistic
     print(f"cross-domain single-head deltas ({len(inventory.heads)} heads, {cross_s:.1f}s): "
           f"Spearman {spearman:.3f}, Pearson {pearson:.3f}")
-    half = {s: curves[s][5][2] for s in SCOPES}
-    print(f"RESULT multi30k_pruning baseline={baseline:.2f} " + " ".join(f"{s}_50={v:.2f}" for s, v in half.items())
-          + f" spearman_flickr_mscoco={spearman:.3f} pearson_flickr_mscoco={pearson:.3f}")
+    half = {f"{s}_50": f"{curves[s][5][2]:.2f}" for s in SCOPES}
+    common.result("multi30k_pruning", baseline=f"{baseline:.2f}", **half, spearman_flickr_mscoco=f"{spearman:.3f}",
+                  pearson_flickr_mscoco=f"{pearson:.3f}")
 
 
 if __name__ == "__main__":

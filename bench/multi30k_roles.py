@@ -18,7 +18,7 @@ the 3+3 x 4-head model of ``bench/multi30k_translation.py`` (trained and cached 
 Ends with ``RESULT roles positional=<n> rare_words=<n> syntactic=<n> spearman_confidence_delta=<x>
 spearman_lrp_delta=<x>`` (``syntactic=na`` without spaCy).
 
-Usage: python bench/multi30k_roles.py [--max-examples N] [--lrp-examples N] [--threads T]
+Usage: python bench/multi30k_roles.py [--max-examples N] [--lrp-examples N] [--threads T] [--smoke]
 Skips (exit 0) when ../shared/data (relative to the repository root) is absent.
 """
 
@@ -34,6 +34,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
+import common  # noqa: E402  (RESULT lines, smoke mode)
 import multi30k_translation as m30k  # noqa: E402  (the model and data of the grid benchmark)
 
 
@@ -76,8 +77,15 @@ def main() -> None:
     parser.add_argument("--beam", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--spacy-model", default="en_core_web_sm")
-    parser.add_argument("--model", choices=("vs_fairseq", "small"), default="vs_fairseq")
+    parser.add_argument("--model", choices=("vs_fairseq", "small"), default="vs_fairseq",
+                        help="(--smoke: always small, the smoke model)")
+    common.add_argument(parser)
     args = parser.parse_args()
+    if common.enable_smoke(args):
+        # The vs_fairseq model is trained by another benchmark, for 30 minutes: smoke mode trains its own.
+        m30k.use_smoke()
+        args.model, args.lrp_examples = "small", common.SMOKE_EXAMPLES
+        args.max_examples = common.SMOKE_EXAMPLES
     if not m30k.DATA.is_dir():
         m30k.skip(f"{m30k.DATA} not found (the shared data folder beside the repository)")
     logging.getLogger("fairseq").setLevel(logging.WARNING)
@@ -160,8 +168,8 @@ def main() -> None:
     syntactic = "na" if why_not else str(count("syntactic"))
     print(f"\nencoder heads: {len(encoder)}; positional {count('positional')}, rare words {count('rare_words')}, "
           f"syntactic {syntactic}; wall time {ablation_s + roles_s + lrp_s:.0f}s")
-    print(f"RESULT roles positional={count('positional')} rare_words={count('rare_words')} syntactic={syntactic} "
-          f"spearman_confidence_delta={rho_conf:.3f} spearman_lrp_delta={rho_lrp:.3f}")
+    common.result("roles", positional=count("positional"), rare_words=count("rare_words"), syntactic=syntactic,
+                  spearman_confidence_delta=f"{rho_conf:.3f}", spearman_lrp_delta=f"{rho_lrp:.3f}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ not a longer wait. Decoding takes the whole test set by default (1,000 sentences
 73 decodes in about 15 minutes here, measured at 6.3 s a decode for 500 sentences); pass
 ``--max-examples N`` for a quicker run on the first N sentences.
 
-Usage: python bench/multi30k_translation.py [--max-examples N] [--train-minutes M] [--beam B]
+Usage: python bench/multi30k_translation.py [--max-examples N] [--train-minutes M] [--beam B] [--smoke]
 Skips (exit 0) when ../shared/data (relative to the repository root) is absent.
 """
 
@@ -31,16 +31,17 @@ import gzip
 import hashlib
 import json
 import logging
-import os
 import sys
 import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-DATA = ROOT.parent / "shared" / "data" / "multi30k"
-CACHE = Path(os.environ.get("HEADSWEEP_BENCH_CACHE", Path.home() / ".cache" / "headsweep" / "bench"))
+BENCH = Path(__file__).resolve().parent
+sys.path[:0] = [str(BENCH.parent), str(BENCH)]
+import common  # noqa: E402  (RESULT lines, cache, smoke mode)
+
+DATA = common.DATA / "multi30k"
+CACHE = common.CACHE
 SRC, TGT = "en", "fr"
 VOCAB = 4000
 
@@ -48,6 +49,13 @@ VOCAB = 4000
 def skip(reason: str) -> None:
     print(f"SKIP multi30k_grid: {reason}")
     sys.exit(0)
+
+
+def use_smoke() -> None:
+    """Smoke mode for every Multi30k benchmark: the first sentences of each file, a small vocabulary, and the
+    smoke cache (the tiny model itself comes from ``common.shrink`` in the settings)."""
+    global DATA, CACHE, VOCAB
+    DATA, CACHE, VOCAB = common.smoke_data() / "multi30k", common.smoke_cache(), common.SMOKE_VOCAB
 
 
 def read_gz(path: Path) -> list[str]:
@@ -58,20 +66,22 @@ def read_gz(path: Path) -> list[str]:
 def settings(train_minutes: float, threads: int):
     from headsweep.workers.families.fairseq_translation.train import TrainSettings
 
-    return TrainSettings(threads=threads,
+    return common.shrink(TrainSettings(threads=threads,
         encoder_layers=3, decoder_layers=3, embed_dim=128, ffn_dim=512, attention_heads=4,
         dropout=0.1, share_all_embeddings=True, share_decoder_input_output_embed=True,
         lr=2e-3, warmup_updates=300, clip_norm=1.0, label_smoothing=0.1, max_tokens=4096,
         max_epochs=40, max_seconds=train_minutes * 60, seed=1,
-    )
+    ))
 
 
-def prepare(workdir: Path, vocab: int = VOCAB) -> tuple[Path, Path]:
-    """A joint SentencePiece model of ``vocab`` pieces and a fairseq data-bin of the train/valid splits."""
+def prepare(workdir: Path, vocab: int | None = None) -> tuple[Path, Path]:
+    """A joint SentencePiece model of ``vocab`` pieces (default ``VOCAB``) and a fairseq data-bin of the
+    train/valid splits."""
     import sentencepiece as spm
 
     from headsweep.workers.families.fairseq_translation.train import write_data_bin
 
+    vocab = vocab or VOCAB
     spm_model = workdir / "spm.model"
     data_bin = workdir / "data-bin"
     if not spm_model.exists():
@@ -147,7 +157,11 @@ def main() -> None:
     parser.add_argument("--masks-per-batch", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: two threads on two busy cores thrash, measured 5-10x slower)")
+    common.add_argument(parser)
     args = parser.parse_args()
+    if common.enable_smoke(args):
+        use_smoke()
+        args.max_examples = common.SMOKE_EXAMPLES
 
     if not DATA.is_dir():
         skip(f"{DATA} not found (the shared data folder beside the repository)")
@@ -209,8 +223,9 @@ def main() -> None:
         if key_ not in best or out.score > best[key_][0]:
             best[key_] = (out.score, head)
     print("best kept head per layer: " + ", ".join(f"{h} ({s:.2f})" for s, h in best.values()))
-    print(f"\nRESULT multi30k_grid bleu={baseline.score:.2f} heads={len(info.inventory.heads)} "
-          f"single_head_s={single_s:.1f} all_but_one_s={abo_s:.1f}")
+    print()
+    common.result("multi30k_grid", bleu=f"{baseline.score:.2f}", heads=len(info.inventory.heads),
+                  single_head_s=f"{single_s:.1f}", all_but_one_s=f"{abo_s:.1f}")
 
 
 if __name__ == "__main__":

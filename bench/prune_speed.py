@@ -9,9 +9,9 @@ not change the arithmetic's cost), removes a seeded random 50% of its 72 heads w
 token ids of length 128, no padding) at batch sizes 1 and 64, on the CPU or a GPU if there is
 one. It also checks that the pruned model's logits equal the gated model's.
 
-Run: ``python bench/prune_speed.py [--repeats-small 30] [--repeats-large 6] [--threads N]``. The last lines
-are ``RESULT prune_speed model=<name> heads_removed=<fraction> batch=<b>
-speedup=<full_seconds/pruned_seconds>`` (median seconds), one per batch size.
+Run: ``python bench/prune_speed.py [--repeats-small 30] [--repeats-large 6] [--threads N]`` (``--smoke``: a tiny
+BERT, seconds). Each batch size prints ``RESULT prune_speed model=<name> heads_removed=<fraction> batch=<b>
+speedup=<full_seconds/pruned_seconds>`` (median seconds) as soon as it is timed; the table of all follows.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 # run as a plain script from a checkout: make the repository importable
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+import common  # noqa: E402  (RESULT lines, smoke mode)
 
 from headsweep.workers.efficiency import Workload, measure, summary  # noqa: E402
 from headsweep.workers.families.hf_classifier.sites import find_sites  # noqa: E402
@@ -34,7 +36,16 @@ from headsweep.workers.pruning import prune_heads, ungated_copy  # noqa: E402
 
 LAYERS, HEADS, HIDDEN, SEQ_LEN, VOCAB = 6, 12, 768, 128, 30522
 FRACTION = 0.5
-NAME = f"bert-{LAYERS}x{HEADS}-h{HIDDEN}"
+
+
+def use_smoke() -> None:
+    """A 2-layer, 4-head BERT of width 32 on sequences of 16 tokens."""
+    global LAYERS, HEADS, HIDDEN, SEQ_LEN, VOCAB
+    LAYERS, HEADS, HIDDEN, SEQ_LEN, VOCAB = 2, 4, 32, 16, 2000
+
+
+def name() -> str:
+    return f"bert-{LAYERS}x{HEADS}-h{HIDDEN}"
 
 
 def build_model(device: torch.device):
@@ -48,7 +59,7 @@ def build_model(device: torch.device):
 
 def workload(batch: int, device: torch.device) -> Workload:
     g = torch.Generator().manual_seed(batch)
-    ids = torch.randint(1000, VOCAB, (batch, SEQ_LEN), generator=g).to(device)
+    ids = torch.randint(min(1000, VOCAB // 2), VOCAB, (batch, SEQ_LEN), generator=g).to(device)
     mask = torch.ones_like(ids)
     return Workload(batch, batch * SEQ_LEN, lambda model: model(input_ids=ids, attention_mask=mask))
 
@@ -59,7 +70,11 @@ def main() -> int:
     parser.add_argument("--repeats-large", type=int, default=6, help="timed repeats at batch size 64")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    common.add_argument(parser)
     args = parser.parse_args()
+    if common.enable_smoke(args):
+        use_smoke()
+        args.repeats_small, args.repeats_large, args.warmup, args.threads = 3, 2, 1, 1
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -74,7 +89,7 @@ def main() -> int:
     pruned = ungated_copy(model, gates)
     prune_heads(pruned, removed)
     kept = [HEADS - sum(1 for h in removed if h.layer == layer) for layer in range(LAYERS)]
-    print(f"{NAME} ({model.config._attn_implementation} attention) on {where}; sequence length {SEQ_LEN}")
+    print(f"{name()} ({model.config._attn_implementation} attention) on {where}; sequence length {SEQ_LEN}")
     print(f"removed {len(removed)} of {len(heads)} heads (seed 0); heads kept per layer: {kept}")
 
     check = workload(4, device)
@@ -91,6 +106,10 @@ def main() -> int:
     for batch, repeats in ((1, args.repeats_small), (64, args.repeats_large)):
         timings = measure(models, n_heads, lambda b: workload(b, device), [batch], args.warmup, repeats, device)
         rows += summary(timings)
+        for r in rows[-len(models):]:
+            if r["variant"] == "pruned":
+                common.result("prune_speed", model=name(), heads_removed=FRACTION, batch=r["batch_size"],
+                              speedup=f"{r['speedup']:.3f}")
     print(f"{'variant':8} {'batch':>5} {'params':>11} {'peak MB':>9} {'median s':>9} {'min s':>8} {'max s':>8} "
           f"{'ex/s':>8} {'ex/s IQR':>8} {'speedup':>7}")
     for r in rows:
@@ -99,10 +118,6 @@ def main() -> int:
               f"{r['seconds_min']:>8.4f} {r['seconds_max']:>8.4f} {r['examples_per_s']:>8.1f} "
               f"{r['examples_per_s_iqr']:>8.1f} {r['speedup']:>7.3f}")
     print(f"total {time.perf_counter() - start:.0f} s")
-    for r in rows:
-        if r["variant"] == "pruned":
-            print(f"RESULT prune_speed model={NAME} heads_removed={FRACTION} batch={r['batch_size']} "
-                  f"speedup={r['speedup']:.3f}")
     return 0
 
 

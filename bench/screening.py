@@ -20,10 +20,11 @@ at least one.
   trained once and cached) on ``--translation-examples`` sentences of test_2016_flickr, beam 5; equivalence
   ``--bleu-margin`` BLEU points.
 
-Run: ``python bench/screening.py`` (``--skip-translation`` for the classifier alone). Final lines:
-``RESULT screening_<model> speedup=<full_s/screened_s> missed_significant=<n> of=<m> ...`` and
-``RESULT screening_rates_<model> screened_share=<x> expected_missed=<y> draws_missing_any=<z> draws=<R>`` per
-model, and ``RESULT screening speedup=<total full_s / total screened_s> missed_significant=<n> of=<m>``.
+Run: ``python bench/screening.py`` (``--skip-translation`` for the classifier alone; ``--smoke``: tiny models and
+data, seconds). Per model, as soon as it is measured: ``RESULT screening_<model> speedup=<full_s/screened_s>
+missed_significant=<n> of=<m> ...`` and ``RESULT screening_rates_<model> screened_share=<x> expected_missed=<y>
+draws_missing_any=<z> draws=<R>``; last, ``RESULT screening speedup=<total full_s / total screened_s>
+missed_significant=<n> of=<m>``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (RESULT lines, smoke mode)
 import grid_speed  # noqa: E402
 import multi30k_translation as m30k  # noqa: E402
 
@@ -47,7 +49,7 @@ import multi30k_translation as m30k  # noqa: E402
 def classifier_config(workdir: Path, n_examples: int) -> dict:
     """grid_speed's random 6x12 BERT and the first ``n_examples`` SST-2 dev sentences, saved under ``workdir``."""
     model_dir, data, source = grid_speed.save_classifier(workdir, n_examples)
-    print(f"classifier: {source}, up to {n_examples} sentences, 6 layers x 12 heads", flush=True)
+    print(f"classifier: {source}, up to {n_examples} sentences, {grid_speed.classifier_shape()}", flush=True)
     return {"model": {"kind": "hf_classifier", "path": str(model_dir)}, "data": {"path": str(data)},
             "sweep": {"batch_size": 64}}
 
@@ -158,7 +160,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draws", type=int, default=200, help="random subsets for the rates")
     parser.add_argument("--skip-translation", action="store_true")
+    common.add_argument(parser)
     args = parser.parse_args()
+    if common.enable_smoke(args):
+        # The classifier alone: each run starts its Ray worker (seconds), and the translation model's two runs
+        # take the same code path (compare) as the classifier's.
+        grid_speed.use_smoke()
+        args.classifier_examples, args.skip_translation = common.SMOKE_DATA_LINES, True
+        args.threads, args.draws = 1, 5
     logging.getLogger("fairseq").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")
     import ray
@@ -176,23 +185,28 @@ def main() -> None:
         workdir = Path(tmp)
         results["classifier"] = compare("classifier", classifier_config(workdir, args.classifier_examples),
                                         screen(args.accuracy_margin), workdir, args.threads, address, args.draws)
+        report("classifier", results["classifier"], args.draws)
         if not args.skip_translation and m30k.DATA.is_dir():
             results["translation"] = compare(
                 "translation", translation_config(args.threads, args.translation_examples, args.beam),
                 screen(args.bleu_margin), workdir, args.threads, address, args.draws)
-    for name, r in results.items():
-        print(f"RESULT screening_{name} speedup={r['full_s'] / r['screened_s']:.2f} missed_significant={r['missed']} "
-              f"of={r['significant']} screened_out={r['screened_out']} heads={r['heads']} full_s={r['full_s']:.1f} "
-              f"screened_s={r['screened_s']:.1f}")
-        rates = r["rates"]
-        print(f"RESULT screening_rates_{name} screened_share={rates['share']:.3f} "
-              f"expected_missed={rates['expected_missed']:.3f} draws_missing_any={rates['missing_any']:.3f} "
-              f"draws={args.draws}")
+            report("translation", results["translation"], args.draws)
     full = sum(r["full_s"] for r in results.values())
     screened = sum(r["screened_s"] for r in results.values())
     missed = sum(r["missed"] for r in results.values())
-    print(f"RESULT screening speedup={full / screened:.2f} missed_significant={missed} "
-          f"of={sum(r['significant'] for r in results.values())}")
+    common.result("screening", speedup=f"{full / screened:.2f}", missed_significant=missed,
+                  of=sum(r["significant"] for r in results.values()))
+
+
+def report(name: str, r: dict, draws: int) -> None:
+    """The RESULT lines of one model's comparison."""
+    common.result(f"screening_{name}", speedup=f"{r['full_s'] / r['screened_s']:.2f}", missed_significant=r["missed"],
+                  of=r["significant"], screened_out=r["screened_out"], heads=r["heads"], full_s=f"{r['full_s']:.1f}",
+                  screened_s=f"{r['screened_s']:.1f}")
+    rates = r["rates"]
+    common.result(f"screening_rates_{name}", screened_share=f"{rates['share']:.3f}",
+                  expected_missed=f"{rates['expected_missed']:.3f}", draws_missing_any=f"{rates['missing_any']:.3f}",
+                  draws=draws)
 
 
 if __name__ == "__main__":

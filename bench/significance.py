@@ -6,12 +6,13 @@ on the test set. This times both routes on such a grid (1000 sentences,
 288 perturbed copies of a baseline hypothesis set) and checks that their
 p-values agree (same seed, hence the same resamples).
 
-Run: ``python bench/significance.py``. The last line is
+Run: ``python bench/significance.py`` (``--smoke``: 30 sentences, 6 systems, 100 resamples). The last line is
 ``RESULT significance ratio=<sacrebleu_seconds/our_seconds> max_abs_p_diff=<x>``.
 """
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import importlib
 import os
@@ -26,7 +27,9 @@ from sacrebleu.metrics import BLEU
 from sacrebleu.significance import PairedTest
 
 # run as a plain script from a checkout: make the repository importable
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+import common  # noqa: E402  (RESULT lines, smoke mode)
+
 _sig = importlib.import_module("headsweep.sweep.significance")
 bleu_from_stats = _sig.bleu_from_stats
 paired_bootstrap = _sig.paired_bootstrap
@@ -37,7 +40,13 @@ N_IDENTICAL = 2  # heads whose removal changes no output at all
 N_RES = 1000
 SEED = 12345  # sacrebleu's default SACREBLEU_SEED
 SACREBLEU_BUDGET_S = 300.0
-REFS = Path("/work/shared/data/multi30k/test_2016_flickr.fr.gz")
+REFS = common.DATA / "multi30k" / "test_2016_flickr.fr.gz"
+
+
+def use_smoke() -> None:
+    """30 sentences, 6 systems (one identical to the baseline), 100 resamples."""
+    global N_SENT, N_SYSTEMS, N_IDENTICAL, N_RES
+    N_SENT, N_SYSTEMS, N_IDENTICAL, N_RES = 30, 6, 1, 100
 
 
 def _references(rng: random.Random) -> tuple[list[str], str]:
@@ -89,6 +98,10 @@ def _systems(refs: list[str], rng: random.Random) -> tuple[list[str], list[list[
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_argument(parser)
+    if common.enable_smoke(parser.parse_args()):
+        use_smoke()
     rng = random.Random(7)
     refs, source = _references(rng)
     base, systems = _systems(refs, rng)
@@ -106,7 +119,7 @@ def main() -> None:
                                n_samples=N_RES, n_jobs=1)()
         return time.perf_counter() - t0, np.array([r.p_value for r in scores["BLEU"][1:]])
 
-    pilot_k = 8
+    pilot_k = min(8, N_SYSTEMS)
     pilot_s, _ = run_sacrebleu(pilot_k)
     projected = pilot_s / pilot_k * N_SYSTEMS
     if projected <= SACREBLEU_BUDGET_S:
@@ -147,7 +160,7 @@ def main() -> None:
           f"extraction)")
     print(f"ours paired_bootstrap: {ours_s:.3f} s for {N_SYSTEMS} systems x {N_RES} resamples "
           f"(median of 3: {', '.join(f'{t:.3f}' for t in times)} s)")
-    print(f"statistics extraction for 289 hypothesis sets (sacrebleu's per-sentence "
+    print(f"statistics extraction for {N_SYSTEMS + 1} hypothesis sets (sacrebleu's per-sentence "
           f"statistics, needed by both): {extract_s:.2f} s")
     sb_boot_only = max(sb_total - extract_s, 0.0)
     print(f"speed-up: {ratio:.1f}x sacrebleu PairedTest / our paired_bootstrap; "
@@ -161,7 +174,7 @@ def main() -> None:
     print(f"default mode (identical_p_one=True): {N_IDENTICAL} identical systems get p = "
           f"{default.p_value[:N_IDENTICAL].tolist()} instead of sacrebleu's "
           f"{sb_p[:N_IDENTICAL].round(6).tolist()}")
-    print(f"RESULT significance ratio={ratio:.1f} max_abs_p_diff={diff.max():.3g}")
+    common.result("significance", ratio=f"{ratio:.1f}", max_abs_p_diff=f"{diff.max():.3g}")
 
 
 if __name__ == "__main__":

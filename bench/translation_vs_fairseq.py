@@ -45,7 +45,7 @@ batch-dependent float noise between near-equal beams. Memory: the highest reside
 sampled during each path's calls, and the most it rose above a call's start (all paths live in
 one process).
 
-Run: ``python bench/translation_vs_fairseq.py [--masks 24] [--max-examples N] [--threads 2]``.
+Run: ``python bench/translation_vs_fairseq.py [--masks 24] [--max-examples N] [--threads 2] [--smoke]``.
 Last line: ``RESULT translation_vs_fairseq ratio=<a_s/c_s> identical_bleu=<n>/<masks> fairseq_s=<a_s>
 default_s=<c_s> plain_s=<b_s>``.
 Skips (exit 0) when ../shared/data is absent.
@@ -69,6 +69,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
+import common  # noqa: E402  (RESULT lines, smoke mode)
 import multi30k_translation as m30k  # noqa: E402  (Multi30k data, SentencePiece + data-bin preparation)
 
 VOCAB = 8000
@@ -91,12 +92,12 @@ def train_settings(minutes: float, threads: int):
     """The benchmark model: 3+3 layers, 8 heads, d=256, ffn 1024, shared 8k joint vocabulary."""
     from headsweep.workers.families.fairseq_translation.train import TrainSettings
 
-    return TrainSettings(
+    return common.shrink(TrainSettings(
         threads=threads, encoder_layers=3, decoder_layers=3, embed_dim=256, ffn_dim=1024, attention_heads=8,
         dropout=0.1, share_all_embeddings=True, share_decoder_input_output_embed=True, lr=1.5e-3,
         warmup_updates=500, clip_norm=1.0, label_smoothing=0.1, max_tokens=4096, max_epochs=100,
         max_seconds=minutes * 60, seed=1,
-    )
+    ))
 
 
 def model_dir(minutes: float) -> Path:
@@ -576,7 +577,13 @@ def main() -> None:
     parser.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
                         help="headsweep's model section for (b) and (c), e.g. lenpen=1.0 (repeatable); (a) gets "
                              "the same generation keys")
+    common.add_argument(parser)
     args = parser.parse_args()
+    if common.enable_smoke(args):
+        global VOCAB
+        m30k.use_smoke()
+        VOCAB, args.masks, args.threads, args.max_examples = common.SMOKE_VOCAB, 3, 1, common.SMOKE_EXAMPLES
+        args.model.append("max_len_b=20")  # the smoke model babbles: cap its hypotheses, on every path alike
 
     if not m30k.DATA.is_dir():
         skip(f"{m30k.DATA} not found (the shared data folder beside the repository)")
@@ -596,7 +603,8 @@ def main() -> None:
     if more:
         record = continue_training(args.train_minutes, args.more_minutes, args.threads, args.fairseq_max_tokens)
     if args.train_only:
-        print(f"RESULT translation_vs_fairseq_model bleu={record['bleu']:.2f} train_s={record['train_seconds']:.0f}")
+        common.result("translation_vs_fairseq_model", bleu=f"{record['bleu']:.2f}",
+                      train_s=f"{record['train_seconds']:.0f}")
         return
 
     from grid_speed import PeakRSS, mib, run_grid
@@ -736,8 +744,8 @@ def main() -> None:
     print("  resident memory: " + ", ".join(f"{k} {mib(v)}" for k, v in rss.items()))
     peak.stop()
     if loop is None:
-        print(f"RESULT translation_vs_fairseq ratio=nan identical_bleu=0/0 plain_s={seconds.get('hs_plain', 0):.1f} "
-              f"default_s={seconds['hs_default']:.1f}")
+        common.result("translation_vs_fairseq", ratio="nan", identical_bleu="0/0",
+                      plain_s=f"{seconds.get('hs_plain', 0):.1f}", default_s=f"{seconds['hs_default']:.1f}")
         return
     print(f"(a) vs (c): {total_diff.n} sentence hypotheses differ over {n} masks x {info.n_examples} sentences; "
           f"{total_diff.ties} of them beam ties (scores within {TIE:g}), {total_diff.max_len} at the length "
@@ -746,14 +754,14 @@ def main() -> None:
     for mask_name, i, sa, sc, la, lc, ta, tc in total_diff.examples[:8]:
         print(f"  {mask_name} sentence {i}: (a) score {sa:.6f} len {la}: {ta!r}\n"
               f"  {'':<{len(mask_name)}} {'':>{len(str(i)) + 9}} (c) score {sc:.6f} len {lc}: {tc!r}")
-    b_part = f" plain_s={seconds['hs_plain']:.1f}" if "hs_plain" in seconds else ""
+    extra = {"plain_s": f"{seconds['hs_plain']:.1f}"} if "hs_plain" in seconds else {}
     if procs is not None:
-        b_part += (f" workers={args.workers} workers_s={seconds['hs_workers']:.1f} "
-                   f"workers_ratio={seconds['fairseq'] / seconds['hs_workers']:.2f} "
-                   f"workers_identical_bleu={identical_d}/{n}")
-    print(f"RESULT translation_vs_fairseq ratio={seconds['fairseq'] / seconds['hs_default']:.2f} "
-          f"identical_bleu={identical}/{n} fairseq_s={seconds['fairseq']:.1f} default_s={seconds['hs_default']:.1f}"
-          f"{b_part}")
+        extra.update(workers=args.workers, workers_s=f"{seconds['hs_workers']:.1f}",
+                     workers_ratio=f"{seconds['fairseq'] / seconds['hs_workers']:.2f}",
+                     workers_identical_bleu=f"{identical_d}/{n}")
+    common.result("translation_vs_fairseq", ratio=f"{seconds['fairseq'] / seconds['hs_default']:.2f}",
+                  identical_bleu=f"{identical}/{n}", fairseq_s=f"{seconds['fairseq']:.1f}",
+                  default_s=f"{seconds['hs_default']:.1f}", **extra)
 
 
 if __name__ == "__main__":

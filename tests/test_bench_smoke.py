@@ -1,0 +1,112 @@
+"""Every benchmark under bench/ in its ``--smoke`` mode, run as users run it (``python bench/X.py``, a subprocess).
+
+A benchmark that no test runs rots unnoticed (issue 27: ``bench/grid_speed.py`` crashed after its translation
+part and lost the classifier figure it had measured). Smoke mode takes each benchmark's own code path on tiny
+models and data (``bench/common.py``); here each must exit 0 and print its RESULT lines, well formed, in order.
+The tiny models are cached in one folder for the module (``HEADSWEEP_BENCH_CACHE``), so the Multi30k benchmarks
+train theirs once, and nothing lands in ``~/.cache``. Benchmarks that need ``../shared/data`` skip without it
+(after checking that they say so and exit 0).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "bench"
+# bench/common.py by its path: bench/ on sys.path would put every benchmark's name before the suite's modules.
+_spec = importlib.util.spec_from_file_location("bench_common", BENCH / "common.py")
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
+
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+# Script -> the RESULT names its smoke run prints, in order.
+SMOKE = {
+    "dispatch": ["dispatch", "dispatch_balance"],
+    "grid_speed": ["grid_classifier", "grid_translation"],
+    "lm_grid": ["lm_grid"],  # TransformerLens is not a dependency: its line is not expected
+    "multi30k_l0": ["l0"],
+    "multi30k_pruning": ["multi30k_pruning"],
+    "multi30k_roles": ["roles"],
+    "multi30k_translation": ["multi30k_grid"],
+    "prune_speed": ["prune_speed", "prune_speed"],  # batch sizes 1 and 64
+    "screening": ["screening_classifier", "screening_rates_classifier", "screening"],
+    "significance": ["significance"],
+    "translation_vs_fairseq": ["translation_vs_fairseq"],
+}
+# These print SKIP and exit 0 without ../shared/data (the others fall back to generated data).
+NEEDS_DATA = {"lm_grid", "multi30k_l0", "multi30k_pruning", "multi30k_roles", "multi30k_translation",
+              "translation_vs_fairseq"}
+# bench/ files that are not benchmarks with a smoke mode, and why.
+NOT_SMOKED = {
+    "common": "the benchmarks' shared module, exercised by every smoke run",
+    "slow_tests": "runs the suite's slow tests (pytest -m slow); a tiny version would test nothing",
+    "gpu_check": "GPU checks, tested by their own test",
+}
+RESULT_LINE = re.compile(r"^RESULT ([a-z0-9_]+)((?: [a-z0-9_]+=\S+)+)$")
+
+
+@pytest.fixture(scope="module")
+def bench_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bench-cache")
+
+
+def run_smoke(script: str, cache: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / f"{script}.py"), "--smoke"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "HEADSWEEP_BENCH_CACHE": str(cache)})
+
+
+def results(stdout: str) -> list[tuple[str, dict[str, str]]]:
+    """The RESULT lines of ``stdout`` as (name, fields); a line starting RESULT that is malformed fails."""
+    found = []
+    for line in stdout.splitlines():
+        if not line.startswith("RESULT"):
+            continue
+        match = RESULT_LINE.match(line)
+        assert match, f"malformed RESULT line: {line!r}"
+        fields = dict(f.split("=", 1) for f in match.group(2).split())
+        found.append((match.group(1), fields))
+    return found
+
+
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_smoke(script: str, bench_cache: Path) -> None:
+    proc = run_smoke(script, bench_cache)
+    assert proc.returncode == 0, (f"{script} --smoke exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-5000:]}")
+    if script in NEEDS_DATA and not (SHARED_DATA / "multi30k").is_dir():
+        assert re.search(r"^SKIP \w+: .*not found", proc.stdout, re.M), proc.stdout[-2000:]
+        pytest.skip(f"{SHARED_DATA} absent: {script} skips")
+    found = results(proc.stdout)
+    assert [name for name, _ in found] == SMOKE[script], proc.stdout[-3000:]
+    for name, fields in found:
+        assert fields, f"RESULT {name} has no key=value fields"
+    if script == "grid_speed":
+        # Each part's line as soon as it is measured: the classifier's before the translation part starts.
+        lines = proc.stdout.splitlines()
+        first = lines.index(next(x for x in lines if x.startswith("RESULT grid_classifier ")))
+        assert first < lines.index(next(x for x in lines if x.startswith("translation: "))), proc.stdout[-3000:]
+        assert found[1][1]["identical_hypotheses"] == "true"
+
+
+def test_every_benchmark_has_a_smoke_case() -> None:
+    scripts = {p.stem for p in BENCH.glob("*.py")}
+    assert scripts - set(SMOKE) - set(NOT_SMOKED) == set(), "a benchmark without a smoke case here"
+    assert set(SMOKE) <= scripts
+
+
+def test_result_line_refuses_what_the_test_could_not_parse(capsys) -> None:
+    line = common.result("x_y", ratio="1.50", identical="3/4", n=2)
+    assert line == "RESULT x_y ratio=1.50 identical=3/4 n=2"
+    assert capsys.readouterr().out == line + "\n"
+    for bad in ({"ratio": ""}, {"note": "two words"}):
+        with pytest.raises(ValueError, match="empty or spaced"):
+            common.result("x", **bad)
