@@ -164,6 +164,14 @@ def spread(n: int, count: int) -> list[int]:
     return sorted({round(i * (n - 1) / max(1, count - 1)) for i in range(count)}) if count > 1 else [0]
 
 
+def loss_diff(a: list, b: list) -> str:
+    """The largest per-example loss difference between two sides' outputs, or why there is none."""
+    pairs = [(x.loss, y.loss) for x, y in zip(a, b, strict=True) if x.loss is not None and y.loss is not None]
+    if not pairs:
+        return "not computed (RuntimeOptions.loss off, the default)"
+    return f"{max(float(abs(x - y).max()) for x, y in pairs):.2e}"
+
+
 # -- classifier ---------------------------------------------------------------------------------
 def sst2_rows(n: int) -> tuple[list[tuple[str, str]], list[str], str]:
     """``n`` (sentence, label) rows to evaluate, training sentences for the vocabulary, and the source."""
@@ -238,8 +246,7 @@ def classifier_bench(args, peak: PeakRSS, workdir: Path) -> str:
     lengths = [inputs["input_ids"].shape[1] for _, inputs in tasks["plain"].batches]
     print(f"classifier: {source}, {info.n_examples} sentences, batches of {args.batch_size} "
           f"(padded length {min(lengths)}..{max(lengths)}), {classifier_shape()}, hidden {CLASSIFIER['hidden_size']}, "
-          f"random init; "
-          f"reuse packs {tasks['reuse'].masks_per_forward()} masks per forward", flush=True)
+          f"random init; reuse packs {tasks['reuse'].masks_per_forward()} masks per forward", flush=True)
     baselines = {k: t.evaluate([[]])[0] for k, t in tasks.items()}
 
     chosen = spread(CLASSIFIER["num_attention_heads"], args.classifier_masks)
@@ -273,14 +280,6 @@ def classifier_bench(args, peak: PeakRSS, workdir: Path) -> str:
 
 
 # -- translation --------------------------------------------------------------------------------
-def loss_diff(a: list, b: list) -> str:
-    """The largest per-example loss difference between two sides' outputs, or why there is none."""
-    pairs = [(x.loss, y.loss) for x, y in zip(a, b, strict=True) if x.loss is not None and y.loss is not None]
-    if not pairs:
-        return "not computed (RuntimeOptions.loss off, the default)"
-    return f"{max(float(abs(x - y).max()) for x, y in pairs):.2e}"
-
-
 def translation_settings(train_minutes: float):
     from headsweep.workers.families.fairseq_translation.train import TrainSettings
 
