@@ -145,13 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from headsweep.results.store import ResultStore
-    from headsweep.sweep.config import load_config
+    from headsweep.sweep.config import check_data_files, load_config
     from headsweep.sweep.driver import Sweep
 
     overrides = list(args.overrides)
     if args.workers is not None:
         overrides.append(f"sweep.workers={args.workers}")
     cfg = load_config(args.config, overrides)
+    check_data_files(cfg)  # before Ray and the models start: a bad data file costs no worker
     sweep = Sweep(cfg, ResultStore(args.store), address=args.address, show_progress=not args.quiet,
                   resume=args.resume, auto_resume=not args.new)
     try:

@@ -12,11 +12,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.experiments import experiments_of
+from headsweep.sweep.experiments import KINDS, experiments_of
+from headsweep.sweep.experiments.importance import IMPORTANCE, importance_data
+from headsweep.sweep.experiments.l0 import L0, l0_data
+from headsweep.sweep.experiments.roles import ROLES, roles_data
 from headsweep.sweep.sections import (
     Config,
     EfficiencySection,
@@ -30,7 +34,7 @@ from headsweep.sweep.sections import (
     coerce,
     from_dict,
 )
-from headsweep.workers.family import model_family
+from headsweep.workers.family import builtin_families, model_family
 
 
 def _merge(base: dict, update: dict) -> dict:
@@ -55,16 +59,23 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
 def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """Read a config file and the files it includes, merged in order."""
     path = Path(path)
+    if path.is_dir():
+        raise HeadsweepError(f"config file {path} is a directory, not a file: name the YAML config file")
     if not path.is_file():
         raise HeadsweepError(f"config file not found: {path}")
     if path.resolve() in seen:
         raise HeadsweepError(f"config include cycle at {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
         raise HeadsweepError(f"config file {path} is not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
     except yaml.YAMLError as exc:
         raise HeadsweepError(f"config file {path} is not valid YAML: {yaml_problem(exc)}") from None
+    if data is None:
+        if not seen:  # an empty file included by another adds nothing, and is harmless there
+            raise HeadsweepError(f"config file {path} is empty: a config needs at least a model section "
+                                 f"(model.kind: one of {family_names()}) and a data section")
+        data = {}
     if not isinstance(data, dict):
         raise HeadsweepError(f"config file {path} must hold a mapping at the top level")
     includes = data.pop("include", []) or []
@@ -136,12 +147,23 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def family_names() -> str:
+    """The built-in model families' names, for messages: ``fairseq_translation, hf_causal_lm, hf_classifier``."""
+    return ", ".join(sorted(f.name for f in builtin_families()))
+
+
 def build_config(data: dict) -> Config:
     """Validate a merged config mapping into a :class:`Config`."""
     data = dict(data)
     model = data.get("model")
-    if not isinstance(model, dict) or "kind" not in model:
-        raise HeadsweepError("config key 'model.kind' is required (one of: hf_classifier, fairseq_translation)")
+    kinds = f"one of: {family_names()}, or module:ATTRIBUTE of a ModelFamily"
+    if model is None:
+        raise HeadsweepError(f"config key 'model.kind' is required: the config has no model section ({kinds})")
+    if not isinstance(model, dict):
+        raise HeadsweepError(f"config key 'model' must be a mapping with model.kind ({kinds}) and the model's "
+                             f"files, got {model!r}")
+    if "kind" not in model:
+        raise HeadsweepError(f"config key 'model.kind' is required ({kinds})")
     family = model_family(model["kind"])
     known = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(data) - known)
@@ -177,8 +199,41 @@ def validate(cfg: Config) -> None:
     """
     _check_sections(cfg)
     kinds = experiments_of(cfg)
+    if not cfg.sweep.experiments:
+        raise HeadsweepError(f"sweep.experiments is empty: name the experiment kinds to run (known: "
+                             f"{', '.join(KINDS)}; [baseline] evaluates the unmasked model alone)")
     for kind in kinds:
         kind.check_config(cfg)
+
+
+def data_sections(cfg: Config) -> list[tuple[str, Any]]:
+    """The data sections a run of ``cfg`` reads, typed, with their config keys: ``data``, and ``importance.data``,
+    ``l0.data`` and ``roles.data`` where a kind of the run reads them. A section equal to an earlier one is
+    left out."""
+    kinds = experiments_of(cfg)
+    sections = [("data", cfg.data)]
+    if IMPORTANCE in kinds and cfg.importance.method in ("gradient", "lrp"):
+        sections.append(("importance.data", importance_data(cfg)))
+    if L0 in kinds:
+        sections.append(("l0.data", l0_data(cfg)))
+    if ROLES in kinds and cfg.roles.data is not None:
+        sections.append(("roles.data", roles_data(cfg)))
+    out: list[tuple[str, Any]] = []
+    for key, section in sections:
+        if all(section != other for _, other in out):
+            out.append((key, section))
+    return out
+
+
+def check_data_files(cfg: Config) -> None:
+    """Every data section a run of ``cfg`` reads, checked on the driver before Ray or a model starts: its settings,
+    its files, and what can be read of them without the model (``check_files(key)`` of the family's data section;
+    a plugin's section without one is checked by its workers). The workers check the rest (labels against the
+    model's, lengths against its positions) before anything is written."""
+    for key, section in data_sections(cfg):
+        check = getattr(section, "check_files", None)
+        if check is not None:
+            check(key)
 
 
 def _check_sections(cfg: Config) -> None:

@@ -15,6 +15,7 @@ after.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from headsweep.sweep.config import Config
 from headsweep.sweep.stored_masks import MaskChoice, explicit_mask, stored_mask
 from headsweep.workers.family import model_family
 from headsweep.workers.heads import HeadInventory, site_order
+from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot
 
 MANIFEST = "headsweep-export.json"
 
@@ -44,6 +46,46 @@ def choose(inventory: HeadInventory, store: ResultStore | None, from_run: str | 
     return stored_mask(store, from_run, inventory, level=level, eval_id=eval_id)
 
 
+def check_run_model(store: ResultStore, run_id: str, cfg: Config) -> None:
+    """Refuse a stored run whose model is not the config's: a mask names heads of the model it was found on, and
+    the same head numbers of another model are other heads. The run's model is its config's ``model`` section
+    (``model.kind`` and the file or folder of its weights, or one of its ``checkpoints``)."""
+    rows = store.read("runs", run_id, columns=["config"]).to_pylist()
+    if not rows:
+        return  # no such run: stored_mask names the run and the store
+    stored = json.loads(rows[-1]["config"])
+    key = model_family(cfg.model.kind).checkpoint_key
+    model = stored.get("model") or {}
+    theirs = [model.get(key), *(stored.get("checkpoints") or [])]
+    mine = str(getattr(cfg.model, key))
+    if model.get("kind") != cfg.model.kind or not any(_same_file(t, mine) for t in theirs if t):
+        raise HeadsweepError(
+            f"run {run_id} is of model {model.get(key)} ({model.get('kind')}), this config's model is {mine} "
+            f"({cfg.model.kind}): a stored mask fits only the model it was found on; export with that run's config, "
+            "or name a run of this model"
+        )
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two model paths from configs name the same file or folder (also through links; a hub id by the
+    cached snapshot it resolves to); else whether they are equal strings."""
+    a, b = _location(a), _location(b)
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a == b
+
+
+def _location(spec: str) -> str:
+    """A hub id's snapshot folder in the local cache (a run stores the ``id@<commit>`` it pinned); else ``spec``."""
+    if is_hub_id(spec):
+        try:
+            return str(resolve_snapshot(spec).folder)
+        except HeadsweepError:
+            return spec
+    return spec
+
+
 def _check_out(out_dir: str | Path) -> Path:
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -58,6 +100,8 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
     from headsweep.workers.pruning import count_parameters, site_inventory
 
     out = _check_out(out_dir)  # before the model is loaded: a wrong folder should fail fast
+    if from_run and store is not None:
+        check_run_model(store, from_run, cfg)
     family = model_family(cfg.model.kind)
     loaded = family.load_model(cfg.model)
     model = loaded.model

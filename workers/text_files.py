@@ -49,6 +49,29 @@ def decode(data: bytes, encoding: str, path: str | Path, key: str = "data.encodi
         ) from None
 
 
+def check_file(path: str | Path, what: str, key: str) -> Path:
+    """``path`` when it names a file; else one line saying it does not exist, or that it is a directory
+    where config key ``key`` wants a file. ``what`` names the file in the message (``data file``)."""
+    p = Path(path)
+    if p.is_dir():
+        raise HeadsweepError(f"{what} {path} is a directory, not a file: {key} must name a file")
+    if not p.is_file():
+        raise HeadsweepError(f"{what} not found: {path}")
+    return p
+
+
+def data_file(key: str) -> str:
+    """How messages name the file of data section ``key``: ``data file``, ``importance.data file``."""
+    return "data file" if key == "data" else f"{key} file"
+
+
+def check_max_examples(value: int | None, key: str) -> None:
+    """``<section>.max_examples`` (keep the first N examples) is unset or a positive integer."""
+    if value is not None and value < 1:
+        raise HeadsweepError(f"{key} must be a positive integer (how many examples to keep, from the start), "
+                             f"got {value}; leave it out to keep every example")
+
+
 def read_bytes(path: str | Path) -> tuple[bytes, str]:
     """The bytes of a file, gunzipped when it ends in ``.gz``; and how to qualify offsets into them."""
     p = Path(path)

@@ -73,6 +73,13 @@ class Importance(Experiment):
     def check_config(self, cfg: Config) -> None:
         imp = cfg.importance
         if imp.method in ("gradient", "lrp"):
+            if imp.data is None and only_for_order(cfg):
+                raise HeadsweepError(
+                    "sweep.order: importance sends the masks of the most important heads first, so it needs head "
+                    "importance before the grid: set importance.data (training or validation data, kept apart from "
+                    "the evaluation set), or importance.method: ablation with importance.from_run (an earlier run's "
+                    "single-head deltas), or leave sweep.order at planned"
+                )
             if imp.data is None:
                 raise HeadsweepError(
                     f"{imp.method} importance needs importance.data (training or validation data, kept apart from "
@@ -86,6 +93,12 @@ class Importance(Experiment):
                 "importance.method ablation orders heads by single-head deltas: add single_head to sweep.experiments "
                 "or name an earlier run with importance.from_run"
             )
+
+    def validate(self, ctx: Context) -> None:
+        # importance.data loads in a worker now (kept there for the estimate), so that a file the model cannot
+        # read (labels outside its label set, text longer than its positions) fails before the baseline is written.
+        if ctx.cfg.importance.method in ("gradient", "lrp"):
+            ctx.pool.call(load_data_on_worker, importance_data(ctx.cfg))
 
     def run(self, ctx: Context) -> None:
         stored = stored_importance(ctx) if ctx.done else None
@@ -123,6 +136,23 @@ class Importance(Experiment):
         ]
         ctx.write("importance", rows, name=imp.method)
         return scores
+
+
+def only_for_order(cfg: Config) -> bool:
+    """Whether importance joins the run only because ``sweep.order: importance`` asks for it (no kind the run
+    lists is importance or needs it)."""
+    from headsweep.sweep.experiments import experiment_kind  # the registry imports this module
+
+    if cfg.sweep.order != "importance":
+        return False
+    listed = [experiment_kind(name) for name in cfg.sweep.experiments]
+    return not any(kind is IMPORTANCE or IMPORTANCE.name in kind.needs(cfg) for kind in listed)
+
+
+def load_data_on_worker(worker: Any, data_cfg: Any) -> None:
+    """Worker-side (``EvalWorker.run``): the worker's model on ``data_cfg``, loaded and kept, so that every check
+    the family makes of data against its model runs."""
+    worker.adapter(data_cfg)
 
 
 def stored_importance(ctx: Context) -> dict[Head, float] | None:

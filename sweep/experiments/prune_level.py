@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from headsweep.errors import HeadsweepError
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.experiments.importance import SHARED_KEY, importance_data
 from headsweep.sweep.plan import check_attention_types
 from headsweep.sweep.progress import step
 from headsweep.sweep.pruning import iterative_level_masks, level_masks
 from headsweep.sweep.sections import Config
-from headsweep.workers.heads import Head
+from headsweep.workers.heads import Head, HeadInventory
 from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:
@@ -25,6 +26,25 @@ if TYPE_CHECKING:
 def prune_scope_name(attention: list[str] | None) -> str:
     """The scope in a level's eval id: ``global``, or the attention types joined by ``+``."""
     return "+".join(attention) if attention else "global"
+
+
+def check_min_heads(min_heads: int, inventory: HeadInventory, attention: list[str] | None) -> None:
+    """Refuse a ``prune.min_heads_per_layer`` that no layer in scope can keep (more than its heads), or that keeps
+    every head of every layer in scope (each level would mask none)."""
+    layers = [s for s in inventory.layers if not attention or s.attention in attention]
+    short = [s for s in layers if s.num_heads < min_heads]
+    if short:
+        s = min(short, key=lambda s: s.num_heads)
+        raise HeadsweepError(
+            f"prune.min_heads_per_layer {min_heads} is more than the {s.num_heads} heads of {s.attention} layer "
+            f"{s.layer}: a layer cannot keep more heads than it has; set it to {s.num_heads} or less"
+        )
+    if min_heads > 0 and layers and all(s.num_heads <= min_heads for s in layers):
+        most = max(s.num_heads for s in layers)
+        raise HeadsweepError(
+            f"prune.min_heads_per_layer {min_heads} keeps every head: each layer in scope has {most} heads or fewer, "
+            f"so no pruning level would mask any; set it below {most}"
+        )
 
 
 class PruneLevel(Experiment):
@@ -37,8 +57,10 @@ class PruneLevel(Experiment):
         return ("importance",)
 
     def validate(self, ctx: Context) -> None:
-        if ctx.cfg.prune.attention:
-            check_attention_types(ctx.cfg.prune.attention, ctx.inventory, "prune.attention")
+        prune = ctx.cfg.prune
+        if prune.attention:
+            check_attention_types(prune.attention, ctx.inventory, "prune.attention")
+        check_min_heads(prune.min_heads_per_layer, ctx.inventory, prune.attention)
 
     def plan(self, ctx: Context) -> list[WorkUnit]:
         scope = ctx.cfg.prune.attention

@@ -11,13 +11,15 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.data_report import UNKNOWN_SHARE_WARN, Finding
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
-from headsweep.workers.text_files import read_text, split_lines
+from headsweep.workers.text_files import check_file, check_max_examples, read_text, split_lines
+
+if TYPE_CHECKING:  # the driver checks the data files (check_data) without torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -115,10 +117,10 @@ def _bpe(data_cfg: TranslationData):
 
 
 def _existing(path: str, key: str) -> Path:
-    p = Path(path)
-    if not p.is_file():
-        raise HeadsweepError(f"{key}: file not found: {path}")
-    return p
+    try:
+        return check_file(path, "file", key)
+    except HeadsweepError as exc:
+        raise HeadsweepError(f"{key}: {exc}") from None
 
 
 def read_lines(path: str | Path, key: str, encoding: str = "utf-8") -> list[str]:
@@ -165,16 +167,8 @@ def load_examples(data_cfg: TranslationData, pipeline: TextPipeline) -> Parallel
 
 
 def _from_text(data_cfg: TranslationData, pipeline: TextPipeline) -> ParallelExamples:
-    if not data_cfg.source or not data_cfg.target:
-        raise HeadsweepError("raw-text data need both data.source and data.target")
-    src = read_lines(data_cfg.source, "data.source", data_cfg.encoding)
-    tgt = read_lines(data_cfg.target, "data.target", data_cfg.encoding)
-    if len(src) != len(tgt):
-        raise HeadsweepError(
-            f"data.source has {len(src)} lines but data.target has {len(tgt)}: they must be line-aligned"
-        )
-    n = len(src) if data_cfg.max_examples is None else min(len(src), data_cfg.max_examples)
-    src, tgt = src[:n], tgt[:n]
+    src, tgt = read_parallel_text(data_cfg)
+    n = len(src)
     name = data_cfg.name or _text_name(Path(data_cfg.source))
     s_ids = [pipeline.encode(line, "source") for line in src]
     t_ids = [pipeline.encode(line, "target") for line in tgt]
@@ -189,6 +183,42 @@ def _from_text(data_cfg: TranslationData, pipeline: TextPipeline) -> ParallelExa
         source_file=f"data.source {data_cfg.source}",
         target_file=f"data.target {data_cfg.target}",
     )
+
+
+def check_data(data_cfg: TranslationData, key: str = "data") -> None:
+    """Everything a translation data section (config key ``key``) says that needs no model: its settings, the
+    files it names, and raw parallel text itself (decoded, line-aligned, not empty)."""
+    data_cfg.check()
+    check_max_examples(data_cfg.max_examples, f"{key}.max_examples")
+    if data_cfg.bpe_codes:
+        _existing(data_cfg.bpe_codes, f"{key}.bpe_codes")
+    if data_cfg.sentencepiece_model:
+        _existing(data_cfg.sentencepiece_model, f"{key}.sentencepiece_model")
+    if data_cfg.source or data_cfg.target:
+        if data_cfg.data_bin:
+            raise HeadsweepError(f"set either {key}.source/{key}.target (raw text) or {key}.data_bin (binarised), "
+                                 "not both")
+        if not read_parallel_text(data_cfg, key)[0]:
+            raise HeadsweepError(f"{key}.source {data_cfg.source} has no sentences")
+    elif not data_cfg.data_bin:
+        raise HeadsweepError(f"config needs {key}.source and {key}.target (raw text files) or {key}.data_bin and "
+                             f"{key}.split (binarised)")
+    elif not Path(data_cfg.data_bin).is_dir():
+        raise HeadsweepError(f"{key}.data_bin folder not found: {data_cfg.data_bin}")
+
+
+def read_parallel_text(data_cfg: TranslationData, key: str = "data") -> tuple[list[str], list[str]]:
+    """The source and target lines of raw parallel text, checked to be line-aligned, cut to ``max_examples``."""
+    if not data_cfg.source or not data_cfg.target:
+        raise HeadsweepError(f"raw-text data need both {key}.source and {key}.target")
+    src = read_lines(data_cfg.source, f"{key}.source", data_cfg.encoding)
+    tgt = read_lines(data_cfg.target, f"{key}.target", data_cfg.encoding)
+    if len(src) != len(tgt):
+        raise HeadsweepError(
+            f"{key}.source has {len(src)} lines but {key}.target has {len(tgt)}: they must be line-aligned"
+        )
+    n = len(src) if data_cfg.max_examples is None else min(len(src), data_cfg.max_examples)
+    return src[:n], tgt[:n]
 
 
 def _text_name(path: Path) -> str:

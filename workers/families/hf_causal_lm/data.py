@@ -12,7 +12,7 @@ from pathlib import Path
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
-from headsweep.workers.text_files import check_encoding, decode, read_bytes, split_lines
+from headsweep.workers.text_files import check_encoding, check_file, data_file, decode, read_bytes, split_lines
 
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
@@ -26,11 +26,19 @@ def corpus_format(cfg: CausalLMData) -> str:
     return SUFFIXES.get(suffix.lower(), "text")
 
 
-def read_corpus(cfg: CausalLMData) -> str:
+def check_data(cfg: CausalLMData, key: str = "data") -> None:
+    """Everything a causal-LM data section (config key ``key``) says that needs no model: its settings, its file,
+    and for perplexity the corpus text itself (decoded, its rows read)."""
+    cfg.check()
+    if cfg.task == "perplexity":
+        read_corpus(cfg, key)
+    else:
+        check_file(cfg.path, data_file(key), f"{key}.path")
+
+
+def read_corpus(cfg: CausalLMData, key: str = "data") -> str:
     """The corpus text: a text file as it is, or the ``text_column`` of JSONL / Parquet rows joined by newlines."""
-    path = Path(cfg.path)
-    if not path.is_file():
-        raise HeadsweepError(f"data file not found: {cfg.path}")
+    path = check_file(cfg.path, data_file(key), f"{key}.path")
     fmt = corpus_format(cfg)
     if fmt == "text":
         data, where = read_bytes(path)

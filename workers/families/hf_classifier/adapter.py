@@ -24,7 +24,7 @@ from headsweep.workers.data_report import Finding, merge, report, unknown_tokens
 from headsweep.workers.efficiency import median_batch, take_rows
 from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
-from headsweep.workers.families.hf_classifier.data import findings, read_examples
+from headsweep.workers.families.hf_classifier.data import findings, label_ids, read_examples
 from headsweep.workers.families.hf_classifier.model import load_hf_model, max_positions, resolve_max_length
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout
 from headsweep.workers.families.hf_classifier.sites import find_sites
@@ -37,25 +37,6 @@ from headsweep.workers.metrics import ACCURACY
 from headsweep.workers.replay import ReuseUnsupported, first_gated_layer
 
 logger = logging.getLogger(__name__)
-
-
-def label_ids(raw: list[str], id2label: dict[int, str], path: str) -> list[int]:
-    """Map the file's labels (names or integer ids) onto the model's label ids."""
-    names = {str(name): int(i) for i, name in id2label.items()}
-    if all(r in names for r in raw):
-        return [names[r] for r in raw]
-    n = len(id2label)
-    try:
-        ids = [int(r) for r in raw]
-    except ValueError:
-        ids = None
-    if ids is not None and all(0 <= i < n for i in ids):
-        return ids
-    outside = sorted({r for r in raw if r not in names and not (r.lstrip("-").isdigit() and 0 <= int(r) < n)})
-    known = ", ".join(f"{i}={name}" for i, name in sorted(id2label.items()))
-    raise HeadsweepError(
-        f"data file {path}: labels outside the model's label set: {', '.join(outside[:5])} (model labels: {known})"
-    )
 
 
 class ClassifierAdapter:

@@ -20,9 +20,19 @@ import pyarrow.parquet as pq
 from headsweep.errors import HeadsweepError
 from headsweep.workers.data_report import Finding
 from headsweep.workers.families.hf_classifier.config import ClassifierData
-from headsweep.workers.text_files import check_encoding, decode, read_bytes
+from headsweep.workers.text_files import (
+    check_encoding,
+    check_file,
+    check_max_examples,
+    data_file,
+    decode,
+    read_bytes,
+)
 
 FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+FORMAT_NAMES = ("tsv", "csv", "jsonl", "parquet")
+# How many rows a message names before it says how many more there are.
+SHOWN_ROWS = 5
 
 
 @dataclass
@@ -82,25 +92,56 @@ def _decoded_binary(table: pa.Table, columns: list[str], encoding: str, path: Pa
     return table
 
 
-def read_examples(cfg: ClassifierData) -> ClassificationExamples:
-    """Read the configured file, check its columns, and return texts and raw labels."""
+def data_format(cfg: ClassifierData, key: str = "data") -> str:
+    """``<key>.format``, or the one the file's suffix names; a one-line error for any other."""
+    if cfg.format is not None:
+        if cfg.format not in FORMAT_NAMES:
+            raise HeadsweepError(f"{key}.format {cfg.format!r} is not a supported format (supported: "
+                                 f"{', '.join(FORMAT_NAMES)})")
+        return cfg.format
+    fmt = FORMATS.get(Path(cfg.path).suffix.lower())
+    if fmt is None:
+        raise HeadsweepError(f"cannot tell the format of data file {cfg.path} from its suffix: set {key}.format to "
+                             f"one of {', '.join(FORMAT_NAMES)}")
+    return fmt
+
+
+def check_data(cfg: ClassifierData, key: str = "data") -> Path:
+    """What a classification data section (config key ``key``) says that needs no file: the path given, the
+    format, ``max_examples``, the encoding, ``max_length``; and that the path names a file, which is returned."""
     if not cfg.path:
-        raise HeadsweepError("config key 'data.path' is required")
-    path = Path(cfg.path)
-    if not path.is_file():
-        raise HeadsweepError(f"data file not found: {path}")
-    fmt = cfg.format or FORMATS.get(path.suffix.lower())
-    if fmt not in set(FORMATS.values()):
-        raise HeadsweepError(
-            f"cannot tell the format of data file {path}: set data.format to one of tsv, csv, jsonl, parquet"
-        )
-    wanted = [c for c in (cfg.text_column, cfg.text_pair_column, cfg.label_column, cfg.id_column) if c]
+        raise HeadsweepError(f"config key '{key}.path' is required")
+    cfg.check(key)
+    check_max_examples(cfg.max_examples, f"{key}.max_examples")
+    path = check_file(cfg.path, data_file(key), f"{key}.path")
+    data_format(cfg, key)
+    return path
+
+
+def rows_text(rows: list[int]) -> str:
+    """``row 3`` or ``rows 3, 7 and 9`` (0-based rows of data, as example positions count), the first few named."""
+    if len(rows) == 1:
+        return f"row {rows[0]}"
+    shown = ", ".join(map(str, rows[:SHOWN_ROWS]))
+    if len(rows) > SHOWN_ROWS:
+        return f"rows {shown} and {len(rows) - SHOWN_ROWS} more"
+    return f"rows {shown.rsplit(', ', 1)[0]} and {rows[-1]}"
+
+
+def read_examples(cfg: ClassifierData, key: str = "data") -> ClassificationExamples:
+    """Read the configured file (config key ``key``), check its columns, and return texts and raw labels."""
+    path = check_data(cfg, key)
+    fmt = data_format(cfg, key)
+    keys = {"text_column": cfg.text_column, "text_pair_column": cfg.text_pair_column,
+            "label_column": cfg.label_column, "id_column": cfg.id_column}
+    wanted = [c for c in keys.values() if c]
     table = _read_table(path, fmt, cfg, wanted)
-    missing = [c for c in wanted if c not in table.column_names]
+    missing = [(name, c) for name, c in keys.items() if c and c not in table.column_names]
     if missing:
+        name, c = missing[0]
         raise HeadsweepError(
-            f"data file {path} has no column {missing[0]!r} (columns: {', '.join(table.column_names)}); "
-            f"set data.text_column / data.label_column"
+            f"data file {path} has no column {c!r} (columns: {', '.join(table.column_names)}); "
+            f"set {key}.{name} to one of them"
         )
     if cfg.max_examples is not None:
         table = table.slice(0, cfg.max_examples)
@@ -109,6 +150,11 @@ def read_examples(cfg: ClassifierData) -> ClassificationExamples:
 
     def column(name: str, text: bool = False) -> list[str]:
         values = table.column(name).to_pylist()
+        if name == cfg.label_column:
+            empty = [i for i, v in enumerate(values) if v is None or (isinstance(v, str) and not v.strip())]
+            if empty:
+                raise HeadsweepError(f"data file {path}: empty label in {rows_text(empty)} (column {name!r}): "
+                                     "every example needs its label")
         if any(v is None for v in values):
             row = values.index(None)
             raise HeadsweepError(f"data file {path}: column {name!r} is empty in row {row}")
@@ -144,6 +190,45 @@ def _check_unique(ids: list[str], id_column: str | None, path: Path) -> None:
             f"data file {path}: column {id_column!r} has {len(repeated)} duplicate ids (first: {example_id!r} "
             f"in rows {a} and {b}): example ids must be unique, they key the stored per-example results"
         )
+
+
+def label_ids(raw: list[str], id2label: dict[int, str], path: str) -> list[int]:
+    """Map the file's labels (``raw``, in row order) onto the model's label ids: every label a label name, or
+    every label an id in range; else one line naming the labels (quoted) that are neither, with their rows, or
+    the two ways of writing a label the file mixes."""
+    names = {str(name): int(i) for i, name in id2label.items()}
+    if all(r in names for r in raw):
+        return [names[r] for r in raw]
+    n = len(id2label)
+    ids = [_as_id(r, n) for r in raw]
+    if all(i is not None for i in ids):
+        return ids
+    known = ", ".join(f"{i}={name}" for i, name in sorted(id2label.items()))
+    outside: dict[str, list[int]] = {}
+    for row, (label, i) in enumerate(zip(raw, ids, strict=True)):
+        if i is None and label not in names:
+            outside.setdefault(label, []).append(row)
+    if outside:
+        shown = ", ".join(f"{label!r} ({rows_text(rows)})" for label, rows in list(outside.items())[:SHOWN_ROWS])
+        more = f" and {len(outside) - SHOWN_ROWS} more" if len(outside) > SHOWN_ROWS else ""
+        raise HeadsweepError(f"data file {path}: labels outside the model's label set: {shown}{more} "
+                             f"(model labels: {known})")
+    # Every label is a name or an id, but not all the same way: which way a digit means is ambiguous.
+    name_row = next(row for row, i in enumerate(ids) if i is None)
+    id_row = next(row for row, r in enumerate(raw) if r not in names)
+    raise HeadsweepError(
+        f"data file {path}: labels mix label names and label ids: {raw[name_row]!r} (row {name_row}) is a name, "
+        f"{raw[id_row]!r} (row {id_row}) an id; write every label one way (model labels: {known})"
+    )
+
+
+def _as_id(label: str, n: int) -> int | None:
+    """``label`` as a label id below ``n``, or None when it is not one."""
+    try:
+        i = int(label)
+    except ValueError:
+        return None
+    return i if 0 <= i < n else None
 
 
 def findings(ex: ClassificationExamples) -> list[Finding]:
