@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import math
 import sys
@@ -91,6 +92,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch and numpy are imported when needed, after the checkout's finder is in place
+    import numpy as np
+    import torch
+    from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 # The one import name `headsweep` and the folders of this checkout it maps (as the installed package does).
@@ -106,7 +113,8 @@ class CheckoutFinder(importlib.abc.MetaPathFinder):
     own path finder.
     """
 
-    def find_spec(self, name: str, path: Sequence[str] | None = None, target: object = None):
+    def find_spec(self, name: str, path: Sequence[str] | None = None, target: object = None
+                  ) -> importlib.machinery.ModuleSpec | None:
         folder = PACKAGE_FOLDERS.get(name)
         if folder is None:
             return None
@@ -130,6 +138,7 @@ class Shape:
     parameters: int | None = None  # checked against the built model when given
 
     def config(self):
+        """The transformers config (a ``PretrainedConfig``) of this shape."""
         import transformers
 
         return getattr(transformers, self.config_class)(**self.values)
@@ -162,7 +171,8 @@ def tiny(shape: Shape) -> Shape:
 
 # -- the models, their tokenizer and text ---------------------------------------------------------------------
 
-def build_folder(shape: Shape, folder: Path, device: str, dtype, tokens: int, seed: int) -> tuple[Path, object]:
+def build_folder(shape: Shape, folder: Path, device: str, dtype: torch.dtype, tokens: int, seed: int
+                 ) -> tuple[Path, object]:
     """Save a model of ``shape`` (seeded random weights, built on ``device``, stored in ``dtype``), a word-level
     tokenizer and a text of ``tokens`` words; returns the text file and the config."""
     import torch
@@ -206,14 +216,14 @@ def word_tokenizer(words: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>")
 
 
-def load_user_model(folder: Path, device: str, dtype):
+def load_user_model(folder: Path, device: str, dtype: torch.dtype) -> nn.Module:
     """The model as a user loads it with transformers (no headsweep hooks)."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(device).eval()
 
 
-def adapter_for(folder: Path, text: Path, args, reuse: bool):
+def adapter_for(folder: Path, text: Path, args: argparse.Namespace, reuse: bool):
     """The worker's evaluation adapter, configured as a sweep would configure it."""
     from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
@@ -229,7 +239,7 @@ def adapter_for(folder: Path, text: Path, args, reuse: bool):
 
 # -- the routes ------------------------------------------------------------------------------------------------
 
-def window_nll(model, inputs, scored, batch_size: int):
+def window_nll(model: nn.Module, inputs: torch.Tensor, scored: torch.Tensor, batch_size: int) -> np.ndarray:
     """Summed NLL (nats, float64) of each window's scored tokens, computed as a user would from the logits."""
     import torch
     import torch.nn.functional as F
@@ -245,11 +255,13 @@ def window_nll(model, inputs, scored, batch_size: int):
     return torch.cat(sums).cpu().numpy()
 
 
-def o_proj(model, layer: int):
+def o_proj(model: nn.Module, layer: int) -> nn.Linear:
+    """The attention output projection of decoder layer ``layer`` (Llama and Qwen2 name it alike)."""
     return model.model.layers[layer].self_attn.o_proj
 
 
-def hook_loop(model, masks, inputs, scored, batch_size: int):
+def hook_loop(model: nn.Module, masks: list, inputs: torch.Tensor, scored: torch.Tensor, batch_size: int
+              ) -> np.ndarray:
     """One forward pass per mask, a pre-hook on each masked head's ``o_proj`` zeroing that head's input slice."""
     import numpy as np
 
@@ -271,7 +283,8 @@ def hook_loop(model, masks, inputs, scored, batch_size: int):
     return np.stack(rows)
 
 
-def surgery(model, masks, inputs, scored, batch_size: int):
+def surgery(model: nn.Module, masks: list, inputs: torch.Tensor, scored: torch.Tensor, batch_size: int
+            ) -> np.ndarray:
     """Each mask applied by zeroing its heads' ``o_proj`` columns (restored after)."""
     import numpy as np
     import torch
@@ -295,22 +308,23 @@ def surgery(model, masks, inputs, scored, batch_size: int):
     return np.stack(rows)
 
 
-def reference_dtype(dtype):
-    """The dtype of the reference route: float64 for a float32 check, else float32 (unit roundoff 2^-29 or less
-    of the checked dtype's)."""
+def reference_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the reference route: float64 for a float32 check, else float32 (a unit roundoff 2^16 times
+    smaller than bfloat16's, 2^29 times smaller than float32's)."""
     import torch
 
     return torch.float64 if dtype == torch.float32 else torch.float32
 
 
 def synchronize(device: str) -> None:
+    """Wait for the GPU's queued work (timings must include it)."""
     import torch
 
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
-def best_time(fn: Callable, device: str, repeats: int):
+def best_time(fn: Callable, device: str, repeats: int) -> tuple[object, float]:
     """``fn()``'s result and its best wall time of ``repeats`` runs."""
     best, out = math.inf, None
     for _ in range(repeats):
@@ -322,7 +336,7 @@ def best_time(fn: Callable, device: str, repeats: int):
     return out, best
 
 
-def matmul_rate(device: str, dtype) -> tuple[int, float]:
+def matmul_rate(device: str, dtype: torch.dtype) -> tuple[int, float]:
     """FLOP/s of ``torch.mm`` of two N x N matrices in ``dtype`` on ``device`` (N = 8192 on a GPU, 1024 on a
     CPU), over at least one second after a warm-up."""
     import torch
@@ -344,7 +358,7 @@ def matmul_rate(device: str, dtype) -> tuple[int, float]:
     return n, runs * 2 * n**3 / (time.perf_counter() - start)
 
 
-def window_flops(config, tokens: int, logits: int) -> int:
+def window_flops(config: object, tokens: int, logits: int) -> int:
     """FLOPs of one window's forward pass (the formula of the module docstring)."""
     h, n_layers, inner, vocab = (config.hidden_size, config.num_hidden_layers, config.intermediate_size,
                                  config.vocab_size)
@@ -373,11 +387,12 @@ class Outcome:
         return not self.failures
 
     def result_line(self) -> str:
+        """The shape's ``RESULT gpu_check ...`` line."""
         return (f"RESULT gpu_check shape={self.shape} vs_hook_loop={self.vs_hook_loop:.2f} "
                 f"reuse_over_plain={self.reuse_over_plain:.2f} mfu={self.mfu:.3f} equal={str(self.equal).lower()}")
 
 
-def grid_masks(config) -> list:
+def grid_masks(config: object) -> list:
     """Four single heads in each of the first, a middle and the last layer."""
     from headsweep.workers.heads import Head
 
@@ -387,7 +402,7 @@ def grid_masks(config) -> list:
     return [[Head("self", layer, h)] for layer in layers for h in picks]
 
 
-def gate_masks(config) -> list:
+def gate_masks(config: object) -> list:
     """A few heads for gate == weight surgery: single heads in three layers and one mask across layers."""
     from headsweep.workers.heads import Head
 
@@ -397,7 +412,7 @@ def gate_masks(config) -> list:
             [Head("self", 0, 2), Head("self", mid, 0), Head("self", last, heads - 1)]]
 
 
-def largest(a, b) -> float:
+def largest(a: np.ndarray, b: np.ndarray) -> float:
     """``max|a - b|`` over all masks and windows."""
     import numpy as np
 
@@ -432,6 +447,7 @@ class Tolerance:
         return max(self.effects) / self.tau if self.tau > 0 else math.inf
 
     def describe(self, dtype: str, reference: str, masks: int, windows: int) -> str:
+        """The tolerance line of a shape's report."""
         resolved = sum(e > self.tau for e in self.effects)
         return (f"  tolerance: one {dtype} evaluation is within E = {self.error:.3g} nats of {reference} (largest "
                 f"over {masks} masks x {windows} windows); tau = 2E = {self.tau:.3g}; resolution "
@@ -439,7 +455,8 @@ class Tolerance:
                 f"{len(self.effects)} masks change one by more than tau, the least changes one by "
                 f"{min(self.effects):.3g})")
 
-    def compare(self, what: str, got, expected) -> None:
+    def compare(self, what: str, got: np.ndarray, expected: np.ndarray) -> None:
+        """Print how far ``got`` is from ``expected``; a failure if above tau."""
         diff = largest(got, expected)
         ok = diff <= self.tau
         print(f"  {what}: largest difference {diff:.3g} nats = {diff / self.tau if self.tau else 0:.2f} tau "
@@ -448,7 +465,8 @@ class Tolerance:
             self.failures.append(f"{what}: {diff:.3g} > tau {self.tau:.3g}")
 
 
-def reference_nll(folder: Path, masks, inputs, scored, args):
+def reference_nll(folder: Path, masks: list, inputs: torch.Tensor, scored: torch.Tensor, args: argparse.Namespace
+                  ) -> np.ndarray:
     """Each mask's window NLL by weight surgery on the model in the reference dtype (TF32 off: float32 products
     must be float32's, not 10-bit mantissas)."""
     import torch
@@ -462,7 +480,7 @@ def reference_nll(folder: Path, masks, inputs, scored, args):
     return out
 
 
-def check_shape(shape: Shape, args, rate: float, workdir: Path) -> Outcome:
+def check_shape(shape: Shape, args: argparse.Namespace, rate: float, workdir: Path) -> Outcome:
     """Build ``shape``, run every route, compare them and time them."""
     import numpy as np
     import torch
@@ -520,8 +538,9 @@ def check_shape(shape: Shape, args, rate: float, workdir: Path) -> Outcome:
     flops = len(grid) * args.windows * window_flops(config, args.window, args.window)
     peak = f"; peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else ""
     print(f"  seconds for {len(grid)} masks x {args.windows} windows of {args.window} tokens (best of "
-          f"{args.repeats}): hook loop {hook_s:.3f}, headsweep plain {plain_s:.3f}, reuse {reuse_s:.3f}; plain "
-          f"computes {flops / 1e12:.3f} TFLOP, {flops / plain_s / 1e12:.2f} TFLOP/s{peak}", flush=True)
+          f"{args.repeats}): hook loop {hook_s:.3f}, headsweep plain {plain_s:.3f}, reuse {reuse_s:.3f} (hook loop / "
+          f"reuse {hook_s / reuse_s:.2f}); plain computes {flops / 1e12:.3f} TFLOP, {flops / plain_s / 1e12:.2f} "
+          f"TFLOP/s{peak}", flush=True)
     for failure in tol.failures:
         print(f"  FAILED: {failure}", flush=True)
     return Outcome(shape.name, hook_s / plain_s, plain_s / reuse_s, flops / plain_s / rate, tol.failures)
@@ -539,7 +558,8 @@ def import_report() -> tuple[str, bool]:
     return line, not outside and not loaded
 
 
-def parse_args(argv: Sequence[str] | None):
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line, with the defaults of ``--tiny`` or of a real run filled in."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), help="check one shape (default: both)")
     parser.add_argument("--device", default="cuda")
@@ -569,6 +589,7 @@ def parse_args(argv: Sequence[str] | None):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the check; the exit status (0: every check held and nothing unneeded was imported)."""
     args = parse_args(argv)
     use_checkout()
     import torch
