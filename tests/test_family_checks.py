@@ -84,6 +84,35 @@ def test_bert_as_causal_lm(tmp_path, lm_files, tiny_bert_dir, ray_address):
                     "perplexity would mean nothing; set model.kind: hf_classifier to sweep it as a classifier")
 
 
+@pytest.mark.parametrize(("family", "config", "expected"), [
+    ("hf_classifier", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
+     "holds a causal language model (GPT2LMHeadModel), not a sequence classifier"),
+    ("hf_classifier", {"architectures": ["BertForMaskedLM"], "model_type": "bert"},
+     "holds a BertForMaskedLM, not a sequence classifier"),
+    ("hf_classifier", {"architectures": ["LlamaForSequenceClassification"], "model_type": "llama"}, None),
+    ("hf_classifier", {"model_type": "llama"}, None),  # no architectures: the weights check decides
+    ("hf_causal_lm", {"architectures": ["LlamaForSequenceClassification"], "model_type": "llama"},
+     "holds a sequence classifier (LlamaForSequenceClassification), not a causal LM"),
+    ("hf_causal_lm", {"architectures": ["RobertaForMaskedLM"], "model_type": "roberta"},
+     "holds a bidirectional encoder (RobertaForMaskedLM, model_type 'roberta')"),
+    ("hf_causal_lm", {"architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "is_encoder_decoder": True},
+     "holds an encoder-decoder model (T5ForConditionalGeneration)"),
+    ("hf_causal_lm", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, None),
+    ("hf_causal_lm", {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, None),
+])
+def test_architecture_check_reads_the_config(tmp_path, family, config, expected):
+    """The config check on its own, over architectures no tiny folder above has."""
+    from headsweep.errors import HeadsweepError
+    from headsweep.workers.families.hf_classifier.architecture import check_architecture
+
+    if expected is None:
+        check_architecture(tmp_path, config, family)
+        return
+    with pytest.raises(HeadsweepError) as caught:
+        check_architecture(tmp_path, config, family)
+    assert str(caught.value).startswith(f"{tmp_path} {expected}"), caught.value
+
+
 def test_model_folder_without_tokenizer(tmp_path, tiny_bert_dir, tiny_dev_tsv, ray_address):
     """Without its tokenizer files, transformers would build BERT's empty 5-token tokenizer (every word [UNK])."""
     bare = shutil.copytree(tiny_bert_dir, tmp_path / "no-tokenizer")
@@ -95,19 +124,22 @@ def test_model_folder_without_tokenizer(tmp_path, tiny_bert_dir, tiny_dev_tsv, r
                     "(tokenizer.save_pretrained)")
 
 
-def test_tokenizer_without_vocabulary(tmp_path, lm_files, ray_address):
+def test_tokenizer_without_vocabulary(tmp_path):
     """``model.tokenizer`` naming a folder whose vocabulary is gone: GPT-2's tokenizer class builds a tokenizer of
-    one token from tokenizer_config.json alone, which reads every text as no tokens at all."""
+    one token from tokenizer_config.json alone, which reads every text as no tokens at all. (In-process: the CLI
+    shows this line as it shows the one of a folder without tokenizer files.)"""
     from transformers import GPT2Tokenizer
 
-    _, llama, corpus = lm_files
+    from headsweep.errors import HeadsweepError
+    from headsweep.workers.families.hf_causal_lm.model import load_tokenizer
+
     folder = tmp_path / "tokenizer"
     folder.mkdir()
     (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": GPT2Tokenizer.__name__}))
-    config = write_config(tmp_path / "e.yaml", "hf_causal_lm", llama, corpus, model={"tokenizer": str(folder)})
-    line = refused(tmp_path, ray_address, config)
-    assert line.startswith(f"headsweep: error: the tokenizer in {folder} has no vocabulary (1 tokens, all special: ")
-    assert line.endswith("): its vocabulary files are missing (model.tokenizer)"), line
+    with pytest.raises(HeadsweepError) as caught:
+        load_tokenizer(str(folder), given=True)
+    assert str(caught.value) == (f"the tokenizer in {folder} has no vocabulary (1 tokens, all special: <|endoftext|>): "
+                                 "its vocabulary files are missing (model.tokenizer)")
 
 
 def with_unknown_words(lines: list[str], every: int = 2) -> list[str]:
