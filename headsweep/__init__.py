@@ -91,8 +91,9 @@ def run(config: str, overrides: Sequence[str] = (), store: str = "headsweep-stor
     With no ``address`` the sweep runs on an embedded local Ray instance, as ``headsweep run`` does.
     """
     from headsweep.results.store import ResultStore
-    from headsweep.sweep.config import load_config
+    from headsweep.sweep.config import check_data_files, load_config
     from headsweep.sweep.driver import Sweep
 
     cfg = load_config(config, list(overrides))
+    check_data_files(cfg)
     return Sweep(cfg, ResultStore(store), address=address, show_progress=show_progress).execute()
