@@ -66,15 +66,16 @@ class ResultStore:
     def local(self) -> bool:
         return isinstance(self.fs, pafs.LocalFileSystem)
 
-    def _info(self, path: str) -> pafs.FileInfo:
+    def _info(self, path: str, failure: str) -> pafs.FileInfo:
+        """``path``'s info; ``failure`` starts the error line when the filesystem cannot be reached."""
         try:
             return self.fs.get_file_info(path)
         except (OSError, pa.ArrowException) as exc:
-            raise HeadsweepError(f"cannot open store {self.uri}: {str(exc).splitlines()[0]}") from None
+            raise HeadsweepError(f"{failure}: {str(exc).splitlines()[0]}") from None
 
     def check_exists(self) -> None:
         """Refuse a store URI where nothing is (a typo) or a file is: a reader would show nothing and say nothing."""
-        kind = self._info(self.root).type
+        kind = self._info(self.root, f"cannot read store {self.uri}").type
         if kind == pafs.FileType.NotFound:
             raise HeadsweepError(f"no store at {self.uri}: nothing is there; give --store the folder a run wrote into "
                                  "(default: $HEADSWEEP_STORE, else ./headsweep-store)")
@@ -85,7 +86,7 @@ class ResultStore:
     def check_writable(self) -> None:
         """Fail with a one-line error now rather than after hours of compute, creating nothing: the store's folder
         is made by its first write, so a run refused before that leaves no empty folder behind."""
-        kind = self._info(self.root).type
+        kind = self._info(self.root, f"store {self.uri} is not writable").type
         if kind not in (pafs.FileType.Directory, pafs.FileType.NotFound):
             raise HeadsweepError(f"store {self.uri} is a file, not a folder: give --store a new folder or one a run "
                                  "wrote into")
@@ -221,7 +222,7 @@ class ResultStore:
         fail or read it as data; a run refuses such a store up front (one line naming the file) instead of
         writing beside it. Files of other kinds (notes) and hidden files are left alone.
         """
-        if self._info(self.root).type != pafs.FileType.Directory:
+        if self._info(self.root, f"cannot read store {self.uri}").type != pafs.FileType.Directory:
             return
         try:
             top = self.fs.get_file_info(pafs.FileSelector(self.root))
