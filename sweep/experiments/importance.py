@@ -12,6 +12,7 @@ kinds that order heads by them.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,11 +35,23 @@ def importance_data(cfg: Config) -> Any:
     return from_dict(model_family(cfg.model.kind).data_config, cfg.importance.data, "importance.data")
 
 
+FILE_KEYS = ("path", "source", "target", "data_bin")
+
+
+def _same_place(key: str, value: Any) -> Any:
+    """A file or folder named by a data key, as the file system knows it (a relative path, a link and the path
+    it points to are one place); other keys as written."""
+    if key in FILE_KEYS and isinstance(value, str) and "://" not in value:
+        return os.path.realpath(value)
+    return value
+
+
 def same_data_file(a: dict, b: Any) -> bool:
-    """Whether the data section ``a`` (a dict) names the same file as the typed data section ``b``."""
-    keys = ("path", "source", "target", "split")
-    mine = {k: a.get(k) for k in keys if a.get(k)}
-    theirs = {k: getattr(b, k, None) for k in keys if getattr(b, k, None)}
+    """Whether the data section ``a`` (a dict) names the same data as the typed data section ``b``: the same
+    files (by where they are, not how they are spelled) and, for binarised data, the same folder and split."""
+    keys = (*FILE_KEYS, "split")
+    mine = {k: _same_place(k, a.get(k)) for k in keys if a.get(k)}
+    theirs = {k: _same_place(k, getattr(b, k, None)) for k in keys if getattr(b, k, None)}
     return bool(mine) and mine == theirs
 
 

@@ -201,31 +201,20 @@ def _fairseq_bound() -> dict[str, int]:
     return dict(BOUND_SHAPE)
 
 
-# refuse_eval_data (sweep/experiments/importance.py) compares the data sections' path strings: the evaluation
-# file named by another path (relative to the working directory, or through a link) is taken for other data.
-# fairseq is refused all the same: its sections are compared by split name alone (data_bin is not compared).
-EVAL_SET_BY_ANOTHER_PATH = {
-    "test_evaluation_set_by_another_path_is_refused":
-        "refuse_eval_data compares path strings: the evaluation file named by a relative path is accepted as "
-        "importance.data / l0.data",
-}
-
 # Each transformers family runs one architecture with eager attention and one with SDPA.
 # The bound's shapes: layers (a decoder layer with two attentions counts twice) plus one for a classifier's
 # pooler and head or an LM head; the longest inner product (feed-forward size, at least the sequence length:
 # demo sentences stay under the classifiers' 64 positions, LM windows are 16 tokens).
 CASES: list[FamilyCase] = [
     FamilyCase("classifier-bert-eager", build_bert, {"depth": 2 + 1, "width": 64}, _exported_hf,
-               runtime={"batch_size": 16}, known_failures=EVAL_SET_BY_ANOTHER_PATH),
+               runtime={"batch_size": 16}),
     FamilyCase("classifier-distilbert-sdpa", build_distilbert, {"depth": 2 + 1, "width": 64}, _exported_hf,
-               runtime={"batch_size": 16}, known_failures=EVAL_SET_BY_ANOTHER_PATH),
+               runtime={"batch_size": 16}),
     FamilyCase("causal_lm-gqa-llama-sdpa", _lm_builder("llama_8q2kv", "sdpa", "hidden_size", "num_attention_heads",
                                                   "num_key_value_heads", qkv_bias=False),
-               {"depth": 2 + 1, "width": 64}, _exported_hf, runtime={"batch_size": 4},
-               known_failures=EVAL_SET_BY_ANOTHER_PATH),
+               {"depth": 2 + 1, "width": 64}, _exported_hf, runtime={"batch_size": 4}),
     FamilyCase("causal_lm-mha-gpt2-eager", _lm_builder("gpt2", "eager", "n_embd", "n_head", None, qkv_bias=True),
-               {"depth": 2 + 1, "width": 32}, _exported_hf, runtime={"batch_size": 4},
-               known_failures=EVAL_SET_BY_ANOTHER_PATH),
+               {"depth": 2 + 1, "width": 32}, _exported_hf, runtime={"batch_size": 4}),
     FamilyCase("translation-fairseq", build_fairseq, _fairseq_bound(), _exported_fairseq,
                runtime={"batch_size": 6, "max_tokens": 0, "loss": True}, exact_reuse=False,
                same_path=fairseq_unfused),
