@@ -199,7 +199,7 @@ def transformer_lens_grid(adapter, masks: list, device: str) -> list[float]:
     """The loop a TransformerLens 4 user writes: one forward per head, its ``hook_z`` zeroed by a hook."""
     import torch
     import torch.nn.functional as F
-    from transformer_lens.model_bridge import TransformerBridge
+    from transformer_lens.model_bridge import TransformerBridge  # pyright: ignore[reportMissingImports]  (optional)
 
     bridge = TransformerBridge.boot_transformers(str(adapter.model.name_or_path), device=device,
                                                  dtype=adapter.model.dtype, hf_model=adapter.model)
@@ -302,7 +302,7 @@ def main() -> None:
         print("TransformerLens: skipped (--skip-transformerlens)")
     else:
         try:
-            import transformer_lens  # noqa: F401
+            import transformer_lens  # noqa: F401  # pyright: ignore[reportMissingImports]  (optional)
         except ImportError as exc:
             print(f"TransformerLens: not run: {exc} (pip install transformer-lens==4.3.0 to compare)")
         else:
