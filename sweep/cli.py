@@ -252,10 +252,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from headsweep.results.query import format_table
-    from headsweep.results.store import ResultStore
     from headsweep.sweep.compare import compare_runs
 
-    correlations, overlap = compare_runs(ResultStore(args.store), args.run_a, args.run_b)
+    correlations, overlap = compare_runs(_existing_store(args.store), args.run_a, args.run_b)
     console.out(format_table(correlations, args.format))
     console.out(format_table(overlap, args.format))
     return 0

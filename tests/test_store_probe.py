@@ -192,7 +192,8 @@ def test_reading_commands_refuse_a_store_path_where_no_store_is(tmp_path):
     typo, file = tmp_path / "typo", tmp_path / "file.txt"
     file.write_text("not a store\n")
     calls = [(typo, ("runs",)), (typo, ("query", "SELECT 1")), (typo, ("status", "RUN")),
-             (typo, ("report", "RUN", "--out", str(tmp_path / "r"))), (file, ("runs",)), (file, ("status", "RUN"))]
+             (typo, ("report", "RUN", "--out", str(tmp_path / "r"))), (typo, ("compare", "RUN_A", "RUN_B")),
+             (file, ("runs",)), (file, ("status", "RUN"))]
     for where, args in calls:  # one at a time: commands running at once race on their shared log folder
         line = refused(run_cli(*args, "--store", str(where)))
         why = "nothing is there" if where == typo else "it is a file, not a store folder"
