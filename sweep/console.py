@@ -52,7 +52,6 @@ class Console:
     verbose: bool
     command: str
     log_path: Path | None = None
-    made_dir: bool = False  # the log's folder was created for this command (removed again if left empty)
     announce: bool = False  # the log's path was printed when the command started
     lock: threading.RLock = field(default_factory=threading.RLock)
     live: Any = None  # the progress bar on the terminal, cleared before a line is written above it
@@ -157,17 +156,16 @@ def log_dir(store: str | None) -> Path:
     return Path(cache) / "logs"
 
 
-def _open_log(command: str, store: str | None) -> tuple[Path, int, bool]:
-    """Create the command's log file (its path, descriptor, and whether its folder is new); falls back
-    to the temporary folder when the chosen one is not writable."""
+def _open_log(command: str, store: str | None) -> tuple[Path, int]:
+    """Create the command's log file (its path and descriptor); falls back to the temporary folder when the
+    chosen one is not writable."""
     stamp = f"{command}-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.log"
     errors = []
     for folder in (log_dir(store), Path(tempfile.gettempdir()) / "headsweep-logs"):
         try:
-            made = not folder.is_dir()
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / stamp
-            return path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), made
+            return path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as exc:
             errors.append(f"{folder}: {exc.strerror or exc}")
     raise OSError("; ".join(errors))
@@ -190,7 +188,7 @@ def setup(command: str, verbose: bool = False, store: str | None = None, announc
     console = Console(out=sys.stdout, err=sys.stderr, verbose=verbose, command=command)
     if not verbose:
         try:
-            path, log_fd, console.made_dir = _open_log(command, store)
+            path, log_fd = _open_log(command, store)
         except OSError as exc:
             verbose = console.verbose = True
             print(f"headsweep: warning: no log file for other libraries' messages ({exc}); they stay on the console",
@@ -314,8 +312,9 @@ def finish(name_log: bool = True) -> None:
     if _only_own_lines(console.log_path):
         with contextlib.suppress(OSError):
             console.log_path.unlink()
-            if console.made_dir:
-                console.log_path.parent.rmdir()
+            # headsweep's own log folder, left empty: whichever command ends last removes it, also when another
+            # command created it (commands running at once share it; rmdir refuses a folder still in use).
+            console.log_path.parent.rmdir()
         return
     if name_log:
         say(log_line(console.log_path))
