@@ -30,7 +30,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import common  # noqa: E402  (RESULT lines, smoke mode)
 
 from headsweep.workers.efficiency import Workload, measure, summary  # noqa: E402
-from headsweep.workers.families.hf_classifier.sites import find_sites  # noqa: E402
+from headsweep.workers.families.transformers.sites import find_sites  # noqa: E402
 from headsweep.workers.gates import HeadGates  # noqa: E402
 from headsweep.workers.pruning import prune_heads, ungated_copy  # noqa: E402
 

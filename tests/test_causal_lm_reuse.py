@@ -23,7 +23,7 @@ from headsweep.workers.families.hf_causal_lm import adapter as adapter_module
 from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.reuse import decoder_layout
-from headsweep.workers.families.hf_classifier.layout import attention_layout
+from headsweep.workers.families.transformers.layout import attention_layout
 from headsweep.workers.family import RuntimeOptions
 from headsweep.workers.heads import Head
 from headsweep.workers.replay import ReuseUnsupported

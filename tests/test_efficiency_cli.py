@@ -16,7 +16,7 @@ from headsweep.sweep.config import build_config, load_config
 from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.sweep.export import export_pruned
 from headsweep.workers.families.hf_classifier.pruning import load_pruned
-from headsweep.workers.families.hf_classifier.sites import find_sites
+from headsweep.workers.families.transformers.sites import find_sites
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 

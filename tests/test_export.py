@@ -20,7 +20,7 @@ from headsweep.results.store import ResultStore
 from headsweep.sweep.config import load_config
 from headsweep.sweep.export import choose, export_pruned
 from headsweep.workers.families.hf_classifier.pruning import load_pruned, save_pruned
-from headsweep.workers.families.hf_classifier.sites import find_sites
+from headsweep.workers.families.transformers.sites import find_sites
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.pruning import count_parameters, prune_heads, site_inventory

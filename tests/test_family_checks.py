@@ -103,7 +103,7 @@ def test_bert_as_causal_lm(tmp_path, lm_files, tiny_bert_dir, ray_address):
 def test_architecture_check_reads_the_config(tmp_path, family, config, expected):
     """The config check on its own, over architectures no tiny folder above has."""
     from headsweep.errors import HeadsweepError
-    from headsweep.workers.families.hf_classifier.architecture import check_architecture
+    from headsweep.workers.families.transformers.architecture import check_architecture
 
     if expected is None:
         check_architecture(tmp_path, config, family)

@@ -10,7 +10,7 @@ from tiny_models import random_batch, tiny_classifier, zeroed_copy
 from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.families.hf_classifier.sites import find_sites
+from headsweep.workers.families.transformers.sites import find_sites
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from tiny_models import tiny_float64_bert, zeroed_copy
 
-from headsweep.workers.families.hf_classifier.sites import find_sites
 from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches
+from headsweep.workers.families.transformers.sites import find_sites
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.importance import gate_gradients, gradient_importance, normalize_by_layer, rank_heads

@@ -27,8 +27,8 @@ from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.workers.families.fairseq_translation.adapter import load_translation
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 from headsweep.workers.families.hf_causal_lm.sites import find_sites as causal_sites
-from headsweep.workers.families.hf_classifier.sites import find_sites as classifier_sites
 from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches
+from headsweep.workers.families.transformers.sites import find_sites as classifier_sites
 from headsweep.workers.family import LossBatch, LossBatches, RuntimeOptions
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.lrp import lrp_relevance, lrp_rules, top_logit_batch

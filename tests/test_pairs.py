@@ -25,7 +25,7 @@ from headsweep.sweep.interactions import interaction_bootstrap
 from headsweep.sweep.report import write_report
 from headsweep.sweep.significance import adjust_pvalues, paired_bootstrap, resample_counts
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout
-from headsweep.workers.families.hf_classifier.sites import find_sites
+from headsweep.workers.families.transformers.sites import find_sites
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.metrics import accuracy_from_stats, bleu_from_stats, perplexity_from_stats

@@ -35,7 +35,7 @@ from headsweep.workers.families.fairseq_translation.pruning import PRUNED_KEY
 from headsweep.workers.families.hf_classifier.adapter import load_classifier
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 from headsweep.workers.families.hf_classifier.pruning import EmptyDistilBertAttention, EmptySelfAttention
-from headsweep.workers.families.hf_classifier.sites import find_sites
+from headsweep.workers.families.transformers.sites import find_sites
 from headsweep.workers.family import RuntimeOptions
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.head_slicing import plan_slice

@@ -17,7 +17,7 @@ from headsweep.workers.batch_budget import CPU_ACTIVATION_BYTES, masks_per_forwa
 from headsweep.workers.families.hf_classifier.adapter import load_classifier
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout
-from headsweep.workers.families.hf_classifier.sites import find_sites
+from headsweep.workers.families.transformers.sites import find_sites
 from headsweep.workers.family import RuntimeOptions
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head

@@ -39,7 +39,7 @@ from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoi
 from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
 from headsweep.workers.families.hf_classifier.model import resolve_positions
-from headsweep.workers.families.hf_classifier.tokenizer import count_unknown
+from headsweep.workers.families.transformers.tokenizer import count_unknown
 from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head

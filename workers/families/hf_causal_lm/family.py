@@ -39,7 +39,7 @@ class CausalLMFamily(ModelFamily):
 
     def owns(self, model: nn.Module) -> bool:
         """A bare model is this family's when all its attention modules have decoder layouts (llama, gpt2)."""
-        from headsweep.workers.families.hf_classifier.layout import only_layouts
+        from headsweep.workers.families.transformers.layout import only_layouts
 
         return only_layouts(self.find_sites(model), {"llama", "gpt2"})
 

@@ -16,10 +16,10 @@ from torch import nn
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_causal_lm.config import CausalLMModel
-from headsweep.workers.families.hf_classifier.architecture import CAUSAL_LM, check_architecture, check_loaded_weights
 from headsweep.workers.families.hf_classifier.model import resolve_model_dir
-from headsweep.workers.families.hf_classifier.model_files import check_model_files
-from headsweep.workers.families.hf_classifier.tokenizer import load_tokenizer as load_tokenizer_from
+from headsweep.workers.families.transformers.architecture import CAUSAL_LM, check_architecture, check_loaded_weights
+from headsweep.workers.families.transformers.model_files import check_model_files
+from headsweep.workers.families.transformers.tokenizer import load_tokenizer as load_tokenizer_from
 from headsweep.workers.family import MaskOutput
 from headsweep.workers.heads import Head
 from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot

@@ -50,7 +50,7 @@ from headsweep.workers.families.hf_causal_lm.model import (
     target_nll,
 )
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
-from headsweep.workers.families.hf_classifier.tokenizer import count_unknown
+from headsweep.workers.families.transformers.tokenizer import count_unknown
 from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head

@@ -1,6 +1,6 @@
 """Physical head pruning of decoder-only LMs with grouped-query attention, and pruned ``save_pretrained`` folders.
 
-Supported layouts (:mod:`headsweep.workers.families.hf_classifier.layout`): Llama-style attention with separate
+Supported layouts (:mod:`headsweep.workers.families.transformers.layout`): Llama-style attention with separate
 ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3), GPT-2
 (one ``Conv1D`` ``c_attn`` holding q, k and v, and ``c_proj``; both keep their weight as ``(in, out)``) and
 GPTBigCode (an ``nn.Linear`` ``c_attn``; multi-query or not). The rule is
@@ -45,8 +45,8 @@ from torch import nn
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_causal_lm.sites import find_sites
-from headsweep.workers.families.hf_classifier.layout import AttentionLayout, attention_layout
 from headsweep.workers.families.hf_classifier.pruning import PRUNED_HEADS_KEY, rebuild_pruned, sites_to_prune
+from headsweep.workers.families.transformers.layout import AttentionLayout, attention_layout
 from headsweep.workers.gates import AttentionSite
 from headsweep.workers.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
 from headsweep.workers.heads import Head, SiteKey

@@ -14,7 +14,7 @@ input of every attention output projection (the per-head contexts), plus the bas
 
 Masks with the same first layer share one forward pass (the window batch repeated once per mask).
 
-Layouts (:mod:`headsweep.workers.families.hf_classifier.layout`): Llama-style attention (Llama, Mistral, Qwen2,
+Layouts (:mod:`headsweep.workers.families.transformers.layout`): Llama-style attention (Llama, Mistral, Qwen2,
 Qwen3, ...) and GPT-2 / GPTBigCode, whose decoder layers form one ``nn.ModuleList``, return a tensor, and whose
 attention module returns ``(output projection's output, weights)``. Recording checks all of that on the model
 itself, and the first masked pass is compared bit for bit with the whole gated model (:meth:`PrefixReuse.verify`);
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from headsweep.workers.families.hf_classifier.layout import attention_layout
+from headsweep.workers.families.transformers.layout import attention_layout
 from headsweep.workers.gates import AttentionSite, HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.replay import (

@@ -1,6 +1,6 @@
 """Attention sites of a causal LM, and which query heads share a key/value head.
 
-The sites are the transformers layouts of :mod:`headsweep.workers.families.hf_classifier.layout`
+The sites are the transformers layouts of :mod:`headsweep.workers.families.transformers.layout`
 (Llama-style ``o_proj``, GPT-2 / GPTBigCode ``c_proj``); the gates act on the output projection's
 input, one slice of ``head_dim`` features per query head.
 """
@@ -11,8 +11,8 @@ from torch import nn
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_causal_lm.model import SUPPORTED
-from headsweep.workers.families.hf_classifier.layout import attention_layout
-from headsweep.workers.families.hf_classifier.sites import find_sites as find_transformers_sites
+from headsweep.workers.families.transformers.layout import attention_layout
+from headsweep.workers.families.transformers.sites import find_sites as find_transformers_sites
 from headsweep.workers.gates import AttentionSite
 
 

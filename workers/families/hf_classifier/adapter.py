@@ -27,9 +27,9 @@ from headsweep.workers.families.hf_classifier.config import ClassifierData, Clas
 from headsweep.workers.families.hf_classifier.data import findings, label_ids, read_examples
 from headsweep.workers.families.hf_classifier.model import load_hf_model, max_positions, resolve_max_length
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout
-from headsweep.workers.families.hf_classifier.sites import find_sites
-from headsweep.workers.families.hf_classifier.tokenizer import count_unknown
 from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches
+from headsweep.workers.families.transformers.sites import find_sites
+from headsweep.workers.families.transformers.tokenizer import count_unknown
 from headsweep.workers.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head

@@ -31,13 +31,13 @@ class ClassifierFamily(ModelFamily):
         return LoadedClassifier(*load_hf_model(model_cfg, "cpu"))
 
     def find_sites(self, model: nn.Module) -> list[AttentionSite]:
-        from headsweep.workers.families.hf_classifier.sites import find_sites
+        from headsweep.workers.families.transformers.sites import find_sites
 
         return find_sites(model)
 
     def owns(self, model: nn.Module) -> bool:
         """A bare model is this family's when all its attention modules have encoder layouts (bert, distilbert)."""
-        from headsweep.workers.families.hf_classifier.layout import only_layouts
+        from headsweep.workers.families.transformers.layout import only_layouts
 
         return only_layouts(self.find_sites(model), {"bert", "distilbert"})
 

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.families.hf_classifier.architecture import CLASSIFIER, check_architecture, check_loaded_weights
 from headsweep.workers.families.hf_classifier.config import DEFAULT_MAX_LENGTH, ClassifierModel
-from headsweep.workers.families.hf_classifier.model_files import check_model_files
 from headsweep.workers.families.hf_classifier.pruning import PRUNED_HEADS_KEY, load_pruned
-from headsweep.workers.families.hf_classifier.tokenizer import load_tokenizer
+from headsweep.workers.families.transformers.architecture import CLASSIFIER, check_architecture, check_loaded_weights
+from headsweep.workers.families.transformers.model_files import check_model_files
+from headsweep.workers.families.transformers.tokenizer import load_tokenizer
 from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot
 
 # What to do about a model folder without a usable tokenizer (the classifier's tokenizer lives in its folder).

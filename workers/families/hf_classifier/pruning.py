@@ -1,7 +1,7 @@
 """Physical head pruning of transformers encoders, and pruned ``save_pretrained`` folders.
 
 Supported: BERT-family encoders (BERT, RoBERTa, ELECTRA, MiniLM) and DistilBERT, in the layouts
-of :mod:`headsweep.workers.families.hf_classifier.layout`: rows of W_Q, W_K, W_V and columns of
+of :mod:`headsweep.workers.families.transformers.layout`: rows of W_Q, W_K, W_V and columns of
 W_O go (:mod:`headsweep.workers.head_slicing`), and a module that loses every head is replaced by
 one that computes no attention and adds only W_O's bias. Decoder-only models with grouped-query
 attention are refused for now. The generic part (dispatch, parameter counts, ungated copies) is
@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.families.hf_classifier.layout import AttentionLayout, attention_layout
-from headsweep.workers.families.hf_classifier.sites import find_sites
+from headsweep.workers.families.transformers.layout import AttentionLayout, attention_layout
+from headsweep.workers.families.transformers.sites import find_sites
 from headsweep.workers.gates import AttentionSite
 from headsweep.workers.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
 from headsweep.workers.heads import Head, SiteKey

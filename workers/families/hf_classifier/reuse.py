@@ -13,7 +13,7 @@ whose first gated layer is l then runs the model's own forward with
 Masks that share a first layer share one forward pass (the batch repeated once per mask).
 Baseline states are kept between calls within a memory budget (:class:`headsweep.workers.replay.BaselineCache`).
 
-Layouts handled (:mod:`headsweep.workers.families.hf_classifier.layout`): BERT, RoBERTa, ELECTRA,
+Layouts handled (:mod:`headsweep.workers.families.transformers.layout`): BERT, RoBERTa, ELECTRA,
 MiniLM and DistilBERT, whose layers form one ``nn.ModuleList`` and return a tensor. Anything
 else is evaluated with the plain path; :func:`classifier_layout` says why.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from headsweep.workers.families.hf_classifier.layout import attention_layout
+from headsweep.workers.families.transformers.layout import attention_layout
 from headsweep.workers.gates import AttentionSite, HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.replay import (

@@ -1,7 +1,7 @@
 """Find the attention modules of a transformers model and their output projections.
 
 The layouts recognised (BERT family, DistilBERT, Llama-style decoders, GPT-2 and GPTBigCode) are
-described once, in :mod:`headsweep.workers.families.hf_classifier.layout`.
+described once, in :mod:`headsweep.workers.families.transformers.layout`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.families.hf_classifier.layout import attention_layout, projection_inputs
+from headsweep.workers.families.transformers.layout import attention_layout, projection_inputs
 from headsweep.workers.gates import AttentionSite
 
 
