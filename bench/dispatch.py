@@ -135,8 +135,8 @@ SLEEP = ModelFamily("dispatch:SLEEP", TrivialModel, SleepData, "dispatch:SleepTa
 def child(n_units: int, examples: int, workers: int, store: str) -> dict:
     """One sweep of ``n_units`` single-head evaluations in this process; its timing and peak RSS."""
     from headsweep.results.store import ResultStore
-    from headsweep.sweep.config import build_config
-    from headsweep.sweep.driver import Sweep
+    from headsweep.sweep.configuration.config import build_config
+    from headsweep.sweep.run.driver import Sweep
 
     cfg = build_config({
         "model": {"kind": "dispatch:TRIVIAL", "heads": n_units - 1},
@@ -175,7 +175,7 @@ def pool_case(workers: int, n: int, sleep: float, log_dir: Path) -> dict:
     """``n`` units straight through ``WorkerPool.stream``: the dispatch rule alone."""
     import ray
 
-    from headsweep.sweep.dispatch import WorkerPool, units_per_call
+    from headsweep.sweep.run.dispatch import WorkerPool, units_per_call
     from headsweep.workers.actor import EvalWorker
     from headsweep.workers.work import WorkUnit
 
@@ -200,8 +200,8 @@ def sweep_case(workers: int, n: int, sleep: float, log_dir: Path, store: str) ->
     from collections import Counter
 
     from headsweep.results.store import ResultStore
-    from headsweep.sweep.config import build_config
-    from headsweep.sweep.driver import Sweep
+    from headsweep.sweep.configuration.config import build_config
+    from headsweep.sweep.run.driver import Sweep
 
     cfg = build_config({
         "model": {"kind": "dispatch:SLEEP", "heads": n - 1},

@@ -65,7 +65,7 @@ sys.path.insert(0, str(BENCH))
 import common  # noqa: E402  (RESULT lines, smoke mode)
 import multi30k_translation as m30k  # noqa: E402  (Multi30k data, SentencePiece model, training cache)
 
-from headsweep.sweep.dispatch import units_per_call  # noqa: E402  (the driver's masks per call)
+from headsweep.sweep.run.dispatch import units_per_call  # noqa: E402  (the driver's masks per call)
 
 SST2 = common.DATA / "sst2"
 try:

@@ -50,7 +50,7 @@ def main() -> None:
     import torch
     from scipy import stats
 
-    from headsweep.sweep.pruning import level_masks
+    from headsweep.sweep.pruning.levels import level_masks
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
     from headsweep.workers.family import RuntimeOptions

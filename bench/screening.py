@@ -9,7 +9,7 @@ accuracy, paired bootstrap for BLEU, corrected over the grid) that the screened 
 
 One screened run is one draw of the subset. The rates are measured too, not assumed: the full run's stored
 per-example statistics, at ``--draws`` other random subsets (other seeds), go through the same rule
-(``headsweep.sweep.screening.verdicts``); a subset's statistics are the full evaluation's at those positions,
+(``headsweep.sweep.run.screening.verdicts``); a subset's statistics are the full evaluation's at those positions,
 which ``tests/test_screening.py`` checks for every family. Reported per model: the mean share of heads screened
 out, the expected number of the full run's significant heads screened out, and the share of draws that miss
 at least one.
@@ -110,8 +110,8 @@ def screening_rates(store_path: Path, full_id: str, significant: set[str], cfg: 
     import numpy as np
 
     import headsweep
-    from headsweep.sweep.screening import ScreenSettings, verdicts
-    from headsweep.sweep.significance import paired_bootstrap
+    from headsweep.sweep.run.screening import ScreenSettings, verdicts
+    from headsweep.sweep.statistics.significance import paired_bootstrap
     from headsweep.workers.metrics import metric_by_name
 
     with headsweep.open_store(str(store_path)) as store:

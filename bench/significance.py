@@ -1,4 +1,4 @@
-"""Benchmark: sacrebleu's paired bootstrap vs headsweep.sweep.significance.paired_bootstrap.
+"""Benchmark: sacrebleu's paired bootstrap vs headsweep.sweep.statistics.significance.paired_bootstrap.
 
 A head-ablation grid of a 6+6-layer, 16-head translation model has 288 ablated
 systems, each tested against the baseline with a 1000-resample paired bootstrap
@@ -30,7 +30,7 @@ from sacrebleu.significance import PairedTest
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 import common  # noqa: E402  (RESULT lines, smoke mode)
 
-_sig = importlib.import_module("headsweep.sweep.significance")
+_sig = importlib.import_module("headsweep.sweep.statistics.significance")
 bleu_from_stats = _sig.bleu_from_stats
 paired_bootstrap = _sig.paired_bootstrap
 

@@ -609,7 +609,7 @@ def main() -> None:
 
     from grid_speed import PeakRSS, mib, run_grid
 
-    from headsweep.sweep.dispatch import units_per_call
+    from headsweep.sweep.run.dispatch import units_per_call
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
 
     sources, references = read_test(args.max_examples)

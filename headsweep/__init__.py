@@ -91,8 +91,8 @@ def run(config: str, overrides: Sequence[str] = (), store: str = "headsweep-stor
     With no ``address`` the sweep runs on an embedded local Ray instance, as ``headsweep run`` does.
     """
     from headsweep.results.store import ResultStore
-    from headsweep.sweep.config import check_data_files, load_config
-    from headsweep.sweep.driver import Sweep
+    from headsweep.sweep.configuration.config import check_data_files, load_config
+    from headsweep.sweep.run.driver import Sweep
 
     cfg = load_config(config, list(overrides))
     check_data_files(cfg)

@@ -1,5 +1,5 @@
 """``python -m headsweep``: the same as the ``headsweep`` command."""
 
-from headsweep.sweep.cli import main
+from headsweep.sweep.terminal.cli import main
 
 raise SystemExit(main())

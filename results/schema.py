@@ -80,7 +80,7 @@ TABLES: dict[str, pa.Schema] = {
             ("seconds", pa.float64()),
             ("worker", pa.string()),
             ("finished_at", pa.timestamp("us", tz="UTC")),
-            # sweep.screen (headsweep.sweep.screening): screened_out (this row is the subset's) or completed;
+            # sweep.screen (headsweep.sweep.run.screening): screened_out (this row is the subset's) or completed;
             # the subset's size and its confidence interval for the delta. Null when the run did not screen.
             ("screen", pa.string()),
             ("screen_examples", pa.int64()),
@@ -190,7 +190,8 @@ TABLES: dict[str, pa.Schema] = {
     ),
     # The pairs experiment: one row per checkpoint and pair of heads i < j (model order), the interaction
     # delta_ij - delta_i - delta_j in the metric's units with its paired bootstrap over the four evaluations
-    # (headsweep.sweep.interactions); excess_harm is the interaction in the direction "pair hurts more than the sum".
+    # (headsweep.sweep.statistics.interactions); excess_harm is the interaction in the direction "pair hurts more
+    # than the sum".
     "interactions": pa.schema(
         [
             ("eval_id", pa.string()),

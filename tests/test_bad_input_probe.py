@@ -19,7 +19,7 @@ from conftest import REPO, error_line, run_cli
 from test_bad_data import ROWS, classifier_config, listing, runs, write_rows
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.config import Config, build_config, check_data_files
+from headsweep.sweep.configuration.config import Config, build_config, check_data_files
 from headsweep.sweep.experiments.prune_level import check_min_heads
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
 from headsweep.workers.families.hf_classifier.data import label_ids

@@ -14,9 +14,9 @@ from conftest import run_cli
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
-from headsweep.sweep.config import build_config
+from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.demo.sentiment import generate, write_tsv
-from headsweep.sweep.plan import by_importance
+from headsweep.sweep.run.plan import by_importance
 from headsweep.workers.heads import Head
 from headsweep.workers.work import WorkUnit
 

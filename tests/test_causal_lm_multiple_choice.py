@@ -24,8 +24,8 @@ from tiny_models import LM_SPECIALS, LM_WORDS, save_tiny_causal_lm, tiny_causal_
 from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep import significance_runner
-from headsweep.sweep.sections import SignificanceSection
+from headsweep.sweep.configuration.sections import SignificanceSection
+from headsweep.sweep.statistics import significance_runner
 from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoiceAdapter, read_questions

@@ -16,7 +16,7 @@ from tiny_models import build_lm_tokenizer, lm_text, save_tiny_causal_lm, zeroed
 from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.significance_runner import raw_tests
+from headsweep.sweep.statistics.significance_runner import raw_tests
 from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.data import plan_windows

@@ -217,9 +217,9 @@ def test_bad_input_is_one_line(tmp_path, lm_files, ray_address):
 
 
 def test_kv_group_on_a_model_without_grouped_heads_says_so():
-    from headsweep.sweep.config import build_config
-    from headsweep.sweep.experiments.context import Context
+    from headsweep.sweep.configuration.config import build_config
     from headsweep.sweep.experiments.kv_group import KV_GROUP, UNGROUPED
+    from headsweep.sweep.run.context import Context
     from headsweep.workers.family import DatasetInfo
     from headsweep.workers.heads import HeadInventory, LayerShape
 

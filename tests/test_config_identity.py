@@ -8,7 +8,7 @@ import hashlib
 
 import pytest
 
-from headsweep.sweep.config import build_config
+from headsweep.sweep.configuration.config import build_config
 
 CLS = {"model": {"kind": "hf_classifier", "path": "/models/bert"}, "data": {"path": "/data/dev.tsv"}}
 LM = {"model": {"kind": "hf_causal_lm", "path": "/models/llama"}, "data": {"path": "/data/wiki.txt", "window": 64}}

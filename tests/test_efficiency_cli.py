@@ -12,9 +12,9 @@ from tolerances import assert_routes_agree
 from headsweep.errors import HeadsweepError
 from headsweep.results.query import run_query
 from headsweep.results.store import ResultStore
-from headsweep.sweep.config import build_config, load_config
+from headsweep.sweep.configuration.config import build_config, load_config
 from headsweep.sweep.demo.sentiment import generate, write_tsv
-from headsweep.sweep.export import export_pruned
+from headsweep.sweep.pruning.export import export_pruned
 from headsweep.workers.families.hf_classifier.pruning import load_pruned
 from headsweep.workers.families.transformers.sites import find_sites
 from headsweep.workers.gates import HeadGates

@@ -8,7 +8,7 @@ from conftest import REPO, run_cli
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
-from headsweep.sweep.config import build_config
+from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.experiments import KINDS, Experiment, register, schedule
 from headsweep.workers.work import WorkUnit
 
@@ -81,7 +81,7 @@ def test_the_registry_names_the_kinds_and_orders_them():
 
 def test_a_registered_kind_runs_without_editing_the_driver(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv,
                                                           test_kinds):
-    from headsweep.sweep.driver import Sweep
+    from headsweep.sweep.run.driver import Sweep
 
     first_heads, tally = test_kinds
     first_heads.planned_before.clear()

@@ -17,8 +17,8 @@ from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
-from headsweep.sweep.config import load_config
-from headsweep.sweep.export import choose, export_pruned
+from headsweep.sweep.configuration.config import load_config
+from headsweep.sweep.pruning.export import choose, export_pruned
 from headsweep.workers.families.hf_classifier.pruning import load_pruned, save_pruned
 from headsweep.workers.families.transformers.sites import find_sites
 from headsweep.workers.gates import HeadGates

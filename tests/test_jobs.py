@@ -28,7 +28,7 @@ from conftest import run_cli
 from headsweep.errors import HeadsweepError
 from headsweep.results.query import run_query
 from headsweep.results.store import ResultStore
-from headsweep.sweep import jobs
+from headsweep.sweep.cluster import jobs
 
 HEAD_START_TIMEOUT_S = 90
 JOB_TIMEOUT_S = 150
@@ -284,13 +284,13 @@ def test_bundle_keeps_the_include_layout(job_config, tmp_path):
 def _cli_has_submit() -> bool:
     import argparse
 
-    from headsweep.sweep.cli import build_parser
+    from headsweep.sweep.terminal.cli import build_parser
 
     # argparse keeps its subcommands in a private action type; there is no public accessor.
     return any(isinstance(a, argparse._SubParsersAction) and "submit" in a.choices for a in build_parser()._actions)
 
 
-@pytest.mark.skipif(not _cli_has_submit(), reason="`headsweep submit` is not wired into sweep/cli.py yet")
+@pytest.mark.skipif(not _cli_has_submit(), reason="`headsweep submit` is not wired into sweep/terminal/cli.py yet")
 def test_cli_submit_status_and_query(ray_head, job_config, tmp_path):
     store = tmp_path / "cli-store"
     proc = run_cli("submit", str(job_config), "--address", ray_head, "--store", str(store), timeout=120)

@@ -263,8 +263,8 @@ def test_store_is_on_shared_storage_in_every_pod():
 
 
 def test_rayjob_runs_headsweep_on_a_known_cluster_with_a_mounted_config():
-    from headsweep.sweep.cli import build_parser
-    from headsweep.sweep.config import build_config
+    from headsweep.sweep.configuration.config import build_config
+    from headsweep.sweep.terminal.cli import build_parser
 
     jobs = _of_kind("RayJob")
     assert jobs

@@ -311,7 +311,7 @@ def test_two_lambda_tune_run_through_the_cli_with_a_killed_trial(tmp_path, ray_a
     # The pruning view: both curves at the same numbers of heads masked (0 and 8 of 8 here).
     from headsweep.results.query import run_query
     from headsweep.results.store import ResultStore
-    from headsweep.sweep.report import write_report
+    from headsweep.sweep.reporting.report import write_report
 
     curve = run_query(ResultStore(str(store)), "SELECT method, scope, n_masked, l0_lambda, score FROM pruning "
                       "ORDER BY method, n_masked").to_pylist()
@@ -463,7 +463,7 @@ def l0_cfg(dev, **l0):
     ({"closing": "majority"}, "l0.closing"),
 ])
 def test_bad_l0_configs_are_refused_in_one_line(l0, words):
-    from headsweep.sweep.config import build_config
+    from headsweep.sweep.configuration.config import build_config
 
     with pytest.raises(HeadsweepError, match=words.replace("(", r"\(")) as err:
         build_config(l0_cfg("dev.tsv", **l0))

@@ -70,11 +70,11 @@ def test_lower_layers_never_import_the_driver():
 def test_import_checker_sees_a_forbidden_import(tmp_path):
     """The check above can fail: a workers-side file importing the driver is reported."""
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from headsweep.sweep.driver import Sweep\n")
-    assert imports_of("headsweep.workers.bad", bad, top_level_only=False) >= {"headsweep.sweep.driver"}
+    bad.write_text("def f():\n    from headsweep.sweep.run.driver import Sweep\n")
+    assert imports_of("headsweep.workers.bad", bad, top_level_only=False) >= {"headsweep.sweep.run.driver"}
     rel = tmp_path / "rel.py"
     rel.write_text("from ..sweep import plan\n")
-    assert "headsweep.sweep.plan" in imports_of("headsweep.workers.rel", rel, top_level_only=True)
+    assert "headsweep.sweep.run.plan" in imports_of("headsweep.workers.rel", rel, top_level_only=True)
 
 
 def test_no_import_circles():
@@ -128,7 +128,7 @@ def test_the_package_tree_links_the_top_level_folders():
         link = REPO / "headsweep" / folder
         assert link.is_symlink(), f"{link} must be a symbolic link to ../{folder}"
         assert Path(link.readlink()) == Path("..") / folder, link.readlink()
-    code = ("import headsweep.sweep.cli as c, headsweep.workers.gates as g, headsweep.results.store as s; "
+    code = ("import headsweep.sweep.terminal.cli as c, headsweep.workers.gates as g, headsweep.results.store as s; "
             "print(c.__file__, g.__file__, s.__file__)")
     for cwd in (REPO, REPO / "tests"):
         out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,
@@ -155,7 +155,7 @@ def test_installed_distribution_has_one_top_level_name(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"headsweep"}, tops
-    for module in ("headsweep/sweep/driver.py", "headsweep/workers/actor.py", "headsweep/results/store.py",
+    for module in ("headsweep/sweep/run/driver.py", "headsweep/workers/actor.py", "headsweep/results/store.py",
                    "headsweep/errors.py"):
         assert module in names
 
@@ -168,7 +168,7 @@ def test_python_dash_m_headsweep():
 def test_the_driver_imports_neither_torch_nor_scipy_stats():
     """Every ``headsweep`` command starts a driver: torch (2 s) and scipy.stats (1 s) load in the workers and the
     significance tasks that use them, not in every CLI start."""
-    code = ("import sys; import headsweep.sweep.cli, headsweep.sweep.driver, headsweep.sweep.experiments; "
+    code = ("import sys; import headsweep.sweep.terminal.cli, headsweep.sweep.run.driver, headsweep.sweep.experiments; "
             "print(sorted(m for m in ('torch', 'scipy.stats', 'transformers', 'fairseq') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr

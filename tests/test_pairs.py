@@ -18,12 +18,12 @@ from tolerances import assert_routes_agree
 from headsweep.errors import HeadsweepError
 from headsweep.results.query import run_query
 from headsweep.results.store import ResultStore
-from headsweep.sweep.config import build_config
+from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.experiments import schedule
 from headsweep.sweep.experiments.pairs import pairs_of
-from headsweep.sweep.interactions import interaction_bootstrap
-from headsweep.sweep.report import write_report
-from headsweep.sweep.significance import adjust_pvalues, paired_bootstrap, resample_counts
+from headsweep.sweep.reporting.report import write_report
+from headsweep.sweep.statistics.interactions import interaction_bootstrap
+from headsweep.sweep.statistics.significance import adjust_pvalues, paired_bootstrap, resample_counts
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout
 from headsweep.workers.families.transformers.sites import find_sites
 from headsweep.workers.gates import HeadGates

@@ -24,10 +24,10 @@ from tiny_models import random_batch, tiny_classifier, zeroed_copy
 from tolerances import assert_routes_agree, max_difference, route_bound
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.config import build_config
+from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.demo.sentiment import generate, write_tsv
-from headsweep.sweep.export import export_pruned
-from headsweep.sweep.pruning import level_masks
+from headsweep.sweep.pruning.export import export_pruned
+from headsweep.sweep.pruning.levels import level_masks
 from headsweep.workers.efficiency import measure_task
 from headsweep.workers.families.fairseq_translation.adapter import load_translation
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel

@@ -7,8 +7,8 @@ import yaml
 from conftest import error_line, run_cli
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.config import load_config
-from headsweep.sweep.placement import NodeResources, check_placement, workers_per_node
+from headsweep.sweep.cluster.placement import NodeResources, check_placement, workers_per_node
+from headsweep.sweep.configuration.config import load_config
 
 
 def config(tmp_path, **sweep):

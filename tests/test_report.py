@@ -15,8 +15,8 @@ from small_store import LEVELS, small_store
 
 from headsweep.results.query import run_query
 from headsweep.results.store import ResultStore
-from headsweep.sweep import figures
-from headsweep.sweep.config import load_config
+from headsweep.sweep.configuration.config import load_config
+from headsweep.sweep.reporting import figures
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,7 @@ def test_a_run_whose_driver_lives_is_never_resumed_by_a_second_driver():
     import pytest
 
     from headsweep.errors import HeadsweepError
-    from headsweep.sweep.driver import STALE_AFTER_S, refuse_if_live
+    from headsweep.sweep.run.driver import STALE_AFTER_S, refuse_if_live
 
     def row(driver: str, age_s: float, status: str = "running") -> dict:
         return {"run_id": "r1", "status": status, "facts": json.dumps({"driver": driver}),
@@ -107,7 +107,7 @@ def test_resumed_pruning_levels_follow_the_importance_the_run_stored(tmp_path, t
 
     import pyarrow.parquet as pq
 
-    from headsweep.sweep.pruning import level_masks
+    from headsweep.sweep.pruning.levels import level_masks
     from headsweep.workers.heads import Head, HeadInventory
 
     train = write_tsv(generate(60, seed=11), tmp_path / "train.tsv")

@@ -23,9 +23,9 @@ from conftest import error_line, run_cli
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
-from headsweep.sweep.config import build_config
-from headsweep.sweep.screening import ScreenSettings, complement, joined, verdicts
-from headsweep.sweep.significance import adjust_pvalues
+from headsweep.sweep.configuration.config import build_config
+from headsweep.sweep.run.screening import ScreenSettings, complement, joined, verdicts
+from headsweep.sweep.statistics.significance import adjust_pvalues
 from headsweep.workers.example_subset import at_positions
 from headsweep.workers.heads import Head
 

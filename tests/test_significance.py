@@ -1,4 +1,4 @@
-"""Tests for headsweep.sweep.significance, each against an independent route (sacrebleu,
+"""Tests for headsweep.sweep.statistics.significance, each against an independent route (sacrebleu,
 scipy, or arithmetic done by hand), never the code against itself."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from sacrebleu.metrics import BLEU
 from sacrebleu.significance import PairedTest, _bootstrap_resample
 from scipy import stats as sps
 
-from headsweep.sweep.significance import (
+from headsweep.sweep.statistics.significance import (
     TestResult,
     accuracy_from_stats,
     adjust_pvalues,

@@ -152,9 +152,9 @@ def test_stopped_runs_keep_their_baseline(tmp_path, ray_address, tiny_bert_dir, 
 
 def test_a_row_written_when_the_run_ends_drops_the_live_progress(tmp_path, tiny_bert_dir, tiny_dev_tsv):
     """A heartbeat's snapshot (written only after a minute of running) is not left in the final row."""
-    from headsweep.sweep.chunks import ChunkWriter
-    from headsweep.sweep.config import build_config
-    from headsweep.sweep.runs import RunRecord, now
+    from headsweep.sweep.configuration.config import build_config
+    from headsweep.sweep.run.chunks import ChunkWriter
+    from headsweep.sweep.run.runs import RunRecord, now
     from headsweep.workers.family import DatasetInfo
     from headsweep.workers.heads import HeadInventory
 

@@ -317,7 +317,7 @@ def test_bad_syntax_config_is_one_line_and_writes_nothing(tmp_path, noun_bert, r
 
 
 def test_syntax_keys_are_checked():
-    from headsweep.sweep.sections import RolesSection
+    from headsweep.sweep.configuration.sections import RolesSection
 
     with pytest.raises(HeadsweepError, match=r"^roles.parser must be spacy \(or unset\), got 'stanza'$"):
         RolesSection(parser="stanza").check()

@@ -30,7 +30,7 @@ from tiny_fairseq import (
 from tolerances import assert_routes_agree, max_difference, route_bound
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.config import load_config
+from headsweep.sweep.configuration.config import load_config
 from headsweep.workers.families.fairseq_translation.adapter import load_translation
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 from headsweep.workers.families.fairseq_translation.sites import find_fairseq_sites, gate_fairseq_model

@@ -20,7 +20,7 @@ from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
-from headsweep.sweep.config import load_config
+from headsweep.sweep.configuration.config import load_config
 from headsweep.workers.families.fairseq_translation.adapter import batch_tokens, load_translation, token_batches
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 from headsweep.workers.family import DEFAULT_MAX_TOKENS, RuntimeOptions

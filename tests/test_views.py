@@ -132,7 +132,7 @@ def test_the_deltas_view_takes_each_metric_primary_test_from_one_mapping():
     import duckdb
 
     from headsweep.results.views import DELTAS, OTHER_METRICS_TEST, PRIMARY_TEST, primary_test_sql
-    from headsweep.sweep.significance_runner import DEFAULT_TESTS
+    from headsweep.sweep.statistics.significance_runner import DEFAULT_TESTS
 
     assert primary_test_sql("e.metric") in DELTAS
     for metric, test in PRIMARY_TEST.items():

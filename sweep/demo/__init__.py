@@ -2,7 +2,7 @@
 
 Trains a small model on generated data (cached after the first run), sweeps its heads on a
 local Ray instance, writes the results store, prints what a user would look at first and writes
-the report of the runs (``headsweep.sweep.report``).
+the report of the runs (``headsweep.sweep.reporting.report``).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 
 from headsweep.results.query import format_table, run_query
 from headsweep.results.store import ResultStore
-from headsweep.sweep import console
-from headsweep.sweep.config import build_config
-from headsweep.sweep.driver import Sweep, log
-from headsweep.sweep.progress import Progress
-from headsweep.sweep.report import write_report
+from headsweep.sweep.configuration.config import build_config
+from headsweep.sweep.reporting.report import write_report
+from headsweep.sweep.run.driver import Sweep, log
+from headsweep.sweep.terminal import console
+from headsweep.sweep.terminal.progress import Progress
 
 DEMO_VERSION = "v1"
 

@@ -1,7 +1,7 @@
 """Experiment kinds: one module each, registered by name; the order a run runs them in.
 
 The contract is :class:`~headsweep.sweep.experiments.base.Experiment`; what a kind sees of the
-run is a :class:`~headsweep.sweep.experiments.context.Context`. The built-in kinds are
+run is a :class:`~headsweep.sweep.run.context.Context`. The built-in kinds are
 registered below in the order they run when nothing else decides it; ``register(kind)`` adds
 another, and ``sweep.experiments`` may also name a kind defined outside headsweep as
 ``package.module:ATTRIBUTE`` (an ``Experiment`` instance, importable on the driver; on the workers
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from headsweep.errors import HeadsweepError
 from headsweep.plugins import load_plugin
 from headsweep.results.schema import TABLES
+from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.all_but_one import ALL_BUT_ONE
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.experiments.baseline import BASELINE
@@ -33,11 +34,10 @@ from headsweep.sweep.experiments.pairs import PAIRS
 from headsweep.sweep.experiments.prune_level import PRUNE_LEVEL
 from headsweep.sweep.experiments.roles import ROLES
 from headsweep.sweep.experiments.single_head import SINGLE_HEAD
-from headsweep.sweep.plan import attention_types
-from headsweep.sweep.sections import Config
+from headsweep.sweep.run.plan import attention_types
 
 if TYPE_CHECKING:  # the context brings Ray and the worker pool; reading a config needs neither
-    from headsweep.sweep.experiments.context import Context
+    from headsweep.sweep.run.context import Context
 
 __all__ = ["KINDS", "Experiment", "Phase", "experiment_kind", "experiments_of", "register", "schedule", "validate"]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.plan import attention_types
+from headsweep.sweep.run.plan import attention_types
 from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:
-    from headsweep.sweep.experiments.context import Context
+    from headsweep.sweep.run.context import Context
 
 
 class AllButOne(Experiment):

@@ -8,7 +8,7 @@ from headsweep.sweep.experiments.base import Experiment
 from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:
-    from headsweep.sweep.experiments.context import Context
+    from headsweep.sweep.run.context import Context
 
 UNIT = WorkUnit("baseline", "baseline", ())
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.sections import Config
 from headsweep.workers.heads import Head
 from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:
-    from headsweep.sweep.experiments.context import Context
+    from headsweep.sweep.run.context import Context
 
 
 class Custom(Experiment):

@@ -1,7 +1,7 @@
 """``efficiency``: the full model and the model with a mask's heads physically removed, timed side by side.
 
 The mask is ``efficiency.mask`` (head names) or a stored evaluation's (``efficiency.level`` or
-``efficiency.eval_id``, of this run or of ``efficiency.from_run``: ``headsweep.sweep.stored_masks``).
+``efficiency.eval_id``, of this run or of ``efficiency.from_run``: ``headsweep.sweep.pruning.masks``).
 The timing runs in a worker (``headsweep.workers.efficiency.efficiency_on_worker``) and lands
 in the ``efficiency`` table, one row per model and batch size.
 """
@@ -12,14 +12,14 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.progress import step
-from headsweep.sweep.sections import Config
-from headsweep.sweep.stored_masks import efficiency_mask, explicit_mask
+from headsweep.sweep.pruning.masks import efficiency_mask, explicit_mask
+from headsweep.sweep.terminal.progress import step
 from headsweep.workers.heads import Head
 
 if TYPE_CHECKING:
-    from headsweep.sweep.experiments.context import Context
+    from headsweep.sweep.run.context import Context
 
 
 class Efficiency(Experiment):

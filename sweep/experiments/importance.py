@@ -4,7 +4,7 @@
 (``headsweep.workers.importance.importance_on_worker``); ``lrp`` each head's share of the relevance of the
 top-1 logit on ``importance.data`` (Voita et al. sec. 4; ``headsweep.workers.lrp``); ``ablation`` takes the
 harm of each head's single-head ablation in this run (or in ``importance.from_run``): minus the delta where the metric's
-higher is better, the delta where lower is (perplexity), see ``headsweep.sweep.pruning.ablation_importance``.
+higher is better, the delta where lower is (perplexity), see ``headsweep.sweep.pruning.levels.ablation_importance``.
 The scores (normalised per layer or raw, as configured) are left in ``ctx.shared["importance"]`` for the
 kinds that order heads by them.
 """
@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.configuration.sections import Config, from_dict
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.progress import step
-from headsweep.sweep.pruning import ablation_importance
-from headsweep.sweep.sections import Config, from_dict
+from headsweep.sweep.pruning.levels import ablation_importance
+from headsweep.sweep.terminal.progress import step
 from headsweep.workers.family import model_family
 from headsweep.workers.heads import Head
 
 if TYPE_CHECKING:
-    from headsweep.sweep.experiments.context import Context
+    from headsweep.sweep.run.context import Context
 
 SHARED_KEY = "importance"
 

@@ -14,12 +14,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.plan import attention_types
+from headsweep.sweep.run.plan import attention_types
 from headsweep.workers.heads import Head
 from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:
-    from headsweep.sweep.experiments.context import Context
+    from headsweep.sweep.run.context import Context
 
 logger = logging.getLogger(__name__)  # headsweep's logger: its warnings reach the terminal
 

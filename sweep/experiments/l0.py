@@ -32,18 +32,18 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.dispatch import log
+from headsweep.sweep.configuration.sections import Config, from_dict
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.experiments.importance import refuse_eval_data
 from headsweep.sweep.experiments.prune_level import prune_scope_name
-from headsweep.sweep.plan import check_attention_types
-from headsweep.sweep.sections import Config, from_dict
+from headsweep.sweep.run.dispatch import log
+from headsweep.sweep.run.plan import check_attention_types
 from headsweep.workers.family import RuntimeOptions, model_family
 from headsweep.workers.heads import Head
 from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:
-    from headsweep.sweep.experiments.context import Context
+    from headsweep.sweep.run.context import Context
 
 EVAL_EXPERIMENT = "l0_gates"
 
@@ -174,7 +174,9 @@ class L0Gates(Experiment):
         """Run (or restore and finish) the Tune experiment of this context; its results by lambda."""
         from ray import tune
 
-        from headsweep.sweep.ray_session import resolve_device  # imports the config module, which imports the kinds
+        from headsweep.sweep.cluster.ray_session import (
+            resolve_device,  # imports the config module, which imports the kinds
+        )
         from headsweep.workers.l0_training import L0Job, L0Settings, l0_trainable
 
         cfg, l0, s = ctx.cfg, ctx.cfg.l0, ctx.cfg.sweep

@@ -7,7 +7,7 @@ evaluation (eval id ``pairs/<head>,<head>``, experiment ``pairs``, tested agains
 mask); the single-head evaluations the pairs need are planned too (``single_head/<head>``, the
 ``single_head`` kind's units) unless this run evaluates them already. Then every pair's interaction is
 tested with a paired bootstrap over the four evaluations resampled together
-(``headsweep.sweep.interactions``), adjusted over the pairs of one model with ``significance.correction``,
+(``headsweep.sweep.statistics.interactions``), adjusted over the pairs of one model with ``significance.correction``,
 and written to ``interactions``. The number of pairs is printed before the run; more than
 ``pairs.max_pairs`` is refused before anything is written.
 """
@@ -22,19 +22,19 @@ import numpy as np
 import pyarrow.dataset as ds
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.dispatch import log
+from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.experiments.single_head import SINGLE_HEAD, single_head_unit
-from headsweep.sweep.interactions import interaction_bootstrap
-from headsweep.sweep.plan import attention_types
-from headsweep.sweep.sections import Config
-from headsweep.sweep.significance import adjust_pvalues
+from headsweep.sweep.run.dispatch import log
+from headsweep.sweep.run.plan import attention_types
+from headsweep.sweep.statistics.interactions import interaction_bootstrap
+from headsweep.sweep.statistics.significance import adjust_pvalues
 from headsweep.workers.heads import Head
 from headsweep.workers.metrics import metric_by_name
 from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:
-    from headsweep.sweep.experiments.context import Context
+    from headsweep.sweep.run.context import Context
 
 RANKED = ("importance", "single_head")
 

@@ -2,7 +2,7 @@
 
 Heads are ordered by the scores ``importance`` left in ``ctx.shared`` (or re-estimated under the
 current mask before each step with ``prune.reestimate``); the masks come from
-``headsweep.sweep.pruning``. One evaluation per level, eval id ``prune_level/<scope>/<p>``.
+``headsweep.sweep.pruning.levels``. One evaluation per level, eval id ``prune_level/<scope>/<p>``.
 """
 
 from __future__ import annotations
@@ -10,17 +10,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.experiments.importance import SHARED_KEY, importance_data
-from headsweep.sweep.plan import check_attention_types
-from headsweep.sweep.progress import step
-from headsweep.sweep.pruning import iterative_level_masks, level_masks
-from headsweep.sweep.sections import Config
+from headsweep.sweep.pruning.levels import iterative_level_masks, level_masks
+from headsweep.sweep.run.plan import check_attention_types
+from headsweep.sweep.terminal.progress import step
 from headsweep.workers.heads import Head, HeadInventory
 from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:
-    from headsweep.sweep.experiments.context import Context
+    from headsweep.sweep.run.context import Context
 
 
 def prune_scope_name(attention: list[str] | None) -> str:

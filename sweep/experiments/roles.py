@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.configuration.sections import Config, from_dict
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.progress import step
-from headsweep.sweep.sections import Config, from_dict
+from headsweep.sweep.terminal.progress import step
 from headsweep.workers.family import model_family
 
 if TYPE_CHECKING:
-    from headsweep.sweep.experiments.context import Context
+    from headsweep.sweep.run.context import Context
 
 FACT = "roles"
 DICTIONARY = "dictionary"

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.plan import attention_types
+from headsweep.sweep.run.plan import attention_types
 from headsweep.workers.heads import Head
 from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:
-    from headsweep.sweep.experiments.context import Context
+    from headsweep.sweep.run.context import Context
 
 
 def single_head_unit(h: Head) -> WorkUnit:

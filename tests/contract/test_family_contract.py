@@ -36,9 +36,9 @@ from tolerances import assert_routes_agree, route_bound
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.config import build_config
-from headsweep.sweep.export import MANIFEST, export_pruned
-from headsweep.sweep.sections import from_dict
+from headsweep.sweep.configuration.config import build_config
+from headsweep.sweep.configuration.sections import from_dict
+from headsweep.sweep.pruning.export import MANIFEST, export_pruned
 from headsweep.workers.family import EvalAdapter, MaskOutput, RuntimeOptions, model_family
 from headsweep.workers.gates import AttentionSite
 from headsweep.workers.heads import Head, HeadInventory

@@ -39,8 +39,9 @@ RESTART_WAIT_S = 120.0
 
 
 def log(message: str) -> None:
-    """One of the driver's status lines on stderr (above the live progress line; see ``headsweep.sweep.console``)."""
-    from headsweep.sweep.console import say
+    """One of the driver's status lines on stderr (above the live progress line; see
+    ``headsweep.sweep.terminal.console``)."""
+    from headsweep.sweep.terminal.console import say
 
     say(message)
 

@@ -1,7 +1,7 @@
 """``headsweep export``: a copy of a sweep's model with heads physically removed.
 
 The model is the config's ``model`` section; the heads are a mask given by name, or the mask
-of a stored run's pruning level or evaluation (``headsweep.sweep.stored_masks``). Loading,
+of a stored run's pruning level or evaluation (``headsweep.sweep.pruning.masks``). Loading,
 pruning and saving are the model family's (``headsweep.workers.family.ModelFamily``): for a
 transformers classifier, a ``save_pretrained`` directory whose ``config.pruned_heads`` lists the
 removed heads (load it with ``headsweep.load_pruned``); for a fairseq translation model,
@@ -21,8 +21,8 @@ from pathlib import Path
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
-from headsweep.sweep.config import Config
-from headsweep.sweep.stored_masks import MaskChoice, explicit_mask, stored_mask
+from headsweep.sweep.configuration.config import Config
+from headsweep.sweep.pruning.masks import MaskChoice, explicit_mask, stored_mask
 from headsweep.workers.family import model_family
 from headsweep.workers.heads import HeadInventory, site_order
 from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot

@@ -16,7 +16,7 @@ when the pair hurts more than the sum.
 The test is a paired bootstrap over the per-example sufficient statistics of the four evaluations,
 resampled *together*: every resample draws one set of example indices and scores all four
 evaluations on it (corpus score from the summed resampled statistics, exactly as
-``headsweep.sweep.significance.paired_bootstrap`` does; same ``resample_counts`` for the same seed),
+``headsweep.sweep.statistics.significance.paired_bootstrap`` does; same ``resample_counts`` for the same seed),
 so the interaction of resample r is computed from four scores of the same pseudo-corpus. The
 p-value and CI follow ``paired_bootstrap``'s conventions (sacrebleu's): two-sided on centred
 absolute values, ``p = (#{r : |I_r| - mean|I_r| > |I|} + 1) / (R + 1)``, percentile interval with
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from headsweep.sweep.significance import CorpusScore, _ci_indices, resample_counts
+from headsweep.sweep.statistics.significance import CorpusScore, _ci_indices, resample_counts
 
 __all__ = ["InteractionResult", "interaction_bootstrap", "resampled_scores"]
 

@@ -16,15 +16,15 @@ from typing import Any
 import numpy as np
 
 from headsweep.results.store import ResultStore
-from headsweep.sweep.budget import BudgetReached, SessionBudget
-from headsweep.sweep.chunks import ChunkWriter
-from headsweep.sweep.dispatch import WorkerPool, units_per_call
-from headsweep.sweep.plan import by_importance, unique, with_prefix
-from headsweep.sweep.progress import Progress
-from headsweep.sweep.runs import RunRecord
-from headsweep.sweep.screening import SCREENED_EXPERIMENTS, ScreenSettings, joined, screen
-from headsweep.sweep.sections import Config
-from headsweep.sweep.significance_runner import SignificanceTracker
+from headsweep.sweep.configuration.sections import Config
+from headsweep.sweep.run.budget import BudgetReached, SessionBudget
+from headsweep.sweep.run.chunks import ChunkWriter
+from headsweep.sweep.run.dispatch import WorkerPool, units_per_call
+from headsweep.sweep.run.plan import by_importance, unique, with_prefix
+from headsweep.sweep.run.runs import RunRecord
+from headsweep.sweep.run.screening import SCREENED_EXPERIMENTS, ScreenSettings, joined, screen
+from headsweep.sweep.statistics.significance_runner import SignificanceTracker
+from headsweep.sweep.terminal.progress import Progress
 from headsweep.workers.family import DatasetInfo
 from headsweep.workers.heads import HeadInventory
 from headsweep.workers.work import WorkUnit
@@ -56,7 +56,7 @@ class Context:
     tracker: SignificanceTracker | None = None
     budget: SessionBudget | None = None  # sweep.budget, shared by the contexts of one session
     # sweep.screen: eval ids screened out (this session's and a resumed run's), screening columns of the
-    # completed ones (for their full rows). See headsweep.sweep.screening.
+    # completed ones (for their full rows). See headsweep.sweep.run.screening.
     screened: set[str] = field(default_factory=set)
     screen_notes: dict[str, dict] = field(default_factory=dict)
     # completed masks' subset outputs, with the subset's and the rest's positions, until the rest lands
@@ -164,7 +164,7 @@ class Context:
 
     def say_screened(self, n_out: int, n_screened: int, subset: int, rule: str) -> None:
         """The screening pass's one status line (``rule``: the rule and its cut, as the user reads it)."""
-        from headsweep.sweep.console import say
+        from headsweep.sweep.terminal.console import say
 
         say(f"screening ({rule}): {n_out} of {n_screened} masks screened out on {subset} of {self.info.n_examples} "
             f"examples; {n_screened - n_out} go on to the rest")

@@ -11,7 +11,7 @@ import traceback
 from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep import console
+from headsweep.sweep.terminal import console
 
 if TYPE_CHECKING:
     from headsweep.results.store import ResultStore
@@ -145,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from headsweep.results.store import ResultStore
-    from headsweep.sweep.config import check_data_files, load_config
-    from headsweep.sweep.driver import Sweep
+    from headsweep.sweep.configuration.config import check_data_files, load_config
+    from headsweep.sweep.run.driver import Sweep
 
     overrides = list(args.overrides)
     if args.workers is not None:
@@ -199,14 +199,14 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from headsweep.sweep.status import status_lines
+    from headsweep.sweep.run.status import status_lines
 
     console.out("\n".join(status_lines(_existing_store(args.store), args.run_id)))
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from headsweep.sweep.report import default_report_dir, write_report
+    from headsweep.sweep.reporting.report import default_report_dir, write_report
 
     store = _existing_store(args.store)
     console.out(write_report(store, args.run_ids, args.out or default_report_dir(args.run_ids)))
@@ -214,7 +214,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from headsweep.sweep import jobs
+    from headsweep.sweep.cluster import jobs
 
     if not args.address:
         raise HeadsweepError("submit needs --address http://HEAD:8265 (or $RAY_API_SERVER_ADDRESS)")
@@ -230,7 +230,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    from headsweep.sweep import jobs
+    from headsweep.sweep.cluster import jobs
 
     if not args.address:
         raise HeadsweepError("jobs needs --address http://HEAD:8265 (or $RAY_API_SERVER_ADDRESS)")
@@ -252,7 +252,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from headsweep.results.query import format_table
-    from headsweep.sweep.compare import compare_runs
+    from headsweep.sweep.reporting.compare import compare_runs
 
     correlations, overlap = compare_runs(_existing_store(args.store), args.run_a, args.run_b)
     console.out(format_table(correlations, args.format))
@@ -262,8 +262,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from headsweep.results.store import ResultStore
-    from headsweep.sweep.config import load_config
-    from headsweep.sweep.export import export_pruned
+    from headsweep.sweep.configuration.config import load_config
+    from headsweep.sweep.pruning.export import export_pruned
 
     cfg = load_config(args.config, list(args.overrides))
     mask = args.mask.replace(",", " ").split() if args.mask is not None else None

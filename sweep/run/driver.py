@@ -1,9 +1,9 @@
 """The sweep driver: starts workers, runs the experiment kinds of the config, records the run.
 
 What is evaluated comes from the experiment kinds (``headsweep.sweep.experiments``), phase by
-phase; the worker pool (``headsweep.sweep.dispatch``) keeps a small window of calls in flight
-per actor; results are written in chunks as they land (``headsweep.sweep.chunks``) and tested
-for significance, and the run's row in ``runs`` says how far it got (``headsweep.sweep.runs``).
+phase; the worker pool (``headsweep.sweep.run.dispatch``) keeps a small window of calls in flight
+per actor; results are written in chunks as they land (``headsweep.sweep.run.chunks``) and tested
+for significance, and the run's row in ``runs`` says how far it got (``headsweep.sweep.run.runs``).
 """
 
 from __future__ import annotations
@@ -21,14 +21,15 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.schema import COMPLETE, FAILED, INTERRUPTED, PARTIAL, RUNNING
 from headsweep.results.store import ResultStore
 from headsweep.sweep import experiments
-from headsweep.sweep.budget import BudgetReached, SessionBudget
-from headsweep.sweep.chunks import ChunkWriter
-from headsweep.sweep.dispatch import WorkerPool, log, unwrap, wait_until_placed
-from headsweep.sweep.experiments.context import Context
+from headsweep.sweep.cluster.placement import alive_nodes, check_placement
+from headsweep.sweep.cluster.ray_session import init_ray, resolve_device
+from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.single_head import SINGLE_HEAD
-from headsweep.sweep.placement import alive_nodes, check_placement
-from headsweep.sweep.ray_session import init_ray, resolve_device
-from headsweep.sweep.runs import (
+from headsweep.sweep.run.budget import BudgetReached, SessionBudget
+from headsweep.sweep.run.chunks import ChunkWriter
+from headsweep.sweep.run.context import Context
+from headsweep.sweep.run.dispatch import WorkerPool, log, unwrap, wait_until_placed
+from headsweep.sweep.run.runs import (
     STALE_AFTER_S,
     RunRecord,
     StoredResults,
@@ -39,9 +40,8 @@ from headsweep.sweep.runs import (
     screened_out,
     stored_results,
 )
-from headsweep.sweep.screening import ScreenSettings
-from headsweep.sweep.sections import Config
-from headsweep.sweep.significance_runner import tests_for
+from headsweep.sweep.run.screening import ScreenSettings
+from headsweep.sweep.statistics.significance_runner import tests_for
 from headsweep.workers.actor import EvalWorker
 from headsweep.workers.checks import model_heads_on_worker
 from headsweep.workers.family import DatasetInfo, RuntimeOptions, model_family

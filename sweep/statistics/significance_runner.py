@@ -17,8 +17,8 @@ import ray
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.results.views import shown_test
-from headsweep.sweep.sections import SignificanceSection
-from headsweep.sweep.significance import (
+from headsweep.sweep.configuration.sections import SignificanceSection
+from headsweep.sweep.statistics.significance import (
     TestResult,
     mcnemar_exact,
     paired_bootstrap,

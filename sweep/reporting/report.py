@@ -22,7 +22,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.query import connect
 from headsweep.results.schema import SCHEMA_VERSION
 from headsweep.results.store import ResultStore
-from headsweep.sweep import figures, report_roles
+from headsweep.sweep.reporting import figures, report_roles
 
 TOP_HEADS = 10
 # Baselines of two runs closer than this are the same model on the same data.

@@ -1,6 +1,6 @@
 """Sweep configuration files: YAML, includes, ``key=value`` overrides, validation.
 
-The sections and their types are in ``headsweep.sweep.sections``; the ``model`` and ``data``
+The sections and their types are in ``headsweep.sweep.configuration.sections``; the ``model`` and ``data``
 sections are typed by ``model.kind`` (see ``headsweep.workers.family``). A config file may name
 others to start from with ``include: [file, ...]`` (paths relative to the including file);
 later files and the overrides win. Which names ``sweep.experiments`` accepts, and what each
@@ -17,11 +17,7 @@ from typing import Any
 import yaml
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.experiments import KINDS, experiments_of
-from headsweep.sweep.experiments.importance import IMPORTANCE, importance_data
-from headsweep.sweep.experiments.l0 import L0, l0_data
-from headsweep.sweep.experiments.roles import ROLES, roles_data
-from headsweep.sweep.sections import (
+from headsweep.sweep.configuration.sections import (
     Config,
     EfficiencySection,
     ImportanceSection,
@@ -34,6 +30,10 @@ from headsweep.sweep.sections import (
     coerce,
     from_dict,
 )
+from headsweep.sweep.experiments import KINDS, experiments_of
+from headsweep.sweep.experiments.importance import IMPORTANCE, importance_data
+from headsweep.sweep.experiments.l0 import L0, l0_data
+from headsweep.sweep.experiments.roles import ROLES, roles_data
 from headsweep.workers.family import builtin_families, model_family
 
 

@@ -7,8 +7,8 @@ import os
 import ray
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep import console
-from headsweep.sweep.config import Config
+from headsweep.sweep.configuration.config import Config
+from headsweep.sweep.terminal import console
 
 
 def init_ray(address: str | None, cfg: Config) -> None:

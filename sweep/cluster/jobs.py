@@ -241,7 +241,7 @@ def submit(
     Returns:
         The Ray job (submission) id.
     """
-    from headsweep.sweep.config import load_config
+    from headsweep.sweep.configuration.config import load_config
 
     _check_store(store)
     if workers is not None and workers < 1:

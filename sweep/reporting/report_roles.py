@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from matplotlib.figure import Figure
 from scipy.stats import spearmanr
 
-from headsweep.sweep import figures
+from headsweep.sweep.reporting import figures
 
 # Short cell labels: positional heads by offset, rare-word heads, syntactic heads by relation.
 ROLE_CODES = {"rare_words": "R"}

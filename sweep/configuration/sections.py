@@ -4,7 +4,7 @@ A config is a tree of dataclasses. :func:`from_dict` builds one from a mapping a
 unknown keys, naming the key and the keys that are allowed, because a misspelt key that is
 silently ignored runs the wrong sweep for hours. Each section checks its own values
 (``check()``); checks that need several sections or the experiment kinds of the run live in
-``headsweep.sweep.config`` and in the kinds (``headsweep.sweep.experiments``).
+``headsweep.sweep.configuration.config`` and in the kinds (``headsweep.sweep.experiments``).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class SweepSection:
     wait_for_resources: bool = False
     order: str = "planned"  # or "importance": masks of the most important heads first (importance runs first)
     budget: dict | None = None  # {"evaluations": N} or {"minutes": M}: stop cleanly, run marked partial
-    # {} (futility rule) or {"equivalence": E}: single-head masks screened on a subset first (sweep/screening.py)
+    # {} (futility rule) or {"equivalence": E}: single-head masks screened on a subset first (sweep/run/screening.py)
     screen: dict | None = None
 
     def batching(self) -> dict[str, int]:
@@ -113,7 +113,7 @@ class SweepSection:
                 raise HeadsweepError(f"sweep.budget.{key} must be a positive number, got {value!r}")
             if key == "evaluations" and value != int(value):
                 raise HeadsweepError(f"sweep.budget.evaluations must be a whole number, got {value!r}")
-        from headsweep.sweep.screening import check_screen  # numpy and the tests: only when the section is checked
+        from headsweep.sweep.run.screening import check_screen  # numpy and the tests: only when the section is checked
 
         check_screen(self.screen)
 

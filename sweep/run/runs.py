@@ -21,9 +21,9 @@ import numpy as np
 from headsweep.errors import HeadsweepError
 from headsweep.results.schema import COMPLETE, RUN_STATUSES, RUNNING, SCHEMA_VERSION
 from headsweep.results.store import ResultStore
-from headsweep.sweep.chunks import ChunkWriter
-from headsweep.sweep.sections import Config
-from headsweep.sweep.version import code_version
+from headsweep.sweep.configuration.sections import Config
+from headsweep.sweep.run.chunks import ChunkWriter
+from headsweep.sweep.run.version import code_version
 from headsweep.workers.family import DatasetInfo
 
 # A running run's row is rewritten this often; a driver on another host whose row is older than

@@ -53,14 +53,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.progress import Progress
-from headsweep.sweep.significance import paired_bootstrap
+from headsweep.sweep.statistics.significance import paired_bootstrap
+from headsweep.sweep.terminal.progress import Progress
 from headsweep.workers.family import MaskOutput
 from headsweep.workers.metrics import metric_by_name
 from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:
-    from headsweep.sweep.experiments.context import Context
+    from headsweep.sweep.run.context import Context
 
 SCREENED_EXPERIMENTS = ("single_head",)
 SCREENED_OUT, COMPLETED = "screened_out", "completed"

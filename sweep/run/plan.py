@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.sections import Config
+from headsweep.sweep.configuration.sections import Config
 from headsweep.workers.heads import Head, HeadInventory
 from headsweep.workers.work import WorkUnit
 

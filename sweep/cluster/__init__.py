@@ -1,0 +1,1 @@
+"""The cluster: the Ray session, worker placement, and cluster jobs."""

@@ -1,0 +1,1 @@
+"""Configuration: YAML files, overrides, the typed sections and the config reader."""

@@ -1,0 +1,1 @@
+"""Pruned models: pruning levels, masks chosen from stored runs, and exporting a pruned model."""

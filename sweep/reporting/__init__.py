@@ -1,0 +1,1 @@
+"""Reporting: the HTML report, its figures, and run comparisons."""

@@ -1,0 +1,1 @@
+"""Statistics: significance tests, the per-run significance families, pairwise interactions."""

@@ -1,0 +1,1 @@
+"""The terminal: the CLI, its console lines and progress display."""
