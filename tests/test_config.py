@@ -6,7 +6,8 @@ import pytest
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.config import apply_overrides, build_config, load_config, read_yaml
-from headsweep.sweep.configuration.sections import SignificanceSection, SweepSection, settings_changed
+from headsweep.sweep.configuration.reader import settings_changed
+from headsweep.sweep.configuration.sections import SignificanceSection, SweepSection
 
 
 def test_include_overrides_and_relative_paths(tmp_path):

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.configuration.reader import coerce, from_dict
 from headsweep.sweep.configuration.sections import (
     Config,
     EfficiencySection,
@@ -27,8 +28,6 @@ from headsweep.sweep.configuration.sections import (
     RolesSection,
     SignificanceSection,
     SweepSection,
-    coerce,
-    from_dict,
 )
 from headsweep.sweep.experiments import KINDS, experiments_of
 from headsweep.sweep.experiments.importance import IMPORTANCE, importance_data

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.configuration.sections import Config, from_dict
+from headsweep.sweep.configuration.reader import from_dict
+from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.pruning.levels import ablation_importance
 from headsweep.sweep.terminal.progress import step

@@ -32,7 +32,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.configuration.sections import Config, from_dict
+from headsweep.sweep.configuration.reader import from_dict
+from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.experiments.importance import refuse_eval_data
 from headsweep.sweep.experiments.prune_level import prune_scope_name

@@ -37,7 +37,7 @@ from torch import nn
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.config import build_config
-from headsweep.sweep.configuration.sections import from_dict
+from headsweep.sweep.configuration.reader import from_dict
 from headsweep.sweep.pruning.export import MANIFEST, export_pruned
 from headsweep.workers.family import EvalAdapter, MaskOutput, RuntimeOptions, model_family
 from headsweep.workers.gates import AttentionSite
