@@ -70,18 +70,12 @@ def open_store(uri: str = "headsweep-store") -> Store:
 def load_pruned(path: str):
     """A transformers model exported by ``headsweep export`` with its heads physically removed.
 
-    Classifiers and causal LMs alike: ``config.json`` names the architecture, and the family that
-    exported it rebuilds it.
+    Classifiers and causal LMs alike: each built-in model family is asked whether the folder is one it
+    exports (``config.json`` names the architecture), and that family rebuilds it.
     """
-    import json
-    from pathlib import Path
+    from headsweep.workers.registry import family_of_export
 
-    architectures = json.loads((Path(path) / "config.json").read_text()).get("architectures") or [""]
-    if architectures[0].endswith(("ForCausalLM", "LMHeadModel")):
-        from headsweep.workers.families.hf_causal_lm.pruning import load_pruned as _load
-    else:
-        from headsweep.workers.families.hf_classifier.pruning import load_pruned as _load
-    return _load(path)
+    return family_of_export(path).load_exported(path)
 
 
 def run(config: str, overrides: Sequence[str] = (), store: str = "headsweep-store", address: str | None = None,

@@ -24,13 +24,13 @@ from headsweep.workers.families.hf_causal_lm.pruning import (
     GroupedKVProjection,
     load_pruned,
     prune_causal_lm_heads,
-    save_pruned,
 )
 from headsweep.workers.families.hf_causal_lm.sites import find_sites, kv_groups
-from headsweep.workers.family import model_family
+from headsweep.workers.families.transformers.pruning import save_pruned
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.pruning import count_parameters, prune_heads
+from headsweep.workers.registry import model_family
 
 SHAPES = ["llama_8q2kv", "qwen2_14q2kv", "llama_mqa_4q1kv", "gpt2", "gpt_bigcode_mqa"]
 HEAD_DIM = 4  # tiny_causal_lm's default
@@ -301,7 +301,7 @@ def test_bare_models_find_their_family(shape, tmp_path):
     from tiny_models import tiny_classifier
 
     import headsweep
-    from headsweep.workers.families.hf_classifier.pruning import save_pruned as save_classifier
+    from headsweep.workers.families.transformers.pruning import save_pruned as save_classifier
     from headsweep.workers.pruning import family_of_model
 
     model = tiny_causal_lm(shape, "sdpa")

@@ -19,11 +19,12 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import load_config
 from headsweep.sweep.pruning.export import choose, export_pruned
-from headsweep.workers.families.hf_classifier.pruning import load_pruned, save_pruned
+from headsweep.workers.families.hf_classifier.pruning import load_pruned
+from headsweep.workers.families.transformers.pruning import save_pruned
 from headsweep.workers.families.transformers.sites import find_sites
-from headsweep.workers.gates import HeadGates
+from headsweep.workers.gates import HeadGates, site_inventory
 from headsweep.workers.heads import Head
-from headsweep.workers.pruning import count_parameters, prune_heads, site_inventory
+from headsweep.workers.pruning import count_parameters, prune_heads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

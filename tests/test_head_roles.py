@@ -383,7 +383,7 @@ def test_fairseq_maps_equal_the_models_attention(tiny_translation):
 def test_fairseq_capture_changes_nothing_the_model_returns(tiny_translation):
     """Under the capture every module still gives its caller what it asked for: the same logits and the same
     head-averaged alignment weights as the model on the same (unfused) attention path without it."""
-    from headsweep.workers.roles import fairseq_attention
+    from headsweep.workers.families.fairseq_translation.attention import fairseq_attention
 
     _tiny, adapter = tiny_translation
     model = adapter.model

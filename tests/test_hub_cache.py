@@ -72,7 +72,7 @@ def hub(tmp_path_factory):
 
 
 def test_ids_and_revisions_resolve_to_cached_snapshots(hub, tmp_path, monkeypatch):
-    from headsweep.workers.families.hf_classifier.model import resolve_model_dir
+    from headsweep.workers.families.transformers.loading import resolve_model_dir
 
     main = resolve_snapshot("org/tiny-bert")
     assert (main.revision, main.folder) == (BERT_A, snapshot("org/tiny-bert", BERT_A))

@@ -19,10 +19,11 @@ from tolerances import assert_routes_agree, max_difference
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
-from headsweep.workers.family import RuntimeOptions, model_family
+from headsweep.workers.family import RuntimeOptions
 from headsweep.workers.hard_concrete import HardConcrete
 from headsweep.workers.heads import Head
 from headsweep.workers.l0_training import L0Settings, L0Trainer
+from headsweep.workers.registry import model_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

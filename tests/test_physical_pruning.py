@@ -228,7 +228,7 @@ def test_refusals(classifier, tiny_bert_dir):
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2))
     # The classifier family refuses decoder layouts (the hf_causal_lm family prunes them: test_causal_lm_pruning).
-    from headsweep.workers.family import model_family
+    from headsweep.workers.registry import model_family
 
     with pytest.raises(HeadsweepError, match="are pruned by model.kind hf_causal_lm"):
         prune_heads(llama, [Head("self", 0, 0)], family=model_family("hf_classifier"))

@@ -46,7 +46,7 @@ def test_load_pruned_from_the_package(tmp_path):
     import torch
     from tiny_models import random_batch, tiny_classifier
 
-    from headsweep.workers.families.hf_classifier.pruning import save_pruned
+    from headsweep.workers.families.transformers.pruning import save_pruned
     from headsweep.workers.heads import Head
     from headsweep.workers.pruning import count_parameters, prune_heads
 

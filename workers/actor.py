@@ -18,7 +18,8 @@ from typing import Any
 
 import ray
 
-from headsweep.workers.family import DatasetInfo, EvalAdapter, MaskOutput, RuntimeOptions, model_family
+from headsweep.workers.family import DatasetInfo, EvalAdapter, MaskOutput, RuntimeOptions
+from headsweep.workers.registry import model_family
 
 
 @ray.remote

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from headsweep.workers.family import ModelFamily, model_family
+from headsweep.workers.family import ModelFamily
 from headsweep.workers.heads import HeadInventory
+from headsweep.workers.registry import model_family
 
 
 def model_heads_on_worker(worker: Any, model_cfg: Any) -> HeadInventory | None:
@@ -14,7 +15,7 @@ def model_heads_on_worker(worker: Any, model_cfg: Any) -> HeadInventory | None:
     None for a model family that cannot load a bare model (a plugin without ``load_model``): the
     model is then first opened when its turn comes.
     """
-    from headsweep.workers.pruning import site_inventory  # torch: on the worker only, not in the driver's import
+    from headsweep.workers.gates import site_inventory  # torch: on the worker only, not in the driver's import
 
     family = model_family(model_cfg.kind)
     if type(family).load_model is ModelFamily.load_model:  # a family that cannot: nothing to check here

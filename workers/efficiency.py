@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.family import EvalAdapter, ModelFamily, Workload, model_family
+from headsweep.workers.family import EvalAdapter, ModelFamily, Workload
 from headsweep.workers.heads import Head
 from headsweep.workers.pruning import count_parameters, prune_heads, ungated_copy
+from headsweep.workers.registry import model_family
 
 MB = 2**20
 
@@ -48,27 +49,6 @@ class Timing:
     seconds: list[float]
     examples: int
     tokens: int
-
-
-def take_rows(batch, n: int, rows: int):
-    """The first ``rows`` rows of a (nested) batch of ``n`` rows, repeating rows when ``rows > n``."""
-    if isinstance(batch, dict):
-        return {k: take_rows(v, n, rows) for k, v in batch.items()}
-    if isinstance(batch, torch.Tensor) and batch.dim() > 0 and batch.shape[0] == n:
-        index = torch.arange(rows, device=batch.device) % n
-        return batch.index_select(0, index)
-    return batch
-
-
-def median_batch(batches: list, size: Callable[[object], int]):
-    """The batch holding the median example of a length-sorted list of batches."""
-    total = sum(size(b) for b in batches)
-    seen = 0
-    for batch in batches:
-        seen += size(batch)
-        if seen > total // 2:
-            return batch
-    return batches[-1]
 
 
 def adapter_workload(adapter: EvalAdapter, batch_size: int, max_length: int = 128) -> Workload:

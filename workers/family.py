@@ -9,31 +9,42 @@ A model family (transformers classifiers, fairseq translation models, a user's p
   ``loss_batches`` and the efficiency experiment its ``workload``, and runs its own optional
   **reuse strategy** (work shared between masks, built on :mod:`headsweep.workers.replay`;
   ``RuntimeOptions.reuse`` False turns it off; ``reuse_note`` says which one runs).
+* ``check_data(data_cfg, key)``: what the driver checks of a **data section** before Ray starts.
 * ``load_model(model_cfg)``: the **model** alone, without data (:class:`LoadedModel`).
-* ``find_sites(model)``: its **attention sites** (where the head gates go).
-* ``prune(model, heads)``: **physical pruning**; ``save_pruned(...)``: **exporting** the
-  pruned model in the family's own format.
+* ``find_sites(model)``: its **attention sites** (where the head gates go); ``owns(model)``: whether a
+  bare model is this family's.
+* ``prune(model, heads)``: **physical pruning**; ``save_pruned(...)``: **exporting** the pruned model
+  in the family's own format; ``loads_exported(folder)`` / ``load_exported(folder)``: reading such a
+  folder back (``headsweep.load_pruned``).
+* ``attention_weights(model, sites, consume)``: every head's **attention weights** as the modules
+  compute them (relevance propagation); ``attention_reader(adapter)``: what **roles** reads of an
+  adapter (:class:`headsweep.workers.attention.AttentionReader`); ``syntax_attention``: the attention
+  type scored against parses (None: no syntactic heads).
+* ``training_label_smoothing(model_cfg)``: the label smoothing the model was **trained** with, if it
+  says (the L0 gates' loss).
 
-The built-in families live in ``headsweep.workers.families.<name>/`` (``family.py`` declares
-the ``ModelFamily``; its heavy modules are imported only when a method needs them, so the
-driver never imports fairseq or transformers models it does not use) and are listed in
-:func:`_registry`. A plugin is a ``ModelFamily`` defined elsewhere and named in a config as
-``model.kind: package.module:NAME``; constructed plainly (``ModelFamily(name, model_config,
-data_config, loader)``) it evaluates masks and refuses what it does not implement with a clear
-error; a subclass overrides the methods it supports.
+This module is the contract alone: the built-in families (``headsweep.workers.families.<name>/``,
+``family.py`` declaring the ``ModelFamily``; heavy modules imported only when a method needs them, so
+the driver never imports fairseq or transformers models it does not use) import it, and
+:mod:`headsweep.workers.registry` lists them and finds a family by name. A plugin is a
+``ModelFamily`` defined elsewhere and named in a config as ``model.kind: package.module:NAME``;
+constructed plainly (``ModelFamily(name, model_config, data_config, loader)``) it evaluates masks
+and refuses what it does not implement with a clear error; a subclass overrides the methods it
+supports.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from headsweep.errors import HeadsweepError
-from headsweep.plugins import load_plugin
 from headsweep.workers.heads import Head, HeadInventory, SiteKey
 from headsweep.workers.metrics import Metric
 
@@ -41,6 +52,7 @@ if TYPE_CHECKING:  # the driver imports this module: keep torch out of its impor
     import torch
     from torch import nn
 
+    from headsweep.workers.attention import AttentionReader, Consumer
     from headsweep.workers.gates import AttentionSite, HeadGates
     from headsweep.workers.head_slicing import HeadSlice
 
@@ -185,8 +197,10 @@ class ModelFamily:
     ``loader`` is ``package.module:NAME`` of a callable ``(model_cfg, data_cfg, runtime)`` returning
     the :class:`EvalAdapter` (imported when first used). ``checkpoint_key`` is the ``model`` key a
     run over training checkpoints replaces. ``batches_by_tokens``: its adapter reads
-    ``RuntimeOptions.max_tokens`` (``sweep.max_tokens`` is refused for the others). The methods
-    past ``load`` refuse with a clear error unless a subclass implements them.
+    ``RuntimeOptions.max_tokens`` (``sweep.max_tokens`` is refused for the others).
+    ``syntax_attention``: the attention type whose heads roles scores against parses of the
+    evaluation text (None: the family has no parsed text). The methods past ``load`` refuse with a
+    clear error (or answer "no") unless a subclass implements them.
     """
 
     name: str
@@ -195,11 +209,20 @@ class ModelFamily:
     loader: str
     checkpoint_key: str = "path"
     batches_by_tokens: bool = False
+    syntax_attention: str | None = None
 
     def load(self, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions) -> EvalAdapter:
         """The evaluation adapter: the gated model on the evaluation data."""
         module, func = self.loader.split(":")
         return getattr(importlib.import_module(module), func)(model_cfg, data_cfg, runtime)
+
+    def check_data(self, data_cfg: Any, key: str = "data") -> None:
+        """Everything about the data section ``data_cfg`` (config key ``key``) that needs no model: its settings
+        and its files, checked on the driver before anything starts (the workers check the rest against the
+        model). By default the section's own ``check_files(key)``, if it has one."""
+        check = getattr(data_cfg, "check_files", None)
+        if check is not None:
+            check(key)
 
     def load_model(self, model_cfg: Any) -> LoadedModel:
         """The model of ``model_cfg`` alone (on the CPU, in eval mode, no gates)."""
@@ -210,7 +233,7 @@ class ModelFamily:
         raise self._unsupported("finding attention sites")
 
     def owns(self, model: nn.Module) -> bool:
-        """Whether a bare ``model`` is this family's (asked in registry order by ``workers.pruning``)."""
+        """Whether a bare ``model`` is this family's (asked in registry order by ``registry.family_of_model``)."""
         return bool(self.find_sites(model))
 
     def prune(self, model: nn.Module, heads: Sequence[Head]) -> dict[SiteKey, HeadSlice]:
@@ -221,46 +244,44 @@ class ModelFamily:
         """Write ``loaded`` (already pruned of ``heads``) into the empty folder ``out_dir``, in the family's format."""
         raise self._unsupported("exporting a pruned model")
 
+    def loads_exported(self, folder: str | Path) -> bool:
+        """Whether ``folder`` is one this family's ``save_pruned`` writes (``headsweep.load_pruned`` asks)."""
+        return False
+
+    def load_exported(self, folder: str | Path) -> nn.Module:
+        """The model exported into ``folder`` by ``save_pruned``, its heads removed again (CPU, eval mode)."""
+        raise self._unsupported("loading an exported model")
+
+    def attention_weights(self, model: nn.Module, sites: Sequence[AttentionSite],
+                          consume: Consumer) -> AbstractContextManager[None]:
+        """A context inside which every forward of ``model`` hands each site's per-head attention weights
+        ``(batch, heads, query, key)`` to ``consume(site_key, weights)`` as its module computes them, the model
+        running the path that exposes them (relevance propagation reads the probabilities this way)."""
+        raise self._unsupported("reading attention weights")
+
+    def attention_reader(self, adapter: Any) -> AttentionReader:
+        """What roles reads of ``adapter``: its heads' attention maps on its evaluation data, its tokenisation of
+        a corpus, its text as the model's pieces (:class:`~headsweep.workers.attention.AttentionReader`).
+
+        By default the adapter's own ``attention_maps(sink)`` (how a plugin takes part); an adapter the family
+        cannot read is refused with a clear error.
+        """
+        if not callable(getattr(adapter, "attention_maps", None)):
+            raise HeadsweepError(f"model family {self.name!r} gives no attention maps (its adapter has no "
+                                 "attention_maps()): roles cannot run on it")
+        from headsweep.workers.attention import AdapterReader
+
+        return AdapterReader(adapter)
+
+    def training_label_smoothing(self, model_cfg: Any) -> float | None:
+        """The label smoothing the model of ``model_cfg`` was trained with, if it records it; None: the family's
+        training default."""
+        return None
+
     def _unsupported(self, what: str) -> HeadsweepError:
         return HeadsweepError(f"model family {self.name!r} does not support {what}")
 
 
-# Older name, kept for plugins (``model.kind: package.module:NAME``) written against it.
+# Older names, kept for plugins (``model.kind: package.module:NAME``) written against them.
 TaskKind = ModelFamily
 TaskAdapter = EvalAdapter
-
-
-def _registry() -> dict[str, ModelFamily]:
-    from headsweep.workers.families.fairseq_translation.family import FAIRSEQ_TRANSLATION
-    from headsweep.workers.families.hf_causal_lm.family import HF_CAUSAL_LM
-    from headsweep.workers.families.hf_classifier.family import HF_CLASSIFIER
-
-    return {f.name: f for f in (HF_CLASSIFIER, FAIRSEQ_TRANSLATION, HF_CAUSAL_LM)}
-
-
-def builtin_families() -> list[ModelFamily]:
-    """The families that ship with headsweep (a bare model is asked of them in this order)."""
-    return list(_registry().values())
-
-
-def model_family(name: str) -> ModelFamily:
-    """The model family called ``name``, or a clear error listing the known ones.
-
-    ``package.module:ATTRIBUTE`` names a ``ModelFamily`` defined outside headsweep (a plugin); the
-    module must be importable on the driver and on every worker.
-    """
-    if ":" in name:
-        return _plugin_family(name)
-    families = _registry()
-    if name not in families:
-        raise HeadsweepError(
-            f"unknown model.kind {name!r} (known: {', '.join(sorted(families))}, or module:ATTRIBUTE of a ModelFamily)"
-        )
-    return families[name]
-
-
-task_kind = model_family  # older name, kept for code written against it
-
-
-def _plugin_family(name: str) -> ModelFamily:
-    return load_plugin(name, ModelFamily, "model.kind")

@@ -58,6 +58,16 @@ class AttentionSite:
             )
 
 
+def site_inventory(sites: Sequence[AttentionSite]) -> HeadInventory:
+    """Every head of the given attention sites."""
+    return HeadInventory([LayerShape(s.attention, s.layer, s.num_heads) for s in sites])
+
+
+def group_by_site(sites: Sequence[AttentionSite], heads: Iterable[Head]) -> dict[SiteKey, list[int]]:
+    """Heads grouped by ``(attention, layer)``, each checked against the sites' own head counts."""
+    return heads_by_site(heads, site_inventory(sites))
+
+
 class HeadGates:
     """Gates on every attention site of a model, installed as forward pre-hooks.
 
@@ -74,7 +84,7 @@ class HeadGates:
         for site in self.sites:
             site.check_projection()
             site.hook_handles.append(site.out_proj.register_forward_pre_hook(self._make_hook(site)))
-        self.inventory = HeadInventory([LayerShape(s.attention, s.layer, s.num_heads) for s in self.sites])
+        self.inventory = site_inventory(self.sites)
 
     def _make_hook(self, site: AttentionSite):
         def hook(module: nn.Module, args: tuple) -> tuple | None:

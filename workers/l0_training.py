@@ -31,9 +31,10 @@ from typing import Any
 import torch
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.family import EvalAdapter, RuntimeOptions, model_family
+from headsweep.workers.family import EvalAdapter, RuntimeOptions
 from headsweep.workers.hard_concrete import CLOSING_RULES, HardConcrete
 from headsweep.workers.heads import Head, SiteKey
+from headsweep.workers.registry import model_family
 
 TRAIN_MODES = ("gates", "all")
 STATE_FILE = "l0_state.pt"
@@ -281,25 +282,10 @@ def _report(tune: Any, trainer: L0Trainer, metrics: StepMetrics | None, with_che
 
 
 def checkpoint_label_smoothing(model_cfg: Any) -> float | None:
-    """The label smoothing a fairseq checkpoint was trained with (its stored criterion options), or None.
-
-    None (other families, or a checkpoint that does not say) leaves the family's default (0.1 for fairseq).
-    """
-    path = getattr(model_cfg, "checkpoint", None)
-    if getattr(model_cfg, "kind", None) != "fairseq_translation" or not path or not os.path.isfile(path):
-        return None
-    try:
-        # mmap: the options are wanted, not the weights; fairseq checkpoints hold option objects (not weights-only).
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception:  # noqa: BLE001 - the adapter's loader reports a bad checkpoint in its own words
-        return None
-    args = state.get("args")
-    if args is not None and getattr(args, "label_smoothing", None) is not None:
-        return float(args.label_smoothing)
-    criterion = (state.get("cfg") or {}).get("criterion")
-    value = criterion.get("label_smoothing") if hasattr(criterion, "get") else getattr(criterion, "label_smoothing",
-                                                                                        None)
-    return None if value is None else float(value)
+    """The label smoothing the model of ``model_cfg`` was trained with, as its family reads it (a fairseq
+    checkpoint's stored criterion options), or None: the family's default (0.1 for fairseq)."""
+    kind = getattr(model_cfg, "kind", None)
+    return model_family(kind).training_label_smoothing(model_cfg) if kind else None
 
 
 def load_trial_state(checkpoint: Any) -> dict[str, Any]:

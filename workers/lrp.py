@@ -27,8 +27,9 @@ input holds ``Y`` (tests/test_lrp.py checks it for all three families, and check
 z-rule propagation written out by hand); with biases, part of the relevance is absorbed by them, as in any
 LRP-0.
 
-The rules need the attention probabilities as a tensor, so transformers models run the eager attention path
-and fairseq modules their Python path for the analysis (:mod:`headsweep.workers.roles` switches them).
+The rules need the attention probabilities as a tensor, so the model runs the path that exposes them for the
+analysis (``ModelFamily.attention_weights``: transformers models the eager attention path, fairseq modules their
+Python path).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.workers.family import EvalAdapter, LossBatch
 from headsweep.workers.heads import Head, SiteKey
 from headsweep.workers.importance import ImportanceResult, batch_gate_gradients, loss_batches_of
+from headsweep.workers.registry import family_of_model
 
 LOSS_NAME = "sum of the top-1 logits of the explained predictions"
 
@@ -130,16 +132,12 @@ def _module_rules(model: nn.Module) -> list:
 def lrp_rules(adapter: EvalAdapter) -> Iterator[None]:
     """While inside, the adapter's model propagates gradients by the conservative LRP rules (attention read on
     the path that exposes its probabilities)."""
-    from headsweep.workers.roles import fairseq_attention, transformers_attention
-
     model, sites = adapter.model, adapter.gates.sites
+    family = family_of_model(model)
     handles = _module_rules(model)
     try:
         with ExitStack() as stack:
-            if hasattr(model, "set_attn_implementation"):
-                stack.enter_context(transformers_attention(model, sites, consume=lambda _key, _weights: None))
-            else:
-                stack.enter_context(fairseq_attention(sites, consume=lambda _key, _weights: None))
+            stack.enter_context(family.attention_weights(model, sites, lambda _key, _weights: None))
             stack.enter_context(ConservativeRules())
             yield
     finally:

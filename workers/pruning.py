@@ -7,57 +7,36 @@ parameters and less work. A layer may lose every head: its attention then adds o
 output projection's bias.
 
 Which rows and columns go is :mod:`headsweep.workers.head_slicing`; where they live in a
-module is each family's business (``ModelFamily.prune``: ``headsweep.workers.families.hf_classifier.pruning``
-for BERT-family/DistilBERT encoders, ``headsweep.workers.families.fairseq_translation.pruning`` for
-fairseq encoder-decoders). :func:`prune_heads` takes a bare model and asks the built-in families
-which one it is.
+module is each family's business (``ModelFamily.prune``: ``hf_classifier.pruning`` for BERT-family and
+DistilBERT encoders, ``hf_causal_lm.pruning`` for decoder-only LMs, ``fairseq_translation.pruning`` for
+fairseq encoder-decoders, under ``headsweep.workers.families``). :func:`prune_heads` takes a bare model and
+asks the built-in families which one it is (:func:`headsweep.workers.registry.family_of_model`).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from torch import nn
 
-from headsweep.errors import HeadsweepError
-from headsweep.workers.family import ModelFamily, builtin_families
-from headsweep.workers.gates import AttentionSite, HeadGates
+from headsweep.workers.family import ModelFamily
+from headsweep.workers.gates import HeadGates
 from headsweep.workers.head_slicing import HeadSlice
-from headsweep.workers.heads import Head, HeadInventory, LayerShape, SiteKey, heads_by_site
+from headsweep.workers.heads import Head, SiteKey
+from headsweep.workers.registry import family_of_model
 
 
 def prune_heads(model: nn.Module, heads: Iterable[Head], family: ModelFamily | None = None) -> dict[SiteKey, HeadSlice]:
     """Remove ``heads`` from ``model`` in place; returns each pruned module's slice.
 
     ``family`` defaults to the built-in family whose attention modules ``model`` has (transformers
-    BERT-family/DistilBERT models, fairseq encoder-decoder Transformers). Heads are named as in the
+    encoders and decoders, fairseq encoder-decoder Transformers). Heads are named as in the
     results tables (``self:0:3``, ``enc_dec:1:2``); the pruned model numbers each layer's kept heads
     from 0 again, in their old order.
     """
     family = family or family_of_model(model)
     return family.prune(model, list(heads))
-
-
-def family_of_model(model: nn.Module) -> ModelFamily:
-    """The built-in family whose attention sites ``model`` has."""
-    for family in builtin_families():
-        try:
-            if family.owns(model):
-                return family
-        except ImportError:  # that family's library is not installed, so the model is not one of its
-            continue
-    raise HeadsweepError(f"no attention modules recognised in {type(model).__name__}: nothing to prune")
-
-
-def site_inventory(sites: Sequence[AttentionSite]) -> HeadInventory:
-    """Every head of the given attention sites."""
-    return HeadInventory([LayerShape(s.attention, s.layer, s.num_heads) for s in sites])
-
-
-def group_by_site(sites: Sequence[AttentionSite], heads: Iterable[Head]) -> dict[SiteKey, list[int]]:
-    """Heads grouped by ``(attention, layer)``, each checked against the sites' own head counts."""
-    return heads_by_site(heads, site_inventory(sites))
 
 
 def count_parameters(model: nn.Module) -> int:

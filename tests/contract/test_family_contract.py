@@ -39,11 +39,12 @@ from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.configuration.reader import from_dict
 from headsweep.sweep.pruning.export import MANIFEST, export_pruned
-from headsweep.workers.family import EvalAdapter, MaskOutput, RuntimeOptions, model_family
+from headsweep.workers.family import EvalAdapter, MaskOutput, RuntimeOptions
 from headsweep.workers.gates import AttentionSite
 from headsweep.workers.heads import Head, HeadInventory
 from headsweep.workers.importance import gradient_importance
 from headsweep.workers.pruning import count_parameters
+from headsweep.workers.registry import model_family
 
 from .cases import Built, FamilyCase, HeadParams, removed_parameters
 

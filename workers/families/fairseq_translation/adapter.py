@@ -42,7 +42,6 @@ from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.data_report import report
-from headsweep.workers.efficiency import median_batch, take_rows
 from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 from headsweep.workers.families.fairseq_translation.data import (
@@ -69,6 +68,7 @@ from headsweep.workers.family import DatasetInfo, LossBatches, MaskOutput, Runti
 from headsweep.workers.heads import Head
 from headsweep.workers.metrics import BLEU
 from headsweep.workers.replay import ReuseUnsupported
+from headsweep.workers.workload import median_batch, take_rows
 
 logger = logging.getLogger(__name__)
 

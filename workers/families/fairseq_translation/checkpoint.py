@@ -10,6 +10,7 @@ needs full unpickling loads only when the user says they trust it (``model.trust
 from __future__ import annotations
 
 import codecs
+import os
 import pickle
 import re
 import zipfile
@@ -157,3 +158,22 @@ def build_model(state: dict, path: str | Path):
     except (RuntimeError, KeyError, AttributeError, ValueError, AssertionError, FileNotFoundError) as exc:
         raise HeadsweepError(f"cannot build the fairseq model from the checkpoint: {_first_line(exc)}") from None
     return models[0], cfg, task
+
+
+def trained_label_smoothing(path: str) -> float | None:
+    """The label smoothing the checkpoint at ``path`` was trained with (its stored criterion options), or None when
+    it does not say (or cannot be read: the loader reports a bad checkpoint in its own words)."""
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        # mmap: the options are wanted, not the weights; fairseq checkpoints hold option objects (not weights-only).
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # noqa: BLE001 - the adapter's loader reports a bad checkpoint in its own words
+        return None
+    args = state.get("args")
+    if args is not None and getattr(args, "label_smoothing", None) is not None:
+        return float(args.label_smoothing)
+    criterion = (state.get("cfg") or {}).get("criterion")
+    value = criterion.get("label_smoothing") if hasattr(criterion, "get") else getattr(criterion, "label_smoothing",
+                                                                                        None)
+    return None if value is None else float(value)

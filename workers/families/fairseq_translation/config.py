@@ -68,9 +68,3 @@ class TranslationData:
     def check(self) -> None:
         """What can be checked without the model or the files (the worker checks the rest)."""
         check_encoding(self.encoding)
-
-    def check_files(self, key: str = "data") -> None:
-        """Everything about this section (config key ``key``) that needs no model: the settings and the files."""
-        from headsweep.workers.families.fairseq_translation.data import check_data
-
-        check_data(self, key)

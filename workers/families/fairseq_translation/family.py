@@ -7,8 +7,9 @@ called, so a run over another family never imports fairseq.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 from headsweep.workers.family import ModelFamily
@@ -17,6 +18,7 @@ from headsweep.workers.heads import Head, SiteKey
 if TYPE_CHECKING:
     from torch import nn
 
+    from headsweep.workers.attention import AttentionReader, Consumer
     from headsweep.workers.families.fairseq_translation.model import LoadedTranslation
     from headsweep.workers.gates import AttentionSite
     from headsweep.workers.head_slicing import HeadSlice
@@ -24,6 +26,12 @@ if TYPE_CHECKING:
 
 class TranslationFamily(ModelFamily):
     """fairseq ``TransformerModel`` and relatives (``enc_self``, ``enc_dec`` and ``dec_self`` heads)."""
+
+    def check_data(self, data_cfg: TranslationData, key: str = "data") -> None:
+        """The settings and the files (raw text read and decoded; a data-bin split's files present)."""
+        from headsweep.workers.families.fairseq_translation.data import check_data
+
+        check_data(data_cfg, key)
 
     def load_model(self, model_cfg: TranslationModel) -> LoadedTranslation:
         from headsweep.workers.families.fairseq_translation.model import load_model
@@ -52,7 +60,27 @@ class TranslationFamily(ModelFamily):
         save_pruned_checkpoint(state, loaded.model, heads, Path(out_dir) / "checkpoint.pt")
         copy_dictionaries(model_cfg.data_bin, [loaded.source_lang, loaded.target_lang], out_dir)
 
+    def attention_weights(self, model: nn.Module, sites: Sequence[AttentionSite],
+                          consume: Consumer) -> AbstractContextManager[None]:
+        """Each ``MultiheadAttention`` off its fused path, asked for per-head weights (its caller still gets what
+        it asked for)."""
+        from headsweep.workers.families.fairseq_translation.attention import fairseq_attention
+
+        return fairseq_attention(sites, consume)
+
+    def attention_reader(self, adapter: Any) -> AttentionReader:
+        from headsweep.workers.families.fairseq_translation.attention import TranslationReader
+
+        return TranslationReader(adapter)
+
+    def training_label_smoothing(self, model_cfg: TranslationModel) -> float | None:
+        """The label smoothing stored with the checkpoint's criterion options."""
+        from headsweep.workers.families.fairseq_translation.checkpoint import trained_label_smoothing
+
+        return trained_label_smoothing(model_cfg.checkpoint)
+
 
 FAIRSEQ_TRANSLATION = TranslationFamily("fairseq_translation", TranslationModel, TranslationData,
                                         "headsweep.workers.families.fairseq_translation.adapter:load_translation",
-                                        checkpoint_key="checkpoint", batches_by_tokens=True)
+                                        checkpoint_key="checkpoint", batches_by_tokens=True,
+                                        syntax_attention="enc_self")

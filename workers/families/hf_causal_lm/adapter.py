@@ -31,14 +31,13 @@ from headsweep.workers.families.hf_causal_lm.model import (
     BaselineOnce,
     activation_bytes_per_row,
     load_causal_lm,
-    max_positions,
     model_facts,
     target_nll,
 )
 from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoiceAdapter
 from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
-from headsweep.workers.families.hf_classifier.model import resolve_positions
+from headsweep.workers.families.transformers.loading import max_positions, resolve_positions
 from headsweep.workers.families.transformers.tokenizer import count_unknown
 from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates

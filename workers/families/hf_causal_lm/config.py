@@ -89,12 +89,6 @@ class CausalLMData:
         if self.max_windows is not None and self.max_windows < 1:
             raise HeadsweepError(f"data.max_windows must be at least 1, got {self.max_windows}")
 
-    def check_files(self, key: str = "data") -> None:
-        """Everything about this section (config key ``key``) that needs no model: the settings and the file."""
-        from headsweep.workers.families.hf_causal_lm.data import check_data
-
-        check_data(self, key)
-
     def _perplexity_keys(self) -> list[str]:
         defaults = CausalLMData()
         keys = ["text_column", "window", "stride", "add_bos", "max_windows"]

@@ -1,12 +1,11 @@
-"""Loading a transformers causal language model and its tokenizer from local folders, offline; and what the
-perplexity and multiple-choice adapters share (activation estimate, per-token NLL, facts about the model)."""
+"""Loading a transformers causal language model and its tokenizer from local folders, offline (through the
+transformers layer, :mod:`headsweep.workers.families.transformers.loading`); and what the perplexity and
+multiple-choice adapters share (activation estimate, per-token NLL, facts about the model)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,68 +15,30 @@ from torch import nn
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_causal_lm.config import CausalLMModel
-from headsweep.workers.families.hf_classifier.model import resolve_model_dir
-from headsweep.workers.families.transformers.architecture import CAUSAL_LM, check_architecture, check_loaded_weights
-from headsweep.workers.families.transformers.model_files import check_model_files
+from headsweep.workers.families.hf_causal_lm.pruning import prune_causal_lm_heads
+from headsweep.workers.families.hf_causal_lm.sites import SUPPORTED, kv_groups
+from headsweep.workers.families.transformers.architecture import CAUSAL_LM
+from headsweep.workers.families.transformers.loading import LoadedTransformers, load_folder
 from headsweep.workers.families.transformers.tokenizer import load_tokenizer as load_tokenizer_from
 from headsweep.workers.family import MaskOutput
 from headsweep.workers.heads import Head
 from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot
 
-SUPPORTED = ("decoder-only causal LMs with Llama-style attention (Llama, Mistral, Qwen2, Qwen3, Phi-3, ...), "
-             "GPT-2 and GPTBigCode")
+
+def load_causal_lm(cfg: CausalLMModel, device: str) -> LoadedTransformers:
+    """Load model (eval mode, on ``device``) and tokenizer from local folders, offline.
+
+    Encoder-decoder models, bidirectional encoders and sequence classifiers are refused before transformers loads
+    them (it would load T5 or BERT with a causal LM head).
+    """
+    return load_folder(cfg, device, CAUSAL_LM, "AutoModelForCausalLM",
+                       tokenizer=lambda model_dir: load_tokenizer(cfg.tokenizer or str(model_dir),
+                                                                  given=cfg.tokenizer is not None),
+                       prune=prune_causal_lm_heads, cannot_load=_cannot_load)
 
 
-@dataclass
-class LoadedCausalLM:
-    """A causal LM and its tokenizer (what ``ModelFamily.load_model`` gives)."""
-
-    model: nn.Module
-    tokenizer: object
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
-
-
-def _check_decoder_only(model_dir: Path) -> dict:
-    """Refuse encoder-decoder models, bidirectional encoders and sequence classifiers before transformers loads
-    them (it would load T5 or BERT with a causal LM head); returns the folder's config.json."""
-    config = check_model_files(model_dir)
-    check_architecture(model_dir, config, CAUSAL_LM)
-    return config
-
-
-def load_causal_lm(cfg: CausalLMModel, device: str) -> LoadedCausalLM:
-    """Load model (eval mode, on ``device``) and tokenizer from local folders, offline."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    model_dir = resolve_model_dir(cfg.path)
-    if cfg.attn_implementation not in (None, "eager", "sdpa"):
-        raise HeadsweepError(f"model.attn_implementation must be eager or sdpa, got {cfg.attn_implementation!r}")
-    dtype = getattr(torch, cfg.dtype, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise HeadsweepError(f"model.dtype {cfg.dtype!r} is not a torch floating-point dtype (e.g. float32, bfloat16)")
-    pruned = bool(_check_decoder_only(model_dir).get("pruned_heads"))
-    tokenizer = load_tokenizer(cfg.tokenizer or str(model_dir), given=cfg.tokenizer is not None)
-    if pruned:  # per-layer head counts (headsweep export): stock transformers cannot load it by itself
-        from headsweep.workers.families.hf_causal_lm.pruning import load_pruned
-
-        return LoadedCausalLM(load_pruned(model_dir, cfg.attn_implementation, device, dtype), tokenizer)
-    extra = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
-    try:
-        model, loading = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True,
-                                                              output_loading_info=True, **extra)
-    # Whatever a damaged, foreign or unsupported folder makes transformers raise: one line with the cause.
-    except Exception as exc:  # noqa: BLE001
-        raise HeadsweepError(f"cannot load a causal LM from {model_dir} (model.kind hf_causal_lm takes "
-                             f"{SUPPORTED}): {_first_line(exc)}") from None
-    check_loaded_weights(model_dir, model, loading, CAUSAL_LM)
-    return LoadedCausalLM(model.to(device).eval(), tokenizer)
+def _cannot_load(model_dir: Path) -> str:
+    return f"cannot load a causal LM from {model_dir} (model.kind hf_causal_lm takes {SUPPORTED})"
 
 
 def load_tokenizer(folder: str, given: bool):
@@ -90,12 +51,6 @@ def load_tokenizer(folder: str, given: bool):
     hint = (" (model.tokenizer)" if given else
             "; save the tokenizer there or set model.tokenizer to the folder it was saved to")
     return load_tokenizer_from(path, hint)
-
-
-def max_positions(config) -> int | None:
-    """The longest input (in tokens) the model's position embeddings cover, or None if it does not say."""
-    n = getattr(config, "max_position_embeddings", None)
-    return n if isinstance(n, int) and n > 0 else None
 
 
 # -- shared by the perplexity and multiple-choice adapters ------------------------------------------------
@@ -128,8 +83,6 @@ def target_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def model_facts(model: nn.Module, sites) -> dict:
     """What ``runs.facts`` records about a causal LM: class, type, attention implementation, dtype, and its
     key/value heads (their number per layer and the query heads each serves)."""
-    from headsweep.workers.families.hf_causal_lm.sites import kv_groups  # sites imports this module
-
     cfg = model.config
     groups = kv_groups(sites)
     return {"model_class": type(model).__name__, "model_type": getattr(cfg, "model_type", None),

@@ -38,24 +38,24 @@ import torch
 from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.data_report import Finding, merge, report, unknown_tokens
-from headsweep.workers.efficiency import median_batch, take_rows
 from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.model import (
     BaselineOnce,
     activation_bytes_per_row,
     load_causal_lm,
-    max_positions,
     model_facts,
     target_nll,
 )
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
+from headsweep.workers.families.transformers.loading import max_positions
 from headsweep.workers.families.transformers.tokenizer import count_unknown
 from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.metrics import MC_ACCURACY, MC_ACCURACY_NORM, Metric
 from headsweep.workers.text_files import decode, read_bytes, split_lines
+from headsweep.workers.workload import median_batch, take_rows
 
 logger = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ Each pruned attention module records, in ``headsweep_kv_index``, the kept key/va
 reads (:attr:`HeadSlice.kv_index`), so :func:`~.sites.kv_groups` can name the groups of a pruned model.
 
 Exported models keep the removed heads in ``config.pruned_heads`` (``{"layer": [head, ...]}``, original numbers,
-as the classifier family writes them); :func:`load_pruned` rebuilds the stock architecture from ``config.json``,
-removes the same heads and loads the saved weights strictly (tied weights, which ``save_pretrained`` writes
-once, excepted). A static (pre-allocated) cache sized from the config does not fit a pruned model: generate with
-the default dynamic cache.
+as every transformers family writes them: :mod:`headsweep.workers.families.transformers.pruning`);
+:func:`load_pruned` rebuilds the stock architecture from ``config.json``, removes the same heads and loads the
+saved weights strictly (tied weights, which ``save_pretrained`` writes once, excepted). A static (pre-allocated)
+cache sized from the config does not fit a pruned model: generate with the default dynamic cache.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.families.hf_causal_lm.sites import find_sites
-from headsweep.workers.families.hf_classifier.pruning import PRUNED_HEADS_KEY, rebuild_pruned, sites_to_prune
 from headsweep.workers.families.transformers.layout import AttentionLayout, attention_layout
+from headsweep.workers.families.transformers.pruning import load_pruned as load_transformers_pruned
+from headsweep.workers.families.transformers.pruning import record_pruned, sites_to_prune
 from headsweep.workers.gates import AttentionSite
 from headsweep.workers.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
 from headsweep.workers.heads import Head, SiteKey
@@ -120,7 +120,7 @@ def prune_causal_lm_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteK
 
     Returns each pruned module's slice. Every module is checked before the first one changes.
     """
-    sites, grouped = sites_to_prune(model, heads, find_sites)
+    sites, grouped = sites_to_prune(model, heads)
     work = []
     for site in sites:
         if grouped.get(site.key):
@@ -135,9 +135,7 @@ def prune_causal_lm_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteK
         else:
             _apply_gpt2(model, site, layout, plan)
     slices = {site.key: plan for site, _, plan in work}
-    config = getattr(model, "config", None)
-    if config is not None:
-        setattr(config, PRUNED_HEADS_KEY, {str(layer): list(s.removed) for (_, layer), s in sorted(slices.items())})
+    record_pruned(model, slices)
     return slices
 
 
@@ -247,45 +245,9 @@ def _replace(model: nn.Module, module_name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent), child, new)
 
 
-def save_pruned(model: nn.Module, out_dir: str | Path, tokenizer=None) -> Path:
-    """``save_pretrained`` a pruned causal LM (and its tokenizer); :func:`load_pruned` reads it back."""
-    out = Path(out_dir)
-    model.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    return out
-
-
 def load_pruned(model_dir: str | Path, attn_implementation: str | None = None, device: str = "cpu",
                 dtype: torch.dtype | None = None) -> nn.Module:
-    """Load a causal LM saved by :func:`save_pruned` (or any ``save_pretrained`` folder), in eval mode.
-
-    The architecture named in ``config.architectures`` is built from the config with stock transformers, the
-    heads in ``config.pruned_heads`` are removed, and the saved weights are loaded with strict key and shape
-    checks; only weights tied to another one (``save_pretrained`` writes a tied pair once) may be absent.
-    """
-    model_dir = Path(model_dir)
-    model, state = rebuild_pruned(model_dir, attn_implementation, prune_causal_lm_heads)
-    floating = [t.dtype for t in state.values() if t.is_floating_point()]
-    if dtype is not None or floating:
-        model.to(dtype or floating[0])
-    _load_strict(model, state, model_dir)
-    return model.to(device).eval()
-
-
-def _load_strict(model: nn.Module, state: dict[str, torch.Tensor], model_dir: Path) -> None:
-    """``load_state_dict`` that refuses unexpected keys, wrong shapes and missing keys, except a missing key
-    whose parameter is shared with a loaded one (tied input and output embeddings)."""
-    owners: dict[int, list[str]] = {}
-    for name, param in model.state_dict(keep_vars=True).items():
-        owners.setdefault(id(param), []).append(name)
-    try:
-        result = model.load_state_dict(state, strict=False)
-    except RuntimeError as exc:  # shapes that do not fit
-        reason = str(exc).splitlines()[0] + " " + " ".join(str(exc).splitlines()[1:2]).strip()
-        raise HeadsweepError(f"the weights in {model_dir} do not fit its pruned config: {reason}") from None
-    tied = {n for names in owners.values() if any(m in state for m in names) for n in names}
-    missing = [k for k in result.missing_keys if k not in tied]
-    if result.unexpected_keys or missing:
-        what = f"unexpected {result.unexpected_keys[:3]}" if result.unexpected_keys else f"missing {missing[:3]}"
-        raise HeadsweepError(f"the weights in {model_dir} do not fit its pruned config: {what}")
+    """A causal LM exported by ``headsweep export`` (or any ``save_pretrained`` folder), in eval mode: the stock
+    architecture with the heads of ``config.pruned_heads`` removed, the saved weights loaded strictly (tied
+    weights, which ``save_pretrained`` writes once, excepted)."""
+    return load_transformers_pruned(model_dir, prune_causal_lm_heads, attn_implementation, device, dtype)

@@ -10,10 +10,12 @@ from __future__ import annotations
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.families.hf_causal_lm.model import SUPPORTED
 from headsweep.workers.families.transformers.layout import attention_layout
 from headsweep.workers.families.transformers.sites import find_sites as find_transformers_sites
 from headsweep.workers.gates import AttentionSite
+
+SUPPORTED = ("decoder-only causal LMs with Llama-style attention (Llama, Mistral, Qwen2, Qwen3, Phi-3, ...), "
+             "GPT-2 and GPTBigCode")
 
 
 def find_sites(model: nn.Module) -> list[AttentionSite]:

@@ -21,13 +21,13 @@ from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.data_report import Finding, merge, report, unknown_tokens
-from headsweep.workers.efficiency import median_batch, take_rows
 from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 from headsweep.workers.families.hf_classifier.data import findings, label_ids, read_examples
-from headsweep.workers.families.hf_classifier.model import load_hf_model, max_positions, resolve_max_length
+from headsweep.workers.families.hf_classifier.model import load_classifier_model, resolve_max_length
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout
 from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches
+from headsweep.workers.families.transformers.loading import max_positions
 from headsweep.workers.families.transformers.sites import find_sites
 from headsweep.workers.families.transformers.tokenizer import count_unknown
 from headsweep.workers.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
@@ -35,6 +35,7 @@ from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.metrics import ACCURACY
 from headsweep.workers.replay import ReuseUnsupported, first_gated_layer
+from headsweep.workers.workload import median_batch, take_rows
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ class ClassifierAdapter:
         self.device = torch.device(runtime.device)
         self.runtime = runtime
         examples = at_positions(read_examples(data_cfg), runtime.examples)
-        self.model, self.tokenizer = load_hf_model(model_cfg, runtime.device)
+        loaded = load_classifier_model(model_cfg, runtime.device)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.gates = HeadGates(_sites_or_error(self.model))
         id2label = {int(k): v for k, v in self.model.config.id2label.items()}
         self.labels = torch.tensor(label_ids(examples.labels, id2label, data_cfg.path), device=self.device)

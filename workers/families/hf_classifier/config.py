@@ -47,9 +47,3 @@ class ClassifierData:
         check_encoding(self.encoding, f"{key}.encoding")
         if self.max_length is not None and self.max_length < 1:
             raise HeadsweepError(f"{key}.max_length must be at least 1, got {self.max_length}")
-
-    def check_files(self, key: str = "data") -> None:
-        """Everything about this section (config key ``key``) that needs no model: the settings and the file."""
-        from headsweep.workers.families.hf_classifier.data import read_examples
-
-        read_examples(self, key)

@@ -1,58 +1,66 @@
 """The ``hf_classifier`` model family: transformers sequence classifiers saved with ``save_pretrained``.
 
 Declared here with only its config sections imported: the methods import their modules when
-called, so reading configs never imports transformers.
+called, so reading configs never imports transformers. What it shares with ``hf_causal_lm`` is
+:class:`~headsweep.workers.families.transformers.family.TransformersFamily`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
-from headsweep.workers.family import ModelFamily
+from headsweep.workers.families.transformers.family import TransformersFamily
 from headsweep.workers.heads import Head, SiteKey
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from headsweep.workers.families.hf_classifier.model import LoadedClassifier
-    from headsweep.workers.gates import AttentionSite
+    from headsweep.workers.attention import AttentionReader
+    from headsweep.workers.families.transformers.loading import LoadedTransformers
     from headsweep.workers.head_slicing import HeadSlice
 
 
-class ClassifierFamily(ModelFamily):
+class ClassifierFamily(TransformersFamily):
     """BERT, RoBERTa, ELECTRA, MiniLM and DistilBERT classifiers (Llama-style models: gates only)."""
 
-    def load_model(self, model_cfg: ClassifierModel) -> LoadedClassifier:
-        from headsweep.workers.families.hf_classifier.model import LoadedClassifier, load_hf_model
+    layouts = frozenset({"bert", "distilbert"})
 
-        return LoadedClassifier(*load_hf_model(model_cfg, "cpu"))
+    def check_data(self, data_cfg: ClassifierData, key: str = "data") -> None:
+        """The settings, and the file read and checked as the workers will read it."""
+        from headsweep.workers.families.hf_classifier.data import read_examples
 
-    def find_sites(self, model: nn.Module) -> list[AttentionSite]:
-        from headsweep.workers.families.transformers.sites import find_sites
+        read_examples(data_cfg, key)
 
-        return find_sites(model)
+    def load_model(self, model_cfg: ClassifierModel) -> LoadedTransformers:
+        from headsweep.workers.families.hf_classifier.model import load_classifier_model
 
-    def owns(self, model: nn.Module) -> bool:
-        """A bare model is this family's when all its attention modules have encoder layouts (bert, distilbert)."""
-        from headsweep.workers.families.transformers.layout import only_layouts
-
-        return only_layouts(self.find_sites(model), {"bert", "distilbert"})
+        return load_classifier_model(model_cfg, "cpu")
 
     def prune(self, model: nn.Module, heads: Sequence[Head]) -> dict[SiteKey, HeadSlice]:
         from headsweep.workers.families.hf_classifier.pruning import prune_hf_heads
 
         return prune_hf_heads(model, heads)
 
-    def save_pruned(self, model_cfg: ClassifierModel, loaded: LoadedClassifier, heads: Sequence[Head],
-                    out_dir: str | Path) -> None:
-        """A ``save_pretrained`` folder with the tokenizer; ``config.pruned_heads`` lists the removed heads."""
-        from headsweep.workers.families.hf_classifier.pruning import save_pruned
+    def exports_architecture(self, name: str) -> bool:
+        """Every transformers folder but a causal LM's (a folder naming no architecture is refused by loading)."""
+        from headsweep.workers.families.transformers.architecture import is_causal_lm_architecture
 
-        save_pruned(loaded.model, out_dir, loaded.tokenizer)
+        return not is_causal_lm_architecture(name)
+
+    def load_exported(self, folder: str | Path) -> nn.Module:
+        from headsweep.workers.families.hf_classifier.pruning import load_pruned
+
+        return load_pruned(folder)
+
+    def attention_reader(self, adapter: Any) -> AttentionReader:
+        from headsweep.workers.families.hf_classifier.attention import ClassifierReader
+
+        return ClassifierReader(adapter)
 
 
 HF_CLASSIFIER = ClassifierFamily("hf_classifier", ClassifierModel, ClassifierData,
-                                 "headsweep.workers.families.hf_classifier.adapter:load_classifier")
+                                 "headsweep.workers.families.hf_classifier.adapter:load_classifier",
+                                 syntax_attention="self")

@@ -16,6 +16,7 @@ Both transformers families (``hf_classifier``, ``hf_causal_lm``) call them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -113,3 +114,19 @@ def check_loaded_weights(model_dir: Path, model: Any, loading_info: Mapping[str,
         f"{model_dir} has {lacks}: its weights lack {shown}{more} of {type(model).__name__}, which transformers "
         f"would start from random numbers; model.kind {family} takes {TAKES[family]}"
     )
+
+
+def exported_architecture(folder: str | Path) -> str | None:
+    """The class a transformers folder's ``config.json`` names (``""`` when it names none), or None when the folder
+    has no readable ``config.json`` (it is not a transformers folder)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    names = config.get("architectures") if isinstance(config, dict) else None
+    return str(names[0]) if names else ""
+
+
+def is_causal_lm_architecture(name: str) -> bool:
+    """Whether an architecture class name is a causal LM's (``...ForCausalLM``, GPT-2's ``GPT2LMHeadModel``)."""
+    return name.endswith(CAUSAL_LM_SUFFIXES)
