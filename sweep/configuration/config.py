@@ -33,7 +33,7 @@ from headsweep.sweep.experiments import KINDS, experiments_of
 from headsweep.sweep.experiments.importance import IMPORTANCE, importance_data
 from headsweep.sweep.experiments.l0 import L0, l0_data
 from headsweep.sweep.experiments.roles import ROLES, roles_data
-from headsweep.workers.family import builtin_families, model_family
+from headsweep.workers.registry import builtin_families, model_family
 
 
 def _merge(base: dict, update: dict) -> dict:
@@ -226,13 +226,12 @@ def data_sections(cfg: Config) -> list[tuple[str, Any]]:
 
 def check_data_files(cfg: Config) -> None:
     """Every data section a run of ``cfg`` reads, checked on the driver before Ray or a model starts: its settings,
-    its files, and what can be read of them without the model (``check_files(key)`` of the family's data section;
-    a plugin's section without one is checked by its workers). The workers check the rest (labels against the
+    its files, and what can be read of them without the model (the family's ``check_data(section, key)``; a
+    plugin's section without checks is checked by its workers). The workers check the rest (labels against the
     model's, lengths against its positions) before anything is written."""
+    family = model_family(cfg.model.kind)
     for key, section in data_sections(cfg):
-        check = getattr(section, "check_files", None)
-        if check is not None:
-            check(key)
+        family.check_data(section, key)
 
 
 def _check_sections(cfg: Config) -> None:

@@ -22,8 +22,8 @@ from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.pruning.levels import ablation_importance
 from headsweep.sweep.terminal.progress import step
-from headsweep.workers.family import model_family
 from headsweep.workers.heads import Head
+from headsweep.workers.registry import model_family
 
 if TYPE_CHECKING:
     from headsweep.sweep.run.context import Context

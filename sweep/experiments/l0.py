@@ -39,8 +39,9 @@ from headsweep.sweep.experiments.importance import refuse_eval_data
 from headsweep.sweep.experiments.prune_level import prune_scope_name
 from headsweep.sweep.run.dispatch import log
 from headsweep.sweep.run.plan import check_attention_types
-from headsweep.workers.family import RuntimeOptions, model_family
+from headsweep.workers.family import RuntimeOptions
 from headsweep.workers.heads import Head
+from headsweep.workers.registry import model_family
 from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from headsweep.sweep.configuration.reader import from_dict
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.terminal.progress import step
-from headsweep.workers.family import model_family
+from headsweep.workers.registry import model_family
 
 if TYPE_CHECKING:
     from headsweep.sweep.run.context import Context

@@ -23,9 +23,9 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import Config
 from headsweep.sweep.pruning.masks import MaskChoice, explicit_mask, stored_mask
-from headsweep.workers.family import model_family
 from headsweep.workers.heads import HeadInventory, site_order
 from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot
+from headsweep.workers.registry import model_family
 
 MANIFEST = "headsweep-export.json"
 
@@ -97,7 +97,8 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
                   level: float | None = None, eval_id: str | None = None,
                   mask: Sequence[str] | None = None) -> Path:
     """Write the config's model without the chosen heads to ``out_dir``; returns the folder."""
-    from headsweep.workers.pruning import count_parameters, site_inventory
+    from headsweep.workers.gates import site_inventory
+    from headsweep.workers.pruning import count_parameters
 
     out = _check_out(out_dir)  # before the model is loaded: a wrong folder should fail fast
     if from_run and store is not None:

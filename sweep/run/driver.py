@@ -44,9 +44,10 @@ from headsweep.sweep.run.screening import ScreenSettings
 from headsweep.sweep.statistics.significance_runner import tests_for
 from headsweep.workers.actor import EvalWorker
 from headsweep.workers.checks import model_heads_on_worker
-from headsweep.workers.family import DatasetInfo, RuntimeOptions, model_family
+from headsweep.workers.family import DatasetInfo, RuntimeOptions
 from headsweep.workers.heads import HeadInventory
 from headsweep.workers.hub_cache import pin_hub_models
+from headsweep.workers.registry import model_family
 
 # Kept importable from here: the demo logs through the driver, and older callers check drivers with these.
 __all__ = ["STALE_AFTER_S", "Sweep", "log", "refuse_if_live"]
