@@ -28,7 +28,8 @@ from headsweep.sweep.configuration.sections import SignificanceSection
 from headsweep.sweep.statistics import significance_runner
 from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoiceAdapter, read_questions
+from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoiceAdapter
+from headsweep.workers.families.hf_causal_lm.questions import read_questions
 from headsweep.workers.family import RuntimeOptions
 from headsweep.workers.heads import Head
 from headsweep.workers.metrics import ACCURACY, MC_ACCURACY_NORM, METRICS, metric_by_name

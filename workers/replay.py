@@ -12,21 +12,22 @@ pass can run the model's *own* forward with
 Replacing ``forward`` on the module instance (not on its class) for the duration of one call
 keeps every other part of the model (masks, residuals, layer norms, pooling, heads) the
 model's own code, so each family needs to name only where its layers and attention cores are.
-The baseline states themselves are kept between calls in a :class:`BaselineCache`.
+The baseline states themselves are kept between calls in a :class:`BaselineCache` (a strategy built on
+:class:`RecordedBaselines` records them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from headsweep.workers.gates import AttentionSite, gate_rows
-from headsweep.workers.heads import Head
+from headsweep.workers.heads import Head, HeadInventory
 
 
 class ReuseUnsupported(Exception):
@@ -66,9 +67,40 @@ class BaselineCache(Generic[S]):
         return states
 
 
+class RecordedBaselines(Generic[S]):
+    """A reuse strategy's baseline states per evaluation batch, kept in a :class:`BaselineCache`; the subclass
+    records one batch's states (``record``, called with what ``states`` is given after the key)."""
+
+    def __init__(self, budget_bytes: int):
+        self.cache: BaselineCache[S] = BaselineCache(budget_bytes)
+
+    @property
+    def kept_bytes(self) -> int:
+        return self.cache.kept_bytes
+
+    def states(self, key: Hashable, *inputs: Any) -> S:
+        """Baseline states of batch ``key``: kept from an earlier call, or recorded now (and kept if they fit)."""
+        return self.cache.get(key, lambda: self.record(*inputs))
+
+    def record(self, *inputs: Any) -> S:
+        """Run the ungated model once on a batch, keeping what masked passes start from."""
+        raise NotImplementedError
+
+
 def first_gated_layer(mask: Sequence[Head]) -> int | None:
     """The lowest layer with a masked head (None for the empty mask): where a masked pass starts."""
     return min((h.layer for h in mask), default=None)
+
+
+def by_first_gated_layer(masks: Sequence[Sequence[Head]], inventory: HeadInventory) -> dict[int | None, list[int]]:
+    """The positions of ``masks`` grouped by their first gated layer (None: the empty mask), each head checked
+    against ``inventory`` first: a head the model lacks is the caller's error, not a reason to stop reusing."""
+    groups: dict[int | None, list[int]] = {}
+    for i, mask in enumerate(masks):
+        for head in mask:
+            inventory.check(head)
+        groups.setdefault(first_gated_layer(mask), []).append(i)
+    return groups
 
 
 def _enclosing_layer(modules: dict[str, nn.Module], name: str) -> tuple[str, int]:

@@ -26,7 +26,7 @@ from torch import nn
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.replay import (
-    BaselineCache,
+    RecordedBaselines,
     ReuseUnsupported,
     gated_projection,
     pass_through,
@@ -60,10 +60,12 @@ def first_encoder_layer(mask: Sequence[Head]) -> int | None:
     return min((h.layer for h in mask if h.attention == "enc_self"), default=None)
 
 
-class EncoderReuse:
-    """Baseline encoder states per sentence batch, and encoder outputs for packed masks built from them."""
+class EncoderReuse(RecordedBaselines[EncoderStates]):
+    """Baseline encoder states per sentence batch (``states(key, net_input)``), and encoder outputs for packed
+    masks built from them."""
 
     def __init__(self, model: nn.Module, gates: HeadGates, budget_bytes: int):
+        super().__init__(budget_bytes)
         encoder = getattr(model, "encoder", None)
         layers = getattr(encoder, "layers", None)
         for needed in ("forward_torchscript", "reorder_encoder_out"):
@@ -77,15 +79,6 @@ class EncoderReuse:
                 raise ReuseUnsupported(f"encoder layer {i} has no self_attn holding its gated attention")
         self.encoder, self.gates, self.layers = encoder, gates, list(layers)
         self.sites = [sites[i] for i in range(len(layers))]
-        self.cache: BaselineCache[EncoderStates] = BaselineCache(budget_bytes)
-
-    @property
-    def kept_bytes(self) -> int:
-        return self.cache.kept_bytes
-
-    def states(self, key: int, net_input: dict) -> EncoderStates:
-        """Baseline encoder states of sentence batch ``key``: kept, or recorded now (and kept if they fit)."""
-        return self.cache.get(key, lambda: self.record(net_input))
 
     def record(self, net_input: dict) -> EncoderStates:
         """Run the ungated encoder once, keeping each layer's output and each projection's input."""

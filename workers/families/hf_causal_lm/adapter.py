@@ -13,7 +13,6 @@ perplexity, bootstrap resamples and per-window mean NLL all come from the stored
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,14 +37,13 @@ from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoi
 from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
 from headsweep.workers.families.transformers.loading import max_positions, resolve_positions
+from headsweep.workers.families.transformers.reuse import PrefixReuseSwitch
 from headsweep.workers.families.transformers.tokenizer import count_unknown
 from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.metrics import PERPLEXITY
-from headsweep.workers.replay import ReuseUnsupported, first_gated_layer
-
-logger = logging.getLogger(__name__)
+from headsweep.workers.replay import by_first_gated_layer
 
 LOSS_NAME = "token cross-entropy"
 
@@ -55,7 +53,7 @@ def resolve_window(requested: int | None, limit: int | None, model_dir: str) -> 
     return resolve_positions("data.window", requested, limit, model_dir, DEFAULT_WINDOW, minimum=2)
 
 
-class CausalLMAdapter(BaselineOnce):
+class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
     """A gated causal LM with its corpus cut into windows (an ``EvalAdapter``); ``describe`` records the
     baseline's mean NLL."""
 
@@ -98,17 +96,11 @@ class CausalLMAdapter(BaselineOnce):
         self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.model_name = Path(model_cfg.path).name
         self.dataset_name = data_cfg.name or Path(Path(data_cfg.path).name.removesuffix(".gz")).stem
-        self._reuse: PrefixReuse | None = None
-        self.reuse_note = "off (sweep.reuse: false): every mask runs the whole model"
-        if runtime.reuse:
-            try:
-                layout = decoder_layout(self.model, self.gates.sites)
-            except ReuseUnsupported as exc:
-                self._no_reuse(str(exc))
-            else:
-                self._reuse = PrefixReuse(self.model, self.gates, layout, self.token_nll, cache_budget(self.device))
-                self.reuse_note = ("prefix: masks start at their first gated layer from cached baseline states "
-                                   "(layer outputs and per-head contexts per window batch)")
+        self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
+                                                            decoder_layout(self.model, self.gates.sites),
+                                                            self.token_nll, cache_budget(self.device)),
+                         "prefix: masks start at their first gated layer from cached baseline states "
+                         "(layer outputs and per-head contexts per window batch)")
         scored_total = int(self.n_tokens.sum())
         self.data_facts = {
             "window": self.window, "stride": data_cfg.stride or self.window - (1 if self.add_bos else 0),
@@ -122,11 +114,6 @@ class CausalLMAdapter(BaselineOnce):
                              self.tokenizer.unk_token),
         }
         self._baseline: MaskOutput | None = None
-
-    def _no_reuse(self, reason: str) -> None:
-        self._reuse = None
-        self.reuse_note = f"plain path: prefix reuse does not support this model ({reason})"
-        logger.warning("%s: %s", self.model_name, self.reuse_note)
 
     def _bos_id(self) -> int:
         bos = getattr(self.tokenizer, "bos_token_id", None)
@@ -172,12 +159,7 @@ class CausalLMAdapter(BaselineOnce):
     @torch.inference_mode()
     def nll(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
         """Summed NLL (nats) of each window's scored tokens under each mask: shape (n_masks, n_windows), float64."""
-        if self._reuse is not None:
-            try:
-                return self._nll_reused(masks)
-            except ReuseUnsupported as exc:
-                self._no_reuse(str(exc))
-        return self._nll_plain(masks)
+        return self.reused_or_plain(lambda: self._nll_reused(masks), lambda: self._nll_plain(masks))
 
     def _batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = idx.to(self.device)
@@ -187,11 +169,7 @@ class CausalLMAdapter(BaselineOnce):
         """Masks grouped by first gated layer; each group starts there from the batch's baseline states, the empty
         mask is the baseline itself."""
         out = np.empty((len(masks), len(self.windows)), dtype=np.float64)
-        groups: dict[int | None, list[int]] = {}
-        for i, mask in enumerate(masks):
-            for head in mask:  # a head the model lacks is the caller's error, not a reason to stop reusing
-                self.gates.inventory.check(head)
-            groups.setdefault(first_gated_layer(mask), []).append(i)
+        groups = by_first_gated_layer(masks, self.gates.inventory)
         for key, idx in enumerate(self.batches):
             inputs, scored = self._batch(idx)
             rows = inputs.shape[0]

@@ -46,9 +46,9 @@ from torch import nn
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.transformers.layout import AttentionLayout, attention_layout
 from headsweep.workers.families.transformers.pruning import load_pruned as load_transformers_pruned
-from headsweep.workers.families.transformers.pruning import record_pruned, sites_to_prune
+from headsweep.workers.families.transformers.pruning import prune_sites
 from headsweep.workers.gates import AttentionSite
-from headsweep.workers.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
+from headsweep.workers.head_slicing import HeadSlice, keep_columns, keep_rows
 from headsweep.workers.heads import Head, SiteKey
 
 #: Attribute of a pruned attention module: for each kept query head, the position of its key/value head.
@@ -120,23 +120,16 @@ def prune_causal_lm_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteK
 
     Returns each pruned module's slice. Every module is checked before the first one changes.
     """
-    sites, grouped = sites_to_prune(model, heads)
-    work = []
-    for site in sites:
-        if grouped.get(site.key):
-            layout = _prunable_layout(site)
-            work.append((site, layout, plan_slice(site.num_heads, site.head_dim, grouped[site.key],
-                                                  layout.num_kv_heads)))
-    for site, layout, plan in work:
-        if layout.name == "llama":
-            _apply_llama(model, site, layout, plan)
-        elif hasattr(site.module, "kv_heads"):
-            _apply_gpt_bigcode(model, site, layout, plan)
-        else:
-            _apply_gpt2(model, site, layout, plan)
-    slices = {site.key: plan for site, _, plan in work}
-    record_pruned(model, slices)
-    return slices
+    return prune_sites(model, heads, _prunable_layout, _apply)
+
+
+def _apply(model: nn.Module, site: AttentionSite, layout: AttentionLayout, plan: HeadSlice) -> None:
+    if layout.name == "llama":
+        _apply_llama(model, site, layout, plan)
+    elif hasattr(site.module, "kv_heads"):
+        _apply_gpt_bigcode(model, site, layout, plan)
+    else:
+        _apply_gpt2(model, site, layout, plan)
 
 
 def _prunable_layout(site: AttentionSite) -> AttentionLayout:

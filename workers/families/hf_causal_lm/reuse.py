@@ -30,15 +30,15 @@ import torch
 from torch import nn
 
 from headsweep.workers.families.transformers.layout import attention_layout
+from headsweep.workers.families.transformers.reuse import repeat_rows, start_at_layer
 from headsweep.workers.gates import AttentionSite, HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.replay import (
-    BaselineCache,
+    RecordedBaselines,
     ReuseUnsupported,
     first_gated_layer,
     gated_projection,
     layer_stack,
-    pass_through,
     replaced_forwards,
     returning,
 )
@@ -125,22 +125,15 @@ class BaselineStates:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class PrefixReuse:
-    """Baseline states per window batch, and masked forward passes that start from them."""
+class PrefixReuse(RecordedBaselines[BaselineStates]):
+    """Baseline states per window batch (``states(key, inputs, scored)``), and masked forward passes that start
+    from them."""
 
     def __init__(self, model: nn.Module, gates: HeadGates, layout: DecoderLayout, token_nll: TokenNLL,
                  budget_bytes: int):
+        super().__init__(budget_bytes)
         self.model, self.gates, self.layout, self.token_nll = model, gates, layout, token_nll
-        self.cache: BaselineCache[BaselineStates] = BaselineCache(budget_bytes)
         self.verified = False
-
-    @property
-    def kept_bytes(self) -> int:
-        return self.cache.kept_bytes
-
-    def states(self, key: int, inputs: torch.Tensor, scored: torch.Tensor) -> BaselineStates:
-        """Baseline states of batch ``key``: kept from an earlier call, or recorded now (and kept if they fit)."""
-        return self.cache.get(key, lambda: self.record(inputs, scored))
 
     def record(self, inputs: torch.Tensor, scored: torch.Tensor) -> BaselineStates:
         """Run the ungated model once, keeping each needed layer output and each projection's input, and check on
@@ -203,20 +196,14 @@ class PrefixReuse:
         attention = gated_projection(states.contexts[index], lay.projections[index], site.num_heads, at_layer,
                                      batch_dim=0)
         replacements: dict[nn.Module, Callable] = {site.module: returning((attention, None))}
-        if layer > 0:
-            for j in range(layer - 1):
-                replacements[lay.layers[j]] = pass_through
-            replacements[lay.layers[layer - 1]] = returning(_repeat(states.hidden[layer - 1], k))
-            if lay.embeddings is not None and states.embedding_shape is not None:
-                # Only the shape and dtype of the embeddings are read now (positions, rotary tables, masks).
-                shape = (rows * k, *states.embedding_shape[1:])
-                zeros = states.hidden[layer - 1].new_zeros(shape, dtype=states.embedding_dtype)
-                replacements[lay.embeddings] = returning(zeros)
+        # Only the shape and dtype of the embeddings are read now (positions, rotary tables, masks).
+        replacements.update(start_at_layer(lay.layers, layer, states.hidden, k, lay.embeddings,
+                                           states.embedding_shape, states.embedding_dtype))
         if any(later):
             self.gates.set_masks_per_example(later, rows_per_mask=rows)
         try:
             with replaced_forwards(replacements):
-                return self.token_nll(_repeat(inputs, k), _repeat(scored, k))
+                return self.token_nll(repeat_rows(inputs, k), repeat_rows(scored, k))
         finally:
             self.gates.clear()
 
@@ -238,6 +225,3 @@ class PrefixReuse:
                                    "reproduce the whole model's result exactly")
         self.verified = True
 
-
-def _repeat(t: torch.Tensor, k: int) -> torch.Tensor:
-    return t if k == 1 else t.repeat(k, *([1] * (t.dim() - 1)))

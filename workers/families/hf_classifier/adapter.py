@@ -9,7 +9,6 @@ default) each mask's pass also starts at its first gated layer from cached basel
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,19 +27,18 @@ from headsweep.workers.families.hf_classifier.model import load_classifier_model
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout
 from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches
 from headsweep.workers.families.transformers.loading import max_positions
+from headsweep.workers.families.transformers.reuse import PrefixReuseSwitch
 from headsweep.workers.families.transformers.sites import find_sites
 from headsweep.workers.families.transformers.tokenizer import count_unknown
 from headsweep.workers.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.metrics import ACCURACY
-from headsweep.workers.replay import ReuseUnsupported, first_gated_layer
+from headsweep.workers.replay import by_first_gated_layer
 from headsweep.workers.workload import median_batch, take_rows
 
-logger = logging.getLogger(__name__)
 
-
-class ClassifierAdapter:
+class ClassifierAdapter(PrefixReuseSwitch):
     """A gated classifier with its tokenised evaluation set (an ``EvalAdapter``)."""
 
     metric = ACCURACY
@@ -70,21 +68,10 @@ class ClassifierAdapter:
                                                   self.tokenizer.unk_token))}
         self.model_name = Path(model_cfg.path).name
         self.dataset_name = data_cfg.name or Path(data_cfg.path).stem
-        self._reuse: PrefixReuse | None = None
-        self.reuse_note = "off (sweep.reuse: false): every mask runs the whole model"
-        if runtime.reuse:
-            try:
-                layout = classifier_layout(self.model, self.gates.sites)
-            except ReuseUnsupported as exc:
-                self._no_reuse(str(exc))
-            else:
-                self._reuse = PrefixReuse(self.model, self.gates, layout, cache_budget(self.device))
-                self.reuse_note = "prefix: masks start at their first gated layer from cached baseline states"
-
-    def _no_reuse(self, reason: str) -> None:
-        self._reuse = None
-        self.reuse_note = f"plain path: prefix reuse does not support this model ({reason})"
-        logger.warning("%s: %s", self.model_name, self.reuse_note)
+        self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
+                                                            classifier_layout(self.model, self.gates.sites),
+                                                            cache_budget(self.device)),
+                         "prefix: masks start at their first gated layer from cached baseline states")
 
     def tokenise(self, max_length: int, batch_size: int) -> list[tuple[torch.Tensor, dict]]:
         """The evaluation set as batches of ``(example indices, inputs on the device)``, sorted by length."""
@@ -161,21 +148,12 @@ class ClassifierAdapter:
     @torch.inference_mode()
     def logits(self, masks: Sequence[Sequence[Head]]) -> torch.Tensor:
         """Logits of every example under each mask: shape (n_masks, n_examples, n_labels)."""
-        if self._reuse is not None:
-            try:
-                return self._logits_reused(masks)
-            except ReuseUnsupported as exc:
-                self._no_reuse(str(exc))
-        return self._logits_plain(masks)
+        return self.reused_or_plain(lambda: self._logits_reused(masks), lambda: self._logits_plain(masks))
 
     def _logits_reused(self, masks: Sequence[Sequence[Head]]) -> torch.Tensor:
         """Masks grouped by first gated layer; each group starts there from the batch's baseline states."""
         out = torch.empty(len(masks), len(self.examples.ids), self.model.config.num_labels, device=self.device)
-        groups: dict[int | None, list[int]] = {}
-        for i, mask in enumerate(masks):
-            for head in mask:
-                self.gates.inventory.check(head)
-            groups.setdefault(first_gated_layer(mask), []).append(i)
+        groups = by_first_gated_layer(masks, self.gates.inventory)
         for key, (idx, inputs) in enumerate(self.batches):
             per = self.masks_per_forward(inputs)
             states = self._reuse.states(key, inputs)

@@ -19,9 +19,9 @@ from torch import nn
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.transformers.layout import AttentionLayout, attention_layout
 from headsweep.workers.families.transformers.pruning import load_pruned as load_transformers_pruned
-from headsweep.workers.families.transformers.pruning import record_pruned, sites_to_prune
+from headsweep.workers.families.transformers.pruning import prune_sites
 from headsweep.workers.gates import AttentionSite
-from headsweep.workers.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
+from headsweep.workers.head_slicing import HeadSlice, keep_columns, keep_rows
 from headsweep.workers.heads import Head, SiteKey
 
 
@@ -65,14 +65,7 @@ class EmptyDistilBertAttention(nn.Module):
 
 def prune_hf_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteKey, HeadSlice]:
     """Remove ``heads`` (attention ``self``) from a transformers BERT-family or DistilBERT model, in place."""
-    sites, grouped = sites_to_prune(model, heads)
-    work = [(site, _prunable_layout(site), plan_slice(site.num_heads, site.head_dim, grouped[site.key]))
-            for site in sites if grouped.get(site.key)]
-    for site, layout, plan in work:  # every module checked before the first one changes
-        _apply(model, site, layout, plan)
-    slices = {site.key: plan for site, _, plan in work}
-    record_pruned(model, slices)
-    return slices
+    return prune_sites(model, heads, _prunable_layout, _apply)
 
 
 def _prunable_layout(site: AttentionSite) -> AttentionLayout:

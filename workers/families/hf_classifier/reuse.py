@@ -27,10 +27,11 @@ import torch
 from torch import nn
 
 from headsweep.workers.families.transformers.layout import attention_layout
+from headsweep.workers.families.transformers.reuse import repeat_rows, start_at_layer
 from headsweep.workers.gates import AttentionSite, HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.replay import (
-    BaselineCache,
+    RecordedBaselines,
     ReuseUnsupported,
     gated_projection,
     layer_stack,
@@ -85,20 +86,13 @@ def classifier_layout(model: nn.Module, sites: Sequence[AttentionSite]) -> Class
                             embeddings if isinstance(embeddings, nn.Module) else None)
 
 
-class PrefixReuse:
-    """Baseline states per evaluation batch, and masked forward passes that start from them."""
+class PrefixReuse(RecordedBaselines[BaselineStates]):
+    """Baseline states per evaluation batch (``states(key, inputs)``), and masked forward passes that start from
+    them."""
 
     def __init__(self, model: nn.Module, gates: HeadGates, layout: ClassifierLayout, budget_bytes: int):
+        super().__init__(budget_bytes)
         self.model, self.gates, self.layout = model, gates, layout
-        self.cache: BaselineCache[BaselineStates] = BaselineCache(budget_bytes)
-
-    @property
-    def kept_bytes(self) -> int:
-        return self.cache.kept_bytes
-
-    def states(self, key: int, inputs: dict) -> BaselineStates:
-        """Baseline states of batch ``key``: kept from an earlier call, or recorded now (and kept if they fit)."""
-        return self.cache.get(key, lambda: self.record(inputs))
 
     def record(self, inputs: dict) -> BaselineStates:
         """Run the ungated model once, keeping each layer's output and each projection's input."""
@@ -140,15 +134,10 @@ class PrefixReuse:
         replacements: dict[nn.Module, object] = {lay.cores[layer]: returning((attention, None))}
         if lay.identities[layer] is not None:
             replacements[lay.identities[layer]] = pass_through
-        if layer > 0:
-            for j in range(layer - 1):
-                replacements[lay.layers[j]] = pass_through
-            replacements[lay.layers[layer - 1]] = returning(_repeat(states.hidden[layer - 1], k))
-            if lay.embeddings is not None and states.embedding_shape is not None:
-                # Only mask creation reads the embeddings' shape now; their values go nowhere.
-                shape = (rows * k, *states.embedding_shape[1:])
-                replacements[lay.embeddings] = returning(states.hidden[0].new_zeros(shape))
-        stacked = {key: _repeat(v, k) for key, v in inputs.items()}
+        # Only mask creation reads the embeddings' shape now; their values go nowhere.
+        replacements.update(start_at_layer(lay.layers, layer, states.hidden, k, lay.embeddings,
+                                           states.embedding_shape))
+        stacked = {key: repeat_rows(v, k) for key, v in inputs.items()}
         if any(later):
             self.gates.set_masks_per_example(later, rows_per_mask=rows)
         try:
@@ -157,6 +146,3 @@ class PrefixReuse:
         finally:
             self.gates.clear()
 
-
-def _repeat(t: torch.Tensor, k: int) -> torch.Tensor:
-    return t if k == 1 else t.repeat(k, *([1] * (t.dim() - 1)))

@@ -21,15 +21,20 @@ import torch
 from torch import nn
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.families.transformers.layout import AttentionLayout
 from headsweep.workers.families.transformers.sites import find_sites
 from headsweep.workers.gates import AttentionSite, group_by_site
-from headsweep.workers.head_slicing import HeadSlice
+from headsweep.workers.head_slicing import HeadSlice, plan_slice
 from headsweep.workers.heads import Head, SiteKey
 
 PRUNED_HEADS_KEY = "pruned_heads"
 
 #: A family's pruning: removes the heads from the model in place.
 Pruner = Callable[[nn.Module, list[Head]], object]
+#: A family's check of one site before anything changes: its layout, or a clear error if it cannot prune it.
+Prunable = Callable[[AttentionSite], AttentionLayout]
+#: A family's removal of one module's heads, in place.
+ApplySlice = Callable[[nn.Module, AttentionSite, AttentionLayout, HeadSlice], None]
 
 
 def sites_to_prune(model: nn.Module, heads: Iterable[Head]) -> tuple[list[AttentionSite], dict[SiteKey, list[int]]]:
@@ -42,6 +47,28 @@ def sites_to_prune(model: nn.Module, heads: Iterable[Head]) -> tuple[list[Attent
     if not sites:
         raise HeadsweepError(f"no attention modules recognised in {type(model).__name__}: nothing to prune")
     return sites, group_by_site(sites, heads)
+
+
+def prune_sites(model: nn.Module, heads: Iterable[Head], prunable: Prunable, apply: ApplySlice
+                ) -> dict[SiteKey, HeadSlice]:
+    """Remove ``heads`` (attention ``self``, original numbers) from a transformers ``model`` in place, and record
+    them in ``config.pruned_heads``; returns each pruned module's slice.
+
+    Every module that loses heads is checked (``prunable``) and its slice planned before the first one changes
+    (``apply``): a mask the model cannot take leaves it as it was.
+    """
+    sites, grouped = sites_to_prune(model, heads)
+    work = []
+    for site in sites:
+        if grouped.get(site.key):
+            layout = prunable(site)
+            work.append((site, layout, plan_slice(site.num_heads, site.head_dim, grouped[site.key],
+                                                  layout.num_kv_heads)))
+    for site, layout, plan in work:
+        apply(model, site, layout, plan)
+    slices = {site.key: plan for site, _, plan in work}
+    record_pruned(model, slices)
+    return slices
 
 
 def record_pruned(model: nn.Module, slices: dict[SiteKey, HeadSlice]) -> None:
