@@ -1,7 +1,8 @@
 """Where a transformers attention module keeps its heads: the one place that knows the layouts.
 
-Site recognition (:mod:`.sites`), prefix reuse (:mod:`.reuse`) and physical pruning
-(:mod:`.pruning`) all read a module through :func:`attention_layout`. Head counts and sizes
+Site recognition (:mod:`.sites`) and both transformers families' prefix reuse and physical pruning
+(``hf_classifier``, ``hf_causal_lm``: ``reuse.py``, ``pruning.py``) all read a module through
+:func:`attention_layout`. Head counts and sizes
 are read from the modules themselves, never from user input.
 
 * ``bert``: BERT, RoBERTa, ELECTRA, MiniLM (``BertAttention`` and relatives): ``.self`` holds the
