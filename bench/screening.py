@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -178,6 +179,8 @@ def main() -> None:
             return chosen | {"equivalence": margin}
         return chosen | ({} if args.miss is None else {"miss": args.miss})
 
+    # A private instance: without this Ray turns on token auth and writes ~/.ray/auth_token (see sweep's Ray session).
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=args.threads + 1, include_dashboard=False, log_to_driver=False)
     address = ray.get_runtime_context().gcs_address
     results = {}
