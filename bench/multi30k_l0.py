@@ -65,12 +65,13 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     import torch
 
+    from headsweep.sweep.experiments.l0.settings import L0Section
+    from headsweep.sweep.experiments.l0.training import L0Trainer, checkpoint_label_smoothing
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
     from headsweep.workers.family import RuntimeOptions
     from headsweep.workers.heads import Head
     from headsweep.workers.importance import gradient_importance, rank_heads
-    from headsweep.workers.l0_training import L0Settings, L0Trainer, checkpoint_label_smoothing
 
     torch.set_num_threads(args.threads)
     wall = time.perf_counter()
@@ -96,9 +97,9 @@ def main() -> None:
         start = time.perf_counter()
         train = load_translation(model_cfg, TranslationData(data_bin=str(data_bin), split="train",
                                                             max_examples=args.train_examples), runtime)
-        trainer = L0Trainer(train, L0Settings(lam=lam, steps=args.steps, lr=args.lr, model_lr=args.model_lr,
-                                              train=args.train, seed=args.seed, attention=["enc_self"],
-                                              label_smoothing=label_smoothing))
+        trainer = L0Trainer(train, L0Section(steps=args.steps, lr=args.lr, model_lr=args.model_lr, train=args.train,
+                                             seed=args.seed, attention=["enc_self"], label_smoothing=label_smoothing),
+                            lam)
         history = trainer.train()
         closed = trainer.closed_heads()
         if args.train == "all":

@@ -7,10 +7,10 @@ the 3+3 x 4-head model of ``bench/multi30k_translation.py`` (trained and cached 
 ``bench/multi30k_pruning.py``). On test_2016_flickr:
 
 1. single-head BLEU deltas of every encoder self-attention head (beam 5, sacrebleu);
-2. the roles of every encoder head (``headsweep.workers.roles.head_roles``): confidence, positional, rare-word
-   (token frequencies from the fairseq dictionary's counts) and, when spaCy and an English pipeline are
-   installed (``pip install -e .[syntax]``, see the README), syntactic roles from spaCy's parses of the English
-   source;
+2. the roles of every encoder head (``head_roles`` of ``headsweep.sweep.experiments.roles.worker``): confidence,
+   positional, rare-word (token frequencies from the fairseq dictionary's counts) and, when spaCy and an English
+   pipeline are installed (``pip install -e .[syntax]``, see the README), syntactic roles from spaCy's parses of the
+   English source;
 3. LRP relevance of every head (``headsweep.workers.lrp``) on validation pairs, never on the test set;
 4. Spearman's rank correlation of confidence and of LRP relevance with the harm of each encoder head's removal
    (minus its BLEU delta), as the paper relates confidence and relevance to importance.
@@ -93,12 +93,12 @@ def main() -> None:
     import torch
     from scipy import stats
 
+    from headsweep.sweep.experiments.roles.settings import RolesSection
+    from headsweep.sweep.experiments.roles.worker import head_roles
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
     from headsweep.workers.family import RuntimeOptions
-    from headsweep.workers.head_roles import RoleSettings
     from headsweep.workers.lrp import lrp_relevance
-    from headsweep.workers.roles import head_roles
 
     torch.set_num_threads(args.threads)
     checkpoint, spm_model, data_bin = model_files(args.model, args.threads)
@@ -125,7 +125,7 @@ def main() -> None:
           f"{ablation_s:.1f}s", flush=True)
 
     why_not = spacy_available(args.spacy_model)
-    settings = RoleSettings(parser=None if why_not else "spacy", spacy_model=args.spacy_model)
+    settings = RolesSection(parser=None if why_not else "spacy", spacy_model=args.spacy_model)
     if why_not:
         print(f"syntactic roles: not computed (spaCy with {args.spacy_model}: {why_not})", flush=True)
     start = time.perf_counter()

@@ -34,9 +34,12 @@ class Store:
     def __init__(self, uri: str):
         from headsweep.results.query import connect
         from headsweep.results.store import ResultStore
+        from headsweep.sweep.experiments import register_stored_kinds  # the kinds' tables and views
 
         self.uri = uri
-        self.connection = connect(ResultStore(uri))
+        store = ResultStore(uri)
+        register_stored_kinds(store)
+        self.connection = connect(store)
 
     def sql(self, query: str, params: Sequence[Any] | None = None):
         """A DuckDB relation (or result) for ``query``; ``?`` placeholders take ``params``."""

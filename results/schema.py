@@ -3,11 +3,22 @@
 Every table is a Parquet dataset partitioned by ``run_id`` (Hive style); the files
 themselves do not repeat ``run_id``. Readers use these schemas (not the first file's) so
 that files written before a column was added read back with that column null.
+
+``TABLES`` holds the tables every run writes (``runs``, ``evaluations``, ``examples``, ``significance``) and,
+registered with :func:`register_table`, the tables of the experiment kinds (``importance``, ``efficiency``,
+``gates``, ``head_roles``, ``interactions``: each declared by its kind in ``headsweep.sweep.experiments``, which
+registers them when it is imported; the ``headsweep`` API, the CLI and the driver import it). This module never
+imports the kinds: imports point from the driver to the results, not back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
 import pyarrow as pa
+
+from headsweep.errors import HeadsweepError
 
 # The version of the tables below, written to `runs.schema_version` with every run. Changes are
 # additive (a new table, a new nullable column), so a release reads every older store: a table
@@ -28,17 +39,6 @@ SCHEMA_HISTORY = {
 SCHEMA_VERSION = max(SCHEMA_HISTORY)
 
 HEAD_COLUMNS = [("attention", pa.string()), ("layer", pa.int32()), ("head", pa.int32())]
-
-# Syntactic heads (head_roles, headsweep.workers.syntax.syntax_columns names the same): per relation and direction
-# (dep2gov: from the dependent to its governor; gov2dep: back) the head's accuracy and the most-frequent-offset
-# baseline, and the relation's instances. Null where no parses were given or the attention type is not parsed.
-SYNTAX_RELATIONS = ("nsubj", "obj", "amod", "advmod")
-SYNTAX_COLUMNS = [
-    col for rel in SYNTAX_RELATIONS
-    for col in ((f"{rel}_dep2gov", pa.float64()), (f"{rel}_dep2gov_baseline", pa.float64()),
-                (f"{rel}_gov2dep", pa.float64()), (f"{rel}_gov2dep_baseline", pa.float64()),
-                (f"{rel}_instances", pa.int64()))
-]
 
 TABLES: dict[str, pa.Schema] = {
     "runs": pa.schema(
@@ -114,116 +114,6 @@ TABLES: dict[str, pa.Schema] = {
             ("seed", pa.int64()),
         ]
     ),
-    "importance": pa.schema(
-        [
-            ("method", pa.string()),
-            *HEAD_COLUMNS,
-            ("score", pa.float64()),
-            ("score_normalized", pa.float64()),
-            ("rank", pa.int32()),
-            ("checkpoint", pa.string()),
-        ]
-    ),
-    # The efficiency experiment: one row per model variant (full / pruned) and batch size.
-    "efficiency": pa.schema(
-        [
-            ("mask_source", pa.string()),
-            ("source_run", pa.string()),
-            ("level", pa.float64()),
-            ("heads_masked", pa.list_(pa.string())),
-            ("n_masked", pa.int32()),
-            ("heads_removed", pa.float64()),
-            ("checkpoint", pa.string()),
-            ("variant", pa.string()),
-            ("batch_size", pa.int32()),
-            ("device", pa.string()),
-            ("n_params", pa.int64()),
-            ("n_heads", pa.int32()),
-            ("peak_memory_mb", pa.float64()),
-            ("examples", pa.int64()),
-            ("tokens", pa.int64()),
-            ("warmup", pa.int32()),
-            ("repeats", pa.int32()),
-            ("seconds_median", pa.float64()),
-            ("seconds_min", pa.float64()),
-            ("seconds_max", pa.float64()),
-            ("examples_per_s", pa.float64()),
-            ("examples_per_s_iqr", pa.float64()),
-            ("tokens_per_s", pa.float64()),
-            ("tokens_per_s_iqr", pa.float64()),
-            ("speedup", pa.float64()),
-            ("finished_at", pa.timestamp("us", tz="UTC")),
-        ]
-    ),
-    # The l0 experiment (Voita et al. 2019 sec. 6): one row per penalty weight and gated head, the trained
-    # Hard Concrete gate (headsweep.workers.hard_concrete). p_open = P(g > 0); closed by the run's l0.closing rule.
-    "gates": pa.schema(
-        [
-            ("l0_lambda", pa.float64()),
-            *HEAD_COLUMNS,
-            ("log_alpha", pa.float64()),
-            ("p_open", pa.float64()),
-            ("closed", pa.bool_()),
-            ("step", pa.int64()),
-            ("train", pa.string()),
-            ("checkpoint", pa.string()),
-        ]
-    ),
-    # The roles experiment (Voita et al. 2019): one row per checkpoint and head, statistics of its unmasked
-    # attention maps (headsweep.workers.head_roles). More statistics (e.g. per syntactic relation, an accuracy
-    # and a baseline column each) are added as nullable columns: older files then read them as null.
-    "head_roles": pa.schema(
-        [
-            ("checkpoint", pa.string()),
-            *HEAD_COLUMNS,
-            ("n_tokens", pa.int64()),
-            ("confidence", pa.float64()),
-            ("entropy", pa.float64()),
-            ("top_offset", pa.int32()),
-            ("top_offset_share", pa.float64()),
-            ("rare_share", pa.float64()),
-            ("rare_sentences", pa.int64()),
-            ("rare_chance", pa.float64()),
-            ("roles", pa.list_(pa.string())),
-            *SYNTAX_COLUMNS,
-        ]
-    ),
-    # The pairs experiment: one row per checkpoint and pair of heads i < j (model order), the interaction
-    # delta_ij - delta_i - delta_j in the metric's units with its paired bootstrap over the four evaluations
-    # (headsweep.sweep.statistics.interactions); excess_harm is the interaction in the direction "pair hurts more
-    # than the sum".
-    "interactions": pa.schema(
-        [
-            ("eval_id", pa.string()),
-            ("checkpoint", pa.string()),
-            ("metric", pa.string()),
-            ("head_i", pa.string()),
-            ("attention_i", pa.string()),
-            ("layer_i", pa.int32()),
-            ("index_i", pa.int32()),
-            ("head_j", pa.string()),
-            ("attention_j", pa.string()),
-            ("layer_j", pa.int32()),
-            ("index_j", pa.int32()),
-            ("same_layer", pa.bool_()),
-            ("baseline_score", pa.float64()),
-            ("delta_i", pa.float64()),
-            ("delta_j", pa.float64()),
-            ("delta_ij", pa.float64()),
-            ("interaction", pa.float64()),
-            ("excess_harm", pa.float64()),
-            ("test", pa.string()),
-            ("ci_low", pa.float64()),
-            ("ci_high", pa.float64()),
-            ("p_value", pa.float64()),
-            ("p_adjusted", pa.float64()),
-            ("correction", pa.string()),
-            ("alpha", pa.float64()),
-            ("significant", pa.bool_()),
-            ("n_resamples", pa.int64()),
-            ("seed", pa.int64()),
-        ]
-    ),
 }
 
 # A run's status in ``runs``: running (its driver is writing it, or died), complete, failed (an
@@ -235,7 +125,30 @@ RUN_STATUSES = (RUNNING, COMPLETE, FAILED, INTERRUPTED, PARTIAL)
 
 # Columns renamed since they were first written: table -> {name today: name in files of older versions}.
 # Readers take the old column where a file lacks the new one (ResultStore.read, the query views).
-RENAMED: dict[str, dict[str, str]] = {"gates": {"l0_lambda": "lambda"}}
+RENAMED: dict[str, dict[str, str]] = {}
+
+
+@dataclass(frozen=True)
+class Table:
+    """A results table an experiment kind declares: its ``name``, its columns (``schema``, without ``run_id``)
+    and the columns ``renamed`` since they were first written ({name today: name in older files})."""
+
+    name: str
+    schema: pa.Schema
+    renamed: Mapping[str, str] = field(default_factory=dict)
+
+
+def register_table(table: Table) -> None:
+    """Add ``table`` to :data:`TABLES` (and its renamed columns to :data:`RENAMED`). Registering the same table
+    again is a no-op; another table under a name already taken is refused."""
+    known = TABLES.get(table.name)
+    if known is not None:
+        if known.equals(table.schema) and RENAMED.get(table.name, {}) == dict(table.renamed):
+            return
+        raise HeadsweepError(f"results table {table.name!r} is declared already, with other columns")
+    TABLES[table.name] = table.schema
+    if table.renamed:
+        RENAMED[table.name] = dict(table.renamed)
 
 
 def with_run_id(schema: pa.Schema) -> pa.Schema:

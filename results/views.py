@@ -3,13 +3,21 @@
 Every view is keyed so that a run sweeping several training checkpoints never repeats a
 head: rows of one run differ by ``checkpoint`` (null when the run has one model), and joins on
 it use ``IS NOT DISTINCT FROM`` so that the null checkpoint matches itself.
+
+The views over every run (``deltas``, ``heads``, ``layers``, ``pruning``, ``summary``) are defined here; an
+experiment kind adds its own with :func:`register_view` (``roles``, by the roles kind), and the kinds whose
+evaluations are points of a pruning curve say so with :func:`register_pruning_curve` (``prune_level``, ``l0``),
+which is what the ``pruning`` view is made of. ``heads`` reads the ``importance`` table of the importance kind.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from headsweep.results.schema import HEAD_COLUMNS, SYNTAX_COLUMNS
+from headsweep.errors import HeadsweepError
+from headsweep.results.schema import HEAD_COLUMNS
 from headsweep.workers.metrics import LOWER_IS_BETTER
 
 # The metric's primary test (a t-test for accuracy and multiple choice's length-normalised accuracy_norm, the
@@ -74,7 +82,8 @@ _HEAD_STRUCT = "[{" + ", ".join(f'"{n}": "{t}"' for n, t in
                                 (("attention", "VARCHAR"), ("layer", "INTEGER"), ("num_heads", "INTEGER"))) + "}]"
 
 
-def _same_head(a: str, b: str) -> str:
+def same_head_sql(a: str, b: str) -> str:
+    """SQL joining rows ``a`` and ``b`` of one head: the same run, checkpoint (null matching null) and head."""
     keys = " AND ".join(f"{a}.{name} = {b}.{name}" for name, _ in HEAD_COLUMNS)
     return f"{a}.run_id = {b}.run_id AND {a}.checkpoint IS NOT DISTINCT FROM {b}.checkpoint AND {keys}"
 
@@ -105,9 +114,9 @@ SELECT i.run_id, i.checkpoint, i.attention, i.layer, i.head, i.attention || ':' 
 FROM inventory i
 LEFT JOIN (SELECT * FROM evaluations WHERE experiment = 'baseline') b
   ON b.run_id = i.run_id AND b.checkpoint IS NOT DISTINCT FROM i.checkpoint
-LEFT JOIN (SELECT * FROM deltas WHERE experiment = 'single_head') s ON {_same_head("s", "i")}
-LEFT JOIN (SELECT * FROM evaluations WHERE experiment = 'all_but_one') a ON {_same_head("a", "i")}
-LEFT JOIN importance m ON {_same_head("m", "i")}
+LEFT JOIN (SELECT * FROM deltas WHERE experiment = 'single_head') s ON {same_head_sql("s", "i")}
+LEFT JOIN (SELECT * FROM evaluations WHERE experiment = 'all_but_one') a ON {same_head_sql("a", "i")}
+LEFT JOIN importance m ON {same_head_sql("m", "i")}
 """
 
 # All-but-one (Michel et al. sec. 3.3): per layer of each attention type, the head that scores
@@ -131,20 +140,47 @@ WHERE position = 1
 """
 
 # Pruning curves (sec. 4.2): `scope` is `global`, one attention type, or types joined by `+`
-# (from the evaluation id); `attention` is set only when the scope is one attention type. `method` is
-# `importance` (prune_level: the least important heads masked) or `l0` (l0_gates: the heads whose trained
-# Hard Concrete gate closed, Voita et al. sec. 6; `l0_lambda` is its penalty weight), so both curves of a
-# run compare at the same number of heads masked (`n_masked`, `level` = its share of the scope's heads).
-PRUNING = """
+# (from the evaluation id); `attention` is set only when the scope is one attention type. `method` says which
+# kind's curve a row is a point of (`importance`: prune_level, the least important heads masked; `l0`: l0_gates,
+# the heads whose trained Hard Concrete gate closed, Voita et al. sec. 6, with its penalty weight `l0_lambda`), so
+# the curves of a run compare at the same number of heads masked (`n_masked`, `level` = its share of the scope's
+# heads).
+
+
+@dataclass(frozen=True)
+class PruningCurve:
+    """Evaluations of ``experiment`` (eval ids ``<experiment>/<scope>/<point>``) are points of a pruning curve:
+    ``method`` names the curve in the ``pruning`` view; ``parameter``, when set, is a column of that view holding
+    the ``<point>`` part of the eval id as a number (null on other curves' rows)."""
+
+    experiment: str
+    method: str
+    parameter: str | None = None
+
+
+# The curves the pruning view is made of, in registration order (register_pruning_curve).
+PRUNING_CURVES: dict[str, PruningCurve] = {}
+
+
+def pruning_sql() -> str:
+    """The ``pruning`` view over the registered curves."""
+    curves = list(PRUNING_CURVES.values())
+    names = "|".join(re.escape(c.experiment) for c in curves) or "(?!)"
+    method = " ".join(f"WHEN {_literal(c.experiment)} THEN {_literal(c.method)}" for c in curves)
+    parameters = "".join(
+        f",\n       CASE WHEN experiment = {_literal(c.experiment)} THEN "
+        f"TRY_CAST(regexp_extract(eval_id, '/([^/]+)$', 1) AS DOUBLE) END AS {c.parameter}"
+        for c in curves if c.parameter)
+    experiments = ", ".join(_literal(c.experiment) for c in curves) or "NULL"
+    return f"""
 CREATE VIEW pruning AS
-SELECT run_id, checkpoint, regexp_extract(eval_id, '(prune_level|l0_gates)/([^/]+)/', 2) AS scope, attention,
+SELECT run_id, checkpoint, regexp_extract(eval_id, '({names})/([^/]+)/', 2) AS scope, attention,
        level, n_masked, heads_masked, metric, score, baseline_score, delta,
        score / nullif(baseline_score, 0) AS relative_score, test, p_value, p_adjusted, correction, alpha, significant,
-       CASE WHEN experiment = 'l0_gates' THEN 'l0' ELSE 'importance' END AS method,
-       CASE WHEN experiment = 'l0_gates' THEN TRY_CAST(regexp_extract(eval_id, '/([^/]+)$', 1) AS DOUBLE) END
-         AS l0_lambda
-FROM deltas WHERE experiment IN ('prune_level', 'l0_gates')
+       CASE experiment {method or "WHEN NULL THEN NULL"} END AS method{parameters}
+FROM deltas WHERE experiment IN ({experiments})
 """
+
 
 # One line per run: what `headsweep runs` prints. `n_significant` counts heads whose single-head
 # ablation is significant (in any checkpoint, from the written families, by the test `deltas` shows); while a
@@ -170,24 +206,41 @@ LEFT JOIN (SELECT run_id, arg_min(score, eval_id) AS score FROM evaluations WHER
            GROUP BY run_id) b USING (run_id)
 """
 
-_SYNTAX = ", ".join("r." + name for name, _ in SYNTAX_COLUMNS)
+# In creation order: a view may use the ones before it. The kinds' views come after these (register_view).
+VIEWS: dict[str, str] = {"deltas": DELTAS, "heads": HEADS, "layers": LAYERS, "pruning": pruning_sql(),
+                         "summary": SUMMARY}
 
-# What each head attends to (`head_roles`, Voita et al. 2019) beside its single-head delta, test and importance
-# (from `heads`; null where the run has none).
-ROLES = f"""
-CREATE VIEW roles AS
-SELECT r.run_id, r.checkpoint, r.attention, r.layer, r.head, r.attention || ':' || r.layer || ':' || r.head AS name,
-       r.confidence, r.entropy, r.top_offset, r.top_offset_share, r.rare_share, r.rare_sentences, r.rare_chance,
-       r.n_tokens, r.roles, {_SYNTAX}, h.metric, h.baseline_score, h.score, h.delta, h.test, h.p_value, h.p_adjusted,
-       h.correction, h.alpha, h.significant, h.harm, h.importance_method, h.importance, h.importance_normalized,
-       h.importance_rank
-FROM head_roles r
-LEFT JOIN heads h ON {_same_head("h", "r")}
-"""
 
-# In creation order: a view may use the ones before it.
-VIEWS: dict[str, str] = {"deltas": DELTAS, "heads": HEADS, "layers": LAYERS, "pruning": PRUNING, "summary": SUMMARY,
-                         "roles": ROLES}
+@dataclass(frozen=True)
+class View:
+    """A view an experiment kind declares: its ``name`` and the ``CREATE VIEW <name> AS ...`` statement (which may
+    read the tables and the views created before it)."""
+
+    name: str
+    sql: str
+
+
+def register_view(view: View) -> None:
+    """Add ``view`` after the views known so far. Registering the same view again is a no-op; another view under a
+    name already taken is refused."""
+    known = VIEWS.get(view.name)
+    if known is not None and known != view.sql:
+        raise HeadsweepError(f"results view {view.name!r} is declared already, as another query")
+    VIEWS[view.name] = view.sql
+
+
+def register_pruning_curve(curve: PruningCurve) -> None:
+    """Add ``curve``'s rows to the ``pruning`` view (the same curve again is a no-op; another curve of the same
+    experiment, or a parameter column another curve names, is refused)."""
+    known = PRUNING_CURVES.get(curve.experiment)
+    if known == curve:
+        return
+    taken = {c.parameter for c in PRUNING_CURVES.values()}
+    if known is not None or (curve.parameter is not None and curve.parameter in taken):
+        raise HeadsweepError(f"pruning curve of {curve.experiment!r} is declared already, or its column "
+                             f"{curve.parameter!r} is another curve's")
+    PRUNING_CURVES[curve.experiment] = curve
+    VIEWS["pruning"] = pruning_sql()
 
 # What `headsweep runs` lists, newest first.
 RUNS_LIST = "SELECT * FROM summary ORDER BY created_at DESC, run_id"

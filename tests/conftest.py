@@ -22,6 +22,10 @@ HUB_CACHE = Path(tempfile.mkdtemp(prefix="headsweep-test-hub-"))
 os.environ["HF_HUB_CACHE"] = str(HUB_CACHE)
 atexit.register(shutil.rmtree, HUB_CACHE, True)
 
+# The experiment kinds' tables and views, registered as every headsweep entry point registers them (the CLI, the
+# driver, headsweep.open_store), for the tests that query a store through headsweep.results directly.
+import headsweep.sweep.experiments  # noqa: E402, F401
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 

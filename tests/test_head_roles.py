@@ -16,11 +16,11 @@ from conftest import error_line, run_cli
 from tiny_models import lm_text, save_tiny_causal_lm
 from tolerances import assert_routes_agree
 
+from headsweep.sweep.experiments.roles.settings import RolesSection
 from headsweep.workers.head_roles import (
     POSITIONAL,
     RARE_WORDS,
     FrequencyTable,
-    RoleSettings,
     RoleTotals,
     SiteAttention,
     TokenSide,
@@ -78,7 +78,7 @@ def test_previous_token_head_is_positional_with_share_one():
     real_index = {0: list(range(7)), 1: list(range(5))}
     prev = point_to(tokens, lambda b, q: max(q - 1, 0) if q in real_index[b] else 0)
     weights = torch.stack([prev, uniform_rows(tokens, 1)[:, 0]], dim=1)
-    result = totals(SiteAttention(weights, tokens, tokens)).heads("self", 0, RoleSettings())
+    result = totals(SiteAttention(weights, tokens, tokens)).heads("self", 0, RolesSection())
     head0, head1 = result
     # 5 + 3 words are the counted tokens ([CLS], [SEP] and padding are not).
     assert head0.n_tokens == head1.n_tokens == 8
@@ -97,7 +97,7 @@ def test_previous_token_head_is_positional_with_share_one():
 def test_confidence_of_a_uniform_map_is_one_over_n():
     for n in (1, 2, 5, 13):
         tokens = side([list(range(10, 10 + n))], specials=())
-        [head] = totals(SiteAttention(uniform_rows(tokens, 1), tokens, tokens)).heads("self", 0, RoleSettings())
+        [head] = totals(SiteAttention(uniform_rows(tokens, 1), tokens, tokens)).heads("self", 0, RolesSection())
         # other: a float64 mean of n equal terms 1/n
         assert head.confidence == pytest.approx(1 / n, rel=1e-14) and head.n_tokens == n
         assert head.entropy == pytest.approx(math.log(n), rel=1e-14, abs=1e-15)
@@ -109,10 +109,10 @@ def test_next_token_offset_and_threshold():
     tokens = side([list(range(10, 20))], specials=())
     weights = point_to(tokens, lambda b, q: min(q + 1, 9))[:, None]
     site = SiteAttention(weights, tokens, tokens)
-    [head] = totals(site).heads("self", 0, RoleSettings())
+    [head] = totals(site).heads("self", 0, RolesSection())
     assert (head.top_offset, head.top_offset_share, head.roles) == (1, 0.9, [POSITIONAL])
-    assert totals(site).heads("self", 0, RoleSettings(positional_threshold=0.95))[0].roles == []
-    assert totals(site).heads("self", 0, RoleSettings(offsets=(-1, 2)))[0].roles == []
+    assert totals(site).heads("self", 0, RolesSection(positional_threshold=0.95))[0].roles == []
+    assert totals(site).heads("self", 0, RolesSection(offsets=(-1, 2)))[0].roles == []
 
 
 def test_causal_previous_token_head_after_bos():
@@ -121,7 +121,7 @@ def test_causal_previous_token_head_after_bos():
     tokens = side([[bos, 10, 11, 12, 13, 14]], specials=(bos,))
     weights = torch.stack([point_to(tokens, lambda b, q: max(q - 1, 0)), uniform_rows(tokens, 1, causal=True)[:, 0]],
                           dim=1)
-    head0, head1 = totals(SiteAttention(weights, tokens, tokens, causal=True)).heads("self", 0, RoleSettings())
+    head0, head1 = totals(SiteAttention(weights, tokens, tokens, causal=True)).heads("self", 0, RolesSection())
     assert (head0.n_tokens, head0.top_offset, head0.top_offset_share, head0.roles) == (5, -1, 1.0, [POSITIONAL])
     # Causal uniform: word q (1..5) spreads over q+1 keys; its largest weight on a word is 1/(q+1).
     # other: float64 sums of five terms
@@ -155,7 +155,7 @@ def test_rare_word_head():
     weights = torch.stack([rare, prev, uniform_rows(tokens, 1)[:, 0]], dim=1)
     table = frequency_table(COUNTS, top=5)
     assert table.floor == 60  # the 5th most frequent type's count
-    settings = RoleSettings(rare_min_sentences=4)
+    settings = RolesSection(rare_min_sentences=4)
     head0, head1, head2 = totals(SiteAttention(weights, tokens, tokens), table).heads("self", 0, settings)
     assert head0.rare_sentences == 4
     assert (head0.rare_share, head0.roles) == (1.0, [RARE_WORDS])
@@ -167,7 +167,7 @@ def test_rare_word_head():
     # other: a float64 mean of four ratios
     assert head0.rare_chance == pytest.approx((1 / 6 + 1 / 5 + 1 / 6 + 2 / 5) / 4, rel=1e-14)
     # Too few eligible sentences for the role: the share stays, the role goes.
-    few = RoleSettings(rare_min_sentences=5)
+    few = RolesSection(rare_min_sentences=5)
     head0 = totals(SiteAttention(weights, tokens, tokens), table).heads("self", 0, few)[0]
     assert (head0.rare_share, head0.roles) == (1.0, [])
     # No frequencies: no rare-word statistics.
@@ -183,7 +183,7 @@ def test_rare_word_head_under_causal_attention():
     tokens = side([[bos, 10, 11, 30, 12, 13]], specials=(bos,))
     weights = point_to(tokens, lambda b, q: 3 if q >= 3 else q)[:, None]
     [head] = totals(SiteAttention(weights, tokens, tokens, causal=True), frequency_table(COUNTS, top=5)).heads(
-        "self", 0, RoleSettings(rare_min_sentences=1))
+        "self", 0, RolesSection(rare_min_sentences=1))
     assert (head.rare_share, head.rare_sentences, head.roles) == (1.0, 1, [RARE_WORDS])
 
 
@@ -200,7 +200,7 @@ def test_statistics_do_not_depend_on_batching_or_padding():
     for r, m in zip(rows, maps, strict=True):
         t = side([r])
         alone.add(sentence_statistics(SiteAttention(m[None], t, t), table))
-    settings = RoleSettings(rare_min_sentences=1)
+    settings = RolesSection(rare_min_sentences=1)
     expected = alone.heads("self", 0, settings)
     for left in (False, True):
         t = side(rows, left=left)
@@ -229,7 +229,7 @@ def test_encoder_decoder_offsets_count_each_side_from_its_first_real_token():
     for b in range(2):
         for q in range(3):
             weights[b, 0, q, first_key[b] + q] = 1.0
-    [head] = totals(SiteAttention(weights, target, source)).heads("enc_dec", 0, RoleSettings())
+    [head] = totals(SiteAttention(weights, target, source)).heads("enc_dec", 0, RolesSection())
     assert (head.n_tokens, head.top_offset, head.top_offset_share) == (3, 0, 1.0)
 
 
@@ -239,10 +239,10 @@ def test_bert_maps_equal_the_models_eager_attentions(tiny_bert_dir, tiny_dev_tsv
     and every head's map equals what a fresh eager copy returns with ``output_attentions=True``."""
     from transformers import AutoModelForSequenceClassification
 
+    from headsweep.sweep.experiments.roles.worker import attention_maps
     from headsweep.workers.families.hf_classifier.adapter import load_classifier
     from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
     from headsweep.workers.family import RuntimeOptions
-    from headsweep.workers.roles import attention_maps
 
     adapter = load_classifier(ClassifierModel(path=str(tiny_bert_dir), attn_implementation="sdpa"),
                               ClassifierData(path=str(tiny_dev_tsv)), RuntimeOptions(batch_size=16))
@@ -269,10 +269,10 @@ def test_llama_maps_equal_the_models_eager_attentions(tmp_path, one_thread):
     """A grouped-query Llama (8 query heads, 2 key/value heads) on perplexity windows with BOS, loaded on SDPA."""
     from transformers import AutoModelForCausalLM
 
+    from headsweep.sweep.experiments.roles.worker import attention_maps
     from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
     from headsweep.workers.family import RuntimeOptions
-    from headsweep.workers.roles import attention_maps
 
     model_dir = save_tiny_causal_lm(tmp_path / "llama", "llama_8q2kv")
     corpus = tmp_path / "corpus.txt"
@@ -332,8 +332,8 @@ def test_fairseq_maps_equal_the_models_attention(tiny_translation):
     enc_dec's head average also against fairseq's own per-head weights (``alignment_layer``)."""
     from tiny_fairseq import BOUND_SHAPE, attention_module, fairseq_load
 
+    from headsweep.sweep.experiments.roles.worker import attention_maps
     from headsweep.workers.heads import Head
-    from headsweep.workers.roles import attention_maps
 
     tiny, adapter = tiny_translation
     fresh, _task = fairseq_load(tiny.checkpoint, tiny.data.data_bin)
@@ -408,10 +408,10 @@ def test_fairseq_capture_changes_nothing_the_model_returns(tiny_translation):
 
 def test_fairseq_roles_with_dictionary_counts(tiny_translation):
     """roles.frequencies unset on fairseq: the dictionaries' counts; every head gets a row."""
-    from headsweep.workers.roles import head_roles
+    from headsweep.sweep.experiments.roles.worker import head_roles
 
     _tiny, adapter = tiny_translation
-    result = head_roles(adapter, "fairseq_translation", RoleSettings(rare_top=10, rare_min_sentences=1))
+    result = head_roles(adapter, "fairseq_translation", RolesSection(rare_top=10, rare_min_sentences=1))
     assert result.frequencies.startswith("fairseq dictionaries' counts") and result.n_sentences == 40
     assert len(result.heads) == 24
     src_words = sum(int(s["net_input"]["src_tokens"].ne(adapter.src_dict.pad()).sum()) - len(s["id"])
@@ -458,10 +458,10 @@ def duck(store, table):
 
 
 def test_head_roles_rows_equal_the_statistics_in_process(roles_run, tiny_bert_dir, tiny_dev_tsv):
+    from headsweep.sweep.experiments.roles.worker import head_roles
     from headsweep.workers.families.hf_classifier.adapter import load_classifier
     from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
     from headsweep.workers.family import RuntimeOptions
-    from headsweep.workers.roles import head_roles
 
     store, run_id, corpus = roles_run
     con = duckdb.connect()
@@ -471,7 +471,7 @@ def test_head_roles_rows_equal_the_statistics_in_process(roles_run, tiny_bert_di
     assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("self", lay, h, None) for lay in range(2) for h in range(4)]
     adapter = load_classifier(ClassifierModel(path=str(tiny_bert_dir)), ClassifierData(path=str(tiny_dev_tsv)),
                               RuntimeOptions(batch_size=16))
-    settings = RoleSettings(rare_top=5, rare_min_sentences=1, frequencies=str(corpus))
+    settings = RolesSection(rare_top=5, rare_min_sentences=1, frequencies=str(corpus))
     expected = head_roles(adapter, "hf_classifier", settings).heads
     for row, head in zip(rows, expected, strict=True):
         assert (row[4], row[7], row[10], row[12]) == (head.n_tokens, head.top_offset, head.rare_sentences, head.roles)

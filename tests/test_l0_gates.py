@@ -18,11 +18,12 @@ from tiny_models import zeroed_copy
 from tolerances import assert_routes_agree, max_difference
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.experiments.l0.hard_concrete import HardConcrete
+from headsweep.sweep.experiments.l0.settings import L0Section
+from headsweep.sweep.experiments.l0.training import L0Trainer
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 from headsweep.workers.family import RuntimeOptions
-from headsweep.workers.hard_concrete import HardConcrete
 from headsweep.workers.heads import Head
-from headsweep.workers.l0_training import L0Settings, L0Trainer
 from headsweep.workers.registry import model_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,11 +106,12 @@ def adapter_factory(tiny_bert_dir, tiny_dev_tsv):
 
 
 def settings(lam, steps=30, **kw):
-    return L0Settings(lam=lam, steps=steps, lr=kw.pop("lr", 0.3), seed=kw.pop("seed", 1), **kw)
+    """The ``l0`` section and one trial's lambda, as a trainer takes them (``L0Trainer(adapter, *settings(...))``)."""
+    return L0Section(steps=steps, lr=kw.pop("lr", 0.3), seed=kw.pop("seed", 1), **kw), lam
 
 
 def test_lambda_zero_keeps_every_head_open(adapter_factory):
-    trainer = L0Trainer(adapter_factory(), settings(0.0))
+    trainer = L0Trainer(adapter_factory(), *settings(0.0))
     trainer.train()
     rows = trainer.gate_rows()
     assert len(rows) == 8 and not any(r["closed"] for r in rows) and trainer.closed_heads() == []
@@ -119,7 +121,7 @@ def test_lambda_zero_keeps_every_head_open(adapter_factory):
 def test_large_lambda_closes_every_head_and_the_mask_equals_zeroed_w_o(adapter_factory):
     adapter = adapter_factory()
     before = {k: v.clone() for k, v in adapter.model.state_dict().items()}
-    trainer = L0Trainer(adapter, settings(50.0, steps=40))
+    trainer = L0Trainer(adapter, *settings(50.0, steps=40))
     history = trainer.train()
     assert history[-1].expected_open < history[0].expected_open
     closed = trainer.closed_heads()
@@ -144,19 +146,19 @@ def test_large_lambda_closes_every_head_and_the_mask_equals_zeroed_w_o(adapter_f
 def test_intermediate_lambda_closes_some_heads_and_orders_by_lambda(adapter_factory):
     counts = []
     for lam in (0.0, 0.05, 50.0):
-        trainer = L0Trainer(adapter_factory(), settings(lam, steps=40))
+        trainer = L0Trainer(adapter_factory(), *settings(lam, steps=40))
         trainer.train()
         counts.append(len(trainer.closed_heads()))
     assert counts[0] == 0 and counts[-1] == 8 and counts == sorted(counts)
 
 
 def test_resumed_trainer_matches_an_uninterrupted_one(adapter_factory):
-    whole = L0Trainer(adapter_factory(), settings(0.2, steps=12, train="all", lr=0.05))
+    whole = L0Trainer(adapter_factory(), *settings(0.2, steps=12, train="all", lr=0.05))
     whole.train()
-    first = L0Trainer(adapter_factory(), settings(0.2, steps=12, train="all", lr=0.05))
+    first = L0Trainer(adapter_factory(), *settings(0.2, steps=12, train="all", lr=0.05))
     first.train(5)
     state = first.state_dict()
-    second = L0Trainer(adapter_factory(), settings(0.2, steps=12, train="all", lr=0.05))
+    second = L0Trainer(adapter_factory(), *settings(0.2, steps=12, train="all", lr=0.05))
     second.load_state_dict(state)
     second.train()
     for key in whole.log_alpha:
@@ -174,16 +176,16 @@ def test_bad_settings_are_refused(adapter_factory):
     for bad, words in [(settings(-1.0), "lambda must be >= 0"), (settings(0.1, steps=0), "l0.steps"),
                        (settings(0.1, train="some"), "l0.train")]:
         with pytest.raises(HeadsweepError, match=words):
-            L0Trainer(adapter, bad)
+            L0Trainer(adapter, *bad)
 
 
 def test_only_the_named_attention_types_get_gates(adapter_factory):
     with pytest.raises(HeadsweepError, match="names no attention type"):
-        L0Trainer(adapter_factory(), settings(0.1, attention=["enc_self"]))
-    assert {r["attention"] for r in L0Trainer(adapter_factory(), settings(0.1, attention=["self"])).gate_rows()
+        L0Trainer(adapter_factory(), *settings(0.1, attention=["enc_self"]))
+    assert {r["attention"] for r in L0Trainer(adapter_factory(), *settings(0.1, attention=["self"])).gate_rows()
             } == {"self"}
     assert Head("self", 0, 0) in [Head(r["attention"], r["layer"], r["head"])
-                                  for r in L0Trainer(adapter_factory(), settings(0.1)).gate_rows()]
+                                  for r in L0Trainer(adapter_factory(), *settings(0.1)).gate_rows()]
 
 
 # -- the l0 experiment through the real CLI (Ray Tune trials, Parquet, DuckDB) -----------------------------------
@@ -294,7 +296,7 @@ def test_two_lambda_tune_run_through_the_cli_with_a_killed_trial(tmp_path, ray_a
         trainer = L0Trainer(model_family("hf_classifier").load(
             ClassifierModel(path=str(tiny_bert_dir), attn_implementation="eager"),
             ClassifierData(path=str(train_tsv)), RuntimeOptions(batch_size=8, seed=0, reuse=False)),
-            settings(lam, steps=steps, lr=0.1))
+            *settings(lam, steps=steps, lr=0.1))
         trainer.train()
         # other: the same float32 computation in another process with its own thread count (reduction order)
         assert [g[4] for g in gates if g[0] == lam] == pytest.approx([r["log_alpha"] for r in trainer.gate_rows()],
@@ -428,7 +430,7 @@ def test_train_all_through_the_cli_evaluates_each_trials_fine_tuned_model(tmp_pa
         # The same training in this process (same seed, data and steps), then its model evaluated here.
         trainer = L0Trainer(model_family("hf_classifier").load(
             model_cfg, ClassifierData(path=str(train_tsv)), RuntimeOptions(batch_size=8, seed=0, reuse=False)),
-            settings(lam, steps=steps, lr=0.1, train="all"))
+            *settings(lam, steps=steps, lr=0.1, train="all"))
         trainer.train()
         mask = trainer.closed_heads()
         assert sorted((g[1], g[2]) for g in gates if g[0] == lam and g[3]) == [(h.layer, h.head) for h in mask]
@@ -494,8 +496,8 @@ def tiny_translation(tmp_path_factory):
 def test_fairseq_gates_on_encoder_self_attention_with_the_checkpoints_label_smoothing(tiny_translation):
     from tiny_fairseq import TINY_SETTINGS
 
+    from headsweep.sweep.experiments.l0.training import checkpoint_label_smoothing
     from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
-    from headsweep.workers.l0_training import checkpoint_label_smoothing
 
     model_cfg = TranslationModel(checkpoint=str(tiny_translation.checkpoint),
                                  data_bin=str(tiny_translation.data.data_bin))
@@ -507,7 +509,7 @@ def test_fairseq_gates_on_encoder_self_attention_with_the_checkpoints_label_smoo
         adapter = model_family("fairseq_translation").load(
             model_cfg, TranslationData(data_bin=str(tiny_translation.data.data_bin), split="valid"),
             RuntimeOptions(batch_size=20, max_tokens=0))
-        return L0Trainer(adapter, settings(lam, steps=40, attention=["enc_self"],
+        return L0Trainer(adapter, *settings(lam, steps=40, attention=["enc_self"],
                                            label_smoothing=checkpoint_label_smoothing(model_cfg)))
 
     keep, close = make(0.0), make(50.0)
@@ -532,7 +534,7 @@ def test_causal_lm_gates(tmp_path):
         adapter = model_family("hf_causal_lm").load(
             CausalLMModel(path=str(model_dir), attn_implementation="eager"),
             CausalLMData(path=str(tmp_path / "train.txt")), RuntimeOptions(batch_size=4))
-        return L0Trainer(adapter, settings(lam, steps=40))
+        return L0Trainer(adapter, *settings(lam, steps=40))
 
     # The loss of a window sums its tokens' NLL (~235 here), so "large" is larger than for a classifier;
     # lambda = 0 may close heads of this random model that raise its loss, so only "fewer" is asserted.

@@ -133,8 +133,8 @@ def test_the_package_tree_links_the_top_level_folders():
     for cwd in (REPO, REPO / "tests"):
         out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,
                              check=True).stdout.split()
-        assert [Path(f).resolve() for f in out] == [REPO / "sweep" / "cli.py", REPO / "workers" / "gates.py",
-                                                    REPO / "results" / "store.py"], out
+        assert [Path(f).resolve() for f in out] == [REPO / "sweep" / "terminal" / "cli.py",
+                                                    REPO / "workers" / "gates.py", REPO / "results" / "store.py"], out
 
 
 def test_installed_distribution_has_one_top_level_name(tmp_path):

@@ -13,7 +13,7 @@ import yaml
 from conftest import run_cli
 
 from headsweep.sweep.demo.sentiment import generate, write_tsv
-from headsweep.sweep.reporting.report_roles import pruned_first, role_code, role_shares, spearman
+from headsweep.sweep.experiments.roles.report import pruned_first, role_code, role_shares, spearman
 
 
 def test_role_codes():

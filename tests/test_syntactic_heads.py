@@ -106,7 +106,8 @@ def test_accuracy_and_baseline_counted_by_hand():
 
 
 def test_schema_has_the_syntax_columns():
-    from headsweep.results.schema import SYNTAX_COLUMNS, TABLES
+    from headsweep.results.schema import TABLES
+    from headsweep.sweep.experiments.roles.tables import SYNTAX_COLUMNS
 
     names = TABLES["head_roles"].names
     assert [(n, str(t)) for n, t in SYNTAX_COLUMNS] == [(n, "double" if k == "float" else "int64")
@@ -317,7 +318,7 @@ def test_bad_syntax_config_is_one_line_and_writes_nothing(tmp_path, noun_bert, r
 
 
 def test_syntax_keys_are_checked():
-    from headsweep.sweep.configuration.sections import RolesSection
+    from headsweep.sweep.experiments.roles.settings import RolesSection
 
     with pytest.raises(HeadsweepError, match=r"^roles.parser must be spacy \(or unset\), got 'stanza'$"):
         RolesSection(parser="stanza").check()
@@ -361,17 +362,17 @@ def test_spacy_route_on_the_constructed_head(noun_bert, one_thread):
     """roles.parser: spacy in-process on the noun-attending head. spaCy's small pipeline misparses some captions
     (``waves`` and ``shakes`` as nouns), so the known answer is counted from its own parses: an amod instance is a
     hit when its governor is the sentence's noun, the baseline is the most frequent offset's share."""
+    from headsweep.sweep.experiments.roles.settings import RolesSection
+    from headsweep.sweep.experiments.roles.worker import head_roles
     from headsweep.workers.families.hf_classifier.adapter import load_classifier
     from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
     from headsweep.workers.family import RuntimeOptions
-    from headsweep.workers.head_roles import RoleSettings
-    from headsweep.workers.roles import head_roles
 
     adapter = load_classifier(ClassifierModel(path=str(noun_bert)), ClassifierData(path=str(TSV)),
                               RuntimeOptions(batch_size=4))
     from headsweep.workers.syntax import spacy_parses
 
-    result = head_roles(adapter, "hf_classifier", RoleSettings(parser="spacy"))
+    result = head_roles(adapter, "hf_classifier", RolesSection(parser="spacy"))
     assert result.syntax["parses"].startswith("spaCy en_core_web_sm (spaCy 3.8.") and result.syntax["sentences"] == 11
     assert (result.syntax["aligned"], result.syntax["unaligned"]) == (10, 1)  # spaCy splits "cannot" too
     texts = [line.split("\t")[0] for line in TSV.read_text().splitlines()[1:]]
@@ -397,11 +398,11 @@ def test_fairseq_enc_self_against_argmax_by_hand(tmp_path, one_thread):
 
     from tiny_fairseq import train_tiny
 
+    from headsweep.sweep.experiments.roles.settings import RolesSection
+    from headsweep.sweep.experiments.roles.worker import attention_maps, head_roles
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
     from headsweep.workers.family import RuntimeOptions
-    from headsweep.workers.head_roles import RoleSettings
-    from headsweep.workers.roles import attention_maps, head_roles
 
     tiny = train_tiny(tmp_path / "tiny")
     adapter = load_translation(TranslationModel(checkpoint=str(tiny.checkpoint), data_bin=str(tiny.data.data_bin)),
@@ -419,7 +420,7 @@ def test_fairseq_enc_self_against_argmax_by_hand(tmp_path, one_thread):
         governors.append(gov)
     parses = tmp_path / "source.conllu"
     parses.write_text(conllu(*sentences))
-    result = head_roles(adapter, "fairseq_translation", RoleSettings(parses=str(parses), syntactic_min_instances=1))
+    result = head_roles(adapter, "fairseq_translation", RolesSection(parses=str(parses), syntactic_min_instances=1))
     hits = np.zeros((2, 4), dtype=np.int64)
     n = 0
     for sample, maps in zip(adapter.batches, attention_maps(adapter, "fairseq_translation"), strict=True):

@@ -1,10 +1,11 @@
 """What a head attends to (Voita et al. 2019, secs. 4, 5.1 and 5.3), computed on attention maps.
 
 Everything here is a pure function of attention maps and token information; which model produced the
-maps (and how they were read) is :mod:`headsweep.workers.roles`' business. The statistics follow
-sacrebleu's shape: each sentence gives sufficient statistics (:func:`sentence_statistics`), a corpus
-value is a ratio of their sums (:class:`RoleTotals`), so the value of any subset of sentences (a
-bootstrap resample, one batch) comes from the same numbers.
+maps (and how they were read) is the business of the roles kind's worker step
+(``headsweep.sweep.experiments.roles.worker``). The statistics follow sacrebleu's shape: each sentence gives
+sufficient statistics (:func:`sentence_statistics`), a corpus value is a ratio of their sums
+(:class:`RoleTotals`), so the value of any subset of sentences (a bootstrap resample, one batch) comes from the
+same numbers.
 
 Conventions (the README's "What the heads do" section says the same):
 
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -136,30 +138,6 @@ class SentenceStats:
     rare_eligible: np.ndarray | None = None  # (B,) bool
     rare_hits: np.ndarray | None = None  # (B, H) bool (False where not eligible)
     rare_chance: np.ndarray | None = None  # (B,) float (0 where not eligible)
-
-
-@dataclass
-class RoleSettings:
-    """How roles are assigned, and where token frequencies come from (``roles`` config section)."""
-
-    offsets: tuple[int, ...] = (-1, 1)
-    positional_threshold: float = 0.9
-    rare_top: int = 500
-    rare_threshold: float = 0.5
-    rare_min_sentences: int = 10
-    frequencies: str | None = None
-    # Syntactic heads (headsweep.workers.syntax): a CoNLL-U file, or spaCy when parser == "spacy".
-    parses: str | None = None
-    parser: str | None = None
-    spacy_model: str = "en_core_web_sm"
-    relations: tuple[str, ...] = ("nsubj", "obj", "amod", "advmod")
-    syntactic_margin: float = 0.1
-    syntactic_min_instances: int = 10
-
-    @property
-    def syntax(self) -> bool:
-        """Whether syntactic statistics are asked for."""
-        return bool(self.parses) or self.parser == "spacy"
 
 
 @dataclass
@@ -285,11 +263,12 @@ class RoleTotals:
             self.rare_chance_sum += float(stats.rare_chance[pick].sum())
         return self
 
-    def heads(self, attention: str, layer: int, settings: RoleSettings) -> list[HeadRole]:
-        """The corpus values and roles of each head of the site."""
+    def heads(self, attention: str, layer: int, settings: Any) -> list[HeadRole]:
+        """The corpus values and roles of each head of the site; ``settings``: the ``roles`` config section (its
+        ``offsets``, ``positional_threshold``, ``rare_threshold`` and ``rare_min_sentences``)."""
         return [self.head(attention, layer, h, settings) for h in range(self.num_heads)]
 
-    def head(self, attention: str, layer: int, h: int, settings: RoleSettings) -> HeadRole:
+    def head(self, attention: str, layer: int, h: int, settings: Any) -> HeadRole:
         n = self.n_tokens
         counts = {offset: int(c[h]) for offset, c in self.offsets.items() if c[h]}
         top = min(counts, key=lambda o: (-counts[o], abs(o), o)) if counts else None

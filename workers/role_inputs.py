@@ -13,7 +13,7 @@ from typing import Any
 from headsweep.errors import HeadsweepError
 from headsweep.workers.attention import AttentionReader
 from headsweep.workers.family import ModelFamily
-from headsweep.workers.head_roles import FrequencyTable, RoleSettings, SiteAttention
+from headsweep.workers.head_roles import FrequencyTable, SiteAttention
 from headsweep.workers.registry import syntax_families
 from headsweep.workers.syntax import (
     Aligned,
@@ -65,7 +65,7 @@ class SyntaxInputs:
     facts: dict
 
 
-def syntax_inputs(adapter: Any, family: ModelFamily, settings: RoleSettings) -> SyntaxInputs | None:
+def syntax_inputs(adapter: Any, family: ModelFamily, settings: Any) -> SyntaxInputs | None:
     """The parses of ``adapter``'s evaluation text (``roles.parses`` or spaCy), checked against it word by word
     and aligned with the model's pieces; None when no syntax is asked for. Cached on the adapter, so the check
     before the run and the run parse once."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import ray
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.configuration.config import Config
+from headsweep.sweep.configuration.sections import Config
 
 # Logical CPUs left free beside the workers: significance tasks ask 0.5 CPU each.
 CPU_HEADROOM = 0.5

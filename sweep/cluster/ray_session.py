@@ -7,7 +7,7 @@ import os
 import ray
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.configuration.config import Config
+from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.terminal import console
 
 

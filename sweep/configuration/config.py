@@ -1,10 +1,11 @@
 """Sweep configuration files: YAML, includes, ``key=value`` overrides, validation.
 
-The sections and their types are in ``headsweep.sweep.configuration.sections``; the ``model`` and ``data``
-sections are typed by ``model.kind`` (see ``headsweep.workers.family``). A config file may name
-others to start from with ``include: [file, ...]`` (paths relative to the including file);
-later files and the overrides win. Which names ``sweep.experiments`` accepts, and what each
-kind asks of the config, comes from the experiment registry (``headsweep.sweep.experiments``).
+The sections every run has are in ``headsweep.sweep.configuration.sections``; the experiment kinds declare
+theirs (``Experiment.settings``); the ``model`` and ``data`` sections are typed by ``model.kind`` (see
+``headsweep.workers.family``). A config file may name others to start from with ``include: [file, ...]``
+(paths relative to the including file); later files and the overrides win. Which names ``sweep.experiments``
+accepts, and what each kind asks of the config, comes from the experiment registry
+(``headsweep.sweep.experiments``).
 """
 
 from __future__ import annotations
@@ -18,21 +19,10 @@ import yaml
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.reader import coerce, from_dict
-from headsweep.sweep.configuration.sections import (
-    Config,
-    EfficiencySection,
-    ImportanceSection,
-    L0Section,
-    PairsSection,
-    PruneSection,
-    RolesSection,
-    SignificanceSection,
-    SweepSection,
-)
+from headsweep.sweep.configuration.sections import SECTIONS, Config, SignificanceSection, SweepSection, config_class
 from headsweep.sweep.experiments import KINDS, experiments_of
-from headsweep.sweep.experiments.importance import IMPORTANCE, importance_data
-from headsweep.sweep.experiments.l0 import L0, l0_data
-from headsweep.sweep.experiments.roles import ROLES, roles_data
+from headsweep.sweep.experiments.data_sections import DATA, FILE, marked_fields
+from headsweep.sweep.run.screening import Screening
 from headsweep.workers.registry import builtin_families, model_family
 
 
@@ -93,22 +83,15 @@ PATH_KEYS = ("path", "checkpoint", "data_bin", "source", "target", "bpe_codes", 
 
 def _resolve_paths(data: dict, base: Path) -> None:
     sections = [data.get("model"), data.get("data")]
-    importance = data.get("importance")
-    if isinstance(importance, dict):
-        sections.append(importance.get("data"))
-    l0 = data.get("l0")
-    if isinstance(l0, dict):
-        sections.append(l0.get("data"))
-    roles = data.get("roles")
-    if isinstance(roles, dict):
-        sections.append(roles.get("data"))
-        frequencies = roles.get("frequencies")
-        if isinstance(frequencies, str) and frequencies != "dictionary" and not Path(frequencies).is_absolute():
-            if (base / frequencies).exists():
-                roles["frequencies"] = str((base / frequencies).resolve())
-        parses = roles.get("parses")
-        if isinstance(parses, str) and parses and not Path(parses).is_absolute() and (base / parses).exists():
-            roles["parses"] = str((base / parses).resolve())
+    for key, settings in SECTIONS.items():  # the kinds' sections: their data sections and files
+        own = data.get(key)
+        if not isinstance(own, dict):
+            continue
+        sections += [own.get(name) for name in marked_fields(settings, DATA)]
+        for name in marked_fields(settings, FILE):
+            value = own.get(name)
+            if isinstance(value, str) and value and not Path(value).is_absolute() and (base / value).exists():
+                own[name] = str((base / value).resolve())
     for section in sections:
         if not isinstance(section, dict):
             continue
@@ -164,28 +147,21 @@ def build_config(data: dict) -> Config:
     if "kind" not in model:
         raise HeadsweepError(f"config key 'model.kind' is required ({kinds})")
     family = model_family(model["kind"])
-    known = {f.name for f in dataclasses.fields(Config)}
+    config = config_class()
+    known = {f.name for f in dataclasses.fields(config)}
     unknown = sorted(set(data) - known)
     if unknown:
         raise HeadsweepError(f"unknown config key '{unknown[0]}' (known keys: {', '.join(sorted(known))})")
-    cfg = Config(
+    cfg = config(
         model=from_dict(family.model_config, model, "model"),
         data=from_dict(family.data_config, data.get("data"), "data"),
         name=coerce(data.get("name", "sweep"), str, "name"),
         seed=coerce(data.get("seed", 0), int, "seed"),
         sweep=from_dict(SweepSection, data.get("sweep"), "sweep"),
         significance=from_dict(SignificanceSection, data.get("significance"), "significance"),
-        importance=from_dict(ImportanceSection, data.get("importance"), "importance"),
-        prune=from_dict(PruneSection, data.get("prune"), "prune"),
-        efficiency=from_dict(EfficiencySection, data.get("efficiency"), "efficiency"),
-        roles=from_dict(RolesSection, data.get("roles"), "roles"),
-        pairs=from_dict(PairsSection, data.get("pairs"), "pairs"),
-        l0=from_dict(L0Section, data.get("l0"), "l0"),
+        **{key: from_dict(settings, data.get(key), key) for key, settings in SECTIONS.items()},
         checkpoints=coerce(data.get("checkpoints"), list[str] | None, "checkpoints"),
     )
-    if cfg.importance.data is not None:
-        # Typed like the evaluation data, so a misspelt key fails here, not on a worker.
-        from_dict(family.data_config, cfg.importance.data, "importance.data")
     validate(cfg)
     return cfg
 
@@ -206,17 +182,12 @@ def validate(cfg: Config) -> None:
 
 
 def data_sections(cfg: Config) -> list[tuple[str, Any]]:
-    """The data sections a run of ``cfg`` reads, typed, with their config keys: ``data``, and ``importance.data``,
-    ``l0.data`` and ``roles.data`` where a kind of the run reads them. A section equal to an earlier one is
-    left out."""
-    kinds = experiments_of(cfg)
+    """The data sections a run of ``cfg`` reads, typed, with their config keys: ``data``, and those the kinds of the
+    run read (``importance.data``, ``l0.data``, ``roles.data``: ``Experiment.data_sections``). A section equal to
+    an earlier one is left out."""
     sections = [("data", cfg.data)]
-    if IMPORTANCE in kinds and cfg.importance.method in ("gradient", "lrp"):
-        sections.append(("importance.data", importance_data(cfg)))
-    if L0 in kinds:
-        sections.append(("l0.data", l0_data(cfg)))
-    if ROLES in kinds and cfg.roles.data is not None:
-        sections.append(("roles.data", roles_data(cfg)))
+    for kind in experiments_of(cfg):
+        sections += kind.data_sections(cfg)
     out: list[tuple[str, Any]] = []
     for key, section in sections:
         if all(section != other for _, other in out):
@@ -236,29 +207,15 @@ def check_data_files(cfg: Config) -> None:
 
 def _check_sections(cfg: Config) -> None:
     cfg.sweep.check()
+    Screening.check_config(cfg)
     if cfg.sweep.max_tokens is not None and not model_family(cfg.model.kind).batches_by_tokens:
         raise HeadsweepError(
             f"sweep.max_tokens applies to model families that batch by tokens (fairseq_translation), "
             f"not {cfg.model.kind}: use sweep.batch_size"
         )
     cfg.significance.check()
-    cfg.importance.check()
-    cfg.prune.check()
-    if cfg.prune.reestimate and cfg.importance.method != "gradient":
-        raise HeadsweepError("prune.reestimate needs importance.method gradient")
-    if cfg.sweep.order == "importance" and cfg.importance.method == "ablation" and not cfg.importance.from_run:
-        raise HeadsweepError(
-            "sweep.order: importance evaluates masks by importance estimated before the grid: set "
-            "importance.method to gradient or lrp, or name an earlier run with importance.from_run"
-        )
-    if cfg.sweep.screen is not None and "single_head" not in cfg.sweep.experiments:
-        raise HeadsweepError("sweep.screen screens single_head masks, and this run has no single_head experiment: "
-                             "add it to sweep.experiments or remove sweep.screen")
-    if cfg.sweep.screen is not None and "pairs" in cfg.sweep.experiments:
-        raise HeadsweepError("sweep.screen cannot be combined with pairs: interactions need every head's single-head "
-                             "evaluation on the whole set; run the pairs in a run of their own")
-    cfg.efficiency.check()
-    cfg.roles.check()
+    for kind in KINDS.values():  # each kind's settings, whether or not the run has the kind
+        kind.check_settings(cfg)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:

@@ -9,6 +9,7 @@ from headsweep.sweep.run.plan import attention_types
 from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:
+    from headsweep.sweep.reporting.page import ReportPart
     from headsweep.sweep.run.context import Context
 
 
@@ -31,6 +32,28 @@ class AllButOne(Experiment):
                     WorkUnit(f"all_but_one/{kept}", "all_but_one", masked, kept.attention, kept.layer, kept.head)
                 )
         return units
+
+    def report(self, part: ReportPart) -> None:
+        """Per layer, the best head to keep alone (the ``layers`` view)."""
+        import html
+
+        from headsweep.sweep.reporting import figures
+        from headsweep.sweep.reporting.page import score_column
+
+        order, metric = part.order, part.metric
+        layers = part.of_model("layers")
+        layers.sort(key=lambda r: (order.index(r["attention"]) if r["attention"] in order else 99, r["layer"]))
+        if not layers:
+            return
+        part.page.add("<h4>All-but-one: the best head to keep alone in each layer</h4>")
+        better = "highest" if figures.higher_is_better(metric) else "lowest"
+        part.page.add('<p class="note">Every other head of the layer (same attention type) is masked; the best head '
+                      f"is the one with the {better} {html.escape(figures.metric_name(metric))}; delta is "
+                      "against the unmasked baseline.</p>")
+        part.table(layers, [("attention", "attention"), ("layer", "layer"), ("best_head", "best head"),
+                            score_column(metric), ("delta", "delta"), ("p_adjusted", "adjusted p"),
+                            ("significant", "significant"), ("worst_delta", "worst delta in layer"),
+                            ("n_heads", "heads")])
 
 
 ALL_BUT_ONE = AllButOne()

@@ -8,24 +8,45 @@ A kind is an :class:`Experiment` registered under its ``name`` (``headsweep.swee
   baseline (one significance family per experiment). Kinds whose needs are met at the same
   time are streamed together in one pass, so the workers stay busy.
 * ``run(ctx)``: a step that is not a list of mask evaluations (gradient importance, timing
-  pruned models). Worker-side work goes through ``ctx.pool.call(fn, *args)``, which runs
+  pruned models). Its **worker step** goes through ``ctx.pool.call(fn, *args)``, which runs
   ``fn(worker, *args)`` in one actor (``EvalWorker.run``); results go to the kind's ``table``
   with ``ctx.write``.
 
+A kind declares its parts; registering it adds them to the run's config, the results store and the report:
+
+* ``section`` and ``settings``: the top-level config section it reads, and the dataclass that section is read
+  as when the kind declares it (one definition: the config reader builds it, the kind's checks and its worker
+  step take it as it is; ``check_settings(cfg)``, by default its ``check()``, runs whenever a config is read).
+  A kind may read a section another kind (or the core: ``sweep``) declares, naming it without ``settings``.
+  Fields marked ``metadata={"data": True}`` hold data sections (``data_sections(cfg)``), fields marked
+  ``metadata={"file": True}`` name files: the config reader resolves their paths relative to the config file.
+* ``tables``, ``views``, ``pruning_curve``: the results tables it writes beyond ``evaluations`` (``table`` names
+  the one ``ctx.write`` fills), the query views over them, and whether its evaluations are points of a pruning
+  curve (the ``pruning`` view). ``headsweep.results`` keeps them in its registries; it never imports a kind.
+* ``report(part)``: its part of the HTML report for each model of a run (``headsweep.sweep.reporting``).
+
+A kind with more than one module is a folder (``roles/``, ``importance/``, ``pairs/``, ``l0/``): the kind
+(``kind.py``), its settings, its tables and views, its report part, and worker-side code that imports only
+``headsweep.workers`` and ``headsweep.results``. The README's "Adding an experiment kind" shows one.
+
 Everything else has a default: ``needs(cfg)`` (kinds whose results it reads: they run first and
 join the run when it does not list them), ``implied(cfg)`` (other config keys ask for it),
-``check_config(cfg)`` (config checks at load time), ``validate(ctx)`` (checks against the loaded
-model, before anything is written).
+``check_config(cfg)`` (config checks at load time, for a run of this kind), ``validate(ctx)`` (checks against the
+loaded model, before anything is written).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from headsweep.results.schema import Table
+from headsweep.results.views import PruningCurve, View
 from headsweep.sweep.configuration.sections import Config
+from headsweep.sweep.experiments.data_sections import DATA, marked_fields, typed_data
 from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:
+    from headsweep.sweep.reporting.page import ReportPart
     from headsweep.sweep.run.context import Context
 
 
@@ -33,17 +54,41 @@ class Experiment:
     """One experiment kind. Subclass it, set the class attributes, implement ``plan`` or ``run``.
 
     ``name`` is what ``sweep.experiments`` lists and what its work units carry as ``experiment``;
-    ``section`` is the top-level config section it reads (a :class:`Config` attribute), or None;
-    ``table`` is the results table it writes.
+    ``section`` is the top-level config section it reads (a :class:`Config` attribute), or None, and
+    ``settings`` the dataclass of that section when this kind declares it; ``table`` is the results table
+    ``ctx.write`` fills, ``tables`` and ``views`` those it declares, ``pruning_curve`` the pruning curve its
+    evaluations are points of.
     """
 
     name: str = ""
     section: str | None = None
+    settings: type | None = None
     table: str = "evaluations"
+    tables: ClassVar[tuple[Table, ...]] = ()
+    views: ClassVar[tuple[View, ...]] = ()
+    pruning_curve: PruningCurve | None = None
 
     def needs(self, cfg: Config) -> tuple[str, ...]:
         """Kinds whose results this one reads (they run before it; one the run does not list joins it)."""
         return ()
+
+    def check_settings(self, cfg: Config) -> None:
+        """Refuse settings of the section this kind declares that cannot work, whether or not the run has this kind
+        (every config read): by default the settings' own ``check()``."""
+        if self.settings is not None and self.section is not None:
+            check = getattr(getattr(cfg, self.section), "check", None)
+            if check is not None:
+                check()
+
+    def data_sections(self, cfg: Config) -> list[tuple[str, Any]]:
+        """The data sections a run of this kind reads besides ``data``, typed, with their config keys: by default
+        each field of its settings marked ``metadata={"data": True}`` that is set. They are checked on the driver
+        before Ray starts (``check_data_files``)."""
+        if self.settings is None or self.section is None:
+            return []
+        settings = getattr(cfg, self.section)
+        return [(f"{self.section}.{name}", typed_data(cfg, getattr(settings, name), f"{self.section}.{name}"))
+                for name in marked_fields(self.settings, DATA) if getattr(settings, name) is not None]
 
     def implied(self, cfg: Config) -> bool:
         """True when other config keys ask for this kind although ``sweep.experiments`` does not name it."""
@@ -62,6 +107,11 @@ class Experiment:
     def run(self, ctx: Context) -> None:
         """A step that is not a list of mask evaluations (e.g. importance, timing); writes its own table."""
         raise NotImplementedError
+
+    def report(self, part: ReportPart) -> None:
+        """This kind's part of the report for one model of one run (``part``: the page, the run, its checkpoint
+        and the query views); nothing by default. Parts come in registration order (of the built-in kinds:
+        single_head, all_but_one, importance, roles, pairs), before the run's pruning curves."""
 
     @property
     def plans_masks(self) -> bool:

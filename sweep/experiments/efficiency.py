@@ -8,10 +8,14 @@ in the ``efficiency`` table, one row per model and batch size.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
+
 from headsweep.errors import HeadsweepError
+from headsweep.results.schema import Table
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.pruning.masks import efficiency_mask, explicit_mask
@@ -22,12 +26,70 @@ if TYPE_CHECKING:
     from headsweep.sweep.run.context import Context
 
 
+@dataclass
+class EfficiencySection:
+    """The ``efficiency`` experiment: the full and the physically pruned model, timed side by side.
+
+    The mask is ``mask`` (head names), or the ``prune_level`` evaluation at ``level`` or the
+    evaluation ``eval_id`` of run ``from_run`` (of this run when ``from_run`` is null).
+    """
+
+    mask: list[str] | None = None
+    from_run: str | None = None
+    level: float | None = None
+    eval_id: str | None = None
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    warmup: int = 3
+    repeats: int = 10
+
+    def check(self) -> None:
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise HeadsweepError(f"efficiency.batch_sizes must be positive integers, got {self.batch_sizes}")
+        if self.warmup < 0 or self.repeats < 1:
+            raise HeadsweepError(
+                f"efficiency needs warmup >= 0 and repeats >= 1, got {self.warmup} and {self.repeats}"
+            )
+
+
+# One row per model variant (full / pruned) and batch size.
+EFFICIENCY_TABLE = Table("efficiency", pa.schema([
+    ("mask_source", pa.string()),
+    ("source_run", pa.string()),
+    ("level", pa.float64()),
+    ("heads_masked", pa.list_(pa.string())),
+    ("n_masked", pa.int32()),
+    ("heads_removed", pa.float64()),
+    ("checkpoint", pa.string()),
+    ("variant", pa.string()),
+    ("batch_size", pa.int32()),
+    ("device", pa.string()),
+    ("n_params", pa.int64()),
+    ("n_heads", pa.int32()),
+    ("peak_memory_mb", pa.float64()),
+    ("examples", pa.int64()),
+    ("tokens", pa.int64()),
+    ("warmup", pa.int32()),
+    ("repeats", pa.int32()),
+    ("seconds_median", pa.float64()),
+    ("seconds_min", pa.float64()),
+    ("seconds_max", pa.float64()),
+    ("examples_per_s", pa.float64()),
+    ("examples_per_s_iqr", pa.float64()),
+    ("tokens_per_s", pa.float64()),
+    ("tokens_per_s_iqr", pa.float64()),
+    ("speedup", pa.float64()),
+    ("finished_at", pa.timestamp("us", tz="UTC")),
+]))
+
+
 class Efficiency(Experiment):
     """Speed and memory gained by removing the heads of one mask."""
 
     name = "efficiency"
     section = "efficiency"
+    settings = EfficiencySection
     table = "efficiency"
+    tables = (EFFICIENCY_TABLE,)
 
     def needs(self, cfg: Config) -> tuple[str, ...]:
         # A mask named by level or eval id may be one of this run's evaluations: every kind of the

@@ -7,12 +7,14 @@ current mask before each step with ``prune.reestimate``); the masks come from
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
+from headsweep.results.views import PruningCurve
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.experiments.importance import SHARED_KEY, importance_data
+from headsweep.sweep.experiments.importance.kind import SHARED_KEY, importance_data
 from headsweep.sweep.pruning.levels import iterative_level_masks, level_masks
 from headsweep.sweep.run.plan import check_attention_types
 from headsweep.sweep.terminal.progress import step
@@ -21,6 +23,26 @@ from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:
     from headsweep.sweep.run.context import Context
+
+
+DEFAULT_LEVELS = [round(0.1 * i, 1) for i in range(11)]
+
+
+@dataclass
+class PruneSection:
+    """Pruning levels (Michel et al. sec. 4.2): mask the ceil(p * N) least important heads."""
+
+    levels: list[float] = field(default_factory=lambda: list(DEFAULT_LEVELS))
+    attention: list[str] | None = None
+    min_heads_per_layer: int = 0
+    reestimate: bool = False
+
+    def check(self) -> None:
+        for p in self.levels:
+            if not 0.0 <= p <= 1.0:
+                raise HeadsweepError(f"prune.levels must lie in [0, 1], got {p}")
+        if self.min_heads_per_layer < 0:
+            raise HeadsweepError(f"prune.min_heads_per_layer must be >= 0, got {self.min_heads_per_layer}")
 
 
 def prune_scope_name(attention: list[str] | None) -> str:
@@ -52,6 +74,13 @@ class PruneLevel(Experiment):
 
     name = "prune_level"
     section = "prune"
+    settings = PruneSection
+    pruning_curve = PruningCurve("prune_level", "importance")
+
+    def check_settings(self, cfg: Config) -> None:
+        cfg.prune.check()
+        if cfg.prune.reestimate and cfg.importance.method != "gradient":
+            raise HeadsweepError("prune.reestimate needs importance.method gradient")
 
     def needs(self, cfg: Config) -> tuple[str, ...]:
         return ("importance",)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
-from headsweep.sweep.configuration.config import Config
+from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.pruning.masks import MaskChoice, explicit_mask, stored_mask
 from headsweep.workers.heads import HeadInventory, site_order
 from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot

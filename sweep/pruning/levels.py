@@ -70,31 +70,3 @@ def iterative_level_masks(
             _extend(mask, rank_ascending(scores, scope), target, inventory, min_heads_per_layer)
         out.append((p, tuple(mask)))
     return out
-
-
-def ablation_importance(
-    store, run_id: str, inventory: HeadInventory, checkpoint: str | None = None
-) -> dict[Head, float]:
-    """Importance from single-head ablation: the harm of removing the head (removing an important head
-    hurts): minus the delta where higher is better (accuracy, BLEU), the delta where lower is (perplexity).
-
-    Reads the ``single_head`` evaluations of ``run_id`` (of one training checkpoint, where the run
-    has several) from the store; every head of the model must have one.
-    """
-    from headsweep.errors import HeadsweepError
-    from headsweep.workers.metrics import higher_is_better
-
-    columns = ["experiment", "attention", "layer", "head", "delta", "checkpoint", "metric"]
-    rows = store.read("evaluations", run_id, columns=columns)
-    harm = {
-        Head(r["attention"], r["layer"], r["head"]): r["delta"] * (-1.0 if higher_is_better(r["metric"]) else 1.0)
-        for r in rows.to_pylist()
-        if r["experiment"] == "single_head" and r["checkpoint"] == checkpoint
-    }
-    missing = [h for h in inventory.heads if h not in harm]
-    if missing:
-        raise HeadsweepError(
-            f"importance.method ablation: run {run_id} has no single_head evaluation of {len(missing)} heads "
-            f"(e.g. {missing[0]}); run single_head on the same model first"
-        )
-    return {h: harm[h] for h in inventory.heads}

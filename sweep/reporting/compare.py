@@ -18,6 +18,7 @@ from scipy import stats
 from headsweep.errors import HeadsweepError
 from headsweep.results.query import run_query
 from headsweep.results.store import ResultStore
+from headsweep.sweep import experiments  # noqa: F401 - registers the kinds' tables and views read here
 from headsweep.workers.metrics import higher_is_better
 
 # Per head of one run (the run id is a query parameter, never pasted into the SQL).

@@ -1,11 +1,12 @@
 """``headsweep report``: one self-contained HTML page (inline style, no scripts, nothing fetched)
 plus PNG figures, for one or more runs of a store.
 
-Per run (and per training checkpoint when the run swept several): a layer x head heat map of
-single-head deltas per attention type with significance marks, the heads whose removal hurts
-most, the all-but-one table, an importance heat map; the run's pruning curves (global and per
-attention type, with the curves of other runs of the same model and data whose pruning scope
-differs); and the facts needed to reproduce it. Everything comes from the query views.
+Per run (and per training checkpoint when the run swept several): the part of each experiment kind, in
+registration order (``Experiment.report``: a layer x head heat map of single-head deltas per attention type with
+significance marks and the heads whose removal hurts most, the all-but-one table, an importance heat map, what
+the heads do, pairwise interactions, and any registered kind's own); the run's pruning curves (global and per
+attention type, with the curves of other runs of the same model and data whose pruning scope differs); and the
+facts needed to reproduce it. Everything comes from the query views.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.query import connect
 from headsweep.results.schema import SCHEMA_VERSION
 from headsweep.results.store import ResultStore
-from headsweep.sweep.reporting import figures, report_roles
+from headsweep.sweep.experiments import KINDS, register_stored_kinds
+from headsweep.sweep.reporting import figures
+from headsweep.sweep.reporting.page import Page, ReportPart, facts_table, html_table, same, score_column
+from headsweep.sweep.reporting.page import rows as query_rows
 
-TOP_HEADS = 10
 # Baselines of two runs closer than this are the same model on the same data.
 SAME_BASELINE = 1e-9
 
@@ -40,73 +43,13 @@ pre { background: #f7f7f7; padding: 1em; overflow-x: auto; font-size: .85em; }
 """
 
 
-def _rows(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence = ()) -> list[dict]:
-    # Through Arrow: DuckDB's own Python conversion of time-zone timestamps needs pytz.
-    return con.sql(sql, params=list(params)).to_arrow_table().to_pylist()
-
-
-def _fmt(value) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "yes" if value else ""
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def _table(rows: Sequence[dict], columns: Sequence[tuple[str, str]]) -> str:
-    """An HTML table of ``rows`` with (key, header) ``columns``; text cells align left."""
-    head = "".join(f"<th>{html.escape(title)}</th>" for _, title in columns)
-    body = []
-    for r in rows:
-        cells = []
-        for key, _ in columns:
-            value = r.get(key)
-            cls = ' class="text"' if isinstance(value, str) else ""
-            cells.append(f"<td{cls}>{html.escape(_fmt(value))}</td>")
-        body.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
-
-
-def _facts_table(pairs: Sequence[tuple[str, object]]) -> str:
-    rows = "".join(f'<tr><th>{html.escape(k)}</th><td class="text">{html.escape(_fmt(v))}</td></tr>'
-                   for k, v in pairs)
-    return f"<table>{rows}</table>"
-
-
-class _Page:
-    """Collects HTML and the figures it names, all under one folder."""
-
-    def __init__(self, out: Path):
-        self.out = out
-        self.parts: list[str] = []
-        self.files: list[str] = []
-
-    def add(self, text: str) -> None:
-        self.parts.append(text)
-
-    def figure(self, fig, name: str, alt: str) -> None:
-        width, height = figures.save(fig, str(self.out / name))
-        self.files.append(name)
-        self.add(f'<img src="{html.escape(name)}" width="{width}" height="{height}" alt="{html.escape(alt)}">')
-
-    def file(self, name: str, text: str) -> None:
-        (self.out / name).write_text(text, encoding="utf-8")
-        self.files.append(name)
-
-
 def _checkpoints(con: duckdb.DuckDBPyConnection, run_id: str) -> list[tuple[str | None, str]]:
     """The run's checkpoints (None for a single model) with short labels like ``ckpt1 (epoch2)``."""
-    rows = _rows(con, "SELECT checkpoint, min(eval_id) AS first FROM evaluations WHERE run_id = ? "
-                      "GROUP BY checkpoint ORDER BY first", [run_id])
-    if len(rows) <= 1:
-        return [(rows[0]["checkpoint"] if rows else None, "")]
-    return [(r["checkpoint"], f"{r['first'].split('/')[0]} ({Path(r['checkpoint'] or '').name})") for r in rows]
-
-
-def _same(column: str) -> str:
-    return f"{column} IS NOT DISTINCT FROM ?"
+    found = query_rows(con, "SELECT checkpoint, min(eval_id) AS first FROM evaluations WHERE run_id = ? "
+                            "GROUP BY checkpoint ORDER BY first", [run_id])
+    if len(found) <= 1:
+        return [(found[0]["checkpoint"] if found else None, "")]
+    return [(r["checkpoint"], f"{r['first'].split('/')[0]} ({Path(r['checkpoint'] or '').name})") for r in found]
 
 
 def _pruning_curves(con: duckdb.DuckDBPyConnection, run: dict, checkpoints: list[tuple[str | None, str]],
@@ -118,14 +61,14 @@ def _pruning_curves(con: duckdb.DuckDBPyConnection, run: dict, checkpoints: list
     curves: list[figures.Curve] = []
     table: list[dict] = []
     for checkpoint, label in checkpoints:
-        baseline = _rows(con, f"SELECT score FROM evaluations WHERE run_id = ? AND {_same('checkpoint')} "
+        baseline = query_rows(con, f"SELECT score FROM evaluations WHERE run_id = ? AND {same('checkpoint')} "
                               "AND experiment = 'baseline'", [run_id, checkpoint])
-        own = _rows(con, f"SELECT * FROM pruning WHERE run_id = ? AND {_same('checkpoint')} ORDER BY scope, level",
+        own = query_rows(con, f"SELECT * FROM pruning WHERE run_id = ? AND {same('checkpoint')} ORDER BY scope, level",
                     [run_id, checkpoint])
-        others = _rows(con, f"""
+        others = query_rows(con, f"""
             SELECT p.* FROM pruning p JOIN runs r USING (run_id)
-            WHERE p.run_id <> ? AND {_same('p.checkpoint')} AND r.status = 'complete'
-              AND {_same('r.model')} AND {_same('r.dataset')} AND {_same('r.metric')}
+            WHERE p.run_id <> ? AND {same('p.checkpoint')} AND r.status = 'complete'
+              AND {same('r.model')} AND {same('r.dataset')} AND {same('r.metric')}
               AND abs(p.baseline_score - ?) <= {SAME_BASELINE}
             ORDER BY r.created_at DESC, p.run_id, p.scope, p.level""",
                        [run_id, checkpoint, run["model"], run["dataset"], run["metric"],
@@ -160,7 +103,7 @@ def _kept_per_type(rows: list[dict], heads_per_type: dict[str, int]) -> dict[str
     return kept
 
 
-def _run_section(page: _Page, con: duckdb.DuckDBPyConnection, run: dict) -> None:
+def _run_section(page: Page, con: duckdb.DuckDBPyConnection, run: dict) -> None:
     run_id = run["run_id"]
     config = json.loads(run["config"] or "{}")
     facts = json.loads(run["facts"] or "{}")
@@ -171,7 +114,7 @@ def _run_section(page: _Page, con: duckdb.DuckDBPyConnection, run: dict) -> None
         heads_per_type[s["attention"]] = heads_per_type.get(s["attention"], 0) + s["num_heads"]
     metric = run["metric"]
     page.add(f'<h2 id="{html.escape(run_id)}">Run {html.escape(run_id)}: {html.escape(run["name"] or "")}</h2>')
-    page.add(_facts_table([
+    page.add(facts_table([
         ("status", run["status"]), ("model", run["model"]), ("data", run["dataset"]),
         ("metric", figures.metric_label(metric)),
         ("direction", "higher is better" if figures.higher_is_better(metric) else "lower is better"),
@@ -187,27 +130,9 @@ def _run_section(page: _Page, con: duckdb.DuckDBPyConnection, run: dict) -> None
         prefix = run_id + (f"-{label.split(' ')[0]}" if label else "")
         if label:
             page.add(f"<h3>Checkpoint {html.escape(label)}: {html.escape(checkpoint or '')}</h3>")
-        heads = _rows(con, f"SELECT * FROM heads WHERE run_id = ? AND {_same('checkpoint')} "
-                           "ORDER BY attention, layer, head", [run_id, checkpoint])
-        _single_head(page, heads, order, metric, sig, prefix)
-        layers = _rows(con, f"SELECT * FROM layers WHERE run_id = ? AND {_same('checkpoint')}", [run_id, checkpoint])
-        layers.sort(key=lambda r: (order.index(r["attention"]) if r["attention"] in order else 99, r["layer"]))
-        if layers:
-            page.add("<h4>All-but-one: the best head to keep alone in each layer</h4>")
-            better = "highest" if figures.higher_is_better(metric) else "lowest"
-            page.add('<p class="note">Every other head of the layer (same attention type) is masked; the best head '
-                     f"is the one with the {better} {html.escape(figures.metric_name(metric))}; delta is "
-                     "against the unmasked baseline.</p>")
-            page.add(_table(layers, [("attention", "attention"), ("layer", "layer"), ("best_head", "best head"),
-                                     _score_column(metric), ("delta", "delta"),
-                                     ("p_adjusted", "adjusted p"), ("significant", "significant"),
-                                     ("worst_delta", "worst delta in layer"), ("n_heads", "heads")]))
-        if any(h["importance"] is not None for h in heads):
-            page.add("<h4>Head importance</h4>")
-            page.figure(figures.importance_heatmap([h for h in heads if h["importance"] is not None], order),
-                        f"{prefix}-importance.png", "importance heat map")
-        _roles(page, con, run_id, checkpoint, order, metric, prefix)
-        _interactions(page, con, run_id, checkpoint, order, metric, prefix)
+        part = ReportPart(page, con, run, checkpoint, order, metric, prefix, sig)
+        for kind in KINDS.values():  # each kind's part, in registration order
+            kind.report(part)
 
     curves, table = _pruning_curves(con, run, checkpoints, heads_per_type)
     if curves:
@@ -215,90 +140,19 @@ def _run_section(page: _Page, con: duckdb.DuckDBPyConnection, run: dict) -> None
         page.add('<p class="note">At each level the least important heads (of the scope) are masked together; '
                  "circled points differ significantly from the baseline (adjusted p).</p>")
         page.figure(figures.pruning_figure(curves, metric, heads_per_type), f"{run_id}-pruning.png", "pruning curves")
-        page.add(_table(table, [("curve", "curve"), ("percent", "% pruned"), ("n_masked", "heads masked"),
-                                _score_column(metric), ("relative_score", "relative to baseline"),
+        page.add(html_table(table, [("curve", "curve"), ("percent", "% pruned"), ("n_masked", "heads masked"),
+                                score_column(metric), ("relative_score", "relative to baseline"),
                                 ("p_adjusted", "adjusted p"), ("significant", "significant")]))
     _reproducibility(page, run, config, facts)
 
 
-def _interactions(page: _Page, con: duckdb.DuckDBPyConnection, run_id: str, checkpoint: str | None,
-                  order: list[str], metric: str | None, prefix: str) -> None:
-    """Pairwise interactions (the ``pairs`` kind): a heads x heads matrix per attention type, the strongest pairs."""
-    rows = _rows(con, f"SELECT * FROM interactions WHERE run_id = ? AND {_same('checkpoint')} ORDER BY head_i, "
-                      "head_j", [run_id, checkpoint])
-    if not rows:
-        return
-    page.add("<h4>Pairwise interactions</h4>")
-    page.add('<p class="note">Interaction = delta(i,j) - delta(i) - delta(j): zero where masking both heads costs '
-             "what masking each alone adds up to; excess harm is positive where the pair hurts more (the heads "
-             "back each other up). Paired bootstrap over the four evaluations, adjusted over the pairs.</p>")
-    for attention in [a for a in order if any(r["attention_i"] == r["attention_j"] == a for r in rows)]:
-        first = rows[0]
-        page.figure(figures.interaction_matrix(rows, attention, metric, first["correction"], first["alpha"]),
-                    f"{prefix}-interactions-{attention}.png", f"pairwise interactions, {attention} attention")
-    strongest = sorted(rows, key=lambda r: (-abs(r["excess_harm"]), r["head_i"], r["head_j"]))[:TOP_HEADS]
-    page.add(_table(strongest, [("head_i", "head i"), ("head_j", "head j"), ("delta_i", "delta i"),
-                                ("delta_j", "delta j"), ("delta_ij", "delta both"), ("interaction", "interaction"),
-                                ("excess_harm", "excess harm"), ("ci_low", "CI low"), ("ci_high", "CI high"),
-                                ("p_adjusted", "adjusted p"), ("significant", "significant")]))
-
-
-def _roles(page: _Page, con: duckdb.DuckDBPyConnection, run_id: str, checkpoint: str | None, order: list[str],
-           metric: str | None, prefix: str) -> None:
-    """What the heads do (the ``roles`` kind): confidence and role map, scatters, the share of heads with a role."""
-    rows = _rows(con, f"SELECT * FROM roles WHERE run_id = ? AND {_same('checkpoint')} ORDER BY attention, layer, "
-                      "head", [run_id, checkpoint])
-    if not rows:
-        return
-    page.add("<h4>What the heads do (Voita et al. 2019)</h4>")
-    page.figure(report_roles.confidence_role_map(rows, order), f"{prefix}-roles.png", "confidence and role map")
-    fig, correlations = report_roles.scatter_panels(rows, metric)
-    if fig is not None:
-        page.figure(fig, f"{prefix}-roles-scatter.png", "confidence and importance against ablation harm")
-        page.add(_table(correlations, [("x", "x"), ("y", "y"), ("rho", "Spearman rho"), ("p_value", "p"),
-                                       ("n", "heads")]))
-    levels = _rows(con, f"SELECT * FROM pruning WHERE run_id = ? AND {_same('checkpoint')}", [run_id, checkpoint])
-    scopes = sorted({r["scope"] for r in levels}, key=lambda x: (x != "all", x))
-    first = report_roles.pruned_first([r for r in levels if scopes and r["scope"] == scopes[0]])
-    page.add('<p class="note">Of the heads whose single-head removal is significant, and of those the first '
-             "pruning level removes, how many play a role; the first row is the base rate.</p>")
-    page.add(_table(report_roles.role_shares(rows, first),
-                    [("group", "heads"), ("heads", "n"), ("with_role", "with a role"), ("share", "share"),
-                     ("positional", "positional"), ("rare_words", "rare words"), ("syntactic", "syntactic")]))
-
-
-def _score_column(metric: str | None) -> tuple[str, str]:
-    return "score", f"score ({figures.metric_name(metric)})"
-
-
-def _single_head(page: _Page, heads: list[dict], order: list[str], metric: str | None, sig: dict,
-                 prefix: str) -> None:
-    evaluated = [h for h in heads if h["delta"] is not None]
-    if not evaluated:
-        return
-    correction = next((h["correction"] for h in evaluated if h["correction"]), sig.get("correction"))
-    alpha = next((h["alpha"] for h in evaluated if h["alpha"] is not None), sig.get("alpha"))
-    page.add("<h4>Single-head ablation</h4>")
-    page.figure(figures.delta_heatmap(heads, order, metric, correction, alpha), f"{prefix}-deltas.png",
-                "single-head delta heat map")
-    # Most harmful first, in the metric's direction (a head whose removal raises perplexity hurts).
-    worst = sorted(evaluated, key=lambda h: (-figures.harm(metric, h["delta"]), h["name"]))[:TOP_HEADS]
-    direction = "" if figures.higher_is_better(metric) else f"; lower {figures.metric_name(metric)} is better"
-    page.add(f"<p>Heads whose removal hurts most ({len(evaluated)} heads evaluated{direction}, "
-             f"{sum(bool(h['significant']) for h in evaluated)} significant at adjusted p &lt; {_fmt(alpha)}, "
-             f"{html.escape(correction or 'no')} correction):</p>")
-    page.add(_table(worst, [("name", "head"), _score_column(metric), ("delta", "delta"),
-                            ("test", "test"), ("p_value", "p"), ("p_adjusted", "adjusted p"),
-                            ("significant", "significant"), ("importance_rank", "importance rank")]))
-
-
-def _reproducibility(page: _Page, run: dict, config: dict, facts: dict) -> None:
+def _reproducibility(page: Page, run: dict, config: dict, facts: dict) -> None:
     sig = config.get("significance", {})
     run_id = run["run_id"]
     config_file = f"{run_id}-config.yaml"
     page.file(config_file, yaml.safe_dump(config, sort_keys=True))
     page.add("<h3>Reproducibility</h3>")
-    page.add(_facts_table([
+    page.add(facts_table([
         ("config hash", run["config_hash"]), ("code version", run["code_version"]),
         ("results schema version", run["schema_version"]),
         ("seed (sweep)", config.get("seed")), ("significance seed", sig.get("seed")),
@@ -308,7 +162,7 @@ def _reproducibility(page: _Page, run: dict, config: dict, facts: dict) -> None:
     ]))
     if facts:
         page.add("<p>Facts recorded by the workers:</p>")
-        page.add(_facts_table(sorted(facts.items())))
+        page.add(facts_table(sorted(facts.items())))
     page.add(f'<p>The run\'s resolved config, also as <a href="{html.escape(config_file)}">{html.escape(config_file)}'
              f"</a>, which loads back with the same config hash: <code>headsweep run {html.escape(config_file)}"
              "</code> repeats the run (model and data paths as they were).</p>")
@@ -321,17 +175,21 @@ def default_report_dir(run_ids: Sequence[str]) -> Path:
 
 
 def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path) -> Path:
-    """Write ``index.html`` and its figures for ``run_ids`` under ``out``; returns the page's path."""
+    """Write ``index.html`` and its figures for ``run_ids`` under ``out``; returns the page's path.
+
+    Kinds defined outside headsweep that the store's runs ran are registered first (their parts and views)."""
     out = Path(out)
+    register_stored_kinds(store)
     con = connect(store)
     try:
         runs = []
         for run_id in run_ids:
             # the baseline as `summary` gives it: the run row's, else its stored baseline evaluation's
-            rows = _rows(con, "SELECT r.* REPLACE (s.baseline_score AS baseline_score) FROM runs r "
-                              "JOIN summary s ON s.run_id = r.run_id WHERE r.run_id = ?", [run_id])
+            rows = query_rows(con, "SELECT r.* REPLACE (s.baseline_score AS baseline_score) FROM runs r "
+                                   "JOIN summary s ON s.run_id = r.run_id WHERE r.run_id = ?", [run_id])
             if not rows:
-                known = [r["run_id"] for r in _rows(con, "SELECT run_id FROM runs ORDER BY created_at DESC LIMIT 5")]
+                newest = query_rows(con, "SELECT run_id FROM runs ORDER BY created_at DESC LIMIT 5")
+                known = [r["run_id"] for r in newest]
                 hint = f" (newest: {', '.join(known)})" if known else " (the store has no runs)"
                 raise HeadsweepError(f"no run {run_id!r} in store {store.uri}{hint}")
             runs.append(rows[0])
@@ -339,7 +197,7 @@ def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path) ->
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise HeadsweepError(f"cannot create report folder {out}: {exc.strerror}") from None
-        page = _Page(out)
+        page = Page(out)
         title = "headsweep report: " + ", ".join(f"{r['name'] or ''} ({r['run_id']})" for r in runs)
         page.add(f"<h1>{html.escape(title)}</h1>")
         page.add(f'<p class="note">Store: {html.escape(store.uri)}, read with results schema version '

@@ -22,7 +22,7 @@ from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.dispatch import WorkerPool, units_per_call
 from headsweep.sweep.run.plan import by_importance, unique, with_prefix
 from headsweep.sweep.run.runs import RunRecord
-from headsweep.sweep.run.screening import SCREENED_EXPERIMENTS, ScreenSettings, joined, screen
+from headsweep.sweep.run.screening import Screening
 from headsweep.sweep.statistics.significance_runner import SignificanceTracker
 from headsweep.sweep.terminal.progress import Progress
 from headsweep.workers.family import DatasetInfo
@@ -55,12 +55,7 @@ class Context:
     baseline: tuple[float, np.ndarray] | None = None  # score and statistics of the unmasked model
     tracker: SignificanceTracker | None = None
     budget: SessionBudget | None = None  # sweep.budget, shared by the contexts of one session
-    # sweep.screen: eval ids screened out (this session's and a resumed run's), screening columns of the
-    # completed ones (for their full rows). See headsweep.sweep.run.screening.
-    screened: set[str] = field(default_factory=set)
-    screen_notes: dict[str, dict] = field(default_factory=dict)
-    # completed masks' subset outputs, with the subset's and the rest's positions, until the rest lands
-    screen_parts: dict[str, tuple[Any, tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    screening: Screening | None = None  # sweep.screen: the policy this model's passes consult (None: no screening)
     _reference: WorkUnit | None = field(default=None, repr=False)  # planned, not yet evaluated
 
     @property
@@ -107,20 +102,18 @@ class Context:
         todo = [u for u in units if u.eval_id not in self.done]
         if self.cfg.sweep.order == "importance" and "importance" in self.shared:
             todo = by_importance(todo, self.shared["importance"])
-        settings = ScreenSettings.from_config(self.cfg.sweep.screen, self.cfg.significance.seed,
-                                              self.cfg.significance.alpha)
-        if settings is not None and todo:
-            todo = screen(self, todo, settings, sum(u.experiment in SCREENED_EXPERIMENTS for u in units))
+        if self.screening is not None and todo:
+            todo = self._screen(todo, self.screening.family_size(units))
         if self.budget is not None and self.budget.reached() and (todo or reference is not None):
             raise BudgetReached(self.budget.describe())
         held: list[tuple[WorkUnit, Any, str]] = []  # results that landed before the reference
         started, landed, left = time.monotonic(), 0, len(todo) + (reference is not None)
 
         def land(unit: WorkUnit, out: Any, worker: str) -> None:
-            if unit.eval_id in self.screen_parts:  # the rest of a completed mask: with its subset, the whole set
-                part, positions, rest = self.screen_parts.pop(unit.eval_id)
-                out = joined(self.info.metric, part, positions, out, rest)
-            self.writer.add(unit, out, self.baseline[0], worker, extra=self.screen_notes.get(unit.eval_id))
+            extra = None
+            if self.screening is not None:  # the rest of a completed mask: with its subset, the whole set
+                out, extra = self.screening.join(self.info.metric, unit, out), self.screening.columns(unit.eval_id)
+            self.writer.add(unit, out, self.baseline[0], worker, extra=extra)
             self.writer.maybe_flush()
             if self.tracker is not None:
                 self.tracker.add(unit, out.stats)
@@ -162,12 +155,29 @@ class Context:
         if self.budget is not None:
             self.budget.count()
 
-    def say_screened(self, n_out: int, n_screened: int, subset: int, rule: str) -> None:
-        """The screening pass's one status line (``rule``: the rule and its cut, as the user reads it)."""
+    def _screen(self, units: list[WorkUnit], family: int) -> list[WorkUnit]:
+        """The screening pass (``sweep.screen``): the screened masks of ``units`` on the subset first; screened-out
+        ones are stored on the subset, the others come back to be evaluated on the rest of the set. ``family``: the
+        screened masks of the significance family, stored ones included. What is screened, and how, is the
+        policy's (``self.screening``)."""
         from headsweep.sweep.terminal.console import say
 
-        say(f"screening ({rule}): {n_out} of {n_screened} masks screened out on {subset} of {self.info.n_examples} "
-            f"examples; {n_screened - n_out} go on to the rest")
+        subset = self.screening.subset_units(units, self.info.n_examples)
+        if not subset:
+            return units
+        outputs: dict[str, tuple[Any, str]] = {}
+        progress = Progress(len(subset), enabled=self.show_progress, label="screening", detail=self.pool.status_line)
+        for unit, out, worker in self.pool.stream(subset, self.units_per_call()):
+            outputs[unit.eval_id] = (out, worker)
+            progress.update(1, f"[{unit.eval_id}]")
+            self._recording().heartbeat()
+        judged = self.screening.judge(self.info.metric, units, outputs, self.info.n_examples, family)
+        for unit, out, worker, base_score, positions, columns in judged.screened_out:
+            self.writer.add(unit, out, base_score, worker, positions=positions, extra=columns)
+            self.writer.maybe_flush()
+            self.count_for_budget()
+        say(judged.line)
+        return judged.remaining
 
     def _note_progress(self, record: RunRecord, landed: int, left: int, elapsed: float) -> None:
         """What ``headsweep status`` shows while the run goes: stored, significant so far, ETA of this pass."""
@@ -190,7 +200,7 @@ class Context:
             return
         self.tracker.expect(units)
         for unit in units:
-            if unit.eval_id in self.screened:  # in the family with p = 1, no test of its own
+            if self.screening is not None and self.screening.is_screened(unit.eval_id):  # p = 1, no test of its own
                 self.tracker.add_screened(unit)
             elif unit.eval_id in self.done:
                 self.tracker.add(unit, self.done[unit.eval_id][1])

@@ -37,10 +37,9 @@ from headsweep.sweep.run.runs import (
     now,
     refuse_if_live,
     resumable,
-    screened_out,
     stored_results,
 )
-from headsweep.sweep.run.screening import ScreenSettings
+from headsweep.sweep.run.screening import Screening
 from headsweep.sweep.statistics.significance_runner import tests_for
 from headsweep.workers.actor import EvalWorker
 from headsweep.workers.checks import model_heads_on_worker
@@ -151,7 +150,7 @@ class Sweep:
                     self.cfg, info, pool, self.store, self.run_id,
                     prefix=f"ckpt{index}/" if checkpoint is not None else "", checkpoint=checkpoint,
                     done=self.done, writer=record.writer, record=record, show_progress=self.show_progress,
-                    budget=budget, screened=set(self.screened),
+                    budget=budget, screening=Screening.of(self.cfg, self.screened),
                 )
                 if first is None:
                     first = ctx
@@ -187,11 +186,9 @@ class Sweep:
         """
         tests_for(self.cfg.significance, info.metric)
         ctx = Context(self.cfg, info, pool, self.store, self.run_id)
-        screening = ScreenSettings.from_config(self.cfg.sweep.screen, self.cfg.significance.seed,
-                                               self.cfg.significance.alpha)
+        screening = Screening.of(self.cfg)
         if screening is not None:
-            screening.check_size(info.n_examples)
-            screening.check_cut(len(SINGLE_HEAD.plan(ctx)))
+            screening.check_model(info.n_examples, len(SINGLE_HEAD.plan(ctx)))
         experiments.validate(ctx)
         self.check_checkpoints(pool, info)
         previous = resumable(self.store, self.cfg, self.resume, self.auto_resume)
@@ -199,7 +196,7 @@ class Sweep:
         if previous is not None:
             self.run_id, created_at = previous["run_id"], previous["created_at"]
             self.done = stored_results(self.store, self.run_id, info)
-            self.screened = screened_out(self.store, self.run_id)
+            self.screened = Screening.stored(self.store, self.run_id)
             log(f"resuming run {self.run_id}: {len(self.done)} evaluations already stored")
         writer = ChunkWriter(self.store, self.run_id, info, self.cfg.sweep.flush_every, self.cfg.sweep.flush_seconds)
         writer.written = len(self.done)

@@ -118,12 +118,6 @@ def stored_results(store: ResultStore, run_id: str, info: DatasetInfo) -> Stored
     return {e: (scores[e], stats[e]) for e in scores}
 
 
-def screened_out(store: ResultStore, run_id: str) -> set[str]:
-    """Eval ids the run stored as screened out (``sweep.screen``): their rows and statistics are a subset's."""
-    rows = store.read("evaluations", run_id, columns=["eval_id", "screen"]).to_pylist()
-    return {r["eval_id"] for r in rows if r["screen"] == "screened_out"}
-
-
 @dataclass
 class RunRecord:
     """The run's row: what it is (config, model, data), how far it got and how it ended.

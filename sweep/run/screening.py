@@ -48,19 +48,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from headsweep.errors import HeadsweepError
+from headsweep.results.store import ResultStore
+from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.statistics.significance import paired_bootstrap
-from headsweep.sweep.terminal.progress import Progress
 from headsweep.workers.family import MaskOutput
 from headsweep.workers.metrics import metric_by_name
 from headsweep.workers.work import WorkUnit
-
-if TYPE_CHECKING:
-    from headsweep.sweep.run.context import Context
 
 SCREENED_EXPERIMENTS = ("single_head",)
 SCREENED_OUT, COMPLETED = "screened_out", "completed"
@@ -275,46 +273,116 @@ def joined(metric: str, first: MaskOutput, first_positions: Sequence[int], rest:
                       seconds=first.seconds + rest.seconds)
 
 
-def screen(ctx: Context, units: list[WorkUnit], settings: ScreenSettings, family: int) -> list[WorkUnit]:
-    """Screen the ``single_head`` units among ``units``; returns the units still to evaluate.
+@dataclass
+class Judged:
+    """What a screening pass decided: the screened-out masks' subset rows to store (unit, output, worker, the
+    unmasked model's subset score, the subset's positions, the screening columns), the units still to evaluate
+    (completed masks on the rest of the set), and the status line that says so."""
 
-    ``family``: the single-head masks of the run's family, stored ones included (the futility rule's m).
+    screened_out: list[tuple[WorkUnit, MaskOutput, str, float, tuple[int, ...], dict]]
+    remaining: list[WorkUnit]
+    line: str
 
-    Screened-out masks are written here (rows on the subset) and recorded in ``ctx.screened``. Completed ones come
-    back on the rest of the set (``WorkUnit.examples``), their subset outputs and screening columns kept in
-    ``ctx.screen_parts`` and ``ctx.screen_notes`` until the rest lands (:meth:`Context.evaluate` joins them).
+
+class Screening:
+    """``sweep.screen`` as a run consults it: the one place that knows which masks are screened, how, and what is
+    stored of them. One per model of a run (a completed mask's subset output waits here for its rest).
+
+    The context asks it for the subset pass (:meth:`subset_units`), hands it the outputs (:meth:`judge`), joins
+    the rest of a completed mask with its subset (:meth:`join`) and adds its columns (:meth:`columns`); the
+    significance family counts a screened-out mask with p = 1 (:meth:`is_screened`).
     """
-    candidates = [u for u in units if u.experiment in SCREENED_EXPERIMENTS]
-    if not candidates:
-        return units
-    n_examples = ctx.info.n_examples
-    positions = settings.positions(n_examples)
-    rest = complement(positions, n_examples)
-    subset = [WorkUnit(SUBSET_BASELINE, "screen", (), examples=positions)]
-    subset += [dataclasses.replace(u, examples=positions) for u in candidates]
-    by_id = {u.eval_id: u for u in candidates}
-    outputs: dict[str, Any] = {}
-    progress = Progress(len(subset), enabled=ctx.show_progress, label="screening", detail=ctx.pool.status_line)
-    for unit, out, worker in ctx.pool.stream(subset, ctx.units_per_call()):
-        outputs[unit.eval_id] = (out, worker)
-        progress.update(1, f"[{unit.eval_id}]")
-        ctx.record.heartbeat()
-    base = outputs.pop(SUBSET_BASELINE)[0]
-    ids = [u.eval_id for u in candidates]
-    stacked = np.stack([outputs[i][0].stats for i in ids]).astype(np.float64)
-    out_ids = []
-    for eval_id, verdict in zip(ids, verdicts(ctx.info.metric, base.stats, stacked, settings, family), strict=True):
-        columns = verdict.columns(len(positions))
-        out, worker = outputs[eval_id]
-        if verdict.screened_out:
-            ctx.writer.add(by_id[eval_id], out, base.score, worker, positions=positions, extra=columns)
-            ctx.writer.maybe_flush()
-            ctx.screened.add(eval_id)
-            out_ids.append(eval_id)
-            ctx.count_for_budget()
-        else:
-            ctx.screen_notes[eval_id] = columns
-            ctx.screen_parts[eval_id] = (out, positions, rest)
-    ctx.say_screened(len(out_ids), len(candidates), len(positions), settings.describe(family))
-    return [dataclasses.replace(u, examples=rest) if u.eval_id in ctx.screen_parts else u
-            for u in units if u.eval_id not in ctx.screened]
+
+    def __init__(self, settings: ScreenSettings, screened: set[str] | None = None):
+        self.settings = settings
+        self.screened: set[str] = set(screened or ())  # eval ids screened out (this session's and a resumed run's)
+        self.notes: dict[str, dict] = {}  # completed masks' screening columns, for their whole-set rows
+        # completed masks' subset outputs, with the subset's and the rest's positions, until the rest lands
+        self.parts: dict[str, tuple[MaskOutput, tuple[int, ...], tuple[int, ...]]] = {}
+
+    @classmethod
+    def of(cls, cfg: Config, screened: set[str] | None = None) -> Screening | None:
+        """The policy of ``cfg`` (None when it does not screen), with a resumed run's screened-out eval ids."""
+        settings = ScreenSettings.from_config(cfg.sweep.screen, cfg.significance.seed, cfg.significance.alpha)
+        return None if settings is None else cls(settings, screened)
+
+    @staticmethod
+    def check_config(cfg: Config) -> None:
+        """The ``sweep.screen`` mapping (:func:`check_screen`), and what it asks of the rest of the config."""
+        check_screen(cfg.sweep.screen)
+        if cfg.sweep.screen is not None and "single_head" not in cfg.sweep.experiments:
+            raise HeadsweepError("sweep.screen screens single_head masks, and this run has no single_head "
+                                 "experiment: add it to sweep.experiments or remove sweep.screen")
+        if cfg.sweep.screen is not None and "pairs" in cfg.sweep.experiments:
+            raise HeadsweepError("sweep.screen cannot be combined with pairs: interactions need every head's "
+                                 "single-head evaluation on the whole set; run the pairs in a run of their own")
+
+    def check_model(self, n_examples: int, n_masks: int) -> None:
+        """Refuse a subset the evaluation set cannot give, or a rule that could screen out nothing (before anything
+        is written); ``n_masks``: the single-head masks of the run."""
+        self.settings.check_size(n_examples)
+        self.settings.check_cut(n_masks)
+
+    @staticmethod
+    def stored(store: ResultStore, run_id: str) -> set[str]:
+        """Eval ids the run stored as screened out: their rows and statistics are a subset's."""
+        rows = store.read("evaluations", run_id, columns=["eval_id", "screen"]).to_pylist()
+        return {r["eval_id"] for r in rows if r["screen"] == SCREENED_OUT}
+
+    def subset_units(self, units: Sequence[WorkUnit], n_examples: int) -> list[WorkUnit]:
+        """The screening pass of ``units``: the unmasked model and each screened kind's mask on the subset (empty
+        when no unit is screened)."""
+        candidates = [u for u in units if u.experiment in SCREENED_EXPERIMENTS]
+        if not candidates:
+            return []
+        positions = self.settings.positions(n_examples)
+        return [WorkUnit(SUBSET_BASELINE, "screen", (), examples=positions),
+                *(dataclasses.replace(u, examples=positions) for u in candidates)]
+
+    @staticmethod
+    def family_size(units: Sequence[WorkUnit]) -> int:
+        """The screened masks of a significance family (stored ones included): the futility rule's m."""
+        return sum(u.experiment in SCREENED_EXPERIMENTS for u in units)
+
+    def judge(self, metric: str, units: Sequence[WorkUnit], outputs: dict[str, tuple[MaskOutput, str]],
+              n_examples: int, family: int) -> Judged:
+        """The rule on the subset ``outputs`` (eval id -> output, worker; the unmasked model's under
+        ``SUBSET_BASELINE``) of ``units``' screened masks: which are screened out (recorded here, and returned
+        to be stored), and ``units`` as they go on (completed masks on the rest of the set)."""
+        candidates = [u for u in units if u.experiment in SCREENED_EXPERIMENTS]
+        positions = self.settings.positions(n_examples)
+        rest = complement(positions, n_examples)
+        base = outputs[SUBSET_BASELINE][0]
+        ids = [u.eval_id for u in candidates]
+        stacked = np.stack([outputs[i][0].stats for i in ids]).astype(np.float64)
+        out: list[tuple[WorkUnit, MaskOutput, str, float, tuple[int, ...], dict]] = []
+        for unit, verdict in zip(candidates, verdicts(metric, base.stats, stacked, self.settings, family),
+                                 strict=True):
+            columns = verdict.columns(len(positions))
+            output, worker = outputs[unit.eval_id]
+            if verdict.screened_out:
+                self.screened.add(unit.eval_id)
+                out.append((unit, output, worker, base.score, positions, columns))
+            else:
+                self.notes[unit.eval_id] = columns
+                self.parts[unit.eval_id] = (output, positions, rest)
+        line = (f"screening ({self.settings.describe(family)}): {len(out)} of {len(candidates)} masks screened out "
+                f"on {len(positions)} of {n_examples} examples; {len(candidates) - len(out)} go on to the rest")
+        remaining = [dataclasses.replace(u, examples=rest) if u.eval_id in self.parts else u
+                     for u in units if u.eval_id not in self.screened]
+        return Judged(out, remaining, line)
+
+    def join(self, metric: str, unit: WorkUnit, out: MaskOutput) -> MaskOutput:
+        """``out`` as the whole set's: the rest of a completed mask joined with its subset (others as they are)."""
+        if unit.eval_id not in self.parts:
+            return out
+        part, positions, rest = self.parts.pop(unit.eval_id)
+        return joined(metric, part, positions, out, rest)
+
+    def columns(self, eval_id: str) -> dict | None:
+        """The screening columns of a completed mask's whole-set row (None for a mask that was not screened)."""
+        return self.notes.get(eval_id)
+
+    def is_screened(self, eval_id: str) -> bool:
+        """Whether the mask ``eval_id`` was screened out (stored on the subset only)."""
+        return eval_id in self.screened

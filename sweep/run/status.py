@@ -5,6 +5,7 @@ from __future__ import annotations
 from headsweep.errors import HeadsweepError
 from headsweep.results.query import connect
 from headsweep.results.store import ResultStore
+from headsweep.sweep import experiments  # noqa: F401 - registers the kinds' tables and views read here
 
 
 def _clock(seconds: float) -> str:

@@ -168,11 +168,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _existing_store(uri: str) -> ResultStore:
-    """The store a reading command names; one line if nothing (or a file) is there, rather than an empty answer."""
+    """The store a reading command names; one line if nothing (or a file) is there, rather than an empty answer.
+
+    The experiment kinds' tables and views are registered (the built-in kinds, and those defined outside headsweep
+    that the store's runs ran), so that every query view reads them."""
     from headsweep.results.store import ResultStore
+    from headsweep.sweep.experiments import register_stored_kinds
 
     store = ResultStore(uri)
     store.check_exists()
+    register_stored_kinds(store)
     return store
 
 

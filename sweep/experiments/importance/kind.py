@@ -3,29 +3,29 @@
 ``importance.method: gradient`` estimates ``E|dL/dxi_h|`` on ``importance.data`` in a worker
 (``headsweep.workers.importance.importance_on_worker``); ``lrp`` each head's share of the relevance of the
 top-1 logit on ``importance.data`` (Voita et al. sec. 4; ``headsweep.workers.lrp``); ``ablation`` takes the
-harm of each head's single-head ablation in this run (or in ``importance.from_run``): minus the delta where the metric's
-higher is better, the delta where lower is (perplexity), see ``headsweep.sweep.pruning.levels.ablation_importance``.
+harm of each head's single-head ablation in this run (or in ``importance.from_run``): minus the delta where the
+metric's higher is better, the delta where lower is (perplexity), see :func:`ablation_importance`.
 The scores (normalised per layer or raw, as configured) are left in ``ctx.shared["importance"]`` for the
 kinds that order heads by them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.configuration.reader import from_dict
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.pruning.levels import ablation_importance
+from headsweep.sweep.experiments.data_sections import refuse_eval_data, typed_data
+from headsweep.sweep.experiments.importance.settings import ImportanceSection
+from headsweep.sweep.experiments.importance.tables import IMPORTANCE_TABLE
+from headsweep.sweep.experiments.importance.worker import load_data_on_worker
+from headsweep.sweep.experiments.registry import experiment_kind
 from headsweep.sweep.terminal.progress import step
-from headsweep.workers.heads import Head
-from headsweep.workers.registry import model_family
+from headsweep.workers.heads import Head, HeadInventory
 
 if TYPE_CHECKING:
+    from headsweep.sweep.reporting.page import ReportPart
     from headsweep.sweep.run.context import Context
 
 SHARED_KEY = "importance"
@@ -33,44 +33,7 @@ SHARED_KEY = "importance"
 
 def importance_data(cfg: Config) -> Any:
     """``importance.data`` typed as the model family's data section."""
-    return from_dict(model_family(cfg.model.kind).data_config, cfg.importance.data, "importance.data")
-
-
-FILE_KEYS = ("path", "source", "target", "data_bin")
-
-
-def _same_place(key: str, value: Any) -> Any:
-    """A file or folder named by a data key, as the file system knows it (a relative path, a link and the path
-    it points to are one place); other keys as written."""
-    if key in FILE_KEYS and isinstance(value, str) and "://" not in value:
-        return os.path.realpath(value)
-    return value
-
-
-def same_data_file(a: dict, b: Any) -> bool:
-    """Whether the data section ``a`` (a dict) names the same data as the typed data section ``b``: the same
-    files (by where they are, not how they are spelled) and, for binarised data, the same folder and split."""
-    keys = (*FILE_KEYS, "split")
-    mine = {k: _same_place(k, a.get(k)) for k in keys if a.get(k)}
-    theirs = {k: _same_place(k, getattr(b, k, None)) for k in keys if getattr(b, k, None)}
-    return bool(mine) and mine == theirs
-
-
-def names_test_split(data: dict) -> bool:
-    """Whether a data section names a test split (a file or split called test...)."""
-    keys = ("path", "source", "name", "split") if data.get("data_bin") else ("path", "source", "name")
-    names = [str(data.get(k) or "") for k in keys]
-    return any(Path(n).name.lower().startswith("test") or n.lower() == "test" for n in names if n)
-
-
-def refuse_eval_data(key: str, data: dict, cfg: Config, same_advice: str, test_advice: str,
-                     resolved: Any = None) -> None:
-    """The rule for data a kind trains or estimates on (``importance.data``, ``l0.data``): not the evaluation set
-    (the same section, file, or ``resolved`` typed section) nor a test split, unless ``<key>.allow_eval_data``."""
-    if data == dataclasses.asdict(cfg.data) or same_data_file(data, cfg.data) or resolved == cfg.data:
-        raise HeadsweepError(f"{key}.data is the evaluation set; {same_advice}, or set {key}.allow_eval_data: true")
-    if names_test_split(data):
-        raise HeadsweepError(f"{key}.data looks like a test split; {test_advice}, or set {key}.allow_eval_data: true")
+    return typed_data(cfg, cfg.importance.data, "importance.data")
 
 
 class Importance(Experiment):
@@ -78,7 +41,23 @@ class Importance(Experiment):
 
     name = "importance"
     section = "importance"
+    settings = ImportanceSection
     table = "importance"
+    tables = (IMPORTANCE_TABLE,)
+
+    def check_settings(self, cfg: Config) -> None:
+        imp = cfg.importance
+        imp.check()
+        if imp.data is not None:
+            importance_data(cfg)  # typed like the evaluation data, so a misspelt key fails here, not on a worker
+        if cfg.sweep.order == "importance" and imp.method == "ablation" and not imp.from_run:
+            raise HeadsweepError(
+                "sweep.order: importance evaluates masks by importance estimated before the grid: set "
+                "importance.method to gradient or lrp, or name an earlier run with importance.from_run"
+            )
+
+    def data_sections(self, cfg: Config) -> list[tuple[str, Any]]:
+        return [("importance.data", importance_data(cfg))] if cfg.importance.method in ("gradient", "lrp") else []
 
     def needs(self, cfg: Config) -> tuple[str, ...]:
         imp = cfg.importance
@@ -151,22 +130,24 @@ class Importance(Experiment):
         ctx.write("importance", rows, name=imp.method)
         return scores
 
+    def report(self, part: ReportPart) -> None:
+        """A heat map of the heads' importance, where the run estimated it."""
+        from headsweep.sweep.reporting import figures
+
+        scored = [h for h in part.heads if h["importance"] is not None]
+        if scored:
+            part.page.add("<h4>Head importance</h4>")
+            part.page.figure(figures.importance_heatmap(scored, part.order), f"{part.prefix}-importance.png",
+                             "importance heat map")
+
 
 def only_for_order(cfg: Config) -> bool:
     """Whether importance joins the run only because ``sweep.order: importance`` asks for it (no kind the run
     lists is importance or needs it)."""
-    from headsweep.sweep.experiments import experiment_kind  # the registry imports this module
-
     if cfg.sweep.order != "importance":
         return False
     listed = [experiment_kind(name) for name in cfg.sweep.experiments]
     return not any(kind is IMPORTANCE or IMPORTANCE.name in kind.needs(cfg) for kind in listed)
-
-
-def load_data_on_worker(worker: Any, data_cfg: Any) -> None:
-    """Worker-side (``EvalWorker.run``): the worker's model on ``data_cfg``, loaded and kept, so that every check
-    the family makes of data against its model runs."""
-    worker.adapter(data_cfg)
 
 
 def stored_importance(ctx: Context) -> dict[Head, float] | None:
@@ -176,6 +157,32 @@ def stored_importance(ctx: Context) -> dict[Head, float] | None:
         return None
     column = "score_normalized" if ctx.cfg.importance.normalize else "score"
     return {Head(r["attention"], r["layer"], r["head"]): r[column] for r in rows}
+
+
+def ablation_importance(store: Any, run_id: str, inventory: HeadInventory,
+                        checkpoint: str | None = None) -> dict[Head, float]:
+    """Importance from single-head ablation: the harm of removing the head (removing an important head
+    hurts): minus the delta where higher is better (accuracy, BLEU), the delta where lower is (perplexity).
+
+    Reads the ``single_head`` evaluations of ``run_id`` (of one training checkpoint, where the run
+    has several) from the store; every head of the model must have one.
+    """
+    from headsweep.workers.metrics import higher_is_better
+
+    columns = ["experiment", "attention", "layer", "head", "delta", "checkpoint", "metric"]
+    rows = store.read("evaluations", run_id, columns=columns)
+    harm = {
+        Head(r["attention"], r["layer"], r["head"]): r["delta"] * (-1.0 if higher_is_better(r["metric"]) else 1.0)
+        for r in rows.to_pylist()
+        if r["experiment"] == "single_head" and r["checkpoint"] == checkpoint
+    }
+    missing = [h for h in inventory.heads if h not in harm]
+    if missing:
+        raise HeadsweepError(
+            f"importance.method ablation: run {run_id} has no single_head evaluation of {len(missing)} heads "
+            f"(e.g. {missing[0]}); run single_head on the same model first"
+        )
+    return {h: harm[h] for h in inventory.heads}
 
 
 IMPORTANCE = Importance()

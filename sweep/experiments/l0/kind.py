@@ -1,6 +1,6 @@
 """``l0`` (Voita et al. 2019 sec. 6): Hard Concrete head gates trained per penalty weight, on Ray Tune.
 
-One Tune trial per ``l0.lambdas`` entry runs ``headsweep.workers.l0_training.l0_trainable``: the run's
+One Tune trial per ``l0.lambdas`` entry runs ``training.l0_trainable`` (this folder): the run's
 model (this context's checkpoint) loaded on ``l0.data``, gates trained for ``l0.steps`` updates, each
 trial asking what a sweep worker asks (``sweep.num_cpus_per_worker``, ``sweep.num_gpus_per_worker``),
 a trial checkpoint every ``l0.checkpoint_every`` steps, ``FailureConfig(max_failures=sweep.max_retries)``
@@ -32,10 +32,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.configuration.reader import from_dict
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.experiments.importance import refuse_eval_data
+from headsweep.sweep.experiments.data_sections import refuse_eval_data, typed_data
+from headsweep.sweep.experiments.l0.settings import L0Section
+from headsweep.sweep.experiments.l0.tables import GATES, L0_CURVE
 from headsweep.sweep.experiments.prune_level import prune_scope_name
 from headsweep.sweep.run.dispatch import log
 from headsweep.sweep.run.plan import check_attention_types
@@ -47,12 +48,12 @@ from headsweep.workers.work import WorkUnit
 if TYPE_CHECKING:
     from headsweep.sweep.run.context import Context
 
-EVAL_EXPERIMENT = "l0_gates"
+EVAL_EXPERIMENT = L0_CURVE.experiment
 
 
 def l0_data(cfg: Config) -> Any:
     """``l0.data`` typed as the model family's data section."""
-    return from_dict(model_family(cfg.model.kind).data_config, cfg.l0.data, "l0.data")
+    return typed_data(cfg, cfg.l0.data, "l0.data")
 
 
 def lambda_name(lam: float) -> str:
@@ -65,7 +66,16 @@ class L0Gates(Experiment):
 
     name = "l0"
     section = "l0"
+    settings = L0Section
     table = "gates"
+    tables = (GATES,)
+    pruning_curve = L0_CURVE
+
+    def check_settings(self, cfg: Config) -> None:
+        """The ``l0`` section is checked only for a run of l0 (``check_config``)."""
+
+    def data_sections(self, cfg: Config) -> list[tuple[str, Any]]:
+        return [("l0.data", l0_data(cfg))]
 
     def check_config(self, cfg: Config) -> None:
         l0 = cfg.l0
@@ -78,7 +88,7 @@ class L0Gates(Experiment):
             refuse_eval_data("l0", l0.data, cfg, advice, advice, resolved=data)
 
     def validate(self, ctx: Context) -> None:
-        from headsweep.workers.l0_training import l0_data_on_worker
+        from headsweep.sweep.experiments.l0.training import l0_data_on_worker  # torch: on the workers
 
         if ctx.cfg.l0.attention:
             check_attention_types(ctx.cfg.l0.attention, ctx.inventory, "l0.attention")
@@ -110,8 +120,8 @@ class L0Gates(Experiment):
                 )
 
     def run(self, ctx: Context) -> None:
-        from headsweep.workers.hard_concrete import HardConcrete
-        from headsweep.workers.l0_training import load_trial_state, rows_from_state
+        from headsweep.sweep.experiments.l0.hard_concrete import HardConcrete  # torch: when l0 runs
+        from headsweep.sweep.experiments.l0.training import load_trial_state, rows_from_state
 
         l0 = ctx.cfg.l0
         scope = prune_scope_name(l0.attention)
@@ -176,10 +186,8 @@ class L0Gates(Experiment):
         """Run (or restore and finish) the Tune experiment of this context; its results by lambda."""
         from ray import tune
 
-        from headsweep.sweep.cluster.ray_session import (
-            resolve_device,  # imports the config module, which imports the kinds
-        )
-        from headsweep.workers.l0_training import L0Job, L0Settings, l0_trainable
+        from headsweep.sweep.cluster.ray_session import resolve_device
+        from headsweep.sweep.experiments.l0.training import L0Job, l0_trainable
 
         cfg, l0, s = ctx.cfg, ctx.cfg.l0, ctx.cfg.sweep
         family = model_family(cfg.model.kind)
@@ -187,11 +195,7 @@ class L0Gates(Experiment):
             cfg.model, **{family.checkpoint_key: ctx.checkpoint})
         runtime = RuntimeOptions(device=resolve_device(cfg), threads=max(1, int(s.num_cpus_per_worker)),
                                  seed=cfg.seed, reuse=False, **s.batching())
-        settings = L0Settings(lam=0.0, steps=l0.steps, lr=l0.lr, model_lr=l0.model_lr, train=l0.train, beta=l0.beta,
-                              init_log_alpha=l0.init_log_alpha, seed=l0.seed, label_smoothing=l0.label_smoothing,
-                              closing=l0.closing, attention=l0.attention)
-        job = L0Job(cfg.model.kind, model_cfg, l0_data(cfg), runtime, settings, checkpoint_every=l0.checkpoint_every,
-                    report_every=max(1, l0.steps // 20))
+        job = L0Job(cfg.model.kind, model_cfg, l0_data(cfg), runtime, l0, report_every=max(1, l0.steps // 20))
         trainable = tune.with_resources(tune.with_parameters(l0_trainable, job=job),
                                         {"cpu": s.num_cpus_per_worker, "gpu": s.num_gpus_per_worker})
         storage_fs = None if _local_store(ctx) else ctx.store.fs

@@ -6,7 +6,7 @@ is the family's own training loss as gradient importance uses it (``EvalAdapter.
 cross-entropy for classifiers, teacher-forced label-smoothed cross-entropy for fairseq translation
 (epsilon ``label_smoothing``, default the family's 0.1, as ``headsweep.workers.families.fairseq_translation.train``
 trains), token negative log-likelihood for causal LMs. Each step takes the next batch of the training
-data (cyclically), samples one gate per head for the batch (Hard Concrete, ``headsweep.workers.hard_concrete``)
+data (cyclically), samples one gate per head for the batch (Hard Concrete, ``hard_concrete.py``)
 and minimises
 
     loss(batch) / n_examples(batch) + lambda * sum_h P(g_h > 0)
@@ -17,11 +17,14 @@ in eval mode (no dropout), so a run is a deterministic function of its settings:
 ``t`` comes from a generator seeded with ``(seed, t)``, which is also what makes a run resumed from a
 checkpoint (:meth:`L0Trainer.state_dict`) reach exactly the gates of an uninterrupted one.
 
-``l0_trainable`` is the Ray Tune function trainable: one trial per lambda.
+``l0_trainable`` is the Ray Tune function trainable: one trial per lambda. Worker-side code of the ``l0`` kind: it
+imports only ``headsweep.workers`` (and this folder's ``hard_concrete``), and trains with the ``l0`` config section
+(``settings.L0Section``) as the driver read it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from collections.abc import Sequence
@@ -31,45 +34,12 @@ from typing import Any
 import torch
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.experiments.l0.hard_concrete import HardConcrete
 from headsweep.workers.family import EvalAdapter, RuntimeOptions
-from headsweep.workers.hard_concrete import CLOSING_RULES, HardConcrete
 from headsweep.workers.heads import Head, SiteKey
 from headsweep.workers.registry import model_family
 
-TRAIN_MODES = ("gates", "all")
 STATE_FILE = "l0_state.pt"
-
-
-@dataclass
-class L0Settings:
-    """One trial's training: penalty weight ``lam`` and everything else of the ``l0`` section."""
-
-    lam: float
-    steps: int
-    lr: float = 0.05
-    train: str = "gates"
-    beta: float = 0.33
-    init_log_alpha: float = 3.0
-    seed: int = 0
-    label_smoothing: float | None = None
-    closing: str = "test_gate"
-    attention: list[str] | None = None  # attention types that get gates; None: every one
-    model_lr: float | None = None  # train: all, the model's weights (None: lr)
-
-    def check(self) -> None:
-        """Refuse settings that cannot train."""
-        if not self.lam >= 0:
-            raise HeadsweepError(f"l0 lambda must be >= 0, got {self.lam}")
-        if self.steps < 1:
-            raise HeadsweepError(f"l0.steps must be at least 1, got {self.steps}")
-        if not self.lr > 0:
-            raise HeadsweepError(f"l0.lr must be positive, got {self.lr}")
-        if self.train not in TRAIN_MODES:
-            raise HeadsweepError(f"l0.train must be one of {', '.join(TRAIN_MODES)}, got {self.train!r}")
-        if self.closing not in CLOSING_RULES:
-            raise HeadsweepError(f"l0.closing must be one of {', '.join(CLOSING_RULES)}, got {self.closing!r}")
-        if not self.beta > 0:
-            raise HeadsweepError(f"l0.beta must be positive, got {self.beta}")
 
 
 def _step_seed(seed: int, step: int) -> int:
@@ -91,12 +61,15 @@ class StepMetrics:
 class L0Trainer:
     """Hard Concrete gates on ``adapter``'s model, trained on ``adapter``'s data (its ``loss_batches``)."""
 
-    def __init__(self, adapter: EvalAdapter, settings: L0Settings):
+    def __init__(self, adapter: EvalAdapter, settings: Any, lam: float):
+        """``settings``: the ``l0`` config section (``L0Section``); ``lam``: this trial's penalty weight."""
+        if not lam >= 0:
+            raise HeadsweepError(f"l0 lambda must be >= 0, got {lam}")
         settings.check()
         if not hasattr(adapter, "loss_batches"):
             raise HeadsweepError(f"{type(adapter).__name__}: this model family declares no training loss "
                                  "(EvalAdapter.loss_batches), so L0 gates cannot be trained")
-        self.adapter, self.settings = adapter, settings
+        self.adapter, self.settings, self.lam = adapter, settings, float(lam)
         self.gates = adapter.gates
         self.model = adapter.model
         self.concrete = HardConcrete(beta=settings.beta)
@@ -141,10 +114,10 @@ class L0Trainer:
                 self.gates.set_values(values)
                 task = batch.loss() / batch.n_examples
                 penalty = self.expected_open()
-                total = task + self.settings.lam * penalty
+                total = task + self.lam * penalty
                 if not torch.isfinite(total):
                     # A NaN step would leave NaN gates that close nothing and read as a result.
-                    raise HeadsweepError(f"l0 lambda={self.settings.lam:g}: the loss is not finite at step "
+                    raise HeadsweepError(f"l0 lambda={self.lam:g}: the loss is not finite at step "
                                          f"{self.step + 1} (task loss {float(task):g}, expected open gates "
                                          f"{float(penalty):g}); lower lambda or l0.lr")
                 self.optimizer.zero_grad(set_to_none=True)
@@ -219,17 +192,15 @@ def l0_data_on_worker(worker: Any, data_cfg: Any) -> int:
 # -- Ray Tune ----------------------------------------------------------------------------------
 @dataclass
 class L0Job:
-    """What every trial of a run shares: the model, the training data, how it runs, the ``l0`` settings.
-
-    ``settings.lam`` is replaced by the trial's lambda. ``checkpoint_every`` 0: a checkpoint at the end only.
-    """
+    """What every trial of a run shares: the model, the training data, how it runs, the ``l0`` settings (the
+    config section; each trial trains with its own lambda, and checkpoints every ``settings.checkpoint_every``
+    steps, 0: at the end only)."""
 
     kind: str
     model_cfg: Any
     data_cfg: Any
     runtime: RuntimeOptions
-    settings: L0Settings
-    checkpoint_every: int = 0
+    settings: Any
     report_every: int = 1
     notes: list[str] = field(default_factory=list)
 
@@ -239,7 +210,7 @@ def l0_trainable(config: dict, job: L0Job) -> None:
 
     Reports ``loss``, ``task_loss``, ``expected_open``, ``closed``, ``step`` and ``pid`` (the trial's process)
     every ``job.report_every``
-    steps; a checkpoint (``l0_state.pt``) every ``job.checkpoint_every`` steps and at the end. A trial
+    steps; a checkpoint (``l0_state.pt``) every ``checkpoint_every`` steps of the settings and at the end. A trial
     restarted by Tune (``FailureConfig``) continues from its latest checkpoint. With ``train: all`` every
     checkpoint holds the model's state dict (``state["model"]``: its own parameters and buffers, no gates), so a
     restarted trial resumes the fine-tuned weights and the final checkpoint holds the model the run evaluates.
@@ -248,11 +219,11 @@ def l0_trainable(config: dict, job: L0Job) -> None:
 
     if job.runtime.threads:
         torch.set_num_threads(job.runtime.threads)
-    settings = L0Settings(**{**job.settings.__dict__, "lam": float(config["lam"])})
+    settings = job.settings
     if settings.label_smoothing is None:
-        settings.label_smoothing = checkpoint_label_smoothing(job.model_cfg)
+        settings = dataclasses.replace(settings, label_smoothing=checkpoint_label_smoothing(job.model_cfg))
     adapter = model_family(job.kind).load(job.model_cfg, job.data_cfg, job.runtime)
-    trainer = L0Trainer(adapter, settings)
+    trainer = L0Trainer(adapter, settings, float(config["lam"]))
     checkpoint = tune.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as folder:
@@ -263,7 +234,7 @@ def l0_trainable(config: dict, job: L0Job) -> None:
     while trainer.step < settings.steps:
         metrics = trainer.train_step()
         last = trainer.step == settings.steps
-        save = last or (job.checkpoint_every > 0 and trainer.step % job.checkpoint_every == 0)
+        save = last or (settings.checkpoint_every > 0 and trainer.step % settings.checkpoint_every == 0)
         if save or last or trainer.step % max(1, job.report_every) == 0:
             _report(tune, trainer, metrics, with_checkpoint=save)
 

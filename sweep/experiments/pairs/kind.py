@@ -7,8 +7,8 @@ evaluation (eval id ``pairs/<head>,<head>``, experiment ``pairs``, tested agains
 mask); the single-head evaluations the pairs need are planned too (``single_head/<head>``, the
 ``single_head`` kind's units) unless this run evaluates them already. Then every pair's interaction is
 tested with a paired bootstrap over the four evaluations resampled together
-(``headsweep.sweep.statistics.interactions``), adjusted over the pairs of one model with ``significance.correction``,
-and written to ``interactions``. The number of pairs is printed before the run; more than
+(``interactions.py``), adjusted over the pairs of one model with ``significance.correction``, and written to
+``interactions``. The number of pairs is printed before the run; more than
 ``pairs.max_pairs`` is refused before anything is written.
 """
 
@@ -24,16 +24,20 @@ import pyarrow.dataset as ds
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
+from headsweep.sweep.experiments.pairs.interactions import interaction_bootstrap
+from headsweep.sweep.experiments.pairs.settings import PairsSection
+from headsweep.sweep.experiments.pairs.tables import INTERACTIONS
+from headsweep.sweep.experiments.registry import experiments_of
 from headsweep.sweep.experiments.single_head import SINGLE_HEAD, single_head_unit
 from headsweep.sweep.run.dispatch import log
 from headsweep.sweep.run.plan import attention_types
-from headsweep.sweep.statistics.interactions import interaction_bootstrap
 from headsweep.sweep.statistics.significance import adjust_pvalues
 from headsweep.workers.heads import Head
 from headsweep.workers.metrics import metric_by_name
 from headsweep.workers.work import WorkUnit
 
 if TYPE_CHECKING:
+    from headsweep.sweep.reporting.page import ReportPart
     from headsweep.sweep.run.context import Context
 
 RANKED = ("importance", "single_head")
@@ -55,7 +59,12 @@ class Pairs(Experiment):
 
     name = "pairs"
     section = "pairs"
+    settings = PairsSection
     table = "interactions"
+    tables = (INTERACTIONS,)
+
+    def check_settings(self, cfg: Config) -> None:
+        """The ``pairs`` section is checked only for a run of pairs (``check_config``)."""
 
     def needs(self, cfg: Config) -> tuple[str, ...]:
         p = cfg.pairs
@@ -130,7 +139,7 @@ class Pairs(Experiment):
         # Single-head units another kind of this run plans are its own (they are stored by now);
         # planning them again would evaluate them twice.
         planned = set()
-        if any(k.name == SINGLE_HEAD.name for k in _kinds(ctx.cfg)):
+        if any(k.name == SINGLE_HEAD.name for k in experiments_of(ctx.cfg)):
             planned = {u.eval_id for u in SINGLE_HEAD.plan(ctx)}
         singles = [single_head_unit(h) for h in needed if single_head_unit(h).eval_id not in planned]
         units = singles + [WorkUnit(pair_id(i, j), self.name, (i, j)) for i, j in pairs]
@@ -170,11 +179,10 @@ class Pairs(Experiment):
             })
         return rows
 
+    def report(self, part: ReportPart) -> None:
+        from headsweep.sweep.experiments.pairs.report import interactions_part  # matplotlib: in the report only
 
-def _kinds(cfg: Config) -> list[Experiment]:
-    from headsweep.sweep.experiments import experiments_of  # the registry imports this module
-
-    return experiments_of(cfg)
+        interactions_part(part)
 
 
 def top_heads(scores: dict[Head, float], k: int) -> list[Head]:

@@ -1,8 +1,8 @@
 """``roles`` (Voita et al. 2019, secs. 4, 5.1, 5.2, 5.3): what each head attends to, written to ``head_roles``.
 
 A worker reads every head's attention maps of the unmasked model on the evaluation set (or on
-``roles.data``) and computes its confidence, entropy, offsets and rare-word share
-(``headsweep.workers.roles.roles_on_worker``; the definitions are in ``headsweep.workers.head_roles``).
+``roles.data``) and computes its confidence, entropy, offsets and rare-word share (the worker step,
+``worker.roles_on_worker``; the definitions are in ``headsweep.workers.head_roles``).
 One row per checkpoint and head; the ``roles`` view puts each row beside the head's single-head delta,
 test and importance. Where token frequencies come from is recorded in ``runs.facts["roles"]``, and with
 ``roles.parses`` (a CoNLL-U file) or ``roles.parser: spacy`` the parses' source, how many sentences aligned
@@ -16,38 +16,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.configuration.reader import from_dict
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
+from headsweep.sweep.experiments.data_sections import typed_data
+from headsweep.sweep.experiments.roles.settings import RolesSection
+from headsweep.sweep.experiments.roles.tables import HEAD_ROLES, ROLES_VIEW
 from headsweep.sweep.terminal.progress import step
-from headsweep.workers.registry import model_family
+from headsweep.workers.registry import syntax_families
 
 if TYPE_CHECKING:
+    from headsweep.sweep.reporting.page import ReportPart
     from headsweep.sweep.run.context import Context
 
 FACT = "roles"
 DICTIONARY = "dictionary"
 FAIRSEQ = "fairseq_translation"
-SYNTAX_FAMILIES = ("hf_classifier", FAIRSEQ)  # as headsweep.workers.roles.SYNTAX_ATTENTION (no torch import here)
 
 
 def roles_data(cfg: Config) -> Any:
     """``roles.data`` typed as the model family's data section (None: the evaluation set)."""
     if cfg.roles.data is None:
         return None
-    return from_dict(model_family(cfg.model.kind).data_config, cfg.roles.data, "roles.data")
-
-
-def role_settings(cfg: Config):
-    """The ``roles`` section as the workers take it."""
-    from headsweep.workers.head_roles import RoleSettings
-
-    r = cfg.roles
-    return RoleSettings(offsets=tuple(r.offsets), positional_threshold=r.positional_threshold, rare_top=r.rare_top,
-                        rare_threshold=r.rare_threshold, rare_min_sentences=r.rare_min_sentences,
-                        frequencies=r.frequencies, parses=r.parses, parser=r.parser, spacy_model=r.spacy_model,
-                        relations=tuple(r.relations), syntactic_margin=r.syntactic_margin,
-                        syntactic_min_instances=r.syntactic_min_instances)
+    return typed_data(cfg, cfg.roles.data, "roles.data")
 
 
 def settings_fact(cfg: Config) -> dict:
@@ -65,7 +55,10 @@ class Roles(Experiment):
 
     name = "roles"
     section = "roles"
+    settings = RolesSection
     table = "head_roles"
+    tables = (HEAD_ROLES,)
+    views = (ROLES_VIEW,)
 
     def check_config(self, cfg: Config) -> None:
         roles = cfg.roles
@@ -82,28 +75,29 @@ class Roles(Experiment):
         if roles.parses is not None and not Path(roles.parses).is_file():
             raise HeadsweepError(f"roles.parses: file not found: {roles.parses} (a CoNLL-U file, one parse per "
                                  "evaluation example)")
-        if (roles.parses or roles.parser) and kind not in SYNTAX_FAMILIES and ":" not in kind:
+        syntactic = syntax_families()
+        if (roles.parses or roles.parser) and kind not in syntactic and ":" not in kind:
             raise HeadsweepError(f"roles.parses / roles.parser: syntactic heads need sentences of a parsed text "
-                                 f"(model.kind {' or '.join(SYNTAX_FAMILIES)}), not model.kind {kind}")
+                                 f"(model.kind {' or '.join(syntactic)}), not model.kind {kind}")
 
     def validate(self, ctx: Context) -> None:
-        from headsweep.workers.roles import roles_problem_on_worker
+        from headsweep.sweep.experiments.roles.worker import roles_problem_on_worker  # torch: on the workers
 
         # Also reads the parses and checks them against the evaluation text: a mismatch stops the run here.
-        problem = ctx.pool.call(roles_problem_on_worker, roles_data(ctx.cfg), role_settings(ctx.cfg))
+        problem = ctx.pool.call(roles_problem_on_worker, roles_data(ctx.cfg), ctx.cfg.roles)
         if problem:
             raise HeadsweepError(problem)
         # Recorded with the run (runs.facts, written after validation); the worker's step adds what it counted.
         ctx.info.facts[FACT] = settings_fact(ctx.cfg)
 
     def run(self, ctx: Context) -> None:
-        from headsweep.workers.roles import roles_on_worker
+        from headsweep.sweep.experiments.roles.worker import roles_on_worker  # torch: on the workers
 
         if ctx.done and any(r["checkpoint"] == ctx.checkpoint for r in ctx.store.read("head_roles", ctx.run_id,
                                                                                        ).to_pylist()):
             return  # a resumed run keeps the rows it stored for this model
         with step("head roles", enabled=ctx.show_progress, detail=ctx.pool.status_line):
-            result = ctx.pool.call(roles_on_worker, roles_data(ctx.cfg), role_settings(ctx.cfg))
+            result = ctx.pool.call(roles_on_worker, roles_data(ctx.cfg), ctx.cfg.roles)
         ctx.info.facts[FACT] = {**settings_fact(ctx.cfg), "frequency_source": result.frequencies,
                                 "sentences": result.n_sentences}
         if result.syntax is not None:
@@ -114,6 +108,11 @@ class Roles(Experiment):
                  "rare_sentences": h.rare_sentences, "rare_chance": h.rare_chance, "roles": h.roles, **h.syntax}
                 for h in result.heads]
         ctx.write("head_roles", rows, name="roles")
+
+    def report(self, part: ReportPart) -> None:
+        from headsweep.sweep.experiments.roles.report import roles_part  # matplotlib and scipy: in the report only
+
+        roles_part(part)
 
 
 ROLES = Roles()

@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 from scipy.stats import spearmanr
 
 from headsweep.sweep.reporting import figures
+from headsweep.sweep.reporting.page import ReportPart
 
 # Short cell labels: positional heads by offset, rare-word heads, syntactic heads by relation.
 ROLE_CODES = {"rare_words": "R"}
@@ -124,3 +125,24 @@ def pruned_first(levels: Sequence[dict]) -> set[tuple[str, int, int]]:
             return out
     return set()
 
+
+def roles_part(part: ReportPart) -> None:
+    """What the heads do (the ``roles`` kind): confidence and role map, scatters, the share of heads with a role."""
+    rows = part.of_model("roles", "attention, layer, head")
+    if not rows:
+        return
+    page = part.page
+    page.add("<h4>What the heads do (Voita et al. 2019)</h4>")
+    page.figure(confidence_role_map(rows, part.order), f"{part.prefix}-roles.png", "confidence and role map")
+    fig, correlations = scatter_panels(rows, part.metric)
+    if fig is not None:
+        page.figure(fig, f"{part.prefix}-roles-scatter.png", "confidence and importance against ablation harm")
+        part.table(correlations, [("x", "x"), ("y", "y"), ("rho", "Spearman rho"), ("p_value", "p"), ("n", "heads")])
+    levels = part.of_model("pruning")
+    scopes = sorted({r["scope"] for r in levels}, key=lambda x: (x != "all", x))
+    first = pruned_first([r for r in levels if scopes and r["scope"] == scopes[0]])
+    page.add('<p class="note">Of the heads whose single-head removal is significant, and of those the first '
+             "pruning level removes, how many play a role; the first row is the base rate.</p>")
+    part.table(role_shares(rows, first),
+               [("group", "heads"), ("heads", "n"), ("with_role", "with a role"), ("share", "share"),
+                ("positional", "positional"), ("rare_words", "rare words"), ("syntactic", "syntactic")])

@@ -1,5 +1,8 @@
 """The ``roles`` worker step: every head's statistics and roles from its attention maps on the evaluation data.
 
+Worker-side code of the ``roles`` kind (run in an ``EvalWorker`` through ``ctx.pool.call``): it imports only
+``headsweep.workers``, and takes the ``roles`` config section (``settings.RolesSection``) as the driver read it.
+
 The statistics are family-independent (:mod:`headsweep.workers.head_roles`, :mod:`headsweep.workers.syntax`);
 what is per family comes from the family (``ModelFamily.attention_reader``: an
 :class:`~headsweep.workers.attention.AttentionReader` that runs the adapter's evaluation batches through the
@@ -16,7 +19,7 @@ from typing import Any
 from headsweep.errors import HeadsweepError
 from headsweep.workers.attention import Sink
 from headsweep.workers.family import ModelFamily
-from headsweep.workers.head_roles import HeadRole, RoleSettings, RoleTotals, SiteAttention, sentence_statistics
+from headsweep.workers.head_roles import HeadRole, RoleTotals, SiteAttention, sentence_statistics
 from headsweep.workers.heads import SiteKey
 from headsweep.workers.registry import model_family
 from headsweep.workers.role_inputs import add_syntax, frequency_tables, syntax_inputs
@@ -53,8 +56,9 @@ class RolesResult:
     syntax: dict | None = None  # what runs.facts records of the parses (None: no syntax asked for)
 
 
-def head_roles(adapter: Any, family: str | ModelFamily, settings: RoleSettings) -> RolesResult:
-    """Statistics and roles of every head of ``adapter``'s unmasked model on its evaluation data."""
+def head_roles(adapter: Any, family: str | ModelFamily, settings: Any) -> RolesResult:
+    """Statistics and roles of every head of ``adapter``'s unmasked model on its evaluation data; ``settings`` is
+    the ``roles`` section (``RolesSection``)."""
     family = _family(family)
     reader = family.attention_reader(adapter)
     tables, described = frequency_tables(reader, settings.frequencies, settings.rare_top)
@@ -86,12 +90,12 @@ def head_roles(adapter: Any, family: str | ModelFamily, settings: RoleSettings) 
     return RolesResult(heads, described, n_sentences, None if syntax is None else syntax.facts)
 
 
-def roles_on_worker(worker: Any, data_cfg: Any, settings: RoleSettings) -> RolesResult:
+def roles_on_worker(worker: Any, data_cfg: Any, settings: Any) -> RolesResult:
     """Worker-side step of the ``roles`` experiment (``EvalWorker.run``) on ``data_cfg`` (None: the evaluation set)."""
     return head_roles(worker.adapter(data_cfg), worker.kind, settings)
 
 
-def roles_problem_on_worker(worker: Any, data_cfg: Any, settings: RoleSettings | None = None) -> str | None:
+def roles_problem_on_worker(worker: Any, data_cfg: Any, settings: Any = None) -> str | None:
     """Why roles cannot read this worker's model or align its parses (None when it can), asked before anything
     is written."""
     adapter = worker.adapter(data_cfg)

@@ -1,0 +1,6 @@
+"""The ``importance`` kind (Michel et al. sec. 4.1): the kind (``kind.py``), its settings, its table, its
+worker-side code; the estimates are ``headsweep.workers.importance`` and ``headsweep.workers.lrp``."""
+
+from headsweep.sweep.experiments.importance.kind import IMPORTANCE, SHARED_KEY, importance_data
+
+__all__ = ["IMPORTANCE", "SHARED_KEY", "importance_data"]

@@ -1,0 +1,220 @@
+"""The registry of experiment kinds: registering a kind adds its parts; the order a run runs its kinds in.
+
+``register(kind)`` checks the kind against the contract (``headsweep.sweep.experiments.base``) and adds what it
+declares: its config section (``settings``: a field of the config, see ``configuration.sections.config_class``),
+its results tables, views and pruning curve (``headsweep.results``' registries), and its report part (the report
+asks every registered kind). ``sweep.experiments`` may also name a kind defined outside headsweep as
+``package.module:ATTRIBUTE`` (an ``Experiment`` instance, importable on the driver; on the workers too when its
+worker-side functions live there): it is imported and registered on first use.
+
+A run's kinds are those ``sweep.experiments`` lists, those other keys imply, the kinds they need
+(transitively) and ``baseline``, always first. They run in phases (:func:`schedule`): every kind
+that plans mask evaluations and whose needs are done is streamed through the workers in one pass;
+a kind with a ``run`` step runs alone, in dependency order (ties in registration order).
+
+This module imports no kind: the built-in ones are registered by ``headsweep.sweep.experiments``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from headsweep.errors import HeadsweepError
+from headsweep.plugins import load_plugin
+from headsweep.results.schema import RENAMED, TABLES, register_table
+from headsweep.results.store import ResultStore
+from headsweep.results.views import PRUNING_CURVES, VIEWS, register_pruning_curve, register_view
+from headsweep.sweep.configuration.sections import SECTIONS, Config, add_section, config_class
+from headsweep.sweep.experiments.base import Experiment
+from headsweep.sweep.run.plan import attention_types
+
+if TYPE_CHECKING:  # the context brings Ray and the worker pool; reading a config needs neither
+    from headsweep.sweep.run.context import Context
+
+# Every registered kind by name, in registration order (which breaks ties in the run order).
+KINDS: dict[str, Experiment] = {}
+# The kind every run evaluates first: the reference of every delta and significance test.
+REFERENCE = "baseline"
+# The kind ``sweep.order: importance`` runs before every grid (its scores order the masks).
+ORDERING = "importance"
+
+
+def register(kind: Experiment, replace: bool = False) -> Experiment:
+    """Add ``kind`` and its parts under ``kind.name`` (refused if the name is taken, unless ``replace``).
+
+    Everything is checked before anything is added, so a refused kind leaves the registries as they were.
+    """
+    if not isinstance(kind, Experiment) or not kind.name:
+        raise HeadsweepError(f"{kind!r} is not a named headsweep.sweep.experiments.Experiment")
+    if kind.name in KINDS and KINDS[kind.name] is not kind and not replace:
+        raise HeadsweepError(f"experiment kind {kind.name!r} is registered already")
+    overrides = (type(kind).plan is not Experiment.plan, type(kind).run is not Experiment.run)
+    if sum(overrides) != 1:
+        raise HeadsweepError(f"experiment kind {kind.name!r} must implement exactly one of plan() and run()")
+    if kind.settings is not None and kind.section is None:
+        raise HeadsweepError(f"experiment kind {kind.name!r} declares settings but no config section to read them")
+    known_sections = {*config_class().__dataclass_fields__, *([kind.section] if kind.settings else [])}
+    if kind.section is not None and kind.section not in known_sections:
+        raise HeadsweepError(f"experiment kind {kind.name!r} reads config section {kind.section!r}, which is not one "
+                             "(a kind that declares a section names its dataclass as settings)")
+    declared = {t.name for t in kind.tables}
+    if kind.table not in TABLES and kind.table not in declared:
+        raise HeadsweepError(f"experiment kind {kind.name!r} writes table {kind.table!r}, which is not a results table "
+                             "(a kind that writes a table of its own declares it in tables)")
+    _check_parts(kind)
+    if kind.settings is not None:
+        add_section(kind.section, kind.settings)
+    for table in kind.tables:
+        register_table(table)
+    for view in kind.views:
+        register_view(view)
+    if kind.pruning_curve is not None:
+        register_pruning_curve(kind.pruning_curve)
+    KINDS[kind.name] = kind
+    return kind
+
+
+def _check_parts(kind: Experiment) -> None:
+    """Refuse parts that clash with those registered: a section, table, view or pruning curve another part of
+    headsweep declares otherwise."""
+    if kind.settings is not None and kind.section in SECTIONS and SECTIONS[kind.section] is not kind.settings:
+        raise HeadsweepError(f"experiment kind {kind.name!r} declares config section {kind.section!r}, which another "
+                             "kind declares already")
+    for table in kind.tables:
+        known = TABLES.get(table.name)
+        if known is not None and (not known.equals(table.schema) or RENAMED.get(table.name, {}) != dict(table.renamed)):
+            raise HeadsweepError(f"experiment kind {kind.name!r} declares results table {table.name!r}, which is "
+                                 "another table already")
+    for view in kind.views:
+        if VIEWS.get(view.name, view.sql) != view.sql:
+            raise HeadsweepError(f"experiment kind {kind.name!r} declares view {view.name!r}, which is another view "
+                                 "already")
+    curve = kind.pruning_curve
+    if curve is not None and PRUNING_CURVES.get(curve.experiment, curve) != curve:
+        raise HeadsweepError(f"experiment kind {kind.name!r} declares the pruning curve of {curve.experiment!r}, "
+                             "which is declared already")
+
+
+def experiment_kind(name: str) -> Experiment:
+    """The kind called ``name`` (``package.module:ATTRIBUTE`` imports and registers one), or a clear error."""
+    if ":" in name:
+        return register(load_plugin(name, Experiment, "experiment kind"))
+    if name not in KINDS:
+        raise HeadsweepError(
+            f"unknown experiment kind {name!r} in sweep.experiments (known: {', '.join(KINDS)}, "
+            "or module:ATTRIBUTE of an Experiment)"
+        )
+    return KINDS[name]
+
+
+def plugin_kinds(names: Iterable[str]) -> list[str]:
+    """Import and register the kinds among ``names`` defined outside headsweep (``module:ATTRIBUTE``, as a stored
+    run's ``sweep.experiments`` names them); returns a line for each that cannot be, saying why."""
+    problems = []
+    for name in dict.fromkeys(n for n in names if isinstance(n, str) and ":" in n):
+        try:
+            experiment_kind(name)
+        except HeadsweepError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def register_stored_kinds(store: ResultStore) -> None:
+    """Register the kinds defined outside headsweep that the store's runs ran (their ``sweep.experiments``), so
+    that their tables and views are queried and their report parts drawn; one that cannot be imported here (not
+    on this ``PYTHONPATH``) is left out with a ``headsweep: warning:`` line."""
+    try:
+        runs = store.read("runs", columns=["config"]).to_pylist()
+    except HeadsweepError:
+        return  # an unreadable store: the reader that follows says why
+    names = []
+    for row in runs:
+        try:
+            names += json.loads(row["config"] or "{}").get("sweep", {}).get("experiments") or []
+        except (ValueError, AttributeError):
+            continue
+    for problem in plugin_kinds(names):
+        logging.getLogger("headsweep").warning("%s; its tables and report part are left out", problem)
+
+
+def _dependencies(kind: Experiment, cfg: Config) -> list[Experiment]:
+    needed = [experiment_kind(n) for n in kind.needs(cfg)]
+    if cfg.sweep.order == "importance" and kind.plans_masks and kind.name not in (REFERENCE, ORDERING):
+        # Masks go out most important heads first, so the scores come before every grid.
+        needed.append(KINDS[ORDERING])
+    return needed if kind.name == REFERENCE else [KINDS[REFERENCE], *needed]
+
+
+def experiments_of(cfg: Config) -> list[Experiment]:
+    """The kinds a run of ``cfg`` runs, in the order they run; checks the names of ``sweep.experiments``.
+
+    A kind implied by other keys (``custom`` by ``sweep.masks``) is appended to ``sweep.experiments``.
+    """
+    listed = [experiment_kind(name) for name in cfg.sweep.experiments]
+    for kind in list(KINDS.values()):
+        if kind not in listed and kind.implied(cfg):
+            cfg.sweep.experiments.append(kind.name)
+            listed.append(kind)
+    members: dict[str, Experiment] = {}
+    todo = [KINDS[REFERENCE], *listed]
+    while todo:
+        kind = todo.pop()
+        if kind.name not in members:
+            members[kind.name] = kind
+            todo += _dependencies(kind, cfg)
+    order: list[Experiment] = []
+    pending = [k for k in KINDS.values() if k.name in members]
+    while pending:
+        ready = next((k for k in pending if all(d in order for d in _dependencies(k, cfg))), None)
+        if ready is None:
+            raise HeadsweepError(f"experiment kinds need each other in a circle: {', '.join(k.name for k in pending)}")
+        order.append(ready)
+        pending.remove(ready)
+    return order
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Kinds that run together: mask-planning kinds streamed in one pass, or one kind's ``run`` step."""
+
+    kinds: tuple[Experiment, ...]
+
+    @property
+    def streams(self) -> bool:
+        return self.kinds[0].plans_masks
+
+
+def schedule(cfg: Config) -> list[Phase]:
+    """The phases of a run of ``cfg``: each kind after the kinds it needs, planning kinds grouped.
+
+    A phase of planning kinds holds every one whose needs are done by then, in the order
+    ``sweep.experiments`` lists them (their units stream in that order).
+    """
+    pending = experiments_of(cfg)
+    position: dict[str, int] = {}
+    for i, name in enumerate(cfg.sweep.experiments):
+        position.setdefault(experiment_kind(name).name, i)
+    phases: list[Phase] = []
+    finished: list[Experiment] = []
+    while pending:
+        head = pending[0]
+        group = [head]
+        if head.plans_masks:
+            group = [k for k in pending if k.plans_masks and all(d in finished for d in _dependencies(k, cfg))]
+            group.sort(key=lambda k: position.get(k.name, len(position)))
+        phases.append(Phase(tuple(group)))
+        finished += group
+        pending = [k for k in pending if k not in group]
+    return phases
+
+
+def validate(ctx: Context) -> None:
+    """Checks against the loaded model that must fail before anything is written: ``sweep.attention``
+    (whichever kinds read it), then each kind's own."""
+    attention_types(ctx.cfg, ctx.inventory)
+    for kind in experiments_of(ctx.cfg):
+        kind.validate(ctx)

@@ -1,0 +1,75 @@
+"""The ``roles`` config section (Voita et al. 2019): what each head attends to, and which role thresholds apply.
+
+One definition: the config reader builds it, and the workers take it as it is (``worker.py``,
+``headsweep.workers.head_roles``, ``headsweep.workers.role_inputs``). Imports only ``headsweep.workers.syntax``
+(no torch), so the driver reads a config without loading a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from headsweep.errors import HeadsweepError
+from headsweep.sweep.experiments.data_sections import DATA, FILE
+from headsweep.workers.syntax import ALIASES, RELATIONS
+
+
+@dataclass
+class RolesSection:
+    """The ``roles`` experiment (Voita et al. 2019): what each head attends to (``headsweep.workers.head_roles``).
+
+    ``data`` has the keys of the model kind's ``data`` section (default: the evaluation set).
+    ``frequencies``: ``dictionary`` (a fairseq model's dictionary counts, the default for fairseq), a
+    corpus file (one sentence a line), or null (other families: no rare-word statistics).
+    ``parses``: a CoNLL-U file, one parse per evaluation example (syntactic heads); else ``parser: spacy``
+    parses with the installed pipeline ``spacy_model``. ``relations`` give ``syntactic:<relation>`` roles when
+    a head's accuracy beats the most-frequent-offset baseline by ``syntactic_margin`` over at least
+    ``syntactic_min_instances`` instances.
+    """
+
+    data: dict | None = field(default=None, metadata={DATA: True})
+    frequencies: str | None = field(default=None, metadata={FILE: True})
+    offsets: list[int] = field(default_factory=lambda: [-1, 1])
+    positional_threshold: float = 0.9
+    rare_top: int = 500
+    rare_threshold: float = 0.5
+    rare_min_sentences: int = 10
+    # Syntactic heads (headsweep.workers.syntax): a CoNLL-U file aligned with the evaluation text, or parser: spacy.
+    parses: str | None = field(default=None, metadata={FILE: True})
+    parser: str | None = None
+    spacy_model: str = "en_core_web_sm"
+    relations: list[str] = field(default_factory=lambda: list(RELATIONS))
+    syntactic_margin: float = 0.1
+    syntactic_min_instances: int = 10
+
+    @property
+    def syntax(self) -> bool:
+        """Whether syntactic statistics are asked for."""
+        return bool(self.parses) or self.parser == "spacy"
+
+    def check(self) -> None:
+        if self.parser not in (None, "spacy"):
+            raise HeadsweepError(f"roles.parser must be spacy (or unset), got {self.parser!r}")
+        unknown = [r for r in self.relations if ALIASES.get(r, r) not in RELATIONS]
+        if unknown or not self.relations:
+            raise HeadsweepError(f"roles.relations: unknown relation {unknown[0] if unknown else '(none given)'!r}"
+                                 f" (known: {', '.join(RELATIONS)}; dobj counts as obj)")
+        self.relations = list(dict.fromkeys(ALIASES.get(r, r) for r in self.relations))
+        if not 0 < self.syntactic_margin <= 1:
+            raise HeadsweepError(f"roles.syntactic_margin must be a share in (0, 1], got {self.syntactic_margin}")
+        if self.syntactic_min_instances < 1:
+            raise HeadsweepError(f"roles.syntactic_min_instances must be at least 1, got "
+                                 f"{self.syntactic_min_instances}")
+        if not self.offsets:
+            raise HeadsweepError("roles.offsets must name at least one relative offset (e.g. [-1, 1])")
+        if 0 in self.offsets or len(set(self.offsets)) != len(self.offsets):
+            raise HeadsweepError(f"roles.offsets must be distinct non-zero relative offsets (e.g. [-1, 1]: the "
+                                 f"previous and the next token), got {self.offsets}")
+        for key in ("positional_threshold", "rare_threshold"):
+            value = getattr(self, key)
+            if not 0 < value <= 1:
+                raise HeadsweepError(f"roles.{key} must be a share in (0, 1], got {value}")
+        if self.rare_top < 1:
+            raise HeadsweepError(f"roles.rare_top must be at least 1, got {self.rare_top}")
+        if self.rare_min_sentences < 1:
+            raise HeadsweepError(f"roles.rare_min_sentences must be at least 1, got {self.rare_min_sentences}")
