@@ -20,7 +20,7 @@ import yaml
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.reader import coerce, from_dict
 from headsweep.sweep.configuration.sections import SECTIONS, Config, SignificanceSection, SweepSection, config_class
-from headsweep.sweep.experiments import KINDS, experiments_of
+from headsweep.sweep.experiments import BUILTIN_KINDS, KINDS, Experiment, experiment_kind, experiments_of
 from headsweep.sweep.experiments.data_sections import DATA, FILE, marked_fields
 from headsweep.sweep.run.screening import Screening
 from headsweep.workers.registry import builtin_families, model_family
@@ -147,7 +147,8 @@ def build_config(data: dict) -> Config:
     if "kind" not in model:
         raise HeadsweepError(f"config key 'model.kind' is required ({kinds})")
     family = model_family(model["kind"])
-    config = config_class()
+    named = [KINDS[name] for name in BUILTIN_KINDS] + _named_kinds(data.get("sweep"))
+    config = config_class([k.section for k in named if k.settings is not None and k.section is not None])
     known = {f.name for f in dataclasses.fields(config)}
     unknown = sorted(set(data) - known)
     if unknown:
@@ -159,11 +160,23 @@ def build_config(data: dict) -> Config:
         seed=coerce(data.get("seed", 0), int, "seed"),
         sweep=from_dict(SweepSection, data.get("sweep"), "sweep"),
         significance=from_dict(SignificanceSection, data.get("significance"), "significance"),
-        **{key: from_dict(settings, data.get(key), key) for key, settings in SECTIONS.items()},
+        **{key: from_dict(settings, data.get(key), key) for key, settings in SECTIONS.items() if key in known},
         checkpoints=coerce(data.get("checkpoints"), list[str] | None, "checkpoints"),
     )
     validate(cfg)
     return cfg
+
+
+def _named_kinds(sweep: Any) -> list[Experiment]:
+    """The registered kinds the raw ``sweep`` section names in ``experiments``, a ``package.module:ATTRIBUTE`` one
+    imported and registered now: their config sections are part of this config. Other names are checked later."""
+    names = sweep.get("experiments") if isinstance(sweep, dict) else None
+    if isinstance(names, str):
+        names = names.replace(",", " ").split()
+    if not isinstance(names, list):
+        return []
+    named = [n for n in names if isinstance(n, str) and (":" in n or n in KINDS)]
+    return [experiment_kind(n) if ":" in n else KINDS[n] for n in named]
 
 
 def validate(cfg: Config) -> None:
@@ -214,8 +227,9 @@ def _check_sections(cfg: Config) -> None:
             f"not {cfg.model.kind}: use sweep.batch_size"
         )
     cfg.significance.check()
-    for kind in KINDS.values():  # each kind's settings, whether or not the run has the kind
-        kind.check_settings(cfg)
+    for kind in KINDS.values():  # each kind's settings this config has, whether or not the run has the kind
+        if kind.section is None or hasattr(cfg, kind.section):
+            kind.check_settings(cfg)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:

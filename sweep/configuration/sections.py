@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,15 +190,16 @@ def add_section(key: str, settings: type) -> None:
     SECTIONS[key] = settings
 
 
-def config_class() -> type[Config]:
-    """:class:`Config` with a field per registered section (each defaulting to its dataclass's defaults)."""
-    key = tuple(SECTIONS.items())
-    if key not in _classes:
-        fields = [(name, settings, field(default_factory=settings)) for name, settings in key]
+def config_class(keys: Sequence[str] | None = None) -> type[Config]:
+    """:class:`Config` with a field per registered section named in ``keys`` (all registered sections when None),
+    in registration order, each defaulting to its dataclass's defaults."""
+    wanted = tuple((key, settings) for key, settings in SECTIONS.items() if keys is None or key in keys)
+    if wanted not in _classes:
+        fields = [(name, settings, field(default_factory=settings)) for name, settings in wanted]
         cls = dataclasses.make_dataclass("Config", fields, bases=(Config,))
         cls.__module__, cls.__doc__ = __name__, Config.__doc__
-        _classes[key] = cls
-    return _classes[key]
+        _classes[wanted] = cls
+    return _classes[wanted]
 
 
 CORE_KEYS = tuple(f.name for f in dataclasses.fields(Config))

@@ -1,0 +1,166 @@
+"""A kind declares its parts: a kind defined here, with a setting, a table, a view and a report part, added by one
+module and no edit of headsweep, runs through the real CLI; its rows read back from Parquet, its view through
+``headsweep query``, its part appears in ``headsweep report``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pyarrow.dataset as ds
+import pytest
+import yaml
+from conftest import run_cli
+
+from headsweep.errors import HeadsweepError
+from headsweep.results.schema import TABLES
+from headsweep.results.store import ResultStore
+from headsweep.results.views import VIEWS
+from headsweep.sweep.configuration.config import build_config
+from headsweep.sweep.experiments import KINDS, register
+
+# The whole kind: the module a user writes, and the one name its config lists (``probe_kind:PROBE``).
+PROBE_MODULE = textwrap.dedent('''
+    """A kind outside headsweep: one row per repeat with the setting's label, a view, a report part."""
+
+    from dataclasses import dataclass
+
+    import pyarrow as pa
+
+    from headsweep.errors import HeadsweepError
+    from headsweep.results.schema import Table
+    from headsweep.results.views import View
+    from headsweep.sweep.experiments.base import Experiment
+
+
+    @dataclass
+    class ProbeSection:
+        """The ``probe`` config section."""
+
+        label: str = "probe"
+        repeats: int = 1
+
+        def check(self) -> None:
+            if self.repeats < 1:
+                raise HeadsweepError(f"probe.repeats must be at least 1, got {self.repeats}")
+
+
+    class Probe(Experiment):
+        name = "probe"
+        section = "probe"
+        settings = ProbeSection
+        table = "probe_rows"
+        tables = (Table("probe_rows", pa.schema([("checkpoint", pa.string()), ("label", pa.string()),
+                                                 ("n_heads", pa.int32()), ("repeat", pa.int32())])),)
+        views = (View("probe_summary", "CREATE VIEW probe_summary AS SELECT run_id, any_value(label) AS label, "
+                                       "count(*) AS n FROM probe_rows GROUP BY run_id"),)
+
+        def run(self, ctx):
+            p = ctx.cfg.probe
+            rows = [{"checkpoint": ctx.checkpoint, "label": p.label, "n_heads": len(ctx.inventory.heads),
+                     "repeat": i} for i in range(p.repeats)]
+            ctx.write("probe_rows", rows, name="probe")
+
+        def report(self, part):
+            rows = part.of_model("probe_rows", "repeat")
+            if rows:
+                part.page.add("<h4>Probe part</h4>")
+                part.table(rows, [("label", "label"), ("n_heads", "heads"), ("repeat", "repeat")])
+
+
+    PROBE = Probe()
+''')
+
+
+@pytest.fixture
+def probe_module(tmp_path):
+    """The kind's module on a folder of its own (a ``PYTHONPATH`` entry), imported here too."""
+    folder = tmp_path / "kinds"
+    folder.mkdir()
+    (folder / "probe_kind.py").write_text(PROBE_MODULE)
+    sys.path.insert(0, str(folder))
+    yield folder
+    sys.path.remove(str(folder))
+    sys.modules.pop("probe_kind", None)
+
+
+@pytest.fixture
+def registries():
+    """The registries as they were before the test (a kind registered here leaves no table or view behind)."""
+    from headsweep.results.schema import RENAMED
+    from headsweep.results.views import PRUNING_CURVES
+    from headsweep.sweep.configuration.sections import SECTIONS
+
+    saved = [(r, dict(r)) for r in (KINDS, TABLES, RENAMED, VIEWS, PRUNING_CURVES, SECTIONS)]
+    yield
+    for registry, contents in saved:
+        registry.clear()
+        registry.update(contents)
+
+
+def config(tiny_bert_dir, tiny_dev_tsv, experiments: list[str], **extra) -> dict:
+    return {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "data": {"path": str(tiny_dev_tsv)},
+            "sweep": {"experiments": experiments, "batch_size": 16}, **extra}
+
+
+def test_a_kind_with_a_setting_a_table_and_a_report_part_runs_through_the_cli(tmp_path, probe_module, ray_address,
+                                                                                tiny_bert_dir, tiny_dev_tsv):
+    env = {"PYTHONPATH": str(probe_module)}
+    probe = {"label": "from the config", "repeats": 3}
+    kinds = ["baseline", "probe_kind:PROBE"]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config(tiny_bert_dir, tiny_dev_tsv, kinds, probe=probe)))
+    store = tmp_path / "store"
+    proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet",
+                   env=env)
+    assert proc.returncode == 0, proc.stderr
+    run_id = proc.stdout.strip()
+
+    # The table, straight from its Parquet files: one row per repeat, with the config's setting.
+    rows = ds.dataset(store / "probe_rows", format="parquet", partitioning="hive").to_table().to_pylist()
+    assert sorted((r["run_id"], r["label"], r["n_heads"], r["repeat"]) for r in rows) == [
+        (run_id, "from the config", 8, i) for i in range(3)]
+    # The setting is part of the run's config and its identity.
+    [run] = ResultStore(str(store)).read("runs", run_id).to_pylist()
+    assert json.loads(run["config"])["probe"] == {"label": "from the config", "repeats": 3}
+    assert run["status"] == "complete"
+
+    # Its view, through the CLI (the store's runs name the kind: the reader registers it).
+    query = run_cli("query", "SELECT label, n FROM probe_summary", "--store", str(store), "--format", "json", env=env)
+    assert query.returncode == 0, query.stderr
+    assert [json.loads(line) for line in query.stdout.splitlines()] == [{"label": "from the config", "n": 3}]
+
+    # Its report part, in the run's section of the HTML report.
+    out = tmp_path / "report"
+    report = run_cli("report", run_id, "--store", str(store), "--out", str(out), env=env)
+    assert report.returncode == 0, report.stderr
+    page = (out / "index.html").read_text()
+    assert "<h4>Probe part</h4>" in page and page.count('<td class="text">from the config</td>') == 3
+    # Where the kind cannot be imported, the report says so in one line and leaves its part out.
+    bare = run_cli("report", run_id, "--store", str(store), "--out", str(tmp_path / "bare"))
+    assert bare.returncode == 0, bare.stderr
+    assert "headsweep: warning: experiment kind 'probe_kind:PROBE': cannot import it" in bare.stderr
+    assert "Probe part" not in (tmp_path / "bare" / "index.html").read_text()
+
+
+def test_registering_the_kind_adds_its_section_table_and_view(probe_module, registries, tiny_bert_dir,
+                                                               tiny_dev_tsv):
+    from probe_kind import PROBE
+
+    assert "probe_rows" not in TABLES and "probe_summary" not in VIEWS
+    assert register(PROBE) is PROBE
+    assert "probe_rows" in TABLES and "probe_summary" in VIEWS
+    cfg = build_config(config(tiny_bert_dir, tiny_dev_tsv, ["baseline", "probe"], probe={"repeats": 2}))
+    assert (cfg.probe.label, cfg.probe.repeats) == ("probe", 2)
+    # The section is checked like a built-in one, and belongs to the configs that name the kind.
+    with pytest.raises(HeadsweepError, match="probe.repeats must be at least 1, got 0"):
+        build_config(config(tiny_bert_dir, tiny_dev_tsv, ["baseline", "probe"], probe={"repeats": 0}))
+    with pytest.raises(HeadsweepError, match="unknown config key 'probe'"):
+        build_config(config(tiny_bert_dir, tiny_dev_tsv, ["baseline"], probe={"repeats": 2}))
+    assert not hasattr(build_config(config(tiny_bert_dir, tiny_dev_tsv, ["baseline"])), "probe")
+    # Another kind may not take its table under another schema, nor its section.
+    clash = type(PROBE)()
+    clash.name, clash.tables = "probe_clash", (type(PROBE.tables[0])("probe_rows", TABLES["runs"]),)
+    with pytest.raises(HeadsweepError, match="declares results table 'probe_rows', which is another table already"):
+        register(clash)
+    assert "probe_clash" not in KINDS
