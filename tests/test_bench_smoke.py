@@ -38,6 +38,7 @@ SMOKE = {
     "multi30k_roles": ["roles"],
     "multi30k_translation": ["multi30k_grid"],
     "prune_speed": ["prune_speed", "prune_speed"],  # batch sizes 1 and 64
+    "real_size": ["real_size"] * 4,  # bert-base, gpt2, qwen2.5-0.5b, llama-3.2-1b
     "screening": ["screening_classifier", "screening_rates_classifier", "screening"],
     "significance": ["significance"],
     "translation_vs_fairseq": ["translation_vs_fairseq"],
