@@ -199,7 +199,9 @@ class ModelFamily:
     run over training checkpoints replaces. ``batches_by_tokens``: its adapter reads
     ``RuntimeOptions.max_tokens`` (``sweep.max_tokens`` is refused for the others).
     ``syntax_attention``: the attention type whose heads roles scores against parses of the
-    evaluation text (None: the family has no parsed text). The methods past ``load`` refuse with a
+    evaluation text (None: the family has no parsed text). ``hub_ids``: ``model.path`` (and
+    ``model.tokenizer``, ``checkpoints``) may name a Hugging Face Hub model in the local cache,
+    which a run pins to its commit. The methods past ``load`` refuse with a
     clear error (or answer "no") unless a subclass implements them.
     """
 
@@ -210,6 +212,7 @@ class ModelFamily:
     checkpoint_key: str = "path"
     batches_by_tokens: bool = False
     syntax_attention: str | None = None
+    hub_ids: bool = False
 
     def load(self, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions) -> EvalAdapter:
         """The evaluation adapter: the gated model on the evaluation data."""

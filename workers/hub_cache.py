@@ -11,14 +11,13 @@ The revision is a branch or tag name with a file under ``refs/``, or a commit (i
 prefix of at least ``MIN_PREFIX`` that only one cached commit starts with); none given means ``main``.
 Resolving reads only the file system. :func:`fetch` (``headsweep fetch``) is the only code that downloads.
 
-A run pins what it resolved (:func:`pin_hub_models`): the config's id becomes ``id@<commit>``, so the
-config hash (the run's identity) follows the commit (a run against another revision, or against ``main``
-after it moved, is another run) and every worker loads that very commit from its own cache.
+A run pins what it resolved (:func:`headsweep.workers.hub_pins.pin_hub_models`): the config's id becomes
+``id@<commit>``, so the config hash (the run's identity) follows the commit (a run against another revision, or
+against ``main`` after it moved, is another run) and every worker loads that very commit from its own cache.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -27,9 +26,6 @@ from typing import Any
 
 from headsweep.errors import HeadsweepError
 
-# The model kinds whose model.path (and model.tokenizer) may be a hub id: transformers folders. fairseq
-# checkpoints are single files, not hub snapshots.
-HUB_KINDS = ("hf_classifier", "hf_causal_lm")
 MIN_PREFIX = 4  # as git: a shorter commit prefix is refused
 SHA = re.compile(r"[0-9a-f]{40}")
 HEX = re.compile(r"[0-9a-f]+")
@@ -163,31 +159,6 @@ def _cached_revisions(repo_dir: Path) -> str:
     listed = [f"{name} ({commit[:12]})" for name, commit in named.items()]
     listed += sorted(d.name for d in (repo_dir / "snapshots").iterdir() if d.name not in named.values())
     return ", ".join(listed) or "none"
-
-
-def pin_hub_models(cfg: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
-    """``cfg`` with each hub id it loads (``model.path``, ``model.tokenizer``, ``checkpoints`` entries) written
-    as the ``id@<commit>`` it resolves to in the local cache now, and ``{key: Snapshot.facts()}`` of those.
-
-    The driver calls this before anything starts, so a model that is not cached stops the run with one line,
-    the config hash names the commit, and the workers load the commit the driver saw.
-    """
-    if cfg.model.kind not in HUB_KINDS:
-        return cfg, {}
-    facts: dict[str, dict[str, Any]] = {}
-
-    def pin(key: str, value: Any, require: str | None) -> Any:
-        if not isinstance(value, str) or not is_hub_id(value):
-            return value
-        snapshot = resolve_snapshot(value, require)
-        facts[key] = snapshot.facts()
-        return snapshot.pinned
-
-    model = {key: pin(f"model.{key}", getattr(cfg.model, key), require)
-             for key, require in (("path", "config.json"), ("tokenizer", None)) if hasattr(cfg.model, key)}
-    checkpoints = cfg.checkpoints and [pin(f"checkpoints[{i}]", c, "config.json")
-                                       for i, c in enumerate(cfg.checkpoints)]
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model), checkpoints=checkpoints), facts
 
 
 def fetch(spec: str, revision: str | None = None, say=print) -> Snapshot:

@@ -45,7 +45,7 @@ from headsweep.workers.actor import EvalWorker
 from headsweep.workers.checks import model_heads_on_worker
 from headsweep.workers.family import DatasetInfo, RuntimeOptions
 from headsweep.workers.heads import HeadInventory
-from headsweep.workers.hub_cache import pin_hub_models
+from headsweep.workers.hub_pins import pin_hub_models
 from headsweep.workers.registry import model_family
 
 # Kept importable from here: the demo logs through the driver, and older callers check drivers with these.

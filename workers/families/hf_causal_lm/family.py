@@ -69,4 +69,5 @@ class CausalLMFamily(TransformersFamily):
 
 
 HF_CAUSAL_LM = CausalLMFamily("hf_causal_lm", CausalLMModel, CausalLMData,
-                              "headsweep.workers.families.hf_causal_lm.adapter:load_causal_lm_adapter")
+                              "headsweep.workers.families.hf_causal_lm.adapter:load_causal_lm_adapter",
+                              hub_ids=True)

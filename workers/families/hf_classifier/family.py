@@ -63,4 +63,4 @@ class ClassifierFamily(TransformersFamily):
 
 HF_CLASSIFIER = ClassifierFamily("hf_classifier", ClassifierModel, ClassifierData,
                                  "headsweep.workers.families.hf_classifier.adapter:load_classifier",
-                                 syntax_attention="self")
+                                 syntax_attention="self", hub_ids=True)
