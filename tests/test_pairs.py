@@ -20,8 +20,8 @@ from headsweep.results.query import run_query
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.experiments import schedule
-from headsweep.sweep.experiments.pairs import pairs_of
 from headsweep.sweep.experiments.pairs.interactions import interaction_bootstrap
+from headsweep.sweep.experiments.pairs.kind import pairs_of
 from headsweep.sweep.reporting.report import write_report
 from headsweep.sweep.statistics.significance import adjust_pvalues, paired_bootstrap, resample_counts
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout

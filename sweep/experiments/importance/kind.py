@@ -131,14 +131,9 @@ class Importance(Experiment):
         return scores
 
     def report(self, part: ReportPart) -> None:
-        """A heat map of the heads' importance, where the run estimated it."""
-        from headsweep.sweep.reporting import figures
+        from headsweep.sweep.experiments.importance.report import importance_part  # matplotlib: in the report only
 
-        scored = [h for h in part.heads if h["importance"] is not None]
-        if scored:
-            part.page.add("<h4>Head importance</h4>")
-            part.page.figure(figures.importance_heatmap(scored, part.order), f"{part.prefix}-importance.png",
-                             "importance heat map")
+        importance_part(part)
 
 
 def only_for_order(cfg: Config) -> bool:
