@@ -4,7 +4,7 @@ A benchmark prints each ``RESULT <name> key=value ...`` line (``result``) the mo
 crash in a later part cannot lose an earlier figure.
 
 ``--smoke`` runs a benchmark's own code path end to end on tiny sizes, in seconds, and still ends with its
-``RESULT`` line(s); its figures mean nothing. ``tests/test_bench_smoke.py`` runs every benchmark so, which is
+``RESULT`` line(s); its figures mean nothing. ``tests/project/test_bench_smoke.py`` runs every benchmark so, which is
 how a change that breaks one gets noticed. Data in smoke mode: ``smoke_data()``, a copy of the first few lines
 of every file of ``../shared/data`` (same names and layout, so the benchmark reads it the way it reads the real
 folder); models: tiny ones trained for seconds (``shrink``). Both are cached under ``CACHE/smoke-<key>``, apart

@@ -74,7 +74,7 @@ Usage: python bench/gpu_check.py [--shape NAME] [--device cuda] [--dtype bfloat1
        python bench/gpu_check.py --device cpu --tiny
 ``--tiny``: the same architectures shrunk to 4 layers, heads of 8 and a 2,048-token vocabulary (heads per layer
 and key/value sharing kept), 4 windows of 64 tokens, one thread; under a minute on a CPU, and in the test suite
-(tests/test_gpu_check.py). On a CPU too the dtype stays bfloat16: the check is about bfloat16's rounding and the
+(tests/project/test_gpu_check.py). On a CPU too the dtype stays bfloat16: the check is about bfloat16's rounding and the
 paths a GPU run takes (its figures mean nothing on a CPU).
 """
 

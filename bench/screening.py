@@ -10,7 +10,7 @@ accuracy, paired bootstrap for BLEU, corrected over the grid) that the screened 
 One screened run is one draw of the subset. The rates are measured too, not assumed: the full run's stored
 per-example statistics, at ``--draws`` other random subsets (other seeds), go through the same rule
 (``headsweep.sweep.run.screening.verdicts``); a subset's statistics are the full evaluation's at those positions,
-which ``tests/test_screening.py`` checks for every family. Reported per model: the mean share of heads screened
+which ``tests/run/test_screening.py`` checks for every family. Reported per model: the mean share of heads screened
 out, the expected number of the full run's significant heads screened out, and the share of draws that miss
 at least one.
 

@@ -61,5 +61,6 @@ def test_compare_two_domains(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv)
 
 
 def test_compare_refuses_unknown_runs(tmp_path):
+    (tmp_path / "empty").mkdir()  # a store with no runs (where nothing is, compare says "no store at")
     proc = run_cli("compare", "nope-a", "nope-b", "--store", str(tmp_path / "empty"))
     assert proc.returncode == 2 and "no run 'nope-a'" in proc.stderr

@@ -35,7 +35,7 @@ from headsweep.workers.syntax import (
     word_spans,
 )
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 CONLLU = DATA / "multi30k_like.conllu"
 TSV = DATA / "multi30k_like.tsv"
 

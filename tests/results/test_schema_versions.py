@@ -21,7 +21,7 @@ from headsweep.results.schema import SCHEMA_HISTORY, SCHEMA_VERSION, TABLES
 from headsweep.results.store import ResultStore
 from headsweep.results.views import VIEWS
 
-STORE_V1 = Path(__file__).resolve().parent / "data" / "store_v1"
+STORE_V1 = Path(__file__).resolve().parents[1] / "data" / "store_v1"
 CLASSIFIER, TRANSLATION = "20261122-180235-883e36", "20261122-180259-b00d8e"
 TRANSLATION_GLOBAL = "20261122-180323-e73df3"
 
@@ -119,7 +119,7 @@ def test_a_store_from_a_newer_version_is_refused(tmp_path):
 
 
 def test_readme_documents_every_column_of_every_table_and_view(v1):
-    lines = (Path(__file__).resolve().parent.parent / "results" / "README.md").read_text().splitlines()
+    lines = (Path(__file__).resolve().parents[2] / "results" / "README.md").read_text().splitlines()
     columns = {name: schema.names for name, schema in TABLES.items()}
     columns.update({view: run_query(v1, f"SELECT * FROM {view} LIMIT 0").column_names for view in VIEWS})
     for name, names in columns.items():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 # bench/common.py by its path: bench/ on sys.path would put every benchmark's name before the suite's modules.
 _spec = importlib.util.spec_from_file_location("bench_common", BENCH / "common.py")

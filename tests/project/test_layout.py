@@ -12,7 +12,7 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # The folders mapped under the one import name ``headsweep`` (pyproject's package-dir).
 ROOTS = {"headsweep": "headsweep", "sweep": "headsweep.sweep", "workers": "headsweep.workers",
          "results": "headsweep.results"}

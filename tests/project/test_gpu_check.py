@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_check  # noqa: E402  (the script's FLOP count, checked below)
 

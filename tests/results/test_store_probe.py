@@ -30,7 +30,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.schema import COMPLETE, RUNNING, TABLES
 from headsweep.results.store import ResultStore
 
-STORE_V1 = Path(__file__).resolve().parent / "data" / "store_v1"
+STORE_V1 = Path(__file__).resolve().parents[1] / "data" / "store_v1"
 V1_CLASSIFIER, V1_TRANSLATION = "20261122-180235-883e36", "20261122-180259-b00d8e"
 
 
