@@ -23,8 +23,8 @@ Forward values are unchanged (up to rounding in the rewritten normalisations); o
 differs. A head's relevance at a token is then ``<ctx_h, dY/dctx_h>``, exactly the per-token gate gradient
 that gradient importance computes (:func:`~headsweep.workers.importance.batch_gate_gradients`), with ``Y`` the
 sum of the explained top-1 logits. With every bias zero the rules conserve relevance exactly: each layer's
-input holds ``Y`` (tests/experiments/test_lrp.py checks it for all three families, and checks one layer against an explicit
-z-rule propagation written out by hand); with biases, part of the relevance is absorbed by them, as in any
+input holds ``Y`` (tests/experiments/test_lrp.py checks it for all three families, and checks one layer against
+an explicit z-rule propagation written out by hand); with biases, part of the relevance is absorbed by them, as in any
 LRP-0.
 
 The rules need the attention probabilities as a tensor, so the model runs the path that exposes them for the
