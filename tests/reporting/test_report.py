@@ -4,13 +4,13 @@ at the sizes the page declares, and the figures show the view's numbers on a zer
 from __future__ import annotations
 
 import re
-from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import run_cli
 from PIL import Image
+from report_pages import parse
 from small_store import LEVELS, small_store
 
 from headsweep.results.query import run_query
@@ -23,32 +23,6 @@ from headsweep.sweep.reporting import figures
 def small(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv):
     store, run_id, checkpoints = small_store(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv)
     return ResultStore(str(store)), run_id, checkpoints
-
-
-class Links(HTMLParser):
-    """Every file an HTML page names (img src, a href), with the sizes its images declare."""
-
-    def __init__(self):
-        super().__init__()
-        self.images: list[dict] = []
-        self.links: list[str] = []
-        self.text: list[str] = []
-
-    def handle_starttag(self, tag, attrs):
-        attrs = dict(attrs)
-        if tag == "img":
-            self.images.append(attrs)
-        elif tag == "a" and "href" in attrs:
-            self.links.append(attrs["href"])
-
-    def handle_data(self, data):
-        self.text.append(data)
-
-
-def parse(page: Path) -> Links:
-    links = Links()
-    links.feed(page.read_text())
-    return links
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 from conftest import run_cli
-from test_report import parse
+from report_pages import parse
 
 from headsweep.results.query import run_query
 from headsweep.results.schema import SCHEMA_HISTORY, SCHEMA_VERSION, TABLES
