@@ -328,11 +328,11 @@ def test_dockerfile_pins_what_the_makefile_installs():
     assert '"ray[default,tune]==${RAY_VERSION}"' in runs, "Ray pinned to the cluster's version, with the job API"
     assert "latest" not in dockerfile.lower()
     assert re.search(r"^USER\s+1000$", dockerfile, re.M), "the image runs as the uid of the pods' securityContext"
-    # Every folder pyproject installs under the one import name `headsweep` is in the image.
-    import tomllib
-
-    package_dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    for folder in package_dirs.values():
+    # `headsweep` and every top-level folder it links to (headsweep/sweep -> ../sweep, ...) are in the image.
+    linked = [entry.resolve().relative_to(REPO).as_posix() for entry in (REPO / "headsweep").iterdir()
+              if entry.is_symlink()]
+    assert len(linked) >= 3, linked
+    for folder in ["headsweep", *linked]:
         assert re.search(rf"^COPY {folder} \./{folder}$", dockerfile, re.M), f"the image lacks {folder}/"
     assert "PIP_CONSTRAINT=/opt/headsweep/constraints.txt" in dockerfile and "constraints.txt" in dockerfile
 

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import yaml
-from conftest import REPO, run_cli
+from conftest import run_cli
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.experiments import KINDS, Experiment, register, schedule
 from headsweep.workers.work import WorkUnit
+
+HERE = Path(__file__).parent  # this module (the kind) and conftest (its helpers) must import in the CLI's process
 
 
 class FirstHeads(Experiment):
@@ -113,7 +118,7 @@ def test_a_kind_named_by_module_runs_through_the_cli(tmp_path, ray_address, tiny
         config(tiny_bert_dir, tiny_dev_tsv, ["baseline", "test_experiment_kinds:FIRST_HEADS"])))
     store = tmp_path / "store"
     proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet",
-                   env={"PYTHONPATH": str(REPO / "tests")})
+                   env={"PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])})
     assert proc.returncode == 0, proc.stderr
     run_id = proc.stdout.strip()
     reader = ResultStore(str(store))
