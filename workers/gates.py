@@ -13,6 +13,10 @@ per mask), or one value per token, shape ``(*lead, H)`` where ``lead`` is the pr
 input's shape without its last axis (``(B, T, H)`` for batch-first models, ``(T, B, H)`` for
 time-first ones), so ``dL/dxi`` is available per token (importance takes its absolute value
 per token before summing).
+
+What a gated-off head leaves behind is zero unless the gates hold a :class:`~headsweep.workers.ablation.HeadFill`
+(``set_fill``: mean, resample, optimal ablation and activation patching); the gate then mixes the head's slice
+with the fill (:func:`~headsweep.workers.ablation.apply_gates`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from torch import nn
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.ablation import HeadFill, apply_gates
 from headsweep.workers.heads import Head, HeadInventory, LayerShape, SiteKey, heads_by_site
 
 
@@ -81,6 +86,7 @@ class HeadGates:
         self.sites = list(sites)
         self._site_by_key = {s.key: s for s in self.sites}
         self._gates: dict[SiteKey, torch.Tensor] = {}
+        self.fill: HeadFill | None = None  # what gated-off heads leave behind; None: zero
         for site in self.sites:
             site.check_projection()
             site.hook_handles.append(site.out_proj.register_forward_pre_hook(self._make_hook(site)))
@@ -108,7 +114,11 @@ class HeadGates:
                 view = [1] * (heads.dim() - 2) + [site.num_heads, 1]
                 view[site.batch_dim] = gate.shape[0]
                 shaped = gate.view(view)
-            return (heads * shaped.to(heads.dtype)).reshape(x.shape), *args[1:]
+            if self.fill is None:
+                return (heads * shaped.to(heads.dtype)).reshape(x.shape), *args[1:]
+            gated = apply_gates(heads, shaped.to(heads.dtype), self.fill.at(site.key, heads, site.batch_dim),
+                                self.fill.keep_first, site.batch_dim)
+            return gated.reshape(x.shape), *args[1:]
 
         return hook
 
@@ -126,6 +136,10 @@ class HeadGates:
         Nothing here; a family whose gates change a module's settings (fairseq turns its fused
         attention path off) overrides this, so that an ungated copy runs as the stock library does.
         """
+
+    def set_fill(self, fill: HeadFill | None) -> None:
+        """What gated-off heads leave behind from now on (None: zero); kept across ``clear()``, unlike gates."""
+        self.fill = fill
 
     # -- setting gates -------------------------------------------------------------------
     def clear(self) -> None:

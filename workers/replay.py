@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headsweep.workers.ablation import HeadFill, apply_gates
 from headsweep.workers.gates import AttentionSite, gate_rows
 from headsweep.workers.heads import Head, HeadInventory
 
@@ -160,14 +161,17 @@ def returning(value) -> Callable:
 
 
 def gated_projection(ctx: torch.Tensor, out_proj: nn.Linear, num_heads: int,
-                     masked: Sequence[Sequence[int]], batch_dim: int) -> torch.Tensor:
+                     masked: Sequence[Sequence[int]], batch_dim: int, fill: HeadFill | None = None,
+                     site: tuple[str, int] | None = None) -> torch.Tensor:
     """``out_proj`` of ``ctx`` with the heads ``masked[m]`` gated off, for every m, concatenated along ``batch_dim``.
 
     ``ctx`` is the baseline input of the output projection (per-head contexts side by side).
     The output is ``W_O concat_h(xi_h ctx_h) + b_O``, i.e. the baseline projection minus the
     masked heads' projected contexts, computed as the gate hook computes it (gate, then one
     ``F.linear`` over all masks' rows), so a mask's attention output is the same floating-point
-    result as on the plain path. ``F.linear`` rather than ``out_proj(...)``: no hook sees it.
+    result as on the plain path. ``F.linear`` rather than ``out_proj(...)``: no hook sees it. With a ``fill``
+    (the gates' :class:`~headsweep.workers.ablation.HeadFill`, ``site`` its key), gated-off heads take its values,
+    mixed in by the gate hook's own :func:`~headsweep.workers.ablation.apply_gates`.
     """
     k = len(masked)
     gates = gate_rows(masked, num_heads, ctx.device, ctx.dtype)
@@ -178,4 +182,10 @@ def gated_projection(ctx: torch.Tensor, out_proj: nn.Linear, num_heads: int,
     view = [1] * (heads.dim() - 2) + [num_heads, 1]
     view[batch_dim] = stacked.shape[batch_dim]
     rows = gates.repeat_interleave(ctx.shape[batch_dim], dim=0).view(view)
-    return F.linear((heads * rows).reshape(stacked.shape), out_proj.weight, out_proj.bias)
+    if fill is None:
+        gated = heads * rows
+    else:
+        if site is None:
+            raise ValueError("gated_projection with a fill needs the site's key")
+        gated = apply_gates(heads, rows, fill.at(site, heads, batch_dim), fill.keep_first, batch_dim)
+    return F.linear(gated.reshape(stacked.shape), out_proj.weight, out_proj.bias)

@@ -18,10 +18,11 @@ from typing import Any
 import yaml
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.configuration.ablation import AblationSection
 from headsweep.sweep.configuration.reader import coerce, from_dict
 from headsweep.sweep.configuration.sections import SECTIONS, Config, SignificanceSection, SweepSection, config_class
 from headsweep.sweep.experiments import BUILTIN_KINDS, KINDS, Experiment, experiment_kind, experiments_of
-from headsweep.sweep.experiments.data_sections import DATA, FILE, marked_fields
+from headsweep.sweep.experiments.data_sections import DATA, FILE, marked_fields, typed_data
 from headsweep.sweep.run.screening import Screening
 from headsweep.workers.registry import builtin_families, model_family
 
@@ -83,7 +84,8 @@ PATH_KEYS = ("path", "checkpoint", "data_bin", "source", "target", "bpe_codes", 
 
 def _resolve_paths(data: dict, base: Path) -> None:
     sections = [data.get("model"), data.get("data")]
-    for key, settings in SECTIONS.items():  # the kinds' sections: their data sections and files
+    # The kinds' sections and the ablation section: their data sections and files.
+    for key, settings in {**SECTIONS, "ablation": AblationSection}.items():
         own = data.get(key)
         if not isinstance(own, dict):
             continue
@@ -160,6 +162,7 @@ def build_config(data: dict) -> Config:
         seed=coerce(data.get("seed", 0), int, "seed"),
         sweep=from_dict(SweepSection, data.get("sweep"), "sweep"),
         significance=from_dict(SignificanceSection, data.get("significance"), "significance"),
+        ablation=from_dict(AblationSection, data.get("ablation"), "ablation"),
         **{key: from_dict(settings, data.get(key), key) for key, settings in SECTIONS.items() if key in known},
         checkpoints=coerce(data.get("checkpoints"), list[str] | None, "checkpoints"),
     )
@@ -196,11 +199,14 @@ def validate(cfg: Config) -> None:
 
 def data_sections(cfg: Config) -> list[tuple[str, Any]]:
     """The data sections a run of ``cfg`` reads, typed, with their config keys: ``data``, and those the kinds of the
-    run read (``importance.data``, ``l0.data``, ``roles.data``: ``Experiment.data_sections``). A section equal to
+    run read (``importance.data``, ``l0.data``, ``roles.data``: ``Experiment.data_sections``) and
+    ``ablation.reference``. A section equal to
     an earlier one is left out."""
     sections = [("data", cfg.data)]
     for kind in experiments_of(cfg):
         sections += kind.data_sections(cfg)
+    if cfg.ablation.reference is not None:
+        sections.append(("ablation.reference", typed_data(cfg, cfg.ablation.reference, "ablation.reference")))
     out: list[tuple[str, Any]] = []
     for key, section in sections:
         if all(section != other for _, other in out):
@@ -227,6 +233,7 @@ def _check_sections(cfg: Config) -> None:
             f"not {cfg.model.kind}: use sweep.batch_size"
         )
     cfg.significance.check()
+    cfg.ablation.check(cfg.sweep.ablation)
     for kind in KINDS.values():  # each kind's settings this config has, whether or not the run has the kind
         if kind.section is None or hasattr(cfg, kind.section):
             kind.check_settings(cfg)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.configuration.ablation import AblationSection
 from headsweep.sweep.configuration.reader import settings_changed
 
 TESTS = ("paired_bootstrap", "paired_ttest", "mcnemar_exact")
@@ -23,7 +24,7 @@ SWEEP_ORDERS = ("planned", "importance")
 BUDGETS = ("evaluations", "minutes")
 # How a session runs, not what it computes: left out of the config hash, so a run resumes whatever they are
 # (a budgeted run is finished by the same command, or by one without the budget).
-SESSION_ONLY = {"sweep": ("budget", "order")}
+SESSION_ONLY = {"sweep": ("budget", "order", "memory_limit_gib")}
 
 
 @dataclass
@@ -38,6 +39,9 @@ class SweepSection:
     num_gpus_per_worker: float = 0.0
     device: str = "auto"
     threads_per_worker: int = 0
+    # GiB this run's workers may take on the machine (a share of a shared box); null: what it has available. The
+    # driver refuses a run whose workers cannot hold the model in it (sweep/run/memory.py)
+    memory_limit_gib: float | None = None
     batch_size: int | None = None  # examples per batch; null: 32 (translation: the token budget instead)
     max_tokens: int | None = None  # translation: token budget per batch; null: 6000, or batch_size when set
     masks_per_batch: int = 0
@@ -50,6 +54,9 @@ class SweepSection:
     worker_restarts: int = 3
     placement_timeout_s: float = 600.0
     wait_for_resources: bool = False
+    # What a gated-off head leaves behind (zero, mean, resample, optimal, patch); its settings: the ablation
+    # section (sweep/configuration/ablation.py)
+    ablation: str = "zero"
     order: str = "planned"  # or "importance": masks of the most important heads first (importance runs first)
     budget: dict | None = None  # {"evaluations": N} or {"minutes": M}: stop cleanly, run marked partial
     # {} (futility rule) or {"equivalence": E}: single-head masks screened on a subset first; its keys are checked
@@ -97,6 +104,8 @@ class SweepSection:
                 f"sweep.device=cpu with sweep.num_gpus_per_worker={self.num_gpus_per_worker} would hold GPUs it never "
                 "uses; set sweep.num_gpus_per_worker=0"
             )
+        if self.memory_limit_gib is not None and not self.memory_limit_gib > 0:
+            raise HeadsweepError(f"sweep.memory_limit_gib must be a positive number of GiB, got {self.memory_limit_gib}")
         if self.max_retries < 0 or self.worker_restarts < 0:
             raise HeadsweepError("sweep.max_retries and sweep.worker_restarts must not be negative")
         if self.order not in SWEEP_ORDERS:
@@ -151,6 +160,7 @@ class Config:
     seed: int = 0
     sweep: SweepSection = field(default_factory=SweepSection)
     significance: SignificanceSection = field(default_factory=SignificanceSection)
+    ablation: AblationSection = field(default_factory=AblationSection)
     checkpoints: list[str] | None = None
 
     def to_dict(self) -> dict:

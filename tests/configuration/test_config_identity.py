@@ -5,6 +5,7 @@ config code provably keeps every existing run resumable and every stored ``runs.
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 
@@ -66,8 +67,19 @@ def test_every_case_is_pinned():
     assert [name for name, _, _ in PINNED] == list(CASES)
 
 
+# Keys added since the pins, at their defaults in every case: the stored config JSON gains them, and the rest of
+# it (and the hash, which leaves defaults out) must stay as pinned.
+ADDED = {"sweep": {"ablation": "zero"},
+         "ablation": {"reference": None, "positions": "all", "keep_first": False, "seed": 0, "resamples": 1,
+                      "allow_eval_data": False}}
+
+
 @pytest.mark.parametrize(("name", "config_hash", "json_hash"), PINNED, ids=[p[0] for p in PINNED])
 def test_config_identity_is_unchanged(name, config_hash, json_hash):
     cfg = build_config(CASES[name])
     assert cfg.hash() == config_hash
-    assert hashlib.sha256(cfg.to_json().encode()).hexdigest()[:16] == json_hash
+    stored = json.loads(cfg.to_json())
+    assert stored.pop("ablation") == ADDED["ablation"]
+    assert stored["sweep"].pop("ablation") == ADDED["sweep"]["ablation"]
+    pinned_json = json.dumps(stored, sort_keys=True, separators=(",", ":"))
+    assert hashlib.sha256(pinned_json.encode()).hexdigest()[:16] == json_hash

@@ -137,7 +137,8 @@ class EncoderReuse(RecordedBaselines[EncoderStates]):
         at_layer = [[h.head for h in m if h.layer == layer] for m in enc]
         later = [[h for h in m if h.layer > layer] for m in enc]
         site = self.sites[layer]
-        attention = gated_projection(states.contexts[layer], site.out_proj, site.num_heads, at_layer, batch_dim=1)
+        attention = gated_projection(states.contexts[layer], site.out_proj, site.num_heads, at_layer, batch_dim=1,
+                                     fill=self.gates.fill, site=site.key)
         replacements: dict[nn.Module, object] = {site.module: returning((attention, None))}
         if layer > 0:
             for j in range(layer - 1):

@@ -194,7 +194,7 @@ class PrefixReuse(RecordedBaselines[BaselineStates]):
         if any(h.layer < layer for m in masks for h in m):
             raise ValueError(f"a mask gates a head below its first gated layer {layer}")
         attention = gated_projection(states.contexts[index], lay.projections[index], site.num_heads, at_layer,
-                                     batch_dim=0)
+                                     batch_dim=0, fill=self.gates.fill, site=site.key)
         replacements: dict[nn.Module, Callable] = {site.module: returning((attention, None))}
         # Only the shape and dtype of the embeddings are read now (positions, rotary tables, masks).
         replacements.update(start_at_layer(lay.layers, layer, states.hidden, k, lay.embeddings,

@@ -130,7 +130,8 @@ class PrefixReuse(RecordedBaselines[BaselineStates]):
         site = lay.sites[layer]
         at_layer = [[h.head for h in m if h.layer == layer] for m in masks]
         later = [[h for h in m if h.layer > layer] for m in masks]
-        attention = gated_projection(states.contexts[layer], site.out_proj, site.num_heads, at_layer, batch_dim=0)
+        attention = gated_projection(states.contexts[layer], site.out_proj, site.num_heads, at_layer, batch_dim=0,
+                                     fill=self.gates.fill, site=site.key)
         replacements: dict[nn.Module, object] = {lay.cores[layer]: returning((attention, None))}
         if lay.identities[layer] is not None:
             replacements[lay.identities[layer]] = pass_through

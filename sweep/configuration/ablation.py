@@ -1,0 +1,59 @@
+"""``sweep.ablation`` and the ``ablation`` section: what a gated-off head leaves behind, for every experiment kind.
+
+One setting read by the whole pipeline (as auto-circuit's ``AblationType``): every kind that evaluates masks
+(single_head, all_but_one, custom, kv_group, prune_level, pairs, the L0 gates' closed-gate evaluations) and
+gradient importance use the run's method through the workers' head gates (``headsweep.workers.ablation``).
+``zero`` (the default) is what every earlier run did: configs that do not set it keep their hash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from headsweep.errors import HeadsweepError
+from headsweep.workers.ablation import METHODS
+
+POSITIONS = ("all", "per_position")
+
+
+@dataclass
+class AblationSection:
+    """Config section ``ablation``: the settings of ``sweep.ablation``'s method.
+
+    ``reference``: the data whose head outputs give mean ablation its means (a data section typed like ``data``;
+    None: the evaluation data). ``positions``: ``all`` (one mean per head over every non-padding token) or
+    ``per_position`` (one per absolute position; positions the reference never reaches take the pooled mean).
+    ``keep_first``: the first position of every sequence is never replaced (decoder-only models' BOS sink).
+    ``seed`` and ``resamples``: resample ablation's donor draws.
+    """
+
+    reference: dict | None = field(default=None, metadata={"data": True})
+    positions: str = "all"
+    keep_first: bool = False
+    seed: int = 0
+    resamples: int = 1
+    allow_eval_data: bool = False
+
+    def check(self, method: str) -> None:
+        """The section's own values, and those that mean nothing for ``method`` (``sweep.ablation``)."""
+        if method not in METHODS:
+            raise HeadsweepError(f"unknown sweep.ablation {method!r} (known: {', '.join(METHODS)})")
+        if self.positions not in POSITIONS:
+            raise HeadsweepError(f"unknown ablation.positions {self.positions!r} (known: {', '.join(POSITIONS)})")
+        if self.resamples < 1:
+            raise HeadsweepError(f"ablation.resamples must be at least 1, got {self.resamples}")
+        meaningful = {"zero": ("keep_first",), "mean": ("reference", "positions", "keep_first"),
+                      "resample": ("seed", "resamples", "keep_first"),
+                      "optimal": ("reference", "keep_first", "allow_eval_data", "seed"),
+                      "patch": ("keep_first",)}[method]
+        defaults = AblationSection()
+        for name in ("reference", "positions", "seed", "resamples", "allow_eval_data"):
+            if name not in meaningful and getattr(self, name) != getattr(defaults, name):
+                raise HeadsweepError(f"ablation.{name} is set but sweep.ablation is {method}, which does not read "
+                                     f"it: remove it, or set sweep.ablation to a method that does")
+
+
+def ablation_settings(cfg: Any) -> tuple[str, AblationSection]:
+    """The run's method and its settings."""
+    return cfg.sweep.ablation, cfg.ablation
