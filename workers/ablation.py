@@ -28,16 +28,42 @@ floating-point result on both paths, for every method.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from headsweep.workers.heads import SiteKey
+
+if TYPE_CHECKING:  # the driver reads METHODS and AblationSpec: torch stays out of its import time
+    import torch
 
 METHODS = ("zero", "mean", "resample", "optimal", "patch")
 # Methods whose fill is one constant per head (or per head and position), known before any batch runs.
 CONSTANT_METHODS = ("mean", "optimal")
 # Methods whose fill is another input's activations, set per batch.
 PER_EXAMPLE_METHODS = ("resample", "patch")
+
+
+@dataclass(frozen=True)
+class AblationSpec:
+    """The run's ablation as a worker reads it (``RuntimeOptions.ablation``, built by the driver from
+    ``sweep.ablation`` and the ``ablation`` section).
+
+    ``reference``: the data section (typed as the family's ``data``) the means are taken over; None: the evaluation
+    data. ``per_position``: one mean per absolute position (``ablation.positions: per_position``). ``keep_first``:
+    position 0 is never replaced (and not counted in the means). ``seed`` and ``resamples``: resample ablation's
+    donor draws. The default, ``zero``, changes nothing.
+    """
+
+    method: str = "zero"
+    reference: Any = None
+    per_position: bool = False
+    keep_first: bool = False
+    seed: int = 0
+    resamples: int = 1
+
+    @property
+    def constant(self) -> bool:
+        """Whether the fill is one value per head (or head and position), known before any batch runs."""
+        return self.method in CONSTANT_METHODS
 
 
 @dataclass
@@ -98,6 +124,8 @@ def apply_gates(heads: torch.Tensor, gates: torch.Tensor, fill: torch.Tensor | N
             raise ValueError(f"ablation.keep_first needs (batch, time, H, d) inputs, got {tuple(heads.shape)}")
         first = [slice(None)] * 4
         first[1 - batch_dim] = slice(0, 1)
+        import torch
+
         out = torch.cat([heads[tuple(first)], out.narrow(1 - batch_dim, 1, heads.shape[1 - batch_dim] - 1)],
                         dim=1 - batch_dim)
     return out
