@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.ablation import AblationSpec
 from headsweep.workers.heads import Head, HeadInventory, SiteKey
 from headsweep.workers.metrics import Metric
 
@@ -85,6 +86,8 @@ class RuntimeOptions:
     # Only these examples (positions in the evaluation set, after data.max_examples), for the subset that
     # sequential screening evaluates first (sweep.screen); None: every example. See workers/example_subset.py.
     examples: tuple[int, ...] | None = None
+    # What a gated-off head leaves behind (sweep.ablation and its settings); default zero: nothing changes.
+    ablation: AblationSpec = field(default_factory=AblationSpec)
 
 
 @dataclass
@@ -201,8 +204,11 @@ class ModelFamily:
     ``syntax_attention``: the attention type whose heads roles scores against parses of the
     evaluation text (None: the family has no parsed text). ``hub_ids``: ``model.path`` (and
     ``model.tokenizer``, ``checkpoints``) may name a Hugging Face Hub model in the local cache,
-    which a run pins to its commit. The methods past ``load`` refuse with a
-    clear error (or answer "no") unless a subclass implements them.
+    which a run pins to its commit. ``fills_by_position``: its evaluation runs every attention module over whole
+    right-padded sequences, so a gated-off head can be filled per absolute position and the first position kept
+    (``ablation.positions: per_position``, ``ablation.keep_first``); False where it cannot (fairseq translation:
+    beam search runs decoder attention one position per step, sources are left-padded). The methods past ``load``
+    refuse with a clear error (or answer "no") unless a subclass implements them.
     """
 
     name: str
@@ -213,6 +219,7 @@ class ModelFamily:
     batches_by_tokens: bool = False
     syntax_attention: str | None = None
     hub_ids: bool = False
+    fills_by_position: bool = True
 
     def load(self, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions) -> EvalAdapter:
         """The evaluation adapter: the gated model on the evaluation data."""
