@@ -7,7 +7,8 @@ forward pass: the batch is repeated once per mask and each copy carries its own 
 states (:mod:`headsweep.workers.families.hf_causal_lm.reuse`); ``reuse: false`` runs every mask through
 the whole model. Per window the statistics are ``[nll_sum, n_tokens]`` (natural log), so corpus
 perplexity, bootstrap resamples and per-window mean NLL all come from the stored rows
-(:data:`headsweep.workers.metrics.PERPLEXITY`).
+(:data:`headsweep.workers.metrics.PERPLEXITY`). Under resample ablation each window batch's donors (other
+windows, all of the same length) are recorded once before its masked passes (:mod:`headsweep.workers.donors`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.data_report import unknown_tokens
+from headsweep.workers.donors import donors_for
 from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import DEFAULT_WINDOW, CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.data import Window, plan_windows, read_corpus
@@ -94,6 +96,8 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
         self.batches = [torch.arange(i, min(i + runtime.batch_size, len(self.windows)))
                         for i in range(0, len(self.windows), runtime.batch_size)]
         self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.donors = donors_for(getattr(runtime, "ablation", None), self.gates, [self.window] * len(self.windows),
+                                 what="windows")
         self.model_name = Path(model_cfg.path).name
         self.dataset_name = data_cfg.name or Path(Path(data_cfg.path).name.removesuffix(".gz")).stem
         self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
@@ -149,7 +153,15 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
         return f"tokens {first}-{last}"
 
     def values(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
-        return self.nll(masks)
+        """Each window's NLL sum under each mask; under resample ablation with K draws its mean over the draws
+        (:mod:`headsweep.workers.donors`)."""
+        return self.donors.mean_over_draws(lambda: self.nll(masks))
+
+    def run_donors(self, donors: np.ndarray) -> None:
+        """One ungated forward pass over the windows ``donors`` (the per-batch donor pass of
+        :class:`~headsweep.workers.donors.Donors`); only the last position's logits where the model allows it."""
+        extra = {"logits_to_keep": 1} if self._keep_logits else {}
+        self.model(input_ids=self.inputs[torch.as_tensor(donors, device=self.device)], use_cache=False, **extra)
 
     def output(self, values: np.ndarray, seconds: float) -> MaskOutput:
         stats = np.stack([values, self.n_tokens], axis=1)
@@ -179,16 +191,16 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
                 site = self.gates.sites[-1]
                 self._reuse.verify(inputs, scored, states, [Head(site.attention, site.layer, 0)])
             per = self.masks_per_forward(rows)
-            for layer, members in groups.items():
-                for first in range(0, len(members), per):
-                    chunk = members[first : first + per]
-                    if layer is None:
-                        token_nll, chunk_scored = states.token_nll.repeat(len(chunk), 1), scored.repeat(len(chunk), 1)
-                    else:
-                        token_nll = self._reuse.run(inputs, scored, states, layer, [masks[i] for i in chunk])
-                        chunk_scored = scored.repeat(len(chunk), 1)
-                    sums = (token_nll.double() * chunk_scored).sum(dim=1)
-                    out[np.ix_(chunk, idx.numpy())] = sums.view(len(chunk), rows).cpu().numpy()
+            with self.donors.batch(idx, self.run_donors, needed=any(layer is not None for layer in groups)):
+                for layer, members in groups.items():
+                    for first in range(0, len(members), per):
+                        chunk = members[first : first + per]
+                        if layer is None:
+                            token_nll = states.token_nll.repeat(len(chunk), 1)
+                        else:
+                            token_nll = self._reuse.run(inputs, scored, states, layer, [masks[i] for i in chunk])
+                        sums = (token_nll.double() * scored.repeat(len(chunk), 1)).sum(dim=1)
+                        out[np.ix_(chunk, idx.numpy())] = sums.view(len(chunk), rows).cpu().numpy()
         return out
 
     def _nll_plain(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
@@ -198,20 +210,21 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
             inputs, scored = self._batch(idx)
             rows = inputs.shape[0]
             per = self.masks_per_forward(rows)
-            for first in range(0, len(masks), per):
-                chunk = masks[first : first + per]
-                if len(chunk) == 1:
-                    self.gates.set_mask(chunk[0])
-                    stacked, stacked_scored = inputs, scored
-                else:
-                    self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
-                    stacked, stacked_scored = inputs.repeat(len(chunk), 1), scored.repeat(len(chunk), 1)
-                try:
-                    token_nll = self.token_nll(stacked, stacked_scored)
-                finally:
-                    self.gates.clear()
-                sums = (token_nll.double() * stacked_scored).sum(dim=1)
-                out[first : first + len(chunk), idx.numpy()] = sums.view(len(chunk), rows).cpu().numpy()
+            with self.donors.batch(idx, self.run_donors, needed=any(masks)):
+                for first in range(0, len(masks), per):
+                    chunk = masks[first : first + per]
+                    if len(chunk) == 1:
+                        self.gates.set_mask(chunk[0])
+                        stacked, stacked_scored = inputs, scored
+                    else:
+                        self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
+                        stacked, stacked_scored = inputs.repeat(len(chunk), 1), scored.repeat(len(chunk), 1)
+                    try:
+                        token_nll = self.token_nll(stacked, stacked_scored)
+                    finally:
+                        self.gates.clear()
+                    sums = (token_nll.double() * stacked_scored).sum(dim=1)
+                    out[first : first + len(chunk), idx.numpy()] = sums.view(len(chunk), rows).cpu().numpy()
         return out
 
     def token_nll(self, inputs: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ masks share one forward pass: the batch is repeated once per mask and each copy 
 own gates (per-example gates), which keeps small models busy. With ``sweep.reuse`` (the
 default) each mask's pass also starts at its first gated layer from cached baseline states
 (:mod:`headsweep.workers.families.hf_classifier.reuse`); ``reuse: false`` runs every mask through the whole model.
+Under resample ablation each batch's donors (examples of the same token length, from any batch) are padded as the
+batch and recorded once before its masked passes (:mod:`headsweep.workers.donors`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +23,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.data_report import Finding, merge, report, unknown_tokens
+from headsweep.workers.donors import donors_for
 from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 from headsweep.workers.families.hf_classifier.data import findings, label_ids, read_examples
@@ -58,7 +62,10 @@ class ClassifierAdapter(PrefixReuseSwitch):
         self._label_text = _label_text(examples.labels, id2label)
         self.max_positions = max_positions(self.model.config)
         self.max_length = resolve_max_length(data_cfg.max_length, self.max_positions, model_cfg.path)
-        self.batches = self.tokenise(self.max_length, runtime.batch_size)
+        self.encoding = self.encode(self.max_length)
+        self.batches = self.tokenise(self.max_length, runtime.batch_size, self.encoding)
+        self.donors = donors_for(getattr(runtime, "ablation", None), self.gates,
+                                 [len(ids) for ids in self.encoding["input_ids"]])
         whole = self.tokenizer(examples.texts, examples.text_pairs, verbose=False)["input_ids"]  # not truncated
         subject = f"data file {data_cfg.path}"
         self.data_facts = {"encoding": data_cfg.encoding, "max_length": self.max_length,
@@ -73,18 +80,29 @@ class ClassifierAdapter(PrefixReuseSwitch):
                                                             cache_budget(self.device)),
                          "prefix: masks start at their first gated layer from cached baseline states")
 
-    def tokenise(self, max_length: int, batch_size: int) -> list[tuple[torch.Tensor, dict]]:
-        """The evaluation set as batches of ``(example indices, inputs on the device)``, sorted by length."""
+    def encode(self, max_length: int):
+        """The evaluation set's encodings (token ids per example, unpadded), truncated to ``max_length``."""
         ex = self.examples
-        enc = self.tokenizer(ex.texts, ex.text_pairs, truncation=True, max_length=max_length)
-        order = sorted(range(len(ex.texts)), key=lambda i: len(enc["input_ids"][i]))
-        batches = []
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            feats = [{k: enc[k][i] for k in enc.keys()} for i in idx]
-            padded = self.tokenizer.pad(feats, return_tensors="pt")
-            batches.append((torch.tensor(idx), {k: v.to(self.device) for k, v in padded.items()}))
-        return batches
+        return self.tokenizer(ex.texts, ex.text_pairs, truncation=True, max_length=max_length)
+
+    def tokenise(self, max_length: int, batch_size: int, enc=None) -> list[tuple[torch.Tensor, dict]]:
+        """The evaluation set as batches of ``(example indices, inputs on the device)``, sorted by length
+        (``enc``: :meth:`encode`'s result for ``max_length``, when already computed)."""
+        enc = self.encode(max_length) if enc is None else enc
+        order = sorted(range(len(enc["input_ids"])), key=lambda i: len(enc["input_ids"][i]))
+        return [(torch.tensor(idx), self.padded(enc, idx))
+                for idx in (order[start : start + batch_size] for start in range(0, len(order), batch_size))]
+
+    def padded(self, enc, idx) -> dict:
+        """Examples ``idx`` of the encodings ``enc`` as one batch padded by the tokenizer, on the device: examples
+        of the same lengths in the same order come out with the same shape and padding."""
+        feats = [{k: enc[k][int(i)] for k in enc.keys()} for i in idx]
+        return {k: v.to(self.device) for k, v in self.tokenizer.pad(feats, return_tensors="pt").items()}
+
+    def run_donors(self, donors) -> None:
+        """One ungated forward pass over the evaluation examples ``donors``, padded as a batch (the per-batch
+        donor pass of :class:`~headsweep.workers.donors.Donors`)."""
+        self.model(**self.padded(self.encoding, donors))
 
     def truncated(self, whole: list[list[int]]) -> Finding:
         """The examples longer than ``max_length`` tokens (cut to it by ``tokenise``); ``whole``: their token ids
@@ -159,15 +177,16 @@ class ClassifierAdapter(PrefixReuseSwitch):
             states = self._reuse.states(key, inputs)
             cols = idx.to(self.device)
             rows = idx.numel()
-            for layer, members in groups.items():
-                for first in range(0, len(members), per):
-                    chunk = members[first : first + per]
-                    if layer is None:
-                        logits = states.logits.float().repeat(len(chunk), 1)
-                    else:
-                        logits = self._reuse.run(inputs, states, layer, [masks[i] for i in chunk]).float()
-                    which = torch.tensor(chunk, device=self.device)
-                    out[which.unsqueeze(1), cols.unsqueeze(0)] = logits.view(len(chunk), rows, -1)
+            with self.donors.batch(idx, self.run_donors, needed=any(layer is not None for layer in groups)):
+                for layer, members in groups.items():
+                    for first in range(0, len(members), per):
+                        chunk = members[first : first + per]
+                        if layer is None:
+                            logits = states.logits.float().repeat(len(chunk), 1)
+                        else:
+                            logits = self._reuse.run(inputs, states, layer, [masks[i] for i in chunk]).float()
+                        which = torch.tensor(chunk, device=self.device)
+                        out[which.unsqueeze(1), cols.unsqueeze(0)] = logits.view(len(chunk), rows, -1)
         return out
 
     def _logits_plain(self, masks: Sequence[Sequence[Head]]) -> torch.Tensor:
@@ -177,36 +196,45 @@ class ClassifierAdapter(PrefixReuseSwitch):
         for idx, inputs in self.batches:
             per = self.masks_per_forward(inputs)
             rows = idx.numel()
-            for first in range(0, len(masks), per):
-                chunk = masks[first : first + per]
-                if len(chunk) == 1:
-                    self.gates.set_mask(chunk[0])
-                    stacked = inputs
-                else:
-                    self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
-                    stacked = {k: v.repeat(len(chunk), *([1] * (v.dim() - 1))) for k, v in inputs.items()}
-                try:
-                    logits = self.model(**stacked).logits.float()
-                finally:
-                    self.gates.clear()
-                out[first : first + len(chunk), idx.to(self.device)] = logits.view(len(chunk), rows, -1)
+            with self.donors.batch(idx, self.run_donors, needed=any(masks)):
+                for first in range(0, len(masks), per):
+                    chunk = masks[first : first + per]
+                    if len(chunk) == 1:
+                        self.gates.set_mask(chunk[0])
+                        stacked = inputs
+                    else:
+                        self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
+                        stacked = {k: v.repeat(len(chunk), *([1] * (v.dim() - 1))) for k, v in inputs.items()}
+                    try:
+                        logits = self.model(**stacked).logits.float()
+                    finally:
+                        self.gates.clear()
+                    out[first : first + len(chunk), idx.to(self.device)] = logits.view(len(chunk), rows, -1)
         return out
 
     def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
+        """Each mask's per-example statistics and loss; under resample ablation with K draws
+        (``ablation.resamples``), their mean over the draws (:mod:`headsweep.workers.donors`), and the outputs
+        of the first draw."""
         start = time.perf_counter()
-        logits = self.logits(masks)
+        correct, loss, preds = [], [], []
+        for _ in self.donors.draws():
+            logits = self.logits(masks)
+            pred = logits.argmax(-1)
+            correct.append((pred == self.labels).double().cpu().numpy())
+            loss.append(np.stack([F.cross_entropy(row, self.labels, reduction="none").double().cpu().numpy()
+                                  for row in logits]))
+            preds.append(pred.cpu())
         seconds_each = (time.perf_counter() - start) / max(1, len(masks))
+        mean_correct, mean_loss = np.mean(correct, axis=0), np.mean(loss, axis=0)
         results = []
-        for row in logits:
-            pred = row.argmax(-1)
-            correct = (pred == self.labels).double().cpu().numpy()
-            loss = F.cross_entropy(row, self.labels, reduction="none").double().cpu().numpy()
-            stats = correct[:, None]
+        for m in range(len(masks)):
+            stats = mean_correct[m][:, None]
             results.append(
                 MaskOutput(
                     stats=stats,
-                    loss=loss,
-                    outputs=[self._label_text[int(p)] for p in pred.cpu()],
+                    loss=mean_loss[m],
+                    outputs=[self._label_text[int(p)] for p in preds[0][m]],
                     score=self.metric.score(stats),
                     seconds=seconds_each,
                 )

@@ -1,0 +1,206 @@
+"""Per-example fills, set per batch: resample ablation and activation patching (``sweep.ablation: resample | patch``).
+
+Under both methods a gated-off head's slice ``z_h`` of the output projection's input (``hook_z``) takes the value
+it has on **another input** at the same positions: a donor example (resample) or the pair's other prompt (patch).
+Every adapter does the same per-batch step before a batch's masked passes (:meth:`Donors.batch`):
+
+1. the donor inputs of the batch's examples, built by the adapter exactly as the batch is built (the same width
+   and padding), run once through the **ungated** model (no gates, no fill), with a pre-hook on every site's output
+   projection recording its input;
+2. those inputs, per site ``(B, T, H, d)`` batch first, become the gates' per-example
+   :class:`~headsweep.workers.ablation.HeadFill` while the batch's masked passes run (a pass that packs ``k`` masks
+   repeats it mask-major; prefix reuse's ``gated_projection`` reads the same fill);
+3. the fill the gates held before comes back afterwards.
+
+**Resample: donors of the same token length.** Example ``i``'s donor is drawn by a seeded derangement (no example is
+its own donor; ``ablation.seed``) among the examples of the same token length as ``i``. The same length means the same
+padding in any batch, so the donor's activations line up with the example's position by position, and the donor
+batch (the donors of a batch's examples, padded as that batch) has the batch's very shape. The donor is in general
+in another batch of the adapter's length-sorted batching: its inputs are taken from the whole evaluation set, not
+from the batch. An example without another of its length cannot be resampled, and a run with one is refused
+(:func:`same_length_donors`). Causal-LM perplexity windows all have the same length, so any derangement works.
+
+**Repeats.** ``ablation.resamples: K`` draws K derangements (draw ``k`` seeded by ``(seed, k)``); the adapter
+evaluates every mask under each, and each example's statistics are the mean over the K draws
+(:meth:`Donors.mean_over_draws`). Each example still has one row of statistics per mask, so the paired tests stay
+valid: the unit of the t-test and of the bootstrap is still the example, and the donor draws are part of what is
+measured for it (averaging K draws only lowers that example's variance). A 0/1 outcome averaged over K > 1 draws is
+no longer 0/1 (McNemar's exact test needs 0/1 outcomes; the t-test and bootstrap do not).
+
+**Patch.** The donor of example ``i`` is the other prompt of pair ``i`` (``noising``: the corrupted prompt's
+activations patched into the clean run; ``denoising``: the clean prompt's into the corrupted run); the adapter's
+paired data make both prompts the same token length, so they line up as resample's donors do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+
+from headsweep.errors import HeadsweepError
+from headsweep.workers.ablation import HeadFill
+from headsweep.workers.gates import HeadGates
+from headsweep.workers.heads import SiteKey
+
+#: How many example lengths an error message names before it says how many more there are.
+SHOWN = 5
+
+
+def derangement(n: int, rng: np.random.Generator) -> np.ndarray:
+    """A permutation of ``range(n)`` with no fixed point, uniform over all such permutations (drawn by rejection:
+    about e tries on average), from ``rng``. ``n`` must be at least 2."""
+    if n < 2:
+        raise ValueError(f"a derangement needs at least 2 elements, got {n}")
+    identity = np.arange(n)
+    while True:
+        perm = rng.permutation(n)
+        if not (perm == identity).any():
+            return perm
+
+
+def same_length_donors(lengths: Sequence[int], seed: int, draws: int = 1, what: str = "examples") -> np.ndarray:
+    """Resample ablation's donors: shape ``(draws, n)``, ``donors[k, i]`` the example whose activations replace
+    example ``i``'s in draw ``k``; within each group of examples of one length, a derangement (draw ``k`` seeded by
+    ``(seed, k)``, the groups in order of length).
+
+    Refused (:class:`HeadsweepError`) when an example has no other example of its length: it has no donor whose
+    positions line up with its own.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    groups: dict[int, np.ndarray] = {int(n): np.flatnonzero(lengths == n) for n in np.unique(lengths)}
+    alone = sorted(n for n, members in groups.items() if len(members) < 2)
+    if alone:
+        shown = ", ".join(str(n) for n in alone[:SHOWN]) + (f" and {len(alone) - SHOWN} more" if len(alone) > SHOWN
+                                                            else "")
+        raise HeadsweepError(
+            f"sweep.ablation resample draws each example's donor among {what} of the same token length (the same "
+            f"padding, so positions line up), and {len(alone)} of {len(lengths)} {what} have no other of their "
+            f"length (lengths {shown}): evaluate more data (a larger data.max_examples, or a larger file), or use "
+            "sweep.ablation mean")
+    donors = np.empty((draws, len(lengths)), dtype=np.int64)
+    for k in range(draws):
+        rng = np.random.default_rng((seed, k))
+        for members in groups.values():
+            donors[k, members] = members[derangement(len(members), rng)]
+    return donors
+
+
+def record_contexts(gates: HeadGates, run: Callable[[], Any]) -> dict[SiteKey, torch.Tensor]:
+    """Every site's output-projection input during ``run()`` (one forward pass of the model ``gates`` are on), as
+    ``(B, T, H, d)`` batch first; the pass runs ungated (no gates, no fill: the model as it is)."""
+    recorded: dict[SiteKey, list[torch.Tensor]] = {site.key: [] for site in gates.sites}
+    handles = [site.out_proj.register_forward_pre_hook(lambda _m, args, key=site.key: recorded[key].append(args[0]))
+               for site in gates.sites]
+    saved = gates.fill
+    gates.clear()
+    gates.set_fill(None)
+    try:
+        run()
+    finally:
+        gates.set_fill(saved)
+        for handle in handles:
+            handle.remove()
+    out = {}
+    for site in gates.sites:
+        calls = recorded[site.key]
+        if len(calls) != 1 or calls[0].dim() != 3:
+            raise HeadsweepError(f"{site.module_name}: the donor pass called its output projection {len(calls)} "
+                                 "times, not once on (batch, time, features): per-example ablation cannot record it")
+        x = calls[0] if site.batch_dim == 0 else calls[0].transpose(0, 1)
+        out[site.key] = x.reshape(*x.shape[:2], site.num_heads, site.head_dim)
+    return out
+
+
+class Donors:
+    """An adapter's per-example fills: whose inputs fill each example's gated-off heads, and the per-batch step.
+
+    ``donors[k, i]``: in draw ``k``, the example (position in the evaluation set) whose donor-side inputs fill
+    example ``i`` (resample: another example; patch: ``i`` itself, its other prompt). None: the run's method is not
+    per example, and :meth:`batch` does nothing.
+    """
+
+    def __init__(self, gates: HeadGates, donors: np.ndarray | None = None, keep_first: bool = False):
+        self.gates = gates
+        self.donors = donors
+        self.keep_first = keep_first
+        self.draw = 0
+
+    @property
+    def active(self) -> bool:
+        return self.donors is not None
+
+    @property
+    def n_draws(self) -> int:
+        return 1 if self.donors is None else int(self.donors.shape[0])
+
+    def draws(self) -> Iterator[int]:
+        """Each draw in turn (the current one is what :meth:`batch` installs); one when not per example."""
+        try:
+            for k in range(self.n_draws):
+                self.draw = k
+                yield k
+        finally:
+            self.draw = 0
+
+    def mean_over_draws(self, compute: Callable[[], np.ndarray]) -> np.ndarray:
+        """``compute()`` under each draw, averaged: the per-example values of K resample draws (module docstring)."""
+        if self.n_draws == 1:
+            return compute()
+        total = None
+        for _ in self.draws():
+            value = np.asarray(compute(), dtype=np.float64)
+            total = value if total is None else total + value
+        assert total is not None
+        return total / self.n_draws
+
+    def donors_of(self, rows: Sequence[int] | torch.Tensor | np.ndarray) -> np.ndarray:
+        """The donors (positions in the evaluation set) of examples ``rows`` in the current draw."""
+        assert self.donors is not None
+        index = rows.cpu().numpy() if torch.is_tensor(rows) else np.asarray(rows, dtype=np.int64)
+        return self.donors[self.draw, index]
+
+    def batch(self, rows: Sequence[int] | torch.Tensor | np.ndarray, run_donors: Callable[[np.ndarray], Any],
+              needed: bool = True):
+        """Context manager around one batch's masked passes: the fill of examples ``rows`` (the batch's positions
+        in the evaluation set, in batch order) installed inside, the previous fill back after.
+
+        ``run_donors(donors)`` runs the model once on the donor-side inputs of ``donors`` (positions in the
+        evaluation set, one per row of the batch), built and padded exactly as the batch is. ``needed`` False (no
+        mask of the batch gates a head) skips the donor pass.
+        """
+        if self.donors is None or not needed:
+            return nullcontext()
+        return self._installed(rows, run_donors)
+
+    @contextmanager
+    def _installed(self, rows, run_donors: Callable[[np.ndarray], Any]) -> Iterator[None]:
+        donors = self.donors_of(rows)
+        values = record_contexts(self.gates, lambda: run_donors(donors))
+        saved = self.gates.fill
+        self.gates.set_fill(HeadFill(values, per_example=True, keep_first=self.keep_first))
+        try:
+            yield
+        finally:
+            self.gates.set_fill(saved)
+
+
+def donors_for(spec: Any, gates: HeadGates, lengths: Sequence[int], paired: bool = False,
+               what: str = "examples") -> Donors:
+    """The :class:`Donors` of an adapter under the run's ablation ``spec`` (``RuntimeOptions.ablation``; None:
+    zero): resample's same-length derangements over ``lengths`` (each example's token length), patch's pairs
+    (``paired``: the adapter holds paired data), nothing for the other methods."""
+    method = getattr(spec, "method", "zero")
+    keep_first = bool(getattr(spec, "keep_first", False))
+    if method == "resample":
+        return Donors(gates, same_length_donors(lengths, spec.seed, spec.resamples, what), keep_first)
+    if method == "patch":
+        if not paired:
+            raise HeadsweepError("sweep.ablation patch needs paired data (clean and corrupted prompts): set "
+                                 "data.task: paired (hf_causal_lm; JSONL rows clean, corrupted, answer, "
+                                 "wrong_answer), or use another sweep.ablation")
+        return Donors(gates, np.arange(len(lengths), dtype=np.int64)[None, :], keep_first)
+    return Donors(gates)
