@@ -50,7 +50,8 @@ class AblationSpec:
     ``reference``: the data section (typed as the family's ``data``) the means are taken over; None: the evaluation
     data. ``per_position``: one mean per absolute position (``ablation.positions: per_position``). ``keep_first``:
     position 0 is never replaced (and not counted in the means). ``seed`` and ``resamples``: resample ablation's
-    donor draws. The default, ``zero``, changes nothing.
+    donor draws. ``direction``: activation patching's (``noising``: the corrupted prompt's activations patched into
+    the clean run; ``denoising``: the clean prompt's into the corrupted run). The default, ``zero``, changes nothing.
     """
 
     method: str = "zero"
@@ -59,6 +60,7 @@ class AblationSpec:
     keep_first: bool = False
     seed: int = 0
     resamples: int = 1
+    direction: str = "noising"
 
     @property
     def constant(self) -> bool:
@@ -99,6 +101,8 @@ class HeadFill:
         time_dim = 1 - batch_dim
         steps = heads.shape[time_dim]
         if self.per_position:
+            import torch
+
             rows = torch.arange(steps, device=heads.device).clamp_(max=value.shape[0] - 1)
             return value.index_select(0, rows).unsqueeze(batch_dim)  # (1, T, H, d) or (T, 1, H, d)
         if value.shape[1] != steps:
