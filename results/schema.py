@@ -4,7 +4,8 @@ Every table is a Parquet dataset partitioned by ``run_id`` (Hive style); the fil
 themselves do not repeat ``run_id``. Readers use these schemas (not the first file's) so
 that files written before a column was added read back with that column null.
 
-``TABLES`` holds the tables every run writes (``runs``, ``evaluations``, ``examples``, ``significance``) and,
+``TABLES`` holds the tables every run writes (``runs``, ``evaluations``, ``examples``, ``significance``), the values
+of mean ablation (``ablation_values``, written by runs with ``sweep.ablation: mean``) and,
 registered with :func:`register_table`, the tables of the experiment kinds (``importance``, ``efficiency``,
 ``gates``, ``head_roles``, ``interactions``: each declared by its kind in ``headsweep.sweep.experiments``, which
 registers them when it is imported; the ``headsweep`` API, the CLI and the driver import it). This module never
@@ -34,6 +35,8 @@ SCHEMA_HISTORY = {
     6: "new table gates (Hard Concrete L0 gates per lambda)",
     7: "evaluations gain screen, screen_examples, screen_ci_low, screen_ci_high (sequential screening)",
     8: "gates.lambda renamed l0_lambda (lambda is a keyword in DuckDB's SQL); older files' lambda reads as l0_lambda",
+    9: "runs and evaluations gain ablation (sweep.ablation: what a gated-off head leaves behind; null in older files, "
+       "which were all zero ablation); new table ablation_values (mean ablation's per-head values)",
 }
 
 SCHEMA_VERSION = max(SCHEMA_HISTORY)
@@ -61,6 +64,7 @@ TABLES: dict[str, pa.Schema] = {
             ("error", pa.string()),
             ("code_version", pa.string()),
             ("schema_version", pa.int32()),
+            ("ablation", pa.string()),  # sweep.ablation (schema v9; null before: zero)
         ]
     ),
     "evaluations": pa.schema(
@@ -86,6 +90,7 @@ TABLES: dict[str, pa.Schema] = {
             ("screen_examples", pa.int64()),
             ("screen_ci_low", pa.float64()),
             ("screen_ci_high", pa.float64()),
+            ("ablation", pa.string()),  # sweep.ablation (schema v9; null before: zero)
         ]
     ),
     "examples": pa.schema(
@@ -112,6 +117,22 @@ TABLES: dict[str, pa.Schema] = {
             ("significant", pa.bool_()),
             ("n_resamples", pa.int64()),
             ("seed", pa.int64()),
+        ]
+    ),
+    # Mean ablation's values (schema v9): per head (and checkpoint) what a gated-off head is replaced by, so that a
+    # resumed run can check it computes the same (sweep/run/ablation_values.py).
+    "ablation_values": pa.schema(
+        [
+            ("checkpoint", pa.string()),
+            *HEAD_COLUMNS,
+            ("method", pa.string()),
+            ("positions", pa.string()),
+            ("n_rows", pa.int32()),
+            ("head_dim", pa.int32()),
+            ("n_tokens", pa.int64()),
+            ("mean_norm", pa.float64()),
+            ("dtype", pa.string()),
+            ("values", pa.list_(pa.float32())),
         ]
     ),
 }

@@ -8,6 +8,7 @@ a new experiment kind brings its worker-side function and never edits this class
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -18,6 +19,7 @@ from typing import Any
 
 import ray
 
+from headsweep.workers.ablation_values import WorkerFill
 from headsweep.workers.family import DatasetInfo, EvalAdapter, MaskOutput, RuntimeOptions
 from headsweep.workers.registry import model_family
 
@@ -43,6 +45,9 @@ class EvalWorker:
         self._adapter: EvalAdapter | None = None
         self._other: dict[str, EvalAdapter] = {}  # repr(data config) -> adapter on that data
         self._variant: tuple[tuple, EvalAdapter] | None = None  # ((positions, weights file), adapter)
+        # What gated-off heads leave behind (sweep.ablation), set on every adapter loaded; mean's values computed
+        # once, on the first load (again after Ray restarts the actor: the same values, they are deterministic).
+        self._fill = WorkerFill(runtime.ablation)
 
     def load(self) -> DatasetInfo:
         """Load model and data (errors surface here, not in the constructor, with their cause)."""
@@ -50,7 +55,22 @@ class EvalWorker:
         self._adapter = model_family(self.kind).load(self.model_cfg, self.data_cfg, self.runtime)
         info = self._adapter.describe()
         info.facts = {**info.facts, "load_seconds": round(time.perf_counter() - start, 3)}
-        return info
+        self._fill.install(self, self._adapter)
+        ablation = self._fill.facts()
+        return info if not ablation else dataclasses.replace(info, facts={**info.facts, "ablation": ablation})
+
+    def held_adapters(self) -> list[EvalAdapter]:
+        """Every adapter loaded and kept: the main one, the one on other data, the variant."""
+        variant = [self._variant[1]] if self._variant is not None else []
+        return [a for a in (self._adapter, *self._other.values(), *variant) if a is not None]
+
+    def fill_values(self) -> dict[str, Any]:
+        """The run's constant fill (mean ablation's means) as numpy arrays by ``attention:layer``; empty without."""
+        return self._fill.values()
+
+    def fill_tokens(self) -> dict[str, int]:
+        """The real tokens each site's mean counted, by ``attention:layer``; empty without means."""
+        return self._fill.tokens()
 
     def adapter(self, data_cfg: Any = None) -> EvalAdapter:
         """The adapter on the evaluation data (``data_cfg`` None), or on other data, loaded once and kept."""
@@ -61,6 +81,7 @@ class EvalWorker:
         key = repr(data_cfg)
         if key not in self._other:
             self._other = {key: model_family(self.kind).load(self.model_cfg, data_cfg, self.runtime)}
+            self._fill.install(self, self._other[key], "other data")
         return self._other[key]
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -87,6 +108,7 @@ class EvalWorker:
                 # Before its first evaluation: load_state_dict copies in place, and the reuse caches (baseline
                 # states) are filled lazily from the weights the model holds when a mask first runs.
                 adapter.model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+            self._fill.install(self, adapter)
             self._variant = (key, adapter)
         return self._variant[1]
 

@@ -57,3 +57,27 @@ class AblationSection:
 def ablation_settings(cfg: Any) -> tuple[str, AblationSection]:
     """The run's method and its settings."""
     return cfg.sweep.ablation, cfg.ablation
+
+
+def check_for_model(cfg: Any) -> None:
+    """What the run's model family cannot honour, refused before any worker starts: ``optimal`` (not built yet), and
+    per-position fills or ``keep_first`` where the family's evaluation does not run whole sequences
+    (``ModelFamily.fills_by_position``: fairseq translation's beam search runs decoder attention one position per
+    step, and its sources are left-padded)."""
+    from headsweep.workers.registry import model_family
+
+    method, section = ablation_settings(cfg)
+    if method == "optimal":
+        raise HeadsweepError("sweep.ablation optimal (per-head constants trained to minimise the loss, Li and Janson "
+                             "2024) is not available yet in this headsweep: use sweep.ablation mean (each head's mean "
+                             "output over ablation.reference) or zero")
+    family = model_family(cfg.model.kind)
+    if family.fills_by_position:
+        return
+    for setting, on in (("ablation.positions: per_position", section.positions == "per_position"),
+                        ("ablation.keep_first", section.keep_first)):
+        if on:
+            raise HeadsweepError(
+                f"{setting} is not available for {family.name} models: beam search runs decoder attention one "
+                "position per step and sources are padded on the left, so a position of the input is not a position "
+                "of the sentence; use ablation.positions: all without keep_first")

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.configuration.ablation import AblationSection
+from headsweep.sweep.configuration.ablation import AblationSection, check_for_model
 from headsweep.sweep.configuration.reader import coerce, from_dict
 from headsweep.sweep.configuration.sections import SECTIONS, Config, SignificanceSection, SweepSection, config_class
 from headsweep.sweep.experiments import BUILTIN_KINDS, KINDS, Experiment, experiment_kind, experiments_of
@@ -234,6 +234,7 @@ def _check_sections(cfg: Config) -> None:
         )
     cfg.significance.check()
     cfg.ablation.check(cfg.sweep.ablation)
+    check_for_model(cfg)
     for kind in KINDS.values():  # each kind's settings this config has, whether or not the run has the kind
         if kind.section is None or hasattr(cfg, kind.section):
             kind.check_settings(cfg)

@@ -28,6 +28,7 @@ class ChunkWriter:
     flush_every: int
     flush_seconds: float
     checkpoint: str | None = None
+    ablation: str = "zero"  # sweep.ablation, recorded on every row
     eval_rows: list[dict] = field(default_factory=list)
     example_rows: list[dict] = field(default_factory=list)
     written: int = 0
@@ -59,6 +60,7 @@ class ChunkWriter:
                 "seconds": out.seconds,
                 "worker": worker,
                 "finished_at": datetime.now(UTC),
+                "ablation": self.ablation,
                 **(extra or {}),
             }
         )

@@ -25,6 +25,7 @@ from headsweep.sweep.cluster.placement import alive_nodes, check_placement
 from headsweep.sweep.cluster.ray_session import init_ray, resolve_device
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.single_head import SINGLE_HEAD
+from headsweep.sweep.run.ablation_values import ablation_spec, fetch_fill
 from headsweep.sweep.run.budget import BudgetReached, SessionBudget
 from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.context import Context
@@ -88,6 +89,7 @@ class Sweep:
             seed=self.cfg.seed,
             loss=s.loss,
             fused_attention=s.fused_attention,
+            ablation=ablation_spec(self.cfg),
             **s.batching(),
         )
         names = [f"worker-{i}" for i in range(s.workers)]
@@ -146,6 +148,9 @@ class Sweep:
                 if index > 0:
                     pool, info = self.start_workers(model_cfg)
                     record.info = info
+                    fill = fetch_fill(self.cfg, pool, self.store, self.run_id, checkpoint)
+                    if fill is not None:
+                        fill.write()
                 ctx = Context(
                     self.cfg, info, pool, self.store, self.run_id,
                     prefix=f"ckpt{index}/" if checkpoint is not None else "", checkpoint=checkpoint,
@@ -198,10 +203,15 @@ class Sweep:
             self.done = stored_results(self.store, self.run_id, info)
             self.screened = Screening.stored(self.store, self.run_id)
             log(f"resuming run {self.run_id}: {len(self.done)} evaluations already stored")
-        writer = ChunkWriter(self.store, self.run_id, info, self.cfg.sweep.flush_every, self.cfg.sweep.flush_seconds)
+        # Mean ablation's values: a resumed run's must equal those it stored (checked before anything is written).
+        fill = fetch_fill(self.cfg, pool, self.store, self.run_id, self.model_variants()[0][0])
+        writer = ChunkWriter(self.store, self.run_id, info, self.cfg.sweep.flush_every, self.cfg.sweep.flush_seconds,
+                             ablation=self.cfg.sweep.ablation)
         writer.written = len(self.done)
         record = RunRecord(self.cfg, self.store, self.run_id, created_at, info, writer)
         record.write(RUNNING, n_done=0)
+        if fill is not None:
+            fill.write()
         return record
 
     def check_checkpoints(self, pool: WorkerPool, info: DatasetInfo) -> None:

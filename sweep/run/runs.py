@@ -88,6 +88,12 @@ def resumable(store: ResultStore, cfg: Config, resume: str | None, auto_resume: 
         if run is None:
             raise HeadsweepError(f"--resume {resume}: no such run in store {store.uri}")
         if run["config_hash"] != cfg.hash():
+            before = json.loads(run["config"] or "{}").get("sweep", {}).get("ablation", "zero")
+            if before != cfg.sweep.ablation:
+                raise HeadsweepError(
+                    f"--resume {resume}: that run was made with sweep.ablation {before}, this config asks "
+                    f"{cfg.sweep.ablation}; deltas of two ablation methods are never mixed in one run: start a new "
+                    "run (headsweep compare sets two runs side by side)")
             raise HeadsweepError(
                 f"--resume {resume}: that run was made with another config (hash {run['config_hash']}, "
                 f"this one {cfg.hash()}); results of different configs are never mixed: start a new run"
@@ -157,6 +163,7 @@ class RunRecord:
                                 sort_keys=True, default=str),
             "code_version": code_version(),
             "schema_version": SCHEMA_VERSION,
+            "ablation": self.cfg.sweep.ablation,
             "n_planned": self.n_planned,
             "n_done": n_done,
             "baseline_score": self.baseline_score,
