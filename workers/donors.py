@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.ablation import HeadFill
+from headsweep.workers.ablation import PER_EXAMPLE_METHODS, AblationSpec, HeadFill
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import SiteKey
 
@@ -188,19 +188,30 @@ class Donors:
             self.gates.set_fill(saved)
 
 
-def donors_for(spec: Any, gates: HeadGates, lengths: Sequence[int], paired: bool = False,
+PATCH_NEEDS_PAIRS = ("sweep.ablation patch needs paired data (clean and corrupted prompts): set data.task: paired "
+                     "(hf_causal_lm; JSONL rows clean, corrupted, answer, wrong_answer), or use another "
+                     "sweep.ablation")
+
+
+def donors_for(spec: AblationSpec, gates: HeadGates, lengths: Sequence[int], paired: bool = False,
                what: str = "examples") -> Donors:
-    """The :class:`Donors` of an adapter under the run's ablation ``spec`` (``RuntimeOptions.ablation``; None:
-    zero): resample's same-length derangements over ``lengths`` (each example's token length), patch's pairs
-    (``paired``: the adapter holds paired data), nothing for the other methods."""
-    method = getattr(spec, "method", "zero")
-    keep_first = bool(getattr(spec, "keep_first", False))
-    if method == "resample":
-        return Donors(gates, same_length_donors(lengths, spec.seed, spec.resamples, what), keep_first)
-    if method == "patch":
+    """The :class:`Donors` of an adapter under the run's ablation ``spec`` (``RuntimeOptions.ablation``):
+    resample's same-length derangements over ``lengths`` (each example's token length), patch's pairs (``paired``:
+    the adapter holds paired data, example ``i``'s donor its other prompt), nothing for the other methods."""
+    if spec.method == "resample":
+        return Donors(gates, same_length_donors(lengths, spec.seed, spec.resamples, what), spec.keep_first)
+    if spec.method == "patch":
         if not paired:
-            raise HeadsweepError("sweep.ablation patch needs paired data (clean and corrupted prompts): set "
-                                 "data.task: paired (hf_causal_lm; JSONL rows clean, corrupted, answer, "
-                                 "wrong_answer), or use another sweep.ablation")
-        return Donors(gates, np.arange(len(lengths), dtype=np.int64)[None, :], keep_first)
+            raise HeadsweepError(PATCH_NEEDS_PAIRS)
+        return Donors(gates, np.arange(len(lengths), dtype=np.int64)[None, :], spec.keep_first)
     return Donors(gates)
+
+
+def refuse_per_example(spec: AblationSpec, what: str, why: str) -> None:
+    """An adapter that cannot fill heads per example (``what``, e.g. "multiple-choice questions", ``why`` the
+    reason) refuses resample with one line, and patch with :data:`PATCH_NEEDS_PAIRS` (it holds no pairs)."""
+    if spec.method == "patch":
+        raise HeadsweepError(PATCH_NEEDS_PAIRS)
+    if spec.method in PER_EXAMPLE_METHODS:
+        raise HeadsweepError(f"sweep.ablation {spec.method} is not available for {what}: {why}; use sweep.ablation "
+                             "mean")

@@ -140,7 +140,18 @@ def mean_nll(stats: np.ndarray) -> np.ndarray:
 PERPLEXITY = Metric("perplexity", PERPLEXITY_STAT_NAMES, perplexity_from_stats, higher_is_better=False,
                     example_values=mean_nll)
 
-METRICS = {m.name: m for m in (ACCURACY, MC_ACCURACY_NORM, BLEU, PERPLEXITY)}
+def mean_logit_diff(stats_sum: np.ndarray, n: int) -> np.ndarray:
+    """The mean logit difference (answer minus wrong answer, at the last position) from summed per-pair
+    ``[logit_diff]`` of ``n`` pairs (every leading index is one corpus, e.g. one bootstrap resample)."""
+    return np.asarray(stats_sum, dtype=np.float64)[..., 0] / n
+
+
+# Paired prompts (activation patching, hf_causal_lm data.task: paired): per pair the logit of the answer token minus
+# that of the wrong answer at the last position, a sufficient statistic of its own; the corpus score is their mean,
+# so the bootstrap rescores resamples from the rows and the t-test reads the per-pair values.
+LOGIT_DIFF = Metric("logit_diff", ("logit_diff",), mean_logit_diff)
+
+METRICS = {m.name: m for m in (ACCURACY, MC_ACCURACY_NORM, BLEU, PERPLEXITY, LOGIT_DIFF)}
 
 #: Names of the metrics for which a lower score is better (the SQL views are generated from it).
 LOWER_IS_BETTER = tuple(m.name for m in METRICS.values() if not m.higher_is_better)

@@ -15,6 +15,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation import METHODS
 
 POSITIONS = ("all", "per_position")
+DIRECTIONS = ("noising", "denoising")
 
 
 @dataclass
@@ -25,7 +26,10 @@ class AblationSection:
     None: the evaluation data). ``positions``: ``all`` (one mean per head over every non-padding token) or
     ``per_position`` (one per absolute position; positions the reference never reaches take the pooled mean).
     ``keep_first``: the first position of every sequence is never replaced (decoder-only models' BOS sink).
-    ``seed`` and ``resamples``: resample ablation's donor draws.
+    ``seed`` and ``resamples``: resample ablation's donor draws (``resamples`` K: each example's statistics are the
+    mean over K draws). ``direction``: activation patching's, ``noising`` (the corrupted prompt's activations patched
+    into the clean run, whose unpatched score is the baseline: is the head necessary?) or ``denoising`` (the clean
+    prompt's into the corrupted run, the baseline: is it sufficient?).
     """
 
     reference: dict | None = field(default=None, metadata={"data": True})
@@ -34,6 +38,7 @@ class AblationSection:
     seed: int = 0
     resamples: int = 1
     allow_eval_data: bool = False
+    direction: str = "noising"
 
     def check(self, method: str) -> None:
         """The section's own values, and those that mean nothing for ``method`` (``sweep.ablation``)."""
@@ -43,12 +48,14 @@ class AblationSection:
             raise HeadsweepError(f"unknown ablation.positions {self.positions!r} (known: {', '.join(POSITIONS)})")
         if self.resamples < 1:
             raise HeadsweepError(f"ablation.resamples must be at least 1, got {self.resamples}")
+        if self.direction not in DIRECTIONS:
+            raise HeadsweepError(f"unknown ablation.direction {self.direction!r} (known: {', '.join(DIRECTIONS)})")
         meaningful = {"zero": ("keep_first",), "mean": ("reference", "positions", "keep_first"),
                       "resample": ("seed", "resamples", "keep_first"),
                       "optimal": ("reference", "keep_first", "allow_eval_data", "seed"),
-                      "patch": ("keep_first",)}[method]
+                      "patch": ("keep_first", "direction")}[method]
         defaults = AblationSection()
-        for name in ("reference", "positions", "seed", "resamples", "allow_eval_data"):
+        for name in ("reference", "positions", "seed", "resamples", "allow_eval_data", "direction"):
             if name not in meaningful and getattr(self, name) != getattr(defaults, name):
                 raise HeadsweepError(f"ablation.{name} is set but sweep.ablation is {method}, which does not read "
                                      f"it: remove it, or set sweep.ablation to a method that does")

@@ -36,6 +36,7 @@ from headsweep.workers.families.hf_causal_lm.model import (
     target_nll,
 )
 from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoiceAdapter
+from headsweep.workers.families.hf_causal_lm.paired import PairedAdapter
 from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
 from headsweep.workers.families.transformers.loading import max_positions, resolve_positions
@@ -96,8 +97,7 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
         self.batches = [torch.arange(i, min(i + runtime.batch_size, len(self.windows)))
                         for i in range(0, len(self.windows), runtime.batch_size)]
         self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-        self.donors = donors_for(getattr(runtime, "ablation", None), self.gates, [self.window] * len(self.windows),
-                                 what="windows")
+        self.donors = donors_for(runtime.ablation, self.gates, [self.window] * len(self.windows), what="windows")
         self.model_name = Path(model_cfg.path).name
         self.dataset_name = data_cfg.name or Path(Path(data_cfg.path).name.removesuffix(".gz")).stem
         self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
@@ -280,9 +280,12 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
 
 
 def load_causal_lm_adapter(model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions
-                           ) -> CausalLMAdapter | MultipleChoiceAdapter:
-    """Loader named by the ``hf_causal_lm`` model family: by ``data.task``, the perplexity adapter or
-    (``multiple_choice``) :class:`~headsweep.workers.families.hf_causal_lm.multiple_choice.MultipleChoiceAdapter`."""
+                           ) -> CausalLMAdapter | MultipleChoiceAdapter | PairedAdapter:
+    """Loader named by the ``hf_causal_lm`` model family: by ``data.task``, the perplexity adapter,
+    (``multiple_choice``) :class:`~headsweep.workers.families.hf_causal_lm.multiple_choice.MultipleChoiceAdapter` or
+    (``paired``) :class:`~headsweep.workers.families.hf_causal_lm.paired.PairedAdapter`."""
     if data_cfg.task == "multiple_choice":
         return MultipleChoiceAdapter(model_cfg, data_cfg, runtime)
+    if data_cfg.task == "paired":
+        return PairedAdapter(model_cfg, data_cfg, runtime)
     return CausalLMAdapter(model_cfg, data_cfg, runtime)

@@ -10,7 +10,7 @@ from headsweep.workers.text_files import check_encoding
 # data.window when unset: this many tokens, or the model's maximum positions if it has fewer.
 DEFAULT_WINDOW = 512
 
-TASKS = ("perplexity", "multiple_choice")
+TASKS = ("perplexity", "multiple_choice", "paired")
 CHOICE_SCORES = {"acc": "accuracy", "acc_norm": "accuracy_norm"}  # data.choice_score -> the run's metric
 
 
@@ -49,6 +49,13 @@ class CausalLMData:
     the context. ``choice_score`` names the run's metric: ``acc`` (accuracy: the likeliest choice) or
     ``acc_norm`` (accuracy_norm: the likeliest per character of the choice); both are stored per
     question. ``max_questions`` keeps the first questions.
+
+    ``task: paired`` reads a JSONL file of prompt pairs for activation patching
+    (:mod:`headsweep.workers.families.hf_causal_lm.paired`): each line holds ``clean`` and ``corrupted`` prompts that
+    tokenise to the same length, the ``answer`` and ``wrong_answer`` (one token each, as the tokenizer encodes them
+    alone: usually with their leading space) and optionally a ``template`` id; the metric is ``logit_diff`` (the
+    answer's logit minus the wrong answer's at the last position). ``add_bos`` puts BOS before both prompts;
+    ``max_pairs`` keeps the first pairs.
     """
 
     path: str = ""
@@ -67,14 +74,25 @@ class CausalLMData:
     target_delimiter: str = " "
     choice_score: str = "acc"  # acc | acc_norm: which one is the run's metric
     max_questions: int | None = None
+    max_pairs: int | None = None
+
+    @property
+    def paired(self) -> bool:
+        """Whether the data are clean / corrupted prompt pairs (what ``sweep.ablation: patch`` needs)."""
+        return self.task == "paired"
 
     def check(self) -> None:
         """What can be checked without the model or the file (the worker checks the rest)."""
         check_encoding(self.encoding)
         if self.task not in TASKS:
-            raise HeadsweepError(f"data.task must be perplexity or multiple_choice, got {self.task!r}")
+            raise HeadsweepError(f"data.task must be perplexity, multiple_choice or paired, got {self.task!r}")
+        if self.task != "paired" and self.max_pairs is not None:
+            raise HeadsweepError(f"data.max_pairs applies to data.task paired, not {self.task}: remove it, or set "
+                                 "data.task: paired")
         if self.task == "multiple_choice":
             self._check_multiple_choice()
+        elif self.task == "paired":
+            self._check_paired()
         else:
             self._refuse_keys_of("multiple_choice", self._multiple_choice_keys())
         if not self.path:
@@ -103,6 +121,18 @@ class CausalLMData:
         if keys:
             raise HeadsweepError(f"data.{keys[0]} applies to data.task {task}, not {self.task}: remove it, or "
                                  f"set data.task: {task}")
+
+    def _check_paired(self) -> None:
+        self._refuse_keys_of("multiple_choice", self._multiple_choice_keys())
+        self._refuse_keys_of("perplexity", [k for k in self._perplexity_keys() if k != "add_bos"])
+        if self.format not in (None, "jsonl"):
+            raise HeadsweepError(f"data.task paired reads JSONL (one pair per line), so data.format must be jsonl or "
+                                 f"unset, got {self.format!r}")
+        if not self.path:
+            raise HeadsweepError("config key 'data.path' is required (a JSONL file of prompt pairs for data.task "
+                                 "paired)")
+        if self.max_pairs is not None and self.max_pairs < 1:
+            raise HeadsweepError(f"data.max_pairs must be at least 1, got {self.max_pairs}")
 
     def _check_multiple_choice(self) -> None:
         self._refuse_keys_of("perplexity", self._perplexity_keys())

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
+from headsweep.workers.families.hf_causal_lm.pairs import read_pairs
 from headsweep.workers.text_files import check_encoding, check_file, data_file, decode, read_bytes, split_lines
 
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
@@ -28,10 +29,12 @@ def corpus_format(cfg: CausalLMData) -> str:
 
 def check_data(cfg: CausalLMData, key: str = "data") -> None:
     """Everything a causal-LM data section (config key ``key``) says that needs no model: its settings, its file,
-    and for perplexity the corpus text itself (decoded, its rows read)."""
+    for perplexity the corpus text itself (decoded, its rows read), for paired data its pairs."""
     cfg.check()
     if cfg.task == "perplexity":
         read_corpus(cfg, key)
+    elif cfg.task == "paired":
+        read_pairs(cfg, key)
     else:
         check_file(cfg.path, data_file(key), f"{key}.path")
 

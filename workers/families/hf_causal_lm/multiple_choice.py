@@ -29,6 +29,7 @@ import torch
 
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.data_report import Finding, merge, report, unknown_tokens
+from headsweep.workers.donors import refuse_per_example
 from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.model import (
@@ -137,6 +138,8 @@ class MultipleChoiceAdapter(BaselineOnce):
 
     def __init__(self, model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
         data_cfg.check()
+        refuse_per_example(runtime.ablation, "multiple-choice questions",
+                           "each question is one row per choice, of its own length, so no donor lines up with it")
         # Read (and refuse) the file before loading the model: a bad line costs no model load.
         questions = read_questions(data_cfg)
         if runtime.threads > 0:

@@ -64,7 +64,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
         self.max_length = resolve_max_length(data_cfg.max_length, self.max_positions, model_cfg.path)
         self.encoding = self.encode(self.max_length)
         self.batches = self.tokenise(self.max_length, runtime.batch_size, self.encoding)
-        self.donors = donors_for(getattr(runtime, "ablation", None), self.gates,
+        self.donors = donors_for(runtime.ablation, self.gates,
                                  [len(ids) for ids in self.encoding["input_ids"]])
         whole = self.tokenizer(examples.texts, examples.text_pairs, verbose=False)["input_ids"]  # not truncated
         subject = f"data file {data_cfg.path}"

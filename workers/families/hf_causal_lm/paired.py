@@ -1,0 +1,280 @@
+"""Paired prompts scored by logit difference (``data.task: paired``): what activation patching evaluates.
+
+The data are clean / corrupted prompt pairs (:mod:`headsweep.workers.families.hf_causal_lm.pairs`, the format).
+Per pair the statistic is ``logit_diff``: the logit of the answer token minus that of the wrong answer at the
+prompt's last position (:data:`headsweep.workers.metrics.LOGIT_DIFF`; the corpus score is the mean, so the paired
+bootstrap and t-test run on it as on any metric).
+
+Which prompt is evaluated: the clean one, except under ``sweep.ablation: patch`` with ``ablation.direction:
+denoising``, where it is the corrupted one. So the baseline (the empty mask) is the unpatched clean run under
+noising (and every other method) and the unpatched corrupted run under denoising; under patching a gated-off head
+takes its output on the other prompt of the pair (:mod:`headsweep.workers.donors`). ``describe`` records both
+unpatched means (``logit_diff_clean``, ``logit_diff_corrupted``) in the run's facts: the normalised patching score
+``(patched - corrupted) / (clean - corrupted)`` is computed from them.
+
+Pairs are batched by token length (a batch holds prompts of one length: no padding, the last position is the last
+real token, and resample ablation's same-length donors exist whenever a length has two pairs). Several masks share
+one forward pass and prefix reuse runs as for perplexity (:mod:`headsweep.workers.families.hf_causal_lm.reuse`),
+with the per-pair values in place of the per-token NLL.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from headsweep.errors import HeadsweepError
+from headsweep.workers.batch_budget import cache_budget
+from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
+from headsweep.workers.donors import donors_for
+from headsweep.workers.example_subset import at_positions
+from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+from headsweep.workers.families.hf_causal_lm.model import (
+    BaselineOnce,
+    activation_bytes_per_row,
+    load_causal_lm,
+    model_facts,
+    target_nll,
+)
+from headsweep.workers.families.hf_causal_lm.pairs import encode_pairs, read_pairs
+from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
+from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
+from headsweep.workers.families.transformers.loading import max_positions
+from headsweep.workers.families.transformers.reuse import PrefixReuseSwitch
+from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
+from headsweep.workers.gates import HeadGates
+from headsweep.workers.heads import Head
+from headsweep.workers.metrics import LOGIT_DIFF
+from headsweep.workers.replay import by_first_gated_layer
+from headsweep.workers.workload import median_batch, take_rows
+
+LOSS_NAME = "cross-entropy of the answer token at the last position"
+CONVENTION = ("logit_diff: logit of the answer token minus that of the wrong answer at the prompt's last position "
+              "(prompts and answers encoded without special tokens, BOS before each prompt with data.add_bos; the "
+              "answers one token each); corpus score: the mean over pairs")
+
+
+class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
+    """A gated causal LM with clean / corrupted prompt pairs (an ``EvalAdapter``); ``describe`` records the
+    unpatched clean and corrupted mean logit differences."""
+
+    metric = LOGIT_DIFF
+
+    def __init__(self, model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
+        data_cfg.check()
+        pairs = read_pairs(data_cfg)  # a bad line costs no model load
+        if runtime.threads > 0:
+            torch.set_num_threads(runtime.threads)
+        self.device = torch.device(runtime.device)
+        self.runtime = runtime
+        loaded = load_causal_lm(model_cfg, runtime.device)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.gates = HeadGates(sites_or_error(self.model))
+        available = len(pairs)
+        if data_cfg.max_pairs is not None:
+            pairs = pairs[: data_cfg.max_pairs]
+        self.pairs = at_positions(pairs, runtime.examples)
+        bos = self._bos_id() if data_cfg.add_bos else None
+        encoded = encode_pairs(self.tokenizer, self.pairs, bos, data_cfg.path)
+        self.max_positions = max_positions(self.model.config)
+        longest = max(encoded, key=lambda e: len(e.clean))
+        if self.max_positions and len(longest.clean) > self.max_positions:
+            line = self.pairs[encoded.index(longest)].line
+            raise HeadsweepError(f"data file {data_cfg.path}: line {line}: the prompts are {len(longest.clean)} "
+                                 f"tokens, more than the model's {self.max_positions} positions: shorten them")
+        self.spec = runtime.ablation
+        denoising = self.spec.method == "patch" and self.spec.direction == "denoising"
+        clean = [e.clean for e in encoded]
+        corrupted = [e.corrupted for e in encoded]
+        # The prompts each mask is evaluated on, and the other prompt of each pair (what patching fills from).
+        self.prompts, self.others = (corrupted, clean) if denoising else (clean, corrupted)
+        self.evaluated = "corrupted" if denoising else "clean"
+        self.answers = torch.tensor([[e.answer, e.wrong_answer] for e in encoded], device=self.device)
+        self.lengths = [len(p) for p in clean]
+        self.batches = self._batches(runtime.batch_size)
+        self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        # Patching fills from the pair's other prompt; resample from other pairs' evaluated prompts.
+        self._donor_prompts = self.others if self.spec.method == "patch" else self.prompts
+        self.donors = donors_for(self.spec, self.gates, self.lengths, paired=True, what="pairs")
+        self.model_name = Path(model_cfg.path).name
+        self.dataset_name = data_cfg.name or Path(data_cfg.path).stem
+        self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
+                                                            decoder_layout(self.model, self.gates.sites),
+                                                            self.pair_values, cache_budget(self.device)),
+                         "prefix: masks start at their first gated layer from cached baseline states "
+                         "(layer outputs and per-head contexts per batch of pairs)")
+        templates = Counter(p.template for p in self.pairs if p.template)
+        self.data_facts = {
+            "task": "paired", "pairs": len(self.pairs), "pairs_available": available, "add_bos": bos is not None,
+            "prompt_lengths": dict(sorted(Counter(self.lengths).items())), "templates": dict(templates),
+            "evaluated_prompt": self.evaluated, "convention": CONVENTION, "encoding": data_cfg.encoding,
+        }
+        if self.spec.method == "patch":
+            self.data_facts["direction"] = self.spec.direction
+        self._baseline: MaskOutput | None = None
+
+    def _bos_id(self) -> int:
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if bos is None:
+            raise HeadsweepError("data.add_bos is true but the tokenizer has no BOS token (bos_token); "
+                                 "set data.add_bos: false")
+        return int(bos)
+
+    def _batches(self, batch_size: int) -> list[torch.Tensor]:
+        """Pair indices, by length: every batch holds prompts of one length (no padding), at most ``batch_size``."""
+        batches = []
+        for length in sorted(set(self.lengths)):
+            members = [i for i, n in enumerate(self.lengths) if n == length]
+            batches += [torch.tensor(members[i : i + batch_size]) for i in range(0, len(members), max(1, batch_size))]
+        return batches
+
+    def _inputs(self, prompts: Sequence[Sequence[int]], rows) -> torch.Tensor:
+        return torch.tensor([prompts[int(i)] for i in rows], dtype=torch.long, device=self.device)
+
+    # -- the adapter contract ------------------------------------------------------------------------------------
+    def describe(self) -> DatasetInfo:
+        baseline = self.baseline()
+        other = float(self._unmasked(self.others)[:, 0].mean())
+        evaluated = float(baseline.stats[:, 0].mean())
+        clean, corrupted = (evaluated, other) if self.evaluated == "clean" else (other, evaluated)
+        return DatasetInfo(
+            model=self.model_name,
+            dataset=self.dataset_name,
+            metric=self.metric.name,
+            stat_names=list(self.metric.stat_names),
+            example_ids=[f"p{i}" for i in range(len(self.pairs))],
+            references=[p.answer for p in self.pairs],
+            inventory=self.gates.inventory,
+            facts={**model_facts(self.model, self.gates.sites), "reuse": self.reuse_note, **self.data_facts,
+                   "logit_diff_clean": clean, "logit_diff_corrupted": corrupted},
+        )
+
+    @torch.inference_mode()
+    def _unmasked(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+        """Per pair ``[logit_diff, answer NLL]`` of the ungated model on ``prompts`` (one of the two sides)."""
+        out = np.empty((len(self.pairs), 2), dtype=np.float64)
+        self.gates.clear()
+        for idx in self.batches:
+            out[idx.numpy()] = self.pair_values(self._inputs(prompts, idx), self.answers[idx.to(self.device)]
+                                                ).double().cpu().numpy()
+        return out
+
+    def values(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
+        """Per mask and pair ``[logit_diff, answer NLL]``: shape (n_masks, n_pairs, 2); under resample ablation with
+        K draws the mean over the draws (:mod:`headsweep.workers.donors`)."""
+        return self.donors.mean_over_draws(lambda: self.logit_diffs(masks))
+
+    def output(self, values: np.ndarray, seconds: float) -> MaskOutput:
+        stats = values[:, :1].copy()
+        return MaskOutput(stats=stats, loss=values[:, 1].copy(), outputs=[""] * len(self.pairs),
+                          score=self.metric.score(stats), seconds=seconds)
+
+    def run_donors(self, donors: np.ndarray) -> None:
+        """One ungated forward pass over the donor prompts of pairs ``donors`` (the other prompt under patching,
+        the evaluated prompt of another pair under resample): the per-batch donor pass of
+        :class:`~headsweep.workers.donors.Donors`."""
+        extra = {"logits_to_keep": 1} if self._keep_logits else {}
+        self.model(input_ids=self._inputs(self._donor_prompts, donors), use_cache=False, **extra)
+
+    @torch.inference_mode()
+    def logit_diffs(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
+        """Per mask and pair ``[logit_diff, answer NLL]`` (float64): the current donor draw only."""
+        return self.reused_or_plain(lambda: self._reused(masks), lambda: self._plain(masks))
+
+    def _reused(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
+        out = np.empty((len(masks), len(self.pairs), 2), dtype=np.float64)
+        groups = by_first_gated_layer(masks, self.gates.inventory)
+        for key, idx in enumerate(self.batches):
+            inputs, answers = self._inputs(self.prompts, idx), self.answers[idx.to(self.device)]
+            rows = inputs.shape[0]
+            states = self._reuse.states(key, inputs, answers)
+            if not self._reuse.verified:
+                site = self.gates.sites[-1]
+                self._reuse.verify(inputs, answers, states, [Head(site.attention, site.layer, 0)])
+            per = self.masks_per_forward(inputs)
+            with self.donors.batch(idx, self.run_donors, needed=any(layer is not None for layer in groups)):
+                for layer, members in groups.items():
+                    for first in range(0, len(members), per):
+                        chunk = members[first : first + per]
+                        if layer is None:
+                            values = states.token_nll.repeat(len(chunk), 1)
+                        else:
+                            values = self._reuse.run(inputs, answers, states, layer, [masks[i] for i in chunk])
+                        out[np.ix_(chunk, idx.numpy())] = values.double().view(len(chunk), rows, 2).cpu().numpy()
+        return out
+
+    def _plain(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
+        out = np.empty((len(masks), len(self.pairs), 2), dtype=np.float64)
+        for idx in self.batches:
+            inputs, answers = self._inputs(self.prompts, idx), self.answers[idx.to(self.device)]
+            rows = inputs.shape[0]
+            per = self.masks_per_forward(inputs)
+            with self.donors.batch(idx, self.run_donors, needed=any(masks)):
+                for first in range(0, len(masks), per):
+                    chunk = masks[first : first + per]
+                    if len(chunk) == 1:
+                        self.gates.set_mask(chunk[0])
+                    else:
+                        self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
+                    try:
+                        values = self.pair_values(inputs.repeat(len(chunk), 1), answers.repeat(len(chunk), 1))
+                    finally:
+                        self.gates.clear()
+                    out[first : first + len(chunk), idx.numpy()] = values.double().view(len(chunk), rows, 2
+                                                                                       ).cpu().numpy()
+        return out
+
+    def last_logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The logits at the last position of every row, ``(B, V)``, with the gates as they are set (only that
+        position's logits where the model allows it)."""
+        extra = {"logits_to_keep": 1} if self._keep_logits else {}
+        return self.model(input_ids=inputs, use_cache=False, **extra).logits[:, -1]
+
+    def pair_values(self, inputs: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
+        """Per row ``[logit_diff, answer NLL]`` (``answers``: ``(B, 2)`` answer and wrong-answer ids), in at least
+        float32: the logits at the last position, answer minus wrong answer, and the answer's cross-entropy."""
+        logits = self.last_logits(inputs)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        diff = logits.gather(1, answers[:, :1]) - logits.gather(1, answers[:, 1:])
+        return torch.cat([diff, target_nll(logits, answers[:, 0]).unsqueeze(1)], dim=1)
+
+    def bytes_per_row(self, inputs: torch.Tensor) -> int:
+        """Activation bytes of one row of ``inputs`` (see :func:`~.model.activation_bytes_per_row`)."""
+        return activation_bytes_per_row(self.model.config, self.model.dtype, inputs.shape[1],
+                                        1 if self._keep_logits else inputs.shape[1])
+
+    def masks_per_forward(self, inputs: torch.Tensor) -> int:
+        """``sweep.masks_per_batch``, or (0: automatic) as many copies of ``inputs`` as the activation budget holds."""
+        return budget_masks_per_forward(self.runtime.masks_per_batch, max(1, inputs.shape[0]),
+                                        self.bytes_per_row(inputs), self.device)
+
+    def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
+        """The evaluated prompts as the summed cross-entropy of their answer token at the last position
+        (``label_smoothing`` does not apply); every position is a real token."""
+        return LossBatches([self._loss_batch(idx, dtype) for idx in self.batches], LOSS_NAME)
+
+    def _loss_batch(self, idx: torch.Tensor, dtype: torch.dtype) -> LossBatch:
+        inputs, answers = self._inputs(self.prompts, idx), self.answers[idx.to(self.device)]
+        real = torch.ones(inputs.shape, dtype=torch.bool, device=self.device)
+
+        def loss() -> torch.Tensor:
+            return target_nll(self.last_logits(inputs).to(dtype), answers[:, 0]).sum()
+
+        def outputs() -> tuple[torch.Tensor, torch.Tensor]:
+            return self.last_logits(inputs).unsqueeze(1), real[:, :1]
+
+        return LossBatch({site.key: real for site in self.gates.sites}, int(idx.numel()), loss, outputs)
+
+    def workload(self, batch_size: int, max_length: int) -> Workload:
+        """``batch_size`` prompts of the median batch (cycled if there are fewer), cut to ``max_length`` tokens when
+        given."""
+        idx = median_batch(self.batches, lambda b: int(b.numel()))
+        inputs = take_rows(self._inputs(self.prompts, idx), int(idx.numel()), batch_size)
+        if max_length:
+            inputs = inputs[:, :max_length]
+        return Workload(batch_size, int(inputs.numel()), lambda model: model(input_ids=inputs, use_cache=False))
