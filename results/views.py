@@ -73,7 +73,8 @@ DELTAS = f"""
 CREATE VIEW deltas AS
 SELECT e.run_id, e.eval_id, e.experiment, e.attention, e.layer, e.head, e.level, e.checkpoint, e.n_masked,
        e.heads_masked, e.metric, e.score, e.baseline_score, e.delta, s.test, s.p_value, s.p_adjusted, s.correction,
-       s.alpha, s.significant, s.ci_low, s.ci_high, {harm_sql("e.delta", "e.metric")} AS harm, e.screen
+       s.alpha, s.significant, s.ci_low, s.ci_high, {harm_sql("e.delta", "e.metric")} AS harm, e.screen,
+       coalesce(e.ablation, 'zero') AS ablation
 FROM evaluations e
 LEFT JOIN ({SHOWN_SIGNIFICANCE}) s ON s.run_id = e.run_id AND s.eval_id = e.eval_id
 """
@@ -110,8 +111,9 @@ SELECT i.run_id, i.checkpoint, i.attention, i.layer, i.head, i.attention || ':' 
        s.score, s.delta, s.test, s.p_value, s.p_adjusted, s.correction, s.alpha, s.significant, s.harm, s.screen,
        a.score AS all_but_one_score, a.delta AS all_but_one_delta,
        m.method AS importance_method, m.score AS importance, m.score_normalized AS importance_normalized,
-       m.rank AS importance_rank
+       m.rank AS importance_rank, coalesce(r.ablation, 'zero') AS ablation
 FROM inventory i
+LEFT JOIN (SELECT run_id, any_value(ablation) AS ablation FROM runs GROUP BY run_id) r ON r.run_id = i.run_id
 LEFT JOIN (SELECT * FROM evaluations WHERE experiment = 'baseline') b
   ON b.run_id = i.run_id AND b.checkpoint IS NOT DISTINCT FROM i.checkpoint
 LEFT JOIN (SELECT * FROM deltas WHERE experiment = 'single_head') s ON {same_head_sql("s", "i")}
@@ -177,7 +179,7 @@ CREATE VIEW pruning AS
 SELECT run_id, checkpoint, regexp_extract(eval_id, '({names})/([^/]+)/', 2) AS scope, attention,
        level, n_masked, heads_masked, metric, score, baseline_score, delta,
        score / nullif(baseline_score, 0) AS relative_score, test, p_value, p_adjusted, correction, alpha, significant,
-       CASE experiment {method or "WHEN NULL THEN NULL"} END AS method{parameters}
+       ablation, CASE experiment {method or "WHEN NULL THEN NULL"} END AS method{parameters}
 FROM deltas WHERE experiment IN ({experiments})
 """
 

@@ -45,7 +45,7 @@ class AllButOne(Experiment):
         layers.sort(key=lambda r: (order.index(r["attention"]) if r["attention"] in order else 99, r["layer"]))
         if not layers:
             return
-        part.page.add("<h4>All-but-one: the best head to keep alone in each layer</h4>")
+        part.page.add(f"<h4>All-but-one ({html.escape(part.ablation)}): the best head to keep alone in each layer</h4>")
         better = "highest" if figures.higher_is_better(metric) else "lowest"
         part.page.add('<p class="note">Every other head of the layer (same attention type) is masked; the best head '
                       f"is the one with the {better} {html.escape(figures.metric_name(metric))}; delta is "

@@ -42,8 +42,8 @@ class SingleHead(Experiment):
             return
         correction = next((h["correction"] for h in evaluated if h["correction"]), sig.get("correction"))
         alpha = next((h["alpha"] for h in evaluated if h["alpha"] is not None), sig.get("alpha"))
-        part.page.add("<h4>Single-head ablation</h4>")
-        part.page.figure(figures.delta_heatmap(heads, part.order, metric, correction, alpha),
+        part.page.add(f"<h4>Single-head ablation ({html.escape(part.ablation)})</h4>")
+        part.page.figure(figures.delta_heatmap(heads, part.order, metric, correction, alpha, part.ablation),
                          f"{part.prefix}-deltas.png", "single-head delta heat map")
         # Most harmful first, in the metric's direction (a head whose removal raises perplexity hurts).
         worst = sorted(evaluated, key=lambda h: (-figures.harm(metric, h["delta"]), h["name"]))[:TOP_HEADS]

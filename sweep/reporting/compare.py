@@ -4,7 +4,10 @@ Two runs of the same model on different evaluation sets (e.g. in-domain and out-
 sets) are compared head by head: Spearman and Pearson correlations of their single-head deltas
 (each in its metric's direction: as harm, so that an accuracy run and a perplexity run of one model
 correlate positively when the same heads matter) and of their importance scores, and the overlap
-of the heads each finds significant.
+of the heads each finds significant. Two runs of one model and data that differ only in ``sweep.ablation`` (zero and
+mean ablation, say) compare the same way: how far the methods agree on which heads matter (the rank correlation of
+the deltas), and the significant heads one method finds and the other does not (``heads_gained``: significant in
+run b only; ``heads_lost``: in run a only).
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ def _correlations(name: str, a: dict, b: dict) -> dict:
     return row
 
 
+def _names(heads: set[tuple]) -> str:
+    return ", ".join(f"{a}:{layer}:{h}" for a, layer, h in sorted(heads))
+
+
 def compare_runs(store: ResultStore, run_a: str, run_b: str) -> tuple[pa.Table, pa.Table]:
     """Correlations of deltas and importances, and the overlap of significant heads."""
     ra, rb = _run(store, run_a), _run(store, run_b)
@@ -77,8 +84,9 @@ def compare_runs(store: ResultStore, run_a: str, run_b: str) -> tuple[pa.Table, 
     sa, sb = significant[run_a], significant[run_b]
     union = sa | sb
     overlap = {
+        "ablation_a": [ra.get("ablation") or "zero"], "ablation_b": [rb.get("ablation") or "zero"],
         "significant_a": [len(sa)], "significant_b": [len(sb)], "significant_both": [len(sa & sb)],
         "jaccard": [len(sa & sb) / len(union) if union else None],
-        "heads_both": [", ".join(f"{a}:{layer}:{h}" for a, layer, h in sorted(sa & sb))],
+        "heads_both": [_names(sa & sb)], "heads_gained": [_names(sb - sa)], "heads_lost": [_names(sa - sb)],
     }
     return pa.Table.from_pylist(rows), pa.table(overlap)

@@ -131,10 +131,11 @@ def _heatmaps(rows: Sequence[dict], key: str, attention_order: Sequence[str], *,
 
 
 def delta_heatmap(rows: Sequence[dict], attention_order: Sequence[str], metric: str | None,
-                  correction: str | None, alpha: float | None) -> Figure:
+                  correction: str | None, alpha: float | None, ablation: str = "zero ablation") -> Figure:
     """Single-head ablation: delta per (layer, head) per attention type, ``*`` where significant.
 
-    ``rows`` are rows of the ``heads`` view for one run and checkpoint.
+    ``rows`` are rows of the ``heads`` view for one run and checkpoint; ``ablation``: what the masked head left
+    behind (``mean ablation``...), named in the title.
     """
     marks = {(r["attention"], r["layer"], r["head"]) for r in rows if r.get("significant")}
 
@@ -146,7 +147,7 @@ def delta_heatmap(rows: Sequence[dict], attention_order: Sequence[str], metric: 
 
     test = f"adjusted p < {alpha:g} ({correction})" if alpha is not None else "adjusted p"
     worse = "red = worse" + ("" if higher_is_better(metric) else f" ({metric_name(metric)} went up)")
-    title = (f"Single-head ablation: change in {metric_name(metric)} when one head is masked\n"
+    title = (f"Single-head ablation ({ablation}): change in {metric_name(metric)} when one head is masked\n"
              f"{SIGNIFICANT_MARK} = significant, {test}; {worse}")
     return _heatmaps(rows, "delta", attention_order, title=title, colour_label=f"delta {metric_label(metric)}",
                      centred=True, text=text, harm_positive=not higher_is_better(metric))

@@ -90,6 +90,12 @@ class Page:
         self.files.append(name)
 
 
+def ablation_label(run: dict) -> str:
+    """What a gated-off head left behind in ``run`` (a ``runs`` row), for titles: ``zero ablation``, ``mean
+    ablation``... (a row written before the ``ablation`` column: zero, the only method then)."""
+    return f"{run.get('ablation') or 'zero'} ablation"
+
+
 @dataclass
 class ReportPart:
     """One model of one run, as a kind's report part sees it.
@@ -111,6 +117,11 @@ class ReportPart:
     @property
     def run_id(self) -> str:
         return self.run["run_id"]
+
+    @property
+    def ablation(self) -> str:
+        """``mean ablation``: the run's ``sweep.ablation`` as report titles name it (runs before schema v9: zero)."""
+        return ablation_label(self.run)
 
     def rows(self, sql: str, params: Sequence = ()) -> list[dict]:
         """The rows of any query over the store's tables and views."""

@@ -25,7 +25,15 @@ from headsweep.results.schema import SCHEMA_VERSION
 from headsweep.results.store import ResultStore
 from headsweep.sweep.experiments import KINDS, register_stored_kinds
 from headsweep.sweep.reporting import figures
-from headsweep.sweep.reporting.page import Page, ReportPart, facts_table, html_table, same, score_column
+from headsweep.sweep.reporting.page import (
+    Page,
+    ReportPart,
+    ablation_label,
+    facts_table,
+    html_table,
+    same,
+    score_column,
+)
 from headsweep.sweep.reporting.page import rows as query_rows
 
 # Baselines of two runs closer than this are the same model on the same data.
@@ -118,6 +126,7 @@ def _run_section(page: Page, con: duckdb.DuckDBPyConnection, run: dict) -> None:
         ("status", run["status"]), ("model", run["model"]), ("data", run["dataset"]),
         ("metric", figures.metric_label(metric)),
         ("direction", "higher is better" if figures.higher_is_better(metric) else "lower is better"),
+        ("ablation", _ablation_fact(run, facts)),
         ("baseline score", run["baseline_score"]), ("examples", run["n_examples"]),
         ("evaluations done / planned", f"{run['n_done']} / {run['n_planned']}"),
         ("heads", ", ".join(f"{a}: {n}" for a, n in heads_per_type.items())),
@@ -144,6 +153,19 @@ def _run_section(page: Page, con: duckdb.DuckDBPyConnection, run: dict) -> None:
                                 score_column(metric), ("relative_score", "relative to baseline"),
                                 ("p_adjusted", "adjusted p"), ("significant", "significant")]))
     _reproducibility(page, run, config, facts)
+
+
+def _ablation_fact(run: dict, facts: dict) -> str:
+    """What a masked head left behind, with mean ablation's reference data and positions (``runs.facts``)."""
+    label = ablation_label(run)
+    ablation = facts.get("ablation") or {}
+    if "reference" in ablation:
+        reference = ablation["reference"]
+        where = reference if isinstance(reference, str) else ", ".join(f"{k}: {v}" for k, v in reference.items())
+        label += f" (means over {where}; positions: {ablation.get('positions')})"
+    if ablation.get("keep_first"):
+        label += ", first position kept"
+    return label
 
 
 def _reproducibility(page: Page, run: dict, config: dict, facts: dict) -> None:

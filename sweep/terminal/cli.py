@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "wait":
             p.add_argument("--timeout", type=float, default=None, help="seconds to wait at most")
 
-    compare = sub.add_parser("compare", help="cross-domain consistency of two runs of one model")
+    compare = sub.add_parser("compare", help="cross-domain consistency of two runs of one model (two data sets, "
+                                             "or two ablation methods)")
     compare.add_argument("run_a")
     compare.add_argument("run_b")
     _store_arg(compare)

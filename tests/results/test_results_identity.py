@@ -1,5 +1,7 @@
 """Results identity: every table's schema and every view's columns, pinned as computed before the experiment kinds
-declared their own tables and views (issue 28), so that assembling them from the registry provably changed none."""
+declared their own tables and views (issue 28), so that assembling them from the registry provably changed none;
+updated by schema version 9 (runs and evaluations gain ``ablation``, the table ``ablation_values``, the views
+``deltas``, ``heads`` and ``pruning`` an ``ablation`` column)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from headsweep.results.views import VIEWS
 
 # sha256 of str(schema) [:16], by the code before the restructuring.
 TABLE_SCHEMAS = {
-    "runs": "4ca9a0d7c9bfa7fb", "evaluations": "9025bf243b667c6c", "examples": "a59303de5a81b426",
-    "significance": "3639d29009b5cfa0", "importance": "ad03cd3d6f7f4798", "efficiency": "a28670936fa39255",
+    "runs": "b8ef53ec2b3cdf1a", "evaluations": "45338b486cccee33", "examples": "a59303de5a81b426",
+    "significance": "3639d29009b5cfa0", "ablation_values": "e6882a44bcf7be9e", "importance": "ad03cd3d6f7f4798",
+    "efficiency": "a28670936fa39255",
     "gates": "bd53d1a21b7670ae", "head_roles": "bf64317461d9cff2", "interactions": "6a48948cf46cf463",
 }
 SYNTAX = [f"{rel}_{col}" for rel in ("nsubj", "obj", "amod", "advmod")
@@ -22,14 +25,14 @@ TEST = ["test", "p_value", "p_adjusted", "correction", "alpha", "significant"]
 VIEW_COLUMNS = {
     "deltas": ["run_id", "eval_id", "experiment", "attention", "layer", "head", "level", "checkpoint", "n_masked",
                "heads_masked", "metric", "score", "baseline_score", "delta", *TEST, "ci_low", "ci_high", "harm",
-               "screen"],
+               "screen", "ablation"],
     "heads": ["run_id", "checkpoint", "attention", "layer", "head", "name", "metric", "baseline_score", "score",
               "delta", *TEST, "harm", "screen", "all_but_one_score", "all_but_one_delta", "importance_method",
-              "importance", "importance_normalized", "importance_rank"],
+              "importance", "importance_normalized", "importance_rank", "ablation"],
     "layers": ["run_id", "checkpoint", "attention", "layer", "n_heads", "best_head", "best_name", "metric", "score",
                "baseline_score", "delta", *TEST, "worst_delta"],
     "pruning": ["run_id", "checkpoint", "scope", "attention", "level", "n_masked", "heads_masked", "metric", "score",
-                "baseline_score", "delta", "relative_score", *TEST, "method", "l0_lambda"],
+                "baseline_score", "delta", "relative_score", *TEST, "ablation", "method", "l0_lambda"],
     "summary": ["run_id", "name", "status", "created_at", "model", "dataset", "metric", "baseline_score",
                 "n_examples", "n_planned", "n_done", "n_checkpoints", "n_heads", "n_significant",
                 "significant_so_far", "eta_s", "updated_at"],
