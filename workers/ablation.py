@@ -40,6 +40,10 @@ METHODS = ("zero", "mean", "resample", "optimal", "patch")
 CONSTANT_METHODS = ("mean", "optimal")
 # Methods whose fill is another input's activations, set per batch.
 PER_EXAMPLE_METHODS = ("resample", "patch")
+# The one line that refuses activation patching on data without clean / corrupted pairs (driver and workers).
+PATCH_NEEDS_PAIRS = ("sweep.ablation patch needs paired data (clean and corrupted prompts): set data.task: paired "
+                     "(hf_causal_lm: JSONL rows clean, corrupted, answer, wrong_answer), or use another "
+                     "sweep.ablation")
 
 
 @dataclass(frozen=True)

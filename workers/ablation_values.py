@@ -254,6 +254,11 @@ class WorkerFill:
         if spec.method == "zero" and not spec.keep_first:
             return {}
         out: dict[str, Any] = {"method": spec.method, "keep_first": spec.keep_first}
+        if spec.method == "resample":  # headsweep.workers.donors
+            out.update(seed=spec.seed, resamples=spec.resamples,
+                       donors="a seeded derangement among examples of the same token length, per draw")
+        if spec.method == "patch":
+            out.update(direction=spec.direction)
         if self.means is not None:
             means = self.means
             by_type: dict[str, int] = {}

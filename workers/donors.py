@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.ablation import PER_EXAMPLE_METHODS, AblationSpec, HeadFill
+from headsweep.workers.ablation import PATCH_NEEDS_PAIRS, PER_EXAMPLE_METHODS, AblationSpec, HeadFill
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import SiteKey
 
@@ -119,23 +119,38 @@ class Donors:
     """An adapter's per-example fills: whose inputs fill each example's gated-off heads, and the per-batch step.
 
     ``donors[k, i]``: in draw ``k``, the example (position in the evaluation set) whose donor-side inputs fill
-    example ``i`` (resample: another example; patch: ``i`` itself, its other prompt). None: the run's method is not
-    per example, and :meth:`batch` does nothing.
+    example ``i`` (resample: another example; patch: ``i`` itself, its other prompt). They are drawn by ``draw()``
+    on first use, so an adapter loaded only for its loss (importance or L0 data) never draws nor refuses; the adapter
+    on the evaluation data draws them in ``describe`` (:meth:`check`), which the worker calls at load, before the run
+    writes anything. ``draw`` None: the run's method is not per example, and :meth:`batch` does nothing.
     """
 
-    def __init__(self, gates: HeadGates, donors: np.ndarray | None = None, keep_first: bool = False):
+    def __init__(self, gates: HeadGates, draw: Callable[[], np.ndarray] | None = None, keep_first: bool = False):
         self.gates = gates
-        self.donors = donors
         self.keep_first = keep_first
         self.draw = 0
+        self._draw = draw
+        self._donors: np.ndarray | None = None
 
     @property
     def active(self) -> bool:
-        return self.donors is not None
+        return self._draw is not None
+
+    @property
+    def donors(self) -> np.ndarray | None:
+        """``(draws, n)`` donor positions (drawn now if not yet), or None when the method is not per example."""
+        if self._draw is not None and self._donors is None:
+            self._donors = self._draw()
+        return self._donors
+
+    def check(self) -> None:
+        """Draw the donors now: data they cannot be drawn from are refused here (one line)."""
+        _ = self.donors
 
     @property
     def n_draws(self) -> int:
-        return 1 if self.donors is None else int(self.donors.shape[0])
+        donors = self.donors
+        return 1 if donors is None else int(donors.shape[0])
 
     def draws(self) -> Iterator[int]:
         """Each draw in turn (the current one is what :meth:`batch` installs); one when not per example."""
@@ -159,9 +174,10 @@ class Donors:
 
     def donors_of(self, rows: Sequence[int] | torch.Tensor | np.ndarray) -> np.ndarray:
         """The donors (positions in the evaluation set) of examples ``rows`` in the current draw."""
-        assert self.donors is not None
+        donors = self.donors
+        assert donors is not None
         index = rows.cpu().numpy() if torch.is_tensor(rows) else np.asarray(rows, dtype=np.int64)
-        return self.donors[self.draw, index]
+        return donors[self.draw, index]
 
     def batch(self, rows: Sequence[int] | torch.Tensor | np.ndarray, run_donors: Callable[[np.ndarray], Any],
               needed: bool = True):
@@ -172,7 +188,7 @@ class Donors:
         evaluation set, one per row of the batch), built and padded exactly as the batch is. ``needed`` False (no
         mask of the batch gates a head) skips the donor pass.
         """
-        if self.donors is None or not needed:
+        if not self.active or not needed:
             return nullcontext()
         return self._installed(rows, run_donors)
 
@@ -188,28 +204,29 @@ class Donors:
             self.gates.set_fill(saved)
 
 
-PATCH_NEEDS_PAIRS = ("sweep.ablation patch needs paired data (clean and corrupted prompts): set data.task: paired "
-                     "(hf_causal_lm; JSONL rows clean, corrupted, answer, wrong_answer), or use another "
-                     "sweep.ablation")
-
-
 def donors_for(spec: AblationSpec, gates: HeadGates, lengths: Sequence[int], paired: bool = False,
                what: str = "examples") -> Donors:
     """The :class:`Donors` of an adapter under the run's ablation ``spec`` (``RuntimeOptions.ablation``):
     resample's same-length derangements over ``lengths`` (each example's token length), patch's pairs (``paired``:
-    the adapter holds paired data, example ``i``'s donor its other prompt), nothing for the other methods."""
+    the adapter holds paired data, example ``i``'s donor its other prompt; without pairs, drawing them refuses the
+    run), nothing for the other methods."""
+    lengths = list(lengths)
     if spec.method == "resample":
-        return Donors(gates, same_length_donors(lengths, spec.seed, spec.resamples, what), spec.keep_first)
+        return Donors(gates, lambda: same_length_donors(lengths, spec.seed, spec.resamples, what), spec.keep_first)
     if spec.method == "patch":
-        if not paired:
-            raise HeadsweepError(PATCH_NEEDS_PAIRS)
-        return Donors(gates, np.arange(len(lengths), dtype=np.int64)[None, :], spec.keep_first)
+        def pairs() -> np.ndarray:
+            if not paired:
+                raise HeadsweepError(PATCH_NEEDS_PAIRS)
+            return np.arange(len(lengths), dtype=np.int64)[None, :]
+
+        return Donors(gates, pairs, spec.keep_first)
     return Donors(gates)
 
 
 def refuse_per_example(spec: AblationSpec, what: str, why: str) -> None:
     """An adapter that cannot fill heads per example (``what``, e.g. "multiple-choice questions", ``why`` the
-    reason) refuses resample with one line, and patch with :data:`PATCH_NEEDS_PAIRS` (it holds no pairs)."""
+    reason) refuses resample with one line, and patch with :data:`PATCH_NEEDS_PAIRS` (it holds no pairs); called
+    where the adapter on the evaluation data is described (an adapter loaded for its loss alone never refuses)."""
     if spec.method == "patch":
         raise HeadsweepError(PATCH_NEEDS_PAIRS)
     if spec.method in PER_EXAMPLE_METHODS:

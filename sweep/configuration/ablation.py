@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.ablation import METHODS
+from headsweep.workers.ablation import METHODS, PATCH_NEEDS_PAIRS, PER_EXAMPLE_METHODS
 
 POSITIONS = ("all", "per_position")
 DIRECTIONS = ("noising", "denoising")
@@ -66,6 +66,25 @@ def ablation_settings(cfg: Any) -> tuple[str, AblationSection]:
     return cfg.sweep.ablation, cfg.ablation
 
 
+def _check_per_example(cfg: Any, family: Any) -> None:
+    """resample and patch (per-example fills, ``headsweep.workers.donors``): patch needs paired data; resample draws
+    donors over the whole evaluation set, which screening's subsets do not hold; fairseq translation's decoder
+    attention cannot take another sentence's states (a donor's decoder states follow its own hypotheses)."""
+    method = cfg.sweep.ablation
+    if method not in PER_EXAMPLE_METHODS:
+        return
+    if method == "patch" and not getattr(cfg.data, "paired", False):
+        raise HeadsweepError(PATCH_NEEDS_PAIRS)
+    if method == "resample" and cfg.sweep.screen is not None:
+        raise HeadsweepError("sweep.screen evaluates a subset of the examples first, and sweep.ablation resample draws "
+                             "each example's donor from the whole evaluation set: remove sweep.screen, or use "
+                             "sweep.ablation mean")
+    if not family.fills_by_position:
+        raise HeadsweepError(f"sweep.ablation {method} is not available for {family.name} models: a donor's decoder "
+                             "states follow its own hypotheses in beam search, so decoder attention cannot take them; "
+                             "use sweep.ablation mean")
+
+
 def check_for_model(cfg: Any) -> None:
     """What the run's model family cannot honour, refused before any worker starts: ``optimal`` (not built yet), and
     per-position fills or ``keep_first`` where the family's evaluation does not run whole sequences
@@ -79,6 +98,7 @@ def check_for_model(cfg: Any) -> None:
                              "2024) is not available yet in this headsweep: use sweep.ablation mean (each head's mean "
                              "output over ablation.reference) or zero")
     family = model_family(cfg.model.kind)
+    _check_per_example(cfg, family)
     if family.fills_by_position:
         return
     for setting, on in (("ablation.positions: per_position", section.positions == "per_position"),

@@ -37,7 +37,7 @@ def ablation_spec(cfg: Config) -> AblationSpec:
                  else typed_data(cfg, section.reference, "ablation.reference"))
     return AblationSpec(method=cfg.sweep.ablation, reference=reference,
                         per_position=section.positions == "per_position", keep_first=section.keep_first,
-                        seed=section.seed, resamples=section.resamples)
+                        seed=section.seed, resamples=section.resamples, direction=section.direction)
 
 
 @dataclass

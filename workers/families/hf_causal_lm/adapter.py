@@ -134,6 +134,7 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
 
     # -- the adapter contract ------------------------------------------------------------
     def describe(self) -> DatasetInfo:
+        self.donors.check()  # resample's donors drawn (or the data refused) before the run writes anything
         baseline = self.baseline()
         mean = float(baseline.stats[:, 0].sum() / baseline.stats[:, 1].sum())
         return DatasetInfo(

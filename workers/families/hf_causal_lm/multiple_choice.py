@@ -138,8 +138,6 @@ class MultipleChoiceAdapter(BaselineOnce):
 
     def __init__(self, model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
         data_cfg.check()
-        refuse_per_example(runtime.ablation, "multiple-choice questions",
-                           "each question is one row per choice, of its own length, so no donor lines up with it")
         # Read (and refuse) the file before loading the model: a bad line costs no model load.
         questions = read_questions(data_cfg)
         if runtime.threads > 0:
@@ -210,6 +208,8 @@ class MultipleChoiceAdapter(BaselineOnce):
 
     # -- the adapter contract ------------------------------------------------------------------------------------
     def describe(self) -> DatasetInfo:
+        refuse_per_example(self.runtime.ablation, "multiple-choice questions",
+                           "each question is one row per choice, of its own length, so no donor lines up with it")
         baseline = self.baseline()
         acc, acc_norm = (float(v) for v in baseline.stats.mean(axis=0))
         return DatasetInfo(

@@ -138,6 +138,7 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
 
     # -- the adapter contract ------------------------------------------------------------------------------------
     def describe(self) -> DatasetInfo:
+        self.donors.check()  # resample's donors drawn (or the data refused) before the run writes anything
         baseline = self.baseline()
         other = float(self._unmasked(self.others)[:, 0].mean())
         evaluated = float(baseline.stats[:, 0].mean())

@@ -113,6 +113,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
                        "truncated to it", [ex.ids[i] for i, n in enumerate(lengths) if n > self.max_length])
 
     def describe(self) -> DatasetInfo:
+        self.donors.check()  # resample's donors drawn (or the data refused) before the run writes anything
         return DatasetInfo(
             model=self.model_name,
             dataset=self.dataset_name,
