@@ -23,8 +23,10 @@ recomputed once per call instead.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the driver reads the budgets (sweep/run/memory.py): keep torch out of its import time
+    import torch
 
 MIB = 1 << 20
 CPU_ACTIVATION_BYTES = 1024 * MIB
@@ -36,8 +38,15 @@ CPU_CACHE_CAP_BYTES = 4096 * MIB
 def free_memory(device: torch.device) -> int | None:
     """Free bytes on ``device``: the GPU's free memory, or the machine's available memory for CPUs."""
     if device.type == "cuda":
+        import torch
+
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
+    return host_available()
+
+
+def host_available() -> int | None:
+    """The machine's available memory in bytes (``MemAvailable``: free memory plus what the kernel can reclaim)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -22,6 +22,8 @@ A model family (transformers classifiers, fairseq translation models, a user's p
   type scored against parses (None: no syntactic heads).
 * ``training_label_smoothing(model_cfg)``: the label smoothing the model was **trained** with, if it
   says (the L0 gates' loss).
+* ``weight_bytes(model_cfg)``: the **memory** its weights take once a worker loads them, read from the files
+  (the driver refuses a run whose workers cannot hold them, before any loads: ``sweep/run/memory.py``).
 
 This module is the contract alone: the built-in families (``headsweep.workers.families.<name>/``,
 ``family.py`` declaring the ``ModelFamily``; heavy modules imported only when a method needs them, so
@@ -286,6 +288,11 @@ class ModelFamily:
     def training_label_smoothing(self, model_cfg: Any) -> float | None:
         """The label smoothing the model of ``model_cfg`` was trained with, if it records it; None: the family's
         training default."""
+        return None
+
+    def weight_bytes(self, model_cfg: Any) -> int | None:
+        """Bytes the model of ``model_cfg`` takes in a worker once loaded, read from its files without importing
+        torch (the driver asks before any worker starts); None where unknown (the driver then checks nothing)."""
         return None
 
     def _unsupported(self, what: str) -> HeadsweepError:

@@ -105,7 +105,8 @@ class SweepSection:
                 "uses; set sweep.num_gpus_per_worker=0"
             )
         if self.memory_limit_gib is not None and not self.memory_limit_gib > 0:
-            raise HeadsweepError(f"sweep.memory_limit_gib must be a positive number of GiB, got {self.memory_limit_gib}")
+            raise HeadsweepError(f"sweep.memory_limit_gib must be a positive number of GiB, got "
+                                 f"{self.memory_limit_gib:g}")
         if self.max_retries < 0 or self.worker_restarts < 0:
             raise HeadsweepError("sweep.max_retries and sweep.worker_restarts must not be negative")
         if self.order not in SWEEP_ORDERS:

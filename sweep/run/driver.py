@@ -30,6 +30,7 @@ from headsweep.sweep.run.budget import BudgetReached, SessionBudget
 from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.context import Context
 from headsweep.sweep.run.dispatch import WorkerPool, log, unwrap, wait_until_placed
+from headsweep.sweep.run.memory import check_memory
 from headsweep.sweep.run.runs import (
     STALE_AFTER_S,
     RunRecord,
@@ -133,6 +134,8 @@ class Sweep:
         self.store.check_files()
         # Hub ids become id@<commit> before anything starts: the config hash names the commit, workers load it.
         self.cfg, self.hub = pin_hub_models(self.cfg)
+        # Before Ray starts: a model the workers cannot hold together is refused, not swapped or killed mid-load.
+        check_memory(self.cfg, [model for _, model in self.model_variants()], self.address)
         init_ray(self.address, self.cfg)
         variants = self.model_variants()
         pool, info = self.start_workers(variants[0][1])

@@ -9,6 +9,7 @@ test_family_contract.py then runs on it through the family's public contract (``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,10 @@ class Built:
     heldout: dict[str, Any]  # training or validation data in the same form (importance.data, l0.data)
     params: HeadParams
 
+    def in_dtype(self, dtype: str) -> Built:
+        """The same model loaded in ``dtype`` (``model.dtype``); ``float32`` is the model section as built."""
+        return self if dtype == "float32" else dataclasses.replace(self, model={**self.model, "dtype": dtype})
+
 
 @dataclass(frozen=True)
 class FamilyCase:
@@ -56,7 +61,9 @@ class FamilyCase:
     ``same_path(model)``: put an ungated model on the code path the gated model takes, with the library's
     own switches (fairseq: off the fused attention kernel), so that gates and weight surgery run the same
     arithmetic. ``exported(model_section, folder)``: the ``model`` section that loads what ``headsweep export``
-    wrote to ``folder``. ``known_failures``: checks marked xfail for a known bug (see the field).
+    wrote to ``folder``. ``dtypes``: what the exactness checks (the checks that take ``dtype``) run in: float32,
+    the model as built, and for families with ``model.dtype`` bfloat16 (tests/tolerances.py derives its bound).
+    ``known_failures``: checks marked xfail for a known bug (see the field).
     """
 
     id: str
@@ -66,6 +73,7 @@ class FamilyCase:
     runtime: dict[str, Any] = field(default_factory=dict)
     exact_reuse: bool = True
     same_path: Callable[[nn.Module], None] | None = None
+    dtypes: tuple[str, ...] = ("float32",)
     # Checks this family fails because of a known bug: test function name -> the bug. They run as
     # xfail(strict=True), so the suite notices the day the bug is fixed.
     known_failures: dict[str, str] = field(default_factory=dict)
@@ -201,20 +209,22 @@ def _fairseq_bound() -> dict[str, int]:
     return dict(BOUND_SHAPE)
 
 
-# Each transformers family runs one architecture with eager attention and one with SDPA.
+# Each transformers family runs one architecture with eager attention and one with SDPA, and its exactness checks in
+# float32 and bfloat16 (model.dtype). fairseq has no model.dtype: its checkpoints run in float32, as trained.
 # The bound's shapes: layers (a decoder layer with two attentions counts twice) plus one for a classifier's
 # pooler and head or an LM head; the longest inner product (feed-forward size, at least the sequence length:
 # demo sentences stay under the classifiers' 64 positions, LM windows are 16 tokens).
+TRANSFORMERS_DTYPES = ("float32", "bfloat16")
 CASES: list[FamilyCase] = [
     FamilyCase("classifier-bert-eager", build_bert, {"depth": 2 + 1, "width": 64}, _exported_hf,
-               runtime={"batch_size": 16}),
+               runtime={"batch_size": 16}, dtypes=TRANSFORMERS_DTYPES),
     FamilyCase("classifier-distilbert-sdpa", build_distilbert, {"depth": 2 + 1, "width": 64}, _exported_hf,
-               runtime={"batch_size": 16}),
+               runtime={"batch_size": 16}, dtypes=TRANSFORMERS_DTYPES),
     FamilyCase("causal_lm-gqa-llama-sdpa", _lm_builder("llama_8q2kv", "sdpa", "hidden_size", "num_attention_heads",
                                                   "num_key_value_heads", qkv_bias=False),
-               {"depth": 2 + 1, "width": 64}, _exported_hf, runtime={"batch_size": 4}),
+               {"depth": 2 + 1, "width": 64}, _exported_hf, runtime={"batch_size": 4}, dtypes=TRANSFORMERS_DTYPES),
     FamilyCase("causal_lm-mha-gpt2-eager", _lm_builder("gpt2", "eager", "n_embd", "n_head", None, qkv_bias=True),
-               {"depth": 2 + 1, "width": 32}, _exported_hf, runtime={"batch_size": 4}),
+               {"depth": 2 + 1, "width": 32}, _exported_hf, runtime={"batch_size": 4}, dtypes=TRANSFORMERS_DTYPES),
     FamilyCase("translation-fairseq", build_fairseq, _fairseq_bound(), _exported_fairseq,
                runtime={"batch_size": 6, "max_tokens": 0, "loss": True}, exact_reuse=False,
                same_path=fairseq_unfused),

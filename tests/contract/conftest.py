@@ -1,4 +1,6 @@
-"""Fixtures of the family contract suite: every test that takes ``case`` runs once per :data:`cases.CASES` entry."""
+"""Fixtures of the family contract suite: every test that takes ``case`` runs once per :data:`cases.CASES` entry, and a
+test that also takes ``dtype`` once per entry and dtype the entry runs its exactness checks in (``FamilyCase.dtypes``).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +10,22 @@ import torch
 from .cases import CASES, Built, FamilyCase
 
 
-@pytest.fixture(scope="session", params=CASES, ids=[c.id for c in CASES])
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``case`` over :data:`CASES` (with ``dtype``: over each case's dtypes too), session-scoped, so that pytest runs
+    each family's tests together and builds its model once."""
+    if "case" not in metafunc.fixturenames:
+        return
+    if "dtype" in metafunc.fixturenames:
+        pairs = [(c, dtype) for c in CASES for dtype in c.dtypes]
+        metafunc.parametrize(("case", "dtype"), pairs, ids=[f"{c.id}-{dtype}" for c, dtype in pairs],
+                             indirect=["case"], scope="session")
+    else:
+        metafunc.parametrize("case", CASES, ids=[c.id for c in CASES], indirect=True, scope="session")
+
+
+@pytest.fixture(scope="session")
 def case(request) -> FamilyCase:
-    """One model family (session-scoped, so pytest runs each family's tests together)."""
+    """One model family (parametrised by :func:`pytest_generate_tests`)."""
     return request.param
 
 

@@ -73,6 +73,12 @@ class TranslationFamily(ModelFamily):
 
         return TranslationReader(adapter)
 
+    def weight_bytes(self, model_cfg: TranslationModel) -> int | None:
+        """The checkpoint file's size: ``torch.load`` reads all of it (an optimizer state saved with the model
+        included) before the model is built from it, in the dtype it was saved in (there is no ``model.dtype``)."""
+        checkpoint = Path(model_cfg.checkpoint)
+        return checkpoint.stat().st_size if checkpoint.is_file() else None
+
     def training_label_smoothing(self, model_cfg: TranslationModel) -> float | None:
         """The label smoothing stored with the checkpoint's criterion options."""
         from headsweep.workers.families.fairseq_translation.checkpoint import trained_label_smoothing

@@ -60,6 +60,19 @@ class TransformersFamily(ModelFamily):
         family's."""
         return False
 
+    def weight_bytes(self, model_cfg: Any) -> int | None:
+        """The weight files' tensors at ``model.dtype`` (``model_files.weight_bytes``); a hub id is read from its
+        cached snapshot. None where the folder cannot be read: loading it says why."""
+        from headsweep.errors import HeadsweepError
+        from headsweep.workers.families.transformers.model_files import dtype_bytes, resolve_model_dir, weight_bytes
+
+        dtype_bytes(model_cfg.dtype)  # an unknown dtype is refused here, before Ray starts
+        try:
+            model_dir = resolve_model_dir(model_cfg.path)
+        except HeadsweepError:
+            return None
+        return weight_bytes(model_dir, model_cfg.dtype)
+
     def attention_weights(self, model: nn.Module, sites: Sequence[AttentionSite],
                           consume: Consumer) -> AbstractContextManager[None]:
         """On the eager attention path (put back as it was afterwards): the weights each module returns."""

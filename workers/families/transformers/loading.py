@@ -21,9 +21,8 @@ from torch import nn
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.transformers.architecture import check_architecture, check_loaded_weights
-from headsweep.workers.families.transformers.model_files import check_model_files
+from headsweep.workers.families.transformers.model_files import check_model_files, dtype_bytes, resolve_model_dir
 from headsweep.workers.families.transformers.pruning import PRUNED_HEADS_KEY, Pruner, load_pruned
-from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot
 
 # Model types whose position ids start after the padding index (RoBERTa's scheme): of
 # max_position_embeddings, pad_token_id + 1 are never used for tokens.
@@ -46,29 +45,26 @@ def first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def resolve_model_dir(path: str) -> Path:
-    """The local model directory, or a one-line error that says why it is not usable."""
-    if not path:
-        raise HeadsweepError("config key 'model.path' is required (a transformers model directory)")
-    p = Path(path)
-    if is_hub_id(path):  # org/name[@revision]: its snapshot in the local Hugging Face cache, never downloaded
-        p = resolve_snapshot(path).folder
-    if not p.exists():
-        raise HeadsweepError(f"model directory not found: {path}")
-    if not p.is_dir() or not (p / "config.json").is_file():
-        raise HeadsweepError(f"{path} is not a transformers model directory (no config.json)")
-    if not os.access(p / "config.json", os.R_OK):
-        raise HeadsweepError(f"model directory {path} is not readable")
-    return p
+def model_dtype(cfg: Any, device: str = "cpu") -> torch.dtype:
+    """``model.dtype`` as a torch floating-point dtype the ``device`` computes in, after checking
+    ``model.attn_implementation``.
 
-
-def model_dtype(cfg: Any) -> torch.dtype:
-    """``model.dtype`` as a torch floating-point dtype, after checking ``model.attn_implementation``."""
+    bfloat16 on a CUDA GPU needs its arithmetic in hardware (compute capability 8.0, Ampere, or later): older GPUs
+    only emulate it, in some kernels and not others. On CPUs every dtype of ``DTYPE_BYTES`` runs (torch 2.13:
+    float16 and bfloat16 included).
+    """
     if cfg.attn_implementation not in ATTENTION_IMPLEMENTATIONS:
         raise HeadsweepError(f"model.attn_implementation must be eager or sdpa, got {cfg.attn_implementation!r}")
-    dtype = getattr(torch, cfg.dtype, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise HeadsweepError(f"model.dtype {cfg.dtype!r} is not a torch floating-point dtype (e.g. float32, bfloat16)")
+    dtype_bytes(cfg.dtype)
+    dtype = getattr(torch, cfg.dtype)
+    if dtype == torch.bfloat16 and device.startswith("cuda") and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            raise HeadsweepError(
+                f"model.dtype bfloat16 needs a GPU with bfloat16 arithmetic (compute capability 8.0 or later: A100, "
+                f"H100, RTX 30xx and newer); {torch.cuda.get_device_name(device)} has {major}.{minor}: use "
+                "model.dtype: float16 (or float32)"
+            )
     return dtype
 
 
@@ -94,7 +90,7 @@ def load_folder(cfg: Any, device: str, family: str, auto_class: str, tokenizer: 
 
     hf_logging.disable_progress_bar()
     model_dir = resolve_model_dir(cfg.path)
-    dtype = model_dtype(cfg)
+    dtype = model_dtype(cfg, device)
     config = check_model_files(model_dir)
     check_architecture(model_dir, config, family)
     loaded_tokenizer = tokenizer(model_dir)

@@ -5,22 +5,57 @@ truncated ``model.safetensors`` as ``Error while deserializing header``, without
 likely cause. These checks read only what they must: each JSON file of the directory, the header
 of each safetensors file (its size must cover the tensors the header lists) and the end of each
 zip-format ``pytorch_model*.bin``.
+
+It also sizes the weights a worker will hold (:func:`weight_bytes`), for the driver's memory check
+(``sweep/run/memory.py``), from the same headers: this module imports neither torch nor transformers.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import zipfile
 from pathlib import Path
 from typing import Any
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot
 
 REFETCH = "an interrupted download or copy? fetch the model again"
 # safetensors refuses headers above 100 MB: a larger length means the file is not safetensors.
 MAX_SAFETENSORS_HEADER = 100_000_000
 ZIP_MAGIC = b"PK\x03\x04"
 PICKLE_MAGIC = b"\x80"  # torch's legacy (non-zip) format starts with a pickle protocol opcode
+# ``model.dtype``: the torch dtypes a model may be loaded in (torch's aliases included), by their bytes per value.
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "double": 8}
+# Bytes per value of safetensors' dtypes; the floating ones (F*) are cast to ``model.dtype`` when loaded.
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+                     "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def resolve_model_dir(path: str) -> Path:
+    """The local model directory, or a one-line error that says why it is not usable."""
+    if not path:
+        raise HeadsweepError("config key 'model.path' is required (a transformers model directory)")
+    p = Path(path)
+    if is_hub_id(path):  # org/name[@revision]: its snapshot in the local Hugging Face cache, never downloaded
+        p = resolve_snapshot(path).folder
+    if not p.exists():
+        raise HeadsweepError(f"model directory not found: {path}")
+    if not p.is_dir() or not (p / "config.json").is_file():
+        raise HeadsweepError(f"{path} is not a transformers model directory (no config.json)")
+    if not os.access(p / "config.json", os.R_OK):
+        raise HeadsweepError(f"model directory {path} is not readable")
+    return p
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per value of ``model.dtype`` ``name``, or a one-line error naming the dtypes a model loads in."""
+    if name not in DTYPE_BYTES:
+        raise HeadsweepError(f"model.dtype {name!r} is not a dtype models are evaluated in: use float32, bfloat16, "
+                             "float16 or float64")
+    return DTYPE_BYTES[name]
 
 
 def check_model_files(model_dir: Path) -> dict[str, Any]:
@@ -61,8 +96,9 @@ def read_json(file: Path) -> Any:
         ) from None
 
 
-def check_safetensors(file: Path) -> None:
-    """One-line error unless ``file`` is a whole safetensors file (header, and every tensor the header lists)."""
+def check_safetensors(file: Path) -> dict[str, Any]:
+    """One-line error unless ``file`` is a whole safetensors file (header, and every tensor the header lists);
+    returns its header (tensor name -> dtype, shape and offsets)."""
     size = file.stat().st_size
     with open(file, "rb") as f:
         head = f.read(8)
@@ -86,6 +122,7 @@ def check_safetensors(file: Path) -> None:
         raise HeadsweepError(
             f"{file} is truncated: {size} bytes where its header describes {expected} ({REFETCH})"
         )
+    return header
 
 
 def check_torch_file(file: Path) -> None:
@@ -98,3 +135,43 @@ def check_torch_file(file: Path) -> None:
     elif not head.startswith(PICKLE_MAGIC):
         raise HeadsweepError(f"{file} is not a PyTorch weights file (it does not start as torch.save writes "
                              "them): wrong format, or another file under this name?")
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The weight files transformers loads from ``model_dir``, in its order of preference: safetensors (the shards
+    its index names, or ``model.safetensors``), else PyTorch's (``pytorch_model.bin`` or its shards)."""
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        index = model_dir / f"{name}.index.json"
+        if index.is_file():
+            weight_map = read_json(index).get("weight_map") or {}
+            return [model_dir / f for f in sorted(set(weight_map.values()))]
+        if (model_dir / name).is_file():
+            return [model_dir / name]
+    return []
+
+
+def weight_bytes(model_dir: Path, dtype: str) -> int | None:
+    """Bytes the weights of ``model_dir`` take once loaded in ``dtype`` (``model.dtype``), read from the files
+    without loading them; None where the folder has no weights transformers would load.
+
+    Safetensors: every tensor the headers list, floating ones at ``dtype``'s size, the others at their own
+    (tied weights are stored once, as they are held once). PyTorch ``.bin`` files: their size, scaled from the
+    dtype the config says they were saved in (``dtype`` or ``torch_dtype``; float32 if it says none) to
+    ``dtype``; pickling adds a few kilobytes.
+    """
+    itemsize = dtype_bytes(dtype)
+    files = weight_files(model_dir)
+    total = 0
+    for file in files:
+        if file.suffix == ".safetensors":
+            for name, entry in check_safetensors(file).items():
+                if name == "__metadata__" or not isinstance(entry, dict):
+                    continue
+                kind = str(entry.get("dtype"))
+                size = itemsize if kind.startswith("F") else SAFETENSORS_BYTES.get(kind, itemsize)
+                total += math.prod(entry.get("shape") or []) * size
+        else:
+            config = read_json(model_dir / "config.json")
+            saved = (config.get("dtype") or config.get("torch_dtype")) if isinstance(config, dict) else None
+            total += file.stat().st_size * itemsize // DTYPE_BYTES.get(str(saved), 4)
+    return total if files else None

@@ -1,0 +1,181 @@
+"""Refusing a run whose workers cannot hold the model, before any of them loads it.
+
+Every worker holds its own copy of the model, so a model that fits the machine once may not fit it
+``sweep.workers`` times; without this check the machine swaps, or the kernel kills workers mid-load, minutes
+into the run. The driver asks the model family what the weights take once loaded (``ModelFamily.weight_bytes``:
+a transformers folder's tensors at ``model.dtype``, a fairseq checkpoint's file size), from the files alone,
+before Ray starts.
+
+What one worker is counted to need (``Need``):
+
+* the weights, in ``model.dtype`` (the largest model of the run, where it sweeps training checkpoints);
+* on a CPU, the activation budget of one forward pass (``batch_budget.CPU_ACTIVATION_BYTES``, 1 GiB): packing
+  fills a pass with masks up to it. On a GPU the packing and reuse budgets are fractions of the GPU memory left
+  free once the model is loaded, so they fit by construction; the GPU is checked for the weights alone.
+
+What it is not counted to need, and why:
+
+* reuse states (``sweep.reuse``): each worker caps them at a quarter of the memory free when it loads (at most
+  4 GiB on a CPU) and recomputes, once per call, the states that do not fit: they shrink to what is there.
+* gradient importance (and ``lrp``): it differentiates the gates only (the parameters' ``requires_grad`` is off,
+  so no weight gradients exist); its backward pass keeps one loss batch's activations of every layer, which grows
+  with ``sweep.batch_size`` and depth and is not budgeted by the workers either. The 1.24B-parameter shape of
+  bench/real_size.py (4 windows of 256 tokens per batch) adds a few GiB to the one worker that runs it.
+* the worker process itself: Ray, torch and transformers imported take about 0.3 GiB (VmRSS measured with torch
+  2.13 and transformers 5.23), within the margin of the activation budget, which a tiny model never fills.
+
+The memory compared with is ``MemAvailable`` (free memory and what the kernel can reclaim), capped by
+``sweep.memory_limit_gib`` (a user's share of a shared box); for ``sweep.device=cuda`` also each visible GPU's
+free memory as ``nvidia-smi`` reports it (the driver imports no torch: initialising CUDA here would hold GPU
+memory for the whole run). Checked on an embedded local Ray instance only: on a cluster (``--address``) the
+workers run on other machines, whose memory this one does not see.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from headsweep.errors import HeadsweepError
+from headsweep.sweep.cluster.ray_session import resolve_device
+from headsweep.sweep.configuration.sections import Config
+from headsweep.workers.batch_budget import CPU_ACTIVATION_BYTES, host_available
+from headsweep.workers.registry import model_family
+
+GIB = 1 << 30
+# model.dtype values whose weights bfloat16 halves (or quarters).
+WIDE_DTYPES = ("float32", "float", "float64", "double")
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one worker needs: the model's weights and the activation budget beside them (bytes); ``bfloat16``: the
+    weights in bfloat16, where ``model.dtype`` is wider (None: no such option)."""
+
+    weights: int
+    activations: int
+    bfloat16: int | None = None
+
+    @property
+    def per_worker(self) -> int:
+        return self.weights + self.activations
+
+
+def check_memory(cfg: Config, models: Sequence[Any], address: str | None) -> None:
+    """Refuse, in one line, a run whose ``sweep.workers`` workers cannot hold the largest of ``models`` (the run's
+    model sections) with their budgets in the memory this machine has for them. Nothing is checked on a cluster
+    (``address``), nor for a model family that cannot size its weights."""
+    if address:
+        return
+    family = model_family(cfg.model.kind)
+    weights, model = max(((family.weight_bytes(m) or 0, m) for m in models), key=lambda sized: sized[0])
+    if not weights:
+        return
+    device = resolve_device(cfg)
+    half = None
+    if getattr(model, "dtype", None) in WIDE_DTYPES:
+        half = family.weight_bytes(dataclasses.replace(model, dtype="bfloat16"))
+    check_host(cfg, Need(weights, CPU_ACTIVATION_BYTES if device == "cpu" else 0, half), model)
+    if device == "cuda":
+        check_gpus(cfg, weights, model, gpu_free_bytes())
+
+
+def check_host(cfg: Config, need: Need, model: Any) -> None:
+    """The workers' need against the machine's available memory, capped by ``sweep.memory_limit_gib``."""
+    s = cfg.sweep
+    available = host_available()
+    limit = None if s.memory_limit_gib is None else int(s.memory_limit_gib * GIB)
+    known = [x for x in (available, limit) if x is not None]
+    if not known or s.workers * need.per_worker <= min(known):
+        return
+    have = min(known)
+    source = "MemAvailable"
+    if have == limit:
+        source = "sweep.memory_limit_gib" + (f"; the machine has {gib(available)} available" if available else "")
+    parts = "the weights"
+    if need.activations:
+        parts += f" and the {gib(need.activations)} activation budget of a forward pass"
+    raise HeadsweepError(
+        f"{workers(s.workers)} cannot hold this model: its weights take {gib(need.weights)}{dtype_note(model)}, each "
+        f"worker needs about {gib(need.per_worker)} ({parts}), {gib(s.workers * need.per_worker)} in all, and "
+        f"{gib(have)} is available ({source}): {remedies(need, s.workers, have, limited=limit is not None)}"
+    )
+
+
+def remedies(need: Need, asked: int, have: int, limited: bool) -> str:
+    """What to change so that the workers fit in ``have`` bytes: fewer workers (as many as fit), bfloat16 weights
+    (where more workers fit so), more memory (``limited``: a larger ``sweep.memory_limit_gib``)."""
+    options = []
+    fit = have // need.per_worker
+    if 1 <= fit < asked:
+        options.append(f"sweep.workers={fit}")
+    if need.bfloat16 is not None:
+        fit_half = min(asked, have // (need.bfloat16 + need.activations))
+        if fit_half > fit:
+            options.append(f"model.dtype: bfloat16 (weights {gib(need.bfloat16)}: room for {workers(fit_half)})")
+    options.append(("a larger sweep.memory_limit_gib or " if limited else "") + "a machine with more memory")
+    return "use " + ", or ".join(options)
+
+
+def check_gpus(cfg: Config, weights: int, model: Any, free: list[int] | None) -> None:
+    """The weights of the workers that share one GPU (``sweep.num_gpus_per_worker`` below 1) against the freest
+    visible GPU (``free``: bytes per GPU; None: unknown, nothing checked)."""
+    if not free:
+        return
+    s = cfg.sweep
+    share = 1 if s.num_gpus_per_worker >= 1 else min(s.workers, max(1, math.floor(1 / s.num_gpus_per_worker + 1e-9)))
+    if share * weights <= max(free):
+        return
+    raise HeadsweepError(
+        f"{workers(share)} per GPU (sweep.num_gpus_per_worker={s.num_gpus_per_worker:g}) cannot hold this model: "
+        f"its weights take {gib(weights)}{dtype_note(model)} per worker, and the freest GPU has {gib(max(free))} "
+        "free (nvidia-smi): use a larger sweep.num_gpus_per_worker (fewer workers per GPU), model.dtype: bfloat16, or "
+        "GPUs with more memory"
+    )
+
+
+def gpu_free_bytes(query: str | None = None) -> list[int] | None:
+    """Free memory (bytes) of each GPU that ``CUDA_VISIBLE_DEVICES`` leaves visible, from ``nvidia-smi``; None when
+    there is no ``nvidia-smi`` or it fails. ``query``: its CSV output (``index, uuid, memory.free`` in MiB),
+    read here when None."""
+    if query is None:
+        smi = shutil.which("nvidia-smi")
+        if smi is None:
+            return None
+        try:
+            query = subprocess.run([smi, "--query-gpu=index,uuid,memory.free", "--format=csv,noheader,nounits"],
+                                   capture_output=True, text=True, timeout=20, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+    gpus = {}
+    for line in query.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and parts[2].isdigit():
+            gpus[(parts[0], parts[1])] = int(parts[2]) << 20
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(gpus.values())
+    wanted = [v.strip() for v in visible.split(",") if v.strip()]
+    # Indices or UUIDs (``GPU-...``, or a unique prefix of one), as CUDA reads them.
+    return [free for (index, uuid), free in gpus.items() if any(w == index or uuid.startswith(w) for w in wanted)]
+
+
+def gib(n: int) -> str:
+    """``4.61 GiB``; below a hundredth of a GiB in MiB (a test's tiny model: ``0.07 MiB``)."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 100 else f"{n / (1 << 20):.2f} MiB"
+
+
+def workers(n: int) -> str:
+    return f"{n} worker" + ("" if n == 1 else "s")
+
+
+def dtype_note(model: Any) -> str:
+    """`` in float32 (model.dtype)`` for a family with a ``model.dtype``, else nothing."""
+    dtype = getattr(model, "dtype", None)
+    return f" in {dtype} (model.dtype)" if dtype else ""
