@@ -1,0 +1,326 @@
+"""Resample ablation and activation patching (``sweep.ablation: resample | patch``) against a plain loop.
+
+The independent route is written here with transformers alone: for each example, one forward pass of the donor
+(resample: the example the adapter's derangement names; patch: the pair's other prompt) with a pre-hook on every
+attention output projection recording its input, then one of the example with a pre-hook that puts the donor's
+slices of the masked heads in place of its own (TransformerLens's ``hook_z`` patching, one example at a time, no
+padding). The adapters run the same through ``evaluate``: donors padded as the batch, recorded once per batch and
+installed as the per-example fill, with prefix reuse on and off and several masks packed in one pass. Both routes
+run the same function with matrices of other shapes (a batch against one example), so they agree within the
+summation-order bound (tests/tolerances.py).
+
+Also: the derangement has no fixed point, stays within a length and is seeded; the logit difference equals one
+computed from the model's logits; K resample draws average each example's statistics; bad input through the CLI
+is one line, exit 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import error_line, run_cli
+from tiny_models import LM_WORDS, lm_text, save_tiny_causal_lm, save_tiny_classifier
+from tolerances import assert_routes_agree
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from headsweep.errors import HeadsweepError
+from headsweep.sweep.demo.sentiment import generate, write_tsv
+from headsweep.workers.ablation import AblationSpec
+from headsweep.workers.donors import same_length_donors
+from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+from headsweep.workers.families.hf_classifier.adapter import ClassifierAdapter
+from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
+from headsweep.workers.family import RuntimeOptions
+from headsweep.workers.heads import Head
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LAYERS = 3
+WINDOW = 12
+# (reuse, masks_per_batch): prefix reuse on and off, one mask per pass and three packed in one
+PATHS = [(True, 1), (False, 1), (True, 3), (False, 3)]
+
+
+# -- the plain route -----------------------------------------------------------------------------------------------
+def substituted(run, projections, head_dim: int, mask, donor_ids, ids, keep_first: bool = False):
+    """``run(ids)`` with the masked heads' slices of each output projection's input (``projections[layer]``) taken
+    from ``run(donor_ids)``; position 0 left alone with ``keep_first``."""
+    recorded = {}
+    handles = [p.register_forward_pre_hook(lambda _m, args, layer=layer: recorded.__setitem__(layer, args[0].clone()))
+               for layer, p in enumerate(projections)]
+    try:
+        run(donor_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    first = 1 if keep_first else 0
+
+    def swap(layer):
+        def hook(_m, args):
+            x = args[0].clone()
+            for head in mask:
+                if head.layer == layer:
+                    cols = slice(head.head * head_dim, (head.head + 1) * head_dim)
+                    x[:, first:, cols] = recorded[layer][:, first:, cols]
+            return (x, *args[1:])
+        return hook
+
+    handles = [p.register_forward_pre_hook(swap(layer)) for layer, p in enumerate(projections)]
+    try:
+        return run(ids)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+MASKS = [[Head("self", 0, 1)], [Head("self", 1, 2), Head("self", 2, 0)], [Head("self", 0, 3), Head("self", 2, 1)]]
+
+
+# -- donors ----------------------------------------------------------------------------------------------------------
+def test_same_length_donors_are_seeded_derangements_within_a_length():
+    lengths = np.array([4] * 7 + [9] * 2 + [6] * 30)
+    donors = same_length_donors(lengths, seed=3, draws=4)
+    assert donors.shape == (4, len(lengths))
+    assert not (donors == np.arange(len(lengths))).any()  # no example is its own donor
+    assert (lengths[donors] == lengths).all()  # always one of its own length
+    assert all(sorted(row) == list(range(len(lengths))) for row in donors)  # each draw a permutation
+    assert np.array_equal(donors, same_length_donors(lengths, seed=3, draws=4))  # seeded
+    assert np.array_equal(donors[:1], same_length_donors(lengths, seed=3, draws=1))  # draw k seeded by (seed, k)
+    assert not np.array_equal(donors[0], same_length_donors(lengths, seed=4)[0])
+    assert not np.array_equal(donors[0], donors[1])
+    with pytest.raises(HeadsweepError, match=r"2 of 5 examples have no other of their length \(lengths 3, 8\)"):
+        same_length_donors([3, 5, 5, 8, 5], 0)
+
+
+# -- classifier: resample ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    return save_tiny_classifier(tmp_path_factory.mktemp("models") / "bert", layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def classifier_data(tmp_path_factory, bert_dir):
+    """Demo sentences whose token length some other sentence shares (every one has a donor), as a TSV."""
+    tokenizer = AutoTokenizer.from_pretrained(bert_dir)
+    examples = generate(60, seed=7)
+    lengths = [len(tokenizer(text)["input_ids"]) for text, _ in examples]
+    kept = [e for e, n in zip(examples, lengths, strict=True) if lengths.count(n) > 1]
+    assert len(set(lengths)) > 3 and len(kept) > 30
+    return write_tsv(kept, tmp_path_factory.mktemp("data") / "pairable.tsv"), tokenizer
+
+
+def classifier(model_dir, data, reuse=True, masks_per_batch=1, **spec) -> ClassifierAdapter:
+    runtime = RuntimeOptions(batch_size=8, reuse=reuse, masks_per_batch=masks_per_batch,
+                             ablation=AblationSpec(method="resample", **spec))
+    return ClassifierAdapter(ClassifierModel(path=str(model_dir)), ClassifierData(path=str(data)), runtime)
+
+
+def test_classifier_resample_equals_a_hook_loop(bert_dir, classifier_data):
+    data, tokenizer = classifier_data
+    model = AutoModelForSequenceClassification.from_pretrained(bert_dir).eval()
+    projections = [layer.attention.output.dense for layer in model.bert.encoder.layer]
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    texts = [line.split("\t")[0] for line in data.read_text().splitlines()[1:]]
+    labels = torch.tensor([int(line.split("\t")[1]) for line in data.read_text().splitlines()[1:]])
+    ids = [torch.tensor([tokenizer(t)["input_ids"]]) for t in texts]
+
+    def run(x):
+        with torch.no_grad():
+            return model(input_ids=x).logits[0]
+
+    reference = None
+    for reuse, per in PATHS:
+        a = classifier(bert_dir, data, reuse, per, seed=11)
+        a.describe()
+        assert a.reuse_note.startswith("prefix") == reuse
+        donors = a.donors.donors[0]
+        if reference is None:
+            reference = torch.stack([torch.stack([substituted(run, projections, head_dim, m, ids[int(donors[i])],
+                                                              ids[i]) for i in range(len(ids))]) for m in MASKS])
+            baseline = torch.stack([run(x) for x in ids])
+            assert (reference - baseline).abs().amax(dim=(1, 2)).min() > 1e-2  # every mask changes something
+        got = a.logits(MASKS)
+        assert_routes_agree(got, reference, depth=LAYERS + 1, width=64, what=("resample", reuse, per))
+        outputs = a.evaluate(MASKS)
+        for m, out in enumerate(outputs):  # the statistics: the hook route's argmax against the labels
+            agree = got[m].argmax(-1) == reference[m].argmax(-1)
+            expected = (reference[m].argmax(-1) == labels).double().numpy()
+            assert np.array_equal(out.stats[:, 0][agree.numpy()], expected[agree.numpy()])
+
+
+# -- causal LM perplexity: resample, K draws ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lm_files(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lm")
+    corpus = tmp / "corpus.txt"
+    corpus.write_text(lm_text(120, seed=3))
+    return {"llama": save_tiny_causal_lm(tmp / "llama", "llama_8q2kv", layers=LAYERS),
+            "gpt2": save_tiny_causal_lm(tmp / "gpt2", "gpt2", layers=LAYERS), "corpus": corpus, "tmp": tmp}
+
+
+def lm_route(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    blocks = model.model.layers if hasattr(model, "model") else model.transformer.h
+    projections = [b.self_attn.o_proj if hasattr(b, "self_attn") else b.attn.c_proj for b in blocks]
+    head_dim = model.config.hidden_size // model.config.num_attention_heads  # GPT-2's config maps these names too
+
+    def run(x):
+        with torch.no_grad():
+            return model(input_ids=x, use_cache=False).logits[0].double()
+
+    return run, projections, head_dim
+
+
+def test_perplexity_resample_equals_a_hook_loop_and_averages_its_draws(lm_files):
+    run, projections, head_dim = lm_route(lm_files["llama"])
+    tokenizer = AutoTokenizer.from_pretrained(lm_files["llama"])
+    tokens = tokenizer(lm_files["corpus"].read_text(), add_special_tokens=False)["input_ids"]
+    windows = [torch.tensor([tokens[i : i + WINDOW]]) for i in range(0, len(tokens) - WINDOW + 1, WINDOW)]
+
+    def nll_sum(logits, ids):  # every position after the first is scored (no BOS, windows without overlap)
+        return float(-torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None]).sum())
+
+    def adapter(reuse, per, resamples=1):
+        runtime = RuntimeOptions(batch_size=3, reuse=reuse, masks_per_batch=per,
+                                 ablation=AblationSpec(method="resample", seed=2, resamples=resamples))
+        return load_causal_lm_adapter(CausalLMModel(path=str(lm_files["llama"])),
+                                      CausalLMData(path=str(lm_files["corpus"]), window=WINDOW), runtime)
+
+    def reference(donors):
+        return np.array([[nll_sum(substituted(run, projections, head_dim, m, windows[int(donors[i])], w), w)
+                          for i, w in enumerate(windows)] for m in MASKS])
+
+    first = None
+    for reuse, per in PATHS:
+        a = adapter(reuse, per)
+        a.describe()
+        assert len(a.windows) == len(windows) and a.reuse_note.startswith("prefix") == reuse
+        first = reference(a.donors.donors[0]) if first is None else first
+        got = np.array([o.stats[:, 0] for o in a.evaluate(MASKS)])
+        assert_routes_agree(got, first, depth=LAYERS + 1, width=64, what=("perplexity", reuse, per))
+    # K = 2 draws: each window's statistics are the mean of its two draws' (the unit stays the window)
+    a = adapter(True, 3, resamples=2)
+    draws = a.donors.donors
+    assert np.array_equal(draws[0], adapter(True, 1).donors.donors[0])
+    expected = (reference(draws[0]) + reference(draws[1])) / 2
+    got = np.array([o.stats for o in a.evaluate(MASKS)])
+    assert got.shape == (len(MASKS), len(windows), 2) and (got[..., 1] == WINDOW - 1).all()
+    assert_routes_agree(got[..., 0], expected, depth=LAYERS + 1, width=64, what="two draws")
+
+
+# -- causal LM paired prompts: patch, logit_diff ---------------------------------------------------------------------
+def pair_rows(n: int = 14, seed: int = 0) -> list[dict]:
+    """Prompts of two lengths, the corrupted one a word changed; answers one word (one token) each."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        clean = [rng.choice(LM_WORDS) for _ in range(5 + 2 * (i % 2))]
+        corrupted = list(clean)
+        corrupted[rng.randrange(len(clean))] = rng.choice(LM_WORDS)
+        answer, wrong = rng.sample(LM_WORDS, 2)
+        rows.append({"clean": " ".join(clean), "corrupted": " ".join(corrupted), "answer": answer,
+                     "wrong_answer": wrong, "template": i % 2})
+    return rows
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(("method", "direction", "keep_first"),
+                         [("patch", "noising", False), ("patch", "denoising", True), ("resample", "noising", False)])
+def test_paired_prompts_equal_a_hook_loop(lm_files, method, direction, keep_first):
+    rows = pair_rows()
+    data = write_jsonl(lm_files["tmp"] / f"pairs-{method}-{direction}.jsonl", rows)
+    run, projections, head_dim = lm_route(lm_files["gpt2"])
+    tokenizer = AutoTokenizer.from_pretrained(lm_files["gpt2"])
+
+    def encode(text):
+        return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+
+    clean = [encode(r["clean"]) for r in rows]
+    corrupted = [encode(r["corrupted"]) for r in rows]
+    answers = [(tokenizer.convert_tokens_to_ids(r["answer"]), tokenizer.convert_tokens_to_ids(r["wrong_answer"]))
+               for r in rows]
+
+    def logit_diff(logits, i):  # the metric from the model's logits: answer minus wrong answer, last position
+        return float(logits[-1, answers[i][0]] - logits[-1, answers[i][1]])
+
+    evaluated, other = (corrupted, clean) if direction == "denoising" else (clean, corrupted)
+    reference = None
+    for reuse, per in PATHS:
+        runtime = RuntimeOptions(batch_size=4, reuse=reuse, masks_per_batch=per,
+                                 ablation=AblationSpec(method=method, direction=direction, keep_first=keep_first))
+        a = load_causal_lm_adapter(CausalLMModel(path=str(lm_files["gpt2"])),
+                                   CausalLMData(path=str(data), task="paired"), runtime)
+        info = a.describe()
+        assert info.metric == "logit_diff" and a.reuse_note.startswith("prefix") == reuse
+        if reference is None:
+            donors = a.donors.donors[0]
+            donor_side = other if method == "patch" else evaluated
+            reference = np.array([[logit_diff(substituted(run, projections, head_dim, m, donor_side[int(donors[i])],
+                                                          x, keep_first), i)
+                                   for i, x in enumerate(evaluated)] for m in MASKS])
+            unpatched = {side: np.array([logit_diff(run(x), i) for i, x in enumerate(prompts)])
+                         for side, prompts in (("clean", clean), ("corrupted", corrupted))}
+            assert np.abs(unpatched["clean"] - unpatched["corrupted"]).max() > 1e-2
+            assert (np.abs(reference - unpatched["corrupted" if direction == "denoising" else "clean"]).max(axis=1)
+                    > 1e-3).all()
+            if method == "patch":
+                assert np.array_equal(donors, np.arange(len(rows)))
+        # the baseline: the unpatched evaluated prompts; the facts: both sides' means
+        base = a.baseline().stats[:, 0]
+        assert_routes_agree(base, unpatched["corrupted" if direction == "denoising" else "clean"], depth=LAYERS + 1,
+                            width=64, what="baseline")
+        for side in ("clean", "corrupted"):
+            assert info.facts[f"logit_diff_{side}"] == pytest.approx(unpatched[side].mean(), abs=1e-5)
+        outputs = a.evaluate(MASKS)
+        got = np.array([o.stats[:, 0] for o in outputs])
+        assert_routes_agree(got, reference, depth=LAYERS + 1, width=64, what=(method, direction, reuse, per))
+        assert [o.score for o in outputs] == pytest.approx(list(got.mean(axis=1)), rel=1e-12)
+
+
+# -- bad input through the CLI -----------------------------------------------------------------------------------------
+def refused(tmp_path, ray_address, model, data, *parts, **ablation) -> None:
+    method = ablation.pop("method")
+    cfg = {"model": model, "data": data, "sweep": {"experiments": ["baseline", "single_head"], "workers": 1,
+                                                   "ablation": method}}
+    if ablation:
+        cfg["ablation"] = ablation
+    tmp_path.mkdir()
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    store = tmp_path / "store"
+    proc = run_cli("run", str(config), "--store", str(store), "--address", ray_address, "--quiet")
+    assert proc.returncode == 2, proc.stderr
+    line = error_line(proc.stderr)
+    assert "Traceback" not in proc.stderr and proc.stdout.strip() == "", proc.stderr
+    for part in parts:
+        assert part in line, line
+    assert not store.exists()
+
+
+def test_bad_input_is_one_line(tmp_path, lm_files, tiny_bert_dir, tiny_dev_tsv, ray_address):
+    gpt2 = {"kind": "hf_causal_lm", "path": str(lm_files["gpt2"])}
+    rows = pair_rows(4)
+    # patch without paired data: refused before any worker starts
+    refused(tmp_path / "a", ray_address, gpt2, {"path": str(lm_files["corpus"]), "window": WINDOW},
+            "sweep.ablation patch needs paired data", "data.task: paired", method="patch")
+    # an answer of two tokens
+    bad = [*rows[:2], {**rows[2], "answer": "big cat"}, rows[3]]
+    refused(tmp_path / "b", ray_address, gpt2, {"path": str(write_jsonl(tmp_path / "b.jsonl", bad)), "task": "paired"},
+            "line 3", "answer 'big cat' is 2 tokens, not one", method="patch")
+    # clean and corrupted prompts of different lengths
+    bad = [rows[0], {**rows[1], "corrupted": rows[1]["corrupted"] + " dog"}, *rows[2:]]
+    refused(tmp_path / "c", ray_address, gpt2, {"path": str(write_jsonl(tmp_path / "c.jsonl", bad)), "task": "paired"},
+            "line 2", "must tokenise to the same length", method="patch", direction="denoising")
+    # resample on the demo sentences: three of them have no other of their token length
+    refused(tmp_path / "d", ray_address, {"kind": "hf_classifier", "path": str(tiny_bert_dir)},
+            {"path": str(tiny_dev_tsv)}, "3 of 40 examples have no other of their length", "data.max_examples",
+            "sweep.ablation mean", method="resample", seed=1)
