@@ -161,7 +161,10 @@ def _ablation_fact(run: dict, facts: dict) -> str:
     ablation = facts.get("ablation") or {}
     if "reference" in ablation:
         reference = ablation["reference"]
-        where = reference if isinstance(reference, str) else ", ".join(f"{k}: {v}" for k, v in reference.items())
+        if isinstance(reference, dict):  # the files it names (all its settings are in the facts table)
+            named = [k for k in ("path", "data_bin", "split", "source", "target") if k in reference] or list(reference)
+            reference = ", ".join(f"{k}: {reference[k]}" for k in named)
+        where = reference
         label += f" (means over {where}; positions: {ablation.get('positions')})"
     if ablation.get("keep_first"):
         label += ", first position kept"
