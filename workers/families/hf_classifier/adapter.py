@@ -123,7 +123,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
             references=self.examples.labels,
             inventory=self.gates.inventory,
             facts={"model_class": type(self.model).__name__, "num_labels": int(self.model.config.num_labels),
-                   "reuse": self.reuse_note, **self.data_facts},
+                   "dtype": str(self.model.dtype).removeprefix("torch."), "reuse": self.reuse_note, **self.data_facts},
         )
 
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
