@@ -69,14 +69,22 @@ QUALIFY row_number() OVER (PARTITION BY s.run_id, s.eval_id
                                     list_position(c.tests, s.test) NULLS LAST, s.test) = 1
 """
 
+# `logit_diff_normalized`, for paired prompts (metric logit_diff): the normalised patching score most papers report,
+# (score - corrupted) / (clean - corrupted), from the unpatched clean and corrupted mean logit differences the run
+# recorded in runs.facts (1: the clean run's, 0: the corrupted run's; of the first model where a run has checkpoints).
 DELTAS = f"""
 CREATE VIEW deltas AS
 SELECT e.run_id, e.eval_id, e.experiment, e.attention, e.layer, e.head, e.level, e.checkpoint, e.n_masked,
        e.heads_masked, e.metric, e.score, e.baseline_score, e.delta, s.test, s.p_value, s.p_adjusted, s.correction,
        s.alpha, s.significant, s.ci_low, s.ci_high, {harm_sql("e.delta", "e.metric")} AS harm, e.screen,
-       coalesce(e.ablation, 'zero') AS ablation
+       coalesce(e.ablation, 'zero') AS ablation,
+       CASE WHEN e.metric = 'logit_diff' THEN (e.score - p.corrupted) / nullif(p.clean - p.corrupted, 0)
+       END AS logit_diff_normalized
 FROM evaluations e
 LEFT JOIN ({SHOWN_SIGNIFICANCE}) s ON s.run_id = e.run_id AND s.eval_id = e.eval_id
+LEFT JOIN (SELECT run_id, max(CAST(json_extract(facts, '$.logit_diff_clean') AS DOUBLE)) AS clean,
+                  max(CAST(json_extract(facts, '$.logit_diff_corrupted') AS DOUBLE)) AS corrupted
+           FROM runs GROUP BY run_id) p ON p.run_id = e.run_id
 """
 
 _HEAD_STRUCT = "[{" + ", ".join(f'"{n}": "{t}"' for n, t in

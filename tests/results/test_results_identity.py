@@ -1,7 +1,7 @@
 """Results identity: every table's schema and every view's columns, pinned as computed before the experiment kinds
 declared their own tables and views (issue 28), so that assembling them from the registry provably changed none;
 updated by schema version 9 (runs and evaluations gain ``ablation``, the table ``ablation_values``, the views
-``deltas``, ``heads`` and ``pruning`` an ``ablation`` column)."""
+``deltas``, ``heads`` and ``pruning`` an ``ablation`` column, ``deltas`` also ``logit_diff_normalized``)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ TEST = ["test", "p_value", "p_adjusted", "correction", "alpha", "significant"]
 VIEW_COLUMNS = {
     "deltas": ["run_id", "eval_id", "experiment", "attention", "layer", "head", "level", "checkpoint", "n_masked",
                "heads_masked", "metric", "score", "baseline_score", "delta", *TEST, "ci_low", "ci_high", "harm",
-               "screen", "ablation"],
+               "screen", "ablation", "logit_diff_normalized"],
     "heads": ["run_id", "checkpoint", "attention", "layer", "head", "name", "metric", "baseline_score", "score",
               "delta", *TEST, "harm", "screen", "all_but_one_score", "all_but_one_delta", "importance_method",
               "importance", "importance_normalized", "importance_rank", "ablation"],
