@@ -118,7 +118,8 @@ def remedies(need: Need, asked: int, have: int, limited: bool) -> str:
     if need.bfloat16 is not None:
         fit_half = min(asked, have // (need.bfloat16 + need.activations))
         if fit_half > fit:
-            options.append(f"model.dtype: bfloat16 (weights {gib(need.bfloat16)}: room for {workers(fit_half)})")
+            fewer = f" with sweep.workers={fit_half}" if fit_half < asked else ""
+            options.append(f"model.dtype: bfloat16{fewer} (weights {gib(need.bfloat16)})")
     options.append(("a larger sweep.memory_limit_gib or " if limited else "") + "a machine with more memory")
     return "use " + ", or ".join(options)
 

@@ -56,6 +56,11 @@ def test_weights_are_sized_from_the_files(tiny_lm, tmp_path):
     for path in (str(model_dir), hub_id):
         assert family.weight_bytes(CausalLMModel(path=path)) == 4 * params  # float32, the default
         assert family.weight_bytes(CausalLMModel(path=path, dtype="bfloat16")) == 2 * params
+    # Weights saved in bfloat16, loaded in float32 (the default) or as saved
+    saved_half = tmp_path / "saved-bfloat16"
+    _loaded(model_dir).to(torch.bfloat16).save_pretrained(saved_half)
+    assert family.weight_bytes(CausalLMModel(path=str(saved_half))) == 4 * params
+    assert family.weight_bytes(CausalLMModel(path=str(saved_half), dtype="bfloat16")) == 2 * params
     # PyTorch's pickle format (transformers 5 writes only safetensors: saved as older transformers did)
     pickled = tmp_path / "pickled"
     pickled.mkdir()
@@ -127,9 +132,9 @@ def test_remedies_name_what_makes_the_workers_fit():
     """Fewer workers where some fit, bfloat16 where it fits more of them, more memory always."""
     need = Need(weights=4 * GIB, activations=GIB, bfloat16=2 * GIB)
     assert remedies(need, 2, 7 * GIB, limited=False) == ("use sweep.workers=1, or model.dtype: bfloat16 (weights "
-                                                         "2.00 GiB: room for 2 workers), or a machine with more memory")
-    assert remedies(need, 4, 4 * GIB, limited=True) == ("use model.dtype: bfloat16 (weights 2.00 GiB: room for 1 "
-                                                        "worker), or a larger sweep.memory_limit_gib or a machine "
+                                                         "2.00 GiB), or a machine with more memory")
+    assert remedies(need, 4, 4 * GIB, limited=True) == ("use model.dtype: bfloat16 with sweep.workers=1 (weights "
+                                                        "2.00 GiB), or a larger sweep.memory_limit_gib or a machine "
                                                         "with more memory")
     assert remedies(Need(GIB, GIB), 3, 5 * GIB, limited=False) == "use sweep.workers=2, or a machine with more memory"
 

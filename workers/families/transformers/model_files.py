@@ -29,9 +29,9 @@ ZIP_MAGIC = b"PK\x03\x04"
 PICKLE_MAGIC = b"\x80"  # torch's legacy (non-zip) format starts with a pickle protocol opcode
 # ``model.dtype``: the torch dtypes a model may be loaded in (torch's aliases included), by their bytes per value.
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "double": 8}
-# Bytes per value of safetensors' dtypes; the floating ones (F*) are cast to ``model.dtype`` when loaded.
-SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
-                     "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+# Bytes per value of safetensors' dtypes: the floating ones are cast to ``model.dtype`` when loaded.
+SAFETENSORS_FLOATING = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+SAFETENSORS_BYTES = {**SAFETENSORS_FLOATING, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 def resolve_model_dir(path: str) -> Path:
@@ -168,7 +168,7 @@ def weight_bytes(model_dir: Path, dtype: str) -> int | None:
                 if name == "__metadata__" or not isinstance(entry, dict):
                     continue
                 kind = str(entry.get("dtype"))
-                size = itemsize if kind.startswith("F") else SAFETENSORS_BYTES.get(kind, itemsize)
+                size = itemsize if kind in SAFETENSORS_FLOATING else SAFETENSORS_BYTES.get(kind, itemsize)
                 total += math.prod(entry.get("shape") or []) * size
         else:
             config = read_json(model_dir / "config.json")
