@@ -324,3 +324,49 @@ def test_bad_input_is_one_line(tmp_path, lm_files, tiny_bert_dir, tiny_dev_tsv, 
     refused(tmp_path / "d", ray_address, {"kind": "hf_classifier", "path": str(tiny_bert_dir)},
             {"path": str(tiny_dev_tsv)}, "3 of 40 examples have no other of their length", "data.max_examples",
             "sweep.ablation mean", method="resample", seed=1)
+
+
+def test_a_denoising_run_through_the_cli(tmp_path, lm_files, ray_address):
+    """The driver's path: metric logit_diff stored per pair, the paired bootstrap on it, the run's facts, and the
+    normalised patching score in the deltas view (0 at the baseline: denoising starts from the corrupted run)."""
+    from headsweep.results.query import run_query
+    from headsweep.results.store import ResultStore
+
+    rows = pair_rows(12, seed=4)
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"kind": "hf_causal_lm", "path": str(lm_files["gpt2"])},
+        "data": {"path": str(data), "task": "paired"},
+        "sweep": {"experiments": ["baseline", "single_head"], "workers": 1, "ablation": "patch"},
+        "ablation": {"direction": "denoising"}, "significance": {"n_resamples": 100}}))
+    store = tmp_path / "store"
+    proc = run_cli("run", str(config), "--store", str(store), "--address", ray_address, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    run, _, _ = lm_route(lm_files["gpt2"])
+    tokenizer = AutoTokenizer.from_pretrained(lm_files["gpt2"])
+    means = {}
+    for side in ("clean", "corrupted"):
+        diffs = []
+        for r in rows:
+            logits = run(torch.tensor([tokenizer(r[side], add_special_tokens=False)["input_ids"]]))
+            diffs.append(float(logits[-1, tokenizer.convert_tokens_to_ids(r["answer"])]
+                               - logits[-1, tokenizer.convert_tokens_to_ids(r["wrong_answer"])]))
+        means[side] = np.mean(diffs)
+    results = ResultStore(str(store))
+    (facts,) = run_query(results, "SELECT facts, metric, ablation FROM runs").to_pylist()
+    assert (facts["metric"], facts["ablation"]) == ("logit_diff", "patch")
+    stored = json.loads(facts["facts"])
+    assert stored["ablation"] == {"method": "patch", "keep_first": False, "direction": "denoising"}
+    assert stored["logit_diff_clean"] == pytest.approx(means["clean"], abs=1e-5)
+    assert stored["logit_diff_corrupted"] == pytest.approx(means["corrupted"], abs=1e-5)
+    deltas = run_query(results, "SELECT experiment, score, baseline_score, test, p_value, logit_diff_normalized "
+                                "FROM deltas").to_pylist()
+    assert len(deltas) == 1 + 12  # the baseline and the 3 x 4 heads
+    for row in deltas:
+        assert row["baseline_score"] == pytest.approx(means["corrupted"], abs=1e-5)
+        expected = (row["score"] - means["corrupted"]) / (means["clean"] - means["corrupted"])
+        assert row["logit_diff_normalized"] == pytest.approx(expected, rel=1e-4, abs=1e-6)
+        if row["experiment"] == "single_head":
+            assert row["test"] == "paired_bootstrap" and 0 < row["p_value"] <= 1
+    assert [r["logit_diff_normalized"] for r in deltas if r["experiment"] == "baseline"] == [pytest.approx(0, abs=1e-9)]
