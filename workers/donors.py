@@ -34,6 +34,7 @@ paired data make both prompts the same token length, so they line up as resample
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -43,6 +44,7 @@ import torch
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation import PATCH_NEEDS_PAIRS, PER_EXAMPLE_METHODS, AblationSpec, HeadFill
+from headsweep.workers.family import LossBatch, LossBatches
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import SiteKey
 
@@ -91,17 +93,15 @@ def same_length_donors(lengths: Sequence[int], seed: int, draws: int = 1, what: 
 
 def record_contexts(gates: HeadGates, run: Callable[[], Any]) -> dict[SiteKey, torch.Tensor]:
     """Every site's output-projection input during ``run()`` (one forward pass of the model ``gates`` are on), as
-    ``(B, T, H, d)`` batch first; the pass runs ungated (no gates, no fill: the model as it is)."""
+    ``(B, T, H, d)`` batch first, without gradients; the pass runs ungated (no gates, no fill: the model as it is),
+    and whatever gates and fill were set are set again after it."""
     recorded: dict[SiteKey, list[torch.Tensor]] = {site.key: [] for site in gates.sites}
     handles = [site.out_proj.register_forward_pre_hook(lambda _m, args, key=site.key: recorded[key].append(args[0]))
                for site in gates.sites]
-    saved = gates.fill
-    gates.clear()
-    gates.set_fill(None)
     try:
-        run()
+        with gates.ungated(), torch.no_grad():
+            run()
     finally:
-        gates.set_fill(saved)
         for handle in handles:
             handle.remove()
     out = {}
@@ -202,6 +202,31 @@ class Donors:
             yield
         finally:
             self.gates.set_fill(saved)
+
+
+def with_donors(batches: LossBatches, donors: Donors, rows: Sequence[torch.Tensor],
+                run_donors: Callable[[np.ndarray], Any]) -> LossBatches:
+    """``batches`` (``rows[b]``: the examples of batch ``b``) with each loss computed under the per-example fill of
+    its examples, averaged over the draws: gradient importance's gate gradient is then attribution patching of the
+    run's resample or patch ablation (``dL/dxi_h = dL/dz'_h . (z_h - c_h)``, ``c_h`` the donor's), and the L0
+    gates close onto the donors' activations. ``outputs`` (relevance propagation) runs as it is."""
+    if not donors.active:
+        return batches
+
+    def under_fill(batch: LossBatch, idx: torch.Tensor) -> LossBatch:
+        def loss() -> torch.Tensor:
+            total = None
+            for _ in donors.draws():
+                with donors.batch(idx, run_donors):
+                    value = batch.loss()
+                total = value if total is None else total + value
+            assert total is not None
+            return total / donors.n_draws
+
+        return dataclasses.replace(batch, loss=loss)
+
+    return dataclasses.replace(batches, batches=[under_fill(b, idx) for b, idx in zip(batches.batches, rows,
+                                                                                     strict=True)])
 
 
 def donors_for(spec: AblationSpec, gates: HeadGates, lengths: Sequence[int], paired: bool = False,

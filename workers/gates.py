@@ -187,6 +187,20 @@ class HeadGates:
             self._gates[key] = value
 
     @contextmanager
+    def ungated(self) -> Iterator[None]:
+        """Context manager: no gates and no fill inside (the model as it is), the gates and fill set before back
+        after (a donor's pass in the middle of a gated computation: resample ablation, activation patching)."""
+        gates, fill = dict(self._gates), self.fill
+        self._gates.clear()
+        self.fill = None
+        try:
+            yield
+        finally:
+            self._gates.clear()
+            self._gates.update(gates)
+            self.fill = fill
+
+    @contextmanager
     def masked(self, masked: Iterable[Head]) -> Iterator[None]:
         """Context manager: ``masked`` heads gated off inside, no gates after."""
         self.set_mask(masked)

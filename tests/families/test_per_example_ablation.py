@@ -370,3 +370,54 @@ def test_a_denoising_run_through_the_cli(tmp_path, lm_files, ray_address):
         if row["experiment"] == "single_head":
             assert row["test"] == "paired_bootstrap" and 0 < row["p_value"] <= 1
     assert [r["logit_diff_normalized"] for r in deltas if r["experiment"] == "baseline"] == [pytest.approx(0, abs=1e-9)]
+
+
+def test_gate_gradients_under_patching_are_attribution_patching(lm_files):
+    """``loss_batches`` under patch: each gate's gradient at 1 is ``dL/dz' . (z - c)``, c the corrupted prompt's
+    slice (attribution patching), computed here with a hook that mixes ``xi z + (1 - xi) c`` itself."""
+    rows = pair_rows(6, seed=2)
+    data = write_jsonl(lm_files["tmp"] / "pairs-gradients.jsonl", rows)
+    runtime = RuntimeOptions(batch_size=4, ablation=AblationSpec(method="patch"))
+    a = load_causal_lm_adapter(CausalLMModel(path=str(lm_files["gpt2"])), CausalLMData(path=str(data), task="paired"),
+                               runtime)
+    sites = a.gates.sites
+    gates = {s.key: torch.ones(s.num_heads, dtype=torch.float64, requires_grad=True) for s in sites}
+    a.gates.set_values(gates)
+    for batch in a.loss_batches(None, torch.float64).batches:
+        batch.loss().backward()
+    a.gates.clear()
+    got = torch.stack([gates[s.key].grad for s in sites])
+
+    model = AutoModelForCausalLM.from_pretrained(lm_files["gpt2"], attn_implementation="eager").eval()
+    projections = [b.attn.c_proj for b in model.transformer.h]
+    tokenizer = AutoTokenizer.from_pretrained(lm_files["gpt2"])
+    heads, head_dim = sites[0].num_heads, sites[0].head_dim
+    xi = torch.ones(len(projections), heads, dtype=torch.float64, requires_grad=True)
+    recorded: dict[int, torch.Tensor] = {}  # the corrupted prompt's projection inputs, per layer
+    for r in rows:
+        clean, corrupted = (torch.tensor([tokenizer(r[s], add_special_tokens=False)["input_ids"]])
+                            for s in ("clean", "corrupted"))
+        handles = [p.register_forward_pre_hook(lambda _m, args, i=i: recorded.__setitem__(i, args[0].detach()))
+                   for i, p in enumerate(projections)]
+        with torch.no_grad():
+            model(input_ids=corrupted)
+        for h in handles:
+            h.remove()
+
+        def mix(i):
+            def hook(_m, args):
+                z = args[0].view(*args[0].shape[:-1], heads, head_dim)
+                c = recorded[i].view_as(z)
+                w = xi[i].view(heads, 1).to(z.dtype)
+                return ((z * w + (1 - w) * c).reshape(args[0].shape),)
+            return hook
+
+        handles = [p.register_forward_pre_hook(mix(i)) for i, p in enumerate(projections)]
+        logits = model(input_ids=clean).logits[0, -1].double()
+        for h in handles:
+            h.remove()
+        answer = tokenizer.convert_tokens_to_ids(r["answer"])
+        (-torch.log_softmax(logits, -1)[answer]).backward()
+    # float32 forward passes of other shapes on the two routes; the gradients are O(1e-2 .. 1)
+    assert got.abs().max() > 1e-3
+    assert torch.allclose(got, xi.grad, rtol=1e-4, atol=1e-6), (got - xi.grad).abs().max()

@@ -24,7 +24,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.data_report import unknown_tokens
-from headsweep.workers.donors import donors_for
+from headsweep.workers.donors import donors_for, with_donors
 from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import DEFAULT_WINDOW, CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.data import Window, plan_windows, read_corpus
@@ -254,8 +254,10 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
 
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
         """The windows as summed NLL of their scored tokens (``label_smoothing`` does not apply: the
-        training loss of a causal LM is plain token cross-entropy); every position is a real token."""
-        return LossBatches([self._loss_batch(idx, dtype) for idx in self.batches], LOSS_NAME)
+        training loss of a causal LM is plain token cross-entropy); every position is a real token. Under the run's
+        per-example fill where it has one (:func:`~headsweep.workers.donors.with_donors`)."""
+        return with_donors(LossBatches([self._loss_batch(idx, dtype) for idx in self.batches], LOSS_NAME),
+                           self.donors, self.batches, self.run_donors)
 
     def _loss_batch(self, idx: torch.Tensor, dtype: torch.dtype) -> LossBatch:
         inputs = self.inputs[idx.to(self.device)]

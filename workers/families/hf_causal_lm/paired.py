@@ -31,7 +31,7 @@ import torch
 from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
-from headsweep.workers.donors import donors_for
+from headsweep.workers.donors import donors_for, with_donors
 from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.model import (
@@ -256,8 +256,10 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
 
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
         """The evaluated prompts as the summed cross-entropy of their answer token at the last position
-        (``label_smoothing`` does not apply); every position is a real token."""
-        return LossBatches([self._loss_batch(idx, dtype) for idx in self.batches], LOSS_NAME)
+        (``label_smoothing`` does not apply); every position is a real token. Under the run's per-example fill where
+        it has one (:func:`~headsweep.workers.donors.with_donors`)."""
+        return with_donors(LossBatches([self._loss_batch(idx, dtype) for idx in self.batches], LOSS_NAME),
+                           self.donors, self.batches, self.run_donors)
 
     def _loss_batch(self, idx: torch.Tensor, dtype: torch.dtype) -> LossBatch:
         inputs, answers = self._inputs(self.prompts, idx), self.answers[idx.to(self.device)]

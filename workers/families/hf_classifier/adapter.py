@@ -23,7 +23,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.data_report import Finding, merge, report, unknown_tokens
-from headsweep.workers.donors import donors_for
+from headsweep.workers.donors import donors_for, with_donors
 from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 from headsweep.workers.families.hf_classifier.data import findings, label_ids, read_examples
@@ -127,8 +127,10 @@ class ClassifierAdapter(PrefixReuseSwitch):
         )
 
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
-        """The evaluation batches as summed cross-entropy (``label_smoothing`` does not apply to classifiers)."""
-        return classifier_loss_batches(self.model, self.gates, self.batches, self.labels, dtype)
+        """The evaluation batches as summed cross-entropy (``label_smoothing`` does not apply to classifiers), under
+        the run's per-example fill where it has one (:func:`~headsweep.workers.donors.with_donors`)."""
+        return with_donors(classifier_loss_batches(self.model, self.gates, self.batches, self.labels, dtype),
+                           self.donors, [idx for idx, _ in self.batches], self.run_donors)
 
     def workload(self, batch_size: int, max_length: int) -> Workload:
         """One forward pass of ``batch_size`` examples around the median length (cycled if the set is smaller)."""
