@@ -19,10 +19,11 @@ What it is not counted to need, and why:
   4 GiB on a CPU) and recomputes, once per call, the states that do not fit: they shrink to what is there.
 * gradient importance (and ``lrp``): it differentiates the gates only (the parameters' ``requires_grad`` is off,
   so no weight gradients exist); its backward pass keeps one loss batch's activations of every layer, which grows
-  with ``sweep.batch_size`` and depth and is not budgeted by the workers either. The 1.24B-parameter shape of
-  bench/real_size.py (4 windows of 256 tokens per batch) adds a few GiB to the one worker that runs it.
+  with ``sweep.batch_size`` and depth and is not budgeted by the workers either. On GPT-2 small
+  (bench/real_size.py, batches of 8 windows of 256 tokens) the worker that computed it peaked at 5.0 GiB, the
+  others at 2.4-2.7 GiB.
 * the worker process itself: Ray, torch and transformers imported take about 0.3 GiB (VmRSS measured with torch
-  2.13 and transformers 5.23), within the margin of the activation budget, which a tiny model never fills.
+  2.13 and transformers 5.23), small beside the weights of the models this check is for.
 
 The memory compared with is ``MemAvailable`` (free memory and what the kernel can reclaim), capped by
 ``sweep.memory_limit_gib`` (a user's share of a shared box); for ``sweep.device=cuda`` also each visible GPU's
