@@ -134,11 +134,12 @@ def check_gpus(cfg: Config, weights: int, model: Any, free: list[int] | None) ->
     share = 1 if s.num_gpus_per_worker >= 1 else min(s.workers, max(1, math.floor(1 / s.num_gpus_per_worker + 1e-9)))
     if share * weights <= max(free):
         return
+    half = ", model.dtype: bfloat16" if getattr(model, "dtype", None) in WIDE_DTYPES else ""
     raise HeadsweepError(
         f"{workers(share)} per GPU (sweep.num_gpus_per_worker={s.num_gpus_per_worker:g}) cannot hold this model: "
         f"its weights take {gib(weights)}{dtype_note(model)} per worker, and the freest GPU has {gib(max(free))} "
-        "free (nvidia-smi): use a larger sweep.num_gpus_per_worker (fewer workers per GPU), model.dtype: bfloat16, or "
-        "GPUs with more memory"
+        f"free (nvidia-smi): use a larger sweep.num_gpus_per_worker (fewer workers per GPU){half}, or GPUs with more "
+        "memory"
     )
 
 
