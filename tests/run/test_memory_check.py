@@ -17,7 +17,7 @@ from tiny_models import lm_text, save_tiny_causal_lm
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.config import load_config
-from headsweep.sweep.run.memory import GIB, Need, check_memory, gpu_free_bytes, remedies
+from headsweep.sweep.run.memory import GIB, Need, check_gpus, check_memory, gpu_free_bytes, remedies
 from headsweep.workers.families.hf_causal_lm.config import CausalLMModel
 from headsweep.workers.registry import model_family
 
@@ -137,6 +137,22 @@ def test_remedies_name_what_makes_the_workers_fit():
                                                         "2.00 GiB), or a larger sweep.memory_limit_gib or a machine "
                                                         "with more memory")
     assert remedies(Need(GIB, GIB), 3, 5 * GIB, limited=False) == "use sweep.workers=2, or a machine with more memory"
+
+
+def test_the_workers_sharing_a_gpu_must_fit_the_freest(tiny_lm, tmp_path):
+    """``sweep.num_gpus_per_worker: 0.5`` puts two of three workers on one GPU: their weights against the freest
+    visible GPU (no GPU here: the free memory is given as nvidia-smi would report it)."""
+    model_dir, corpus, _ = tiny_lm
+    config = load_config(write_config(tmp_path / "sweep.yaml", str(model_dir), corpus, workers=3, device="cuda",
+                                      num_gpus_per_worker=0.5))
+    check_gpus(config, 10 * GIB, config.model, [12 * GIB, 21 * GIB])
+    with pytest.raises(HeadsweepError) as refused:
+        check_gpus(config, 10 * GIB, config.model, [12 * GIB, 19 * GIB])
+    assert str(refused.value) == (
+        "2 workers per GPU (sweep.num_gpus_per_worker=0.5) cannot hold this model: its weights take 10.00 GiB in "
+        "float32 (model.dtype) per worker, and the freest GPU has 19.00 GiB free (nvidia-smi): use a larger "
+        "sweep.num_gpus_per_worker (fewer workers per GPU), model.dtype: bfloat16, or GPUs with more memory")
+    check_gpus(config, 10 * GIB, config.model, None)  # no nvidia-smi: nothing is known, nothing checked
 
 
 def test_gpus_are_read_from_nvidia_smi_as_cuda_sees_them(monkeypatch):
