@@ -64,13 +64,14 @@ def derangement(n: int, rng: np.random.Generator) -> np.ndarray:
             return perm
 
 
-def same_length_donors(lengths: Sequence[int], seed: int, draws: int = 1, what: str = "examples") -> np.ndarray:
+def same_length_donors(lengths: Sequence[int], seed: int, draws: int = 1, what: str = "examples",
+                       where: str = "the evaluation data", more: str = "more data") -> np.ndarray:
     """Resample ablation's donors: shape ``(draws, n)``, ``donors[k, i]`` the example whose activations replace
     example ``i``'s in draw ``k``; within each group of examples of one length, a derangement (draw ``k`` seeded by
     ``(seed, k)``, the groups in order of length).
 
     Refused (:class:`HeadsweepError`) when an example has no other example of its length: it has no donor whose
-    positions line up with its own.
+    positions line up with its own. The line names the ``what`` of ``where`` and says how to get ``more``.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     groups: dict[int, np.ndarray] = {int(n): np.flatnonzero(lengths == n) for n in np.unique(lengths)}
@@ -80,9 +81,8 @@ def same_length_donors(lengths: Sequence[int], seed: int, draws: int = 1, what: 
                                                             else "")
         raise HeadsweepError(
             f"sweep.ablation resample draws each example's donor among {what} of the same token length (the same "
-            f"padding, so positions line up), and {len(alone)} of {len(lengths)} {what} have no other of their "
-            f"length (lengths {shown}): evaluate more data (a larger data.max_examples, or a larger file), or use "
-            "sweep.ablation mean")
+            f"padding, so positions line up), and {len(alone)} of the {len(lengths)} {what} of {where} have no other "
+            f"of their length (lengths {shown}): evaluate {more}, or use sweep.ablation mean")
     donors = np.empty((draws, len(lengths)), dtype=np.int64)
     for k in range(draws):
         rng = np.random.default_rng((seed, k))
@@ -119,10 +119,8 @@ class Donors:
     """An adapter's per-example fills: whose inputs fill each example's gated-off heads, and the per-batch step.
 
     ``donors[k, i]``: in draw ``k``, the example (position in the evaluation set) whose donor-side inputs fill
-    example ``i`` (resample: another example; patch: ``i`` itself, its other prompt). They are drawn by ``draw()``
-    on first use, so an adapter loaded only for its loss (importance or L0 data) never draws nor refuses; the adapter
-    on the evaluation data draws them in ``describe`` (:meth:`check`), which the worker calls at load, before the run
-    writes anything. ``draw`` None: the run's method is not per example, and :meth:`batch` does nothing.
+    example ``i`` (resample: another example; patch: ``i`` itself, its other prompt), given by ``draw()`` on first
+    use (:meth:`check`: now). ``draw`` None: the run's method is not per example, and :meth:`batch` does nothing.
     """
 
     def __init__(self, gates: HeadGates, draw: Callable[[], np.ndarray] | None = None, keep_first: bool = False):
@@ -230,14 +228,18 @@ def with_donors(batches: LossBatches, donors: Donors, rows: Sequence[torch.Tenso
 
 
 def donors_for(spec: AblationSpec, gates: HeadGates, lengths: Sequence[int], paired: bool = False,
-               what: str = "examples") -> Donors:
+               what: str = "examples", where: str = "the evaluation data", more: str = "more data") -> Donors:
     """The :class:`Donors` of an adapter under the run's ablation ``spec`` (``RuntimeOptions.ablation``):
-    resample's same-length derangements over ``lengths`` (each example's token length), patch's pairs (``paired``:
-    the adapter holds paired data, example ``i``'s donor its other prompt; without pairs, drawing them refuses the
-    run), nothing for the other methods."""
+    resample's same-length derangements over ``lengths`` (each example's token length; drawn now, so that data
+    they cannot pair are refused when the adapter loads, which the driver has every worker do before the run writes
+    anything, for the evaluation data and for the data importance and the L0 gates read), patch's pairs
+    (``paired``: the adapter holds paired data, example ``i``'s donor its other prompt; without pairs, drawing them
+    refuses: the driver refuses such a run first), nothing for the other methods. ``what``, ``where`` and ``more``
+    word the refusal (:func:`same_length_donors`)."""
     lengths = list(lengths)
     if spec.method == "resample":
-        return Donors(gates, lambda: same_length_donors(lengths, spec.seed, spec.resamples, what), spec.keep_first)
+        drawn = same_length_donors(lengths, spec.seed, spec.resamples, what, where, more)
+        return Donors(gates, lambda: drawn, spec.keep_first)
     if spec.method == "patch":
         def pairs() -> np.ndarray:
             if not paired:

@@ -73,8 +73,16 @@ def _check_per_example(cfg: Any, family: Any) -> None:
     method = cfg.sweep.ablation
     if method not in PER_EXAMPLE_METHODS:
         return
-    if method == "patch" and not getattr(cfg.data, "paired", False):
-        raise HeadsweepError(PATCH_NEEDS_PAIRS)
+    if method == "patch":
+        from headsweep.sweep.configuration.config import data_sections  # config imports this module
+
+        # Every data set evaluated or differentiated under the fill: the evaluation data, importance's and L0's
+        # (roles reads attention, which no fill changes).
+        for key, section in data_sections(cfg):
+            if key != "roles.data" and not getattr(section, "paired", False):
+                raise HeadsweepError(PATCH_NEEDS_PAIRS if key == "data" else
+                                     f"{key} is not paired data, and sweep.ablation patch fills every head from the "
+                                     f"corrupted prompt of its pair: give {key} paired data (data.task: paired) too")
     if method == "resample" and cfg.sweep.screen is not None:
         raise HeadsweepError("sweep.screen evaluates a subset of the examples first, and sweep.ablation resample draws "
                              "each example's donor from the whole evaluation set: remove sweep.screen, or use "

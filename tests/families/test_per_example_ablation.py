@@ -93,7 +93,8 @@ def test_same_length_donors_are_seeded_derangements_within_a_length():
     assert np.array_equal(donors[:1], same_length_donors(lengths, seed=3, draws=1))  # draw k seeded by (seed, k)
     assert not np.array_equal(donors[0], same_length_donors(lengths, seed=4)[0])
     assert not np.array_equal(donors[0], donors[1])
-    with pytest.raises(HeadsweepError, match=r"2 of 5 examples have no other of their length \(lengths 3, 8\)"):
+    with pytest.raises(HeadsweepError, match=r"2 of the 5 examples of the evaluation data have no other of their "
+                       r"length \(lengths 3, 8\)"):
         same_length_donors([3, 5, 5, 8, 5], 0)
 
 
@@ -322,8 +323,34 @@ def test_bad_input_is_one_line(tmp_path, lm_files, tiny_bert_dir, tiny_dev_tsv, 
             "line 2", "must tokenise to the same length", method="patch", direction="denoising")
     # resample on the demo sentences: three of them have no other of their token length
     refused(tmp_path / "d", ray_address, {"kind": "hf_classifier", "path": str(tiny_bert_dir)},
-            {"path": str(tiny_dev_tsv)}, "3 of 40 examples have no other of their length", "data.max_examples",
-            "sweep.ablation mean", method="resample", seed=1)
+            {"path": str(tiny_dev_tsv)}, f"3 of the 40 examples of data file {tiny_dev_tsv} have no other of their",
+            "data.max_examples", "sweep.ablation mean", method="resample", seed=1)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"sweep": {"ablation": "resample", "screen": {}}}, "sweep.screen evaluates a subset"),
+    ({"sweep": {"ablation": "patch", "experiments": ["baseline", "importance"]},
+      "importance": {"data": {"path": "CORPUS"}}},
+     "importance.data is not paired data"),
+    ({"sweep": {"ablation": "resample"}, "ablation": {"direction": "denoising"}}, "ablation.direction is set but"),
+    ({"sweep": {"ablation": "patch"}, "ablation": {"direction": "sideways"}}, "unknown ablation.direction"),
+    ({"data": {"max_pairs": 3}}, "data.max_pairs applies to data.task paired, not perplexity"),
+])
+def test_config_checks(lm_files, change, message):
+    """What the driver refuses before any worker starts (the CLI prints it as one line, as above)."""
+    from headsweep.sweep.configuration.config import build_config, check_data_files
+
+    pairs = write_jsonl(lm_files["tmp"] / "pairs-config.jsonl", pair_rows(4))
+    cfg = {"model": {"kind": "hf_causal_lm", "path": str(lm_files["gpt2"])},
+           "data": {"path": str(pairs), "task": "paired"},
+           "sweep": {"experiments": ["baseline", "single_head"]}}
+    for key, value in change.items():
+        value = json.loads(json.dumps(value).replace("CORPUS", str(lm_files["corpus"])))
+        cfg[key] = {**cfg.get(key, {}), **value}
+    if "max_pairs" in change.get("data", {}):
+        cfg["data"] = {"path": str(lm_files["corpus"]), "max_pairs": 3}
+    with pytest.raises(HeadsweepError, match=message):
+        check_data_files(build_config(cfg))
 
 
 def test_a_denoising_run_through_the_cli(tmp_path, lm_files, ray_address):

@@ -97,7 +97,8 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
         self.batches = [torch.arange(i, min(i + runtime.batch_size, len(self.windows)))
                         for i in range(0, len(self.windows), runtime.batch_size)]
         self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-        self.donors = donors_for(runtime.ablation, self.gates, [self.window] * len(self.windows), what="windows")
+        self.donors = donors_for(runtime.ablation, self.gates, [self.window] * len(self.windows), what="windows",
+                                 where=f"data file {data_cfg.path}", more="more text (or a larger data.max_windows)")
         self.model_name = Path(model_cfg.path).name
         self.dataset_name = data_cfg.name or Path(Path(data_cfg.path).name.removesuffix(".gz")).stem
         self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
@@ -134,7 +135,7 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
 
     # -- the adapter contract ------------------------------------------------------------
     def describe(self) -> DatasetInfo:
-        self.donors.check()  # resample's donors drawn (or the data refused) before the run writes anything
+        self.donors.check()  # patch on data without pairs refused here, before the run writes anything
         baseline = self.baseline()
         mean = float(baseline.stats[:, 0].sum() / baseline.stats[:, 1].sum())
         return DatasetInfo(

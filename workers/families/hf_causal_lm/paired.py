@@ -100,7 +100,8 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
         self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         # Patching fills from the pair's other prompt; resample from other pairs' evaluated prompts.
         self._donor_prompts = self.others if self.spec.method == "patch" else self.prompts
-        self.donors = donors_for(self.spec, self.gates, self.lengths, paired=True, what="pairs")
+        self.donors = donors_for(self.spec, self.gates, self.lengths, paired=True, what="pairs",
+                                 where=f"data file {data_cfg.path}", more="more pairs (or a larger data.max_pairs)")
         self.model_name = Path(model_cfg.path).name
         self.dataset_name = data_cfg.name or Path(data_cfg.path).stem
         self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
@@ -138,7 +139,6 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
 
     # -- the adapter contract ------------------------------------------------------------------------------------
     def describe(self) -> DatasetInfo:
-        self.donors.check()  # resample's donors drawn (or the data refused) before the run writes anything
         baseline = self.baseline()
         other = float(self._unmasked(self.others)[:, 0].mean())
         evaluated = float(baseline.stats[:, 0].mean())

@@ -64,8 +64,9 @@ class ClassifierAdapter(PrefixReuseSwitch):
         self.max_length = resolve_max_length(data_cfg.max_length, self.max_positions, model_cfg.path)
         self.encoding = self.encode(self.max_length)
         self.batches = self.tokenise(self.max_length, runtime.batch_size, self.encoding)
-        self.donors = donors_for(runtime.ablation, self.gates,
-                                 [len(ids) for ids in self.encoding["input_ids"]])
+        self.donors = donors_for(runtime.ablation, self.gates, [len(ids) for ids in self.encoding["input_ids"]],
+                                 where=f"data file {data_cfg.path}",
+                                 more="more examples (a larger data.max_examples, or a larger file)")
         whole = self.tokenizer(examples.texts, examples.text_pairs, verbose=False)["input_ids"]  # not truncated
         subject = f"data file {data_cfg.path}"
         self.data_facts = {"encoding": data_cfg.encoding, "max_length": self.max_length,
@@ -113,7 +114,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
                        "truncated to it", [ex.ids[i] for i, n in enumerate(lengths) if n > self.max_length])
 
     def describe(self) -> DatasetInfo:
-        self.donors.check()  # resample's donors drawn (or the data refused) before the run writes anything
+        self.donors.check()  # patch on data without pairs refused here, before the run writes anything
         return DatasetInfo(
             model=self.model_name,
             dataset=self.dataset_name,
