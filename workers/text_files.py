@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import gzip
+import json
 import zlib
 from pathlib import Path
 
@@ -90,6 +91,14 @@ def read_text(path: str | Path, encoding: str = DEFAULT_ENCODING, key: str = "da
     """A text file (plain or ``.gz``) decoded strictly with ``encoding``."""
     data, where = read_bytes(path)
     return decode(data, encoding, path, key, where)
+
+
+def json_line(line: str, where: str) -> object:
+    """One JSONL line parsed, or a one-line error saying where (``where``: file and line) it is not JSON."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise HeadsweepError(f"{where} is not JSON ({exc.msg}, column {exc.colno})") from None
 
 
 def split_lines(text: str) -> list[str]:

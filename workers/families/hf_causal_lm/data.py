@@ -12,7 +12,7 @@ from pathlib import Path
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
-from headsweep.workers.families.hf_causal_lm.pairs import read_pairs
+from headsweep.workers.paired_data import read_pairs
 from headsweep.workers.text_files import check_encoding, check_file, data_file, decode, read_bytes, split_lines
 
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}

@@ -41,7 +41,7 @@ from headsweep.workers.families.hf_causal_lm.model import (
     model_facts,
     target_nll,
 )
-from headsweep.workers.families.hf_causal_lm.pairs import encode_pairs, read_pairs
+from headsweep.workers.families.hf_causal_lm.pairs import encode_pairs
 from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
 from headsweep.workers.families.transformers.loading import max_positions
@@ -50,6 +50,7 @@ from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOu
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.metrics import LOGIT_DIFF
+from headsweep.workers.paired_data import read_pairs
 from headsweep.workers.replay import by_first_gated_layer
 from headsweep.workers.workload import median_batch, take_rows
 

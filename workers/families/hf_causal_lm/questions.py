@@ -28,7 +28,7 @@ from pathlib import Path
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
-from headsweep.workers.text_files import decode, read_bytes, split_lines
+from headsweep.workers.text_files import decode, json_line, read_bytes, split_lines
 
 
 @dataclass(frozen=True)
@@ -58,14 +58,6 @@ def read_questions(cfg: CausalLMData) -> list[Question]:
         raise HeadsweepError(f"data file {path} holds no questions (one JSON object per line, with "
                              f"{cfg.context_field!r}, {cfg.choices_field!r} and {cfg.gold_field!r})")
     return questions
-
-
-def json_line(line: str, where: str) -> object:
-    """One JSONL line parsed, or a one-line error saying where it is not JSON."""
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise HeadsweepError(f"{where} is not JSON ({exc.msg}, column {exc.colno})") from None
 
 
 def _question(row: object, number: int, cfg: CausalLMData, where: str) -> Question:
