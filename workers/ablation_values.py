@@ -281,6 +281,19 @@ class WorkerFill:
         return {} if self.means is None else {site_name(k): n for k, n in self.means.tokens.items()}
 
 
+def fill_of(spec: AblationSpec, values: dict[str, np.ndarray]) -> HeadFill | None:
+    """The run's constant fill from ``values`` (``attention:layer`` -> array, as :meth:`WorkerFill.values` gives and
+    the store keeps them), for a process that is not one of the run's workers (an L0 Tune trial); None where the
+    method leaves nothing behind but zero (or sets its fill per batch)."""
+    import torch
+
+    if values:
+        sites = {(name.rsplit(":", 1)[0], int(name.rsplit(":", 1)[1])): torch.from_numpy(np.asarray(array))
+                 for name, array in values.items()}
+        return HeadFill(sites, per_position=spec.per_position, keep_first=spec.keep_first)
+    return WorkerFill(spec).fill
+
+
 def fill_values_on_worker(worker: Any) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Worker-side step (``EvalWorker.run``): the worker's constant fill and the tokens each site's mean counted."""
     return worker.fill_values(), worker.fill_tokens()

@@ -103,6 +103,24 @@ class StoredFill:
                                   "values" if self.checkpoint is None else None)
 
 
+def stored_values(store: ResultStore, run_id: str, checkpoint: str | None) -> dict[str, np.ndarray]:
+    """The values run ``run_id`` stored for this model, shaped as the workers give them (``attention:layer`` ->
+    ``(H, d)``, or ``(P + 1, H, d)`` per position); empty where it stored none."""
+    by_site: dict[str, dict[int, np.ndarray]] = {}
+    per_position = False
+    for row in store.read("ablation_values", run_id).to_pylist():
+        if row["checkpoint"] != checkpoint:
+            continue
+        per_position = row["positions"] == "per_position"
+        value = np.asarray(row["values"], dtype=np.float32).reshape(row["n_rows"], row["head_dim"])
+        by_site.setdefault(f"{row['attention']}:{row['layer']}", {})[row["head"]] = value
+    out = {}
+    for name, heads in by_site.items():
+        stacked = np.stack([heads[h] for h in sorted(heads)])  # (H, rows, d)
+        out[name] = np.moveaxis(stacked, 0, 1) if per_position else stacked[:, 0]
+    return out
+
+
 def fetch_fill(cfg: Config, pool: WorkerPool, store: ResultStore, run_id: str, checkpoint: str | None
                ) -> StoredFill | None:
     """The constant fill the workers computed for this model (one worker asked: all compute the same), checked

@@ -26,9 +26,10 @@ from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.configuration.reader import from_dict
 from headsweep.sweep.demo.sentiment import generate, write_tsv
+from headsweep.sweep.run.ablation_values import stored_values
 from headsweep.sweep.run.runs import resumable
 from headsweep.workers.ablation import AblationSpec
-from headsweep.workers.ablation_values import reference_means
+from headsweep.workers.ablation_values import fill_of, reference_means
 from headsweep.workers.family import RuntimeOptions
 from headsweep.workers.registry import model_family
 
@@ -215,6 +216,15 @@ def test_mean_ablation_run_resume_and_compare(tmp_path, tiny_bert_dir, tiny_dev_
     for view in ("heads", "deltas"):
         assert run_query(reader, f"SELECT DISTINCT ablation FROM {view} WHERE run_id = ?",
                          [run_id]).column("ablation").to_pylist() == ["mean"]
+    # The stored vectors read back as the workers computed them (what an L0 Tune trial applies): the same means
+    # as this process computes on the reference data.
+    stored = stored_values(reader, run_id, None)
+    here, _ = worker_means(load(cfg["model"], {"path": str(reference)}, batch_size=16))
+    assert sorted(stored) == sorted(here) == ["self:0", "self:1"]
+    for name, value in stored.items():
+        # summation order: the worker's threads against this process's one (float32 means of float64 sums)
+        assert_routes_agree(value, here[name], depth=2, width=64, dtype=torch.float32, what=name)
+    assert fill_of(AblationSpec("mean"), stored).values[("self", 1)].shape == (4, 8)
 
     before = snapshot(tmp_path / "store")
     write_tsv(generate(40, seed=12), reference)  # the reference data changed under the unfinished run

@@ -188,14 +188,17 @@ class L0Gates(Experiment):
 
         from headsweep.sweep.cluster.ray_session import resolve_device
         from headsweep.sweep.experiments.l0.training import L0Job, l0_trainable
+        from headsweep.sweep.run.ablation_values import ablation_spec, stored_values
 
         cfg, l0, s = ctx.cfg, ctx.cfg.l0, ctx.cfg.sweep
         family = model_family(cfg.model.kind)
         model_cfg = cfg.model if ctx.checkpoint is None else dataclasses.replace(
             cfg.model, **{family.checkpoint_key: ctx.checkpoint})
+        # The gates train under the run's ablation: a trial is no worker, so mean ablation's values come from the store.
         runtime = RuntimeOptions(device=resolve_device(cfg), threads=max(1, int(s.num_cpus_per_worker)),
-                                 seed=cfg.seed, reuse=False, **s.batching())
-        job = L0Job(cfg.model.kind, model_cfg, l0_data(cfg), runtime, l0, report_every=max(1, l0.steps // 20))
+                                 seed=cfg.seed, reuse=False, ablation=ablation_spec(cfg), **s.batching())
+        job = L0Job(cfg.model.kind, model_cfg, l0_data(cfg), runtime, l0, report_every=max(1, l0.steps // 20),
+                    fill_values=stored_values(ctx.store, ctx.run_id, ctx.checkpoint))
         trainable = tune.with_resources(tune.with_parameters(l0_trainable, job=job),
                                         {"cpu": s.num_cpus_per_worker, "gpu": s.num_gpus_per_worker})
         storage_fs = None if _local_store(ctx) else ctx.store.fs

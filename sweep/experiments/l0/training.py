@@ -35,6 +35,7 @@ import torch
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.experiments.l0.hard_concrete import HardConcrete
+from headsweep.workers.ablation_values import fill_of
 from headsweep.workers.family import EvalAdapter, RuntimeOptions
 from headsweep.workers.heads import Head, SiteKey
 from headsweep.workers.registry import model_family
@@ -203,6 +204,7 @@ class L0Job:
     settings: Any
     report_every: int = 1
     notes: list[str] = field(default_factory=list)
+    fill_values: dict = field(default_factory=dict)  # mean ablation's values, as the run stored them
 
 
 def l0_trainable(config: dict, job: L0Job) -> None:
@@ -223,6 +225,9 @@ def l0_trainable(config: dict, job: L0Job) -> None:
     if settings.label_smoothing is None:
         settings = dataclasses.replace(settings, label_smoothing=checkpoint_label_smoothing(job.model_cfg))
     adapter = model_family(job.kind).load(job.model_cfg, job.data_cfg, job.runtime)
+    fill = fill_of(job.runtime.ablation, job.fill_values)
+    if fill is not None:
+        adapter.gates.set_fill(fill)
     trainer = L0Trainer(adapter, settings, float(config["lam"]))
     checkpoint = tune.get_checkpoint()
     if checkpoint is not None:
