@@ -41,9 +41,9 @@ CONSTANT_METHODS = ("mean", "optimal")
 # Methods whose fill is another input's activations, set per batch.
 PER_EXAMPLE_METHODS = ("resample", "patch")
 # The one line that refuses activation patching on data without clean / corrupted pairs (driver and workers).
-PATCH_NEEDS_PAIRS = ("sweep.ablation patch needs paired data (clean and corrupted prompts): set data.task: paired "
-                     "(hf_causal_lm: JSONL rows clean, corrupted, answer, wrong_answer), or use another "
-                     "sweep.ablation")
+PATCH_NEEDS_PAIRS = ("sweep.ablation patch needs paired data (clean and corrupted inputs): set data.task: paired "
+                     "(hf_causal_lm or hf_classifier: JSONL rows clean, corrupted, answer, wrong_answer), or use "
+                     "another sweep.ablation")
 
 
 @dataclass(frozen=True)

@@ -83,5 +83,7 @@ def test_config_identity_is_unchanged(name, config_hash, json_hash):
     assert stored["sweep"].pop("ablation") == ADDED["sweep"]["ablation"]
     if stored["model"]["kind"] == "hf_causal_lm":  # data.task paired's key, at its default
         assert stored["data"].pop("max_pairs") is None
+    if stored["model"]["kind"] == "hf_classifier":  # data.task (paired inputs), at its default
+        assert stored["data"].pop("task") == "classification"
     pinned_json = json.dumps(stored, sort_keys=True, separators=(",", ":"))
     assert hashlib.sha256(pinned_json.encode()).hexdigest()[:16] == json_hash

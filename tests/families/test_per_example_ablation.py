@@ -154,6 +154,64 @@ def test_classifier_resample_equals_a_hook_loop(bert_dir, classifier_data):
             assert np.array_equal(out.stats[:, 0][agree.numpy()], expected[agree.numpy()])
 
 
+@pytest.mark.parametrize("direction", ["noising", "denoising"])
+def test_classifier_patch_equals_a_hook_loop(bert_dir, direction, tmp_path):
+    """Paired inputs (data.task: paired) for a classifier: the metric is the answer label's logit minus the wrong
+    label's, and patching fills from the pair's other input."""
+    tokenizer = AutoTokenizer.from_pretrained(bert_dir)
+    rng = random.Random(5)
+    rows = []
+    for text, label in generate(12, seed=3):
+        words = text.split()
+        words[rng.randrange(len(words))] = rng.choice(["good", "bad", "movie", "plot"])  # one word: the same length
+        rows.append({"clean": text, "corrupted": " ".join(words), "answer": str(label), "wrong_answer": str(1 - label)})
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    model = AutoModelForSequenceClassification.from_pretrained(bert_dir).eval()
+    projections = [layer.attention.output.dense for layer in model.bert.encoder.layer]
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+
+    def run(x):
+        with torch.no_grad():
+            return model(input_ids=x).logits[0]
+
+    def diff(logits, r):
+        return float(logits[int(r["answer"])] - logits[int(r["wrong_answer"])])
+
+    ids = {side: [torch.tensor([tokenizer(r[side])["input_ids"]]) for r in rows] for side in ("clean", "corrupted")}
+    evaluated, other = ("corrupted", "clean") if direction == "denoising" else ("clean", "corrupted")
+    reference = np.array([[diff(substituted(run, projections, head_dim, m, ids[other][i], ids[evaluated][i]), r)
+                           for i, r in enumerate(rows)] for m in MASKS])
+    unpatched = {side: np.array([diff(run(x), r) for x, r in zip(ids[side], rows, strict=True)]) for side in ids}
+    assert (np.abs(reference - unpatched[evaluated]).max(axis=1) > 1e-3).all()
+    for reuse, per in PATHS:
+        runtime = RuntimeOptions(batch_size=4, reuse=reuse, masks_per_batch=per,
+                                 ablation=AblationSpec(method="patch", direction=direction))
+        a = ClassifierAdapter(ClassifierModel(path=str(bert_dir)), ClassifierData(path=str(data), task="paired"),
+                              runtime)
+        info = a.describe()
+        assert info.metric == "logit_diff" and a.reuse_note.startswith("prefix") == reuse
+        for side in ("clean", "corrupted"):
+            assert info.facts[f"logit_diff_{side}"] == pytest.approx(unpatched[side].mean(), abs=1e-4)
+        got = np.array([o.stats[:, 0] for o in a.evaluate(MASKS)])
+        assert_routes_agree(got, reference, depth=LAYERS + 1, width=64, what=("classifier patch", direction, reuse))
+        assert_routes_agree(a.evaluate([[]])[0].stats[:, 0], unpatched[evaluated], depth=LAYERS + 1, width=64,
+                            what="baseline")
+
+
+def test_classifier_pairs_that_cannot_be_patched_are_one_line(bert_dir, tmp_path):
+    good = {"clean": "the movie is good", "corrupted": "the movie is bad", "answer": "1", "wrong_answer": "0"}
+    cases = [({"corrupted": "the movie is not bad"}, "line 2: the clean input is 6 tokens and the corrupted one 7"),
+             ({"wrong_answer": "1"}, "line 2: answer and wrong_answer are the same label"),
+             ({"answer": "7"}, "labels outside the model's label set: '7'")]
+    for change, message in cases:
+        data = write_jsonl(tmp_path / "bad.jsonl", [good, {**good, **change}])
+        with pytest.raises(HeadsweepError, match=message):
+            ClassifierAdapter(ClassifierModel(path=str(bert_dir)), ClassifierData(path=str(data), task="paired"),
+                              RuntimeOptions(ablation=AblationSpec(method="patch")))
+    with pytest.raises(HeadsweepError, match="data.text_column applies to data.task classification, not paired"):
+        ClassifierData(path="x.jsonl", task="paired", text_column="text").check()
+
+
 # -- causal LM perplexity: resample, K draws ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lm_files(tmp_path_factory):

@@ -11,6 +11,7 @@ batch and recorded once before its masked passes (:mod:`headsweep.workers.donors
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,7 +38,7 @@ from headsweep.workers.families.transformers.tokenizer import count_unknown
 from headsweep.workers.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
-from headsweep.workers.metrics import ACCURACY
+from headsweep.workers.metrics import ACCURACY, LOGIT_DIFF
 from headsweep.workers.replay import by_first_gated_layer
 from headsweep.workers.workload import median_batch, take_rows
 
@@ -58,14 +59,38 @@ class ClassifierAdapter(PrefixReuseSwitch):
         self.gates = HeadGates(_sites_or_error(self.model))
         id2label = {int(k): v for k, v in self.model.config.id2label.items()}
         self.labels = torch.tensor(label_ids(examples.labels, id2label, data_cfg.path), device=self.device)
+        # Paired inputs (data.task: paired): the metric is the logit difference; the corrupted inputs are evaluated
+        # under patch's denoising, the clean ones otherwise, and `other` holds each pair's other input.
+        self.paired = data_cfg.paired
+        self.metric = LOGIT_DIFF if self.paired else ACCURACY
+        spec = runtime.ablation
+        self.evaluated, other = "clean", None
+        if self.paired:
+            assert examples.corrupted is not None and examples.wrong_labels is not None and examples.lines is not None
+            self.wrong = torch.tensor(label_ids(examples.wrong_labels, id2label, data_cfg.path), device=self.device)
+            same = (self.labels == self.wrong).nonzero()
+            if len(same):
+                raise HeadsweepError(f"data file {data_cfg.path}: line {examples.lines[int(same[0])]}: answer and "
+                                     "wrong_answer are the same label: their logit difference is always 0")
+            other = examples.corrupted
+            if spec.method == "patch" and spec.direction == "denoising":
+                self.evaluated, other = "corrupted", examples.texts
+                examples = dataclasses.replace(examples, texts=examples.corrupted)
         self.examples = examples
         self._label_text = _label_text(examples.labels, id2label)
         self.max_positions = max_positions(self.model.config)
         self.max_length = resolve_max_length(data_cfg.max_length, self.max_positions, model_cfg.path)
         self.encoding = self.encode(self.max_length)
         self.batches = self.tokenise(self.max_length, runtime.batch_size, self.encoding)
-        self.donors = donors_for(runtime.ablation, self.gates, [len(ids) for ids in self.encoding["input_ids"]],
-                                 where=f"data file {data_cfg.path}",
+        lengths = [len(ids) for ids in self.encoding["input_ids"]]
+        # Patching fills from the pair's other input; resample from other examples' evaluated inputs.
+        self._donor_encoding = self.encoding
+        if other is not None:
+            self.other_encoding = self.tokenizer(other, truncation=True, max_length=self.max_length)
+            self._check_pair_lengths(lengths, data_cfg.path)
+            if spec.method == "patch":
+                self._donor_encoding = self.other_encoding
+        self.donors = donors_for(spec, self.gates, lengths, paired=self.paired, where=f"data file {data_cfg.path}",
                                  more="more examples (a larger data.max_examples, or a larger file)")
         whole = self.tokenizer(examples.texts, examples.text_pairs, verbose=False)["input_ids"]  # not truncated
         subject = f"data file {data_cfg.path}"
@@ -100,10 +125,23 @@ class ClassifierAdapter(PrefixReuseSwitch):
         feats = [{k: enc[k][int(i)] for k in enc.keys()} for i in idx]
         return {k: v.to(self.device) for k, v in self.tokenizer.pad(feats, return_tensors="pt").items()}
 
+    def _check_pair_lengths(self, lengths: list[int], path: str) -> None:
+        """Both inputs of every pair the same number of tokens (patching puts one's activations at the other's
+        positions), or one line naming the first pair that differs."""
+        for i, n in enumerate(lengths):
+            m = len(self.other_encoding["input_ids"][i])
+            if m != n:
+                clean, corrupted = (n, m) if self.evaluated == "clean" else (m, n)
+                raise HeadsweepError(f"data file {path}: line {self.examples.lines[i]}: the clean input is {clean} "
+                                     f"tokens and the corrupted one {corrupted}; patching puts one input's activations "
+                                     "at the other's positions, so they must tokenise to the same length: reword one "
+                                     "of them")
+
     def run_donors(self, donors) -> None:
-        """One ungated forward pass over the evaluation examples ``donors``, padded as a batch (the per-batch
-        donor pass of :class:`~headsweep.workers.donors.Donors`)."""
-        self.model(**self.padded(self.encoding, donors))
+        """One ungated forward pass over the donor inputs of examples ``donors`` (another example's under resample,
+        the pair's other input under patch), padded as a batch (the per-batch donor pass of
+        :class:`~headsweep.workers.donors.Donors`)."""
+        self.model(**self.padded(self._donor_encoding, donors))
 
     def truncated(self, whole: list[list[int]]) -> Finding:
         """The examples longer than ``max_length`` tokens (cut to it by ``tokenise``); ``whole``: their token ids
@@ -115,6 +153,13 @@ class ClassifierAdapter(PrefixReuseSwitch):
 
     def describe(self) -> DatasetInfo:
         self.donors.check()  # patch on data without pairs refused here, before the run writes anything
+        paired = {}
+        if self.paired:  # both unpatched means: the normalised patching score is computed from them
+            evaluated = float(self.statistic(self.logits([[]])[0]).mean())
+            other = float(self.statistic(self._other_logits()).mean())
+            clean, corrupted = (evaluated, other) if self.evaluated == "clean" else (other, evaluated)
+            paired = {"task": "paired", "evaluated_input": self.evaluated, "logit_diff_clean": clean,
+                      "logit_diff_corrupted": corrupted}
         return DatasetInfo(
             model=self.model_name,
             dataset=self.dataset_name,
@@ -124,8 +169,28 @@ class ClassifierAdapter(PrefixReuseSwitch):
             references=self.examples.labels,
             inventory=self.gates.inventory,
             facts={"model_class": type(self.model).__name__, "num_labels": int(self.model.config.num_labels),
-                   "dtype": str(self.model.dtype).removeprefix("torch."), "reuse": self.reuse_note, **self.data_facts},
+                   "dtype": str(self.model.dtype).removeprefix("torch."), "reuse": self.reuse_note, **self.data_facts,
+                   **paired},
         )
+
+    @torch.inference_mode()
+    def _other_logits(self) -> torch.Tensor:
+        """The ungated model's logits on each pair's other input: (n_examples, n_labels)."""
+        out = torch.empty(len(self.examples.ids), self.model.config.num_labels, device=self.device)
+        self.gates.clear()
+        for idx, _ in self.batches:
+            out[idx.to(self.device)] = self.model(**self.padded(self.other_encoding, idx)).logits.float()
+        return out
+
+    def statistic(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per example (last axis of ``logits`` the labels): 1.0 when the prediction is right (accuracy), or for
+        paired inputs the answer's logit minus the wrong answer's (logit_diff); float64."""
+        if not self.paired:
+            return (logits.argmax(-1) == self.labels).double()
+        shape = logits.shape[:-1] + (1,)
+        answer = logits.gather(-1, self.labels.expand(shape[:-1]).unsqueeze(-1))
+        wrong = logits.gather(-1, self.wrong.expand(shape[:-1]).unsqueeze(-1))
+        return (answer - wrong).squeeze(-1).double()
 
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
         """The evaluation batches as summed cross-entropy (``label_smoothing`` does not apply to classifiers), under
@@ -225,7 +290,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
         for _ in self.donors.draws():
             logits = self.logits(masks)
             pred = logits.argmax(-1)
-            correct.append((pred == self.labels).double().cpu().numpy())
+            correct.append(self.statistic(logits).cpu().numpy())
             loss.append(np.stack([F.cross_entropy(row, self.labels, reduction="none").double().cpu().numpy()
                                   for row in logits]))
             preds.append(pred.cpu())

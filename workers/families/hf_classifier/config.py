@@ -9,6 +9,7 @@ from headsweep.workers.text_files import check_encoding
 
 # data.max_length when unset: this many tokens, or the model's maximum positions if it has fewer.
 DEFAULT_MAX_LENGTH = 128
+TASKS = ("classification", "paired")
 
 
 @dataclass
@@ -29,6 +30,11 @@ class ClassifierData:
     columns); a byte it cannot decode stops the run with the file, line and byte offset.
     ``max_length`` (tokens per example; longer examples are truncated and counted) may not exceed
     the model's maximum positions; unset, it is 128 or the model's maximum if that is smaller.
+
+    ``task: paired`` reads clean / corrupted input pairs for activation patching instead: a JSONL file in
+    :mod:`headsweep.workers.paired_data`'s format, ``answer`` and ``wrong_answer`` labels (names or ids) of the
+    model; the metric is ``logit_diff`` (the answer's logit minus the wrong answer's), ``max_examples`` keeps the
+    first pairs.
     """
 
     path: str = ""
@@ -41,9 +47,26 @@ class ClassifierData:
     max_examples: int | None = None
     max_length: int | None = None
     encoding: str = "utf-8"
+    task: str = "classification"  # classification | paired
+
+    @property
+    def paired(self) -> bool:
+        """Whether the data are clean / corrupted input pairs (what ``sweep.ablation: patch`` needs)."""
+        return self.task == "paired"
 
     def check(self, key: str = "data") -> None:
         """What can be checked without the model or the file (the worker checks the rest)."""
         check_encoding(self.encoding, f"{key}.encoding")
+        if self.task not in TASKS:
+            raise HeadsweepError(f"{key}.task must be {' or '.join(TASKS)}, got {self.task!r}")
+        if self.paired:
+            if self.format not in (None, "jsonl"):
+                raise HeadsweepError(f"{key}.task paired reads JSONL (one pair per line), so {key}.format must be "
+                                     f"jsonl or unset, got {self.format!r}")
+            defaults = ClassifierData()
+            for name in ("text_column", "text_pair_column", "label_column", "id_column"):
+                if getattr(self, name) != getattr(defaults, name):
+                    raise HeadsweepError(f"{key}.{name} applies to {key}.task classification, not paired (pairs "
+                                         "have the fields clean, corrupted, answer and wrong_answer): remove it")
         if self.max_length is not None and self.max_length < 1:
             raise HeadsweepError(f"{key}.max_length must be at least 1, got {self.max_length}")

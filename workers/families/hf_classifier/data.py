@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from headsweep.errors import HeadsweepError
 from headsweep.workers.data_report import Finding
 from headsweep.workers.families.hf_classifier.config import ClassifierData
+from headsweep.workers.paired_data import read_pairs
 from headsweep.workers.text_files import (
     check_encoding,
     check_file,
@@ -37,10 +38,16 @@ SHOWN_ROWS = 5
 
 @dataclass
 class ClassificationExamples:
+    """The examples in file order. Paired data (``data.task: paired``) also hold each pair's corrupted input, its
+    wrong answer and its line in the file; ``texts`` and ``labels`` are then the clean inputs and the answers."""
+
     ids: list[str]
     texts: list[str]
     text_pairs: list[str] | None
     labels: list[str]
+    corrupted: list[str] | None = None
+    wrong_labels: list[str] | None = None
+    lines: list[int] | None = None
 
 
 def _utf8_source(path: Path, encoding: str) -> pa.BufferReader:
@@ -131,6 +138,12 @@ def rows_text(rows: list[int]) -> str:
 def read_examples(cfg: ClassifierData, key: str = "data") -> ClassificationExamples:
     """Read the configured file (config key ``key``), check its columns, and return texts and raw labels."""
     path = check_data(cfg, key)
+    if cfg.paired:
+        pairs = read_pairs(cfg, key)[: cfg.max_examples]
+        return ClassificationExamples(ids=[f"p{i}" for i in range(len(pairs))], texts=[p.clean for p in pairs],
+                                      text_pairs=None, labels=[p.answer for p in pairs],
+                                      corrupted=[p.corrupted for p in pairs],
+                                      wrong_labels=[p.wrong_answer for p in pairs], lines=[p.line for p in pairs])
     fmt = data_format(cfg, key)
     keys = {"text_column": cfg.text_column, "text_pair_column": cfg.text_pair_column,
             "label_column": cfg.label_column, "id_column": cfg.id_column}
