@@ -61,6 +61,12 @@ class AblationSection:
                                      f"it: remove it, or set sweep.ablation to a method that does")
 
 
+def averaged_outcomes(cfg: Any) -> bool:
+    """Whether each example's statistics are a mean over several resample draws (``ablation.resamples`` > 1), so
+    that a 0/1 outcome (accuracy) is one no longer."""
+    return cfg.sweep.ablation == "resample" and cfg.ablation.resamples > 1
+
+
 def ablation_settings(cfg: Any) -> tuple[str, AblationSection]:
     """The run's method and its settings."""
     return cfg.sweep.ablation, cfg.ablation

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from headsweep.results.store import ResultStore
+from headsweep.sweep.configuration.ablation import averaged_outcomes
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.run.budget import BudgetReached, SessionBudget
 from headsweep.sweep.run.chunks import ChunkWriter
@@ -191,7 +192,8 @@ class Context:
         self.baseline = (score, stats)
         if self.cfg.significance.enabled:
             self.tracker = SignificanceTracker(
-                self.cfg.significance, self.store, self.run_id, self.info.metric, stats, family_prefix=self.prefix
+                self.cfg.significance, self.store, self.run_id, self.info.metric, stats, family_prefix=self.prefix,
+                averaged=averaged_outcomes(self.cfg),
             )
 
     def _expect(self, units: Sequence[WorkUnit]) -> None:

@@ -23,6 +23,7 @@ from headsweep.results.store import ResultStore
 from headsweep.sweep import experiments
 from headsweep.sweep.cluster.placement import alive_nodes, check_placement
 from headsweep.sweep.cluster.ray_session import init_ray, resolve_device
+from headsweep.sweep.configuration.ablation import averaged_outcomes
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.single_head import SINGLE_HEAD
 from headsweep.sweep.run.ablation_values import ablation_spec, fetch_fill
@@ -192,7 +193,7 @@ class Sweep:
 
         Every check against the model comes before the first write, so bad input leaves the store untouched.
         """
-        tests_for(self.cfg.significance, info.metric)
+        tests_for(self.cfg.significance, info.metric, averaged_outcomes(self.cfg))
         ctx = Context(self.cfg, info, pool, self.store, self.run_id)
         screening = Screening.of(self.cfg)
         if screening is not None:

@@ -41,8 +41,17 @@ DEFAULT_TESTS = {"bleu": ["paired_bootstrap"], "accuracy": ["paired_ttest", "mcn
 TESTS_PER_TASK = 32
 
 
-def tests_for(section: SignificanceSection, metric: str) -> list[str]:
+def tests_for(section: SignificanceSection, metric: str, averaged: bool = False) -> list[str]:
+    """The run's tests: ``significance.tests``, or the metric's defaults. ``averaged``: each example's statistics
+    are a mean over resample draws (``ablation.resamples`` > 1), no longer 0/1 outcomes, so McNemar's test is left
+    out of the defaults and refused when asked for."""
     tests = section.tests if section.tests is not None else DEFAULT_TESTS.get(metric, ["paired_bootstrap"])
+    if averaged and section.tests is None:
+        tests = [t for t in tests if t != "mcnemar_exact"]
+    if averaged and "mcnemar_exact" in tests:
+        raise HeadsweepError("significance.tests: mcnemar_exact needs 0/1 outcomes, and with ablation.resamples above "
+                             "1 each example's outcome is the mean of its resample draws: use paired_ttest or "
+                             "paired_bootstrap")
     known = METRICS.get(metric)
     if "mcnemar_exact" in tests and not (known and known.binary):
         binary = ", ".join(m.name for m in METRICS.values() if m.binary)
@@ -102,13 +111,13 @@ class SignificanceTracker:
 
     def __init__(
         self, section: SignificanceSection, store: ResultStore, run_id: str, metric: str,
-        baseline_stats: np.ndarray, family_prefix: str = "",
+        baseline_stats: np.ndarray, family_prefix: str = "", averaged: bool = False,
     ):
         self.section = section
         self.store = store
         self.run_id = run_id
         self.metric = metric
-        self.tests = tests_for(section, metric)
+        self.tests = tests_for(section, metric, averaged)
         self.baseline_ref = ray.put(np.asarray(baseline_stats, dtype=np.float64))
         self.expected: Counter = Counter()
         self.buffer: dict[str, list[tuple[str, np.ndarray]]] = defaultdict(list)

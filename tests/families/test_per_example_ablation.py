@@ -506,3 +506,15 @@ def test_gate_gradients_under_patching_are_attribution_patching(lm_files):
     # float32 forward passes of other shapes on the two routes; the gradients are O(1e-2 .. 1)
     assert got.abs().max() > 1e-3
     assert torch.allclose(got, xi.grad, rtol=1e-4, atol=1e-6), (got - xi.grad).abs().max()
+
+
+def test_averaged_outcomes_leave_mcnemar_out():
+    """K > 1 resample draws make an accuracy outcome a share of draws: McNemar's 0/1 test is left out of the
+    defaults, and refused when asked for; the t-test stays."""
+    from headsweep.sweep.configuration.sections import SignificanceSection
+    from headsweep.sweep.statistics.significance_runner import tests_for
+
+    assert tests_for(SignificanceSection(), "accuracy") == ["paired_ttest", "mcnemar_exact"]
+    assert tests_for(SignificanceSection(), "accuracy", averaged=True) == ["paired_ttest"]
+    with pytest.raises(HeadsweepError, match="mcnemar_exact needs 0/1 outcomes"):
+        tests_for(SignificanceSection(tests=["mcnemar_exact"]), "accuracy", averaged=True)
