@@ -518,3 +518,15 @@ def test_averaged_outcomes_leave_mcnemar_out():
     assert tests_for(SignificanceSection(), "accuracy", averaged=True) == ["paired_ttest"]
     with pytest.raises(HeadsweepError, match="mcnemar_exact needs 0/1 outcomes"):
         tests_for(SignificanceSection(tests=["mcnemar_exact"]), "accuracy", averaged=True)
+
+
+def test_multiple_choice_refuses_per_example_methods(lm_files, tmp_path):
+    questions = write_jsonl(tmp_path / "q.jsonl", [{"context": "the cat", "choices": ["sees", "runs the dog"],
+                                                    "gold": 0}] * 2)
+    for method, message in (("resample", "sweep.ablation resample is not available for multiple-choice questions"),
+                            ("patch", "sweep.ablation patch needs paired data")):
+        a = load_causal_lm_adapter(CausalLMModel(path=str(lm_files["gpt2"])),
+                                   CausalLMData(path=str(questions), task="multiple_choice"),
+                                   RuntimeOptions(ablation=AblationSpec(method=method)))
+        with pytest.raises(HeadsweepError, match=message):
+            a.describe()
