@@ -55,7 +55,9 @@ class AblationSpec:
     data. ``per_position``: one mean per absolute position (``ablation.positions: per_position``). ``keep_first``:
     position 0 is never replaced (and not counted in the means). ``seed`` and ``resamples``: resample ablation's
     donor draws. ``direction``: activation patching's (``noising``: the corrupted prompt's activations patched into
-    the clean run; ``denoising``: the clean prompt's into the corrupted run). The default, ``zero``, changes nothing.
+    the clean run; ``denoising``: the clean prompt's into the corrupted run). ``lr`` and ``steps``: optimal ablation's
+    Adam learning rate and most updates per head (:mod:`headsweep.workers.optimal_ablation`). The default, ``zero``,
+    changes nothing.
     """
 
     method: str = "zero"
@@ -65,6 +67,8 @@ class AblationSpec:
     seed: int = 0
     resamples: int = 1
     direction: str = "noising"
+    lr: float = 0.01
+    steps: int = 100
 
     @property
     def constant(self) -> bool:

@@ -218,11 +218,17 @@ class WorkerFill:
         self.spec = spec
         self.means: MeanValues | None = None
         self._computing = False
+        # Optimal ablation's constants, trained on the workers and installed by the driver (set_constants).
+        self.constants: HeadFill | None = None
 
     @property
     def fill(self) -> HeadFill | None:
         if self.means is not None:
             return self.means.fill
+        if self.spec.method == "optimal":
+            from headsweep.workers.optimal_ablation import UntrainedFill
+
+            return self.constants if self.constants is not None else UntrainedFill(keep_first=self.spec.keep_first)
         if self.spec.method == "zero" and self.spec.keep_first:
             return HeadFill(keep_first=True)  # no values: zero, position 0 kept
         return None
@@ -248,6 +254,15 @@ class WorkerFill:
         if fill is not None:
             adapter.gates.set_fill(fill)
 
+    def set_constants(self, worker: Any, values: dict[str, np.ndarray]) -> None:
+        """Optimal ablation: ``values`` (``attention:layer`` -> ``(H, d)``) become the fill of every adapter
+        ``worker`` holds, and of those it loads later."""
+        fill = fill_of(self.spec, values)
+        for held in worker.held_adapters():
+            held.gates.set_fill(HeadFill({k: v.to(held.device) for k, v in fill.values.items()},
+                                         keep_first=fill.keep_first))
+        self.constants = fill
+
     def facts(self) -> dict[str, Any]:
         """``runs.facts["ablation"]``: the method, its settings, and for mean the reference and what was counted."""
         spec = self.spec
@@ -259,6 +274,15 @@ class WorkerFill:
                        donors="a seeded derangement among examples of the same token length, per draw")
         if spec.method == "patch":
             out.update(direction=spec.direction)
+        if spec.method == "optimal":  # headsweep.workers.optimal_ablation
+            from headsweep.workers.optimal_ablation import PATIENCE, TOLERANCE
+
+            out.update(reference=describe_reference(spec.reference), start="the head's mean over the reference",
+                       optimiser=f"Adam lr={spec.lr:g}, full-batch gradients over the reference",
+                       steps=spec.steps, seed=spec.seed,
+                       stopping=f"at most {spec.steps} updates, or the best loss improved by less than a relative "
+                                f"{TOLERANCE:g} over {PATIENCE} steps; the best constant seen kept",
+                       masks="each removed head replaced by its own single-head constant (not trained per mask)")
         if self.means is not None:
             means = self.means
             by_type: dict[str, int] = {}
@@ -272,9 +296,10 @@ class WorkerFill:
 
     def values(self) -> dict[str, np.ndarray]:
         """The constant fill as numpy arrays by ``attention:layer`` (empty for methods without one)."""
-        if self.means is None:
+        fill = self.means.fill if self.means is not None else self.constants
+        if fill is None:
             return {}
-        return {site_name(k): v.detach().cpu().numpy() for k, v in self.means.fill.values.items()}
+        return {site_name(k): v.detach().cpu().numpy() for k, v in fill.values.items()}
 
     def tokens(self) -> dict[str, int]:
         """Real tokens counted per site, by ``attention:layer`` (empty without means)."""

@@ -29,7 +29,8 @@ class AblationSection:
     ``seed`` and ``resamples``: resample ablation's donor draws (``resamples`` K: each example's statistics are the
     mean over K draws). ``direction``: activation patching's, ``noising`` (the corrupted prompt's activations patched
     into the clean run, whose unpatched score is the baseline: is the head necessary?) or ``denoising`` (the clean
-    prompt's into the corrupted run, the baseline: is it sufficient?).
+    prompt's into the corrupted run, the baseline: is it sufficient?). ``steps`` and ``lr``: optimal ablation's most
+    Adam updates per head and learning rate (``headsweep.workers.optimal_ablation``).
     """
 
     reference: dict | None = field(default=None, metadata={"data": True})
@@ -39,6 +40,8 @@ class AblationSection:
     resamples: int = 1
     allow_eval_data: bool = False
     direction: str = "noising"
+    steps: int = 100
+    lr: float = 0.01
 
     def check(self, method: str) -> None:
         """The section's own values, and those that mean nothing for ``method`` (``sweep.ablation``)."""
@@ -48,14 +51,18 @@ class AblationSection:
             raise HeadsweepError(f"unknown ablation.positions {self.positions!r} (known: {', '.join(POSITIONS)})")
         if self.resamples < 1:
             raise HeadsweepError(f"ablation.resamples must be at least 1, got {self.resamples}")
+        if self.steps < 0:
+            raise HeadsweepError(f"ablation.steps must be at least 0, got {self.steps}")
+        if not self.lr > 0:
+            raise HeadsweepError(f"ablation.lr must be positive, got {self.lr}")
         if self.direction not in DIRECTIONS:
             raise HeadsweepError(f"unknown ablation.direction {self.direction!r} (known: {', '.join(DIRECTIONS)})")
         meaningful = {"zero": ("keep_first",), "mean": ("reference", "positions", "keep_first"),
                       "resample": ("seed", "resamples", "keep_first"),
-                      "optimal": ("reference", "keep_first", "allow_eval_data", "seed"),
+                      "optimal": ("reference", "keep_first", "allow_eval_data", "seed", "steps", "lr"),
                       "patch": ("keep_first", "direction")}[method]
         defaults = AblationSection()
-        for name in ("reference", "positions", "seed", "resamples", "allow_eval_data", "direction"):
+        for name in ("reference", "positions", "seed", "resamples", "allow_eval_data", "direction", "steps", "lr"):
             if name not in meaningful and getattr(self, name) != getattr(defaults, name):
                 raise HeadsweepError(f"ablation.{name} is set but sweep.ablation is {method}, which does not read "
                                      f"it: remove it, or set sweep.ablation to a method that does")
@@ -99,18 +106,32 @@ def _check_per_example(cfg: Any, family: Any) -> None:
                              "use sweep.ablation mean")
 
 
+def _check_optimal(cfg: Any, section: AblationSection) -> None:
+    """optimal trains its constants on ``ablation.reference``: required, and not the evaluation set (its deltas would
+    be fitted to the data they are measured on) unless ``ablation.allow_eval_data``."""
+    if section.reference is None:
+        raise HeadsweepError("sweep.ablation optimal trains each head's constant on ablation.reference: set it to "
+                             "training or validation data (a data section like data, kept apart from the evaluation "
+                             "set)")
+    if not section.allow_eval_data:
+        from headsweep.sweep.experiments.data_sections import refuse_eval_data, typed_data  # imports config
+
+        advice = "train optimal ablation's constants on training or validation data"
+        refuse_eval_data("ablation", section.reference, cfg, advice, advice,
+                         resolved=typed_data(cfg, section.reference, "ablation.reference"), name="reference")
+
+
 def check_for_model(cfg: Any) -> None:
-    """What the run's model family cannot honour, refused before any worker starts: ``optimal`` (not built yet), and
-    per-position fills or ``keep_first`` where the family's evaluation does not run whole sequences
-    (``ModelFamily.fills_by_position``: fairseq translation's beam search runs decoder attention one position per
-    step, and its sources are left-padded)."""
+    """What the run's model family cannot honour, refused before any worker starts: ``optimal`` without its own
+    training data (``ablation.reference``, not the evaluation set nor a test split), and per-position fills or
+    ``keep_first`` where the family's evaluation does not run whole sequences (``ModelFamily.fills_by_position``:
+    fairseq translation's beam search runs decoder attention one position per step, and its sources are
+    left-padded)."""
     from headsweep.workers.registry import model_family
 
     method, section = ablation_settings(cfg)
     if method == "optimal":
-        raise HeadsweepError("sweep.ablation optimal (per-head constants trained to minimise the loss, Li and Janson "
-                             "2024) is not available yet in this headsweep: use sweep.ablation mean (each head's mean "
-                             "output over ablation.reference) or zero")
+        _check_optimal(cfg, section)
     family = model_family(cfg.model.kind)
     _check_per_example(cfg, family)
     if family.fills_by_position:

@@ -58,10 +58,12 @@ def names_test_split(data: dict) -> bool:
 
 
 def refuse_eval_data(key: str, data: dict, cfg: Config, same_advice: str, test_advice: str,
-                     resolved: Any = None) -> None:
-    """The rule for data a kind trains or estimates on (``importance.data``, ``l0.data``): not the evaluation set
-    (the same section, file, or ``resolved`` typed section) nor a test split, unless ``<key>.allow_eval_data``."""
+                     resolved: Any = None, name: str = "data") -> None:
+    """The rule for data a kind trains or estimates on (``importance.data``, ``l0.data``, ``ablation.reference``
+    with ``name``): not the evaluation set (the same section, file, or ``resolved`` typed section) nor a test split,
+    unless ``<key>.allow_eval_data``."""
     if data == dataclasses.asdict(cfg.data) or same_data_file(data, cfg.data) or resolved == cfg.data:
-        raise HeadsweepError(f"{key}.data is the evaluation set; {same_advice}, or set {key}.allow_eval_data: true")
+        raise HeadsweepError(f"{key}.{name} is the evaluation set; {same_advice}, or set {key}.allow_eval_data: true")
     if names_test_split(data):
-        raise HeadsweepError(f"{key}.data looks like a test split; {test_advice}, or set {key}.allow_eval_data: true")
+        raise HeadsweepError(f"{key}.{name} looks like a test split; {test_advice}, or set {key}.allow_eval_data: "
+                             "true")

@@ -37,7 +37,8 @@ def ablation_spec(cfg: Config) -> AblationSpec:
                  else typed_data(cfg, section.reference, "ablation.reference"))
     return AblationSpec(method=cfg.sweep.ablation, reference=reference,
                         per_position=section.positions == "per_position", keep_first=section.keep_first,
-                        seed=section.seed, resamples=section.resamples, direction=section.direction)
+                        seed=section.seed, resamples=section.resamples, direction=section.direction,
+                        lr=section.lr, steps=section.steps)
 
 
 @dataclass
@@ -124,10 +125,15 @@ def stored_values(store: ResultStore, run_id: str, checkpoint: str | None) -> di
 def fetch_fill(cfg: Config, pool: WorkerPool, store: ResultStore, run_id: str, checkpoint: str | None
                ) -> StoredFill | None:
     """The constant fill the workers computed for this model (one worker asked: all compute the same), checked
-    against what the run stored for it; None for a method without one (zero, resample, patch)."""
+    against what the run stored for it; optimal's constants trained (or read back on resume) and installed
+    (:mod:`headsweep.sweep.run.optimal_ablation`); None for a method without one (zero, resample, patch)."""
     spec = ablation_spec(cfg)
     if not spec.constant:
         return None
+    if spec.method == "optimal":
+        from headsweep.sweep.run.optimal_ablation import optimal_fill  # it imports this module
+
+        return optimal_fill(spec, pool, store, run_id, checkpoint)
     values, tokens = pool.call(fill_values_on_worker)
     fill = StoredFill(store, run_id, checkpoint, spec.method, spec.per_position, values, tokens)
     fill.check()

@@ -104,6 +104,8 @@ class WorkerPool:
     alive: list[bool] = field(default_factory=list)
     done_by_worker: Counter = field(default_factory=Counter)
     busy: Counter = field(default_factory=Counter)
+    # Called with a worker's actor once Ray restarted it (optimal ablation installs its constants again).
+    on_restart: Callable[[Any], None] | None = None
 
     def __post_init__(self) -> None:
         self.alive = [True] * len(self.actors)
@@ -200,6 +202,8 @@ class WorkerPool:
         try:
             self.names[i] = ray.get(self.actors[i].where.remote(), timeout=self.restart_wait_s)
             fate = f"restarted as {self.names[i]}"
+            if self.on_restart is not None:
+                self.on_restart(self.actors[i])
         except (RayActorError, GetTimeoutError):
             self.alive[i] = False
             fate = "gone for good"

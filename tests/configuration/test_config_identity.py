@@ -71,7 +71,7 @@ def test_every_case_is_pinned():
 # it (and the hash, which leaves defaults out) must stay as pinned.
 ADDED = {"sweep": {"ablation": "zero"},
          "ablation": {"reference": None, "positions": "all", "keep_first": False, "seed": 0, "resamples": 1,
-                      "allow_eval_data": False, "direction": "noising"}}
+                      "allow_eval_data": False, "direction": "noising", "steps": 100, "lr": 0.01}}
 
 
 @pytest.mark.parametrize(("name", "config_hash", "json_hash"), PINNED, ids=[p[0] for p in PINNED])

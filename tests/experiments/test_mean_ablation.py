@@ -269,7 +269,7 @@ def test_ablation_settings_refused_before_anything_starts(tmp_path, tiny_bert_di
     translation = {"model": {"kind": "fairseq_translation", "checkpoint": str(tmp_path / "c.pt"),
                              "data_bin": str(tmp_path)}, "data": {"data_bin": str(tmp_path), "split": "test"}}
     # What the config alone refuses, asked of the function the CLI asks (its one line is checked below).
-    with pytest.raises(HeadsweepError, match=r"^sweep.ablation optimal \(per-head constants.*is not available yet"):
+    with pytest.raises(HeadsweepError, match=r"^sweep.ablation optimal trains each head's constant on ablation.refe"):
         build_config({**classifier, "sweep": {"ablation": "optimal"}})
     with pytest.raises(HeadsweepError, match="^ablation.keep_first is not available for fairseq_translation models"):
         build_config({**translation, "ablation": {"keep_first": True}})
