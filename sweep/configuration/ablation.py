@@ -79,6 +79,19 @@ def ablation_settings(cfg: Any) -> tuple[str, AblationSection]:
     return cfg.sweep.ablation, cfg.ablation
 
 
+def check_paired(method: str, sections: list[tuple[str, Any]]) -> None:
+    """Under ``patch``, every data set evaluated or differentiated under the fill is paired: the evaluation data,
+    importance's and L0's (``sections``: the run's typed data sections by config key; roles reads attention, which no
+    fill changes)."""
+    if method != "patch":
+        return
+    for key, section in sections:
+        if key != "roles.data" and not getattr(section, "paired", False):
+            raise HeadsweepError(PATCH_NEEDS_PAIRS if key == "data" else
+                                 f"{key} is not paired data, and sweep.ablation patch fills every head from the other "
+                                 f"input of its pair: give {key} paired data (data.task: paired) too")
+
+
 def _check_per_example(cfg: Any, family: Any) -> None:
     """resample and patch (per-example fills, ``headsweep.workers.donors``): patch needs paired data; resample draws
     donors over the whole evaluation set, which screening's subsets do not hold; fairseq translation's decoder
@@ -86,16 +99,8 @@ def _check_per_example(cfg: Any, family: Any) -> None:
     method = cfg.sweep.ablation
     if method not in PER_EXAMPLE_METHODS:
         return
-    if method == "patch":
-        from headsweep.sweep.configuration.config import data_sections  # config imports this module
-
-        # Every data set evaluated or differentiated under the fill: the evaluation data, importance's and L0's
-        # (roles reads attention, which no fill changes).
-        for key, section in data_sections(cfg):
-            if key != "roles.data" and not getattr(section, "paired", False):
-                raise HeadsweepError(PATCH_NEEDS_PAIRS if key == "data" else
-                                     f"{key} is not paired data, and sweep.ablation patch fills every head from the "
-                                     f"corrupted prompt of its pair: give {key} paired data (data.task: paired) too")
+    if method == "patch" and not getattr(cfg.data, "paired", False):
+        raise HeadsweepError(PATCH_NEEDS_PAIRS)
     if method == "resample" and cfg.sweep.screen is not None:
         raise HeadsweepError("sweep.screen evaluates a subset of the examples first, and sweep.ablation resample draws "
                              "each example's donor from the whole evaluation set: remove sweep.screen, or use "

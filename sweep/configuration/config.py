@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.configuration.ablation import AblationSection, check_for_model
+from headsweep.sweep.configuration.ablation import AblationSection, check_for_model, check_paired
 from headsweep.sweep.configuration.reader import coerce, from_dict
 from headsweep.sweep.configuration.sections import SECTIONS, Config, SignificanceSection, SweepSection, config_class
 from headsweep.sweep.experiments import BUILTIN_KINDS, KINDS, Experiment, experiment_kind, experiments_of
@@ -220,8 +220,10 @@ def check_data_files(cfg: Config) -> None:
     plugin's section without checks is checked by its workers). The workers check the rest (labels against the
     model's, lengths against its positions) before anything is written."""
     family = model_family(cfg.model.kind)
-    for key, section in data_sections(cfg):
+    sections = data_sections(cfg)
+    for key, section in sections:
         family.check_data(section, key)
+    check_paired(cfg.sweep.ablation, sections)
 
 
 def _check_sections(cfg: Config) -> None:
