@@ -69,7 +69,7 @@ def test_every_case_is_pinned():
 
 # Keys added since the pins, at their defaults in every case: the stored config JSON gains them, and the rest of
 # it (and the hash, which leaves defaults out) must stay as pinned.
-ADDED = {"sweep": {"ablation": "zero"},
+ADDED = {"sweep": {"ablation": "zero", "memory_limit_gib": None},
          "ablation": {"reference": None, "positions": "all", "keep_first": False, "seed": 0, "resamples": 1,
                       "allow_eval_data": False, "direction": "noising", "steps": 100, "lr": 0.01}}
 
@@ -80,7 +80,8 @@ def test_config_identity_is_unchanged(name, config_hash, json_hash):
     assert cfg.hash() == config_hash
     stored = json.loads(cfg.to_json())
     assert stored.pop("ablation") == ADDED["ablation"]
-    assert stored["sweep"].pop("ablation") == ADDED["sweep"]["ablation"]
+    for key, default in ADDED["sweep"].items():
+        assert stored["sweep"].pop(key) == default, key
     if stored["model"]["kind"] == "hf_causal_lm":  # data.task paired's key, at its default
         assert stored["data"].pop("max_pairs") is None
     if stored["model"]["kind"] == "hf_classifier":  # data.task (paired inputs), at its default
