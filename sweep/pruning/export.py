@@ -22,6 +22,7 @@ from pathlib import Path
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.sections import Config
+from headsweep.sweep.pruning.fold import constants_to_fold, fold
 from headsweep.sweep.pruning.masks import MaskChoice, explicit_mask, stored_mask
 from headsweep.workers.heads import HeadInventory, site_order
 from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot
@@ -86,6 +87,16 @@ def _location(spec: str) -> str:
     return spec
 
 
+def _checkpoint_of(store: ResultStore | None, run_id: str | None, cfg: Config) -> str | None:
+    """Which of run ``run_id``'s training checkpoints the config's model is (None: a run of one model)."""
+    if not run_id or store is None:
+        return None
+    rows = store.read("runs", run_id, columns=["config"]).to_pylist()
+    checkpoints = (json.loads(rows[-1]["config"]).get("checkpoints") or []) if rows else []
+    mine = str(getattr(cfg.model, model_family(cfg.model.kind).checkpoint_key))
+    return next((c for c in checkpoints if _same_file(c, mine)), None)
+
+
 def _check_out(out_dir: str | Path) -> Path:
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -107,6 +118,11 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
     loaded = family.load_model(cfg.model)
     model = loaded.model
     choice = choose(site_inventory(family.find_sites(model)), store, from_run, level, eval_id, mask)
+    # Mean and optimal ablation: the removed heads' constants folded into the biases first (sweep/pruning/fold.py).
+    method, constants = constants_to_fold(cfg, store, from_run, _checkpoint_of(store, from_run, cfg))
+    if constants:
+        fold(family.find_sites(model), choice.heads, constants, method, str(getattr(cfg.model,
+                                                                                    family.checkpoint_key)))
     out.mkdir(parents=True, exist_ok=True)
     n_full = count_parameters(model)
     slices = family.prune(model, choice.heads)
@@ -117,6 +133,7 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
         "heads_removed": [str(h) for h in choice.heads],
         "heads_kept": {f"{a}:{layer}": list(slices[(a, layer)].kept) for a, layer in sorted(slices, key=site_order)},
         "mask_source": choice.source,
+        "ablation": method,  # mean / optimal: the removed heads' constants folded into the output biases
         "source_run": choice.run_id,
         "level": choice.level,
         "n_params_full": n_full,

@@ -9,6 +9,7 @@ evaluation data as the training data is refused with nothing written.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +18,14 @@ import torch
 import yaml
 from ablation_routes import folded_fill
 from conftest import error_line, run_cli
-from tolerances import assert_routes_agree
+from tolerances import assert_routes_agree, max_difference
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.configuration.reader import from_dict
 from headsweep.sweep.demo.sentiment import generate, write_tsv
+from headsweep.sweep.pruning.export import MANIFEST, export_pruned
 from headsweep.sweep.run.ablation_values import stored_values
 from headsweep.workers.ablation import AblationSpec
 from headsweep.workers.ablation_values import fill_of, reference_means
@@ -169,6 +171,24 @@ def test_optimal_run_stores_constants_and_resume_reads_them_back(tmp_path, tiny_
     assert snapshot(tmp_path / "store" / "ablation_values") == before  # stored once, read back
     assert len(reader.read("evaluations", run_id)) == 9  # the baseline and the 8 heads
 
+    # headsweep export of a head of this run folds W_O[:, h] @ c_h into the bias: the pruned model is the ablated one.
+    head = Head("self", 1, 3)
+    [eval_id] = [e["eval_id"] for e in reader.read("evaluations", run_id).to_pylist()
+                 if e["heads_masked"] == [str(head)]]
+    out = export_pruned(build_config(cfg), tmp_path / "pruned", store=reader, from_run=run_id, eval_id=eval_id)
+    assert json.loads((out / MANIFEST).read_text())["ablation"] == "optimal"
+    model = {**cfg["model"], "attn_implementation": "eager"}
+    exported = load({**model, "path": str(out)}, cfg["data"], batch_size=16, reuse=False)
+    (got,) = exported.evaluate([[]])
+    gated = load(model, cfg["data"], batch_size=16, reuse=False)
+    gated.gates.set_fill(fill_of(spec, stored))
+    (expected,) = gated.evaluate([[head]])
+    gated.gates.set_fill(None)
+    (zero,) = gated.evaluate([[head]])
+    # summation order: the pruned model's narrower projection and folded bias against the gated full model
+    assert_routes_agree(got.loss, expected.loss, depth=3, width=64, what="exported vs optimal-ablated")
+    assert max_difference(got.loss, zero.loss) > 1e-3  # other: the fold changes the exported model
+
 
 def test_optimal_settings_refused_by_the_config(tmp_path, tiny_bert_dir, tiny_dev_tsv):
     base = {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "data": {"path": str(tiny_dev_tsv)},
@@ -185,3 +205,24 @@ def test_optimal_settings_refused_by_the_config(tmp_path, tiny_bert_dir, tiny_de
         build_config({**base, "sweep": {"ablation": "mean"}, "ablation": {"steps": 5}})
     with pytest.raises(HeadsweepError, match="^ablation.lr must be positive"):
         build_config({**base, "ablation": {"reference": {"path": str(test_split)}, "lr": 0.0}})
+
+
+def test_export_refuses_what_a_bias_cannot_hold(tmp_path, tiny_bert_dir, tiny_dev_tsv):
+    from tiny_models import tiny_causal_lm
+
+    from headsweep.sweep.pruning.fold import constants_to_fold, fold
+
+    base = {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "data": {"path": str(tiny_dev_tsv)}}
+    reference = write_tsv(generate(10, seed=3), tmp_path / "reference.tsv")
+    mean = build_config({**base, "sweep": {"ablation": "mean"}, "ablation": {"reference": {"path": str(reference)}}})
+    with pytest.raises(HeadsweepError, match="^export under sweep.ablation mean folds the constants a run stored"):
+        constants_to_fold(mean, None, None, None)
+    with pytest.raises(HeadsweepError, match="^this config ablates heads with sweep.ablation resample"):
+        constants_to_fold(build_config({**base, "sweep": {"ablation": "resample"}}), None, None, None)
+    assert constants_to_fold(build_config(base), None, None, None) == ("zero", {})
+
+    llama = tiny_causal_lm("llama_8q2kv")
+    sites = model_family("hf_causal_lm").find_sites(llama)
+    values = {f"{s.key[0]}:{s.key[1]}": np.zeros((s.num_heads, s.head_dim), dtype=np.float32) for s in sites}
+    with pytest.raises(HeadsweepError, match=r"^llama: the output projection of model.layers.0.self_attn has no bias"):
+        fold(sites, [Head("self", 0, 1)], values, "optimal", "llama")
