@@ -226,3 +226,37 @@ def test_export_refuses_what_a_bias_cannot_hold(tmp_path, tiny_bert_dir, tiny_de
     values = {f"{s.key[0]}:{s.key[1]}": np.zeros((s.num_heads, s.head_dim), dtype=np.float32) for s in sites}
     with pytest.raises(HeadsweepError, match=r"^llama: the output projection of model.layers.0.self_attn has no bias"):
         fold(sites, [Head("self", 0, 1)], values, "optimal", "llama")
+
+
+def test_fold_into_gpt2_conv1d_bias_equals_the_gated_fill(tmp_path):
+    """GPT-2's output projection is a Conv1D (weight ``(in, out)``): the fold there, with the head's weight rows
+    zeroed as pruning removes them, against the gate route with the same constants as fill."""
+    from tiny_models import lm_text, save_tiny_causal_lm
+
+    from headsweep.sweep.pruning.fold import fold
+
+    model_dir = save_tiny_causal_lm(tmp_path / "gpt2", "gpt2")
+    (tmp_path / "eval.txt").write_text(lm_text(100, seed=8))
+    model = {"kind": "hf_causal_lm", "path": str(model_dir), "attn_implementation": "eager"}
+    data = {"path": str(tmp_path / "eval.txt"), "window": 12}
+    gated = load(model, data, batch_size=4, reuse=False)
+    means = reference_means(gated, AblationSpec("mean"), "evaluation data").fill
+    values = {f"{a}:{layer}": v.cpu().numpy() for (a, layer), v in means.values.items()}
+    heads = [Head("self", 0, 1), Head("self", 1, 2), Head("self", 1, 3)]
+    gated.gates.set_fill(means)
+    (expected,) = gated.evaluate([heads])
+    gated.gates.set_fill(None)
+    (zero,) = gated.evaluate([heads])
+
+    folded = load(model, data, batch_size=4, reuse=False)
+    sites = folded.gates.sites
+    assert type(sites[0].out_proj).__name__ == "Conv1D"
+    fold(sites, heads, values, "mean", "gpt2")
+    with torch.no_grad():
+        for head in heads:
+            site = {s.key: s for s in sites}[head.site]
+            site.out_proj.weight[head.head * site.head_dim:(head.head + 1) * site.head_dim] = 0.0
+    (got,) = folded.evaluate([[]])
+    # summation order: the folded bias against the gate's W_O c_h (float32, 2 layers, width 64)
+    assert_routes_agree(got.stats, expected.stats, depth=3, width=64, what="gpt2 fold vs gated mean")
+    assert max_difference(got.stats, zero.stats) > 1e-3  # other: the fold is not zero ablation
