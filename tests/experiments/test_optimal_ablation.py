@@ -28,7 +28,7 @@ from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.sweep.pruning.export import MANIFEST, export_pruned
 from headsweep.sweep.run.ablation_values import stored_values
 from headsweep.workers.ablation import AblationSpec
-from headsweep.workers.ablation_values import fill_of, reference_means
+from headsweep.workers.ablation_values import WorkerFill, fill_of, reference_means
 from headsweep.workers.family import RuntimeOptions
 from headsweep.workers.heads import Head
 from headsweep.workers.optimal_ablation import train_head
@@ -102,6 +102,15 @@ def test_classifier_constants_beat_the_mean_and_equal_surgery(tmp_path, tiny_ber
     evaluation = load(model, {"path": str(tiny_dev_tsv)}, batch_size=16, reuse=False)
     heads = [Head("self", 0, 0), Head("self", 1, 2), Head("self", 1, 3)]
     check_trained(adapter, evaluation, heads, depth=2, width=64)
+    # A worker before the constants are installed (or restarted, before they come back): a gated head refuses to run
+    # rather than evaluate zero ablation under the name optimal; the unmasked model runs.
+    evaluation.gates.set_fill(WorkerFill(AblationSpec("optimal")).fill)
+    try:
+        evaluation.evaluate([[]])
+        with pytest.raises(HeadsweepError, match="^optimal ablation's constants are not installed on this worker"):
+            evaluation.evaluate([[heads[0]]])
+    finally:
+        evaluation.gates.set_fill(None)
 
 
 def test_causal_lm_constants_beat_the_mean_and_equal_surgery(tmp_path):
