@@ -5,13 +5,15 @@ Models (each swept through ``headsweep.run`` into a temporary store, read back w
 worker of ``--threads`` torch threads; experiments ``baseline`` and ``single_head``, one run per method):
 
 * ``classifier``: the demo classifier (``headsweep demo``: a 3-layer, 4-head BERT trained on generated sentiment
-  sentences, cached in ``$HEADSWEEP_CACHE/demo-v1``), accuracy on its 1,000 generated dev sentences;
+  sentences, cached in ``$HEADSWEEP_CACHE/demo-v1``), accuracy on its generated dev sentences less those whose
+  token length no other sentence has (resample's same-length donors cannot pair them: 1 of the 1,000), the same
+  data for every method;
 * ``lm``: the demo LM (3-layer Llama, 8 query / 2 key-value heads), perplexity on its generated test text in
   windows of 64 tokens;
 * ``multi30k``: the Multi30k en->fr benchmark model of ``bench/multi30k_translation.py`` (3+3 layers, 4 heads,
-  trained once for 12 minutes and cached), BLEU (beam 5) on the first ``--m30k-examples`` sentences of
-  test_2016_flickr, encoder self-attention heads only (``sweep.attention: [enc_self]``: 12 heads, which bounds the
-  run). Without ../shared/data this part prints ``SKIP ablation_methods multi30k: ... not found``.
+  trained once for 12 minutes and cached), BLEU (beam 5) on the first ``--m30k-examples`` (default: all 1,000)
+  sentences of test_2016_flickr, encoder self-attention heads only (``sweep.attention: [enc_self]``: 12 heads,
+  which bounds the run). Without ../shared/data this part prints ``SKIP ablation_methods multi30k: ... not found``.
 
 Methods: ``zero`` (Michel et al.'s mask), ``mean`` (each head's mean output over the reference data, here the
 evaluation data, headsweep's default), ``resample`` (another example's output, seeded same-length derangement),
@@ -62,7 +64,7 @@ METHODS = ("zero", "mean", "resample", "optimal")
 # classifier zero and mean, and Multi30k zero and resample (whose refusal is the path taken there).
 SMOKE_METHODS = {"classifier": ("zero", "mean"), "lm": METHODS, "multi30k": ("zero", "resample")}
 TOLERANCE = 1e-4  # hook loop vs headsweep: |delta difference| / baseline perplexity
-N_M30K = 500
+N_M30K = 1000
 NA = "n/a"
 
 
@@ -72,9 +74,10 @@ def log(text: str) -> None:
 
 # -- the models and their configs -----------------------------------------------------------------------------------
 
-def demo_configs(threads: int) -> dict[str, tuple[dict, dict]]:
+def demo_configs(folder: Path) -> dict[str, tuple[dict, dict]]:
     """Per demo model: (config without sweep.ablation, optimal's reference data section). The demo's own models and
-    data at full size; in smoke mode tiny ones trained in seconds in the smoke cache."""
+    data at full size; in smoke mode tiny ones trained in seconds in the smoke cache. The classifier's evaluation
+    data is written to ``folder`` (``paired_lengths``)."""
     if not common.SMOKE:
         from headsweep.sweep.demo import classifier_config, language_model_config
 
@@ -83,6 +86,7 @@ def demo_configs(threads: int) -> dict[str, tuple[dict, dict]]:
             cfg = make(1, False)
             reference = cfg.pop("importance")["data"]
             out[name] = (cfg, reference)
+        paired_lengths(out["classifier"][0], folder)
         return out
     from headsweep.sweep.demo.language_model import generate as generate_text
     from headsweep.sweep.demo.language_model import train_language_model
@@ -102,7 +106,7 @@ def demo_configs(threads: int) -> dict[str, tuple[dict, dict]]:
     for name, write in files.items():
         if not (root / name).is_file():
             write(root / name)
-    return {
+    out = {
         "classifier": ({"name": "smoke-classifier", "model": {"kind": "hf_classifier", "path": str(clf)},
                         "data": {"path": str(root / "dev.tsv")}, "sweep": {"batch_size": 64}},
                        {"path": str(root / "valid.tsv")}),
@@ -110,6 +114,31 @@ def demo_configs(threads: int) -> dict[str, tuple[dict, dict]]:
                 "data": {"path": str(root / "test.txt"), "window": 32}, "sweep": {"batch_size": 16}},
                {"path": str(root / "valid.txt"), "window": 32}),
     }
+    paired_lengths(out["classifier"][0], folder)
+    return out
+
+
+def paired_lengths(cfg: dict, folder: Path) -> None:
+    """Point the classifier's ``data`` at a copy without the sentences whose token length no other sentence has
+    (resample draws donors of the same length and refuses such data): the same data for every method."""
+    import csv
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg["model"]["path"])
+    with open(cfg["data"]["path"], encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    lengths = [len(tokenizer(r["sentence"])["input_ids"]) for r in rows]
+    kept = [r for r, n in zip(rows, lengths, strict=True) if lengths.count(n) > 1]
+    path = folder / "classifier-eval.tsv"
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]), delimiter="\t", quoting=csv.QUOTE_NONE,
+                                lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(kept)
+    log(f"classifier data: {len(kept)} of the {len(rows)} sentences of {cfg['data']['path']} (left out: "
+        f"{len(rows) - len(kept)} whose token length no other sentence has, which resample cannot pair)")
+    cfg["data"] = {**cfg["data"], "path": str(path)}
 
 
 def multi30k_config(threads: int, examples: int) -> dict:
@@ -167,7 +196,15 @@ def sweep(base: dict, method: str, reference: dict | None, threads: int, store: 
     with headsweep.open_store(store) as s:
         rows = s.sql("SELECT name, delta, harm, significant FROM heads WHERE run_id = ? AND delta IS NOT NULL",
                      [run.run_id]).fetchall()
+        metric, score = s.sql("SELECT metric, baseline_score FROM runs WHERE run_id = ?", [run.run_id]).fetchall()[0]
+    log(f"{method}: run {run.run_id}, baseline {metric} {score:.4f}")
     return Sweep(method, run, {name: (float(d), float(h), bool(sig)) for name, d, h, sig in rows})
+
+
+def head_order(name: str) -> tuple[str, int, int]:
+    """``attention:layer:head`` in layer and head order."""
+    attention, layer, head = name.rsplit(":", 2)
+    return attention, int(layer), int(head)
 
 
 def spearman(a: Sweep | None, b: Sweep | None) -> str:
@@ -277,6 +314,13 @@ def section(model: str, base: dict, reference: dict | None, methods: tuple[str, 
         rel = r.grid_s / zero.grid_s if zero else float("nan")
         log(f"{method:<9} {len(r.heads):>5} {r.significant:>11} {worst:>12} {harm:>10.4g} {r.grid_s:>8.2f} "
             f"{rel:>7.2f}  {spearman(zero, r)}")
+    done = {m: r for m, r in runs.items() if r is not None}
+    if done:
+        log("per head: delta under each method (* significant)")
+        log(f"{'head':<14}" + "".join(f"{m:>12}" for m in done))
+        for name in sorted(next(iter(done.values())).heads, key=head_order):
+            log(f"{name:<14}" + "".join(f"{r.heads[name][0]:>11.4g}{'*' if r.heads[name][2] else ' '}"
+                                         for r in done.values()))
     for a, b in (("mean", "resample"), ("mean", "optimal"), ("resample", "optimal")):
         if runs.get(a) and runs.get(b):
             log(f"spearman {a} vs {b}: {spearman(runs[a], runs[b])}")
@@ -336,7 +380,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ablation-methods-") as tmp:
         folder = Path(tmp)
         store = str(folder / "store")
-        for model, (cfg, reference) in demo_configs(args.threads).items():
+        for model, (cfg, reference) in demo_configs(folder).items():
             section(model, cfg, reference, methods(model, METHODS), args, store, folder)
         if args.skip_multi30k:
             log("SKIP ablation_methods multi30k: --skip-multi30k")
