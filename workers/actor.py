@@ -19,9 +19,9 @@ from typing import Any
 
 import ray
 
-from headsweep.workers.ablation_values import WorkerFill
 from headsweep.workers.family import DatasetInfo, EvalAdapter, MaskOutput, RuntimeOptions
 from headsweep.workers.registry import model_family
+from headsweep.workers.worker_fill import WorkerFill
 
 
 @ray.remote

@@ -18,7 +18,8 @@ from typing import Any
 import yaml
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.configuration.ablation import AblationSection, check_for_model, check_paired
+from headsweep.sweep.configuration.ablation import AblationSection
+from headsweep.sweep.configuration.ablation_checks import check_for_model, check_paired
 from headsweep.sweep.configuration.reader import coerce, from_dict
 from headsweep.sweep.configuration.sections import SECTIONS, Config, SignificanceSection, SweepSection, config_class
 from headsweep.sweep.experiments import BUILTIN_KINDS, KINDS, Experiment, experiment_kind, experiments_of

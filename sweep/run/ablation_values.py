@@ -20,9 +20,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.data_sections import typed_data
-from headsweep.sweep.run.dispatch import WorkerPool
 from headsweep.workers.ablation import AblationSpec
-from headsweep.workers.ablation_values import fill_values_on_worker
 from headsweep.workers.heads import Head
 
 # Stored and recomputed means agree within this share of the site's largest value (float32 rounding and summation
@@ -120,21 +118,3 @@ def stored_values(store: ResultStore, run_id: str, checkpoint: str | None) -> di
         stacked = np.stack([heads[h] for h in sorted(heads)])  # (H, rows, d)
         out[name] = np.moveaxis(stacked, 0, 1) if per_position else stacked[:, 0]
     return out
-
-
-def fetch_fill(cfg: Config, pool: WorkerPool, store: ResultStore, run_id: str, checkpoint: str | None
-               ) -> StoredFill | None:
-    """The constant fill the workers computed for this model (one worker asked: all compute the same), checked
-    against what the run stored for it; optimal's constants trained (or read back on resume) and installed
-    (:mod:`headsweep.sweep.run.optimal_ablation`); None for a method without one (zero, resample, patch)."""
-    spec = ablation_spec(cfg)
-    if not spec.constant:
-        return None
-    if spec.method == "optimal":
-        from headsweep.sweep.run.optimal_ablation import optimal_fill  # it imports this module
-
-        return optimal_fill(spec, pool, store, run_id, checkpoint)
-    values, tokens = pool.call(fill_values_on_worker)
-    fill = StoredFill(store, run_id, checkpoint, spec.method, spec.per_position, values, tokens)
-    fill.check()
-    return fill

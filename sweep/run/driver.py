@@ -26,11 +26,12 @@ from headsweep.sweep.cluster.ray_session import init_ray, resolve_device
 from headsweep.sweep.configuration.ablation import averaged_outcomes
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.single_head import SINGLE_HEAD
-from headsweep.sweep.run.ablation_values import ablation_spec, fetch_fill
+from headsweep.sweep.run.ablation_values import ablation_spec
 from headsweep.sweep.run.budget import BudgetReached, SessionBudget
 from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.context import Context
 from headsweep.sweep.run.dispatch import WorkerPool, log, unwrap, wait_until_placed
+from headsweep.sweep.run.fill import fetch_fill
 from headsweep.sweep.run.memory import check_memory
 from headsweep.sweep.run.runs import (
     STALE_AFTER_S,

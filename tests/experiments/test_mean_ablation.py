@@ -29,9 +29,10 @@ from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.sweep.run.ablation_values import stored_values
 from headsweep.sweep.run.runs import resumable
 from headsweep.workers.ablation import AblationSpec
-from headsweep.workers.ablation_values import fill_of, reference_means
+from headsweep.workers.ablation_values import reference_means
 from headsweep.workers.family import RuntimeOptions
 from headsweep.workers.registry import model_family
+from headsweep.workers.worker_fill import fill_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -28,11 +28,12 @@ from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.sweep.pruning.export import MANIFEST, export_pruned
 from headsweep.sweep.run.ablation_values import stored_values
 from headsweep.workers.ablation import AblationSpec
-from headsweep.workers.ablation_values import WorkerFill, fill_of, reference_means
+from headsweep.workers.ablation_values import reference_means
 from headsweep.workers.family import RuntimeOptions
 from headsweep.workers.heads import Head
 from headsweep.workers.optimal_ablation import train_head
 from headsweep.workers.registry import model_family
+from headsweep.workers.worker_fill import WorkerFill, fill_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -35,10 +35,10 @@ import torch
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.experiments.l0.hard_concrete import HardConcrete
-from headsweep.workers.ablation_values import fill_of
 from headsweep.workers.family import EvalAdapter, RuntimeOptions
 from headsweep.workers.heads import Head, SiteKey
 from headsweep.workers.registry import model_family
+from headsweep.workers.worker_fill import fill_of
 
 STATE_FILE = "l0_state.pt"
 
