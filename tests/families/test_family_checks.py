@@ -142,6 +142,23 @@ def test_tokenizer_without_vocabulary(tmp_path):
                                  "its vocabulary files are missing (model.tokenizer)")
 
 
+def test_word_level_tokenizer_beside_a_qwen2_model(tmp_path):
+    """transformers 5 loads a tokenizer.json saved beside a Qwen2 config as Qwen2Tokenizer, whose byte-level rules
+    read a word-level vocabulary's sentences as a token or two; the family loads the class the folder declares,
+    so every line encodes as the saved tokenizer.json itself encodes it (the tokenizers library, no transformers)."""
+    from tokenizers import Tokenizer
+
+    from headsweep.workers.families.hf_causal_lm.model import load_tokenizer
+
+    folder = save_tiny_causal_lm(tmp_path / "qwen2", shape="qwen2_14q2kv")
+    saved = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer = load_tokenizer(str(folder), given=False)
+    lines = lm_text(60, seed=3).splitlines()
+    assert [tokenizer(line, add_special_tokens=False)["input_ids"] for line in lines] == [
+        saved.encode(line, add_special_tokens=False).ids for line in lines]
+    assert all(len(tokenizer(line, add_special_tokens=False)["input_ids"]) == len(line.split()) for line in lines)
+
+
 def with_unknown_words(lines: list[str], every: int = 2) -> list[str]:
     """Every ``every``-th word replaced by one no tokenizer here knows."""
     return [" ".join("zzzq" if i % every == 0 else w for i, w in enumerate(line.split())) for line in lines]

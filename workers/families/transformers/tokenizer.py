@@ -4,6 +4,12 @@ Given a model folder without its tokenizer files, transformers may still build a
 ``config.json`` alone: an empty one (BERT: its 5 special tokens, every word ``[UNK]``; GPT-2: one
 token, every text no tokens at all). :func:`load_tokenizer` refuses both a folder without tokenizer
 files and a tokenizer without a vocabulary. Both transformers families use it.
+
+transformers 5 also overrides the class a folder's ``tokenizer_config.json`` declares when that class is the
+generic one (``TokenizersBackend`` / ``PreTrainedTokenizerFast``) and the model type has its own: a word-level
+vocabulary saved beside a Qwen2 ``config.json`` comes back as ``Qwen2Tokenizer``, whose byte-level rules turn
+every sentence into a token or two, silently. :func:`load_tokenizer` compares the loaded tokenizer with the folder's
+``tokenizer.json`` on a probe text and, where they disagree, loads the class the folder declares.
 """
 
 from __future__ import annotations
@@ -16,6 +22,10 @@ from headsweep.errors import HeadsweepError
 # What save_pretrained writes for a tokenizer (fast, or slow with its vocabulary files); a SentencePiece
 # ``*.model`` file counts too.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt")
+# Classes that mean "exactly what tokenizer.json says" in a tokenizer_config.json.
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# Words, digits, punctuation and a non-ASCII letter: where byte-level and word-level rules part ways.
+PROBE = "The cat sat on the mat, 42 times; naïve dogs ran."
 
 
 def _first_line(exc: BaseException) -> str:
@@ -38,6 +48,7 @@ def load_tokenizer(folder: str | Path, hint: str = ""):
     # Whatever incomplete or foreign files make transformers raise: one line with the cause.
     except Exception as exc:  # noqa: BLE001
         raise HeadsweepError(f"cannot load the tokenizer from {path}: {_first_line(exc)}{hint}") from None
+    tokenizer = _as_declared(tokenizer, path)
     special = set(tokenizer.all_special_ids)
     if len(tokenizer) <= len(special):
         raise HeadsweepError(
@@ -45,6 +56,36 @@ def load_tokenizer(folder: str | Path, hint: str = ""):
             f"{', '.join(tokenizer.all_special_tokens)}): its vocabulary files are missing{hint}"
         )
     return tokenizer
+
+
+def _declared_class(path: Path) -> str | None:
+    import json
+
+    try:
+        return json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _as_declared(tokenizer, path: Path):
+    """``tokenizer``, or the folder's ``tokenizer.json`` loaded as the generic class its config declares where
+    transformers chose the model type's class instead and that class reads the probe text differently."""
+    declared = _declared_class(path)
+    file = path / "tokenizer.json"
+    if declared not in GENERIC_CLASSES or type(tokenizer).__name__ in GENERIC_CLASSES or not file.is_file():
+        return tokenizer
+    from tokenizers import Tokenizer
+    from transformers import TokenizersBackend
+
+    saved = Tokenizer.from_file(str(file)).encode(PROBE, add_special_tokens=False).ids
+    if tokenizer(PROBE, add_special_tokens=False)["input_ids"] == saved:
+        return tokenizer
+    import logging
+
+    logging.getLogger(__name__).warning(
+        "transformers loaded %s's tokenizer as %s, which reads text differently from its tokenizer.json; "
+        "loading it as the %s its tokenizer_config.json declares", path, type(tokenizer).__name__, declared)
+    return TokenizersBackend.from_pretrained(path, local_files_only=True)
 
 
 def count_unknown(tokenizer, sequences: Iterable[Sequence[int]]) -> tuple[int, int]:
