@@ -91,6 +91,15 @@ def is_hub_id(spec: str) -> bool:
     return bool(spec) and not Path(spec).expanduser().exists() and parse_hub_id(spec) is not None
 
 
+def model_label(path: str) -> str:
+    """What ``runs.model`` shows for ``model.path``: a folder's name, or for a hub id (pinned to its commit by the
+    driver) ``org/name@<first 7 of the commit>`` (the whole commit is in ``runs.facts.hub``)."""
+    if is_hub_id(path):
+        repo_id, revision = parse_hub_id(path)
+        return f"{repo_id}@{revision[:7]}" if revision else repo_id
+    return Path(path).name
+
+
 def fetch_command(repo_id: str, revision: str | None) -> str:
     """The command that puts ``repo_id`` at ``revision`` into the cache."""
     return f"headsweep fetch {repo_id}" + (f" --revision {revision}" if revision else "")

@@ -166,6 +166,7 @@ def check_two_runs(runs: dict[str, dict], repo_id: str, a: str, b: str) -> None:
         hub = json.loads(row["facts"])["hub"]["model.path"]
         assert hub["folder"] == str(snapshot(repo_id, commit))
         assert json.loads(row["config"])["model"]["path"] == f"{repo_id}@{commit}"
+        assert row["model"] == f"{repo_id}@{commit[:7]}"  # the whole commit is in facts.hub
         assert row["status"] == "complete"
     assert runs[a]["baseline_score"] != runs[b]["baseline_score"]  # each loaded its own revision's weights
 

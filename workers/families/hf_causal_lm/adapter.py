@@ -45,6 +45,7 @@ from headsweep.workers.families.transformers.tokenizer import count_unknown
 from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
+from headsweep.workers.hub_cache import model_label
 from headsweep.workers.metrics import PERPLEXITY
 from headsweep.workers.replay import by_first_gated_layer
 
@@ -99,7 +100,7 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
         self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.donors = donors_for(runtime.ablation, self.gates, [self.window] * len(self.windows), what="windows",
                                  where=f"data file {data_cfg.path}", more="more text (or a larger data.max_windows)")
-        self.model_name = Path(model_cfg.path).name
+        self.model_name = model_label(model_cfg.path)
         self.dataset_name = data_cfg.name or Path(Path(data_cfg.path).name.removesuffix(".gz")).stem
         self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
                                                             decoder_layout(self.model, self.gates.sites),

@@ -52,6 +52,7 @@ from headsweep.workers.families.transformers.tokenizer import count_unknown
 from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
+from headsweep.workers.hub_cache import model_label
 from headsweep.workers.metrics import MC_ACCURACY, MC_ACCURACY_NORM, Metric
 from headsweep.workers.workload import median_batch, take_rows
 
@@ -167,7 +168,7 @@ class MultipleChoiceAdapter(BaselineOnce):
         self.gold_rows = self.index[np.arange(len(questions)), self.gold]
         self.batches = self._batches(range(len(self.rows)), runtime.batch_size)
         self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-        self.model_name = Path(model_cfg.path).name
+        self.model_name = model_label(model_cfg.path)
         self.dataset_name = data_cfg.name or Path(Path(data_cfg.path).name.removesuffix(".gz")).stem
         self.reuse_note = ("plain path: every mask runs the whole model (prefix reuse is not implemented for "
                            "multiple choice)")

@@ -49,6 +49,7 @@ from headsweep.workers.families.transformers.reuse import PrefixReuseSwitch
 from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
+from headsweep.workers.hub_cache import model_label
 from headsweep.workers.metrics import LOGIT_DIFF
 from headsweep.workers.paired_data import read_pairs
 from headsweep.workers.replay import by_first_gated_layer
@@ -103,7 +104,7 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
         self._donor_prompts = self.others if self.spec.method == "patch" else self.prompts
         self.donors = donors_for(self.spec, self.gates, self.lengths, paired=True, what="pairs",
                                  where=f"data file {data_cfg.path}", more="more pairs (or a larger data.max_pairs)")
-        self.model_name = Path(model_cfg.path).name
+        self.model_name = model_label(model_cfg.path)
         self.dataset_name = data_cfg.name or Path(data_cfg.path).stem
         self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
                                                             decoder_layout(self.model, self.gates.sites),

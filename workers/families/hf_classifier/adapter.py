@@ -38,6 +38,7 @@ from headsweep.workers.families.transformers.tokenizer import count_unknown
 from headsweep.workers.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
+from headsweep.workers.hub_cache import model_label
 from headsweep.workers.metrics import ACCURACY, LOGIT_DIFF
 from headsweep.workers.replay import by_first_gated_layer
 from headsweep.workers.workload import median_batch, take_rows
@@ -99,7 +100,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
                            **merge(report(subject, [*findings(examples), self.truncated(whole)]),
                                    unknown_tokens(subject, *count_unknown(self.tokenizer, whole),
                                                   self.tokenizer.unk_token))}
-        self.model_name = Path(model_cfg.path).name
+        self.model_name = model_label(model_cfg.path)
         self.dataset_name = data_cfg.name or Path(data_cfg.path).stem
         self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
                                                             classifier_layout(self.model, self.gates.sites),
