@@ -24,7 +24,7 @@ from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.pruning.fold import constants_to_fold, fold
 from headsweep.sweep.pruning.masks import MaskChoice, explicit_mask, stored_mask
-from headsweep.workers.heads import HeadInventory, site_order
+from headsweep.workers.heads import HeadInventory
 from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot
 from headsweep.workers.registry import model_family
 
@@ -117,7 +117,8 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
     family = model_family(cfg.model.kind)
     loaded = family.load_model(cfg.model)
     model = loaded.model
-    choice = choose(site_inventory(family.find_sites(model)), store, from_run, level, eval_id, mask)
+    inventory = site_inventory(family.find_sites(model))
+    choice = choose(inventory, store, from_run, level, eval_id, mask)
     # Mean and optimal ablation: the removed heads' constants folded into the biases first (sweep/pruning/fold.py).
     method, constants = constants_to_fold(cfg, store, from_run, _checkpoint_of(store, from_run, cfg))
     if constants:
@@ -131,7 +132,9 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
         "model": str(getattr(cfg.model, family.checkpoint_key)),
         "kind": cfg.model.kind,
         "heads_removed": [str(h) for h in choice.heads],
-        "heads_kept": {f"{a}:{layer}": list(slices[(a, layer)].kept) for a, layer in sorted(slices, key=site_order)},
+        # every layer, each with its heads' numbers in the full model (a layer left whole: all of them)
+        "heads_kept": {f"{s.attention}:{s.layer}": list(slices[(s.attention, s.layer)].kept)
+                       if (s.attention, s.layer) in slices else list(range(s.num_heads)) for s in inventory.layers},
         "mask_source": choice.source,
         "ablation": method,  # mean / optimal: the removed heads' constants folded into the output biases
         "source_run": choice.run_id,
