@@ -19,14 +19,17 @@ from headsweep.sweep.demo.sentiment import generate, write_tsv
 N_UNITS = 17  # baseline + 8 single-head + 8 all-but-one of the tiny 2x4 BERT
 
 
-def start_sweep(tmp_path, model_dir, ray_address, **sweep) -> tuple[subprocess.Popen, list[str], list[str]]:
-    """Start `headsweep run` on 2000 sentences (slow enough to interrupt); returns the process and its argv."""
+def start_sweep(tmp_path, model_dir, ray_address, sections: dict | None = None,
+                **sweep) -> tuple[subprocess.Popen, list[str], list[str]]:
+    """Start `headsweep run` on 2000 sentences (slow enough to interrupt), with more config ``sections`` if given;
+    returns the process and its argv."""
     data = write_tsv(generate(2000, seed=3), tmp_path / "dev.tsv")
     cfg = {
         "model": {"kind": "hf_classifier", "path": str(model_dir)},
         "data": {"path": str(data)},
         "sweep": {"experiments": ["baseline", "single_head", "all_but_one"], "batch_size": 8,
                   "masks_per_batch": 1, "flush_every": 1, **sweep},
+        **(sections or {}),
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     argv = [sys.executable, "-m", "headsweep", "run", str(tmp_path / "c.yaml"), "--store", str(tmp_path / "store"),
@@ -86,6 +89,29 @@ def test_killed_worker_is_restarted_and_its_masks_rerun(tmp_path, tiny_bert_dir,
     assert store.read("examples").num_rows == N_UNITS * 2000
     [run] = store.read("runs").to_pylist()
     assert run["status"] == "complete" and run["n_done"] == N_UNITS and run["run_id"] == out.strip()
+
+
+def test_a_restarted_worker_gets_the_optimal_constants_back(tmp_path, tiny_bert_dir, ray_address):
+    """Under optimal ablation a worker holds constants the driver trained and installed; Ray's restart of a killed
+    worker brings back the bare actor, which refuses any gated head until the driver installs them again
+    (``WorkerPool.on_restart``). The run completes, every evaluation once, all under optimal ablation."""
+    reference = write_tsv(generate(40, seed=11), tmp_path / "reference.tsv")
+    proc, lines, _ = start_sweep(tmp_path, tiny_bert_dir, ray_address,
+                                 {"ablation": {"reference": {"path": str(reference)}, "steps": 3}},
+                                 workers=2, ablation="optimal")
+    pids = worker_pids(lines)
+    store = ResultStore(str(tmp_path / "store"))
+    wait_for_evaluations(store, 3)
+    os.kill(pids["worker-1"], signal.SIGKILL)
+    out = finish(proc)
+    log = "".join(lines)
+    assert proc.returncode == 0, log
+    assert re.search(r"worker worker-1@\S+ lost \(\w+\), restarted as worker-1@\S+; re-running \d+ evaluations", log)
+    evals = store.read("evaluations").to_pylist()
+    assert len({e["eval_id"] for e in evals}) == len(evals) == N_UNITS
+    assert {e["ablation"] for e in evals} == {"optimal"}
+    [run] = store.read("runs").to_pylist()
+    assert run["status"] == "complete" and run["run_id"] == out.strip()
 
 
 def test_retries_are_bounded_then_the_run_fails_naming_the_masks_and_resumes(tmp_path, tiny_bert_dir, ray_address):
