@@ -12,8 +12,11 @@ worker of ``--threads`` torch threads; experiments ``baseline`` and ``single_hea
   windows of 64 tokens;
 * ``multi30k``: the Multi30k en->fr benchmark model of ``bench/multi30k_translation.py`` (3+3 layers, 4 heads,
   trained once for 12 minutes and cached), BLEU (beam 5) on the first ``--m30k-examples`` (default: all 1,000)
-  sentences of test_2016_flickr, encoder self-attention heads only (``sweep.attention: [enc_self]``: 12 heads,
-  which bounds the run). Without ../shared/data this part prints ``SKIP ablation_methods multi30k: ... not found``.
+  sentences of test_2016_flickr less those whose source length (sentencepiece pieces and EOS) no other of them has
+  (resample cannot pair them), the same data for every method, encoder self-attention heads only
+  (``sweep.attention: [enc_self]``: 12 heads, which bounds the run, and the only heads resample can fill in a
+  translation model: a donor's decoder states follow its own hypotheses). Without ../shared/data this part prints
+  ``SKIP ablation_methods multi30k: ... not found``.
 
 Methods: ``zero`` (Michel et al.'s mask), ``mean`` (each head's mean output over the reference data, here the
 evaluation data, headsweep's default), ``resample`` (another example's output, seeded same-length derangement),
@@ -61,8 +64,7 @@ from real_size import run_sweep  # noqa: E402  (headsweep.run with stamped stder
 
 METHODS = ("zero", "mean", "resample", "optimal")
 # Smoke mode: each run starts its Ray worker (about 5 s), so each method runs on one or two models: the classifier
-# zero and resample, the LM mean (and the hook loop) and optimal, Multi30k zero and resample (refused there before
-# any worker starts).
+# zero and resample, the LM mean (and the hook loop) and optimal, Multi30k zero and resample (encoder self-attention).
 SMOKE_METHODS = {"classifier": ("zero", "resample"), "lm": ("mean", "optimal"), "multi30k": ("zero", "resample")}
 TOLERANCE = 1e-4  # hook loop vs headsweep: |delta difference| / baseline perplexity
 N_M30K = 1000
@@ -142,18 +144,38 @@ def paired_lengths(cfg: dict, folder: Path) -> None:
     cfg["data"] = {**cfg["data"], "path": str(path)}
 
 
-def multi30k_config(threads: int, examples: int) -> dict:
+def multi30k_config(threads: int, examples: int, folder: Path) -> dict:
     """The Multi30k benchmark model (trained once, cached; shared with the other Multi30k benchmarks), encoder
-    self-attention only."""
+    self-attention only, on the first ``examples`` test sentences less those resample cannot pair (written to
+    ``folder``: :func:`paired_sources`)."""
     checkpoint, spm_model, data_bin = m30k.cached_model(threads)
     test = "test_2016_flickr"
+    source, target = paired_sources(m30k.DATA / f"{test}.{m30k.SRC}.gz", m30k.DATA / f"{test}.{m30k.TGT}.gz",
+                                    spm_model, examples, folder)
     return {"name": "multi30k-enc-self",
             "model": {"kind": "fairseq_translation", "checkpoint": str(checkpoint), "data_bin": str(data_bin),
                       "beam": 5},
-            "data": {"source": str(m30k.DATA / f"{test}.{m30k.SRC}.gz"),
-                     "target": str(m30k.DATA / f"{test}.{m30k.TGT}.gz"), "sentencepiece_model": str(spm_model),
-                     "max_examples": examples, "name": test},
+            "data": {"source": str(source), "target": str(target), "sentencepiece_model": str(spm_model),
+                     "name": test},
             "sweep": {"attention": ["enc_self"]}}
+
+
+def paired_sources(source: Path, target: Path, spm_model: Path, examples: int, folder: Path) -> tuple[Path, Path]:
+    """The first ``examples`` sentence pairs less those whose source length no other of them has, as plain text in
+    ``folder``: resample draws each sentence's donor among sources of its length in tokens (sentencepiece pieces and
+    EOS, as the model reads them) and refuses data with a sentence alone at its length."""
+    import sentencepiece
+
+    pieces = sentencepiece.SentencePieceProcessor(model_file=str(spm_model))
+    src, tgt = m30k.read_gz(source)[:examples], m30k.read_gz(target)[:examples]
+    lengths = [len(pieces.encode(line.strip(), out_type=str)) + 1 for line in src]
+    kept = [i for i, n in enumerate(lengths) if lengths.count(n) > 1]
+    paths = folder / "multi30k-eval.src", folder / "multi30k-eval.tgt"
+    for path, lines in zip(paths, (src, tgt), strict=True):
+        path.write_text("".join(lines[i] + "\n" for i in kept), encoding="utf-8")
+    log(f"multi30k data: {len(kept)} of the first {len(src)} sentences of {source.name} (left out: "
+        f"{len(src) - len(kept)} whose source length no other sentence has, which resample cannot pair)")
+    return paths
 
 
 # -- one run per method ------------------------------------------------------------------------------------------
@@ -389,7 +411,7 @@ def main() -> None:
             log(f"SKIP ablation_methods multi30k: {m30k.DATA} not found (the shared data folder beside the repository)")
         else:
             # Issue 30 asks optimal of the demo models only (it would need a Multi30k reference split besides).
-            section("multi30k", multi30k_config(args.threads, args.m30k_examples), None,
+            section("multi30k", multi30k_config(args.threads, args.m30k_examples, folder), None,
                     methods("multi30k", METHODS[:3]), args, store, folder)
 
 

@@ -46,6 +46,24 @@ PATCH_NEEDS_PAIRS = ("sweep.ablation patch needs paired data (clean and corrupte
                      "another sweep.ablation")
 
 
+def patch_unavailable(family: str) -> str:
+    """The one line that refuses activation patching for a model family with no paired data format (fairseq
+    translation: no clean / corrupted source pairs), on the driver and on the workers."""
+    return (f"sweep.ablation patch is not available for {family} models: it patches activations between paired clean "
+            f"and corrupted inputs, and {family} has no paired data format (data.task: paired); use sweep.ablation "
+            "resample or mean")
+
+
+def resample_unavailable(family: str, allowed: tuple[str, ...], what: str, fix: str) -> str:
+    """The one line that refuses resample ablation where a run would gate heads of an attention type the family
+    cannot fill from a donor (``allowed``; fairseq translation: ``enc_self``), on the driver and on the workers:
+    ``what`` says what would gate them (``sweep.attention (unset: every attention type) takes in enc_dec, dec_self
+    heads``), ``fix`` what to change (``set sweep.attention: [enc_self]``)."""
+    return (f"sweep.ablation resample is available for {family} models on {', '.join(allowed)} heads only, and {what}: "
+            "a donor's decoder states follow its own hypotheses in beam search, so decoder attention cannot take "
+            f"another sentence's states; {fix}, or use sweep.ablation mean")
+
+
 @dataclass(frozen=True)
 class AblationSpec:
     """The run's ablation as a worker reads it (``RuntimeOptions.ablation``, built by the driver from

@@ -91,13 +91,16 @@ def same_length_donors(lengths: Sequence[int], seed: int, draws: int = 1, what: 
     return donors
 
 
-def record_contexts(gates: HeadGates, run: Callable[[], Any]) -> dict[SiteKey, torch.Tensor]:
+def record_contexts(gates: HeadGates, run: Callable[[], Any],
+                    attention: Sequence[str] | None = None) -> dict[SiteKey, torch.Tensor]:
     """Every site's output-projection input during ``run()`` (one forward pass of the model ``gates`` are on), as
     ``(B, T, H, d)`` batch first, without gradients; the pass runs ungated (no gates, no fill: the model as it is),
-    and whatever gates and fill were set are set again after it."""
-    recorded: dict[SiteKey, list[torch.Tensor]] = {site.key: [] for site in gates.sites}
+    and whatever gates and fill were set are set again after it. ``attention``: only the sites of these attention
+    types (a pass that runs part of the model: fairseq translation's donor pass runs the encoder alone)."""
+    sites = [site for site in gates.sites if attention is None or site.attention in attention]
+    recorded: dict[SiteKey, list[torch.Tensor]] = {site.key: [] for site in sites}
     handles = [site.out_proj.register_forward_pre_hook(lambda _m, args, key=site.key: recorded[key].append(args[0]))
-               for site in gates.sites]
+               for site in sites]
     try:
         with gates.ungated(), torch.no_grad():
             run()
@@ -105,7 +108,7 @@ def record_contexts(gates: HeadGates, run: Callable[[], Any]) -> dict[SiteKey, t
         for handle in handles:
             handle.remove()
     out = {}
-    for site in gates.sites:
+    for site in sites:
         calls = recorded[site.key]
         if len(calls) != 1 or calls[0].dim() != 3:
             raise HeadsweepError(f"{site.module_name}: the donor pass called its output projection {len(calls)} "
@@ -121,11 +124,15 @@ class Donors:
     ``donors[k, i]``: in draw ``k``, the example (position in the evaluation set) whose donor-side inputs fill
     example ``i`` (resample: another example; patch: ``i`` itself, its other prompt), given by ``draw()`` on first
     use (:meth:`check`: now). ``draw`` None: the run's method is not per example, and :meth:`batch` does nothing.
+    ``attention``: the attention types the donor pass records (None: every site); heads of other types have no
+    donor values (the adapter refuses to gate them).
     """
 
-    def __init__(self, gates: HeadGates, draw: Callable[[], np.ndarray] | None = None, keep_first: bool = False):
+    def __init__(self, gates: HeadGates, draw: Callable[[], np.ndarray] | None = None, keep_first: bool = False,
+                 attention: Sequence[str] | None = None):
         self.gates = gates
         self.keep_first = keep_first
+        self.attention = None if attention is None else tuple(attention)
         self.draw = 0
         self._draw = draw
         self._donors: np.ndarray | None = None
@@ -193,7 +200,7 @@ class Donors:
     @contextmanager
     def _installed(self, rows, run_donors: Callable[[np.ndarray], Any]) -> Iterator[None]:
         donors = self.donors_of(rows)
-        values = record_contexts(self.gates, lambda: run_donors(donors))
+        values = record_contexts(self.gates, lambda: run_donors(donors), self.attention)
         saved = self.gates.fill
         self.gates.set_fill(HeadFill(values, per_example=True, keep_first=self.keep_first))
         try:
@@ -228,25 +235,27 @@ def with_donors(batches: LossBatches, donors: Donors, rows: Sequence[torch.Tenso
 
 
 def donors_for(spec: AblationSpec, gates: HeadGates, lengths: Sequence[int], paired: bool = False,
-               what: str = "examples", where: str = "the evaluation data", more: str = "more data") -> Donors:
+               what: str = "examples", where: str = "the evaluation data", more: str = "more data",
+               attention: Sequence[str] | None = None) -> Donors:
     """The :class:`Donors` of an adapter under the run's ablation ``spec`` (``RuntimeOptions.ablation``):
     resample's same-length derangements over ``lengths`` (each example's token length; drawn now, so that data
     they cannot pair are refused when the adapter loads, which the driver has every worker do before the run writes
     anything, for the evaluation data and for the data importance and the L0 gates read), patch's pairs
     (``paired``: the adapter holds paired data, example ``i``'s donor its other prompt; without pairs, drawing them
     refuses: the driver refuses such a run first), nothing for the other methods. ``what``, ``where`` and ``more``
-    word the refusal (:func:`same_length_donors`)."""
+    word the refusal (:func:`same_length_donors`); ``attention``: the attention types the donor pass records
+    (:class:`Donors`)."""
     lengths = list(lengths)
     if spec.method == "resample":
         drawn = same_length_donors(lengths, spec.seed, spec.resamples, what, where, more)
-        return Donors(gates, lambda: drawn, spec.keep_first)
+        return Donors(gates, lambda: drawn, spec.keep_first, attention)
     if spec.method == "patch":
         def pairs() -> np.ndarray:
             if not paired:
                 raise HeadsweepError(PATCH_NEEDS_PAIRS)
             return np.arange(len(lengths), dtype=np.int64)[None, :]
 
-        return Donors(gates, pairs, spec.keep_first)
+        return Donors(gates, pairs, spec.keep_first, attention)
     return Donors(gates)
 
 

@@ -209,7 +209,10 @@ class ModelFamily:
     which a run pins to its commit. ``fills_by_position``: its evaluation runs every attention module over whole
     right-padded sequences, so a gated-off head can be filled per absolute position and the first position kept
     (``ablation.positions: per_position``, ``ablation.keep_first``); False where it cannot (fairseq translation:
-    beam search runs decoder attention one position per step, sources are left-padded). The methods past ``load``
+    beam search runs decoder attention one position per step, sources are left-padded). ``resample_attention``: the
+    attention types whose heads resample ablation can fill with a donor's activations (None: every type); fairseq
+    translation's encoder self-attention only, since a donor's decoder states follow its own hypotheses in beam
+    search and cannot stand in for another sentence's. The methods past ``load``
     refuse with a clear error (or answer "no") unless a subclass implements them.
     """
 
@@ -222,6 +225,7 @@ class ModelFamily:
     syntax_attention: str | None = None
     hub_ids: bool = False
     fills_by_position: bool = True
+    resample_attention: tuple[str, ...] | None = None
 
     def load(self, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions) -> EvalAdapter:
         """The evaluation adapter: the gated model on the evaluation data."""

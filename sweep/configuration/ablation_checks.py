@@ -11,8 +11,15 @@ from typing import Any
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.ablation import AblationSection
+from headsweep.sweep.experiments import experiments_of
 from headsweep.sweep.experiments.data_sections import refuse_eval_data, typed_data
-from headsweep.workers.ablation import PATCH_NEEDS_PAIRS, PER_EXAMPLE_METHODS
+from headsweep.workers.ablation import (
+    PATCH_NEEDS_PAIRS,
+    PER_EXAMPLE_METHODS,
+    patch_unavailable,
+    resample_unavailable,
+)
+from headsweep.workers.heads import Head
 from headsweep.workers.registry import model_family
 
 
@@ -35,22 +42,61 @@ def check_paired(method: str, sections: list[tuple[str, Any]]) -> None:
 
 
 def _check_per_example(cfg: Any, family: Any) -> None:
-    """resample and patch (per-example fills, ``headsweep.workers.donors``): patch needs paired data; resample draws
-    donors over the whole evaluation set, which screening's subsets do not hold; fairseq translation's decoder
-    attention cannot take another sentence's states (a donor's decoder states follow its own hypotheses)."""
+    """resample and patch (per-example fills, ``headsweep.workers.donors``): patch needs paired data (a family with
+    no paired data format, fairseq translation, refuses it in its own line); resample draws donors over the whole
+    evaluation set, which screening's subsets do not hold, and where the family fills only some attention types
+    (``ModelFamily.resample_attention``: fairseq translation's ``enc_self``, since a donor's decoder states follow
+    its own hypotheses) every head the run gates must be of those types (:func:`_check_resample_scope`)."""
     method = cfg.sweep.ablation
     if method not in PER_EXAMPLE_METHODS:
         return
+    if method == "patch" and not hasattr(family.data_config, "paired"):
+        raise HeadsweepError(patch_unavailable(family.name))
     if method == "patch" and not getattr(cfg.data, "paired", False):
         raise HeadsweepError(PATCH_NEEDS_PAIRS)
     if method == "resample" and cfg.sweep.screen is not None:
         raise HeadsweepError("sweep.screen evaluates a subset of the examples first, and sweep.ablation resample draws "
                              "each example's donor from the whole evaluation set: remove sweep.screen, or use "
                              "sweep.ablation mean")
-    if not family.fills_by_position:
-        raise HeadsweepError(f"sweep.ablation {method} is not available for {family.name} models: a donor's decoder "
-                             "states follow its own hypotheses in beam search, so decoder attention cannot take them; "
-                             "use sweep.ablation mean")
+    if method == "resample" and family.resample_attention is not None:
+        _check_resample_scope(cfg, family.name, tuple(family.resample_attention))
+
+
+def _check_resample_scope(cfg: Any, family: str, allowed: tuple[str, ...]) -> None:
+    """Under resample, every head any kind of the run would gate (or score against its donor) is of the ``allowed``
+    attention types, refused in one line before anything runs otherwise: ``sweep.attention`` (the single-head,
+    all-but-one and pairs grids: required, since unset means every type), ``sweep.masks`` (custom), ``pairs.heads``,
+    ``prune.attention`` and ``l0.attention`` (unset: every type), and gradient importance, which scores every head
+    of the model by attribution patching against its donor (decoder heads have none). A kind gating heads some
+    other way is stopped by the adapter's own check when its first mask arrives."""
+    def refuse(what: str, fix: str) -> None:
+        raise HeadsweepError(resample_unavailable(family, allowed, what, fix))
+
+    scope = f"[{', '.join(allowed)}]"
+
+    def within(key: str, types: list[str] | None) -> None:
+        # unset means every attention type the model has, decoder attention included
+        if not types:
+            refuse(f"{key} is unset (every attention type)", f"set {key}: {scope}")
+        bad = [a for a in types if a not in allowed]
+        if bad:
+            refuse(f"{key} takes in {', '.join(bad)} heads", f"set {key}: {scope}")
+
+    kinds = {kind.name for kind in experiments_of(cfg)}
+    within("sweep.attention", cfg.sweep.attention)
+    for key, names in (("sweep.masks", [n for mask in cfg.sweep.masks for n in mask] if "custom" in kinds else []),
+                       ("pairs.heads", (cfg.pairs.heads or []) if "pairs" in kinds and cfg.pairs.select == "list"
+                        else [])):
+        named = next((n for n in names if Head.parse(n).attention not in allowed), None)
+        if named is not None:
+            refuse(f"{key} names {named}", f"name only {', '.join(allowed)} heads in {key}")
+    if "prune_level" in kinds:
+        within("prune.attention", cfg.prune.attention)
+    if "l0" in kinds:
+        within("l0.attention", cfg.l0.attention)
+    if "importance" in kinds and cfg.importance.method == "gradient":
+        refuse("gradient importance scores every head of the model against its donor's activations",
+               "use importance.method lrp, or ablation with importance.from_run")
 
 
 def _check_optimal(cfg: Any, section: AblationSection) -> None:
@@ -68,7 +114,8 @@ def _check_optimal(cfg: Any, section: AblationSection) -> None:
 
 def check_for_model(cfg: Any) -> None:
     """What the run's model family cannot honour, refused before any worker starts: ``optimal`` without its own
-    training data (``ablation.reference``, not the evaluation set nor a test split), and per-position fills or
+    training data (``ablation.reference``, not the evaluation set nor a test split), resample and patch where the
+    family cannot fill the heads the run gates (:func:`_check_per_example`), and per-position fills or
     ``keep_first`` where the family's evaluation does not run whole sequences (``ModelFamily.fills_by_position``:
     fairseq translation's beam search runs decoder attention one position per step, and its sources are
     left-padded)."""

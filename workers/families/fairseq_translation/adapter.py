@@ -24,6 +24,15 @@ sentence, not once per beam (``search.set_beamable``).
 
 Per-sentence statistics are sacrebleu's own BLEU sufficient statistics of the detokenised
 hypothesis against the reference; the corpus score is computed from their sum.
+
+Under resample ablation (``sweep.ablation: resample``) gated-off ``enc_self`` heads take a donor sentence's
+activations (:mod:`headsweep.workers.donors`): before a batch's searches, the donors' sources (each another sentence
+of the same source length, from any batch) are padded as the batch (fairseq pads sources on the left, so same-length
+sources padded to the batch's width line up position by position) and run once through the ungated encoder alone,
+recording every encoder self-attention's output-projection input; that is the gates' per-example fill while the
+batch's masks run. The fill acts inside the encoder, on the batch's sentences before beam search expands them to
+beams (packed masks repeat it mask-major; encoder reuse's replayed layer reads it too). Decoder attention takes no
+fill: a donor's decoder states follow its own hypotheses, so masks gating ``enc_dec`` or ``dec_self`` heads are refused.
 """
 
 from __future__ import annotations
@@ -35,13 +44,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from fairseq.data import LanguagePairDataset
+from fairseq.data import LanguagePairDataset, data_utils
 from sacrebleu.metrics import BLEU as SacreBLEU
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.ablation import patch_unavailable, resample_unavailable
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.data_report import report
+from headsweep.workers.donors import donors_for, with_donors
 from headsweep.workers.example_subset import at_positions
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 from headsweep.workers.families.fairseq_translation.data import (
@@ -72,6 +83,10 @@ from headsweep.workers.workload import median_batch, take_rows
 
 logger = logging.getLogger(__name__)
 
+# The attention types resample can fill from a donor: a donor's encoder states depend on its source alone, its
+# decoder states on its own hypotheses (module docstring).
+RESAMPLE_ATTENTION = ("enc_self",)
+
 
 class TranslationAdapter:
     """A gated fairseq translation model with its evaluation set (an ``EvalAdapter``)."""
@@ -101,6 +116,11 @@ class TranslationAdapter:
         if runtime.max_tokens < 0:
             raise HeadsweepError(f"sweep.max_tokens must not be negative, got {runtime.max_tokens}")
         self.batches = self.batched(runtime.batch_size, runtime.max_tokens)
+        # Resample's donors: another sentence of the same source length (EOS included), whatever its batch.
+        self.donors = donors_for(runtime.ablation, self.gates, [len(s) for s in self.examples.source],
+                                 what="sentences", where=data_subject(data_cfg),
+                                 more="more sentences (a larger data.max_examples, or a larger test set)",
+                                 attention=RESAMPLE_ATTENTION)
         self._bleu = _sacrebleu(self.examples.references)
         checkpoint = Path(model_cfg.checkpoint)
         self.model_name = model_cfg.name or f"{checkpoint.parent.name}/{checkpoint.name}"
@@ -137,6 +157,8 @@ class TranslationAdapter:
 
     # -- EvalAdapter ---------------------------------------------------------------------
     def describe(self) -> DatasetInfo:
+        if self.runtime.ablation.method == "patch":  # no paired translation data: refused before anything is written
+            raise HeadsweepError(patch_unavailable("fairseq_translation"))
         ex = self.examples
         return DatasetInfo(
             model=self.model_name,
@@ -173,23 +195,71 @@ class TranslationAdapter:
         )
 
     def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
+        """Each mask's per-sentence BLEU statistics (and loss, with ``sweep.loss``); under resample ablation with K
+        draws (``ablation.resamples``), their mean over the draws (:mod:`headsweep.workers.donors`), and the
+        hypotheses of the first draw."""
+        self.check_fillable(masks)
         start = time.perf_counter()
-        hyps = self.translate(masks)
-        # The teacher-forced pass costs 13-28% of a beam search (measured, see README): only when asked (sweep.loss).
-        losses = self.reference_loss(masks) if self.runtime.loss else [None] * len(masks)
+        stats_sum: list[np.ndarray] = []
+        loss_sum: list[np.ndarray | None] = []
+        first_outputs: list[list[str]] = []
+        # Masks that gate nothing come out the same under every draw: one draw does for them.
+        draws = self.donors.draws() if any(masks) else iter([0])
+        n_draws = 0
+        for k in draws:
+            n_draws += 1
+            hyps = self.translate(masks)
+            # The teacher-forced pass costs 13-28% of a beam search (measured, see README): only when asked.
+            losses = self.reference_loss(masks) if self.runtime.loss else [None] * len(masks)
+            for m, (mask_hyps, loss) in enumerate(zip(hyps, losses, strict=True)):
+                outputs = [h.text for h in mask_hyps]
+                stats = self.sentence_stats(outputs)
+                if k == 0:
+                    first_outputs.append(outputs)
+                    stats_sum.append(stats)
+                    loss_sum.append(loss)
+                else:
+                    stats_sum[m] = stats_sum[m] + stats
+                    loss_sum[m] = None if loss is None else loss_sum[m] + loss
         seconds_each = (time.perf_counter() - start) / max(1, len(masks))
         results = []
-        for mask_hyps, loss in zip(hyps, losses, strict=True):
-            outputs = [h.text for h in mask_hyps]
-            stats = self.sentence_stats(outputs)
+        for outputs, stats, loss in zip(first_outputs, stats_sum, loss_sum, strict=True):
+            stats = stats / n_draws
+            loss = None if loss is None else loss / n_draws
             results.append(MaskOutput(stats=stats, loss=loss, outputs=outputs, score=self.metric.score(stats),
                                       seconds=seconds_each))
         return results
 
+    def check_fillable(self, masks: Sequence[Sequence[Head]]) -> None:
+        """Under resample ablation, every gated head is one a donor can fill (``enc_self``); the driver refuses
+        configs that would gate others, so this catches only what it could not see (one line)."""
+        if not self.donors.active:
+            return
+        other = next((h for mask in masks for h in mask if h.attention not in RESAMPLE_ATTENTION), None)
+        if other is not None:
+            raise HeadsweepError(resample_unavailable("fairseq_translation", RESAMPLE_ATTENTION,
+                                                      f"a mask of this run gates {other}",
+                                                      "gate only enc_self heads"))
+
+    def run_donors(self, donors: np.ndarray) -> None:
+        """The per-batch donor pass of :class:`~headsweep.workers.donors.Donors`: the sources of sentences
+        ``donors`` (one per row of the batch, each as long as that row's sentence) padded as fairseq pads the batch
+        (``left_pad_source``, to the longest), through the ungated encoder alone; the decoder is not needed, as no
+        decoder head takes a fill."""
+        sources = [self.examples.source[int(d)] for d in donors]
+        tokens = data_utils.collate_tokens(sources, self.src_dict.pad(), self.src_dict.eos(),
+                                           left_pad=self.left_pad_source).to(self.device)
+        lengths = torch.tensor([len(s) for s in sources], device=self.device)
+        # Off the fused kernel: it never calls the output projections, whose inputs the donor pass records.
+        with self.gates.unfused():
+            self.model.encoder(tokens, src_lengths=lengths)
+
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
-        """The evaluation batches as teacher-forced label-smoothed cross-entropy (default epsilon 0.1)."""
-        return translation_loss_batches(self.model, self.gates, self.batches, self.src_dict.pad(),
-                                        self.tgt_dict.pad(), label_smoothing, dtype)
+        """The evaluation batches as teacher-forced label-smoothed cross-entropy (default epsilon 0.1), under the
+        run's resample fill where it has one (:func:`~headsweep.workers.donors.with_donors`)."""
+        return with_donors(translation_loss_batches(self.model, self.gates, self.batches, self.src_dict.pad(),
+                                                    self.tgt_dict.pad(), label_smoothing, dtype),
+                           self.donors, [sample["id"] for sample in self.batches], self.run_donors)
 
     def workload(self, batch_size: int, max_length: int) -> Workload:
         """The configured beam search of ``batch_size`` sentences around the median length (``max_length``
@@ -248,13 +318,15 @@ class TranslationAdapter:
         out: list[list[Hypothesis | None]] = [[None] * n for _ in masks]
         for key, sample in enumerate(self.batches):
             per = self.masks_per_forward(sample)
-            for first in range(0, len(masks), per):
-                chunk = list(masks[first : first + per])
-                for m, ids, hypos in self._search(key, sample, chunk):
-                    for i, hypo in zip(ids, hypos, strict=True):
-                        best = hypo[0]
-                        out[first + m][i] = Hypothesis(best["tokens"].cpu(), float(best["score"]),
-                                                       self.pipeline.decode(best["tokens"]))
+            # Resample: the batch's donors recorded once, their fill read by every search of the batch.
+            with self.donors.batch(sample["id"], self.run_donors, needed=any(masks)):
+                for first in range(0, len(masks), per):
+                    chunk = list(masks[first : first + per])
+                    for m, ids, hypos in self._search(key, sample, chunk):
+                        for i, hypo in zip(ids, hypos, strict=True):
+                            best = hypo[0]
+                            out[first + m][i] = Hypothesis(best["tokens"].cpu(), float(best["score"]),
+                                                           self.pipeline.decode(best["tokens"]))
         return out  # type: ignore[return-value]
 
     def _search(self, key: int, sample: dict, chunk: list[Sequence[Head]]):
@@ -298,23 +370,24 @@ class TranslationAdapter:
             ids = sample["id"].cpu().numpy()
             rows = len(ids)
             per = self.masks_per_forward(sample)
-            for first in range(0, len(masks), per):
-                chunk = list(masks[first : first + per])
-                try:
-                    if self._reuse is not None:
-                        nll = self._token_nll_reused(key, sample, chunk)
-                    else:
-                        if len(chunk) == 1:
-                            self.gates.set_mask(chunk[0])
-                            stacked = sample
+            with self.donors.batch(sample["id"], self.run_donors, needed=any(masks)):
+                for first in range(0, len(masks), per):
+                    chunk = list(masks[first : first + per])
+                    try:
+                        if self._reuse is not None:
+                            nll = self._token_nll_reused(key, sample, chunk)
                         else:
-                            self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
-                            stacked = repeat_sample(sample, len(chunk))
-                        nll = self._token_nll(stacked)
-                finally:
-                    self.gates.clear()
-                for m in range(len(chunk)):
-                    out[first + m][ids] = nll[m * rows : (m + 1) * rows]
+                            if len(chunk) == 1:
+                                self.gates.set_mask(chunk[0])
+                                stacked = sample
+                            else:
+                                self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
+                                stacked = repeat_sample(sample, len(chunk))
+                            nll = self._token_nll(stacked)
+                    finally:
+                        self.gates.clear()
+                    for m in range(len(chunk)):
+                        out[first + m][ids] = nll[m * rows : (m + 1) * rows]
         return out
 
     def _token_nll(self, sample: dict) -> np.ndarray:

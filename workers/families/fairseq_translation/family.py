@@ -89,4 +89,5 @@ class TranslationFamily(ModelFamily):
 FAIRSEQ_TRANSLATION = TranslationFamily("fairseq_translation", TranslationModel, TranslationData,
                                         "headsweep.workers.families.fairseq_translation.adapter:load_translation",
                                         checkpoint_key="checkpoint", batches_by_tokens=True,
-                                        syntax_attention="enc_self", fills_by_position=False)
+                                        syntax_attention="enc_self", fills_by_position=False,
+                                        resample_attention=("enc_self",))

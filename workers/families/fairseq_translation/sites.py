@@ -123,6 +123,18 @@ class FairseqHeadGates(HeadGates):
         self._sync_paths()
 
     @contextmanager
+    def ungated(self) -> Iterator[None]:
+        """No gates and no fill inside, as :meth:`HeadGates.ungated`, with each module's path following: the base
+        class empties and refills the gate table without :meth:`_sync_paths`, which would leave a module gated again
+        after a donor pass (resample ablation) on the fused path, where its hook never runs."""
+        try:
+            with super().ungated():
+                self._sync_paths()
+                yield
+        finally:
+            self._sync_paths()
+
+    @contextmanager
     def unfused(self) -> Iterator[None]:
         """Every gated module off the fused path inside (gates set or not), as it was after."""
         self._unfused += 1
