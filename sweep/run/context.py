@@ -144,7 +144,8 @@ class Context:
             record.heartbeat()
             if self.budget is not None:
                 self.budget.count()
-                if left and self.budget.reached():
+                # Not before the reference has landed: results held for it would be lost, and nothing stored.
+                if left and self.budget.reached() and self.baseline is not None:
                     raise BudgetReached(self.budget.describe())
 
     def units_per_call(self) -> int:

@@ -160,7 +160,7 @@ def test_optimal_run_stores_constants_and_resume_reads_them_back(tmp_path, tiny_
     rows = reader.read("ablation_values", run_id).to_pylist()
     assert len(rows) == 8 and {(r["method"], r["positions"], r["n_rows"], r["head_dim"]) for r in rows} == {
         ("optimal", "all", 1, 8)}
-    assert {e["ablation"] for e in reader.read("evaluations", run_id).to_pylist()} == {"optimal"}
+    assert {e["ablation"] for e in reader.read("evaluations", run_id).to_pylist()} == {"optimal"}, first.stderr
     stored = stored_values(reader, run_id, None)
 
     # The workers trained what this process trains (deterministic; another process and thread count only).

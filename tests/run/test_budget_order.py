@@ -133,3 +133,29 @@ def test_budgeted_run_stops_partial_and_resumes_to_the_same_tables(tmp_path, ref
         {k: (v["p_value"], v["p_adjusted"], v["significant"]) for k, v in theirs.items()}
     status = run_cli("status", run_id, "--store", str(tmp_path / "store"))
     assert ": complete" in status.stdout and "heads significant:" in status.stdout
+
+
+def test_a_budget_spent_before_the_baseline_lands_stores_what_was_computed(tmp_path, ray_address, tiny_bert_dir,
+                                                                          tiny_dev_tsv):
+    """Two workers and a budget of one evaluation: a single-head result may land before the baseline (the other
+    worker's), and is held until the baseline is there. The stop waits for the baseline, so every result the session
+    computed is stored, the baseline first among them (before, the stop came with the first result and the held ones
+    were dropped: "partial with 0 evaluations stored")."""
+    # Under optimal ablation the baseline lands after a single-head result in about a third of runs here (each
+    # worker's first call waits for the constants' install): four chances to land out of order.
+    reference = write_tsv(generate(40, seed=11), tmp_path / "reference.tsv")
+    for attempt in range(4):
+        cfg = {**config(tiny_bert_dir, tiny_dev_tsv, budget={"evaluations": 1}, workers=2, ablation="optimal"),
+               "ablation": {"reference": {"path": str(reference)}, "steps": 2}}
+        store = tmp_path / f"store{attempt}"
+        path = tmp_path / f"budget{attempt}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        proc = run_cli("run", str(path), "--store", str(store), "--address", ray_address)
+        assert proc.returncode == 0, proc.stderr
+        run_id = proc.stdout.strip()
+        reader = ResultStore(str(store))
+        evaluations = reader.read("evaluations", run_id).to_pylist()
+        [row] = reader.read("runs", run_id).to_pylist()
+        assert row["status"] == "partial" and row["n_done"] == len(evaluations) >= 1, proc.stderr
+        assert "baseline" in {e["experiment"] for e in evaluations} and row["baseline_score"] is not None
+        assert f"marked partial with {len(evaluations)} evaluations stored" in proc.stderr
