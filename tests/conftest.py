@@ -90,6 +90,19 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
     )
 
 
+def run_refused(config: Path, store: Path, ray_address: str, *parts: str) -> str:
+    """``headsweep run config`` into ``store``: exit 2, one error line holding every one of ``parts``, no
+    traceback, nothing on stdout, and no store folder; returns the line."""
+    proc = run_cli("run", str(config), "--store", str(store), "--address", ray_address, "--quiet")
+    assert proc.returncode == 2, proc.stderr
+    line = error_line(proc.stderr)
+    assert "Traceback" not in proc.stderr and proc.stdout.strip() == "", proc.stderr
+    for part in parts:
+        assert part in line, line
+    assert not store.exists()
+    return line
+
+
 def error_line(stderr: str | list[str]) -> str:
     """The one ``headsweep: error: ...`` line a failed command printed (asserts there is exactly one)."""
     lines = stderr.splitlines() if isinstance(stderr, str) else [x.rstrip("\n") for x in stderr]

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import error_line, run_cli
+from conftest import run_cli, run_refused
 from tiny_models import LM_WORDS, lm_text, save_tiny_causal_lm, save_tiny_classifier
 from tolerances import assert_routes_agree
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -355,14 +355,7 @@ def refused(tmp_path, ray_address, model, data, *parts, **ablation) -> None:
     tmp_path.mkdir()
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    store = tmp_path / "store"
-    proc = run_cli("run", str(config), "--store", str(store), "--address", ray_address, "--quiet")
-    assert proc.returncode == 2, proc.stderr
-    line = error_line(proc.stderr)
-    assert "Traceback" not in proc.stderr and proc.stdout.strip() == "", proc.stderr
-    for part in parts:
-        assert part in line, line
-    assert not store.exists()
+    run_refused(config, tmp_path / "store", ray_address, *parts)
 
 
 def test_bad_input_is_one_line(tmp_path, lm_files, tiny_bert_dir, tiny_dev_tsv, ray_address):

@@ -28,7 +28,7 @@ import sacrebleu
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import error_line, run_cli
+from conftest import run_cli, run_refused
 from sacrebleu.metrics import BLEU
 from tiny_fairseq import BOUND_SHAPE, fairseq_load, train_tiny
 from tolerances import assert_routes_agree
@@ -347,14 +347,7 @@ def refused(tmp_path: Path, ray_address: str, cfg: dict, *parts: str) -> None:
     tmp_path.mkdir()
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    store = tmp_path / "store"
-    proc = run_cli("run", str(path), "--store", str(store), "--address", ray_address, "--quiet")
-    assert proc.returncode == 2, proc.stderr
-    line = error_line(proc.stderr)
-    assert "Traceback" not in proc.stderr and proc.stdout.strip() == "", proc.stderr
-    for part in parts:
-        assert part in line, line
-    assert not store.exists()
+    run_refused(path, tmp_path / "store", ray_address, *parts)
 
 
 def test_refusals_through_the_cli_are_one_line(tmp_path, tiny, ray_address):
