@@ -228,7 +228,8 @@ def with_donors(batches: LossBatches, donors: Donors, rows: Sequence[torch.Tenso
             assert total is not None
             return total / donors.n_draws
 
-        return dataclasses.replace(batch, loss=loss)
+        # The fill is set for the forward pass alone: a backward pass that recomputed layers would miss it.
+        return dataclasses.replace(batch, loss=loss, recompute=False)
 
     return dataclasses.replace(batches, batches=[under_fill(b, idx) for b, idx in zip(batches.batches, rows,
                                                                                      strict=True)])

@@ -132,12 +132,20 @@ class LossBatch:
     ``(..., V)`` with a boolean mask ``(...)`` of the predictions that count (a classifier's
     examples, a translation's real target tokens, a language model's scored tokens): what
     relevance propagation explains.
+
+    ``group``: the evaluation batch this one is a piece of, where an adapter cuts batches to fit the backward
+    pass's memory (:mod:`headsweep.workers.backward_memory`): batch-level importance sums a group's gradients before
+    taking their absolute value (None: a group of its own). ``recompute``: ``loss()`` may run again during the
+    backward pass with the same result (no state set for its forward alone, such as a per-example fill), so
+    gradient methods may checkpoint the model's layers.
     """
 
     tokens: dict[SiteKey, torch.Tensor]
     n_examples: int
     loss: Callable[[], torch.Tensor]
     outputs: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    group: int | None = None
+    recompute: bool = False
 
 
 @dataclass

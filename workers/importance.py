@@ -19,6 +19,11 @@ examples are batched). Each model family declares it through its adapter's ``los
 (``headsweep.workers.family.EvalAdapter``): cross-entropy for classifiers, teacher-forced
 label-smoothed cross-entropy summed over the target tokens for fairseq translation. The model
 runs in eval mode (no dropout).
+
+Memory: loss batches that their adapter marks safe to recompute run with the model's blocks checkpointed, and
+adapters cut their batches to the activation budget (:mod:`headsweep.workers.backward_memory`); pieces of one
+batch share a ``group``, whose gradients the batch-level variant sums before the absolute value, so neither
+changes a score beyond summation order.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.backward_memory import blocks_of, checkpointed
 from headsweep.workers.family import EvalAdapter, LossBatch, LossBatches
 from headsweep.workers.gates import AttentionSite
 from headsweep.workers.heads import Head, SiteKey, heads_by_site
@@ -85,6 +91,7 @@ def gradient_importance(
     normalize: bool = False,
     mask: Sequence[Head] = (),
     label_smoothing: float | None = None,
+    checkpoint: bool = True,
 ) -> ImportanceResult:
     """Gradient head importance of every head of ``adapter``'s model on its data.
 
@@ -98,7 +105,9 @@ def gradient_importance(
     the same count; it depends on how examples are batched. ``normalize`` divides each layer's
     scores (per attention type) by their L2 norm. ``mask`` lists heads already pruned: their gates
     stay 0 while the rest are estimated, and they are reported with score 0.0.
-    ``label_smoothing`` (translation only) defaults to the family's training default (0.1).
+    ``label_smoothing`` (translation only) defaults to the family's training default (0.1). ``checkpoint``:
+    recompute the blocks' activations in the backward pass of loss batches that allow it (False: keep them, as
+    autograd does by default; the same scores, more memory).
     """
     gates = adapter.gates
     for head in mask:
@@ -109,15 +118,32 @@ def gradient_importance(
     counts = dict.fromkeys(num_heads, 0)
     loss_total, n_examples = 0.0, 0
     prepared = loss_batches_of(adapter, label_smoothing)
-    for batch in batch_gate_gradients(adapter, masked, prepared.batches):
-        loss_total += batch.loss
-        n_examples += batch.n_examples
-        for key, grad in batch.grads.items():
+    blocks = blocks_of(adapter.model, gates.sites) if checkpoint else []
+    # Batch-level: a batch cut into pieces (one group) has its summed gradient's absolute value taken once.
+    group_sums: dict[SiteKey, torch.Tensor] = {}
+    group: object = None
+
+    def close_group() -> None:
+        for key, summed in group_sums.items():
+            totals[key] += summed.abs()
+        group_sums.clear()
+
+    for batch, gradients in zip(prepared.batches, batch_gate_gradients(adapter, masked, prepared.batches, blocks),
+                                strict=True):
+        if not per_token and (batch.group is None or batch.group != group):
+            close_group()
+            group = batch.group
+        loss_total += gradients.loss
+        n_examples += gradients.n_examples
+        for key, grad in gradients.grads.items():
             lead = tuple(range(grad.dim() - 1))
             grad = grad.detach().to(torch.float64)
-            per_head = grad.abs().sum(lead) if per_token else grad.sum(lead).abs()
-            totals[key] += per_head.cpu()
-            counts[key] += int(batch.tokens[key].sum())
+            if per_token:
+                totals[key] += grad.abs().sum(lead).cpu()
+            else:
+                group_sums[key] = group_sums.get(key, 0) + grad.sum(lead).cpu()
+            counts[key] += int(gradients.tokens[key].sum())
+    close_group()
 
     raw: dict[Head, float] = {}
     notes = []
@@ -158,10 +184,11 @@ def gate_gradients(
     return batch_gate_gradients(adapter, mask, loss_batches_of(adapter, label_smoothing).batches)
 
 
-def batch_gate_gradients(adapter: EvalAdapter, mask: Sequence[Head],
-                         batches: Sequence[LossBatch]) -> Iterator[BatchGateGradients]:
+def batch_gate_gradients(adapter: EvalAdapter, mask: Sequence[Head], batches: Sequence[LossBatch],
+                         blocks: Sequence[torch.nn.Module] = ()) -> Iterator[BatchGateGradients]:
     """:func:`gate_gradients` of prepared ``batches``: per-token gradients of each ``batch.loss()`` (any
-    scalar the batch computes, e.g. the explained logits of relevance propagation) at the gates."""
+    scalar the batch computes, e.g. the explained logits of relevance propagation) at the gates. ``blocks``:
+    the model's blocks to checkpoint for batches that allow recomputing (``LossBatch.recompute``)."""
     gates = adapter.gates
     model = adapter.model
     dtype = _gate_dtype(model)
@@ -184,7 +211,8 @@ def batch_gate_gradients(adapter: EvalAdapter, mask: Sequence[Head],
                 lead_masks[site.key] = lead
             gates.set_values(values)
             # inference_mode(False): a caller inside inference mode would otherwise get no graph.
-            with torch.inference_mode(False), torch.enable_grad():
+            recompute = checkpointed(blocks if batch.recompute else ())
+            with torch.inference_mode(False), torch.enable_grad(), recompute:
                 try:
                     loss = batch.loss()
                     keys = list(values)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from tiny_models import tiny_float64_bert, zeroed_copy
 
-from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches
+from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches, cut_batches
 from headsweep.workers.families.transformers.sites import find_sites
 from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
@@ -68,7 +68,7 @@ def make_task(model, sentences=SENTENCES, labels=LABELS, batch_size=4, extra_pad
     gates, labels = HeadGates(find_sites(model)), torch.tensor(labels)
 
     def loss_batches(label_smoothing, dtype):
-        return classifier_loss_batches(model, gates, batches, labels, dtype)
+        return classifier_loss_batches(model, gates, cut_batches(batches), labels, dtype)
 
     return SimpleNamespace(model=model, gates=gates, batches=batches, labels=labels, loss_batches=loss_batches)
 

@@ -27,7 +27,7 @@ from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.workers.families.fairseq_translation.adapter import load_translation
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 from headsweep.workers.families.hf_causal_lm.sites import find_sites as causal_sites
-from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches
+from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches, cut_batches
 from headsweep.workers.families.transformers.sites import find_sites as classifier_sites
 from headsweep.workers.family import LossBatch, LossBatches, RuntimeOptions
 from headsweep.workers.gates import HeadGates
@@ -57,7 +57,7 @@ def bert_task(model, sentences=SENTENCES):
     gates, labels = HeadGates(classifier_sites(model)), torch.zeros(len(sentences), dtype=torch.long)
 
     def loss_batches(_label_smoothing, dtype):
-        return classifier_loss_batches(model, gates, batches, labels, dtype)
+        return classifier_loss_batches(model, gates, cut_batches(batches), labels, dtype)
 
     return SimpleNamespace(model=model, gates=gates, loss_batches=loss_batches)
 

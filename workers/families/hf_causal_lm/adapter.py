@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.backward_memory import backward_rows, pieces
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.data_report import unknown_tokens
@@ -31,6 +32,7 @@ from headsweep.workers.families.hf_causal_lm.data import Window, plan_windows, r
 from headsweep.workers.families.hf_causal_lm.model import (
     BaselineOnce,
     activation_bytes_per_row,
+    backward_bytes_per_row,
     load_causal_lm,
     model_facts,
     target_nll,
@@ -62,6 +64,7 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
     baseline's mean NLL."""
 
     metric = PERPLEXITY
+    backward_budget: int | None = None  # bytes a loss batch's backward pass may keep (None: the device's budget)
 
     def __init__(self, model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
         data_cfg.check()
@@ -257,11 +260,19 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
         """The windows as summed NLL of their scored tokens (``label_smoothing`` does not apply: the
         training loss of a causal LM is plain token cross-entropy); every position is a real token. Under the run's
-        per-example fill where it has one (:func:`~headsweep.workers.donors.with_donors`)."""
-        return with_donors(LossBatches([self._loss_batch(idx, dtype) for idx in self.batches], LOSS_NAME),
-                           self.donors, self.batches, self.run_donors)
+        per-example fill where it has one (:func:`~headsweep.workers.donors.with_donors`).
 
-    def _loss_batch(self, idx: torch.Tensor, dtype: torch.dtype) -> LossBatch:
+        Each batch is cut into pieces of as many windows as the backward pass's memory budget holds
+        (:mod:`headsweep.workers.backward_memory`; ``backward_budget`` bytes, None: the device's activation budget),
+        the pieces of one batch sharing its ``group``."""
+        recompute = not self.donors.active
+        row = backward_bytes_per_row(self.model.config, self.model.dtype, self.window, checkpointed=recompute)
+        size = backward_rows(row, self.device, self.backward_budget)
+        cut = [(group, piece) for group, idx in enumerate(self.batches) for piece in pieces(idx, size)]
+        batches = [self._loss_batch(piece, dtype, group, recompute) for group, piece in cut]
+        return with_donors(LossBatches(batches, LOSS_NAME), self.donors, [piece for _, piece in cut], self.run_donors)
+
+    def _loss_batch(self, idx: torch.Tensor, dtype: torch.dtype, group: int, recompute: bool) -> LossBatch:
         inputs = self.inputs[idx.to(self.device)]
         scored = self.scored[idx.to(self.device)]
         real = torch.ones(inputs.shape, dtype=torch.bool, device=inputs.device)
@@ -273,7 +284,8 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
         def outputs() -> tuple[torch.Tensor, torch.Tensor]:
             return self.model(input_ids=inputs, use_cache=False).logits[:, :-1], scored.bool()
 
-        return LossBatch({site.key: real for site in self.gates.sites}, int(idx.numel()), loss, outputs)
+        return LossBatch({site.key: real for site in self.gates.sites}, int(idx.numel()), loss, outputs, group,
+                         recompute)
 
     def workload(self, batch_size: int, max_length: int) -> Workload:
         """``batch_size`` windows (cycled if there are fewer), cut to ``max_length`` tokens when given."""

@@ -70,6 +70,21 @@ def activation_bytes_per_row(config, dtype: torch.dtype, positions: int, logit_p
     return w * itemsize * (8 * hidden + 2 * inner + 2 * heads * w) + logit_positions * 4 * 3 * vocab
 
 
+def backward_bytes_per_row(config, dtype: torch.dtype, positions: int, checkpointed: bool) -> int:
+    """What one row's loss keeps for a backward pass through the gates (an estimate, see
+    :mod:`headsweep.workers.backward_memory`): with the blocks ``checkpointed``, every layer's input (layers x
+    hidden) and, twice over (activations and their gradients), one block's activations and the logits; without,
+    every layer's activations and the logits twice."""
+    layer = activation_bytes_per_row(config, dtype, positions, 0)
+    logits = activation_bytes_per_row(config, dtype, positions, positions) - layer
+    layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 12)
+    hidden = int(getattr(config, "hidden_size", 0) or 768)
+    itemsize = torch.finfo(dtype).bits // 8
+    if checkpointed:
+        return layers * positions * hidden * itemsize + 2 * (layer + logits)
+    return layers * layer + 2 * logits
+
+
 def target_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-position NLL (nats) of ``targets`` (shape ``S``) under ``logits`` (shape ``S + (vocab,)``).
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.backward_memory import backward_rows, blocks_of
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.data_report import Finding, merge, report, unknown_tokens
@@ -30,7 +31,7 @@ from headsweep.workers.families.hf_classifier.config import ClassifierData, Clas
 from headsweep.workers.families.hf_classifier.data import findings, label_ids, read_examples
 from headsweep.workers.families.hf_classifier.model import load_classifier_model, resolve_max_length
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout
-from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches
+from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches, cut_batches
 from headsweep.workers.families.transformers.loading import max_positions
 from headsweep.workers.families.transformers.reuse import PrefixReuseSwitch
 from headsweep.workers.families.transformers.sites import find_sites
@@ -48,6 +49,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
     """A gated classifier with its tokenised evaluation set (an ``EvalAdapter``)."""
 
     metric = ACCURACY
+    backward_budget: int | None = None  # bytes a loss batch's backward pass may keep (None: the device's budget)
 
     def __init__(self, model_cfg: ClassifierModel, data_cfg: ClassifierData, runtime: RuntimeOptions):
         if runtime.threads > 0:
@@ -195,9 +197,16 @@ class ClassifierAdapter(PrefixReuseSwitch):
 
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
         """The evaluation batches as summed cross-entropy (``label_smoothing`` does not apply to classifiers), under
-        the run's per-example fill where it has one (:func:`~headsweep.workers.donors.with_donors`)."""
-        return with_donors(classifier_loss_batches(self.model, self.gates, self.batches, self.labels, dtype),
-                           self.donors, [idx for idx, _ in self.batches], self.run_donors)
+        the run's per-example fill where it has one (:func:`~headsweep.workers.donors.with_donors`); batches cut to
+        the backward pass's memory budget (``backward_budget`` bytes, None: the device's activation budget)."""
+        recompute = not self.donors.active
+
+        def rows(inputs: dict) -> int:
+            return backward_rows(self.backward_bytes_per_row(inputs, recompute), self.device, self.backward_budget)
+
+        pieces = cut_batches(self.batches, rows)
+        return with_donors(classifier_loss_batches(self.model, self.gates, pieces, self.labels, dtype, recompute),
+                           self.donors, [idx for _, idx, _ in pieces], self.run_donors)
 
     def workload(self, batch_size: int, max_length: int) -> Workload:
         """One forward pass of ``batch_size`` examples around the median length (cycled if the set is smaller)."""
@@ -226,6 +235,19 @@ class ClassifierAdapter(PrefixReuseSwitch):
             length = inputs["input_ids"].shape[1]
         itemsize = torch.finfo(self.model.dtype).bits // 8
         return length * itemsize * (8 * hidden + 2 * inner + 2 * heads * length)
+
+    def backward_bytes_per_row(self, inputs: dict, checkpointed: bool) -> int:
+        """What one example of ``inputs`` keeps for a backward pass through the gates (an estimate): with the
+        layers checkpointed, every layer's input and, twice over (activations and their gradients), one layer's
+        activations (:meth:`bytes_per_row`); without, every layer's activations."""
+        cfg = self.model.config
+        layers = len(blocks_of(self.model, self.gates.sites)) or 1
+        hidden = int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "dim", 0) or 768)
+        length = inputs["input_ids"].shape[1]
+        itemsize = torch.finfo(self.model.dtype).bits // 8
+        if checkpointed:
+            return layers * length * hidden * itemsize + 2 * self.bytes_per_row(inputs)
+        return layers * self.bytes_per_row(inputs)
 
     def masks_per_forward(self, inputs: dict | None = None) -> int:
         """``sweep.masks_per_batch``, or (0: automatic) as many copies of the batch ``inputs``

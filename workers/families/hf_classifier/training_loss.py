@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -14,18 +14,35 @@ from headsweep.workers.gates import HeadGates
 LOSS_NAME = "cross-entropy"
 
 
-def classifier_loss_batches(model: nn.Module, gates: HeadGates, batches: Sequence[tuple[torch.Tensor, dict]],
-                            labels: torch.Tensor, dtype: torch.dtype) -> LossBatches:
-    """Batches of ``(example indices, tokenised inputs)`` as summed cross-entropy against ``labels``.
+def cut_batches(batches: Sequence[tuple[torch.Tensor, dict]], rows: Callable[[dict], int] | None = None
+                ) -> list[tuple[int, torch.Tensor, dict]]:
+    """Batches of ``(example indices, tokenised inputs)`` as ``(group, indices, inputs)`` pieces of at most
+    ``rows(inputs)`` rows each (the backward pass's memory budget, :mod:`headsweep.workers.backward_memory`;
+    None: whole batches), ``group`` the batch's position."""
+    out = []
+    for group, (idx, inputs) in enumerate(batches):
+        size = max(1, len(idx) if rows is None else rows(inputs))
+        for start in range(0, len(idx), size):
+            piece = slice(start, start + size)
+            out.append((group, idx[piece], {k: v[piece] for k, v in inputs.items()}))
+    return out
+
+
+def classifier_loss_batches(model: nn.Module, gates: HeadGates, pieces: Sequence[tuple[int, torch.Tensor, dict]],
+                            labels: torch.Tensor, dtype: torch.dtype, recompute: bool = False) -> LossBatches:
+    """``(group, example indices, tokenised inputs)`` pieces (:func:`cut_batches`) as summed cross-entropy against
+    ``labels``.
 
     Every site sees the batch's tokens as its inputs' ``attention_mask`` marks them (all tokens
-    without one); the logits are cast to ``dtype`` before the loss.
+    without one); the logits are cast to ``dtype`` before the loss. ``recompute``: the loss batches allow
+    checkpointing the model's layers.
     """
-    return LossBatches([_batch(model, gates, idx, inputs, labels, dtype) for idx, inputs in batches], LOSS_NAME)
+    return LossBatches([_batch(model, gates, idx, inputs, labels, dtype, group, recompute)
+                        for group, idx, inputs in pieces], LOSS_NAME)
 
 
 def _batch(model: nn.Module, gates: HeadGates, idx: torch.Tensor, inputs: dict, labels: torch.Tensor,
-           dtype: torch.dtype) -> LossBatch:
+           dtype: torch.dtype, group: int, recompute: bool) -> LossBatch:
     ids = inputs.get("input_ids")
     real = inputs.get("attention_mask")
     if real is None:
@@ -41,4 +58,4 @@ def _batch(model: nn.Module, gates: HeadGates, idx: torch.Tensor, inputs: dict, 
         logits = model(**inputs).logits
         return logits, torch.ones(logits.shape[:-1], dtype=torch.bool, device=logits.device)
 
-    return LossBatch({site.key: real for site in gates.sites}, int(idx.numel()), loss, outputs)
+    return LossBatch({site.key: real for site in gates.sites}, int(idx.numel()), loss, outputs, group, recompute)
