@@ -382,3 +382,30 @@ def test_gradient_importance_on_held_out_data(case, built, plain):
     for shape in plain.adapter.gates.inventory.layers:  # normalised: each layer's scores have unit length
         layer = np.array([result.scores[h] for h in shape.heads()])
         assert np.linalg.norm(layer) == pytest.approx(1.0)  # other: float64 division by the layer's norm
+
+
+@pytest.mark.parametrize("per_token", [True, False], ids=["per_token", "batch_level"])
+def test_importance_within_a_backward_budget_equals_whole_batches(case, built, per_token):
+    """Gradient importance with its loss batches cut to one row each and the blocks checkpointed (the backward
+    pass's memory budget, headsweep.workers.backward_memory) scores every head as plain autograd over whole batches
+    does. Batch-level importance takes a whole batch's gradient sum: the pieces of a batch are summed first."""
+    whole = load_adapter(case, built, data=built.heldout)
+    if not hasattr(whole, "backward_budget"):
+        pytest.skip(f"{case.id}: the family keeps whole loss batches (sized by sweep.max_tokens, no backward budget)")
+    whole.backward_budget = 1 << 60
+    want = gradient_importance(whole, per_token=per_token, checkpoint=False)
+    magnitude = want if per_token else gradient_importance(whole, per_token=True, checkpoint=False)
+    cut = load_adapter(case, built, data=built.heldout)
+    cut.backward_budget = 1
+    batches = cut.loss_batches(None, torch.float32).batches
+    assert len(batches) == sum(b.n_examples for b in batches)  # one row each
+    assert len({b.group for b in batches}) == len(whole.loss_batches(None, torch.float32).batches) < len(batches)
+    assert all(b.recompute for b in batches)
+    got = gradient_importance(cut, per_token=per_token)
+    assert got.tokens == want.tokens and got.n_examples == want.n_examples
+    # float32 gradients of the same tokens through products of other row counts, summed in float64: an error of
+    # 1e-5 of each token's gradient at most, so of the sum of their absolute values (where signs cancel, batch-level
+    # scores are much smaller than that sum)
+    for head, value in want.raw.items():
+        assert abs(got.raw[head] - value) <= 1e-5 * magnitude.raw[head] + 1e-12, head
+    assert got.loss == pytest.approx(want.loss, rel=1e-5)
