@@ -2,20 +2,22 @@
 
 Gradient importance differentiates a loss batch's training loss at the gates. By default autograd keeps, until the
 backward pass, every layer's activations of the whole batch and, for a language model, the logits over the
-vocabulary: it grows with layers x rows x positions x width. On Qwen2.5-0.5B's shape (24 layers, vocabulary
-151,936), one loss batch of 4 windows of 256 tokens took 5.0 GiB above the weights (peak RSS 6.9 GiB, weights
-1.84 GiB), against the 1 GiB activation budget of a forward pass (``batch_budget.CPU_ACTIVATION_BYTES``). Two
-things bring it within that budget:
+vocabulary: it grows with layers x rows x positions x width. Two things hold it to the activation budget of a
+forward pass (``batch_budget.CPU_ACTIVATION_BYTES``, 1 GiB on a CPU):
 
 * **layer checkpointing** (:func:`checkpointed`): while the loss runs, each transformer block keeps only its input;
   the backward pass recomputes one block's activations at a time (``torch.utils.checkpoint``, non-reentrant, so
   the gates, leaves set before the loss, get their gradients through the recomputed block, and the gate hooks run
-  again with the same gates). It costs one more forward pass of the blocks, about a third more work. The same
-  batch, 1 window: 1.5 GiB above the weights without, 1.1 GiB with (most of it the logits); 4 windows: 3.3 GiB.
+  again with the same gates). It costs one more forward pass of the blocks.
 * **loss batches sized to the budget** (:func:`backward_rows`): an adapter cuts each evaluation batch into pieces of
   as many rows as fit, each piece a ``LossBatch`` of the same ``group``, so batch-level importance (the absolute
   value of a whole batch's summed gradient) does not depend on the budget, and per-token importance is a sum over
   tokens that never depended on batching.
+
+Measured on Qwen2.5-0.5B's shape (24 layers, vocabulary 151,936, float32 weights 1.84 GiB; importance over 8
+windows of 256 tokens in batches of 4, two threads): the process peaked at 6,602 MiB with whole batches and no
+checkpointing, and at 3,018 MiB with both (pieces of one window), in 39.1 s against 43.5 s, every score
+bit-identical.
 
 An adapter marks loss batches safe to recompute (``LossBatch.recompute``). A batch under a per-example fill
 (resample ablation, activation patching) is not: the donors' fill is set while the loss runs and gone when the

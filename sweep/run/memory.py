@@ -17,11 +17,12 @@ What it is not counted to need, and why:
 
 * reuse states (``sweep.reuse``): each worker caps them at a quarter of the memory free when it loads (at most
   4 GiB on a CPU) and recomputes, once per call, the states that do not fit: they shrink to what is there.
-* gradient importance (and ``lrp``): it differentiates the gates only (the parameters' ``requires_grad`` is off,
-  so no weight gradients exist); its backward pass keeps one loss batch's activations of every layer, which grows
-  with ``sweep.batch_size`` and depth and is not budgeted by the workers either. On GPT-2 small
-  (bench/real_size.py, batches of 8 windows of 256 tokens) the worker that computed it peaked at 5.0 GiB, the
-  others at 2.4-2.7 GiB.
+* gradient importance: its backward pass is held to the same activation budget, not counted beside it (a worker
+  runs one or the other). The transformers families cut its loss batches to the budget and checkpoint the blocks,
+  so the backward pass keeps each layer's input and one block's activations (headsweep.workers.backward_memory);
+  on Qwen2.5-0.5B's shape its peak went from 6.6 to 3.0 GiB (weights 1.84 GiB). Not so held: fairseq translation
+  (loss batches sized by ``sweep.max_tokens``), relevance propagation (``lrp``) and importance under a per-example
+  fill (resample ablation, activation patching), which keep every layer of a loss batch.
 * the worker process itself: Ray, torch and transformers imported take about 0.3 GiB (VmRSS measured with torch
   2.13 and transformers 5.23), small beside the weights of the models this check is for.
 

@@ -1,8 +1,9 @@
 """What gradient importance keeps for its backward pass (headsweep.workers.backward_memory).
 
 - With the blocks checkpointed, what autograd keeps grows with the number of layers by each layer's input alone
-  (a 2- and a 6-layer model of one width differ by four layer inputs); without, by every layer's activations. The bytes are counted by
-  a ``saved_tensors_hooks`` pair of the test's own around the loss (each storage once, parameters left out).
+  (a 2- and a 6-layer model of one width differ by four layer inputs); without, by every layer's activations. The
+  bytes are counted by a ``saved_tensors_hooks`` pair of the test's own around the loss (each storage once,
+  parameters left out).
 - Loss batches are cut to the budget: a budget of k rows' estimate gives pieces of k windows, a batch's pieces
   share its group, and a run under resample ablation does not recompute (its fill is set for the forward pass only).
 """
