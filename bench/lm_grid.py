@@ -20,8 +20,10 @@ single-head masks plus the baseline, in one process (no Ray: start-up is not cou
   ``hook_z`` (the input of the output projection), the perplexity computed from the returned logits
   exactly as headsweep scores windows.
 
-Prints ``RESULT lm_grid ratio=<plain_s/reuse_s> max_abs_ppl_diff=<x> max_rel_ppl_diff=<y>`` once both
-headsweep routes are measured and, when TransformerLens runs, then
+Prints ``RESULT lm_grid ratio=<plain_s/reuse_s> max_abs_ppl_diff=<x> max_rel_ppl_diff=<y> ... plain_mfu=<x>
+reuse_mfu=<x>`` once both headsweep routes are measured (``*_mfu``: the grid's FLOP/s, counted from the
+configuration as bench/real_size.py counts, over the float32 ``torch.mm`` rate on the same threads; CPU only)
+and, when TransformerLens runs, then
 ``RESULT lm_grid_vs_transformerlens ratio=<tl_s/reuse_s> max_abs_ppl_diff=<x>``.
 
 Usage: python bench/lm_grid.py [--train-steps N] [--windows N] [--threads T] [sweep.device=cuda]
@@ -240,6 +242,24 @@ def overrides(values: list[str], args) -> None:
         setattr(args, known[key], int(value) if numeric else value)
 
 
+def machine_fraction(adapter, masks: list, seconds: dict[str, float], args) -> dict[str, str]:
+    """Each route's FLOP/s over its whole grid as a fraction of the machine's float32 matrix-product rate on the
+    route's threads, counted as bench/real_size.py counts (``Arch``: projections, feed-forward, attention scores
+    and the LM head at every position of every window; reuse: one baseline pass, then each mask from its layer on)."""
+    from real_size import Arch, matmul_rate
+
+    arch = Arch.of(adapter.model.config)
+    batches = [(len(idx), SHAPE["window"], SHAPE["window"]) for idx in adapter.batches]
+    flops = {"plain": len(masks) * arch.mask(batches, None),
+             "reuse": arch.mask(batches, None) + sum(arch.mask(batches, m[0].layer) for m in masks if m)}
+    rate = matmul_rate(args.threads)
+    out = {name: f"{flops[name] / seconds[name] / rate:.3f}" for name in flops}
+    print(f"FLOP/s over the grid against torch.mm 2048 x 2048 on {args.threads} thread(s) ({rate / 1e9:.1f} GFLOP/s): "
+          f"plain {flops['plain'] / seconds['plain'] / 1e9:.1f} GFLOP/s ({out['plain']}), reuse "
+          f"{flops['reuse'] / seconds['reuse'] / 1e9:.1f} GFLOP/s ({out['reuse']})", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="sweep.device=cuda, model.dtype=bfloat16, ...")
@@ -294,10 +314,11 @@ def main() -> None:
           f"(perplexity {scores['plain'][worst]:.4f})", flush=True)
     diffs = [abs(a - b) for a, b in zip(scores["plain"], scores["reuse"], strict=True)]
     rel = [d / a for d, a in zip(diffs, scores["plain"], strict=True)]
+    mfu = machine_fraction(adapter, masks, seconds, args) if not cuda else {"plain": "n/a", "reuse": "n/a"}
     common.result("lm_grid", ratio=f"{seconds['plain'] / seconds['reuse']:.2f}", max_abs_ppl_diff=f"{max(diffs):.3g}",
                   max_rel_ppl_diff=f"{max(rel):.3g}", plain_s=f"{seconds['plain']:.1f}",
                   reuse_s=f"{seconds['reuse']:.1f}", plain_peak_mib=f"{memory['plain'] / (1 << 20):.0f}",
-                  reuse_peak_mib=f"{memory['reuse'] / (1 << 20):.0f}")
+                  reuse_peak_mib=f"{memory['reuse'] / (1 << 20):.0f}", plain_mfu=mfu["plain"], reuse_mfu=mfu["reuse"])
     if args.skip_transformerlens:
         print("TransformerLens: skipped (--skip-transformerlens)")
     else:

@@ -39,7 +39,7 @@ from headsweep.workers.families.hf_causal_lm.model import (
 )
 from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoiceAdapter
 from headsweep.workers.families.hf_causal_lm.paired import PairedAdapter
-from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
+from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout, reused_grid
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
 from headsweep.workers.families.transformers.loading import max_positions, resolve_positions
 from headsweep.workers.families.transformers.reuse import PrefixReuseSwitch
@@ -49,7 +49,6 @@ from headsweep.workers.gates import HeadGates
 from headsweep.workers.heads import Head
 from headsweep.workers.hub_cache import model_label
 from headsweep.workers.metrics import PERPLEXITY
-from headsweep.workers.replay import by_first_gated_layer
 
 LOSS_NAME = "token cross-entropy"
 
@@ -185,28 +184,13 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
 
     def _nll_reused(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
         """Masks grouped by first gated layer; each group starts there from the batch's baseline states, the empty
-        mask is the baseline itself."""
+        mask is the baseline itself (:func:`~.reuse.reused_grid`)."""
         out = np.empty((len(masks), len(self.windows)), dtype=np.float64)
-        groups = by_first_gated_layer(masks, self.gates.inventory)
-        for key, idx in enumerate(self.batches):
-            inputs, scored = self._batch(idx)
-            rows = inputs.shape[0]
-            states = self._reuse.states(key, inputs, scored)
-            if not self._reuse.verified:
-                # Once per adapter, on the deepest layer (the most replayed): before describe() reports reuse.
-                site = self.gates.sites[-1]
-                self._reuse.verify(inputs, scored, states, [Head(site.attention, site.layer, 0)])
-            per = self.masks_per_forward(rows)
-            with self.donors.batch(idx, self.run_donors, needed=any(layer is not None for layer in groups)):
-                for layer, members in groups.items():
-                    for first in range(0, len(members), per):
-                        chunk = members[first : first + per]
-                        if layer is None:
-                            token_nll = states.token_nll.repeat(len(chunk), 1)
-                        else:
-                            token_nll = self._reuse.run(inputs, scored, states, layer, [masks[i] for i in chunk])
-                        sums = (token_nll.double() * scored.repeat(len(chunk), 1)).sum(dim=1)
-                        out[np.ix_(chunk, idx.numpy())] = sums.view(len(chunk), rows).cpu().numpy()
+        grid = reused_grid(self._reuse, self.gates, self.batches, self.donors, self.run_donors, masks, self._batch,
+                           lambda inputs: self.masks_per_forward(inputs.shape[0]))
+        for chunk, idx, scored, token_nll in grid:
+            sums = (token_nll.double() * scored.repeat(len(chunk), 1)).sum(dim=1)
+            out[np.ix_(chunk, idx.numpy())] = sums.view(len(chunk), len(idx)).cpu().numpy()
         return out
 
     def _nll_plain(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:

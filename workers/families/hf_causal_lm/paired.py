@@ -42,7 +42,7 @@ from headsweep.workers.families.hf_causal_lm.model import (
     target_nll,
 )
 from headsweep.workers.families.hf_causal_lm.pairs import encode_pairs
-from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
+from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout, reused_grid
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
 from headsweep.workers.families.transformers.loading import max_positions
 from headsweep.workers.families.transformers.reuse import PrefixReuseSwitch
@@ -52,7 +52,6 @@ from headsweep.workers.heads import Head
 from headsweep.workers.hub_cache import model_label
 from headsweep.workers.metrics import LOGIT_DIFF
 from headsweep.workers.paired_data import read_pairs
-from headsweep.workers.replay import by_first_gated_layer
 from headsweep.workers.workload import median_batch, take_rows
 
 LOSS_NAME = "cross-entropy of the answer token at the last position"
@@ -191,24 +190,11 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
 
     def _reused(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
         out = np.empty((len(masks), len(self.pairs), 2), dtype=np.float64)
-        groups = by_first_gated_layer(masks, self.gates.inventory)
-        for key, idx in enumerate(self.batches):
-            inputs, answers = self._inputs(self.prompts, idx), self.answers[idx.to(self.device)]
-            rows = inputs.shape[0]
-            states = self._reuse.states(key, inputs, answers)
-            if not self._reuse.verified:
-                site = self.gates.sites[-1]
-                self._reuse.verify(inputs, answers, states, [Head(site.attention, site.layer, 0)])
-            per = self.masks_per_forward(inputs)
-            with self.donors.batch(idx, self.run_donors, needed=any(layer is not None for layer in groups)):
-                for layer, members in groups.items():
-                    for first in range(0, len(members), per):
-                        chunk = members[first : first + per]
-                        if layer is None:
-                            values = states.token_nll.repeat(len(chunk), 1)
-                        else:
-                            values = self._reuse.run(inputs, answers, states, layer, [masks[i] for i in chunk])
-                        out[np.ix_(chunk, idx.numpy())] = values.double().view(len(chunk), rows, 2).cpu().numpy()
+        grid = reused_grid(self._reuse, self.gates, self.batches, self.donors, self.run_donors, masks,
+                           lambda idx: (self._inputs(self.prompts, idx), self.answers[idx.to(self.device)]),
+                           self.masks_per_forward)
+        for chunk, idx, _answers, values in grid:
+            out[np.ix_(chunk, idx.numpy())] = values.double().view(len(chunk), len(idx), 2).cpu().numpy()
         return out
 
     def _plain(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:

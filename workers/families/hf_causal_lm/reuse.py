@@ -23,12 +23,13 @@ anything else raises :class:`~headsweep.workers.replay.ReuseUnsupported` and the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from headsweep.workers.donors import Donors
 from headsweep.workers.families.transformers.layout import attention_layout
 from headsweep.workers.families.transformers.reuse import repeat_rows, start_at_layer
 from headsweep.workers.gates import AttentionSite, HeadGates
@@ -36,6 +37,7 @@ from headsweep.workers.heads import Head
 from headsweep.workers.replay import (
     RecordedBaselines,
     ReuseUnsupported,
+    by_first_gated_layer,
     first_gated_layer,
     gated_projection,
     layer_stack,
@@ -225,3 +227,36 @@ class PrefixReuse(RecordedBaselines[BaselineStates]):
                                    "reproduce the whole model's result exactly")
         self.verified = True
 
+
+
+def reused_grid(reuse: PrefixReuse, gates: HeadGates, batches: Sequence[torch.Tensor], donors: Donors,
+                run_donors: Callable, masks: Sequence[Sequence[Head]],
+                batch_inputs: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                masks_per_forward: Callable[[torch.Tensor], int],
+                ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every mask over every batch on the reuse path, in chunks: ``(mask positions, the batch's example indices, what
+    the batch scores, the chunk's per-row values)``, the rows the batch repeated once per mask of the chunk.
+
+    What the perplexity and the paired adapters share: masks grouped by first gated layer, each group started there
+    from the batch's baseline states (``reuse.states``; the empty mask is the baseline itself), verified once per
+    adapter on its deepest layer (the most replayed) before ``describe()`` reports reuse, under the batch's
+    per-example fill where the run has one. ``batch_inputs(idx)``: the batch's input ids and what it scores (the
+    recorded states' second key); ``masks_per_forward(inputs)``: masks per pass. The adapters reduce the values
+    their own way."""
+    groups = by_first_gated_layer(masks, gates.inventory)
+    for key, idx in enumerate(batches):
+        inputs, scored = batch_inputs(idx)
+        states = reuse.states(key, inputs, scored)
+        if not reuse.verified:
+            site = gates.sites[-1]
+            reuse.verify(inputs, scored, states, [Head(site.attention, site.layer, 0)])
+        per = masks_per_forward(inputs)
+        with donors.batch(idx, run_donors, needed=any(layer is not None for layer in groups)):
+            for layer, members in groups.items():
+                for first in range(0, len(members), per):
+                    chunk = members[first : first + per]
+                    if layer is None:
+                        values = states.token_nll.repeat(len(chunk), 1)
+                    else:
+                        values = reuse.run(inputs, scored, states, layer, [masks[i] for i in chunk])
+                    yield chunk, idx, scored, values
