@@ -161,6 +161,19 @@ class HeadGates:
         for key, table in self.gate_tables(masks, device).items():
             self._gates[key] = table.repeat_interleave(rows_per_mask, dim=0)
 
+    @contextmanager
+    def packed(self, masks: Sequence[Iterable[Head]], rows_per_mask: int) -> Iterator[None]:
+        """While active, ``masks`` gate one forward pass: the one mask for the whole batch, or one per block of
+        ``rows_per_mask`` rows (the batch repeated once per mask, mask-major); no gates once it ends."""
+        if len(masks) == 1:
+            self.set_mask(masks[0])
+        else:
+            self.set_masks_per_example(masks, rows_per_mask=rows_per_mask)
+        try:
+            yield
+        finally:
+            self.clear()
+
     def gate_tables(self, masks: Sequence[Iterable[Head]], device: torch.device | str | None = None
                     ) -> dict[SiteKey, torch.Tensor]:
         """For every site some mask touches: one gate row per mask, shape ``(len(masks), H)``."""

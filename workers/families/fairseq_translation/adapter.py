@@ -373,19 +373,15 @@ class TranslationAdapter:
             with self.donors.batch(sample["id"], self.run_donors, needed=any(masks)):
                 for first in range(0, len(masks), per):
                     chunk = list(masks[first : first + per])
-                    try:
-                        if self._reuse is not None:
+                    if self._reuse is not None:
+                        try:
                             nll = self._token_nll_reused(key, sample, chunk)
-                        else:
-                            if len(chunk) == 1:
-                                self.gates.set_mask(chunk[0])
-                                stacked = sample
-                            else:
-                                self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
-                                stacked = repeat_sample(sample, len(chunk))
+                        finally:
+                            self.gates.clear()
+                    else:
+                        stacked = sample if len(chunk) == 1 else repeat_sample(sample, len(chunk))
+                        with self.gates.packed(chunk, rows):
                             nll = self._token_nll(stacked)
-                    finally:
-                        self.gates.clear()
                     for m in range(len(chunk)):
                         out[first + m][ids] = nll[m * rows : (m + 1) * rows]
         return out

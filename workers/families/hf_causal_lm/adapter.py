@@ -203,16 +203,11 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
             with self.donors.batch(idx, self.run_donors, needed=any(masks)):
                 for first in range(0, len(masks), per):
                     chunk = masks[first : first + per]
-                    if len(chunk) == 1:
-                        self.gates.set_mask(chunk[0])
-                        stacked, stacked_scored = inputs, scored
-                    else:
-                        self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
+                    stacked, stacked_scored = inputs, scored
+                    if len(chunk) > 1:
                         stacked, stacked_scored = inputs.repeat(len(chunk), 1), scored.repeat(len(chunk), 1)
-                    try:
+                    with self.gates.packed(chunk, rows):
                         token_nll = self.token_nll(stacked, stacked_scored)
-                    finally:
-                        self.gates.clear()
                     sums = (token_nll.double() * stacked_scored).sum(dim=1)
                     out[first : first + len(chunk), idx.numpy()] = sums.view(len(chunk), rows).cpu().numpy()
         return out

@@ -246,15 +246,9 @@ class MultipleChoiceAdapter(BaselineOnce):
             per = self.masks_per_forward(batch)
             for first in range(0, len(masks), per):
                 chunk = masks[first : first + per]
-                if len(chunk) == 1:
-                    self.gates.set_mask(chunk[0])
-                else:
-                    self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
                 stacked = batch.repeat(len(chunk))
-                try:
+                with self.gates.packed(chunk, rows):
                     nll = self.continuation_nll(stacked)
-                finally:
-                    self.gates.clear()
                 sums = -(nll.double() * stacked.scored).sum(dim=1)
                 out[first : first + len(chunk), batch.rows.numpy()] = sums.view(len(chunk), rows).cpu().numpy()
         return out

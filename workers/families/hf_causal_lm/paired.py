@@ -206,14 +206,8 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
             with self.donors.batch(idx, self.run_donors, needed=any(masks)):
                 for first in range(0, len(masks), per):
                     chunk = masks[first : first + per]
-                    if len(chunk) == 1:
-                        self.gates.set_mask(chunk[0])
-                    else:
-                        self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
-                    try:
+                    with self.gates.packed(chunk, rows):
                         values = self.pair_values(inputs.repeat(len(chunk), 1), answers.repeat(len(chunk), 1))
-                    finally:
-                        self.gates.clear()
                     out[first : first + len(chunk), idx.numpy()] = values.double().view(len(chunk), rows, 2
                                                                                        ).cpu().numpy()
         return out

@@ -291,16 +291,10 @@ class ClassifierAdapter(PrefixReuseSwitch):
             with self.donors.batch(idx, self.run_donors, needed=any(masks)):
                 for first in range(0, len(masks), per):
                     chunk = masks[first : first + per]
-                    if len(chunk) == 1:
-                        self.gates.set_mask(chunk[0])
-                        stacked = inputs
-                    else:
-                        self.gates.set_masks_per_example(chunk, rows_per_mask=rows)
-                        stacked = {k: v.repeat(len(chunk), *([1] * (v.dim() - 1))) for k, v in inputs.items()}
-                    try:
+                    stacked = inputs if len(chunk) == 1 else {
+                        k: v.repeat(len(chunk), *([1] * (v.dim() - 1))) for k, v in inputs.items()}
+                    with self.gates.packed(chunk, rows):
                         logits = self.model(**stacked).logits.float()
-                    finally:
-                        self.gates.clear()
                     out[first : first + len(chunk), idx.to(self.device)] = logits.view(len(chunk), rows, -1)
         return out
 
