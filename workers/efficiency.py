@@ -31,7 +31,7 @@ from torch import nn
 from headsweep.errors import HeadsweepError
 from headsweep.workers.family import EvalAdapter, ModelFamily, Workload
 from headsweep.workers.heads import Head
-from headsweep.workers.pruning import count_parameters, prune_heads, ungated_copy
+from headsweep.workers.pruning import as_stock, count_parameters, prune_heads, ungated_copy
 from headsweep.workers.registry import model_family
 
 MB = 2**20
@@ -167,26 +167,29 @@ def _iqr(values: np.ndarray) -> float:
     return float(q3 - q1)
 
 
+@contextlib.contextmanager
 def full_and_pruned(model: nn.Module, gates, mask: Sequence[Head],
-                    family: ModelFamily | None = None) -> dict[str, nn.Module]:
-    """The stock model and a copy with ``mask``'s heads removed (the gated original is left as it was).
+                    family: ModelFamily | None = None) -> Iterator[dict[str, nn.Module]]:
+    """While active: the stock model (``model`` itself, its gates off: :func:`~headsweep.workers.pruning.as_stock`)
+    and a copy with ``mask``'s heads removed; the gated original is as it was once it ends.
 
-    ``family`` prunes the copy (default: the built-in family the model belongs to).
+    One copy of the weights beside the model, not two (the pruned one, which a copy of the whole model becomes
+    while its heads are cut). ``family`` prunes the copy (default: the built-in family the model belongs to).
     """
-    full = ungated_copy(model, gates)
     pruned = ungated_copy(model, gates)
     prune_heads(pruned, mask, family)
-    return {"full": full, "pruned": pruned}
+    with as_stock(model, gates) as full:
+        yield {"full": full, "pruned": pruned}
 
 
 def measure_task(adapter: EvalAdapter, mask: Sequence[Head], batch_sizes: Sequence[int], warmup: int, repeats: int,
                  max_length: int = 128, family: ModelFamily | None = None) -> list[dict]:
     """The efficiency rows of an adapter's model for one mask (see :func:`summary`), plus the device."""
-    models = full_and_pruned(adapter.model, adapter.gates, mask, family)
     total = len(adapter.gates.inventory.heads)
     heads = {"full": total, "pruned": total - len(set(mask))}
-    timings = measure(models, heads, lambda b: adapter_workload(adapter, b, max_length), batch_sizes, warmup,
-                      repeats, adapter.device)
+    with full_and_pruned(adapter.model, adapter.gates, mask, family) as models:
+        timings = measure(models, heads, lambda b: adapter_workload(adapter, b, max_length), batch_sizes, warmup,
+                          repeats, adapter.device)
     if adapter.device.type == "cuda":
         device = f"cuda ({torch.cuda.get_device_name(adapter.device)})"
     else:

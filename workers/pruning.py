@@ -15,8 +15,9 @@ asks the built-in families which one it is (:func:`headsweep.workers.registry.fa
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from torch import nn
 
@@ -42,6 +43,41 @@ def prune_heads(model: nn.Module, heads: Iterable[Head], family: ModelFamily | N
 def count_parameters(model: nn.Module) -> int:
     """Number of parameter elements (shared parameters counted once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+# A module's own settings (flags, sizes, names), as restore_stock may change them.
+PLAIN_SETTINGS = (bool, int, float, str)
+
+
+@contextlib.contextmanager
+def as_stock(model: nn.Module, gates: HeadGates) -> Iterator[nn.Module]:
+    """The gated ``model`` itself, run as the stock library runs it while active: its gate hooks off and what
+    gating changed besides them undone (:meth:`HeadGates.restore_stock`); hooks and settings put back after.
+
+    What :func:`ungated_copy` gives without a second copy of the weights (the efficiency experiment's full model:
+    on Llama-3.2-1B's shape each copy is 4.6 GiB)."""
+    saved = []
+    for site in gates.sites:
+        proj, module = site.out_proj, site.module
+        hooks = (proj._forward_pre_hooks, proj._forward_pre_hooks_with_kwargs)
+        settings = {k: v for k, v in vars(module).items() if isinstance(v, (*PLAIN_SETTINGS, type(None)))}
+        saved.append((hooks, [dict(h) for h in hooks], module, settings))
+        for handle in site.hook_handles:
+            for h in hooks:
+                h.pop(handle.id, None)
+        gates.restore_stock(site, module)
+    try:
+        yield model
+    finally:
+        for hooks, before, module, settings in saved:
+            for h, items in zip(hooks, before, strict=True):
+                h.clear()
+                h.update(items)
+            for key, value in settings.items():
+                setattr(module, key, value)
+            added = [k for k, v in vars(module).items() if k not in settings and isinstance(v, PLAIN_SETTINGS)]
+            for key in added:  # a setting restore_stock added
+                delattr(module, key)
 
 
 def ungated_copy(model: nn.Module, gates: HeadGates) -> nn.Module:

@@ -13,6 +13,9 @@ What one worker is counted to need (``Need``):
   fills a pass with masks up to it. On a GPU the packing and reuse budgets are fractions of the GPU memory left
   free once the model is loaded, so they fit by construction; the GPU is checked for the weights alone.
 
+* once, where the run has the ``efficiency`` experiment, one more copy of the weights: the worker that times it
+  holds the pruned model beside its own (the full model is its own, gates off: ``workers.pruning.as_stock``).
+
 What it is not counted to need, and why:
 
 * reuse states (``sweep.reuse``): each worker caps them at a quarter of the memory free when it loads (at most
@@ -63,10 +66,21 @@ class Need:
     weights: int
     activations: int
     bfloat16: int | None = None
+    pruned_copy: bool = False  # the efficiency experiment: one worker holds one more copy of the weights
 
     @property
     def per_worker(self) -> int:
         return self.weights + self.activations
+
+    def total(self, workers: int, weights: int | None = None) -> int:
+        """What ``workers`` workers need in all (with ``weights`` in place of the run's, e.g. bfloat16's)."""
+        w = self.weights if weights is None else weights
+        return workers * (w + self.activations) + (w if self.pruned_copy else 0)
+
+    def fit(self, have: int, weights: int | None = None) -> int:
+        """How many workers fit in ``have`` bytes."""
+        w = self.weights if weights is None else weights
+        return max(0, (have - (w if self.pruned_copy else 0)) // (w + self.activations))
 
 
 def check_memory(cfg: Config, models: Sequence[Any], address: str | None) -> None:
@@ -83,7 +97,8 @@ def check_memory(cfg: Config, models: Sequence[Any], address: str | None) -> Non
     half = None
     if getattr(model, "dtype", None) in WIDE_DTYPES:
         half = family.weight_bytes(dataclasses.replace(model, dtype="bfloat16"))
-    check_host(cfg, Need(weights, CPU_ACTIVATION_BYTES if device == "cpu" else 0, half), model)
+    efficiency = "efficiency" in cfg.sweep.experiments
+    check_host(cfg, Need(weights, CPU_ACTIVATION_BYTES if device == "cpu" else 0, half, efficiency), model)
     if device == "cuda":
         check_gpus(cfg, weights, model, gpu_free_bytes())
 
@@ -94,7 +109,7 @@ def check_host(cfg: Config, need: Need, model: Any) -> None:
     available = host_available()
     limit = None if s.memory_limit_gib is None else int(s.memory_limit_gib * GIB)
     known = [x for x in (available, limit) if x is not None]
-    if not known or s.workers * need.per_worker <= min(known):
+    if not known or need.total(s.workers) <= min(known):
         return
     have = min(known)
     source = "MemAvailable"
@@ -103,9 +118,10 @@ def check_host(cfg: Config, need: Need, model: Any) -> None:
     parts = "the weights"
     if need.activations:
         parts += f" and the {gib(need.activations)} activation budget of a forward pass"
+    copy = " with the efficiency experiment's pruned copy of the weights" if need.pruned_copy else ""
     raise HeadsweepError(
         f"{workers(s.workers)} cannot hold this model: its weights take {gib(need.weights)}{dtype_note(model)}, each "
-        f"worker needs about {gib(need.per_worker)} ({parts}), {gib(s.workers * need.per_worker)} in all, and "
+        f"worker needs about {gib(need.per_worker)} ({parts}), {gib(need.total(s.workers))} in all{copy}, and "
         f"{gib(have)} is available ({source}): {remedies(need, s.workers, have, limited=limit is not None)}"
     )
 
@@ -114,11 +130,11 @@ def remedies(need: Need, asked: int, have: int, limited: bool) -> str:
     """What to change so that the workers fit in ``have`` bytes: fewer workers (as many as fit), bfloat16 weights
     (where more workers fit so), more memory (``limited``: a larger ``sweep.memory_limit_gib``)."""
     options = []
-    fit = have // need.per_worker
+    fit = need.fit(have)
     if 1 <= fit < asked:
         options.append(f"sweep.workers={fit}")
     if need.bfloat16 is not None:
-        fit_half = min(asked, have // (need.bfloat16 + need.activations))
+        fit_half = min(asked, need.fit(have, need.bfloat16))
         if fit_half > fit:
             fewer = f" with sweep.workers={fit_half}" if fit_half < asked else ""
             options.append(f"model.dtype: bfloat16{fewer} (weights {gib(need.bfloat16)})")

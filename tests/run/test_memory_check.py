@@ -128,6 +128,27 @@ def test_the_check_passes_what_fits_and_skips_clusters(tiny_lm, tmp_path):
     check_memory(tight, models, "127.0.0.1:6379")
 
 
+def test_the_efficiency_experiment_counts_one_pruned_copy_of_the_weights(tiny_lm, tmp_path):
+    """With ``efficiency`` in the run, one worker holds the pruned model beside its own: a share that holds two
+    workers and half a copy more passes without it and is refused with it, the line saying why."""
+    model_dir, corpus, params = tiny_lm
+    config = load_config(write_config(tmp_path / "sweep.yaml", str(model_dir), corpus, workers=2))
+    weights = model_family("hf_causal_lm").weight_bytes(config.model)
+    assert weights == 4 * params
+    limit = (2 * (weights + GIB) + weights // 2) / GIB
+
+    def with_experiments(experiments: list[str]):
+        return dataclasses.replace(config, sweep=dataclasses.replace(config.sweep, memory_limit_gib=limit,
+                                                                     experiments=experiments))
+
+    check_memory(with_experiments(["baseline", "single_head"]), [config.model], None)
+    with pytest.raises(HeadsweepError, match="in all with the efficiency experiment's pruned copy of the weights"):
+        check_memory(with_experiments(["baseline", "efficiency"]), [config.model], None)
+    need = Need(weights=4 * GIB, activations=GIB, pruned_copy=True)
+    assert need.total(2) == 14 * GIB and need.fit(14 * GIB) == 2 and need.fit(13 * GIB) == 1
+    assert remedies(need, 2, 13 * GIB, limited=False) == "use sweep.workers=1, or a machine with more memory"
+
+
 def test_remedies_name_what_makes_the_workers_fit():
     """Fewer workers where some fit, bfloat16 where it fits more of them, more memory always."""
     need = Need(weights=4 * GIB, activations=GIB, bfloat16=2 * GIB)

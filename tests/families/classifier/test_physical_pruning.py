@@ -41,7 +41,7 @@ from headsweep.workers.gates import HeadGates
 from headsweep.workers.head_slicing import plan_slice
 from headsweep.workers.heads import Head
 from headsweep.workers.importance import gradient_importance
-from headsweep.workers.pruning import count_parameters, prune_heads, ungated_copy
+from headsweep.workers.pruning import as_stock, count_parameters, prune_heads, ungated_copy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -325,3 +325,25 @@ def test_exported_fairseq_checkpoint_reloads_with_headsweeps_loader(tiny, transl
         assert a.tokens.tolist() == b.tokens.tolist()
         assert_routes_agree(b.score, a.score, **BOUND_SHAPE, what="score")
     assert_routes_agree(reloaded.reference_loss([()])[0], task.reference_loss([mask])[0], **BOUND_SHAPE, what="loss")
+
+
+def test_the_stock_model_is_the_gated_model_with_its_gates_off_and_back_after(tiny, translation):
+    """The efficiency experiment's full model (workers.pruning.as_stock) computes what a freshly loaded fairseq
+    model computes, fused attention path included, whatever gates are set; once it ends, gates act again and
+    every module setting is as before (no second copy of the weights is made)."""
+    task, levels = translation
+    mask = dict(levels)[0.5]
+    sample = task.batches[0]
+    fresh, _ = fairseq_load(tiny.checkpoint, tiny.data.data_bin)
+    settings = [dict(vars(s.module)) for s in task.gates.sites]
+    with torch.no_grad():
+        stock = fresh(**sample["net_input"])[0]
+        with task.gates.masked(mask):
+            gated = task.model(**sample["net_input"])[0]
+            with as_stock(task.model, task.gates) as full:
+                assert full is task.model
+                inside = full(**sample["net_input"])[0]
+            after = task.model(**sample["net_input"])[0]
+    assert torch.equal(inside, stock)  # same weights, same (fused) path: bit for bit
+    assert torch.equal(after, gated) and not torch.allclose(gated, stock)
+    assert [dict(vars(s.module)) for s in task.gates.sites] == settings
