@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from headsweep.workers.family import DatasetInfo, EvalAdapter, MaskOutput, RuntimeOptions
+from headsweep.workers.model_sharing import offered
 from headsweep.workers.registry import model_family
 from headsweep.workers.worker_fill import WorkerFill
 
@@ -80,7 +81,10 @@ class EvalWorker:
             return self._adapter
         key = repr(data_cfg)
         if key not in self._other:
-            self._other = {key: model_family(self.kind).load(self.model_cfg, data_cfg, self.runtime)}
+            self._other = {}  # the previous one's data freed before the next loads
+            # The model the worker holds serves the other data too (one copy of the weights per worker).
+            with offered(getattr(self.adapter(), "model", None)):
+                self._other = {key: model_family(self.kind).load(self.model_cfg, data_cfg, self.runtime)}
             self._fill.install(self, self._other[key], "other data")
         return self._other[key]
 

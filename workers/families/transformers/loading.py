@@ -23,6 +23,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.workers.families.transformers.architecture import check_architecture, check_loaded_weights
 from headsweep.workers.families.transformers.model_files import check_model_files, dtype_bytes, resolve_model_dir
 from headsweep.workers.families.transformers.pruning import PRUNED_HEADS_KEY, Pruner, load_pruned
+from headsweep.workers.model_sharing import offered_models
 
 # Model types whose position ids start after the padding index (RoBERTa's scheme): of
 # max_position_embeddings, pad_token_id + 1 are never used for tokens.
@@ -98,6 +99,9 @@ def load_folder(cfg: Any, device: str, family: str, auto_class: str, tokenizer: 
         # Written by `headsweep export`: stock from_pretrained refuses its smaller attention weights.
         model = load_pruned(model_dir, prune, cfg.attn_implementation, device, dtype)
         return LoadedTransformers(model, loaded_tokenizer)
+    for model in offered_models():  # the worker already holds this model (workers.model_sharing)
+        if same_model(model, model_dir, dtype, device, cfg.attn_implementation):
+            return LoadedTransformers(model, loaded_tokenizer)
     extra = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
     try:
         model, loading = getattr(transformers, auto_class).from_pretrained(
@@ -109,6 +113,20 @@ def load_folder(cfg: Any, device: str, family: str, auto_class: str, tokenizer: 
         raise HeadsweepError(f"{cannot_load(model_dir)}: {first_line(exc)}") from None
     check_loaded_weights(model_dir, model, loading, family)
     return LoadedTransformers(model.to(device).eval(), loaded_tokenizer)
+
+
+def same_model(model: nn.Module, model_dir: Path, dtype: Any, device: str, attn_implementation: str | None) -> bool:
+    """Whether ``model`` is what :func:`load_folder` would load from ``model_dir``: the folder it came from, its dtype,
+    device and (where the config names one) attention implementation."""
+    config = getattr(model, "config", None)
+    if config is None or str(getattr(config, "_name_or_path", "")) != str(model_dir):
+        return False
+    param = next(model.parameters(), None)
+    want = torch.device(device)
+    if param is None or param.dtype != dtype or param.device.type != want.type or (
+            want.index is not None and param.device.index != want.index):
+        return False
+    return attn_implementation is None or getattr(config, "_attn_implementation", None) == attn_implementation
 
 
 def max_positions(config: Any) -> int | None:
