@@ -26,6 +26,8 @@ What it is not counted to need, and why:
   on Qwen2.5-0.5B's shape its peak went from 6.6 to 3.0 GiB (weights 1.84 GiB). Not so held: fairseq translation
   (loss batches sized by ``sweep.max_tokens``), relevance propagation (``lrp``) and importance under a per-example
   fill (resample ablation, activation patching), which keep every layer of a loss batch.
+* adapters on other data (``importance.data``, relevance, roles): they run the model the worker holds
+  (``workers.model_sharing``), so they add their data, not weights.
 * the worker process itself: Ray, torch and transformers imported take about 0.3 GiB (VmRSS measured with torch
   2.13 and transformers 5.23), small beside the weights of the models this check is for.
 
