@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from headsweep.workers.batch_budget import activation_budget
+from headsweep.workers.family import LossBatch
 from headsweep.workers.gates import AttentionSite
 
 
@@ -85,3 +86,15 @@ def backward_rows(bytes_per_row: int, device: torch.device, budget: int | None =
 def pieces(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
     """``rows`` (a batch's example indices) cut into consecutive pieces of at most ``size``."""
     return list(rows.split(max(1, size)))
+
+
+def by_group(batches: Sequence[LossBatch]) -> list[list[LossBatch]]:
+    """Loss batches gathered back into the evaluation batches they were cut from (consecutive pieces of one
+    ``group``; a batch without a group is its own): what a training step takes as one batch."""
+    groups: list[list[LossBatch]] = []
+    for batch in batches:
+        if groups and batch.group is not None and groups[-1][-1].group == batch.group:
+            groups[-1].append(batch)
+        else:
+            groups.append([batch])
+    return groups

@@ -152,6 +152,22 @@ def test_intermediate_lambda_closes_some_heads_and_orders_by_lambda(adapter_fact
     assert counts[0] == 0 and counts[-1] == 8 and counts == sorted(counts)
 
 
+def test_a_batch_cut_for_memory_is_still_one_step(adapter_factory):
+    """Loss batches cut into one-row pieces (the backward pass's memory budget) train as the whole batches do: one
+    step per evaluation batch, the pieces' gradients summed; the same trajectory up to summation order."""
+    whole = L0Trainer(adapter_factory(), *settings(0.2, steps=12))
+    cut_adapter = adapter_factory()
+    cut_adapter.backward_budget = 1
+    cut = L0Trainer(cut_adapter, *settings(0.2, steps=12))
+    assert len(cut.batches) == len(whole.batches) and sum(len(g) for g in cut.batches) > len(cut.batches)
+    history_whole, history_cut = whole.train(), cut.train()
+    for a, b in zip(history_whole, history_cut, strict=True):
+        assert b.task_loss == pytest.approx(a.task_loss, rel=1e-5)
+    for key in whole.log_alpha:
+        # float32 gradients of other row counts, summed: the trajectories agree to float32 rounding
+        torch.testing.assert_close(cut.log_alpha[key], whole.log_alpha[key], rtol=1e-4, atol=1e-5)
+
+
 def test_resumed_trainer_matches_an_uninterrupted_one(adapter_factory):
     whole = L0Trainer(adapter_factory(), *settings(0.2, steps=12, train="all", lr=0.05))
     whole.train()

@@ -35,6 +35,7 @@ import torch
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.experiments.l0.hard_concrete import HardConcrete
+from headsweep.workers.backward_memory import by_group
 from headsweep.workers.family import EvalAdapter, RuntimeOptions
 from headsweep.workers.heads import Head, SiteKey
 from headsweep.workers.registry import model_family
@@ -88,7 +89,8 @@ class L0Trainer:
         prepared = adapter.loss_batches(settings.label_smoothing, self.dtype)
         if not prepared.batches:
             raise HeadsweepError("no training data for the L0 gates (l0.data has no examples)")
-        self.batches = prepared.batches
+        # One step per evaluation batch, whatever pieces the backward pass's memory budget cut it into.
+        self.batches = by_group(prepared.batches)
         self.loss_name = prepared.loss_name
         groups: list[dict] = [{"params": list(self.log_alpha.values()), "lr": settings.lr}]
         self._frozen = [p for p in self.model.parameters() if p.requires_grad]
@@ -102,7 +104,8 @@ class L0Trainer:
     # -- training -------------------------------------------------------------------------
     def train_step(self) -> StepMetrics:
         """One update on the next batch; returns its metrics."""
-        batch = self.batches[self.step % len(self.batches)]
+        pieces = self.batches[self.step % len(self.batches)]
+        examples = sum(piece.n_examples for piece in pieces)
         generator = torch.Generator().manual_seed(_step_seed(self.settings.seed, self.step))
         was_training = self.model.training
         self.model.eval()
@@ -113,16 +116,23 @@ class L0Trainer:
             with torch.inference_mode(False), torch.enable_grad():
                 values = {key: self.concrete.sample(la, generator).to(self.dtype) for key, la in self.log_alpha.items()}
                 self.gates.set_values(values)
-                task = batch.loss() / batch.n_examples
+                self.optimizer.zero_grad(set_to_none=True)
                 penalty = self.expected_open()
-                total = task + self.lam * penalty
+                # The batch's pieces one at a time, their gradients summed: a piece's graph is freed before the next.
+                task = torch.zeros((), dtype=self.dtype, device=self.device)
+                for i, piece in enumerate(pieces):
+                    part = piece.loss() / examples
+                    last = i == len(pieces) - 1
+                    # retain_graph: the gate samples' graph serves every piece; each piece's own graph is freed
+                    # with ``part`` once the loop moves on.
+                    (part + self.lam * penalty if last else part).backward(retain_graph=not last)
+                    task = task + part.detach()
+                total = task + self.lam * penalty.detach()
                 if not torch.isfinite(total):
                     # A NaN step would leave NaN gates that close nothing and read as a result.
                     raise HeadsweepError(f"l0 lambda={self.lam:g}: the loss is not finite at step "
                                          f"{self.step + 1} (task loss {float(task):g}, expected open gates "
                                          f"{float(penalty):g}); lower lambda or l0.lr")
-                self.optimizer.zero_grad(set_to_none=True)
-                total.backward()
                 self.optimizer.step()
         finally:
             self.gates.clear()
@@ -187,7 +197,7 @@ def l0_data_on_worker(worker: Any, data_cfg: Any) -> int:
     if not hasattr(adapter, "loss_batches"):
         raise HeadsweepError(f"{type(adapter).__name__}: this model family declares no training loss "
                              "(EvalAdapter.loss_batches), so L0 gates cannot be trained")
-    return len(adapter.loss_batches(None, torch.float32).batches)
+    return len(by_group(adapter.loss_batches(None, torch.float32).batches))
 
 
 # -- Ray Tune ----------------------------------------------------------------------------------
