@@ -24,8 +24,9 @@ What it is not counted to need, and why:
   runs one or the other). The transformers families cut its loss batches to the budget and checkpoint the blocks,
   so the backward pass keeps each layer's input and one block's activations (headsweep.workers.backward_memory);
   on Qwen2.5-0.5B's shape its peak went from 6.6 to 3.0 GiB (weights 1.84 GiB). Not so held: fairseq translation
-  (loss batches sized by ``sweep.max_tokens``), relevance propagation (``lrp``) and importance under a per-example
-  fill (resample ablation, activation patching), which keep every layer of a loss batch.
+  (loss batches sized by ``sweep.max_tokens``), relevance propagation (``lrp``), importance under a per-example
+  fill (resample ablation, activation patching) and L0 training (its pieces are not checkpointed), which keep
+  every layer of a loss batch (or piece).
 * adapters on other data (``importance.data``, relevance, roles): they run the model the worker holds
   (``workers.model_sharing``), so they add their data, not weights.
 * the worker process itself: Ray, torch and transformers imported take about 0.3 GiB (VmRSS measured with torch
