@@ -15,7 +15,7 @@ import torch
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 from headsweep.workers.family import RuntimeOptions
 from headsweep.workers.heads import Head
-from headsweep.workers.importance import importance_on_worker
+from headsweep.workers.importance import gradient_importance, importance_on_worker
 from headsweep.workers.registry import model_family
 from headsweep.workers.work import WorkUnit
 
@@ -59,7 +59,7 @@ def test_the_adapter_on_other_data_shares_the_workers_model(ray_address, tiny_be
 
     family = model_family("hf_classifier")
     own_copy = family.load(model_cfg, other_cfg, runtime)
-    want = importance_on_worker(type("W", (), {"adapter": lambda self, cfg: own_copy})(), other_cfg, True, False)
+    want = gradient_importance(own_copy, per_token=True, normalize=False)
     # exact: the same weights, kernels and batches; only whose gates hook the model differs
     assert got.raw == want.raw and got.loss == want.loss
     for eval_id in ("plain", "masked"):

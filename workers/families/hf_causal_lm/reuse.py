@@ -228,7 +228,6 @@ class PrefixReuse(RecordedBaselines[BaselineStates]):
         self.verified = True
 
 
-
 def reused_grid(reuse: PrefixReuse, gates: HeadGates, batches: Sequence[torch.Tensor], donors: Donors,
                 run_donors: Callable, masks: Sequence[Sequence[Head]],
                 batch_inputs: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.backward_memory import backward_rows, blocks_of
+from headsweep.workers.backward_memory import backward_rows
 from headsweep.workers.batch_budget import cache_budget
 from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
 from headsweep.workers.data_report import Finding, merge, report, unknown_tokens
@@ -241,7 +241,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
         layers checkpointed, every layer's input and, twice over (activations and their gradients), one layer's
         activations (:meth:`bytes_per_row`); without, every layer's activations."""
         cfg = self.model.config
-        layers = len(blocks_of(self.model, self.gates.sites)) or 1
+        layers = len(self.gates.sites)  # a classifier's encoder: one self-attention site per layer
         hidden = int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "dim", 0) or 768)
         length = inputs["input_ids"].shape[1]
         itemsize = torch.finfo(self.model.dtype).bits // 8
