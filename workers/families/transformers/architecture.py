@@ -8,8 +8,8 @@ naming the architecture and the family that fits:
 
 * :func:`check_architecture` reads ``config.json`` (``architectures``, ``model_type``,
   ``is_encoder_decoder``) before any weight is loaded;
-* :func:`check_loaded_weights` reads what transformers reports after loading: weights the folder lacks,
-  which it would have started from random numbers (a classifier saved without its trained head).
+* :func:`check_loaded_weights` reads what transformers reports after loading: head weights the folder
+  lacks, which it would have started from random numbers (a classifier saved without its trained head).
 
 Both transformers families (``hf_classifier``, ``hf_causal_lm``) call them.
 """
@@ -27,7 +27,7 @@ CLASSIFIER = "hf_classifier"
 CAUSAL_LM = "hf_causal_lm"
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
-SHOWN_KEYS = 3  # missing weights named in the error line (the count is complete)
+SHOWN_KEYS = 3  # missing head weights named in the error line (the count is complete)
 
 # What each family needs of a folder, for the error lines.
 TAKES = {
@@ -96,23 +96,22 @@ def check_architecture(model_dir: Path, config: Mapping[str, Any], family: str) 
 
 
 def check_loaded_weights(model_dir: Path, model: Any, loading_info: Mapping[str, Iterable[str]], family: str) -> None:
-    """Refuse a model that transformers completed with random weights because the folder lacks them.
+    """Refuse a model that transformers completed with a head of random weights because the folder lacks it.
 
     ``loading_info`` is what ``from_pretrained(..., output_loading_info=True)`` returns; its
     ``missing_keys`` are the parameters the folder's weights do not hold. Those outside the base model
-    (``model.base_model_prefix``) are the family's head.
+    (``model.base_model_prefix``) are the family's head; other missing weights are a config that does not
+    match its weights (:func:`.weights_fit.check_weights_fit`).
     """
-    missing = sorted(loading_info.get("missing_keys") or [])
-    if not missing:
-        return
     prefix = f"{getattr(model, 'base_model_prefix', '')}."
-    head = [k for k in missing if not k.startswith(prefix)]
-    shown = ", ".join((head or missing)[:SHOWN_KEYS])
-    more = f" and {len(missing) - SHOWN_KEYS} more" if len(missing) > SHOWN_KEYS else ""
-    lacks = f"no trained {HEAD[family]}" if head else "incomplete weights"
+    head = sorted(k for k in loading_info.get("missing_keys") or [] if not k.startswith(prefix))
+    if not head:
+        return
+    shown = ", ".join(head[:SHOWN_KEYS])
+    more = f" and {len(head) - SHOWN_KEYS} more" if len(head) > SHOWN_KEYS else ""
     raise HeadsweepError(
-        f"{model_dir} has {lacks}: its weights lack {shown}{more} of {type(model).__name__}, which transformers "
-        f"would start from random numbers; model.kind {family} takes {TAKES[family]}"
+        f"{model_dir} has no trained {HEAD[family]}: its weights lack {shown}{more} of {type(model).__name__}, "
+        f"which transformers would start from random numbers; model.kind {family} takes {TAKES[family]}"
     )
 
 

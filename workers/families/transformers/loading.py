@@ -3,9 +3,11 @@
 The folder is a local ``save_pretrained`` directory or a hub id's snapshot in the local Hugging Face cache
 (never downloaded). Before transformers reads it, its files are checked (:mod:`.model_files`), its
 ``config.json`` must name what the family evaluates (:mod:`.architecture`) and the load options must make sense;
-after loading, weights transformers would have started from random numbers are refused. A folder written by
-``headsweep export`` (``config.pruned_heads``) is rebuilt by :func:`.pruning.load_pruned` with the family's own
-pruning. The families differ only in the model class, the tokenizer's folder and the wording of a failed load.
+after loading, a head transformers would have started from random numbers is refused, and so is a ``config.json``
+that does not describe the weights (:mod:`.weights_fit`: tensors dropped, missing or of another shape). A folder
+written by ``headsweep export`` (``config.pruned_heads``) is rebuilt by :func:`.pruning.load_pruned` with the
+family's own pruning. The families differ only in the model class, the tokenizer's folder and the wording of a
+failed load.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.workers.families.transformers.architecture import check_architecture, check_loaded_weights
 from headsweep.workers.families.transformers.model_files import check_model_files, dtype_bytes, resolve_model_dir
 from headsweep.workers.families.transformers.pruning import PRUNED_HEADS_KEY, Pruner, load_pruned
+from headsweep.workers.families.transformers.weights_fit import check_weights_fit
 from headsweep.workers.model_sharing import offered_models
 
 # Model types whose position ids start after the padding index (RoBERTa's scheme): of
@@ -104,14 +107,17 @@ def load_folder(cfg: Any, device: str, family: str, auto_class: str, tokenizer: 
             return LoadedTransformers(model, loaded_tokenizer)
     extra = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
     try:
+        # Tensors of another shape are reported, not raised: check_weights_fit names them on the console.
         model, loading = getattr(transformers, auto_class).from_pretrained(
-            model_dir, dtype=dtype, local_files_only=True, output_loading_info=True, **extra
+            model_dir, dtype=dtype, local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True,
+            **extra
         )
     # Whatever a damaged, foreign or unsupported folder makes transformers raise (safetensors raises its own
     # SafetensorError): one line, with the cause's first line.
     except Exception as exc:  # noqa: BLE001
         raise HeadsweepError(f"{cannot_load(model_dir)}: {first_line(exc)}") from None
     check_loaded_weights(model_dir, model, loading, family)
+    check_weights_fit(model_dir, config, model, loading)
     return LoadedTransformers(model.to(device).eval(), loaded_tokenizer)
 
 
