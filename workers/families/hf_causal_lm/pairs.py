@@ -2,10 +2,11 @@
 
 The format is :mod:`headsweep.workers.paired_data`'s. Here ``answer`` is the token the clean prompt should be
 continued with and ``wrong_answer`` the one it competes with: each one token as the tokenizer encodes it alone,
-without special tokens (most tokenizers want the leading space). Both prompts are encoded without special tokens
-(``data.add_bos``: BOS before each) and must come out the same number of tokens: activation patching puts the
-corrupted prompt's activations at the clean prompt's positions, one for one. The first pair that breaks a rule is
-named with its file and line (:func:`encode_pairs`, when the model and its tokenizer load).
+without special tokens (most tokenizers want the leading space), and not the tokenizer's unknown token. Both
+prompts are encoded without special tokens (``data.add_bos``: BOS before each) and must come out the same number of
+tokens: activation patching puts the corrupted prompt's activations at the clean prompt's positions, one for one.
+The first pair that breaks a rule is named with its file and line (:func:`encode_pairs`, when the model and its
+tokenizer load).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ class EncodedPair:
 
 def encode_pairs(tokenizer, pairs: Sequence[Pair], bos: int | None, path: str) -> list[EncodedPair]:
     """The pairs as token ids (``bos``: put before both prompts), or one line naming the first pair whose prompts
-    differ in length or whose answers are not one token each (or are the same token)."""
+    differ in length or whose answers are not one known token each (or are the same token)."""
     encoded = []
+    unknown = getattr(tokenizer, "unk_token_id", None)
     for pair in pairs:
         where = f"data file {path}: line {pair.line}"
         clean, corrupted = (tuple(([bos] if bos is not None else []) + _ids(tokenizer, text))
@@ -46,6 +48,11 @@ def encode_pairs(tokenizer, pairs: Sequence[Pair], bos: int | None, path: str) -
                 raise HeadsweepError(f"{where}: {name} {getattr(pair, name)!r} is {len(ids)} tokens, not one "
                                      "(logit_diff compares the logits of two single tokens; most tokenizers want "
                                      "the leading space, e.g. ' Mary')")
+            if unknown is not None and ids[0] == unknown:
+                # Every word the tokenizer does not know is this one token: its logit scores none of them.
+                raise HeadsweepError(f"{where}: {name} {getattr(pair, name)!r} is the tokenizer's unknown token "
+                                     f"{tokenizer.unk_token!r}, not a word the model can predict: use an answer the "
+                                     "tokenizer knows (most tokenizers want the leading space, e.g. ' Mary')")
             answers.append(ids[0])
         if answers[0] == answers[1]:
             raise HeadsweepError(f"{where}: answer and wrong_answer are the same token ({answers[0]}): their logit "

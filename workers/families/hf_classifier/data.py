@@ -208,12 +208,19 @@ def _check_unique(ids: list[str], id_column: str | None, path: Path) -> None:
 def label_ids(raw: list[str], id2label: dict[int, str], path: str) -> list[int]:
     """Map the file's labels (``raw``, in row order) onto the model's label ids: every label a label name, or
     every label an id in range; else one line naming the labels (quoted) that are neither, with their rows, or
-    the two ways of writing a label the file mixes."""
+    the two ways of writing a label the file mixes.
+
+    A label that is both a name and an id means two labels where ``id2label`` names its labels with other ids'
+    numbers (``{0: "1", 1: "0"}``): which one the file means cannot be told, so it is refused
+    (:func:`_check_numeric_names`). Numeric names that are their own ids (``{0: "0", 1: "1"}``) read the same
+    either way."""
     names = {str(name): int(i) for i, name in id2label.items()}
-    if all(r in names for r in raw):
-        return [names[r] for r in raw]
     n = len(id2label)
     ids = [_as_id(r, n) for r in raw]
+    if all(r in names for r in raw):
+        if all(i is not None for i in ids):
+            _check_numeric_names(raw, names, id2label, path)
+        return [names[r] for r in raw]
     if all(i is not None for i in ids):
         return ids
     known = ", ".join(f"{i}={name}" for i, name in sorted(id2label.items()))
@@ -232,6 +239,22 @@ def label_ids(raw: list[str], id2label: dict[int, str], path: str) -> list[int]:
     raise HeadsweepError(
         f"data file {path}: labels mix label names and label ids: {raw[name_row]!r} (row {name_row}) is a name, "
         f"{raw[id_row]!r} (row {id_row}) an id; write every label one way (model labels: {known})"
+    )
+
+
+def _check_numeric_names(raw: list[str], names: dict[str, int], id2label: dict[int, str], path: str) -> None:
+    """One line naming the first label of ``raw`` that, as a label name, is another id than the number it writes
+    (every label of ``raw`` is both a name and an id)."""
+    crossed = [r for r in dict.fromkeys(raw) if names[r] != int(r)]
+    if not crossed:
+        return
+    label = crossed[0]
+    rows = [row for row, r in enumerate(raw) if r == label]
+    known = ", ".join(f"{i}={name!r}" for i, name in sorted(id2label.items()))
+    raise HeadsweepError(
+        f"data file {path}: label {label!r} ({rows_text(rows)}) is ambiguous: as a label id it is {int(label)}, as a "
+        f"label name id {names[label]} (the model's id2label: {known}); rename the labels in the model's config.json "
+        "(id2label and label2id) to names that are not numbers, then write the file's labels as those names or as ids"
     )
 
 
