@@ -94,6 +94,9 @@ def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
         statements = con.extract_statements(sql)
     except duckdb.Error as exc:
         raise HeadsweepError(f"query failed: {str(exc).splitlines()[0]}") from None
+    if not statements:
+        raise HeadsweepError("query is empty (no SQL statement in it, only blanks, ';' or comments): give a SELECT, "
+                             "e.g. \"SELECT * FROM runs\"")
     for statement in statements:
         if statement.type not in READ_ONLY:
             kind = statement.type.name.replace("_", " ")

@@ -68,6 +68,17 @@ def tiny_dev_tsv(tmp_path_factory) -> Path:
     return write_tsv(generate(40, seed=7), tmp_path_factory.mktemp("data") / "dev.tsv")
 
 
+def install_entry_point(folder: Path, group: str, name: str, value: str) -> Path:
+    """Declare entry point ``name = value`` in ``group`` for the distribution on path entry ``folder``, as pip
+    installs one (a ``.dist-info`` folder beside the code): ``importlib.metadata`` finds it wherever ``folder`` is
+    on ``sys.path`` or ``PYTHONPATH``. Returns ``folder``."""
+    dist = folder / f"{name}_plugin-0.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}-plugin\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text(f"[{group}]\n{name} = {value}\n")
+    return folder
+
+
 def default_sigint() -> None:
     """``preexec_fn`` for a CLI the test will interrupt: Ctrl-C back to its default.
 

@@ -1,4 +1,5 @@
-"""The model families headsweep knows: the built-in ones, and plugins named ``package.module:NAME``.
+"""The model families headsweep knows: the built-in ones, and plugins installed as ``headsweep.families`` entry
+points (``headsweep.plugins``).
 
 The families import only the contract (:mod:`headsweep.workers.family`); this module imports the families'
 declarations (``workers/families/<name>/family.py``, which import nothing heavy), so importing it on the driver
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
-from headsweep.plugins import load_plugin
+from headsweep.plugins import FAMILIES_GROUP, installed, load_plugin
 from headsweep.workers.families.fairseq_translation.family import FAIRSEQ_TRANSLATION
 from headsweep.workers.families.hf_causal_lm.family import HF_CAUSAL_LM
 from headsweep.workers.families.hf_classifier.family import HF_CLASSIFIER
@@ -32,22 +33,19 @@ def builtin_families() -> list[ModelFamily]:
 
 
 def model_family(name: str) -> ModelFamily:
-    """The model family called ``name``, or a clear error listing the known ones.
-
-    ``package.module:ATTRIBUTE`` names a ``ModelFamily`` defined outside headsweep (a plugin); the
-    module must be importable on the driver and on every worker.
-    """
-    if ":" in name:
-        return load_plugin(name, ModelFamily, "model.kind")
+    """The model family called ``name``: a built-in one, or one installed as a ``headsweep.families`` entry point
+    (importable on the driver and on every worker); or a clear error listing the known ones."""
     families = {f.name: f for f in BUILTIN}
-    if name not in families:
+    if name in families:
+        return families[name]
+    plugin = load_plugin(name, FAMILIES_GROUP, ModelFamily, "model.kind")
+    if plugin is None:
+        known = sorted([*families, *installed(FAMILIES_GROUP)])
         raise HeadsweepError(
-            f"unknown model.kind {name!r} (known: {', '.join(sorted(families))}, or module:ATTRIBUTE of a ModelFamily)"
+            f"unknown model.kind {name!r} (known: {', '.join(known)}, or the name of an installed "
+            f"{FAMILIES_GROUP!r} entry point)"
         )
-    return families[name]
-
-
-task_kind = model_family  # older name, kept for code written against it
+    return plugin
 
 
 def family_of_model(model: nn.Module) -> ModelFamily:

@@ -45,9 +45,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.configuration.yaml_text import read_yaml_file
 
 # Bounds for the reachability probe: (connect, read) seconds.
 PROBE_TIMEOUT_S = (5.0, 10.0)
@@ -158,10 +157,7 @@ def _config_files(config: Path) -> list[Path]:
         if not path.is_file():
             raise HeadsweepError(f"config file not found: {path}")
         found.append(path)
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise HeadsweepError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        data = read_yaml_file(path) or {}
         includes = data.get("include", []) if isinstance(data, dict) else []
         for inc in [includes] if isinstance(includes, str) else includes or []:
             # An absolute include names a file on the cluster, like any other absolute path in a config.

@@ -15,14 +15,22 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from headsweep.errors import HeadsweepError
+from headsweep.plugins import FAMILIES_GROUP
 from headsweep.sweep.configuration.ablation import AblationSection
 from headsweep.sweep.configuration.ablation_checks import check_for_model, check_paired
 from headsweep.sweep.configuration.reader import coerce, from_dict
 from headsweep.sweep.configuration.sections import SECTIONS, Config, SignificanceSection, SweepSection, config_class
-from headsweep.sweep.experiments import BUILTIN_KINDS, KINDS, Experiment, experiment_kind, experiments_of
+from headsweep.sweep.configuration.seeds import check_seeds
+from headsweep.sweep.configuration.yaml_text import parse_override, read_yaml_file
+from headsweep.sweep.experiments import (
+    BUILTIN_KINDS,
+    KINDS,
+    Experiment,
+    experiment_kind,
+    experiments_of,
+    is_plugin_name,
+)
 from headsweep.sweep.experiments.data_sections import DATA, FILE, marked_fields, typed_data
 from headsweep.sweep.run.screening import Screening
 from headsweep.workers.registry import builtin_families, model_family
@@ -38,15 +46,6 @@ def _merge(base: dict, update: dict) -> dict:
     return out
 
 
-def yaml_problem(exc: yaml.YAMLError) -> str:
-    """A YAML error as ``line L, column C: problem`` (1-based, as editors count)."""
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    context = getattr(exc, "context", None)
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return f"{where}{problem}" + (f" ({context})" if context else "")
-
-
 def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """Read a config file and the files it includes, merged in order."""
     path = Path(path)
@@ -56,12 +55,7 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise HeadsweepError(f"config file not found: {path}")
     if path.resolve() in seen:
         raise HeadsweepError(f"config include cycle at {path}")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise HeadsweepError(f"config file {path} is not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
-    except yaml.YAMLError as exc:
-        raise HeadsweepError(f"config file {path} is not valid YAML: {yaml_problem(exc)}") from None
+    data = read_yaml_file(path)
     if data is None:
         if not seen:  # an empty file included by another adds nothing, and is harmless there
             raise HeadsweepError(f"config file {path} is empty: a config needs at least a model section "
@@ -118,10 +112,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise HeadsweepError(f"bad override {item!r}: expected key=value (e.g. sweep.workers=2)")
         key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw else ""
-        except yaml.YAMLError:
-            value = raw
+        value = parse_override(item, raw)
         node = data
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -141,7 +132,7 @@ def build_config(data: dict) -> Config:
     """Validate a merged config mapping into a :class:`Config`."""
     data = dict(data)
     model = data.get("model")
-    kinds = f"one of: {family_names()}, or module:ATTRIBUTE of a ModelFamily"
+    kinds = f"one of: {family_names()}, or an installed {FAMILIES_GROUP!r} entry point"
     if model is None:
         raise HeadsweepError(f"config key 'model.kind' is required: the config has no model section ({kinds})")
     if not isinstance(model, dict):
@@ -172,15 +163,14 @@ def build_config(data: dict) -> Config:
 
 
 def _named_kinds(sweep: Any) -> list[Experiment]:
-    """The registered kinds the raw ``sweep`` section names in ``experiments``, a ``package.module:ATTRIBUTE`` one
+    """The registered kinds the raw ``sweep`` section names in ``experiments``, one installed as an entry point
     imported and registered now: their config sections are part of this config. Other names are checked later."""
     names = sweep.get("experiments") if isinstance(sweep, dict) else None
     if isinstance(names, str):
         names = names.replace(",", " ").split()
     if not isinstance(names, list):
         return []
-    named = [n for n in names if isinstance(n, str) and (":" in n or n in KINDS)]
-    return [experiment_kind(n) if ":" in n else KINDS[n] for n in named]
+    return [experiment_kind(n) for n in names if isinstance(n, str) and (n in KINDS or is_plugin_name(n))]
 
 
 def validate(cfg: Config) -> None:
@@ -228,6 +218,7 @@ def check_data_files(cfg: Config) -> None:
 
 
 def _check_sections(cfg: Config) -> None:
+    check_seeds(cfg)
     cfg.sweep.check()
     Screening.check_config(cfg)
     if cfg.sweep.max_tokens is not None and not model_family(cfg.model.kind).batches_by_tokens:

@@ -10,6 +10,7 @@ themselves are in ``headsweep.sweep.configuration.sections`` and in the experime
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from typing import Any
@@ -77,12 +78,18 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     return _coerce_scalar(value, tp, where)
 
 
+_SCIENTIFIC = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+")
+
+
 def _coerce_scalar(value: Any, tp: Any, where: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
         raise HeadsweepError(f"config key {where!r} must be true or false, got {value!r}")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
+        # YAML 1.1 (PyYAML) reads 1e-3 as text; YAML 1.2 and every user read it as a number.
         return float(value)
     if tp is int and isinstance(value, bool):
         raise HeadsweepError(f"config key {where!r} must be an integer, got {value!r}")

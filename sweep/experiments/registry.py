@@ -3,9 +3,9 @@
 ``register(kind)`` checks the kind against the contract (``headsweep.sweep.experiments.base``) and adds what it
 declares: its config section (``settings``: a field of the config, see ``configuration.sections.config_class``),
 its results tables, views and pruning curve (``headsweep.results``' registries), and its report part (the report
-asks every registered kind). ``sweep.experiments`` may also name a kind defined outside headsweep as
-``package.module:ATTRIBUTE`` (an ``Experiment`` instance, importable on the driver; on the workers too when its
-worker-side functions live there): it is imported and registered on first use.
+asks every registered kind). ``sweep.experiments`` may also name a kind defined outside headsweep and installed as
+an entry point in group ``headsweep.kinds`` (an ``Experiment`` instance, importable on the driver; on the workers
+too when its worker-side functions live there): it is imported and registered on first use (``headsweep.plugins``).
 
 A run's kinds are those ``sweep.experiments`` lists, those other keys imply, the kinds they need
 (transitively) and ``baseline``, always first. They run in phases (:func:`schedule`): every kind
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
-from headsweep.plugins import load_plugin
+from headsweep.plugins import KINDS_GROUP, installed, load_plugin
 from headsweep.results.schema import RENAMED, TABLES, register_table
 from headsweep.results.store import ResultStore
 from headsweep.results.views import PRUNING_CURVES, VIEWS, register_pruning_curve, register_view
@@ -100,22 +100,38 @@ def _check_parts(kind: Experiment) -> None:
 
 
 def experiment_kind(name: str) -> Experiment:
-    """The kind called ``name`` (``package.module:ATTRIBUTE`` imports and registers one), or a clear error."""
-    if ":" in name:
-        return register(load_plugin(name, Experiment, "experiment kind"))
-    if name not in KINDS:
+    """The kind called ``name``: a registered one, or one installed as a ``headsweep.kinds`` entry point (imported and
+    registered now); or a clear error."""
+    if name in KINDS:
+        return KINDS[name]
+    plugin = load_plugin(name, KINDS_GROUP, Experiment, "experiment kind")
+    if plugin is None:
+        others = installed(KINDS_GROUP)
         raise HeadsweepError(
-            f"unknown experiment kind {name!r} in sweep.experiments (known: {', '.join(KINDS)}, "
-            "or module:ATTRIBUTE of an Experiment)"
+            f"unknown experiment kind {name!r} in sweep.experiments (known: {', '.join([*KINDS, *others])}, or the "
+            f"name of an installed {KINDS_GROUP!r} entry point)"
         )
-    return KINDS[name]
+    if plugin.name != name:
+        raise HeadsweepError(f"experiment kind entry point {name!r} names a kind called {plugin.name!r}: the two "
+                             "names must be the same")
+    return register(plugin)
+
+
+def is_plugin_name(name: object) -> bool:
+    """Whether ``name`` is a kind the registry does not hold yet: an entry point's name, or a module path (which
+    :func:`experiment_kind` refuses)."""
+    return isinstance(name, str) and name not in KINDS and (":" in name or name in installed(KINDS_GROUP))
 
 
 def plugin_kinds(names: Iterable[str]) -> list[str]:
-    """Import and register the kinds among ``names`` defined outside headsweep (``module:ATTRIBUTE``, as a stored
-    run's ``sweep.experiments`` names them); returns a line for each that cannot be, saying why."""
+    """Register the kinds among ``names`` installed as entry points (as a stored run's ``sweep.experiments`` names
+    them); returns a line for each that cannot be, saying why."""
     problems = []
-    for name in dict.fromkeys(n for n in names if isinstance(n, str) and ":" in n):
+    for name in dict.fromkeys(n for n in names if isinstance(n, str) and n not in KINDS):
+        if ":" not in name and name not in installed(KINDS_GROUP):
+            problems.append(f"experiment kind {name!r} is not installed here (no {KINDS_GROUP!r} entry point of that "
+                            "name)")
+            continue
         try:
             experiment_kind(name)
         except HeadsweepError as exc:

@@ -63,6 +63,8 @@ def _names(heads: set[tuple]) -> str:
 
 def compare_runs(store: ResultStore, run_a: str, run_b: str) -> tuple[pa.Table, pa.Table]:
     """Correlations of deltas and importances, and the overlap of significant heads."""
+    if run_a == run_b:
+        raise HeadsweepError(f"compare needs two different runs; {run_a} was given twice (a run agrees with itself)")
     ra, rb = _run(store, run_a), _run(store, run_b)
     if json.loads(ra["heads"]) != json.loads(rb["heads"]):
         raise HeadsweepError(f"runs {run_a} and {run_b} are not of the same model (their heads differ)")

@@ -149,6 +149,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from headsweep.sweep.configuration.config import check_data_files, load_config
     from headsweep.sweep.run.driver import Sweep
 
+    if args.resume and args.new:
+        raise HeadsweepError(f"--resume {args.resume} and --new ask for opposite things: give one (--resume continues "
+                             "that run, --new starts another)")
     overrides = list(args.overrides)
     if args.workers is not None:
         overrides.append(f"sweep.workers={args.workers}")

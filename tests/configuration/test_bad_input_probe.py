@@ -65,8 +65,8 @@ def driver_cases(tmp: Path, model_dir: Path, data: Path) -> list[tuple[str, list
          f"config file {empty_config} is empty: a config needs at least a model section (model.kind: one of "
          f"{FAMILIES}) and a data section"),
         ("model=foo", [c, "model=foo"],
-         f"config key 'model' must be a mapping with model.kind (one of: {FAMILIES}, or module:ATTRIBUTE of a "
-         "ModelFamily) and the model's files, got 'foo'"),
+         f"config key 'model' must be a mapping with model.kind (one of: {FAMILIES}, or an installed "
+         "'headsweep.families' entry point) and the model's files, got 'foo'"),
         ("config is a directory", [str(tmp)], f"config file {tmp} is a directory, not a file: name the YAML config "
          "file"),
         ("data.path is a directory", [c, f"data.path={tmp}"],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli
+from conftest import error_line, install_entry_point, run_cli
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
@@ -113,18 +113,36 @@ def test_a_registered_kind_runs_without_editing_the_driver(tmp_path, ray_address
     assert run["status"] == "complete" and run["n_planned"] == run["n_done"] == 1 + 8 + 6
 
 
-def test_a_kind_named_by_module_runs_through_the_cli(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(
-        config(tiny_bert_dir, tiny_dev_tsv, ["baseline", "test_experiment_kinds:FIRST_HEADS"])))
+def test_a_kind_installed_as_an_entry_point_runs_through_the_cli(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):
+    plugins = install_entry_point(tmp_path / "site", "headsweep.kinds", "first_heads",
+                                  "test_experiment_kinds:FIRST_HEADS")
+    env = {"PYTHONPATH": os.pathsep.join([str(plugins), str(HERE), str(HERE.parent)])}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config(tiny_bert_dir, tiny_dev_tsv, ["baseline", "first_heads"])))
     store = tmp_path / "store"
     proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet",
-                   env={"PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])})
+                   env=env)
     assert proc.returncode == 0, proc.stderr
     run_id = proc.stdout.strip()
     reader = ResultStore(str(store))
     evals = reader.read("evaluations", run_id).to_pylist()
     assert sorted(e["experiment"] for e in evals) == ["baseline"] + ["first_heads"] * 6
     assert len({s["eval_id"] for s in reader.read("significance", run_id).to_pylist()}) == 6
-    missing = run_cli("run", str(tmp_path / "c.yaml"), "sweep.experiments=[no_such_module:KIND]", "--store",
-                      str(store))
-    assert missing.returncode == 2 and "experiment kind 'no_such_module:KIND': cannot import it" in missing.stderr
+    # Without the entry point installed, the name is an unknown kind, even where the module can be imported.
+    missing = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(tmp_path / "other"),
+                      env={"PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])})
+    assert missing.returncode == 2 and "unknown experiment kind 'first_heads' in sweep.experiments" in missing.stderr
+
+
+def test_a_config_never_names_a_module_to_import(tmp_path, tiny_bert_dir, tiny_dev_tsv):
+    """``this`` prints the Zen of Python when imported: a config naming it must be refused before any import."""
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config(tiny_bert_dir, tiny_dev_tsv, ["baseline", "this:X"])))
+    for args in ([], ["model.kind=this:X"]):
+        proc = run_cli("run", str(tmp_path / "c.yaml"), *args, "--store", str(tmp_path / "store"))
+        assert proc.returncode == 2, proc.stderr
+        what = "model.kind" if args else "experiment kind"
+        group = "headsweep.families" if args else "headsweep.kinds"
+        assert error_line(proc.stderr) == (
+            f"headsweep: error: {what} 'this:X' is a module path, and configs never import code: install the plugin "
+            f"as an entry point in group '{group}' and name it by that entry point's name")
+        assert "Zen of Python" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+        assert not (tmp_path / "store").exists()

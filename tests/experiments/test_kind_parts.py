@@ -12,7 +12,7 @@ import textwrap
 import pyarrow.dataset as ds
 import pytest
 import yaml
-from conftest import run_cli
+from conftest import install_entry_point, run_cli
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.schema import TABLES
@@ -21,7 +21,8 @@ from headsweep.results.views import VIEWS
 from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.experiments import KINDS, register
 
-# The whole kind: the module a user writes, and the one name its config lists (``probe_kind:PROBE``).
+# The whole kind: the module a user writes, installed as a ``headsweep.kinds`` entry point, and the one name its
+# config lists (``probe``).
 PROBE_MODULE = textwrap.dedent('''
     """A kind outside headsweep: one row per repeat with the setting's label, a view, a report part."""
 
@@ -76,10 +77,11 @@ PROBE_MODULE = textwrap.dedent('''
 
 @pytest.fixture
 def probe_module(tmp_path):
-    """The kind's module on a folder of its own (a ``PYTHONPATH`` entry), imported here too."""
+    """The kind's module on a folder of its own (a ``PYTHONPATH`` entry) with its entry point, imported here too."""
     folder = tmp_path / "kinds"
     folder.mkdir()
     (folder / "probe_kind.py").write_text(PROBE_MODULE)
+    install_entry_point(folder, "headsweep.kinds", "probe", "probe_kind:PROBE")
     sys.path.insert(0, str(folder))
     yield folder
     sys.path.remove(str(folder))
@@ -109,7 +111,7 @@ def test_a_kind_with_a_setting_a_table_and_a_report_part_runs_through_the_cli(tm
                                                                                 tiny_bert_dir, tiny_dev_tsv):
     env = {"PYTHONPATH": str(probe_module)}
     probe = {"label": "from the config", "repeats": 3}
-    kinds = ["baseline", "probe_kind:PROBE"]
+    kinds = ["baseline", "probe"]
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config(tiny_bert_dir, tiny_dev_tsv, kinds, probe=probe)))
     store = tmp_path / "store"
     proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet",
@@ -140,7 +142,8 @@ def test_a_kind_with_a_setting_a_table_and_a_report_part_runs_through_the_cli(tm
     # Where the kind cannot be imported, the report says so in one line and leaves its part out.
     bare = run_cli("report", run_id, "--store", str(store), "--out", str(tmp_path / "bare"))
     assert bare.returncode == 0, bare.stderr
-    assert "headsweep: warning: experiment kind 'probe_kind:PROBE': cannot import it" in bare.stderr
+    assert ("headsweep: warning: experiment kind 'probe' is not installed here (no 'headsweep.kinds' entry point of "
+            "that name)") in bare.stderr
     assert "Probe part" not in (tmp_path / "bare" / "index.html").read_text()
 
 
