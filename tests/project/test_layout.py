@@ -13,7 +13,8 @@ from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# The folders mapped under the one import name ``headsweep`` (pyproject's package-dir).
+# The folders installed under the one import name ``headsweep``: ``headsweep/sweep``, ``headsweep/workers`` and
+# ``headsweep/results`` are relative symbolic links to the top-level folders (no package-dir mapping).
 ROOTS = {"headsweep": "headsweep", "sweep": "headsweep.sweep", "workers": "headsweep.workers",
          "results": "headsweep.results"}
 
