@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.text_files import check_file, data_file, decode, json_line, read_bytes, split_lines
+from headsweep.workers.text_files import check_file, data_file, decode, json_lines, read_bytes
 
 FIELDS = ("clean", "corrupted", "answer", "wrong_answer")
 
@@ -42,11 +42,9 @@ def read_pairs(cfg: Any, key: str = "data") -> list[Pair]:
     missing or not text, an empty prompt."""
     path = check_file(cfg.path, data_file(key), f"{key}.path")
     data, where = read_bytes(path)
-    pairs = []
-    for number, line in enumerate(split_lines(decode(data, cfg.encoding, f"data file {path}", where=where)), 1):
-        if line.strip():
-            pairs.append(_pair(json_line(line, f"data file {path}: line {number}"), number,
-                               f"data file {path}: line {number}"))
+    text = decode(data, cfg.encoding, f"data file {path}", where=where)
+    pairs = [_pair(row, number, f"data file {path}: line {number}")
+             for number, row in json_lines(text, f"data file {path}")]
     if not pairs:
         raise HeadsweepError(f"data file {path} holds no pairs (one JSON object per line, with "
                              f"{', '.join(map(repr, FIELDS))})")

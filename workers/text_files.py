@@ -93,12 +93,24 @@ def read_text(path: str | Path, encoding: str = DEFAULT_ENCODING, key: str = "da
     return decode(data, encoding, path, key, where)
 
 
-def json_line(line: str, where: str) -> object:
-    """One JSONL line parsed, or a one-line error saying where (``where``: file and line) it is not JSON."""
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise HeadsweepError(f"{where} is not JSON ({exc.msg}, column {exc.colno})") from None
+def json_lines(text: str, what: str) -> list[tuple[int, object]]:
+    """Each non-blank line of JSONL text parsed, with its line number (from 1, as editors count); or one line
+    naming the first that is not JSON (``what``: the file as messages name it, ``data file PATH``). A last line
+    that does not parse is most often a file cut off mid-line (a copy or download that stopped): the message says
+    so, where a reader that parses whole columns would report a column type change or a count of rows."""
+    lines = split_lines(text)
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    values = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            values.append((i + 1, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            cut = (": it is the last line, so the file may be truncated (cut off mid-line); write or copy it again"
+                   if i == last else "")
+            raise HeadsweepError(f"{what}: line {i + 1} is not JSON ({exc.msg}, column {exc.colno}){cut}") from None
+    return values
 
 
 def split_lines(text: str) -> list[str]:

@@ -248,7 +248,9 @@ def test_duplicate_ids_are_refused(tmp_path, store, tiny_bert_dir, ray_address):
     path.write_text("id\tsentence\tlabel\n" + "".join(f"{i if i != 7 else 3}\t{s}\t{y}\n"
                                                       for i, (s, y) in enumerate(ROWS)))
     config = classifier_config(tmp_path, tiny_bert_dir, {"path": str(path), "id_column": "id"})
-    refused(store, config, ray_address, "column 'id' has 1 duplicate ids (first: '3' in rows 3 and 7)")
+    # Rows of data count from 1, lines as an editor shows them (the header is line 1).
+    refused(store, config, ray_address,
+            "column 'id' has 1 duplicate ids (first: '3' in rows 4 (line 5) and 8 (line 9))")
 
 
 SUSPICIOUS = [*ROWS, ("", 1), ("   ", 0), (ROWS[0][0], 1 - ROWS[0][1]), (ROWS[1][0], ROWS[1][1]), (LONG, 1)]

@@ -84,7 +84,7 @@ def test_data_problems(tmp_path, tiny_bert_dir, ray_address):
     bad_labels = tmp_path / "labels.tsv"
     bad_labels.write_text("sentence\tlabel\nthe film was good\t1\nthe film was bad\t7\n")
     fail(tmp_path, ray_address, config_file(tmp_path, tiny_bert_dir, bad_labels),
-         "labels outside the model's label set: '7' (row 1)")
+         "labels outside the model's label set: '7' in row 2 (line 3)")
     empty = tmp_path / "empty.tsv"
     empty.write_text("sentence\tlabel\n")
     fail(tmp_path, ray_address, config_file(tmp_path, tiny_bert_dir, empty), "has no examples")

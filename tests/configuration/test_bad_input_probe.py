@@ -72,7 +72,7 @@ def driver_cases(tmp: Path, model_dir: Path, data: Path) -> list[tuple[str, list
         ("data.path is a directory", [c, f"data.path={tmp}"],
          f"data file {tmp} is a directory, not a file: data.path must name a file"),
         ("empty label cell", [c, f"data.path={empty_label}"],
-         f"data file {empty_label}: empty label in row 1 (column 'label'): every example needs its label"),
+         f"data file {empty_label}: empty label in row 2 (line 3) (column 'label'): every example needs its label"),
         ("no experiments", [c, "sweep.experiments=[]"],
          f"sweep.experiments is empty: name the experiment kinds to run (known: {KINDS}; [baseline] evaluates the "
          "unmasked model alone)"),
@@ -144,7 +144,7 @@ def test_importance_data_labels_are_checked_before_the_baseline(tmp_path, store,
     config = classifier_config(tmp_path, tiny_bert_dir, {"path": str(write_rows(ROWS, tmp_path / "dev.tsv"))})
     refused_run(store, config, ray_address,
                 ["sweep.experiments=[importance]", f"importance.data.path={train}"],
-                f"data file {train}: labels outside the model's label set: 'awful' (row 1) {MODEL_LABELS}")
+                f"data file {train}: labels outside the model's label set: 'awful' in row 2 (line 3) {MODEL_LABELS}")
 
 
 def test_labels_mixing_ids_and_names(tmp_path, store, tiny_bert_dir, ray_address):
@@ -152,8 +152,8 @@ def test_labels_mixing_ids_and_names(tmp_path, store, tiny_bert_dir, ray_address
     mixed = tmp_path / "mixed.tsv"
     mixed.write_text("sentence\tlabel\nthe film was good\t1\nthe film was bad\tnegative\n")
     refused_run(store, classifier_config(tmp_path, tiny_bert_dir, {"path": str(mixed)}), ray_address, [],
-                f"data file {mixed}: labels mix label names and label ids: 'negative' (row 1) is a name, '1' (row 0) "
-                f"an id; write every label one way {MODEL_LABELS}")
+                f"data file {mixed}: labels mix label names and label ids: 'negative' in row 2 (line 3) is a name, "
+                f"'1' in row 1 (line 2) an id; write every label one way {MODEL_LABELS}")
 
 
 def test_min_heads_per_layer_above_the_heads_of_a_layer(tmp_path, store, tiny_bert_dir, ray_address):
@@ -195,8 +195,8 @@ def test_label_messages_name_the_labels_and_rows():
     id2label = {0: "negative", 1: "positive"}
     with pytest.raises(HeadsweepError) as err:
         label_ids(["1", " ", "7", "maybe", "7"], id2label, "f.tsv")
-    assert str(err.value) == ("data file f.tsv: labels outside the model's label set: ' ' (row 1), '7' (rows 2 and 4),"
-                              f" 'maybe' (row 3) {MODEL_LABELS}")
+    assert str(err.value) == ("data file f.tsv: labels outside the model's label set: ' ' in row 2, '7' in rows 3 and "
+                              f"5, 'maybe' in row 4 {MODEL_LABELS}")
     assert label_ids(["1", "0"], id2label, "f.tsv") == [1, 0]
     assert label_ids(["negative", "positive"], id2label, "f.tsv") == [0, 1]
 

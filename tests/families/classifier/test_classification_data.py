@@ -48,7 +48,7 @@ def test_labels_by_name_or_id():
     id2label = {0: "contradiction", 1: "entailment", 2: "neutral"}
     assert label_ids(["entailment", "neutral"], id2label, "f") == [1, 2]
     assert label_ids(["2", "0"], id2label, "f") == [2, 0]
-    with pytest.raises(HeadsweepError, match=r"labels outside the model's label set: '3' \(row 1\), 'maybe' \(row 2\)"):
+    with pytest.raises(HeadsweepError, match=r"labels outside the model's label set: '3' in row 2, 'maybe' in row 3"):
         label_ids(["1", "3", "maybe"], id2label, "f")
 
 
@@ -72,7 +72,7 @@ def test_text_is_read_as_text(tmp_path):
     assert (ex.ids, ex.texts, ex.labels) == (["007"], ["café"], ["1"])
     parquet = tmp_path / "d.parquet"
     pq.write_table(pa.table({"sentence": pa.array([b"ok", b"caf\xe9"], pa.binary()), "label": [1, 0]}), parquet)
-    with pytest.raises(HeadsweepError, match=r"column 'sentence' row 1 is not valid utf-8 text \(byte 0xe9 at byte "
+    with pytest.raises(HeadsweepError, match=r"column 'sentence' row 2 is not valid utf-8 text \(byte 0xe9 at byte "
                                              r"offset 3 of the value\)"):
         read_examples(ClassifierData(path=str(parquet)))
     assert read_examples(ClassifierData(path=str(parquet), encoding="latin-1")).texts == ["ok", "café"]

@@ -140,11 +140,15 @@ class ParallelExamples:
     references: list[str]
     unk_rate_source: float
     unk_rate_target: float
-    # Where the examples come from, for messages: example i is ``<unit> <i + first>`` of these files.
+    # Where the examples come from, for messages: example i is ``<unit> <i + 1>`` of these files (counted from 1,
+    # as every data message counts); binarised sentences also by fairseq's id, which counts from 0 (``S-0``).
     source_file: str = ""
     target_file: str = ""
     unit: str = "line"
-    first: int = 1
+
+    def where(self, i: int) -> str:
+        """Example ``i`` as messages name it: ``line 3``, or ``sentence 3 (fairseq id 2)``."""
+        return f"{self.unit} {i + 1}" + (f" (fairseq id {i})" if self.unit == "sentence" else "")
 
 
 def load_examples(data_cfg: TranslationData, pipeline: TextPipeline) -> ParallelExamples:
@@ -273,7 +277,6 @@ def _from_data_bin(data_cfg: TranslationData, pipeline: TextPipeline) -> Paralle
         source_file=f"{folder / f'{split}.{pair}.{src}'}",
         target_file=f"{folder / f'{split}.{pair}.{tgt}'}",
         unit="sentence",
-        first=0,
     )
 
 
@@ -310,7 +313,7 @@ def check_lengths(ex: ParallelExamples, max_positions: object) -> tuple[int | No
             i = long[0]
             more = f" ({len(long)} {ex.unit}s in all)" if len(long) > 1 else ""
             raise HeadsweepError(
-                f"{where}: {ex.unit} {i + ex.first} is {len(seqs[i])} tokens long (after BPE, with EOS), more than "
+                f"{where}: {ex.where(i)} is {len(seqs[i])} tokens long (after BPE, with EOS), more than "
                 f"the model's {limit} {side} positions{more}: shorten or remove it (fairseq-generate refuses it too)"
             )
     return limits

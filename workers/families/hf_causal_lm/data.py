@@ -6,14 +6,13 @@ and in the README ("Perplexity: the convention"); :func:`plan_windows` is its on
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
 from headsweep.workers.paired_data import read_pairs
-from headsweep.workers.text_files import check_encoding, check_file, data_file, decode, read_bytes, split_lines
+from headsweep.workers.text_files import check_encoding, check_file, data_file, decode, json_lines, read_bytes
 
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
@@ -53,16 +52,9 @@ def read_corpus(cfg: CausalLMData, key: str = "data") -> str:
 
 def _jsonl_texts(path: Path, cfg: CausalLMData) -> list[str]:
     data, where = read_bytes(path)
-    texts = []
-    for number, line in enumerate(split_lines(decode(data, cfg.encoding, f"data file {path}", where=where)), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise HeadsweepError(f"data file {path}: line {number} is not JSON ({exc.msg})") from None
-        texts.append(_text_of(row, cfg.text_column, f"data file {path}: line {number}"))
-    return texts
+    text = decode(data, cfg.encoding, f"data file {path}", where=where)
+    return [_text_of(row, cfg.text_column, f"data file {path}: line {number}")
+            for number, row in json_lines(text, f"data file {path}")]
 
 
 def _parquet_texts(path: Path, cfg: CausalLMData) -> list[str]:
@@ -83,9 +75,9 @@ def _parquet_texts(path: Path, cfg: CausalLMData) -> list[str]:
             try:
                 value = value.decode(codec)
             except UnicodeDecodeError as exc:
-                raise HeadsweepError(f"data file {path}: column {cfg.text_column!r} row {row} is not valid "
+                raise HeadsweepError(f"data file {path}: column {cfg.text_column!r} row {row + 1} is not valid "
                                      f"{cfg.encoding} text (byte offset {exc.start} of the value)") from None
-        texts.append(_text_of({cfg.text_column: value}, cfg.text_column, f"data file {path}: row {row}"))
+        texts.append(_text_of({cfg.text_column: value}, cfg.text_column, f"data file {path}: row {row + 1}"))
     return texts
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
-from headsweep.workers.text_files import decode, json_line, read_bytes, split_lines
+from headsweep.workers.text_files import decode, json_lines, read_bytes
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,9 @@ def read_questions(cfg: CausalLMData) -> list[Question]:
     if not path.is_file():
         raise HeadsweepError(f"data file not found: {cfg.path}")
     data, where = read_bytes(path)
-    questions = []
-    for number, line in enumerate(split_lines(decode(data, cfg.encoding, f"data file {path}", where=where)), 1):
-        if line.strip():
-            questions.append(_question(json_line(line, f"data file {path}: line {number}"), number, cfg,
-                                       f"data file {path}: line {number}"))
+    text = decode(data, cfg.encoding, f"data file {path}", where=where)
+    questions = [_question(row, number, cfg, f"data file {path}: line {number}")
+                 for number, row in json_lines(text, f"data file {path}")]
     if not questions:
         raise HeadsweepError(f"data file {path} holds no questions (one JSON object per line, with "
                              f"{cfg.context_field!r}, {cfg.choices_field!r} and {cfg.gold_field!r})")

@@ -61,7 +61,8 @@ class ClassifierAdapter(PrefixReuseSwitch):
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.gates = HeadGates(_sites_or_error(self.model))
         id2label = {int(k): v for k, v in self.model.config.id2label.items()}
-        self.labels = torch.tensor(label_ids(examples.labels, id2label, data_cfg.path), device=self.device)
+        self.labels = torch.tensor(label_ids(examples.labels, id2label, data_cfg.path, examples.row),
+                                   device=self.device)
         # Paired inputs (data.task: paired): the metric is the logit difference; the corrupted inputs are evaluated
         # under patch's denoising, the clean ones otherwise, and `other` holds each pair's other input.
         self.paired = data_cfg.paired
@@ -70,7 +71,8 @@ class ClassifierAdapter(PrefixReuseSwitch):
         self.evaluated, other = "clean", None
         if self.paired:
             assert examples.corrupted is not None and examples.wrong_labels is not None and examples.lines is not None
-            self.wrong = torch.tensor(label_ids(examples.wrong_labels, id2label, data_cfg.path), device=self.device)
+            self.wrong = torch.tensor(label_ids(examples.wrong_labels, id2label, data_cfg.path, examples.row),
+                                      device=self.device)
             same = (self.labels == self.wrong).nonzero()
             if len(same):
                 raise HeadsweepError(f"data file {data_cfg.path}: line {examples.lines[int(same[0])]}: answer and "

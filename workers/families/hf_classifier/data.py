@@ -1,20 +1,27 @@
 """Reading labelled classification data from TSV, CSV, JSONL or Parquet files.
 
 Text is read as text: the file's bytes are decoded with ``data.encoding`` (UTF-8 unless set)
-before pyarrow parses them, and the configured columns are read as strings (an id ``007`` stays
-``007``). What looks wrong but is not an error (empty texts, repeated inputs) is found here and
-counted (:func:`findings`), never changed.
+before they are parsed (TSV and CSV by pyarrow, JSONL line by line), and the configured columns are
+read as strings (an id ``007`` stays ``007``). What looks wrong but is not an error (empty texts,
+repeated inputs) is found here and counted (:func:`findings`), never changed.
+
+Messages name an example by its row of data, counted from 1, and in a text file by the line it is on
+as an editor counts lines: ``row 3 (line 4)`` in a TSV or CSV file (its first line is the header),
+``row 3 (line 3)`` in JSONL without blank lines, ``row 3`` in Parquet.
 """
 
 from __future__ import annotations
 
 import codecs
+import csv
+import io
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
-import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from headsweep.errors import HeadsweepError
@@ -27,6 +34,7 @@ from headsweep.workers.text_files import (
     check_max_examples,
     data_file,
     decode,
+    json_lines,
     read_bytes,
 )
 
@@ -34,12 +42,16 @@ FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".
 FORMAT_NAMES = ("tsv", "csv", "jsonl", "parquet")
 # How many rows a message names before it says how many more there are.
 SHOWN_ROWS = 5
+# Each delimited format's separator, as a message names it.
+SEPARATORS = {"tsv": ("\t", "tab"), "csv": (",", "comma")}
 
 
 @dataclass
 class ClassificationExamples:
-    """The examples in file order. Paired data (``data.task: paired``) also hold each pair's corrupted input, its
-    wrong answer and its line in the file; ``texts`` and ``labels`` are then the clean inputs and the answers."""
+    """The examples in file order. Paired data (``data.task: paired``) also hold each pair's corrupted input and
+    wrong answer; ``texts`` and ``labels`` are then the clean inputs and the answers. ``rows``: each example's row
+    of data in the file (from 1; None: the examples are rows 1, 2, ...); ``lines``: the line of the file it is on
+    (None: a Parquet file). Both are per-example lists, so a subset (``example_subset.at_positions``) keeps them."""
 
     ids: list[str]
     texts: list[str]
@@ -48,32 +60,108 @@ class ClassificationExamples:
     corrupted: list[str] | None = None
     wrong_labels: list[str] | None = None
     lines: list[int] | None = None
+    rows: list[int] | None = None
+
+    def row(self, i: int) -> str:
+        """Example ``i``'s row as messages name it (:func:`place`)."""
+        return place(i + 1 if self.rows is None else self.rows[i], None if self.lines is None else self.lines[i])
 
 
-def _utf8_source(path: Path, encoding: str) -> pa.BufferReader:
-    """The file as UTF-8 bytes for pyarrow, after a strict decode with ``encoding``."""
-    data, where = read_bytes(path)
-    text = decode(data, encoding, f"data file {path}", where=where)
+def place(row: int, line: int | None) -> str:
+    """A row of data (from 1) as messages name it: ``3 (line 4)``, or ``3`` in a file without lines (Parquet)."""
+    return str(row) if line is None else f"{row} (line {line})"
+
+
+@dataclass
+class _Read:
+    """A data file as read: its column names, its number of rows, the wanted columns' values in row order, and
+    the line each row is on (None: Parquet, a file without lines)."""
+
+    names: list[str]
+    n_rows: int
+    values: dict[str, list]
+    lines: list[int] | None
+
+
+def _utf8_source(data: bytes, text: str, encoding: str) -> pa.BufferReader:
+    """A file's bytes ``data`` as UTF-8 for pyarrow (``text``: ``data`` decoded with ``encoding``)."""
     if check_encoding(encoding) != "utf-8" or data.startswith(codecs.BOM_UTF8):
         data = text.encode("utf-8")  # transcoded, or the byte order mark dropped
     return pa.BufferReader(data)
 
 
-def _read_table(path: Path, fmt: str, cfg: ClassifierData, columns: list[str]) -> pa.Table:
+def _read(path: Path, fmt: str, cfg: ClassifierData, columns: list[str], key: str) -> _Read:
+    """The file ``path`` read as ``fmt``; ``columns``: the configured columns (read as text)."""
+    if fmt == "parquet":
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise HeadsweepError(f"cannot read data file {path} as parquet: {str(exc).splitlines()[0]}") from None
+        table = _decoded_binary(table, columns, cfg.encoding, path)
+        return _Read(table.column_names, table.num_rows, _columns(table, columns), None)
+    data, where = read_bytes(path)
+    text = decode(data, cfg.encoding, f"data file {path}", where=where)
+    if fmt == "jsonl":
+        return _read_jsonl(path, text, columns)
     as_text = pacsv.ConvertOptions(column_types={c: pa.string() for c in columns}, strings_can_be_null=False)
+    # TSV: quoting off, sentences hold quotes that are text, not CSV quoting (as in GLUE files).
+    options = (pacsv.ParseOptions(delimiter="\t", quote_char=False) if fmt == "tsv" else pacsv.ParseOptions())
     try:
-        if fmt == "parquet":
-            return _decoded_binary(pq.read_table(path), columns, cfg.encoding, path)
-        source = _utf8_source(path, cfg.encoding)
-        if fmt == "tsv":
-            # Quoting off: sentences hold quotes that are text, not CSV quoting (as in GLUE files).
-            return pacsv.read_csv(source, parse_options=pacsv.ParseOptions(delimiter="\t", quote_char=False),
-                                  convert_options=as_text)
-        if fmt == "csv":
-            return pacsv.read_csv(source, convert_options=as_text)
-        return pajson.read_json(source)
+        table = pacsv.read_csv(_utf8_source(data, text, cfg.encoding), parse_options=options,
+                               convert_options=as_text)
     except (pa.ArrowInvalid, OSError) as exc:
+        _check_separator(path, fmt, text, cfg, key)
         raise HeadsweepError(f"cannot read data file {path} as {fmt}: {str(exc).splitlines()[0]}") from None
+    if any(c not in table.column_names for c in columns):
+        _check_separator(path, fmt, text, cfg, key)
+    return _Read(table.column_names, table.num_rows, _columns(table, columns), _row_lines(text, fmt))
+
+
+def _columns(table: pa.Table, columns: list[str]) -> dict[str, list]:
+    return {c: table.column(c).to_pylist() for c in columns if c in table.column_names}
+
+
+def _read_jsonl(path: Path, text: str, columns: list[str]) -> _Read:
+    """One JSON object per line (blank lines skipped): the column names are the fields the objects have, in the
+    order they first appear; a field an object lacks is empty (None) in its row."""
+    records = json_lines(text, f"data file {path}")
+    for number, record in records:
+        if not isinstance(record, dict):
+            raise HeadsweepError(f"data file {path}: line {number} is a JSON {type(record).__name__}, not an object "
+                                 f"with the columns ({', '.join(map(repr, columns))})")
+    names = list(dict.fromkeys(name for _, record in records for name in record))  # type: ignore[union-attr]
+    values = {c: [record.get(c) for _, record in records] for c in columns if c in names}  # type: ignore[union-attr]
+    return _Read(names, len(records), values, [number for number, _ in records])
+
+
+def _check_separator(path: Path, fmt: str, text: str, cfg: ClassifierData, key: str) -> None:
+    """A header line without the format's separator but with the other format's: the file is the other format
+    (a comma-separated file read as tsv yields one column named after the whole header line)."""
+    header = next((line for line in re.split(r"\r\n|\r|\n", text) if line), "")
+    other = "csv" if fmt == "tsv" else "tsv"
+    (own, own_name), (other_sep, other_name) = SEPARATORS[fmt], SEPARATORS[other]
+    if own not in header and other_sep in header:
+        told = f"{key}.format" if cfg.format else f"its {Path(cfg.path).suffix} suffix"
+        raise HeadsweepError(f"data file {path} is read as {fmt} ({told}) but its header line has no {own_name} and "
+                             f"looks {other_name}-separated: set {key}.format={other}")
+
+
+def _row_lines(text: str, fmt: str) -> list[int]:
+    """The line (from 1) each data row of a TSV or CSV file starts on, as pyarrow's reader takes rows: the first
+    non-empty line is the header, empty lines are skipped, lines end at ``\\n``, ``\\r\\n`` or ``\\r``, and in CSV
+    a quoted value may hold line breaks."""
+    if fmt == "csv" and '"' in text:
+        reader = csv.reader(io.StringIO(text, newline=""))
+        starts, end = [], 0
+        try:
+            for record in reader:
+                if record:
+                    starts.append(end + 1)
+                end = reader.line_num
+            return starts[1:]
+        except csv.Error:
+            pass  # a value Python's reader refuses (over its field size limit): count lines as TSV does
+    return [n for n, line in enumerate(re.split(r"\r\n|\r|\n", text), 1) if line][1:]
 
 
 def _decoded_binary(table: pa.Table, columns: list[str], encoding: str, path: Path) -> pa.Table:
@@ -91,7 +179,7 @@ def _decoded_binary(table: pa.Table, columns: list[str], encoding: str, path: Pa
                 values[row] = None if value is None else value.decode(codec)
             except UnicodeDecodeError as exc:
                 raise HeadsweepError(
-                    f"data file {path}: column {name!r} row {row} is not valid {encoding} text (byte "
+                    f"data file {path}: column {name!r} row {row + 1} is not valid {encoding} text (byte "
                     f"0x{value[exc.start]:02x} at byte offset {exc.start} of the value): set data.encoding to "
                     "the text's encoding (e.g. latin-1 or cp1252), or fix the file"
                 ) from None
@@ -125,14 +213,20 @@ def check_data(cfg: ClassifierData, key: str = "data") -> Path:
     return path
 
 
-def rows_text(rows: list[int]) -> str:
-    """``row 3`` or ``rows 3, 7 and 9`` (0-based rows of data, as example positions count), the first few named."""
+def row_number(i: int) -> str:
+    """Example ``i`` (from 0) as messages name its row where nothing more is known: ``i + 1``."""
+    return place(i + 1, None)
+
+
+def rows_text(rows: Sequence[int], name: Callable[[int], str] = row_number) -> str:
+    """``row 3 (line 4)`` or ``rows 3 (line 4), 7 (line 8) and 9 (line 10)``, the first few named: ``rows`` are
+    example positions (from 0), ``name`` says each as the file's row (``ClassificationExamples.row``)."""
     if len(rows) == 1:
-        return f"row {rows[0]}"
-    shown = ", ".join(map(str, rows[:SHOWN_ROWS]))
+        return f"row {name(rows[0])}"
+    shown = [name(r) for r in rows[:SHOWN_ROWS]]
     if len(rows) > SHOWN_ROWS:
-        return f"rows {shown} and {len(rows) - SHOWN_ROWS} more"
-    return f"rows {shown.rsplit(', ', 1)[0]} and {rows[-1]}"
+        return f"rows {', '.join(shown)} and {len(rows) - SHOWN_ROWS} more"
+    return f"rows {', '.join(shown[:-1])} and {shown[-1]}"
 
 
 def read_examples(cfg: ClassifierData, key: str = "data") -> ClassificationExamples:
@@ -143,52 +237,59 @@ def read_examples(cfg: ClassifierData, key: str = "data") -> ClassificationExamp
         return ClassificationExamples(ids=[f"p{i}" for i in range(len(pairs))], texts=[p.clean for p in pairs],
                                       text_pairs=None, labels=[p.answer for p in pairs],
                                       corrupted=[p.corrupted for p in pairs],
-                                      wrong_labels=[p.wrong_answer for p in pairs], lines=[p.line for p in pairs])
+                                      wrong_labels=[p.wrong_answer for p in pairs], lines=[p.line for p in pairs],
+                                      rows=list(range(1, len(pairs) + 1)))
     fmt = data_format(cfg, key)
     keys = {"text_column": cfg.text_column, "text_pair_column": cfg.text_pair_column,
             "label_column": cfg.label_column, "id_column": cfg.id_column}
     wanted = [c for c in keys.values() if c]
-    table = _read_table(path, fmt, cfg, wanted)
-    missing = [(name, c) for name, c in keys.items() if c and c not in table.column_names]
+    read = _read(path, fmt, cfg, wanted, key)
+    if not read.names:  # a JSONL file of blank lines
+        raise HeadsweepError(f"data file {path} has no examples")
+    missing = [(name, c) for name, c in keys.items() if c and c not in read.names]
     if missing:
         name, c = missing[0]
         raise HeadsweepError(
-            f"data file {path} has no column {c!r} (columns: {', '.join(table.column_names)}); "
+            f"data file {path} has no column {c!r} (columns: {', '.join(read.names)}); "
             f"set {key}.{name} to one of them"
         )
-    if cfg.max_examples is not None:
-        table = table.slice(0, cfg.max_examples)
-    if table.num_rows == 0:
+    n = read.n_rows if cfg.max_examples is None else min(read.n_rows, cfg.max_examples)
+    if n == 0:
         raise HeadsweepError(f"data file {path} has no examples")
+    lines = None if read.lines is None else read.lines[:n]
+
+    def row(i: int) -> str:
+        return place(i + 1, None if lines is None else lines[i])
 
     def column(name: str, text: bool = False) -> list[str]:
-        values = table.column(name).to_pylist()
+        values = read.values[name][:n]
         if name == cfg.label_column:
             empty = [i for i, v in enumerate(values) if v is None or (isinstance(v, str) and not v.strip())]
             if empty:
-                raise HeadsweepError(f"data file {path}: empty label in {rows_text(empty)} (column {name!r}): "
+                raise HeadsweepError(f"data file {path}: empty label in {rows_text(empty, row)} (column {name!r}): "
                                      "every example needs its label")
         if any(v is None for v in values):
-            row = values.index(None)
-            raise HeadsweepError(f"data file {path}: column {name!r} is empty in row {row}")
+            raise HeadsweepError(f"data file {path}: column {name!r} is empty in row {row(values.index(None))}")
         if text:
             odd = next((i for i, v in enumerate(values) if isinstance(v, (list, dict, bytes))), None)
             if odd is not None:
                 raise HeadsweepError(f"data file {path}: column {name!r} holds a {type(values[odd]).__name__}, "
-                                     f"not text, in row {odd}")
+                                     f"not text, in row {row(odd)}")
         return [str(v) for v in values]
 
-    ids = column(cfg.id_column) if cfg.id_column else [str(i) for i in range(table.num_rows)]
-    _check_unique(ids, cfg.id_column, path)
+    ids = column(cfg.id_column) if cfg.id_column else [str(i) for i in range(n)]
+    _check_unique(ids, cfg.id_column, path, row)
     return ClassificationExamples(
         ids=ids,
         texts=column(cfg.text_column, text=True),
         text_pairs=column(cfg.text_pair_column, text=True) if cfg.text_pair_column else None,
         labels=column(cfg.label_column),
+        lines=lines,
+        rows=list(range(1, n + 1)),
     )
 
 
-def _check_unique(ids: list[str], id_column: str | None, path: Path) -> None:
+def _check_unique(ids: list[str], id_column: str | None, path: Path, row_of: Callable[[int], str]) -> None:
     """Example ids key the stored per-example rows (and resuming a run): a repeated id is refused."""
     first: dict[str, int] = {}
     repeated = []
@@ -201,14 +302,16 @@ def _check_unique(ids: list[str], id_column: str | None, path: Path) -> None:
         example_id, a, b = repeated[0]
         raise HeadsweepError(
             f"data file {path}: column {id_column!r} has {len(repeated)} duplicate ids (first: {example_id!r} "
-            f"in rows {a} and {b}): example ids must be unique, they key the stored per-example results"
+            f"in {rows_text([a, b], row_of)}): example ids must be unique, they key the stored per-example results"
         )
 
 
-def label_ids(raw: list[str], id2label: dict[int, str], path: str) -> list[int]:
+def label_ids(raw: list[str], id2label: dict[int, str], path: str,
+              row_of: Callable[[int], str] = row_number) -> list[int]:
     """Map the file's labels (``raw``, in row order) onto the model's label ids: every label a label name, or
-    every label an id in range; else one line naming the labels (quoted) that are neither, with their rows, or
-    the two ways of writing a label the file mixes.
+    every label an id in range; else one line naming the labels (quoted) that are neither, with their rows
+    (``row_of``: how a message names example ``i``'s row, ``ClassificationExamples.row``), or the two ways of
+    writing a label the file mixes.
 
     A label that is both a name and an id means two labels where ``id2label`` names its labels with other ids'
     numbers (``{0: "1", 1: "0"}``): which one the file means cannot be told, so it is refused
@@ -219,7 +322,7 @@ def label_ids(raw: list[str], id2label: dict[int, str], path: str) -> list[int]:
     ids = [_as_id(r, n) for r in raw]
     if all(r in names for r in raw):
         if all(i is not None for i in ids):
-            _check_numeric_names(raw, names, id2label, path)
+            _check_numeric_names(raw, names, id2label, path, row_of)
         return [names[r] for r in raw]
     if all(i is not None for i in ids):
         return ids
@@ -229,7 +332,8 @@ def label_ids(raw: list[str], id2label: dict[int, str], path: str) -> list[int]:
         if i is None and label not in names:
             outside.setdefault(label, []).append(row)
     if outside:
-        shown = ", ".join(f"{label!r} ({rows_text(rows)})" for label, rows in list(outside.items())[:SHOWN_ROWS])
+        shown = ", ".join(f"{label!r} in {rows_text(rows, row_of)}"
+                          for label, rows in list(outside.items())[:SHOWN_ROWS])
         more = f" and {len(outside) - SHOWN_ROWS} more" if len(outside) > SHOWN_ROWS else ""
         raise HeadsweepError(f"data file {path}: labels outside the model's label set: {shown}{more} "
                              f"(model labels: {known})")
@@ -237,12 +341,13 @@ def label_ids(raw: list[str], id2label: dict[int, str], path: str) -> list[int]:
     name_row = next(row for row, i in enumerate(ids) if i is None)
     id_row = next(row for row, r in enumerate(raw) if r not in names)
     raise HeadsweepError(
-        f"data file {path}: labels mix label names and label ids: {raw[name_row]!r} (row {name_row}) is a name, "
-        f"{raw[id_row]!r} (row {id_row}) an id; write every label one way (model labels: {known})"
+        f"data file {path}: labels mix label names and label ids: {raw[name_row]!r} in row {row_of(name_row)} is a "
+        f"name, {raw[id_row]!r} in row {row_of(id_row)} an id; write every label one way (model labels: {known})"
     )
 
 
-def _check_numeric_names(raw: list[str], names: dict[str, int], id2label: dict[int, str], path: str) -> None:
+def _check_numeric_names(raw: list[str], names: dict[str, int], id2label: dict[int, str], path: str,
+                         row_of: Callable[[int], str]) -> None:
     """One line naming the first label of ``raw`` that, as a label name, is another id than the number it writes
     (every label of ``raw`` is both a name and an id)."""
     crossed = [r for r in dict.fromkeys(raw) if names[r] != int(r)]
@@ -252,9 +357,10 @@ def _check_numeric_names(raw: list[str], names: dict[str, int], id2label: dict[i
     rows = [row for row, r in enumerate(raw) if r == label]
     known = ", ".join(f"{i}={name!r}" for i, name in sorted(id2label.items()))
     raise HeadsweepError(
-        f"data file {path}: label {label!r} ({rows_text(rows)}) is ambiguous: as a label id it is {int(label)}, as a "
-        f"label name id {names[label]} (the model's id2label: {known}); rename the labels in the model's config.json "
-        "(id2label and label2id) to names that are not numbers, then write the file's labels as those names or as ids"
+        f"data file {path}: label {label!r} ({rows_text(rows, row_of)}) is ambiguous: as a label id it is "
+        f"{int(label)}, as a label name id {names[label]} (the model's id2label: {known}); rename the labels in the "
+        "model's config.json (id2label and label2id) to names that are not numbers, then write the file's labels as "
+        "those names or as ids"
     )
 
 
