@@ -4,7 +4,7 @@ PIP ?= $(PYTHON) -m pip
 # The CPU wheel here; on a GPU cluster `make install TORCH_SPEC=torch==2.13.0` from the CUDA index works the same.
 TORCH_SPEC ?= torch==2.13.0
 FAIRSEQ_SPEC ?= fairseq-fixed==0.12.3.1
-# Known-good versions: every other package at the version the test suite was last run with (README, "Set-up").
+# Known-good versions: every other package at the version the test suite was last run with (docs/development.md).
 # `make install CONSTRAINTS=` installs without them: the newest versions pyproject.toml allows.
 CONSTRAINTS ?= constraints.txt
 CONSTRAIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
@@ -24,7 +24,7 @@ endif
 	$(PIP) install $(CONSTRAIN) "$(TORCH_SPEC)"
 	$(PIP) install $(CONSTRAIN) -e ".[fairseq,dev]"
 	# fairseq-fixed without its dependencies: its torchaudio requirement pulls a CUDA build that breaks
-	# transformers (see README), and without build isolation so its C++ extensions build against our torch.
+	# transformers (see docs/development.md), and without build isolation so its C++ extensions build against our torch.
 	$(PYTHON) -c "import fairseq" 2>/dev/null || \
 		$(PIP) install $(CONSTRAIN) --no-deps --no-build-isolation "$(FAIRSEQ_SPEC)"
 
@@ -34,7 +34,7 @@ endif
 constraints:
 	{ echo "# python $$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')"; \
 	  echo "# Known-good versions: what the test suite was last run with. Written by make constraints"; \
-	  echo "# (README, Set-up); torch and fairseq-fixed are pinned in the Makefile (TORCH_SPEC, FAIRSEQ_SPEC)."; \
+	  echo "# (docs/development.md); torch and fairseq-fixed are pinned in the Makefile (TORCH_SPEC, FAIRSEQ_SPEC)."; \
 	  $(PIP) freeze --exclude-editable | grep -viE '^(torch|fairseq-fixed|headsweep)[ =@]'; } > constraints.txt.new
 	@if grep -n ' @ ' constraints.txt.new; then \
 		echo "constraints: the lines above are installed from a path or URL, not a registry version" >&2; \

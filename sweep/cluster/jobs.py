@@ -12,7 +12,7 @@ keeping their relative layout) becomes the job's runtime_env ``working_dir``. Th
 here first (unknown keys, bad overrides), so a typo fails in a second instead of in the job's logs.
 Everything else in the config is read on the cluster, by the cluster: model and data paths are not
 uploaded (a model is gigabytes). On the cluster the job's working directory is the uploaded folder,
-so, by the README's rule (relative to the config file when the path exists there, otherwise to the
+so, by the config rule (docs/configuration.md: relative to the config file when the path exists there, otherwise to the
 working directory), a relative ``model.path`` or ``data.path`` resolves inside that folder and finds
 nothing: in a submitted config, name models and data by absolute paths on the cluster's shared
 volume (e.g. ``/mnt/headsweep/models/...``) or by URIs.

@@ -27,7 +27,7 @@ A kind declares its parts; registering it adds them to the run's config, the res
 
 A kind with more than one module is a folder (``roles/``, ``importance/``, ``pairs/``, ``l0/``): the kind
 (``kind.py``), its settings, its tables and views, its report part, and worker-side code that imports only
-``headsweep.workers`` and ``headsweep.results``. The README's "Adding an experiment kind" shows one.
+``headsweep.workers`` and ``headsweep.results``. docs/development.md, "Adding an experiment kind", shows one.
 
 Everything else has a default: ``needs(cfg)`` (kinds whose results it reads: they run first and
 join the run when it does not list them), ``implied(cfg)`` (other config keys ask for it),

@@ -65,7 +65,7 @@ SCREENED_OUT, COMPLETED = "screened_out", "completed"
 MIN_EXAMPLES = 20  # fewer examples than this make a bootstrap interval meaningless
 RULES = ("equivalence", "futility")
 # fraction None: the rule's own (DEFAULT_FRACTION); futility needs a larger subset to tell null heads from heads
-# at the significance boundary (see the README's table of what each fraction screens out)
+# at the significance boundary (see the table in docs/statistics.md of what each fraction screens out)
 DEFAULT_FRACTION = {"equivalence": 0.2, "futility": 0.4}
 # rule None: equivalence when a margin is given, futility otherwise (no setting is required)
 DEFAULTS = {"fraction": None, "rule": None, "equivalence": None, "miss": 0.05, "confidence": 0.99,

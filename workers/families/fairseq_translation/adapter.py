@@ -209,7 +209,7 @@ class TranslationAdapter:
         for k in draws:
             n_draws += 1
             hyps = self.translate(masks)
-            # The teacher-forced pass costs 13-28% of a beam search (measured, see README): only when asked.
+            # The teacher-forced pass costs 13-28% of a beam search (measured, see bench/README.md): only when asked.
             losses = self.reference_loss(masks) if self.runtime.loss else [None] * len(masks)
             for m, (mask_hyps, loss) in enumerate(zip(hyps, losses, strict=True)):
                 outputs = [h.text for h in mask_hyps]
