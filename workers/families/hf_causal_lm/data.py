@@ -1,7 +1,7 @@
 """The perplexity corpus: reading its text, and cutting the token sequence into scored windows.
 
 The convention is documented on :class:`~headsweep.workers.families.hf_causal_lm.config.CausalLMData`
-and in the README ("Perplexity: the convention"); :func:`plan_windows` is its one implementation.
+and in docs/families.md ("Perplexity: the convention"); :func:`plan_windows` is its one implementation.
 """
 
 from __future__ import annotations
