@@ -35,6 +35,25 @@ def alive_nodes() -> list[NodeResources]:
     ]
 
 
+@dataclass(frozen=True)
+class WorkerAsk:
+    """What each worker asks of the cluster (``sweep.num_cpus_per_worker``, ``sweep.num_gpus_per_worker``)."""
+
+    cpus: float
+    gpus: float
+
+    def fits_now(self) -> bool:
+        """Whether the cluster has what one more worker asks free now (else workers not placed wait for it)."""
+        free = ray.available_resources()
+        return free.get("CPU", 0.0) >= self.cpus and (self.gpus <= 0 or free.get("GPU", 0.0) >= self.gpus)
+
+    def describe(self) -> str:
+        """``each worker asks 1 CPU and 0 GPU; the cluster has 2.5 CPUs and 0 GPUs free``."""
+        free = ray.available_resources()
+        return (f"each worker asks {self.cpus:g} CPU and {self.gpus:g} GPU; the cluster has "
+                f"{free.get('CPU', 0.0):g} CPUs and {free.get('GPU', 0.0):g} GPUs free")
+
+
 def workers_per_node(node: NodeResources, cpus: float, gpus: float) -> int:
     """How many workers asking ``cpus`` and ``gpus`` fit on ``node``."""
     fits = int(node.cpus // cpus) if cpus > 0 else 10**9
@@ -55,10 +74,12 @@ def check_placement(cfg: Config, nodes: list[NodeResources]) -> None:
     total_gpus = sum(n.gpus for n in nodes)
     want_cpus = s.workers * s.num_cpus_per_worker
     if want_cpus > total_cpus - CPU_HEADROOM and not s.wait_for_resources:
+        fit = int((total_cpus - CPU_HEADROOM) // s.num_cpus_per_worker)
+        fewer = f"sweep.workers={fit}" if fit >= 1 else "fewer workers"
         raise HeadsweepError(
             f"sweep.workers x sweep.num_cpus_per_worker = {s.workers} x {s.num_cpus_per_worker:g} CPUs would hold "
             f"{'more than ' if want_cpus > total_cpus else ''}all {total_cpus:g} CPUs of the Ray cluster; leave at "
-            f"least {CPU_HEADROOM:g} free for Ray's own tasks and the significance tests (fewer workers or a "
+            f"least {CPU_HEADROOM:g} free for Ray's own tasks and the significance tests ({fewer} or a "
             "smaller sweep.num_cpus_per_worker)"
         )
     if s.num_gpus_per_worker <= 0 or s.wait_for_resources:

@@ -225,15 +225,3 @@ class WorkerPool:
         for a in self.actors:
             ray.kill(a)
         self.actors.clear()
-
-
-def wait_until_placed(refs: list, names: list[str], timeout_s: float, describe: Callable[[], str]) -> list:
-    """Results of the workers' ``load`` calls, or an error naming what the cluster lacks after ``timeout_s``."""
-    ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    if waiting:
-        missing = [names[refs.index(r)] for r in waiting]
-        raise HeadsweepError(
-            f"{len(missing)} of {len(refs)} workers did not start within {timeout_s:g} s "
-            f"(sweep.placement_timeout_s): {describe()}"
-        )
-    return [get(r) for r in refs]

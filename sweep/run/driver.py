@@ -21,7 +21,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.schema import COMPLETE, FAILED, INTERRUPTED, PARTIAL, RUNNING
 from headsweep.results.store import ResultStore
 from headsweep.sweep import experiments
-from headsweep.sweep.cluster.placement import alive_nodes, check_placement
+from headsweep.sweep.cluster.placement import WorkerAsk, alive_nodes, check_placement
 from headsweep.sweep.cluster.ray_session import init_ray, resolve_device
 from headsweep.sweep.configuration.ablation import averaged_outcomes
 from headsweep.sweep.configuration.sections import Config
@@ -30,7 +30,7 @@ from headsweep.sweep.run.ablation_values import ablation_spec
 from headsweep.sweep.run.budget import BudgetReached, SessionBudget
 from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.context import Context
-from headsweep.sweep.run.dispatch import WorkerPool, log, unwrap, wait_until_placed
+from headsweep.sweep.run.dispatch import WorkerPool, log, unwrap
 from headsweep.sweep.run.fill import fetch_fill
 from headsweep.sweep.run.memory import check_memory
 from headsweep.sweep.run.runs import (
@@ -44,6 +44,7 @@ from headsweep.sweep.run.runs import (
     stored_results,
 )
 from headsweep.sweep.run.screening import Screening
+from headsweep.sweep.run.worker_start import wait_for_workers
 from headsweep.sweep.statistics.significance_runner import tests_for
 from headsweep.workers.actor import EvalWorker
 from headsweep.workers.checks import model_heads_on_worker
@@ -104,13 +105,13 @@ class Sweep:
             for name in names
         ]
         pool = WorkerPool(actors, names, max_retries=s.max_retries)
-        want = f"each worker asks {s.num_cpus_per_worker:g} CPU and {s.num_gpus_per_worker:g} GPU"
         try:
-            infos = wait_until_placed(
-                [a.load.remote() for a in actors], names, s.placement_timeout_s,
-                lambda: f"{want}; the cluster has {ray.available_resources()} free",
-            )
-            pool.names = ray.get([a.where.remote() for a in actors])
+            # `where` answers once Ray placed a worker and started its process, before its model loads (an actor
+            # runs its calls in order): the wait can say which workers are loading and which wait.
+            started = [a.where.remote() for a in actors]
+            infos = wait_for_workers([a.load.remote() for a in actors], started, s.placement_timeout_s,
+                                     WorkerAsk(s.num_cpus_per_worker, s.num_gpus_per_worker))
+            pool.names = ray.get(started)
         except (RayTaskError, RayActorError, HeadsweepError) as exc:
             pool.stop()
             cause = unwrap(exc)

@@ -32,6 +32,10 @@ What it is not counted to need, and why:
 * the worker process itself: Ray, torch and transformers imported take about 0.3 GiB (VmRSS measured with torch
   2.13 and transformers 5.23), small beside the weights of the models this check is for.
 
+The number of workers a refusal recommends is also held to what the machine's CPUs run at once (``machine_cpus``
+over ``sweep.num_cpus_per_worker``): memory for 18 workers on a 2-CPU machine is no reason to start 18, which load
+their models in turn and run no faster than 2.
+
 The memory compared with is ``MemAvailable`` (free memory and what the kernel can reclaim), capped by
 ``sweep.memory_limit_gib`` (a user's share of a shared box); for ``sweep.device=cuda`` also each visible GPU's
 free memory as ``nvidia-smi`` reports it (the driver imports no torch: initialising CUDA here would hold GPU
@@ -122,22 +126,37 @@ def check_host(cfg: Config, need: Need, model: Any) -> None:
     if need.activations:
         parts += f" and the {gib(need.activations)} activation budget of a forward pass"
     copy = " with the efficiency experiment's pruned copy of the weights" if need.pruned_copy else ""
+    fixes = remedies(need, s.workers, have, limited=limit is not None, cpus=machine_cpus(),
+                     cpus_per_worker=s.num_cpus_per_worker)
     raise HeadsweepError(
         f"{workers(s.workers)} cannot hold this model: its weights take {gib(need.weights)}{dtype_note(model)}, each "
         f"worker needs about {gib(need.per_worker)} ({parts}), {gib(need.total(s.workers))} in all{copy}, and "
-        f"{gib(have)} is available ({source}): {remedies(need, s.workers, have, limited=limit is not None)}"
+        f"{gib(have)} is available ({source}): {fixes}"
     )
 
 
-def remedies(need: Need, asked: int, have: int, limited: bool) -> str:
-    """What to change so that the workers fit in ``have`` bytes: fewer workers (as many as fit), bfloat16 weights
-    (where more workers fit so), more memory (``limited``: a larger ``sweep.memory_limit_gib``)."""
+def machine_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or ``taskset``'s share), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def remedies(need: Need, asked: int, have: int, limited: bool, cpus: int | None = None,
+             cpus_per_worker: float = 1.0) -> str:
+    """What to change so that the workers fit in ``have`` bytes: fewer workers (as many as fit, and no more than
+    ``cpus`` CPUs run at once at ``cpus_per_worker`` each), bfloat16 weights (where more workers fit so), more
+    memory (``limited``: a larger ``sweep.memory_limit_gib``)."""
     options = []
-    fit = need.fit(have)
+    in_memory = need.fit(have)
+    runs = max(1, math.floor(cpus / cpus_per_worker + 1e-9)) if cpus else asked
+    fit = min(in_memory, runs)
     if 1 <= fit < asked:
-        options.append(f"sweep.workers={fit}")
+        why = f" (what the machine's {cpus} CPUs run at once; {in_memory} fit in memory)" if fit < in_memory else ""
+        options.append(f"sweep.workers={fit}{why}")
     if need.bfloat16 is not None:
-        fit_half = min(asked, need.fit(have, need.bfloat16))
+        fit_half = min(asked, runs, need.fit(have, need.bfloat16))
         if fit_half > fit:
             fewer = f" with sweep.workers={fit_half}" if fit_half < asked else ""
             options.append(f"model.dtype: bfloat16{fewer} (weights {gib(need.bfloat16)})")
