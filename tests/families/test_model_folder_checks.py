@@ -5,7 +5,7 @@ Through the real CLI (exit 2, the one line the user reads, no traceback, no stor
 tiny models by editing a copy: a BERT classifier whose config says 2 layers beside weights of 3, a Llama whose
 config says 4 query heads beside weights of 8, a classifier whose ``id2label`` swaps the numbers 0 and 1, and a
 paired answer that encodes to ``<unk>``. In-process: the same checks' other sides (weights of fewer layers than the
-config, what transformers itself leaves out of the count, numeric label names that read one way only).
+config, what transformers and the check leave out of the count, numeric label names that read one way only).
 """
 
 from __future__ import annotations
@@ -152,6 +152,28 @@ def test_what_transformers_leaves_out_still_loads(tmp_path):
     with pytest.raises(HeadsweepError, match=r"1 of their tensors have no place in the GPT2LMHeadModel it describes "
                                              r"and would be dropped \(transformer\.h\.0\.attn\.extra\.weight\)"):
         load_causal_lm(CausalLMModel(path=str(folder)), "cpu")
+
+
+def test_a_pooler_beside_a_classifier_without_one_loads(tmp_path):
+    """RoBERTa's classifier pools with its own head: a pretrained model's pooler kept in its weights changes nothing
+    it computes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tiny_models import build_lm_tokenizer, tiny_classifier
+
+    from headsweep.workers.families.hf_classifier.config import ClassifierModel
+    from headsweep.workers.families.hf_classifier.model import load_classifier_model
+
+    folder = tmp_path / "roberta"
+    tiny_classifier("roberta").save_pretrained(folder)
+    build_lm_tokenizer().save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    assert not any("pooler" in k for k in weights)
+    weights |= {"roberta.pooler.dense.weight": torch.ones(32, 32), "roberta.pooler.dense.bias": torch.ones(32)}
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    model = load_classifier_model(ClassifierModel(path=str(folder)), "cpu").model
+    assert model.roberta.pooler is None and torch.equal(model.classifier.dense.weight,
+                                                        weights["classifier.dense.weight"])
 
 
 def test_numeric_label_names_that_read_one_way():

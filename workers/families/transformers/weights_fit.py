@@ -10,8 +10,10 @@ ignore_mismatched_sizes=True)`` returns and refuses any of the three in one line
 The rule: every tensor of the weights is used and every tensor the model needs is loaded, except where transformers
 itself knows better and leaves a key out of its report: a tied weight (``lm_head.weight`` with
 ``tie_word_embeddings``) is the tensor it is tied to, and buffers it computes instead of loading (``position_ids``,
-rotary ``inv_freq``, GPT-2's causal ``attn.bias`` mask) are not weights. GPT-2 folders saved by transformers 2 to 4
-also hold ``attn.masked_bias``, a constant (-1e4) no current model has: ignored as well. A classification or
+rotary ``inv_freq``, GPT-2's causal ``attn.bias`` mask) are not weights. Two more are left out here, as they
+cannot change what the model computes: ``attn.masked_bias``, a constant (-1e4) GPT-2 folders saved by transformers
+2 to 4 hold, and a pooler beside a model that has none (RoBERTa's, ELECTRA's classifiers pool with their own head;
+their checkpoints converted or fine-tuned from a pretrained model often keep its pooler). A classification or
 language-model head the weights lack is refused before this, as the wrong kind of folder
 (:func:`.architecture.check_loaded_weights`): a head of random numbers is nothing to sweep.
 
@@ -35,6 +37,7 @@ SHOWN_KEYS = 3  # tensors named in the error line (the count is complete)
 FIX = "correct config.json, or use the config.json saved with these weights"
 # Constant buffers of older saves that no current model holds (GPT-2 under transformers 2 to 4: -1e4 each layer).
 CONSTANT_BUFFERS = re.compile(r"(^|\.)attn\.masked_bias$")
+POOLER = re.compile(r"(^|\.)pooler\.")
 LAYER_INDEX = re.compile(r"\.(?:layer|layers|h|block|blocks)\.(\d+)\.")
 LAYER_SETTINGS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 # What sets an attention tensor's shape, as config.json names it (BERT/Llama-style, GPT-2, DistilBERT).
@@ -65,7 +68,10 @@ def check_weights_fit(model_dir: Path, config: Mapping[str, Any], model: Any,
                                  f"{shape(saved)}{held_heads(key, saved, config)}{more}; {FIX}")
         raise HeadsweepError(f"{where}: the {name} it describes has {key} {shape(built)}, but the weights' is "
                              f"{shape(saved)}{more}; {FIX}")
-    unexpected = sorted((k for k in loading_info.get("unexpected_keys") or [] if not CONSTANT_BUFFERS.search(k)),
+    unused = [CONSTANT_BUFFERS]
+    if getattr(getattr(model, "base_model", None), "pooler", None) is None:
+        unused.append(POOLER)
+    unexpected = sorted((k for k in loading_info.get("unexpected_keys") or [] if not any(u.search(k) for u in unused)),
                         key=natural)
     if unexpected:
         raise HeadsweepError(f"{where}{layers_note(config, unexpected)}: {len(unexpected)} of their tensors have no "
