@@ -11,21 +11,26 @@ smaller (``batch_size``) so that the end of every phase is shared by all workers
 queueing behind the first one.
 
 Fault tolerance: actors are created with ``max_restarts``, so Ray restarts a worker whose
-process or node dies; the calls it had in flight fail with ``RayActorError`` and their units
-go back to the front of the queue, preferably to another worker. A batch is retried at most
-``max_retries`` times; after that, or when every worker is gone for good, the sweep stops with
-an error that names the evaluations (those already stored stay, and a rerun resumes).
+process or node dies; the calls it had in flight fail with ``RayActorError`` (or, for a result
+that finished on a node lost before the driver fetched it, ``ObjectLostError``) and their units
+go back to the front of the queue, preferably to another worker. While Ray places a worker
+again (its node lost: some seconds) it answers ``ActorUnavailableError``; the pool waits up to
+``restart_wait_s`` for it and then uses it again, and only a worker Ray gave up on (or one
+still not back by then) is gone for good. A batch is retried at most ``max_retries`` times;
+after that, or when every worker is gone for good, the sweep stops with an error that names the
+evaluations (those already stored stay, and a rerun resumes).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.work import WorkUnit
@@ -36,6 +41,10 @@ CALLS_IN_FLIGHT_PER_WORKER = 2
 DEFAULT_UNITS_PER_CALL = 8
 # How long a lost worker may take to come back (Ray restarts it) before it is given up.
 RESTART_WAIT_S = 120.0
+# How often a restarting worker is asked whether it is back.
+RESTART_POLL_S = 0.2
+# A call's failures that mean its worker (or the node holding its result) was lost, not that the work failed.
+LOST = (RayActorError, ObjectLostError)
 
 
 def log(message: str) -> None:
@@ -124,10 +133,11 @@ class WorkerPool:
         what = getattr(fn, "__name__", str(fn))
         for attempt in range(self.max_retries + 1):
             i = self.live()[0]
+            sent_to = self.names[i]
             try:
                 return get(self.actors[i].run.remote(fn, *args))
-            except RayActorError as exc:
-                self._lost(i, exc, f"its {what} call", attempt + 1)
+            except LOST as exc:
+                self._lost(i, exc, f"its {what} call", attempt + 1, sent_to)
         raise HeadsweepError(f"{what} failed on {self.max_retries + 1} workers in a row: each worker was lost")
 
     def stream(self, units: Sequence[WorkUnit], per_call: int) -> Iterator[tuple[WorkUnit, Any, str]]:
@@ -154,7 +164,7 @@ class WorkerPool:
                 else:
                     n = batch_size(len(queue), per_call, sum(self.alive), self.calls_in_flight)
                     batch, attempts = [queue.popleft() for _ in range(n)], 0
-                pending[self.actors[i].evaluate.remote(batch)] = (i, batch, attempts)
+                pending[self.actors[i].evaluate.remote(batch)] = (i, batch, attempts, self.names[i])
                 self.busy[i] += 1
             if not pending:
                 raise HeadsweepError(
@@ -163,17 +173,17 @@ class WorkerPool:
                     "are kept: rerun the same command to resume"
                 )
             [ref], _ = ray.wait(list(pending), num_returns=1)
-            i, batch, attempts = pending.pop(ref)
+            i, batch, attempts, sent_to = pending.pop(ref)
             self.busy[i] -= 1
             try:
                 results = get(ref)
-            except RayActorError as exc:
+            except LOST as exc:
                 if attempts >= self.max_retries:
                     raise HeadsweepError(
                         f"{len(batch)} evaluations failed {attempts + 1} times, their worker lost each time "
                         f"(last: {type(exc).__name__}): {name_units(batch)}"
                     ) from None
-                self._lost(i, exc, f"{len(batch)} evaluations", attempts + 2)
+                self._lost(i, exc, f"{len(batch)} evaluations", attempts + 2, sent_to)
                 retry.append((batch, attempts + 1, i))
                 if self.alive[i]:
                     slots.append(i)
@@ -196,11 +206,16 @@ class WorkerPool:
                 return i
         return slots.popleft()
 
-    def _lost(self, i: int, exc: BaseException, what: str, attempt: int) -> None:
-        """Worker ``i`` died under ``what``: wait for Ray to restart it, or give it up."""
-        old = self.names[i]
+    def _lost(self, i: int, exc: BaseException, what: str, attempt: int, sent_to: str) -> None:
+        """Worker ``i``, as ``sent_to`` (its name when the call went out), died under ``what``: wait for Ray to
+        restart it, or give it up. A worker already back under a new name since then was lost once, not again:
+        its other calls in flight then failed too, and go back to the queue without a second wait (as do those of
+        a worker given up already)."""
+        if self.names[i] != sent_to or not self.alive[i]:
+            return
         try:
-            self.names[i] = ray.get(self.actors[i].where.remote(), timeout=self.restart_wait_s)
+            self.names[i] = self._restarted(i)
+            self.alive[i] = True
             fate = f"restarted as {self.names[i]}"
             if self.on_restart is not None:
                 self.on_restart(self.actors[i])
@@ -208,9 +223,22 @@ class WorkerPool:
             self.alive[i] = False
             fate = "gone for good"
         log(
-            f"worker {old} lost ({type(exc).__name__}), {fate}; re-running {what} "
+            f"worker {sent_to} lost ({type(exc).__name__}), {fate}; re-running {what} "
             f"(attempt {attempt} of {self.max_retries + 1})"
         )
+
+    def _restarted(self, i: int) -> str:
+        """Worker ``i``'s name once Ray has it running again; ``GetTimeoutError`` after ``restart_wait_s``, Ray's
+        own error when it gave the worker up (no restarts left)."""
+        deadline = time.monotonic() + self.restart_wait_s
+        while True:
+            try:
+                return ray.get(self.actors[i].where.remote(), timeout=max(0.0, deadline - time.monotonic()))
+            except ActorUnavailableError:
+                # Being placed again (its node was lost): Ray refuses calls until it is back.
+                if time.monotonic() >= deadline:
+                    raise GetTimeoutError(f"worker {i} not back within {self.restart_wait_s:g} s") from None
+                time.sleep(RESTART_POLL_S)
 
     def status_line(self) -> str:
         """One line per-worker status: evaluations done and calls in flight."""

@@ -12,6 +12,7 @@ import time
 
 import yaml
 from conftest import REPO, error_line, run_cli
+from local_cluster import LocalCluster
 
 from headsweep.results.store import ResultStore
 from headsweep.sweep.demo.sentiment import generate, write_tsv
@@ -138,3 +139,47 @@ def test_retries_are_bounded_then_the_run_fails_naming_the_masks_and_resumes(tmp
     assert len(ids) == len(set(ids)) == N_UNITS
     [run] = store.read("runs").to_pylist()
     assert run["status"] == "complete"
+
+
+
+def stored_numbers(store: ResultStore) -> dict[str, list[str]]:
+    """What a run stored that a rerun must reproduce: its evaluations, per-example rows and tests, without what
+    differs between runs by design (run id, worker, timings); each row as its repr, sorted. A float's repr
+    round-trips, so equal reprs are equal bits (and a NaN equals a NaN, as == would not have it)."""
+    differs = {"run_id", "worker", "seconds", "finished_at"}
+    return {table: sorted(repr({k: v for k, v in row.items() if k not in differs})
+                          for row in store.read(table).to_pylist())
+            for table in ("evaluations", "examples", "significance")}
+
+
+def test_a_node_lost_mid_grid_changes_no_stored_number(tmp_path, tiny_bert_dir, ray_address):
+    """A multi-node cluster on this machine (``tests/local_cluster.py``: a head without CPUs and two worker nodes,
+    each with its own raylet); the node holding worker-1 is taken away, processes and all, in the middle of a
+    single-head grid. The sweep finishes on the node left, each evaluation stored once, and every stored number
+    equals that of an uninterrupted run of the same grid (on the session's single-node instance) bit for bit."""
+    grid = {"experiments": ["baseline", "single_head"], "workers": 2, "threads_per_worker": 1}
+    (tmp_path / "lost").mkdir()
+    (tmp_path / "whole").mkdir()
+    with LocalCluster(worker_nodes=2, cpus=2) as cluster:
+        proc, lines, _ = start_sweep(tmp_path / "lost", tiny_bert_dir, cluster.address, **grid)
+        pids = worker_pids(lines)
+        lost = ResultStore(str(tmp_path / "lost" / "store"))
+        wait_for_evaluations(lost, 3)
+        cluster.remove_node_of(pids["worker-1"])
+        finish(proc)
+    log = "".join(lines)
+    assert proc.returncode == 0, log
+    # One loss, one restart on the node left, and the worker used again: Ray answers ActorUnavailableError while it
+    # places the worker again, which is no reason to give the worker up.
+    [lost_line] = [x for x in lines if " lost (" in x]
+    assert re.match(r"worker worker-1@\S+ lost \(\w+\), restarted as worker-1@\S+; re-running \d+ evaluations",
+                    lost_line), log
+    whole_proc, whole_lines, _ = start_sweep(tmp_path / "whole", tiny_bert_dir, ray_address, **grid)
+    finish(whole_proc)
+    assert whole_proc.returncode == 0, "".join(whole_lines)
+    whole = ResultStore(str(tmp_path / "whole" / "store"))
+    ids = lost.read("evaluations").column("eval_id").to_pylist()
+    assert len(ids) == len(set(ids)) == 9  # baseline + 8 single heads of the tiny 2x4 BERT
+    [run] = lost.read("runs").to_pylist()
+    assert run["status"] == "complete" and run["n_done"] == 9
+    assert stored_numbers(lost) == stored_numbers(whole)

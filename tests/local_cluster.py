@@ -1,0 +1,153 @@
+"""A multi-node Ray cluster on one machine, in a process of its own, whose nodes a test can take away.
+
+Ray's own fault-tolerance tests use ``ray.cluster_utils.Cluster``: a head and worker nodes, each with its own
+raylet and object store. It runs here in a child process (``python tests/local_cluster.py``), because Ray allows
+one ``ray.init`` per process and the test session's own Ray instance (conftest ``ray_address``) lives in the test
+process; the sweep's driver connects to the cluster with ``--address`` from a third process.
+
+The head holds no CPU, so every worker actor runs on a worker node and taking a node away never takes the GCS or
+the driver's raylet with it. Node death is noticed within about a second (short GCS health checks), as a real
+lost node would be after ``health_check_failure_threshold`` missed beats.
+
+Protocol (one line each way): the child prints ``ADDRESS <gcs address>``, then answers ``remove <pid>`` (take
+away, without a graceful shutdown, the node whose raylet started process ``pid``) with ``REMOVED <node id>`` or
+``ERROR <why>``; end of input shuts the cluster down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+START_TIMEOUT_S = 120
+
+
+def parent(pid: int) -> int:
+    """The parent of process ``pid`` (0 when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def descendants(root: int) -> list[int]:
+    """Every living process below ``root`` (a raylet's workers and what they started)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            children.setdefault(parent(int(entry.name)), []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found.extend(kids)
+        todo.extend(kids)
+    return found
+
+
+def serve(worker_nodes: int, cpus: int) -> None:
+    """Start the cluster, print its address, then take nodes away as asked on stdin."""
+    import ray
+    import ray._private.utils
+    from ray._private import ray_constants
+    from ray.cluster_utils import Cluster
+
+    # Cluster would record its address in /tmp/ray for a later bare ray.init: none here, other sessions share /tmp.
+    ray._private.utils.write_ray_address = lambda *args, **kwargs: None
+
+    # Short: the raylets' unix socket paths under it must stay below ~107 characters.
+    temp_dir = tempfile.mkdtemp(prefix="hs-cl-", dir="/tmp")
+    fast_health = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                   "health_check_failure_threshold": 2}
+    cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir, "_system_config": fast_health})
+    try:
+        nodes = [cluster.add_node(num_cpus=cpus) for _ in range(worker_nodes)]
+        cluster.wait_for_nodes()
+        print(f"ADDRESS {cluster.address}", flush=True)
+        for line in sys.stdin:
+            command, _, arg = line.strip().partition(" ")
+            if command != "remove":
+                print(f"ERROR unknown command {command!r}", flush=True)
+                continue
+            raylets = {n.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid: n for n in nodes}
+            pid = int(arg)
+            while pid > 1 and pid not in raylets:
+                pid = parent(pid)
+            if pid not in raylets:
+                print(f"ERROR process {arg} was not started by a worker node's raylet", flush=True)
+                continue
+            node = raylets[pid]
+            # A lost machine takes its worker processes with it; Cluster.remove_node ends only the node's own
+            # services (raylet, object store), and a worker outlives its raylet for a while.
+            for child in descendants(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGKILL)
+            cluster.remove_node(node, allow_graceful=False)
+            nodes.remove(node)
+            print(f"REMOVED {node.node_id}", flush=True)
+    finally:
+        cluster.shutdown()
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+class LocalCluster:
+    """The child process's cluster, seen from the test: its address, and ``remove_node_of(pid)``."""
+
+    def __init__(self, worker_nodes: int = 2, cpus: int = 2):
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker-nodes", str(worker_nodes), "--cpus", str(cpus)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+            start_new_session=True,
+        )
+        self.address = self._expect("ADDRESS")
+
+    def _expect(self, word: str) -> str:
+        line = self.proc.stdout.readline()
+        if not line.startswith(word + " "):
+            raise RuntimeError(f"local cluster: expected {word}, got {line!r} (exit code {self.proc.poll()})")
+        return line.split(" ", 1)[1].strip()
+
+    def remove_node_of(self, pid: int) -> str:
+        """Take away the node holding process ``pid`` (a worker actor's); returns the node's id."""
+        self.proc.stdin.write(f"remove {pid}\n")
+        self.proc.stdin.flush()
+        return self._expect("REMOVED")
+
+    def close(self) -> None:
+        """Shut the cluster down (end of input), then end whatever of its session is left."""
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, 9)
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker-nodes", type=int, default=2)
+    parser.add_argument("--cpus", type=int, default=2, help="logical CPUs per worker node")
+    args = parser.parse_args()
+    serve(args.worker_nodes, args.cpus)
+
+
+if __name__ == "__main__":
+    main()
