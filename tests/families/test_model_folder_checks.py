@@ -89,8 +89,8 @@ def test_swapped_numeric_label_names(tmp_path, tiny_bert_dir, tiny_dev_tsv, ray_
                         {"path": str(tiny_dev_tsv)})
     # Rows of data from 1; the TSV's first line is its header.
     shown = ", ".join(f"{i + 1} (line {i + 2})" for i in zeros[:5])
-    assert line == (f"headsweep: error: data file {tiny_dev_tsv}: label '0' (rows {shown} "
-                    f"and {len(zeros) - 5} more) is ambiguous: as a label id it is 0, as a label name id 1 (the "
+    assert line == (f"headsweep: error: data file {tiny_dev_tsv}: label '0' in rows {shown} "
+                    f"and {len(zeros) - 5} more is ambiguous: as a label id it is 0, as a label name id 1 (the "
                     "model's id2label: 0='1', 1='0'); rename the labels in the model's config.json (id2label and "
                     "label2id) to names that are not numbers, then write the file's labels as those names or as ids")
 
@@ -182,6 +182,6 @@ def test_numeric_label_names_that_read_one_way():
     assert label_ids(["0", "1", "1"], {0: "0", 1: "1"}, "f") == [0, 1, 1]  # names are their own ids
     stars = {0: "1", 1: "2", 2: "3", 3: "4", 4: "5"}
     assert label_ids(["5", "1", "3"], stars, "f") == [4, 0, 2]  # "5" is no id: the file writes names
-    with pytest.raises(HeadsweepError, match=r"label '4' \(row 1\) is ambiguous: as a label id it is 4, as a label "
+    with pytest.raises(HeadsweepError, match=r"label '4' in row 1 is ambiguous: as a label id it is 4, as a label "
                                              r"name id 3"):
         label_ids(["4", "1", "3"], stars, "f")  # every label could be an id

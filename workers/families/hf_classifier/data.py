@@ -357,7 +357,7 @@ def _check_numeric_names(raw: list[str], names: dict[str, int], id2label: dict[i
     rows = [row for row, r in enumerate(raw) if r == label]
     known = ", ".join(f"{i}={name!r}" for i, name in sorted(id2label.items()))
     raise HeadsweepError(
-        f"data file {path}: label {label!r} ({rows_text(rows, row_of)}) is ambiguous: as a label id it is "
+        f"data file {path}: label {label!r} in {rows_text(rows, row_of)} is ambiguous: as a label id it is "
         f"{int(label)}, as a label name id {names[label]} (the model's id2label: {known}); rename the labels in the "
         "model's config.json (id2label and label2id) to names that are not numbers, then write the file's labels as "
         "those names or as ids"
