@@ -51,7 +51,12 @@ class WorkerAsk:
         """``each worker asks 1 CPU and 0 GPU; the cluster has 2.5 CPUs and 0 GPUs free``."""
         free = ray.available_resources()
         return (f"each worker asks {self.cpus:g} CPU and {self.gpus:g} GPU; the cluster has "
-                f"{free.get('CPU', 0.0):g} CPUs and {free.get('GPU', 0.0):g} GPUs free")
+                f"{_count(free.get('CPU', 0.0), 'CPU')} and {_count(free.get('GPU', 0.0), 'GPU')} free")
+
+
+def _count(n: float, what: str) -> str:
+    """``1 CPU``, ``2.5 CPUs``, ``0 GPUs``."""
+    return f"{n:g} {what}" + ("" if n == 1 else "s")
 
 
 def workers_per_node(node: NodeResources, cpus: float, gpus: float) -> int:

@@ -37,7 +37,8 @@ def test_fractional_gpus_pack_several_workers_per_gpu(tmp_path):
 
 
 def test_workers_never_take_every_cpu(tmp_path):
-    with pytest.raises(HeadsweepError, match=r"2 x 1 CPUs would hold all 2 CPUs of the Ray cluster"):
+    with pytest.raises(HeadsweepError, match=r"2 x 1 CPUs would hold all 2 CPUs of the Ray cluster; .* "
+                                             r"\(sweep.workers=1 or a smaller sweep.num_cpus_per_worker\)"):
         check_placement(config(tmp_path, workers=2), [NodeResources(cpus=2, gpus=0)])
     with pytest.raises(HeadsweepError, match=r"would hold more than all 4 CPUs"):
         check_placement(config(tmp_path, workers=3, num_cpus_per_worker=2), [NodeResources(cpus=4, gpus=0)])

@@ -26,6 +26,7 @@ from conftest import REPO, run_cli
 STDERR_SHAPES = {
     "log file": r"log: \S+\.log \(other libraries' messages; --verbose shows them here\)",
     "workers ready": r"\d+ workers ready: \S+(, \S+)*",
+    "workers waiting": r"\d+ of \d+ workers ready after \d+ s: .+",
     "progress": r"evaluations: \d+/\d+ \(\d+%\) \d+\.\d\d/s elapsed \d+:\d\d:\d\d ETA (\d+:\d\d:\d\d|\?)( \[\S+\])?",
     "worker state": r"workers: \S+ \d+ done, (busy|idle|lost)(; \S+ \d+ done, (busy|idle|lost))*",
     "resumed": r"resuming run \S+: \d+ evaluations already stored",
