@@ -9,10 +9,14 @@ twin is the leftover of a crash and is removed when the run is resumed or finish
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import math
 import os
 import re
 import tempfile
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +33,7 @@ from headsweep.results.schema import RENAMED, TABLES, file_schema
 # The files the store writes: one partition folder per run, Parquet files with visible names.
 _OWN_FILE = re.compile(r"run_id=[^/]+/[^./][^/]*\.parquet")
 _warned: set[str] = set()
+_READ_TRIES = 3
 log = logging.getLogger("headsweep.results")
 
 
@@ -36,6 +41,36 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         log.warning("headsweep: warning: %s", message)
+
+
+# What a write meets when the store's file system is full, or a file would pass RLIMIT_FSIZE (ulimit -f).
+_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+class StoreFull(HeadsweepError):
+    """The store's file system took no more: one line naming the store and the space a run still needs."""
+
+    def __init__(self, uri: str, needed_bytes: int):
+        self.uri = uri
+        self.needed_bytes = needed_bytes
+        super().__init__(f"store {uri} is full (or past a file-size limit): {mib(needed_bytes)} MiB more are "
+                         "needed; free space and run the same command to resume")
+
+    def needing(self, needed_bytes: int) -> StoreFull:
+        """The same error with a larger estimate of the space needed (the rest of the run, not one file)."""
+        return StoreFull(self.uri, max(self.needed_bytes, needed_bytes))
+
+
+def mib(n_bytes: int) -> int:
+    """``n_bytes`` in whole MiB, rounded up: what to free is never understated."""
+    return max(1, math.ceil(n_bytes / 2**20))
+
+
+def _parquet_bytes(data: pa.Table) -> int:
+    """The size of ``data`` as the store writes it (measured in memory)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(data, sink, compression="zstd")
+    return sink.getvalue().size
 
 
 def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -128,11 +163,19 @@ class ResultStore:
         schema = TABLES[table]
         data = data.select(schema.names).cast(schema)
         directory = self.partition_dir(table, run_id)
-        self.fs.create_dir(directory, recursive=True)
         final = f"{directory}/{name or 'part-' + uuid.uuid4().hex}.parquet"
         tmp = f"{directory}/.{uuid.uuid4().hex}.tmp"
-        pq.write_table(data, tmp, filesystem=self.fs, compression="zstd")
-        self.fs.move(tmp, final)
+        try:
+            self.fs.create_dir(directory, recursive=True)
+            pq.write_table(data, tmp, filesystem=self.fs, compression="zstd")
+            self.fs.move(tmp, final)
+        except OSError as exc:
+            if exc.errno not in _FULL:
+                raise
+            # The partial file goes at once: it holds space the user is about to free, and nothing reads it.
+            with contextlib.suppress(OSError):
+                self.fs.delete_file(tmp)
+            raise StoreFull(self.uri, _parquet_bytes(data)) from None
         return final
 
     def write_rows(self, table: str, run_id: str, rows: list[dict], name: str | None = None) -> str:
@@ -188,12 +231,18 @@ class ResultStore:
         wanted = columns
         if columns is not None:
             columns = [*columns, *(old for new, old in renamed.items() if new in columns)]
-        dataset = self.dataset(table)
         flt = ds.field("run_id") == run_id if run_id is not None else None
-        try:
-            data = dataset.to_table(columns=columns, filter=flt)
-        except (OSError, pa.ArrowException) as exc:
-            raise self.unreadable(table, exc) from None
+        for attempt in range(_READ_TRIES):
+            try:
+                data = self.dataset(table).to_table(columns=columns, filter=flt)
+                break
+            except (OSError, pa.ArrowException) as exc:
+                # Other drivers write the store meanwhile: a run's row file is replaced, a resumed run's crash
+                # leftovers removed, so a file listed a moment ago may be gone or another by the time it is read.
+                # Listed again it reads; a damaged file fails every time and is named.
+                if attempt == _READ_TRIES - 1:
+                    raise self.unreadable(table, exc) from None
+                time.sleep(0.1 * (attempt + 1))
         for new, old in renamed.items():
             if old in data.column_names:
                 if new in data.column_names:
@@ -274,6 +323,15 @@ class ResultStore:
 
     def eval_ids(self, run_id: str) -> set[str]:
         return set(self.read("evaluations", run_id, columns=["eval_id"]).column("eval_id").to_pylist())
+
+    def run_bytes(self, run_id: str) -> int:
+        """Bytes the run's committed files take in the store, over every table."""
+        total = 0
+        for table in TABLES:
+            selector = pafs.FileSelector(self.partition_dir(table, run_id), allow_not_found=True)
+            total += sum(i.size or 0 for i in self.fs.get_file_info(selector)
+                         if i.type == pafs.FileType.File and not i.base_name.startswith("."))
+        return total
 
     # -- crash leftovers ------------------------------------------------------------------
     def _chunk_names(self, table: str, run_id: str) -> set[str]:

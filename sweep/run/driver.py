@@ -8,6 +8,7 @@ for significance, and the run's row in ``runs`` says how far it got (``headsweep
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -19,7 +20,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.schema import COMPLETE, FAILED, INTERRUPTED, PARTIAL, RUNNING
-from headsweep.results.store import ResultStore
+from headsweep.results.store import ResultStore, StoreFull
 from headsweep.sweep import experiments
 from headsweep.sweep.cluster.placement import WorkerAsk, alive_nodes, check_placement
 from headsweep.sweep.cluster.ray_session import init_ray, resolve_device
@@ -29,6 +30,7 @@ from headsweep.sweep.experiments.single_head import SINGLE_HEAD
 from headsweep.sweep.run.ablation_values import ablation_spec
 from headsweep.sweep.run.budget import BudgetReached, SessionBudget
 from headsweep.sweep.run.chunks import ChunkWriter
+from headsweep.sweep.run.claim import store_claim
 from headsweep.sweep.run.context import Context
 from headsweep.sweep.run.dispatch import WorkerPool, log, unwrap
 from headsweep.sweep.run.fill import fetch_fill
@@ -37,6 +39,7 @@ from headsweep.sweep.run.runs import (
     STALE_AFTER_S,
     RunRecord,
     StoredResults,
+    check_still_resumable,
     new_run_id,
     now,
     refuse_if_live,
@@ -177,6 +180,14 @@ class Sweep:
             log(f"budget reached ({exc}): run {self.run_id} is marked partial with {record.writer.written} "
                 "evaluations stored; run the same command again to continue it")
             return self.run_id
+        except StoreFull as exc:
+            # Nothing more fits: what is buffered is dropped (the rerun computes it again), and the row that says
+            # how the run ended is tried once, being small; without it the run still reads as resumable.
+            full = exc.needing(record.bytes_left())
+            record.baseline_score = _baseline(first)
+            with contextlib.suppress(StoreFull):
+                record.write(FAILED, error=str(full))
+            raise full from None
         except BaseException as exc:
             record.writer.flush()
             record.baseline_score = _baseline(first)
@@ -215,7 +226,11 @@ class Sweep:
                              ablation=self.cfg.sweep.ablation)
         writer.written = len(self.done)
         record = RunRecord(self.cfg, self.store, self.run_id, created_at, info, writer)
-        record.write(RUNNING, n_done=0)
+        # Another driver of this config may have chosen the same run (or none) since: checked again under a
+        # claim that one driver of a config holds at a time, until its row says it is running.
+        with store_claim(self.store, self.cfg.hash()):
+            check_still_resumable(self.store, self.cfg, self.resume, self.auto_resume, previous)
+            record.write(RUNNING, n_done=0)
         if fill is not None:
             fill.write()
         return record

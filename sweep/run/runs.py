@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import numpy as np
+import pyarrow as pa
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.schema import COMPLETE, RUN_STATUSES, RUNNING, SCHEMA_VERSION
@@ -110,6 +111,19 @@ def resumable(store: ResultStore, cfg: Config, resume: str | None, auto_resume: 
     return newest
 
 
+def check_still_resumable(store: ResultStore, cfg: Config, resume: str | None, auto_resume: bool,
+                          before: dict | None) -> None:
+    """Under the store's claim on the config, just before the run's first row: the run to continue is still
+    the one chosen before (``before``), so that two drivers of one config that started together never both
+    start or continue a run. A driver that opened a run of this config since is refused by ``resumable``."""
+    after = resumable(store, cfg, resume, auto_resume)
+    if (after or {}).get("run_id") != (before or {}).get("run_id"):
+        raise HeadsweepError(
+            f"another driver started or stopped a run of this config in store {store.uri} while this one was "
+            "starting: run the same command again"
+        )
+
+
 def stored_results(store: ResultStore, run_id: str, info: DatasetInfo) -> StoredResults:
     """Score and per-example statistics of every evaluation the run already stored."""
     store.remove_orphans(run_id)
@@ -177,6 +191,18 @@ class RunRecord:
         n_done = self.writer.written if n_done is None else n_done
         self.store.write_rows("runs", self.run_id, [self.row(status, n_done, **extra)], "run")
         self._last_beat = time.monotonic()
+
+    def bytes_left(self) -> int:
+        """The space the run's evaluations planned so far and not stored yet will take, at the bytes per stored
+        evaluation this run has taken (0 before the first is stored)."""
+        done = self.writer.written
+        left = self.n_planned - done
+        if done <= 0 or left <= 0:
+            return 0
+        try:
+            return self.store.run_bytes(self.run_id) * left // done
+        except (OSError, pa.ArrowException):
+            return 0
 
     def beat_due(self) -> bool:
         """Whether :meth:`heartbeat` would rewrite the row now."""

@@ -7,57 +7,21 @@ same code path as `--store s3://bucket/prefix` on AWS, MinIO or Ceph is exercise
 from __future__ import annotations
 
 import socket
-import threading
 
 import pyarrow.fs as pafs
 import pytest
 import yaml
 from conftest import error_line, run_cli
+from s3_server import CREDENTIALS, s3_server
 
 from headsweep.results.store import ResultStore
-
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-class S3ResultRootFix:
-    """WSGI middleware: moto 5 answers CompleteMultipartUpload with a ``CompleteMultipartUploadResponse``
-    root element where S3 (and Arrow's AWS SDK, which checks it) uses ``CompleteMultipartUploadResult``;
-    every other byte is moto's."""
-
-    def __init__(self, app):
-        self.app = app
-
-    def __call__(self, environ, start_response):
-        if environ["REQUEST_METHOD"] != "POST" or "uploadId=" not in environ.get("QUERY_STRING", ""):
-            return self.app(environ, start_response)
-        captured = {}
-
-        def capture(status, headers, exc_info=None):
-            captured.update(status=status, headers=headers)
-
-        body = b"".join(self.app(environ, capture)).replace(
-            b"CompleteMultipartUploadResponse", b"CompleteMultipartUploadResult"
-        )
-        headers = [(k, str(len(body)) if k.lower() == "content-length" else v) for k, v in captured["headers"]]
-        start_response(captured["status"], headers)
-        return [body]
 
 
 @pytest.fixture(scope="module")
 def s3_endpoint(monkeypatch_module):
     """A real S3 endpoint (moto's S3 server) on a free loopback port."""
-    pytest.importorskip("moto.moto_server.werkzeug_app", reason="moto[server] (a dev dependency) is not installed")
-    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
-    from werkzeug.serving import make_server
-
-    app = S3ResultRootFix(DomainDispatcherApplication(create_backend_app))
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    for key, value in CREDENTIALS.items():
-        monkeypatch_module.setenv(key, value)
-    yield f"127.0.0.1:{server.server_port}"
-    server.shutdown()
+    with s3_server(monkeypatch_module) as endpoint:
+        yield endpoint
 
 
 @pytest.fixture(scope="module")
