@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from headsweep.sweep.configuration.sections import config_class
+from headsweep.sweep.experiments import BUILTIN_KINDS, KINDS  # importing the kinds registers their config sections
 from headsweep.sweep.run.screening import DEFAULTS as SCREEN_DEFAULTS
 from headsweep.workers.registry import builtin_families
 
@@ -222,6 +223,9 @@ def test_code_keys_cover_every_section_and_family():
     assert {s[1] for s in keys if len(s) == 2 and s[0] in ("model", "data")} == \
         {"hf_classifier", "hf_causal_lm", "fairseq_translation"}
     assert keys[("data", "hf_causal_lm")]["data.target_delimiter"] == " "
+    kind_sections = {KINDS[k].section for k in BUILTIN_KINDS if KINDS[k].settings is not None}
+    assert kind_sections == {"importance", "prune", "efficiency", "roles", "pairs", "l0"}
+    assert all((section,) in keys for section in kind_sections)
 
 
 def slug(heading: str) -> str:
