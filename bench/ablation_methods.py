@@ -10,7 +10,7 @@ worker of ``--threads`` torch threads; experiments ``baseline`` and ``single_hea
   data for every method;
 * ``lm``: the demo LM (3-layer Llama, 8 query / 2 key-value heads), perplexity on its generated test text in
   windows of 64 tokens;
-* ``multi30k``: the Multi30k en->fr benchmark model of ``bench/multi30k_translation.py`` (3+3 layers, 4 heads,
+* ``multi30k``: the Multi30k en->fr benchmark model of ``bench/multi30k.py`` (3+3 layers, 4 heads,
   trained once for 12 minutes and cached), BLEU (beam 5) on the first ``--m30k-examples`` (default: all 1,000)
   sentences of test_2016_flickr less those whose source length (sentencepiece pieces and EOS) no other of them has
   (resample cannot pair them), the same data for every method, encoder self-attention heads only
@@ -42,7 +42,7 @@ Each model's section ends with ``RESULT ablation_methods model=<name> significan
 significant_resample=<n> spearman_zero_mean=<x> mean_vs_hook_loop=<ratio>`` (``n/a`` where not measured) followed
 by the worst-head harms, the time ratios and, on the LM, the hook loop's largest delta difference.
 
-Usage: python bench/ablation_methods.py [--threads T] [--m30k-examples N] [--skip-multi30k] [--smoke]
+Usage: python -m bench.ablation_methods [--threads T] [--m30k-examples N] [--skip-multi30k] [--smoke]
 """
 
 from __future__ import annotations
@@ -51,16 +51,13 @@ import argparse
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCH.parent), str(BENCH)]
-import common  # noqa: E402  (RESULT lines, cache, smoke mode)
-import multi30k_translation as m30k  # noqa: E402  (the Multi30k benchmark model and data)
-from real_size import run_sweep  # noqa: E402  (headsweep.run with stamped stderr, evaluations read back)
+from bench import common, multi30k
+from bench.common import log
+from bench.sweeps import run_sweep
 
 METHODS = ("zero", "mean", "resample", "optimal")
 # Smoke mode: each run starts its Ray worker (about 5 s), so each method runs on one or two models: the classifier
@@ -69,10 +66,6 @@ SMOKE_METHODS = {"classifier": ("zero", "resample"), "lm": ("mean", "optimal"), 
 TOLERANCE = 1e-4  # hook loop vs headsweep: |delta difference| / baseline perplexity
 N_M30K = 1000
 NA = "n/a"
-
-
-def log(text: str) -> None:
-    print(text, flush=True)
 
 
 # -- the models and their configs -----------------------------------------------------------------------------------
@@ -148,10 +141,9 @@ def multi30k_config(threads: int, examples: int, folder: Path) -> dict:
     """The Multi30k benchmark model (trained once, cached; shared with the other Multi30k benchmarks), encoder
     self-attention only, on the first ``examples`` test sentences less those resample cannot pair (written to
     ``folder``: :func:`paired_sources`)."""
-    checkpoint, spm_model, data_bin = m30k.cached_model(threads)
-    test = "test_2016_flickr"
-    source, target = paired_sources(m30k.DATA / f"{test}.{m30k.SRC}.gz", m30k.DATA / f"{test}.{m30k.TGT}.gz",
-                                    spm_model, examples, folder)
+    checkpoint, spm_model, data_bin = multi30k.cached_model(threads)
+    test = multi30k.TEST
+    source, target = paired_sources(*multi30k.pair(test), spm_model, examples, folder)
     return {"name": "multi30k-enc-self",
             "model": {"kind": "fairseq_translation", "checkpoint": str(checkpoint), "data_bin": str(data_bin),
                       "beam": 5},
@@ -167,7 +159,7 @@ def paired_sources(source: Path, target: Path, spm_model: Path, examples: int, f
     import sentencepiece
 
     pieces = sentencepiece.SentencePieceProcessor(model_file=str(spm_model))
-    src, tgt = m30k.read_gz(source)[:examples], m30k.read_gz(target)[:examples]
+    src, tgt = common.read_gz(source)[:examples], common.read_gz(target)[:examples]
     lengths = [len(pieces.encode(line.strip(), out_type=str)) + 1 for line in src]
     kept = [i for i, n in enumerate(lengths) if lengths.count(n) > 1]
     paths = folder / "multi30k-eval.src", folder / "multi30k-eval.tgt"
@@ -320,8 +312,9 @@ def hook_loop(cfg: dict, threads: int) -> tuple[dict[str, float], float, float]:
 
 # -- one model's section ---------------------------------------------------------------------------------------------
 
-def section(model: str, base: dict, reference: dict | None, methods: tuple[str, ...], args, store: str,
-            folder: Path) -> None:
+def section(model: str, base: dict, reference: dict | None, methods: tuple[str, ...], args: argparse.Namespace,
+            store: str, folder: Path) -> None:
+    """One model's runs, one per method, their comparison (and on the LM the hook loop), and its RESULT line."""
     log(f"\n== {model}: single-head grid under {', '.join(methods)} ==")
     runs: dict[str, Sweep | None] = {}
     for method in methods:
@@ -386,14 +379,13 @@ def methods(model: str, full: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Each model's section, printing its RESULT line as soon as it is measured."""
+    parser = common.command_line(__doc__)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the worker and of the hook loop")
     parser.add_argument("--m30k-examples", type=int, default=N_M30K, help="test_2016_flickr sentences decoded")
     parser.add_argument("--skip-multi30k", action="store_true")
-    common.add_argument(parser)
     args = parser.parse_args()
     if common.enable_smoke(args):
-        m30k.use_smoke()
         args.m30k_examples = common.SMOKE_EXAMPLES
     os.environ.setdefault("HEADSWEEP_PLAIN_PROGRESS", "1")
     import warnings
@@ -407,8 +399,9 @@ def main() -> None:
             section(model, cfg, reference, methods(model, METHODS), args, store, folder)
         if args.skip_multi30k:
             log("SKIP ablation_methods multi30k: --skip-multi30k")
-        elif not m30k.DATA.is_dir():
-            log(f"SKIP ablation_methods multi30k: {m30k.DATA} not found (the shared data folder beside the repository)")
+        elif not multi30k.DATA.is_dir():
+            log(f"SKIP ablation_methods multi30k: {multi30k.DATA} not found (the shared data folder beside the "
+                "repository)")
         else:
             # Issue 30 asks optimal of the demo models only (it would need a Multi30k reference split besides).
             section("multi30k", multi30k_config(args.threads, args.m30k_examples, folder), None,

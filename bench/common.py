@@ -1,4 +1,5 @@
-"""What the benchmarks share: their ``RESULT`` lines, their cache, and the ``--smoke`` mode the test suite runs.
+"""What every benchmark shares: its command line's ``--smoke`` mode, its ``RESULT`` and ``SKIP`` lines, the data
+folder and the cache, and the quiet logging of the benchmarks that load fairseq.
 
 A benchmark prints each ``RESULT <name> key=value ...`` line (``result``) the moment that part is measured, so a
 crash in a later part cannot lose an earlier figure.
@@ -8,7 +9,11 @@ crash in a later part cannot lose an earlier figure.
 how a change that breaks one gets noticed. Data in smoke mode: ``smoke_data()``, a copy of the first few lines
 of every file of ``../shared/data`` (same names and layout, so the benchmark reads it the way it reads the real
 folder); models: tiny ones trained for seconds (``shrink``). Both are cached under ``CACHE/smoke-<key>``, apart
-from the real benchmark models, so the benchmarks of one test session share them.
+from the real benchmark models, so the benchmarks of one test session share them. A module whose sizes shrink in
+smoke mode registers its switch with ``on_smoke``; ``enable_smoke`` runs every registered switch, so a benchmark
+also shrinks the support modules it imports (``bench/multi30k.py``'s data and vocabulary, say).
+
+This module imports nothing of ``bench`` or ``headsweep``: tests/project/test_bench_smoke.py loads it by its path.
 """
 
 from __future__ import annotations
@@ -18,10 +23,15 @@ import dataclasses
 import gzip
 import hashlib
 import json
+import logging
 import os
 import shutil
+import sys
 import tempfile
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
@@ -41,6 +51,14 @@ SMOKE_TRAIN = {"encoder_layers": 1, "decoder_layers": 1, "embed_dim": 32, "ffn_d
                "max_seconds": 20.0}
 
 SMOKE = False  # set by add_argument's --smoke (enable_smoke): the benchmarks' size functions read it
+_SMOKE_SWITCHES: list[Callable[[], None]] = []
+
+
+def command_line(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: described by the first line of its module docstring ``doc``, with ``--smoke``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add_argument(parser)
+    return parser
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
@@ -50,11 +68,45 @@ def add_argument(parser: argparse.ArgumentParser) -> None:
                              "suite's mode; its figures mean nothing)")
 
 
+def on_smoke(switch: Callable[[], None]) -> Callable[[], None]:
+    """Register ``switch``, a module's change to its smoke sizes, for ``enable_smoke`` to run; returns it (a
+    decorator)."""
+    _SMOKE_SWITCHES.append(switch)
+    return switch
+
+
 def enable_smoke(args: argparse.Namespace) -> bool:
-    """Turn smoke mode on for this process when ``args.smoke``; returns it."""
+    """Turn smoke mode on for this process when ``args.smoke``, running every registered switch; returns it."""
     global SMOKE
     SMOKE = bool(getattr(args, "smoke", False))
+    if SMOKE:
+        for switch in _SMOKE_SWITCHES:
+            switch()
     return SMOKE
+
+
+def log(text: str) -> None:
+    """Print ``text`` flushed (a benchmark's progress, in order with its subprocesses' output)."""
+    print(text, flush=True)
+
+
+def skip(name: str, reason: str) -> NoReturn:
+    """Print ``SKIP <name>: <reason>`` and exit 0: the benchmark cannot run here (its data is absent, say)."""
+    print(f"SKIP {name}: {reason}")
+    sys.exit(0)
+
+
+def quiet_logging() -> None:
+    """Warnings and fairseq's per-step INFO lines off: a benchmark's output is its own figures."""
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("fairseq").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore")
+
+
+def read_gz(path: Path) -> list[str]:
+    """The lines of a gzipped text file, without their newlines."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f]
 
 
 def result(name: str, **fields: object) -> str:

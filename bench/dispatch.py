@@ -1,23 +1,23 @@
 """Dispatch benchmark: how fast the driver hands out and records evaluations, and whether its memory stays flat.
 
-The workers hold a trivial task (a plugin ``model.kind``) whose evaluation costs nothing, so what
+The workers hold a trivial task (a plugin ``model.kind``, ``dispatch_trivial``) whose evaluation costs nothing, so what
 is measured is headsweep's own machinery end to end: planning, Ray calls with a window in flight per
 worker, ``ray.wait`` streaming, chunked Parquet writes (examples, then evaluations) and the run row.
 Significance is off (it tests statistics, not dispatch; bench/significance.py measures it).
 
 Each grid size runs in a fresh driver process so its peak RSS is its own::
 
-    python bench/dispatch.py                       # both cases: throughput, then balance
-    python bench/dispatch.py --case throughput --sizes 1000 --examples 100
-    python bench/dispatch.py --case balance --sleep 0.2
-    python bench/dispatch.py --smoke               # both cases on tiny sizes (seconds; figures mean nothing)
+    python -m bench.dispatch                       # both cases: throughput, then balance
+    python -m bench.dispatch --case throughput --sizes 1000 --examples 100
+    python -m bench.dispatch --case balance --sleep 0.2
+    python -m bench.dispatch --smoke               # both cases on tiny sizes (seconds; figures mean nothing)
 
 Final line: ``RESULT dispatch units_per_s=<x> peak_rss_mb_1k=<a> peak_rss_mb_20k=<b>``: the rate is the largest
 grid's evaluations recorded per second between its first and last ``finished_at`` (Ray start-up and worker
 load excluded; the whole-run time is printed too).
 
 Balance case (``--case balance``): the workers hold a task whose evaluation sleeps a known time per
-mask (``dispatch:SLEEP``), so the figure is about scheduling, not compute. For 2 and 4 workers and
+mask (``dispatch_sleep``), so the figure is about scheduling, not compute. For 2 and 4 workers and
 12 and 100 evaluations it runs the same evaluations twice: ``pool`` streams them straight through
 ``WorkerPool.stream`` (the dispatch rule alone), ``sweep`` runs a whole sweep (baseline and single-head
 masks, as users run it: every phase of the driver counts). Utilisation is
@@ -47,15 +47,13 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import common
+from headsweep.plugins import FAMILIES_GROUP
+from headsweep.workers.family import DatasetInfo, MaskOutput, ModelFamily, RuntimeOptions
+from headsweep.workers.heads import Head, HeadInventory, LayerShape
+from headsweep.workers.metrics import ACCURACY
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "bench")]
-
-import common  # noqa: E402  (RESULT lines, smoke mode)
-
-from headsweep.workers.family import DatasetInfo, MaskOutput, ModelFamily, RuntimeOptions  # noqa: E402
-from headsweep.workers.heads import Head, HeadInventory, LayerShape  # noqa: E402
-from headsweep.workers.metrics import ACCURACY  # noqa: E402
-
 HEADS_PER_LAYER = 100
 
 
@@ -63,7 +61,7 @@ HEADS_PER_LAYER = 100
 class TrivialModel:
     """``model`` section of the trivial kind: a made-up model with ``heads`` heads in layers of 100."""
 
-    kind: str = "dispatch:TRIVIAL"
+    kind: str = "dispatch_trivial"
     heads: int = 1000
 
 
@@ -94,7 +92,7 @@ class TrivialTask:
         return [MaskOutput(self.stats, self.loss, self.outputs, 1.0, 0.0) for _ in masks]
 
 
-TRIVIAL = ModelFamily("dispatch:TRIVIAL", TrivialModel, TrivialData, "dispatch:TrivialTask")
+TRIVIAL = ModelFamily("dispatch_trivial", TrivialModel, TrivialData, "bench.dispatch:TrivialTask")
 
 
 @dataclass
@@ -129,7 +127,7 @@ class SleepTask(TrivialTask):
         return [MaskOutput(self.stats, self.loss, self.outputs, 1.0, per_mask) for _ in masks]
 
 
-SLEEP = ModelFamily("dispatch:SLEEP", TrivialModel, SleepData, "dispatch:SleepTask")
+SLEEP = ModelFamily("dispatch_sleep", TrivialModel, SleepData, "bench.dispatch:SleepTask")
 
 
 def child(n_units: int, examples: int, workers: int, store: str) -> dict:
@@ -139,7 +137,7 @@ def child(n_units: int, examples: int, workers: int, store: str) -> dict:
     from headsweep.sweep.run.driver import Sweep
 
     cfg = build_config({
-        "model": {"kind": "dispatch:TRIVIAL", "heads": n_units - 1},
+        "model": {"kind": "dispatch_trivial", "heads": n_units - 1},
         "data": {"examples": examples},
         "sweep": {"experiments": ["baseline", "single_head"], "workers": workers, "num_cpus_per_worker": 0.5,
                   "masks_per_batch": 16, "flush_every": 256},
@@ -179,7 +177,7 @@ def pool_case(workers: int, n: int, sleep: float, log_dir: Path) -> dict:
     from headsweep.workers.actor import EvalWorker
     from headsweep.workers.work import WorkUnit
 
-    model, data = TrivialModel(kind="dispatch:SLEEP", heads=n), SleepData(seconds=sleep, log=str(log_dir))
+    model, data = TrivialModel(kind="dispatch_sleep", heads=n), SleepData(seconds=sleep, log=str(log_dir))
     names = [f"worker-{i}" for i in range(workers)]
     actors = [EvalWorker.options(num_cpus=0.25).remote(name, model.kind, model, data, RuntimeOptions(threads=1))
               for name in names]
@@ -204,7 +202,7 @@ def sweep_case(workers: int, n: int, sleep: float, log_dir: Path, store: str) ->
     from headsweep.sweep.run.driver import Sweep
 
     cfg = build_config({
-        "model": {"kind": "dispatch:SLEEP", "heads": n - 1},
+        "model": {"kind": "dispatch_sleep", "heads": n - 1},
         "data": {"seconds": sleep, "log": str(log_dir)},
         "sweep": {"experiments": ["baseline", "single_head"], "workers": workers, "num_cpus_per_worker": 0.25,
                   "threads_per_worker": 1},
@@ -240,8 +238,22 @@ def balance_child(workers: list[int], sizes: list[int], sleep: float) -> list[di
     return cases
 
 
+def install_families(folder: Path) -> Path:
+    """Declare the two kinds as ``headsweep.families`` entry points of a distribution in ``folder``, as pip installs
+    a plugin (configs name a plugin by its entry point, never by a module path); returns ``folder``, to put on the
+    children's ``PYTHONPATH``."""
+    dist = folder / "headsweep_dispatch_bench-0.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: headsweep-dispatch-bench\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text(f"[{FAMILIES_GROUP}]\n{TRIVIAL.name} = bench.dispatch:TRIVIAL\n"
+                                           f"{SLEEP.name} = bench.dispatch:SLEEP\n")
+    return folder
+
+
 def run_child(args: list[str], env: dict, what: str) -> dict | list:
-    proc = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, check=False)
+    """Run this module with ``args`` in a fresh process (cwd the repository); its last stdout line, as JSON."""
+    proc = subprocess.run([sys.executable, "-m", "bench.dispatch", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, check=False)
     if proc.returncode != 0:
         sys.exit(f"dispatch child for {what} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -286,6 +298,7 @@ def balance(args: argparse.Namespace, env: dict) -> None:
 
 
 def main() -> None:
+    """Both cases (or ``--case``), each grid size or balance set in a fresh child process; or, as that child, one."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", choices=["all", "throughput", "balance"], default="all")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 20000], help="throughput: evaluations")
@@ -310,12 +323,14 @@ def main() -> None:
         print(json.dumps(balance_child(args.balance_workers, args.balance_sizes, args.sleep)))
         return
 
-    # Workers import this module by the plugin names `dispatch:TRIVIAL` and `dispatch:SLEEP`.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "bench"), str(REPO)]), "RAY_DEDUP_LOGS": "1"}
-    if args.case in ("all", "throughput"):
-        throughput(args, env)
-    if args.case in ("all", "balance"):
-        balance(args, env)
+    with tempfile.TemporaryDirectory(prefix="dispatch-plugins-") as plugins:
+        # The children's drivers and Ray workers find the kinds by their entry points, and import this module.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([install_families(Path(plugins)).as_posix(), str(REPO)]),
+               "RAY_DEDUP_LOGS": "1"}
+        if args.case in ("all", "throughput"):
+            throughput(args, env)
+        if args.case in ("all", "balance"):
+            balance(args, env)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ which separates what packing gives from what reuse gives.
 Classifier: a 6-layer, 12-head BERT (hidden 384 = 12 x 32, intermediate 1536), randomly
 initialised (seeded; initializer_range 0.2 so that predictions depend on the input and on
 heads), word-level tokenizer over the SST-2 training vocabulary, 1000 sentences of SST-2 dev
-(../shared/data/sst2; generated sentences when absent). Masks timed: ``--classifier-masks``
+(../shared/data/sst2; generated sentences when absent): ``bench/classifier.py``. Masks timed: ``--classifier-masks``
 single-head and as many all-but-one masks per layer (heads spread over the layer), the same
 masks on both sides.
 
@@ -36,7 +36,7 @@ the one process), the most it rose above its value at the start of one call (aft
 ``malloc_trim``, so freed memory does not hide a call's own), and the bytes of baseline state
 the reuse side keeps between calls.
 
-Run: ``python bench/grid_speed.py`` (``--smoke``: tiny models and data, seconds). Each part prints its line as
+Run: ``python -m bench.grid_speed`` (``--smoke``: tiny models and data, seconds). Each part prints its line as
 soon as it is measured: ``RESULT grid_classifier ratio=<plain_s/reuse_s> max_abs_delta_diff=<x>``, then
 ``RESULT grid_translation ratio=<plain_s/reuse_s> identical_hypotheses=<true|false>``.
 """
@@ -44,97 +44,25 @@ soon as it is measured: ``RESULT grid_classifier ratio=<plain_s/reuse_s> max_abs
 from __future__ import annotations
 
 import argparse
-import csv
-import ctypes
 import hashlib
 import json
-import logging
 import os
-import sys
 import tempfile
-import threading
-import time
-import warnings
-from collections import Counter
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(BENCH))
-import common  # noqa: E402  (RESULT lines, smoke mode)
-import multi30k_translation as m30k  # noqa: E402  (Multi30k data, SentencePiece model, training cache)
+from bench import classifier, common, multi30k
+from bench.measure import PeakRSS, mib, run_grid, spread
+from headsweep.sweep.run.dispatch import units_per_call  # the driver's masks per call
 
-from headsweep.sweep.run.dispatch import units_per_call  # noqa: E402  (the driver's masks per call)
-
-SST2 = common.DATA / "sst2"
-try:
-    TRIM = ctypes.CDLL("libc.so.6")
-except OSError:
-    TRIM = None
-N_CLASSIFIER, N_TRANSLATION = 1000, 500
-CLASSIFIER = {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12, "intermediate_size": 1536}
+N_TRANSLATION = 500
 N_SYNTHETIC_TRAIN = 3000  # training pairs of the synthetic translation task (without Multi30k)
 
 
+@common.on_smoke
 def use_smoke() -> None:
-    """Smoke mode for this benchmark and those that borrow its classifier: a 2x4 BERT of width 32 on the smoke
-    copy of SST-2, and Multi30k's smoke mode for the translation part."""
-    global SST2, N_CLASSIFIER, N_TRANSLATION, CLASSIFIER, N_SYNTHETIC_TRAIN
-    SST2 = common.smoke_data() / "sst2"
-    N_CLASSIFIER = N_TRANSLATION = common.SMOKE_EXAMPLES
-    N_SYNTHETIC_TRAIN = 300
-    CLASSIFIER = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
-    m30k.use_smoke()
-
-
-class PeakRSS:
-    """Resident set size while a named phase runs, sampled by a thread: the highest seen, and the
-    most it rose above its value at the start of one call (the call's transient memory)."""
-
-    def __init__(self, every: float = 0.02):
-        self.every, self.phase, self.peak, self.rise = every, None, {}, {}
-        self._start = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _sample(self, phase: str) -> None:
-        rss = self.rss()
-        self.peak[phase] = max(self.peak.get(phase, 0), rss)
-        self.rise[phase] = max(self.rise.get(phase, 0), rss - self._start)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every):
-            phase = self.phase
-            if phase is not None:
-                self._sample(phase)
-
-    def timed(self, phase: str, fn, *args):
-        """Run ``fn(*args)`` as ``phase``; returns (result, seconds)."""
-        if TRIM is not None:
-            TRIM.malloc_trim(0)  # hand freed heap back, so that the rise measures this call alone
-        self._start = self.rss()
-        self._sample(phase)
-        self.phase = phase
-        start = time.perf_counter()
-        try:
-            return fn(*args), time.perf_counter() - start
-        finally:
-            self.phase = None
-            self._sample(phase)
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-def mib(n: int) -> str:
-    return f"{n / (1 << 20):.0f} MiB"
+    """The translation part's smoke sizes (the classifier's and Multi30k's switch with their modules)."""
+    global N_TRANSLATION, N_SYNTHETIC_TRAIN
+    N_TRANSLATION, N_SYNTHETIC_TRAIN = common.SMOKE_EXAMPLES, 300
 
 
 def report(kind: str, seconds: dict, n: int, peak: PeakRSS, kept: int) -> None:
@@ -147,23 +75,6 @@ def report(kind: str, seconds: dict, n: int, peak: PeakRSS, kept: int) -> None:
           f"x{seconds['plain_packed'] / seconds['reuse']:.2f}", flush=True)
 
 
-def run_grid(task, masks: list, options, peak: PeakRSS, phase: str) -> tuple[list, float]:
-    """Evaluate ``masks`` in driver-sized calls; returns outputs and seconds."""
-    outs, total = [], 0.0
-    step = units_per_call(options.masks_per_batch)
-    for i in range(0, len(masks), step):
-        got, seconds = peak.timed(phase, task.evaluate, masks[i : i + step])
-        outs += got
-        total += seconds
-    return outs, total
-
-
-def spread(n: int, count: int) -> list[int]:
-    """``count`` indices spread over range(n)."""
-    count = min(count, n)
-    return sorted({round(i * (n - 1) / max(1, count - 1)) for i in range(count)}) if count > 1 else [0]
-
-
 def loss_diff(a: list, b: list) -> str:
     """The largest per-example loss difference between two sides' outputs, or why there is none."""
     pairs = [(x.loss, y.loss) for x, y in zip(a, b, strict=True) if x.loss is not None and y.loss is not None]
@@ -173,67 +84,13 @@ def loss_diff(a: list, b: list) -> str:
 
 
 # -- classifier ---------------------------------------------------------------------------------
-def sst2_rows(n: int) -> tuple[list[tuple[str, str]], list[str], str]:
-    """``n`` (sentence, label) rows to evaluate, training sentences for the vocabulary, and the source."""
-    if (SST2 / "dev.tsv").exists() and (SST2 / "train.tsv").exists():
-        def read(name):
-            with open(SST2 / name, newline="", encoding="utf-8") as f:
-                return [(r[0].strip(), r[1]) for r in list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[1:]]
-        return read("dev.tsv")[:n], [s for s, _ in read("train.tsv")], f"SST-2 dev (first {n})"
-    from headsweep.sweep.demo.sentiment import generate
-
-    rows = [(t, str(y)) for t, y in generate(n, seed=11)]
-    return rows, [t for t, _ in generate(5000, seed=12)], "generated sentences (SST-2 absent)"
-
-
-def word_tokenizer(sentences: list[str], size: int = 16000):
-    """A word-level BERT-style tokenizer over the ``size`` most frequent words."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    counts = Counter(w for s in sentences for w, _ in pre_tokenizers.Whitespace().pre_tokenize_str(s.lower()))
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [w for w, _ in counts.most_common(size)]
-    vocab = {w: i for i, w in enumerate(words)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]")
-
-
-def classifier_shape() -> str:
-    return f"{CLASSIFIER['num_hidden_layers']} layers x {CLASSIFIER['num_attention_heads']} heads"
-
-
-def save_classifier(workdir: Path, n_examples: int | None = None) -> tuple[Path, Path, str]:
-    """This benchmark's classifier (random BERT of ``CLASSIFIER``'s shape, 6x12 by default, word tokenizer over
-    SST-2 train) and its first ``n_examples`` (default ``N_CLASSIFIER``) SST-2 dev rows, saved under ``workdir``:
-    (model folder, data file, where the rows came from)."""
-    n_examples = n_examples or N_CLASSIFIER
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
-
-    rows, train_text, source = sst2_rows(n_examples)
-    tokenizer = word_tokenizer(train_text)
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=len(tokenizer), **CLASSIFIER, max_position_embeddings=128, num_labels=2,
-                     initializer_range=0.2, id2label={0: "0", 1: "1"}, label2id={"0": 0, "1": 1})
-    model_dir = workdir / f"bert-{CLASSIFIER['num_hidden_layers']}x{CLASSIFIER['num_attention_heads']}"
-    BertForSequenceClassification(cfg).eval().save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    data = workdir / f"sst2-{n_examples}.tsv"
-    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows), encoding="utf-8")
-    return model_dir, data, source
-
-
-def classifier_bench(args, peak: PeakRSS, workdir: Path) -> str:
+def classifier_bench(args: argparse.Namespace, peak: PeakRSS, workdir: Path) -> str:
+    """The classifier part: its grid on the three sides, interleaved layer by layer; its RESULT line."""
     from headsweep.workers.families.hf_classifier.adapter import load_classifier
     from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
     from headsweep.workers.family import RuntimeOptions
 
-    model_dir, data, source = save_classifier(workdir)
+    model_dir, data, source = classifier.save_classifier(workdir)
 
     sides = {
         "plain": RuntimeOptions(batch_size=args.batch_size, masks_per_batch=1, reuse=False),
@@ -245,11 +102,12 @@ def classifier_bench(args, peak: PeakRSS, workdir: Path) -> str:
     info = tasks["plain"].describe()
     lengths = [inputs["input_ids"].shape[1] for _, inputs in tasks["plain"].batches]
     print(f"classifier: {source}, {info.n_examples} sentences, batches of {args.batch_size} "
-          f"(padded length {min(lengths)}..{max(lengths)}), {classifier_shape()}, hidden {CLASSIFIER['hidden_size']}, "
-          f"random init; reuse packs {tasks['reuse'].masks_per_forward()} masks per forward", flush=True)
+          f"(padded length {min(lengths)}..{max(lengths)}), {classifier.classifier_shape()}, "
+          f"hidden {classifier.CLASSIFIER['hidden_size']}, random init; reuse packs "
+          f"{tasks['reuse'].masks_per_forward()} masks per forward", flush=True)
     baselines = {k: t.evaluate([[]])[0] for k, t in tasks.items()}
 
-    chosen = spread(CLASSIFIER["num_attention_heads"], args.classifier_masks)
+    chosen = spread(classifier.CLASSIFIER["num_attention_heads"], args.classifier_masks)
     by_layer = []
     for shape in info.inventory.layers:
         heads = shape.heads()
@@ -281,6 +139,7 @@ def classifier_bench(args, peak: PeakRSS, workdir: Path) -> str:
 
 # -- translation --------------------------------------------------------------------------------
 def translation_settings(train_minutes: float):
+    """The 6+6-layer model's ``TrainSettings`` (the smoke model's in smoke mode)."""
     from headsweep.workers.families.fairseq_translation.train import TrainSettings
 
     return common.shrink(TrainSettings(
@@ -290,32 +149,29 @@ def translation_settings(train_minutes: float):
     ))
 
 
-def translation_model(args, workdir: Path):
+def translation_model(args: argparse.Namespace, workdir: Path):
     """(model config, data config, source): the cached Multi30k 6+6 model, or the synthetic task."""
     from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 
     # Capped hypothesis length (2 x source + 10): a briefly trained model must not babble for 200 steps.
     decode = {"beam": 5, "max_len_a": 2.0, "max_len_b": 10}
     settings = translation_settings(args.train_minutes)
-    if m30k.DATA.is_dir():
-        key = hashlib.sha256(json.dumps([m30k.VOCAB, repr(settings)]).encode()).hexdigest()[:10]
-        cache = m30k.CACHE / f"grid_speed_6x6_{m30k.SRC}_{m30k.TGT}_{key}"
+    if multi30k.DATA.is_dir():
+        key = hashlib.sha256(json.dumps([multi30k.VOCAB, repr(settings)]).encode()).hexdigest()[:10]
+        cache = multi30k.CACHE / f"grid_speed_6x6_{multi30k.SRC}_{multi30k.TGT}_{key}"
         cache.mkdir(parents=True, exist_ok=True)
         checkpoint = cache / "checkpoints" / "checkpoint_last.pt"
         done = cache / "checkpoints" / "trained.json"
-        spm_model, data_bin = m30k.prepare(cache)
+        spm_model, data_bin = multi30k.prepare(cache)
         if not done.exists():
             from headsweep.workers.families.fairseq_translation.train import train_translation
 
-            result = train_translation(data_bin, cache / "checkpoints", m30k.SRC, m30k.TGT, settings)
+            result = train_translation(data_bin, cache / "checkpoints", multi30k.SRC, multi30k.TGT, settings)
             done.write_text(f"{result.epochs} epochs, {result.updates} updates, {result.seconds:.0f}s, "
                             f"valid loss {result.valid_loss}\n")
-        test = "test_2016_flickr"
         return (TranslationModel(checkpoint=str(checkpoint), data_bin=str(data_bin), **decode),
-                TranslationData(source=str(m30k.DATA / f"{test}.{m30k.SRC}.gz"),
-                                target=str(m30k.DATA / f"{test}.{m30k.TGT}.gz"),
-                                sentencepiece_model=str(spm_model), max_examples=N_TRANSLATION, name=test),
-                f"Multi30k {test} (first {N_TRANSLATION}), model: {done.read_text().strip()}")
+                multi30k.test_data(spm_model, N_TRANSLATION),
+                f"Multi30k {multi30k.TEST} (first {N_TRANSLATION}), model: {done.read_text().strip()}")
     from headsweep.sweep.demo.translation import prepare_synthetic
     from headsweep.workers.families.fairseq_translation.train import train_translation
 
@@ -327,7 +183,8 @@ def translation_model(args, workdir: Path):
             f"synthetic task ({N_TRANSLATION} test pairs; Multi30k absent)")
 
 
-def translation_bench(args, peak: PeakRSS, workdir: Path) -> str:
+def translation_bench(args: argparse.Namespace, peak: PeakRSS, workdir: Path) -> str:
+    """The translation part: its masks on the three sides, interleaved call by call; its RESULT line."""
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.family import RuntimeOptions
 
@@ -371,7 +228,8 @@ def translation_bench(args, peak: PeakRSS, workdir: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Time both parts, each printing its RESULT line as soon as it is measured."""
+    parser = common.command_line(__doc__)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads for both sides (default: every core)")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -381,14 +239,10 @@ def main() -> None:
                         help="single-head masks, spread evenly over the 72 heads (72: the whole grid)")
     parser.add_argument("--train-minutes", type=float, default=4.0)
     parser.add_argument("--skip", choices=["classifier", "translation"], default=None)
-    common.add_argument(parser)
     args = parser.parse_args()
     if common.enable_smoke(args):
-        use_smoke()
         args.threads, args.batch_size, args.classifier_masks, args.translation_masks = 1, 8, 1, 3
-    logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("fairseq").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore")
+    common.quiet_logging()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 

@@ -26,7 +26,7 @@ configuration as bench/real_size.py counts, over the float32 ``torch.mm`` rate o
 and, when TransformerLens runs, then
 ``RESULT lm_grid_vs_transformerlens ratio=<tl_s/reuse_s> max_abs_ppl_diff=<x>``.
 
-Usage: python bench/lm_grid.py [--train-steps N] [--windows N] [--threads T] [sweep.device=cuda]
+Usage: python -m bench.lm_grid [--train-steps N] [--windows N] [--threads T] [sweep.device=cuda]
        [model.dtype=bfloat16] [--smoke]
 Skips (exit 0) when ../shared/data (relative to the repository root) is absent.
 """
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import gzip
 import json
 import math
 import os
@@ -43,10 +42,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import common  # noqa: E402  (RESULT lines, cache, smoke mode)
-from grid_speed import PeakRSS, mib  # noqa: E402  (the same memory sampler as the other grid bench)
+from bench import common
+from bench.gpu_check import synchronize
+from bench.measure import PeakRSS, mib
 
 DATA = common.DATA
 CACHE = common.CACHE
@@ -54,6 +52,7 @@ VOCAB = 4096
 SHAPE = {"layers": 4, "heads": 8, "kv_heads": 2, "hidden": 256, "intermediate": 688, "window": 128}
 
 
+@common.on_smoke
 def use_smoke() -> None:
     """A 2-layer Llama (4 query heads on 2 key/value heads, width 32), a BPE of 300 pieces, windows of 32 tokens,
     on the smoke copy of the data."""
@@ -62,28 +61,20 @@ def use_smoke() -> None:
     SHAPE = {"layers": 2, "heads": 4, "kv_heads": 2, "hidden": 32, "intermediate": 64, "window": 32}
 
 
-def skip(reason: str) -> None:
-    print(f"SKIP lm_grid: {reason}")
-    sys.exit(0)
-
-
-def read_gz(path: Path) -> list[str]:
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f]
-
-
 def sst2_sentences(split: str) -> list[str]:
     with open(DATA / "sst2" / f"{split}.tsv", encoding="utf-8", newline="") as f:
         return [row["sentence"] for row in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
 
 
 def train_text() -> str:
-    return "\n".join(read_gz(DATA / "multi30k" / "train.en.gz") + sst2_sentences("train")) + "\n"
+    """The training text: Multi30k's English train captions and SST-2's train sentences, a line each."""
+    return "\n".join(common.read_gz(DATA / "multi30k" / "train.en.gz") + sst2_sentences("train")) + "\n"
 
 
 def heldout_text() -> str:
-    return "\n".join(read_gz(DATA / "multi30k" / "test_2016_flickr.en.gz")
-                     + read_gz(DATA / "multi30k" / "test_2017_mscoco.en.gz")) + "\n"
+    """The held-out text: Multi30k's English test_2016_flickr and test_2017_mscoco captions, a line each."""
+    return "\n".join(common.read_gz(DATA / "multi30k" / "test_2016_flickr.en.gz")
+                     + common.read_gz(DATA / "multi30k" / "test_2017_mscoco.en.gz")) + "\n"
 
 
 def build_tokenizer(text: str):
@@ -182,13 +173,6 @@ def headsweep_adapter(path: Path, heldout: Path, args, reuse: bool):
     return load_causal_lm_adapter(model, data, runtime)
 
 
-def synchronize(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def headsweep_grid(adapter, masks: list, device: str) -> list[float]:
     """Perplexity of the baseline and every mask, as a sweep evaluates them (baseline first)."""
     adapter.baseline()
@@ -246,13 +230,13 @@ def machine_fraction(adapter, masks: list, seconds: dict[str, float], args) -> d
     """Each route's FLOP/s over its whole grid as a fraction of the machine's float32 matrix-product rate on the
     route's threads, counted as bench/real_size.py counts (``Arch``: projections, feed-forward, attention scores
     and the LM head at every position of every window; reuse: one baseline pass, then each mask from its layer on)."""
-    from real_size import Arch, matmul_rate
+    from bench.flops import Arch, cpu_matmul_rate
 
     arch = Arch.of(adapter.model.config)
     batches = [(len(idx), SHAPE["window"], SHAPE["window"]) for idx in adapter.batches]
     flops = {"plain": len(masks) * arch.mask(batches, None),
              "reuse": arch.mask(batches, None) + sum(arch.mask(batches, m[0].layer) for m in masks if m)}
-    rate = matmul_rate(args.threads)
+    rate = cpu_matmul_rate(args.threads)
     out = {name: f"{flops[name] / seconds[name] / rate:.3f}" for name in flops}
     print(f"FLOP/s over the grid against torch.mm 2048 x 2048 on {args.threads} thread(s) ({rate / 1e9:.1f} GFLOP/s): "
           f"plain {flops['plain'] / seconds['plain'] / 1e9:.1f} GFLOP/s ({out['plain']}), reuse "
@@ -260,8 +244,9 @@ def machine_fraction(adapter, masks: list, seconds: dict[str, float], args) -> d
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args() -> argparse.Namespace:
+    """The command line, overrides applied; in smoke mode, a few updates and windows on one thread."""
+    parser = common.command_line(__doc__)
     parser.add_argument("overrides", nargs="*", help="sweep.device=cuda, model.dtype=bfloat16, ...")
     parser.add_argument("--train-steps", type=int, default=600, help="updates of 16 x 128 tokens")
     parser.add_argument("--windows", type=int, default=96, help="held-out windows of 128 tokens")
@@ -273,14 +258,84 @@ def main() -> None:
                         help="the reuse route's sweep.masks_per_batch (0: automatic, headsweep's default)")
     parser.add_argument("--skip-transformerlens", action="store_true")
     parser.add_argument("--train-only", action="store_true", help="train and cache the model, then stop")
-    common.add_argument(parser)
     args = parser.parse_args()
     overrides(args.overrides, args)
     if common.enable_smoke(args):
-        use_smoke()
         args.train_steps, args.windows, args.batch_size, args.threads = 4, 4, 4, 1
+    return args
+
+
+def peak_memory(peak: PeakRSS, name: str, device: str) -> int:
+    """The route's peak: GPU memory allocated on a GPU, else the resident set size ``peak`` sampled."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() if device.startswith("cuda") else peak.peak[name]
+
+
+def reset_peak_memory(device: str) -> None:
+    """Start a route's GPU peak afresh (nothing to do on a CPU)."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+
+def headsweep_routes(path: Path, heldout: Path, masks: list, args: argparse.Namespace, peak: PeakRSS
+                     ) -> tuple[float, list[float]]:
+    """The plain and the reuse route, timed and compared; the RESULT lm_grid line. Returns the reuse route's
+    seconds and perplexities (the TransformerLens route is compared with them)."""
+    cuda = args.device.startswith("cuda")
+    seconds, scores, memory = {}, {}, {}
+    for name, reuse in (("plain", False), ("reuse", True)):
+        adapter = headsweep_adapter(path, heldout, args, reuse)
+        reset_peak_memory(args.device)
+        scores[name], seconds[name] = peak.timed(name, headsweep_grid, adapter, masks, args.device)
+        memory[name] = peak_memory(peak, name, args.device)
+        print(f"  {name:<6} {seconds[name]:7.1f} s  ({seconds[name] / len(masks):.3f} s a mask)  "
+              f"peak {'GPU memory' if cuda else 'RSS'} {mib(memory[name])}  reuse: {adapter.reuse_note}", flush=True)
+    base = scores["plain"][0]
+    worst = max(range(1, len(masks)), key=lambda i: scores["plain"][i])
+    print(f"baseline perplexity {base:.4f}; most harmful head {masks[worst][0]} "
+          f"(perplexity {scores['plain'][worst]:.4f})", flush=True)
+    diffs = [abs(a - b) for a, b in zip(scores["plain"], scores["reuse"], strict=True)]
+    rel = [d / a for d, a in zip(diffs, scores["plain"], strict=True)]
+    mfu = machine_fraction(adapter, masks, seconds, args) if not cuda else {"plain": "n/a", "reuse": "n/a"}
+    common.result("lm_grid", ratio=f"{seconds['plain'] / seconds['reuse']:.2f}", max_abs_ppl_diff=f"{max(diffs):.3g}",
+                  max_rel_ppl_diff=f"{max(rel):.3g}", plain_s=f"{seconds['plain']:.1f}",
+                  reuse_s=f"{seconds['reuse']:.1f}", plain_peak_mib=f"{memory['plain'] / (1 << 20):.0f}",
+                  reuse_peak_mib=f"{memory['reuse'] / (1 << 20):.0f}", plain_mfu=mfu["plain"], reuse_mfu=mfu["reuse"])
+    return seconds["reuse"], scores["reuse"]
+
+
+def transformer_lens_route(path: Path, heldout: Path, masks: list, args: argparse.Namespace, peak: PeakRSS,
+                           reuse: tuple[float, list[float]]) -> None:
+    """The TransformerLens route, where it imports, against the reuse route's ``(seconds, perplexities)``; the
+    RESULT lm_grid_vs_transformerlens line."""
+    if args.skip_transformerlens:
+        print("TransformerLens: skipped (--skip-transformerlens)")
+        return
+    try:
+        import transformer_lens  # noqa: F401  # pyright: ignore[reportMissingImports]  (optional)
+    except ImportError as exc:
+        print(f"TransformerLens: not run: {exc} (pip install transformer-lens==4.3.0 to compare)")
+        return
+    reuse_s, reuse_scores = reuse
+    adapter = headsweep_adapter(path, heldout, args, True)
+    reset_peak_memory(args.device)
+    tl, tl_s = peak.timed("transformer_lens", transformer_lens_grid, adapter, masks, args.device)
+    tl_mem = peak_memory(peak, "transformer_lens", args.device)
+    print(f"  TransformerLens {tl_s:7.1f} s  ({tl_s / len(masks):.3f} s a mask)  peak "
+          f"{'GPU memory' if args.device.startswith('cuda') else 'RSS'} {mib(tl_mem)}", flush=True)
+    tl_diff = max(abs(a - b) for a, b in zip(tl, reuse_scores, strict=True))
+    common.result("lm_grid_vs_transformerlens", ratio=f"{tl_s / reuse_s:.2f}",
+                  max_abs_ppl_diff=f"{tl_diff:.3g}", transformerlens_s=f"{tl_s:.1f}", reuse_s=f"{reuse_s:.1f}")
+
+
+def main() -> None:
+    """Train or load the model, then time the routes over the held-out windows."""
+    args = parse_args()
     if not DATA.is_dir():
-        skip(f"{DATA} not found")
+        common.skip("lm_grid", f"{DATA} not found")
 
     import torch
 
@@ -296,48 +351,10 @@ def main() -> None:
 
     masks = [[]] + [[Head("self", layer, head)] for layer in range(SHAPE["layers"]) for head in range(SHAPE["heads"])]
     peak = PeakRSS()
-    cuda = args.device.startswith("cuda")
     print(f"device {args.device}, dtype {args.dtype}, threads {args.threads}, {args.windows} windows of "
           f"{SHAPE['window']} tokens, {len(masks) - 1} single-head masks + baseline", flush=True)
-    seconds, scores, memory = {}, {}, {}
-    for name, reuse in (("plain", False), ("reuse", True)):
-        adapter = headsweep_adapter(path, heldout, args, reuse)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        scores[name], seconds[name] = peak.timed(name, headsweep_grid, adapter, masks, args.device)
-        memory[name] = torch.cuda.max_memory_allocated() if cuda else peak.peak[name]
-        print(f"  {name:<6} {seconds[name]:7.1f} s  ({seconds[name] / len(masks):.3f} s a mask)  "
-              f"peak {'GPU memory' if cuda else 'RSS'} {mib(memory[name])}  reuse: {adapter.reuse_note}", flush=True)
-    base = scores["plain"][0]
-    worst = max(range(1, len(masks)), key=lambda i: scores["plain"][i])
-    print(f"baseline perplexity {base:.4f}; most harmful head {masks[worst][0]} "
-          f"(perplexity {scores['plain'][worst]:.4f})", flush=True)
-    diffs = [abs(a - b) for a, b in zip(scores["plain"], scores["reuse"], strict=True)]
-    rel = [d / a for d, a in zip(diffs, scores["plain"], strict=True)]
-    mfu = machine_fraction(adapter, masks, seconds, args) if not cuda else {"plain": "n/a", "reuse": "n/a"}
-    common.result("lm_grid", ratio=f"{seconds['plain'] / seconds['reuse']:.2f}", max_abs_ppl_diff=f"{max(diffs):.3g}",
-                  max_rel_ppl_diff=f"{max(rel):.3g}", plain_s=f"{seconds['plain']:.1f}",
-                  reuse_s=f"{seconds['reuse']:.1f}", plain_peak_mib=f"{memory['plain'] / (1 << 20):.0f}",
-                  reuse_peak_mib=f"{memory['reuse'] / (1 << 20):.0f}", plain_mfu=mfu["plain"], reuse_mfu=mfu["reuse"])
-    if args.skip_transformerlens:
-        print("TransformerLens: skipped (--skip-transformerlens)")
-    else:
-        try:
-            import transformer_lens  # noqa: F401  # pyright: ignore[reportMissingImports]  (optional)
-        except ImportError as exc:
-            print(f"TransformerLens: not run: {exc} (pip install transformer-lens==4.3.0 to compare)")
-        else:
-            adapter = headsweep_adapter(path, heldout, args, True)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            tl, tl_s = peak.timed("transformer_lens", transformer_lens_grid, adapter, masks, args.device)
-            tl_mem = torch.cuda.max_memory_allocated() if cuda else peak.peak["transformer_lens"]
-            print(f"  TransformerLens {tl_s:7.1f} s  ({tl_s / len(masks):.3f} s a mask)  peak "
-                  f"{'GPU memory' if cuda else 'RSS'} {mib(tl_mem)}", flush=True)
-            tl_diff = max(abs(a - b) for a, b in zip(tl, scores["reuse"], strict=True))
-            common.result("lm_grid_vs_transformerlens", ratio=f"{tl_s / seconds['reuse']:.2f}",
-                          max_abs_ppl_diff=f"{tl_diff:.3g}", transformerlens_s=f"{tl_s:.1f}",
-                          reuse_s=f"{seconds['reuse']:.1f}")
+    reuse = headsweep_routes(path, heldout, masks, args, peak)
+    transformer_lens_route(path, heldout, masks, args, peak, reuse)
     peak.stop()
 
 

@@ -3,8 +3,8 @@ what removing them costs.
 
 Model (``--model``): ``vs_fairseq`` (default), the en->fr Transformer of ``bench/translation_vs_fairseq.py``
 (3+3 layers x 8 heads, d=256, SentencePiece 8k; its cached checkpoint as it stands, trained there), or ``small``,
-the 3+3 x 4-head model of ``bench/multi30k_translation.py`` (trained and cached there on first use, shared with
-``bench/multi30k_pruning.py``). On test_2016_flickr:
+the 3+3 x 4-head model of ``bench/multi30k_translation.py`` (``bench/multi30k.py``: trained and cached on first use,
+shared with ``bench/multi30k_pruning.py``). On test_2016_flickr:
 
 1. single-head BLEU deltas of every encoder self-attention head (beam 5, sacrebleu);
 2. the roles of every encoder head (``head_roles`` of ``headsweep.sweep.experiments.roles.worker``): confidence,
@@ -18,7 +18,7 @@ the 3+3 x 4-head model of ``bench/multi30k_translation.py`` (trained and cached 
 Ends with ``RESULT roles positional=<n> rare_words=<n> syntactic=<n> spearman_confidence_delta=<x>
 spearman_lrp_delta=<x>`` (``syntactic=na`` without spaCy).
 
-Usage: python bench/multi30k_roles.py [--max-examples N] [--lrp-examples N] [--threads T] [--smoke]
+Usage: python -m bench.multi30k_roles [--max-examples N] [--lrp-examples N] [--threads T] [--smoke]
 Skips (exit 0) when ../shared/data (relative to the repository root) is absent.
 """
 
@@ -26,16 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
-import warnings
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-import common  # noqa: E402  (RESULT lines, smoke mode)
-import multi30k_translation as m30k  # noqa: E402  (the model and data of the grid benchmark)
+from bench import common, multi30k
 
 
 def spacy_available(model: str) -> str | None:
@@ -53,15 +48,13 @@ def spacy_available(model: str) -> str | None:
 def model_files(name: str, threads: int) -> tuple[Path, Path, Path]:
     """(checkpoint, SentencePiece model, data-bin) of the chosen benchmark model."""
     if name == "vs_fairseq":
-        import translation_vs_fairseq as vs
-
-        workdir = vs.model_dir(vs.DEFAULT_TRAIN_MINUTES)
+        workdir = multi30k.vs_fairseq_dir()
         checkpoint = workdir / "checkpoints" / "checkpoint_last.pt"
         if not checkpoint.exists():
-            sys.exit(f"no trained model in {workdir}: train it with python bench/translation_vs_fairseq.py "
+            sys.exit(f"no trained model in {workdir}: train it with python -m bench.translation_vs_fairseq "
                      "--train-only, or use --model small")
         return checkpoint, workdir / "spm.model", workdir / "data-bin"
-    return m30k.cached_model(threads)
+    return multi30k.cached_model(threads)
 
 
 def encoder_rows(roles, encoder) -> list:
@@ -70,8 +63,9 @@ def encoder_rows(roles, encoder) -> list:
     return [r for r in roles.heads if (r.attention, r.layer, r.head) in wanted]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args() -> argparse.Namespace:
+    """The command line; in smoke mode, the small (smoke) model and a few sentences."""
+    parser = common.command_line(__doc__)
     parser.add_argument("--max-examples", type=int, default=None, help="test sentences (default: all 1,000)")
     parser.add_argument("--lrp-examples", type=int, default=500, help="validation pairs for LRP relevance")
     parser.add_argument("--beam", type=int, default=5)
@@ -79,60 +73,40 @@ def main() -> None:
     parser.add_argument("--spacy-model", default="en_core_web_sm")
     parser.add_argument("--model", choices=("vs_fairseq", "small"), default="vs_fairseq",
                         help="(--smoke: always small, the smoke model)")
-    common.add_argument(parser)
     args = parser.parse_args()
     if common.enable_smoke(args):
         # The vs_fairseq model is trained by another benchmark, for 30 minutes: smoke mode trains its own.
-        m30k.use_smoke()
         args.model, args.lrp_examples = "small", common.SMOKE_EXAMPLES
         args.max_examples = common.SMOKE_EXAMPLES
-    if not m30k.DATA.is_dir():
-        m30k.skip(f"{m30k.DATA} not found (the shared data folder beside the repository)")
-    logging.getLogger("fairseq").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore")
-    import torch
-    from scipy import stats
+    return args
 
-    from headsweep.sweep.experiments.roles.settings import RolesSection
-    from headsweep.sweep.experiments.roles.worker import head_roles
-    from headsweep.workers.families.fairseq_translation.adapter import load_translation
-    from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
-    from headsweep.workers.family import RuntimeOptions
-    from headsweep.workers.lrp import lrp_relevance
 
-    torch.set_num_threads(args.threads)
-    checkpoint, spm_model, data_bin = model_files(args.model, args.threads)
-    print(f"model {checkpoint}", flush=True)
-    model_cfg = TranslationModel(checkpoint=str(checkpoint), data_bin=str(data_bin), beam=args.beam)
-    runtime = RuntimeOptions()
-    test = "test_2016_flickr"
-    flickr = load_translation(
-        model_cfg,
-        TranslationData(source=str(m30k.DATA / f"{test}.{m30k.SRC}.gz"),
-                        target=str(m30k.DATA / f"{test}.{m30k.TGT}.gz"), sentencepiece_model=str(spm_model),
-                        max_examples=args.max_examples, name=test),
-        runtime,
-    )
-    inventory = flickr.describe().inventory
-    encoder = [h for h in inventory.heads if h.attention == "enc_self"]
-
+def ablations(flickr, encoder: list) -> tuple[dict, float]:
+    """Every encoder self-attention head's single-head BLEU delta on the test set; and the seconds they took."""
     start = time.perf_counter()
     outs = flickr.evaluate([[]] + [[h] for h in encoder])
     baseline = outs[0].score
     delta = {h: o.score - baseline for h, o in zip(encoder, outs[1:], strict=True)}
-    ablation_s = time.perf_counter() - start
-    print(f"{test}: baseline BLEU {baseline:.2f}; {len(encoder)} encoder single-head ablations in "
-          f"{ablation_s:.1f}s", flush=True)
+    seconds = time.perf_counter() - start
+    print(f"{multi30k.TEST}: baseline BLEU {baseline:.2f}; {len(encoder)} encoder single-head ablations in "
+          f"{seconds:.1f}s", flush=True)
+    return delta, seconds
 
-    why_not = spacy_available(args.spacy_model)
-    settings = RolesSection(parser=None if why_not else "spacy", spacy_model=args.spacy_model)
+
+def roles_of(flickr, encoder: list, spacy_model: str):
+    """Every head's roles on the test set (syntactic ones where spaCy parses), the best encoder head per relation
+    printed; (roles, why syntactic roles were not computed or None, seconds)."""
+    from headsweep.sweep.experiments.roles.settings import RolesSection
+    from headsweep.sweep.experiments.roles.worker import head_roles
+
+    why_not = spacy_available(spacy_model)
+    settings = RolesSection(parser=None if why_not else "spacy", spacy_model=spacy_model)
     if why_not:
-        print(f"syntactic roles: not computed (spaCy with {args.spacy_model}: {why_not})", flush=True)
+        print(f"syntactic roles: not computed (spaCy with {spacy_model}: {why_not})", flush=True)
     start = time.perf_counter()
     roles = head_roles(flickr, "fairseq_translation", settings)
-    roles_s = time.perf_counter() - start
-    mine = {(r.attention, r.layer, r.head): r for r in roles.heads}
-    print(f"roles of {len(roles.heads)} heads on {roles.n_sentences} sentences in {roles_s:.1f}s "
+    seconds = time.perf_counter() - start
+    print(f"roles of {len(roles.heads)} heads on {roles.n_sentences} sentences in {seconds:.1f}s "
           f"(frequencies: {roles.frequencies})", flush=True)
     if roles.syntax is not None:
         from headsweep.workers.syntax import DIRECTIONS, RELATIONS
@@ -144,14 +118,49 @@ def main() -> None:
                 print(f"  {rel:<7} {d}: best head {best.attention}:{best.layer}:{best.head} accuracy "
                       f"{best.syntax.get(f'{rel}_{d}')}, baseline {best.syntax.get(f'{rel}_{d}_baseline')}, "
                       f"instances {best.syntax.get(f'{rel}_instances')}")
+    return roles, why_not, seconds
+
+
+def relevance_of(model_cfg, data_bin: Path, runtime, examples: int):
+    """LRP relevance of every head on ``examples`` validation pairs; (relevance, seconds)."""
+    from headsweep.workers.families.fairseq_translation.adapter import load_translation
+    from headsweep.workers.families.fairseq_translation.config import TranslationData
+    from headsweep.workers.lrp import lrp_relevance
 
     start = time.perf_counter()
     valid = load_translation(model_cfg, TranslationData(data_bin=str(data_bin), split="valid",
-                                                        max_examples=args.lrp_examples), runtime)
+                                                        max_examples=examples), runtime)
     relevance = lrp_relevance(valid)
-    lrp_s = time.perf_counter() - start
-    print(f"LRP relevance on {relevance.n_examples} validation pairs in {lrp_s:.1f}s", flush=True)
+    seconds = time.perf_counter() - start
+    print(f"LRP relevance on {relevance.n_examples} validation pairs in {seconds:.1f}s", flush=True)
+    return relevance, seconds
 
+
+def main() -> None:
+    """Deltas, roles and relevance of the encoder heads, their table and correlations; the RESULT roles line."""
+    args = parse_args()
+    multi30k.require("roles")
+    common.quiet_logging()
+    import torch
+    from scipy import stats
+
+    from headsweep.workers.families.fairseq_translation.adapter import load_translation
+    from headsweep.workers.families.fairseq_translation.config import TranslationModel
+    from headsweep.workers.family import RuntimeOptions
+
+    torch.set_num_threads(args.threads)
+    checkpoint, spm_model, data_bin = model_files(args.model, args.threads)
+    print(f"model {checkpoint}", flush=True)
+    model_cfg = TranslationModel(checkpoint=str(checkpoint), data_bin=str(data_bin), beam=args.beam)
+    runtime = RuntimeOptions()
+    flickr = load_translation(model_cfg, multi30k.test_data(spm_model, args.max_examples), runtime)
+    encoder = [h for h in flickr.describe().inventory.heads if h.attention == "enc_self"]
+
+    delta, ablation_s = ablations(flickr, encoder)
+    roles, why_not, roles_s = roles_of(flickr, encoder, args.spacy_model)
+    relevance, lrp_s = relevance_of(model_cfg, data_bin, runtime, args.lrp_examples)
+
+    mine = {(r.attention, r.layer, r.head): r for r in roles.heads}
     print(f"\n{'head':<12} {'delta':>7} {'conf':>6} {'lrp':>6}  roles")
     for h in encoder:
         r = mine[(h.attention, h.layer, h.head)]

@@ -9,35 +9,30 @@ not change the arithmetic's cost), removes a seeded random 50% of its 72 heads w
 token ids of length 128, no padding) at batch sizes 1 and 64, on the CPU or a GPU if there is
 one. It also checks that the pruned model's logits equal the gated model's.
 
-Run: ``python bench/prune_speed.py [--repeats-small 30] [--repeats-large 6] [--threads N]`` (``--smoke``: a tiny
+Run: ``python -m bench.prune_speed [--repeats-small 30] [--repeats-large 6] [--threads N]`` (``--smoke``: a tiny
 BERT, seconds). Each batch size prints ``RESULT prune_speed model=<name> heads_removed=<fraction> batch=<b>
 speedup=<full_seconds/pruned_seconds>`` (median seconds) as soon as it is timed; the table of all follows.
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-# run as a plain script from a checkout: make the repository importable
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-
-import common  # noqa: E402  (RESULT lines, smoke mode)
-
-from headsweep.workers.efficiency import Workload, measure, summary  # noqa: E402
-from headsweep.workers.families.transformers.sites import find_sites  # noqa: E402
-from headsweep.workers.gates import HeadGates  # noqa: E402
-from headsweep.workers.pruning import prune_heads, ungated_copy  # noqa: E402
+from bench import common
+from headsweep.workers.efficiency import Workload, measure, summary
+from headsweep.workers.families.transformers.sites import find_sites
+from headsweep.workers.gates import HeadGates
+from headsweep.workers.pruning import prune_heads, ungated_copy
 
 LAYERS, HEADS, HIDDEN, SEQ_LEN, VOCAB = 6, 12, 768, 128, 30522
 FRACTION = 0.5
 
 
+@common.on_smoke
 def use_smoke() -> None:
     """A 2-layer, 4-head BERT of width 32 on sequences of 16 tokens."""
     global LAYERS, HEADS, HIDDEN, SEQ_LEN, VOCAB
@@ -65,15 +60,14 @@ def workload(batch: int, device: torch.device) -> Workload:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Build, prune, check and time both models at batch sizes 1 and 64; the exit status."""
+    parser = common.command_line(__doc__)
     parser.add_argument("--repeats-small", type=int, default=30, help="timed repeats at batch size 1")
     parser.add_argument("--repeats-large", type=int, default=6, help="timed repeats at batch size 64")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
-    common.add_argument(parser)
     args = parser.parse_args()
     if common.enable_smoke(args):
-        use_smoke()
         args.repeats_small, args.repeats_large, args.warmup, args.threads = 3, 2, 1, 1
     if args.threads > 0:
         torch.set_num_threads(args.threads)

@@ -77,33 +77,32 @@ peak_rss_mib=<n> equal=<true|false>`` as soon as that shape is measured (peak_rs
 its phase breakdown (worker start and load, grid, importance, pruning, efficiency, the rest: significance and
 writes) and its per-module forward profile.
 
-Usage: python bench/real_size.py [--shape NAME] [--store DIR] [--smoke]
+Usage: python -m bench.real_size [--shape NAME] [--store DIR] [--smoke]
 ``--smoke``: the same four architectures shrunk (4 layers, heads of 8, vocabulary 2,048 or 4,096), 4 windows of 32
-tokens or 24 sentences, two heads per grid layer; seconds per shape, figures meaningless (tests/test_bench_smoke.py).
+tokens or 24 sentences, two heads per grid layer; seconds per shape, figures meaningless
+(tests/project/test_bench_smoke.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
 import os
-import re
 import shutil
-import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import common  # noqa: E402  (RESULT lines, smoke mode)
-from gpu_check import LLAMA32_1B, QWEN25_05B, Shape, build_folder  # noqa: E402
-from gpu_check import tiny as tiny_lm  # noqa: E402
+from bench import common
+from bench.classifier import bert_tokenizer, frequent_words
+from bench.common import log
+from bench.flops import Arch, cpu_matmul_rate, first_layer
+from bench.gpu_check import LLAMA32_1B, QWEN25_05B, Shape, build_folder
+from bench.gpu_check import tiny as tiny_lm
+from bench.sweeps import Run, WorkerWatch, examples_by_mask, run_sweep
 
 GPT2_SMALL = Shape("gpt2", "GPT2Config", dict(
     vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, activation_function="gelu_new",
@@ -153,6 +152,7 @@ class Sizes:
 SIZES = Sizes()
 
 
+@common.on_smoke
 def use_smoke() -> None:
     """Tiny shapes and data (seconds per shape)."""
     global SIZES, SPECS
@@ -179,10 +179,6 @@ def cache_root() -> Path:
     if common.SMOKE:
         return common.smoke_cache() / "real_size"
     return Path(os.environ.get("HEADSWEEP_CACHE", Path.home() / ".cache" / "headsweep")) / "real_size"
-
-
-def log(text: str) -> None:
-    print(text, flush=True)
 
 
 # -- building the shapes ---------------------------------------------------------------------------------------
@@ -248,29 +244,10 @@ def sst2_rows(split: str, n: int, skip: int = 0) -> list[dict]:
             for i in range(n)]
 
 
-def bert_tokenizer(words: list[str]):
-    """A whitespace word-level tokenizer with BERT's special tokens (``[CLS] text [SEP]``)."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]")
-
-
 def build_classifier(spec: Spec, folder: Path) -> None:
     """BERT with the published configuration, seeded weights, a 2-label head, a word tokenizer over its data."""
-    from collections import Counter
-
     import torch
     import transformers
-    from tokenizers import pre_tokenizers
 
     config = spec.shape.config()
     torch.manual_seed(0)
@@ -282,9 +259,7 @@ def build_classifier(spec: Spec, folder: Path) -> None:
     model.save_pretrained(folder)
     evaluation = sst2_rows("dev", SIZES.sentences)
     importance = sst2_rows("train", SIZES.sentences)
-    split = pre_tokenizers.Whitespace()
-    counts = Counter(w.lower() for r in evaluation + importance for w, _ in split.pre_tokenize_str(r["sentence"]))
-    words = [w for w, _ in counts.most_common(config.vocab_size - 5)]
+    words = frequent_words([r["sentence"] for r in evaluation + importance], config.vocab_size - 5)
     bert_tokenizer(words).save_pretrained(folder)
     for name, rows in (("eval.tsv", evaluation), ("importance.tsv", importance)):
         with open(folder / name, "w", encoding="utf-8", newline="") as f:
@@ -335,237 +310,7 @@ def write_config(spec: Spec, folder: Path, masks: list[list[str]], reuse: bool, 
     return out
 
 
-# -- running a sweep, and watching it --------------------------------------------------------------------------------
-
-class StampedStderr:
-    """``sys.stderr`` while a sweep runs: each line passes through, and is kept with the time it was written."""
-
-    def __init__(self, stream):
-        self.stream, self.buf, self.lines = stream, "", []
-
-    def write(self, text: str) -> int:
-        self.buf += text
-        while "\n" in self.buf:
-            line, self.buf = self.buf.split("\n", 1)
-            self.lines.append((time.time(), line))
-            self.stream.write(line + "\n")
-        return len(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def isatty(self) -> bool:
-        return False
-
-    def fileno(self) -> int:
-        return self.stream.fileno()
-
-
-class WorkerWatch:
-    """This process's Ray worker processes, sampled by a thread: each one's peak resident memory (``VmHWM``) and
-    the CPU time it has used (``utime + stime``), with the time of each sample."""
-
-    TICK = os.sysconf("SC_CLK_TCK")
-
-    def __init__(self, every: float = 0.25):
-        self.every, self.peak, self.cpu = every, {}, {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def _stats() -> dict[int, list[str]]:
-        out = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        out[int(entry)] = f.read().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-        return out
-
-    def sample(self) -> None:
-        now, stats = time.time(), self._stats()
-        found, frontier = [], [os.getpid()]
-        while frontier:  # descendants: the Ray instance this process started, and its workers
-            frontier = [p for p, fields in stats.items() if int(fields[1]) in frontier]
-            found += frontier
-        for pid in found:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if not f.read().startswith(b"ray::"):
-                        continue
-                with open(f"/proc/{pid}/status") as f:
-                    hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-            except (OSError, StopIteration, ValueError):
-                continue
-            self.peak[pid] = max(self.peak.get(pid, 0), hwm)
-            fields = stats[pid]  # after ")": state, ppid, ..., utime and stime are fields 12 and 13
-            self.cpu.setdefault(pid, []).append((now, (int(fields[11]) + int(fields[12])) / self.TICK))
-
-    def cpu_seconds(self, pid: int, start: float, end: float) -> float:
-        """CPU seconds ``pid`` used between ``start`` and ``end`` (from the samples around them)."""
-        samples = self.cpu.get(pid, [])
-        before = [c for t, c in samples if t <= start] or [samples[0][1] if samples else 0.0]
-        after = [c for t, c in samples if t >= end] or [samples[-1][1] if samples else 0.0]
-        return after[0] - before[-1]
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every):
-            self.sample()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-@dataclass
-class Run:
-    """One sweep: its id, wall time, stamped stderr lines and its evaluations."""
-
-    run_id: str
-    start: float
-    wall: float
-    lines: list[tuple[float, str]]
-    evaluations: list[dict] = field(default_factory=list)
-    facts: dict = field(default_factory=dict)
-
-    def stamp(self, pattern: str) -> float | None:
-        """When the first stderr line matching ``pattern`` was written."""
-        return next((t for t, line in self.lines if re.search(pattern, line)), None)
-
-    def span(self, experiment: str) -> tuple[float, float] | None:
-        """(start, end) of ``experiment``'s evaluations: when the first worker began its first call of them (the
-        results of a call land together, their ``seconds`` adding up to the call's), and when the last landed."""
-        rows = [e for e in self.evaluations if e["experiment"] == experiment]
-        if not rows:
-            return None
-        starts = []
-        for worker in {e["worker"] for e in rows}:
-            mine = sorted((e for e in rows if e["worker"] == worker), key=lambda e: e["finished_at"])
-            call = [e for e in mine if e["finished_at"] - mine[0]["finished_at"] < 0.05]
-            starts.append(mine[0]["finished_at"] - sum(e["seconds"] for e in call))
-        return min(starts), max(e["finished_at"] for e in rows)
-
-
-def run_sweep(config: Path, store: str) -> Run:
-    """``headsweep.run`` with its stderr lines time-stamped; then the run's evaluations and facts from the store."""
-    import headsweep
-
-    os.environ["HEADSWEEP_PLAIN_PROGRESS"] = "1"  # the plain progress lines, also on a terminal
-    stamped = StampedStderr(sys.stderr)
-    sys.stderr = stamped
-    start = time.time()
-    try:
-        run_id = headsweep.run(str(config), [], store=store)
-    finally:
-        sys.stderr = stamped.stream
-    run = Run(run_id, start, time.time() - start, stamped.lines)
-    with headsweep.open_store(store) as s:
-        cols = ["eval_id", "experiment", "heads_masked", "seconds", "worker", "finished_at"]
-        # finished_at as epoch seconds (a timestamp with time zone would need pytz to fetch)
-        rel = s.sql(f"SELECT {', '.join(cols[:-1])}, epoch(finished_at) FROM evaluations WHERE run_id = ?", [run_id])
-        run.evaluations = [dict(zip(cols, row, strict=True)) for row in rel.fetchall()]
-        run.facts = json.loads(s.sql("SELECT facts FROM runs WHERE run_id = ?", [run_id]).fetchall()[0][0])
-    return run
-
-
-def examples_by_mask(store: str, run_id: str) -> dict[tuple[str, ...], dict[str, tuple[list[float], float | None]]]:
-    """Per mask (its heads, sorted) and example: the stored statistics and loss."""
-    import headsweep
-
-    with headsweep.open_store(store) as s:
-        rows = s.sql("SELECT v.heads_masked, x.example_id, x.stats, x.loss FROM examples x JOIN evaluations v "
-                     "ON x.run_id = v.run_id AND x.eval_id = v.eval_id WHERE x.run_id = ?", [run_id]).fetchall()
-    out: dict = {}
-    for heads, example, stats, loss in rows:
-        out.setdefault(tuple(sorted(heads)), {})[example] = (list(stats), loss)
-    return out
-
-
 # -- FLOPs, rates and the per-layer profile ------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Arch:
-    """What the FLOP count reads from a transformers config."""
-
-    causal: bool
-    layers: int
-    hidden: int
-    inner: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    ffn_mats: int
-    labels: int
-
-    @classmethod
-    def of(cls, config) -> Arch:
-        h, heads = config.hidden_size, config.num_attention_heads
-        inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
-        return cls(causal=config.model_type != "bert", layers=config.num_hidden_layers, hidden=h, inner=inner,
-                   heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(config, "head_dim", None) or h // heads, vocab=config.vocab_size,
-                   ffn_mats=3 if config.model_type in ("llama", "qwen2") else 2,
-                   labels=getattr(config, "num_labels", 2))
-
-    def layer(self, rows: int, length: int) -> tuple[float, float, float]:
-        """(projections, feed-forward, attention) FLOPs of one layer over ``rows`` sequences of ``length``."""
-        q, kv, h, tokens = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, rows * length
-        proj = 2 * tokens * (h * (q + 2 * kv) + q * h)
-        ffn = 2 * tokens * self.ffn_mats * h * self.inner
-        pairs = length * (length + 1) / 2 if self.causal else length * length
-        attn = 4 * rows * self.heads * self.head_dim * pairs
-        return proj, ffn, attn
-
-    def head(self, rows: int, logits: int) -> float:
-        """The LM head over ``logits`` positions per row, or a classifier's pooler and classification layer."""
-        if self.causal:
-            return 2 * rows * logits * self.hidden * self.vocab
-        return 2 * rows * (self.hidden * self.hidden + self.hidden * self.labels)
-
-    def mask(self, batches: list[tuple[int, int, int]], first: int | None) -> float:
-        """FLOPs of one mask over ``batches`` (rows, length, logits per row): the whole model (``first`` None:
-        the plain path) or from layer ``first`` on, as reuse runs it."""
-        total = 0.0
-        for rows, length, logits in batches:
-            proj, ffn, attn = self.layer(rows, length)
-            if first is None:
-                total += self.layers * (proj + ffn + attn)
-            else:
-                out_proj = 2 * rows * length * self.heads * self.head_dim * self.hidden
-                total += out_proj + ffn + (self.layers - 1 - first) * (proj + ffn + attn)
-            total += self.head(rows, logits)
-        return total
-
-
-def first_layer(mask: list[str]) -> int:
-    return min(int(name.split(":")[1]) for name in mask)
-
-
-def matmul_rate(threads: int = 1, n: int = 2048, seconds: float = 2.0) -> float:
-    """FLOP/s of ``torch.mm`` of two n x n float32 matrices on ``threads`` threads: the fastest single product of
-    those run in ``seconds`` (on a shared machine other processes only ever slow a product down, so the fastest is
-    the closest to what the cores can do)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        g = torch.Generator().manual_seed(0)
-        a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
-        for _ in range(2):
-            torch.mm(a, b)
-        best, start = math.inf, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            t = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - t)
-        return 2 * n**3 / best
-    finally:
-        torch.set_num_threads(before)
-
 
 @dataclass
 class Workload:
@@ -811,17 +556,8 @@ def compare(spec: Spec, folder: Path, work: Workload, reuse: dict, plain: dict) 
                 f"(values up to {biggest:.3g}), tau = 2E = {tau:.3g}: {'within' if ok else 'ABOVE'}")
 
 
-def check_shape(spec: Spec, rates: list[float], store_root: Path, watch: WorkerWatch) -> None:
-    """Build, profile, run both sweeps, compare, and print the shape's figures and RESULT line."""
-    folder = build(spec)
-    config = spec.shape.config()
-    arch = Arch.of(config)
-    masks = grid(spec, arch.layers, arch.heads)
-    work = workload(spec, folder)
-    rate = max(rates)
-    log(f"{spec.name}: {arch.layers} layers x {arch.heads} heads ({arch.kv_heads} key/value) of {arch.head_dim}, "
-        f"hidden {arch.hidden}, feed-forward {arch.inner}, vocabulary {arch.vocab:,}; batches (rows, length) "
-        f"{[(r, n) for r, n, _ in work.batches]}; grid of {len(masks)} masks")
+def profile(spec: Spec, folder: Path, arch: Arch, work: Workload, rate: float) -> LayerCosts:
+    """The shape's per-module profile, printed with the FLOP rates of its parts against the mm rate ``rate``."""
     costs = profile_layers(spec, folder, work, repeats=1 if arch.hidden >= 896 and not common.SMOKE else 2)
     flops_full = arch.mask(work.batches, None)
     log(f"  profile (one thread, this process; seconds per pass over the evaluation set): total {costs.total:.2f} "
@@ -837,7 +573,13 @@ def check_shape(spec: Spec, rates: list[float], store_root: Path, watch: WorkerW
         f"{attn_flops / 1e9:.2f} GFLOP of it), head {head_flops / 1e9:.2f} GFLOP in {costs.projection:.3f} s "
         f"({head_flops / max(costs.projection, 1e-9) / rate:.2f} of the mm rate); model load {costs.load_s:.1f} s, "
         f"tokenising {work.texts:,} characters {work.tokenise_s:.3f} s")
+    return costs
 
+
+def run_both(spec: Spec, folder: Path, masks: list[list[str]], store_root: Path, watch: WorkerWatch
+             ) -> dict[str, Run]:
+    """The reuse run (the grid, importance, pruning, efficiency), then the plain run (the grid and the reuse run's
+    pruning masks), into the store ``store_root/<shape>``."""
     store = str(store_root / spec.name)
     runs = {}
     for path, reuse in (("reuse", True), ("plain", False)):
@@ -849,9 +591,25 @@ def check_shape(spec: Spec, rates: list[float], store_root: Path, watch: WorkerW
         runs[path] = run_sweep(cfg, store)
         watch.sample()
         log(f"{spec.name} {path}: run {runs[path].run_id} in {runs[path].wall:.1f} s")
+    return runs
+
+
+def check_shape(spec: Spec, rates: list[float], store_root: Path, watch: WorkerWatch) -> None:
+    """Build, profile, run both sweeps, compare, and print the shape's figures and RESULT line."""
+    folder = build(spec)
+    arch = Arch.of(spec.shape.config())
+    masks = grid(spec, arch.layers, arch.heads)
+    work = workload(spec, folder)
+    log(f"{spec.name}: {arch.layers} layers x {arch.heads} heads ({arch.kv_heads} key/value) of {arch.head_dim}, "
+        f"hidden {arch.hidden}, feed-forward {arch.inner}, vocabulary {arch.vocab:,}; batches (rows, length) "
+        f"{[(r, n) for r, n, _ in work.batches]}; grid of {len(masks)} masks")
+    costs = profile(spec, folder, arch, work, max(rates))
+    flops_full = arch.mask(work.batches, None)
+    runs = run_both(spec, folder, masks, store_root, watch)
+    store = str(store_root / spec.name)
 
     reuse_run, plain_run = runs["reuse"], runs["plain"]
-    rates.append(matmul_rate())
+    rates.append(cpu_matmul_rate())
     rate = max(rates)
     log(f"{spec.name}: mm rate {rates[-1] / 1e9:.1f} GFLOP/s after the sweeps; R = the best so far, {rate / 1e9:.1f}")
     evaluated = [m for m in plain_run.evaluations if m["experiment"] == "custom"]
@@ -971,13 +729,12 @@ def model_size(folder: Path) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Measure every shape (or ``--shape``), each printing its RESULT line as soon as it is measured."""
+    parser = common.command_line(__doc__)
     parser.add_argument("--shape", choices=sorted(SPECS), help="one shape (default: all four)")
     parser.add_argument("--store", help="keep the results store here (default: a temporary folder)")
-    common.add_argument(parser)
     args = parser.parse_args()
-    if common.enable_smoke(args):
-        use_smoke()
+    common.enable_smoke(args)
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -985,7 +742,7 @@ def main() -> None:
     hf_logging.disable_progress_bar()  # save_pretrained's and from_pretrained's bars
     torch.set_num_threads(1)
     load = os.getloadavg()
-    rates = [matmul_rate()]
+    rates = [cpu_matmul_rate()]
     log(f"real_size: torch {torch.__version__}, {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} "
         f"{load[2]:.2f}; float32 torch.mm 2048 x 2048 on 1 thread (fastest product of 2 s): {rates[0] / 1e9:.1f} "
         f"GFLOP/s (x 2 workers = {2 * rates[0] / 1e9:.1f})")
@@ -997,15 +754,15 @@ def main() -> None:
         root.mkdir(parents=True, exist_ok=True)
         for name in names:
             shape_start = time.perf_counter()
-            rates.append(matmul_rate())
+            rates.append(cpu_matmul_rate())
             log(f"{name}: mm rate {rates[-1] / 1e9:.1f} GFLOP/s now; the best so far, {max(rates) / 1e9:.1f}, is R; "
                 f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
             check_shape(SPECS[name], rates, root, watch)
             log(f"{name}: {time.perf_counter() - shape_start:.0f} s in all")
     watch.stop()
     load = os.getloadavg()
-    log(f"real_size: {time.perf_counter() - start:.0f} s; mm rate now {matmul_rate() / 1e9:.1f} GFLOP/s; load average "
-        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {datetime.now().isoformat(timespec='seconds')}")
+    log(f"real_size: {time.perf_counter() - start:.0f} s; mm rate now {cpu_matmul_rate() / 1e9:.1f} GFLOP/s; "
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {datetime.now().isoformat(timespec='seconds')}")
 
 
 if __name__ == "__main__":

@@ -14,13 +14,14 @@ which ``tests/run/test_screening.py`` checks for every family. Reported per mode
 out, the expected number of the full run's significant heads screened out, and the share of draws that miss
 at least one.
 
-* classifier: the 6-layer, 12-head BERT of ``bench/grid_speed.py`` (random init, word tokenizer over SST-2
-  train) on the first ``--classifier-examples`` sentences of SST-2 dev; equivalence ``--accuracy-margin``.
-* translation: the Multi30k en-fr benchmark model of ``bench/multi30k_translation.py`` (3+3 layers, 4 heads,
+* classifier: the 6-layer, 12-head BERT of ``bench/grid_speed.py`` (``bench/classifier.py``: random init, word
+  tokenizer over SST-2 train) on the first ``--classifier-examples`` sentences of SST-2 dev; equivalence
+  ``--accuracy-margin``.
+* translation: the Multi30k en-fr benchmark model of ``bench/multi30k.py`` (3+3 layers, 4 heads,
   trained once and cached) on ``--translation-examples`` sentences of test_2016_flickr, beam 5; equivalence
   ``--bleu-margin`` BLEU points.
 
-Run: ``python bench/screening.py`` (``--skip-translation`` for the classifier alone; ``--smoke``: tiny models and
+Run: ``python -m bench.screening`` (``--skip-translation`` for the classifier alone; ``--smoke``: tiny models and
 data, seconds). Per model, as soon as it is measured: ``RESULT screening_<model> speedup=<full_s/screened_s>
 missed_significant=<n> of=<m> ...`` and ``RESULT screening_rates_<model> screened_share=<x> expected_missed=<y>
 draws_missing_any=<z> draws=<R>``; last, ``RESULT screening speedup=<total full_s / total screened_s>
@@ -29,42 +30,35 @@ missed_significant=<n> of=<m>``.
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import os
-import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (RESULT lines, smoke mode)
-import grid_speed  # noqa: E402
-import multi30k_translation as m30k  # noqa: E402
+from bench import classifier, common, multi30k
 
 
 def classifier_config(workdir: Path, n_examples: int) -> dict:
     """grid_speed's random 6x12 BERT and the first ``n_examples`` SST-2 dev sentences, saved under ``workdir``."""
-    model_dir, data, source = grid_speed.save_classifier(workdir, n_examples)
-    print(f"classifier: {source}, up to {n_examples} sentences, {grid_speed.classifier_shape()}", flush=True)
+    model_dir, data, source = classifier.save_classifier(workdir, n_examples)
+    print(f"classifier: {source}, up to {n_examples} sentences, {classifier.classifier_shape()}", flush=True)
     return {"model": {"kind": "hf_classifier", "path": str(model_dir)}, "data": {"path": str(data)},
             "sweep": {"batch_size": 64}}
 
 
 def translation_config(threads: int, n_examples: int, beam: int) -> dict:
-    checkpoint, spm_model, data_bin = m30k.cached_model(threads)
+    """The Multi30k benchmark model and the first ``n_examples`` sentences of test_2016_flickr."""
+    checkpoint, spm_model, data_bin = multi30k.cached_model(threads)
+    source, target = multi30k.pair(multi30k.TEST)
     print(f"translation: Multi30k en-fr benchmark model, {n_examples} sentences of test_2016_flickr, beam {beam}",
           flush=True)
     return {"model": {"kind": "fairseq_translation", "checkpoint": str(checkpoint), "data_bin": str(data_bin),
                       "beam": beam},
-            "data": {"source": str(m30k.DATA / f"test_2016_flickr.{m30k.SRC}.gz"),
-                     "target": str(m30k.DATA / f"test_2016_flickr.{m30k.TGT}.gz"),
-                     "sentencepiece_model": str(spm_model), "max_examples": n_examples,
-                     "name": "test_2016_flickr"},
+            "data": {"source": str(source), "target": str(target), "sentencepiece_model": str(spm_model),
+                     "max_examples": n_examples, "name": "test_2016_flickr"},
             "sweep": {}}
 
 
@@ -149,7 +143,9 @@ def screening_rates(store_path: Path, full_id: str, significant: set[str], cfg: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Both models' full and screened runs (the classifier's alone in smoke mode), each printing its RESULT lines as
+    soon as it is measured, then the RESULT screening line."""
+    parser = common.command_line(__doc__)
     parser.add_argument("--rule", choices=("futility", "equivalence"), default="futility")
     parser.add_argument("--miss", type=float, default=None, help="futility: sweep.screen.miss (default: its default)")
     parser.add_argument("--fraction", type=float, default=None, help="sweep.screen.fraction (default: the rule's)")
@@ -161,16 +157,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draws", type=int, default=200, help="random subsets for the rates")
     parser.add_argument("--skip-translation", action="store_true")
-    common.add_argument(parser)
     args = parser.parse_args()
     if common.enable_smoke(args):
         # The classifier alone: each run starts its Ray worker (seconds), and the translation model's two runs
         # take the same code path (compare) as the classifier's.
-        grid_speed.use_smoke()
         args.classifier_examples, args.skip_translation = common.SMOKE_DATA_LINES, True
         args.threads, args.draws = 1, 5
-    logging.getLogger("fairseq").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore")
+    common.quiet_logging()
     import ray
 
     def screen(margin: float) -> dict:
@@ -189,7 +182,7 @@ def main() -> None:
         results["classifier"] = compare("classifier", classifier_config(workdir, args.classifier_examples),
                                         screen(args.accuracy_margin), workdir, args.threads, address, args.draws)
         report("classifier", results["classifier"], args.draws)
-        if not args.skip_translation and m30k.DATA.is_dir():
+        if not args.skip_translation and multi30k.DATA.is_dir():
             results["translation"] = compare(
                 "translation", translation_config(args.threads, args.translation_examples, args.beam),
                 screen(args.bleu_margin), workdir, args.threads, address, args.draws)

@@ -6,33 +6,23 @@ on the test set. This times both routes on such a grid (1000 sentences,
 288 perturbed copies of a baseline hypothesis set) and checks that their
 p-values agree (same seed, hence the same resamples).
 
-Run: ``python bench/significance.py`` (``--smoke``: 30 sentences, 6 systems, 100 resamples). The last line is
+Run: ``python -m bench.significance`` (``--smoke``: 30 sentences, 6 systems, 100 resamples). The last line is
 ``RESULT significance ratio=<sacrebleu_seconds/our_seconds> max_abs_p_diff=<x>``.
 """
 
 from __future__ import annotations
 
-import argparse
-import gzip
-import importlib
 import os
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from sacrebleu.metrics import BLEU
 from sacrebleu.significance import PairedTest
 
-# run as a plain script from a checkout: make the repository importable
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-import common  # noqa: E402  (RESULT lines, smoke mode)
-
-_sig = importlib.import_module("headsweep.sweep.statistics.significance")
-bleu_from_stats = _sig.bleu_from_stats
-paired_bootstrap = _sig.paired_bootstrap
+from bench import common
+from headsweep.sweep.statistics.significance import bleu_from_stats, paired_bootstrap
 
 N_SENT = 1000
 N_SYSTEMS = 288
@@ -43,6 +33,7 @@ SACREBLEU_BUDGET_S = 300.0
 REFS = common.DATA / "multi30k" / "test_2016_flickr.fr.gz"
 
 
+@common.on_smoke
 def use_smoke() -> None:
     """30 sentences, 6 systems (one identical to the baseline), 100 resamples."""
     global N_SENT, N_SYSTEMS, N_IDENTICAL, N_RES
@@ -51,8 +42,7 @@ def use_smoke() -> None:
 
 def _references(rng: random.Random) -> tuple[list[str], str]:
     if REFS.exists():
-        with gzip.open(REFS, "rt", encoding="utf-8") as f:
-            lines = [line.rstrip("\n") for line in f][:N_SENT]
+        lines = common.read_gz(REFS)[:N_SENT]
         if len(lines) == N_SENT:
             return lines, str(REFS)
     vocab = [f"w{i}" for i in range(2000)]
@@ -97,22 +87,12 @@ def _systems(refs: list[str], rng: random.Random) -> tuple[list[str], list[list[
     return base, systems
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_argument(parser)
-    if common.enable_smoke(parser.parse_args()):
-        use_smoke()
-    rng = random.Random(7)
-    refs, source = _references(rng)
-    base, systems = _systems(refs, rng)
-    print(f"references: {source} ({N_SENT} sentences); {N_SYSTEMS} ablated systems "
-          f"({N_IDENTICAL} identical to the baseline); {N_RES} resamples, seed {SEED}")
+def sacrebleu_route(metric, base: list[str], systems: list[list[str]]) -> tuple[float, np.ndarray, int, str]:
+    """sacrebleu's ``PairedTest`` (paired bootstrap, references cached as its CLI does) on every system, or, where
+    a pilot of 8 projects past ``SACREBLEU_BUDGET_S``, on as many as fit half the budget, extrapolated linearly:
+    (seconds for all systems, the p-values of those run, how many ran, how the time was found)."""
 
-    # ---- sacrebleu: PairedTest, paired bootstrap, references cached as the CLI does
-    os.environ["SACREBLEU_SEED"] = str(SEED)
-    metric = BLEU(references=[refs])
-
-    def run_sacrebleu(k: int) -> tuple[float, np.ndarray]:
+    def run(k: int) -> tuple[float, np.ndarray]:
         named = [("baseline", base)] + [(f"sys{i}", h) for i, h in enumerate(systems[:k])]
         t0 = time.perf_counter()
         _, scores = PairedTest(named, {"BLEU": metric}, None, test_type="bs",
@@ -120,18 +100,43 @@ def main() -> None:
         return time.perf_counter() - t0, np.array([r.p_value for r in scores["BLEU"][1:]])
 
     pilot_k = min(8, N_SYSTEMS)
-    pilot_s, _ = run_sacrebleu(pilot_k)
+    pilot_s, _ = run(pilot_k)
     projected = pilot_s / pilot_k * N_SYSTEMS
     if projected <= SACREBLEU_BUDGET_S:
-        sb_k = N_SYSTEMS
-        sb_s, sb_p = run_sacrebleu(sb_k)
-        sb_total = sb_s
-        sb_note = f"measured on all {N_SYSTEMS} systems"
-    else:
-        sb_k = max(pilot_k, int(N_SYSTEMS * SACREBLEU_BUDGET_S / projected / 2))
-        sb_s, sb_p = run_sacrebleu(sb_k)
-        sb_total = sb_s * N_SYSTEMS / sb_k
-        sb_note = f"measured on {sb_k} systems, extrapolated linearly to {N_SYSTEMS}"
+        seconds, p_values = run(N_SYSTEMS)
+        return seconds, p_values, N_SYSTEMS, f"measured on all {N_SYSTEMS} systems"
+    k = max(pilot_k, int(N_SYSTEMS * SACREBLEU_BUDGET_S / projected / 2))
+    seconds, p_values = run(k)
+    return seconds * N_SYSTEMS / k, p_values, k, f"measured on {k} systems, extrapolated linearly to {N_SYSTEMS}"
+
+
+def our_route(base_stats: np.ndarray, sys_stats: np.ndarray) -> tuple[list[float], object, object]:
+    """Our ``paired_bootstrap`` of the whole grid in one call, three times (sacrebleu's p-values: identical systems
+    not set to 1), and once in its default mode: (the three runs' seconds, the first mode's result, the
+    default's)."""
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        ours = paired_bootstrap(base_stats, sys_stats, bleu_from_stats, n_resamples=N_RES,
+                                seed=SEED, identical_p_one=False)
+        times.append(time.perf_counter() - t0)
+    default = paired_bootstrap(base_stats, sys_stats, bleu_from_stats, n_resamples=N_RES,
+                               seed=SEED)
+    return times, ours, default
+
+
+def main() -> None:
+    """Time both routes on the same grid, compare their p-values; the RESULT significance line."""
+    common.enable_smoke(common.command_line(__doc__).parse_args())
+    rng = random.Random(7)
+    refs, source = _references(rng)
+    base, systems = _systems(refs, rng)
+    print(f"references: {source} ({N_SENT} sentences); {N_SYSTEMS} ablated systems "
+          f"({N_IDENTICAL} identical to the baseline); {N_RES} resamples, seed {SEED}")
+
+    os.environ["SACREBLEU_SEED"] = str(SEED)
+    metric = BLEU(references=[refs])
+    sb_total, sb_p, sb_k, sb_note = sacrebleu_route(metric, base, systems)
 
     # ---- statistics extraction (sacrebleu's, as our translation worker uses it)
     t0 = time.perf_counter()
@@ -141,22 +146,13 @@ def main() -> None:
     )
     extract_s = time.perf_counter() - t0
 
-    # ---- ours: the whole grid in one call; median of 3 runs
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        ours = paired_bootstrap(base_stats, sys_stats, bleu_from_stats, n_resamples=N_RES,
-                                seed=SEED, identical_p_one=False)
-        times.append(time.perf_counter() - t0)
+    times, ours, default = our_route(base_stats, sys_stats)
     ours_s = statistics.median(times)
-    default = paired_bootstrap(base_stats, sys_stats, bleu_from_stats, n_resamples=N_RES,
-                               seed=SEED)
-
     diff = np.abs(ours.p_value[:sb_k] - sb_p)
     ratio = sb_total / ours_s
     ratio_e2e = sb_total / (ours_s + extract_s)
     print(f"sacrebleu PairedTest (bs, n_jobs=1): {sb_total:.2f} s for {N_SYSTEMS} systems "
-          f"({sb_note}; {sb_s / sb_k * 1000:.0f} ms/system; includes its statistics "
+          f"({sb_note}; {sb_total / N_SYSTEMS * 1000:.0f} ms/system; includes its statistics "
           f"extraction)")
     print(f"ours paired_bootstrap: {ours_s:.3f} s for {N_SYSTEMS} systems x {N_RES} resamples "
           f"(median of 3: {', '.join(f'{t:.3f}' for t in times)} s)")

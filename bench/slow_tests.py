@@ -1,7 +1,7 @@
 """The suite's slow end-to-end variants (pytest marker ``slow``), kept out of ``make test``'s 20 minutes.
 
 Each is an end-to-end variant of a code path another test in the suite covers faster (the marker's comment names
-it). Run them before a release or after touching those paths: ``python bench/slow_tests.py`` (extra arguments go
+it). Run them before a release or after touching those paths: ``python -m bench.slow_tests`` (extra arguments go
 to pytest). Final line: ``RESULT slow_tests passed=<n> failed=<n> seconds=<s>``.
 """
 
@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
+    """Run ``pytest -m slow`` from the repository root; its output, then the RESULT line; its exit status."""
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "slow", *sys.argv[1:]], cwd=ROOT,
                           capture_output=True, text=True)

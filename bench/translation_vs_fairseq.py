@@ -22,7 +22,7 @@ driver's bookkeeping are not counted. Masks go round in chunks of the driver's c
 
 The model: a fairseq ``transformer`` of 3+3 layers, 8 heads, width 256 (ffn 1024), a joint
 SentencePiece BPE of 8,000 pieces, trained on Multi30k en-fr with the machinery of
-``bench/multi30k_translation.py`` and cached under ``~/.cache/headsweep/bench`` (or
+``bench/multi30k.py`` and cached under ``~/.cache/headsweep/bench`` (or
 ``$HEADSWEEP_BENCH_CACHE``) in a folder keyed by its settings; ``trained.json`` there records
 its training and its BLEU on test_2016_flickr (beam 5, sacrebleu on the detokenised text, fairseq's
 loop). ``--train-only`` trains and stops; ``--train-only --more-minutes M`` trains the cached model
@@ -45,7 +45,7 @@ batch-dependent float noise between near-equal beams. Memory: the highest reside
 sampled during each path's calls, and the most it rose above a call's start (all paths live in
 one process).
 
-Run: ``python bench/translation_vs_fairseq.py [--masks 24] [--max-examples N] [--threads 2] [--smoke]``.
+Run: ``python -m bench.translation_vs_fairseq [--masks 24] [--max-examples N] [--threads 2] [--smoke]``.
 Last line: ``RESULT translation_vs_fairseq ratio=<a_s/c_s> identical_bleu=<n>/<masks> fairseq_s=<a_s>
 default_s=<c_s> plain_s=<b_s>``.
 Skips (exit 0) when ../shared/data is absent.
@@ -56,25 +56,15 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import hashlib
 import json
-import logging
 import re
-import sys
 import time
-import warnings
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(BENCH))
-import common  # noqa: E402  (RESULT lines, smoke mode)
-import multi30k_translation as m30k  # noqa: E402  (Multi30k data, SentencePiece + data-bin preparation)
+from bench import common, multi30k
+from bench.measure import PeakRSS, mib, run_grid, spread
 
-VOCAB = 8000
-TEST = "test_2016_flickr"
-DEFAULT_TRAIN_MINUTES = 30.0  # the first training stage's budget (part of the cache key; later stages: --more-minutes)
+TEST = multi30k.TEST
 TARGET_BLEU = 35.0
 FAIRSEQ_MAX_TOKENS = 6000
 # Two hypotheses whose scores (fairseq's length-normalised log-probability) differ by less than
@@ -82,32 +72,9 @@ FAIRSEQ_MAX_TOKENS = 6000
 TIE = 1e-4
 
 
-def skip(reason: str) -> None:
-    print(f"SKIP translation_vs_fairseq: {reason}")
-    sys.exit(0)
-
-
-# -- the model --------------------------------------------------------------------------------
-def train_settings(minutes: float, threads: int):
-    """The benchmark model: 3+3 layers, 8 heads, d=256, ffn 1024, shared 8k joint vocabulary."""
-    from headsweep.workers.families.fairseq_translation.train import TrainSettings
-
-    return common.shrink(TrainSettings(
-        threads=threads, encoder_layers=3, decoder_layers=3, embed_dim=256, ffn_dim=1024, attention_heads=8,
-        dropout=0.1, share_all_embeddings=True, share_decoder_input_output_embed=True, lr=1.5e-3,
-        warmup_updates=500, clip_norm=1.0, label_smoothing=0.1, max_tokens=4096, max_epochs=100,
-        max_seconds=minutes * 60, seed=1,
-    ))
-
-
-def model_dir(minutes: float) -> Path:
-    """The cache folder of the model trained with ``minutes`` (the thread count does not enter the key)."""
-    settings = dataclasses.replace(train_settings(minutes, threads=0), threads=0)
-    key = hashlib.sha256(json.dumps([VOCAB, repr(settings)]).encode()).hexdigest()[:10]
-    return m30k.CACHE / f"vs_fairseq_3x3_h8_d256_{m30k.SRC}_{m30k.TGT}_{key}"
-
-
+# -- the model (multi30k.vs_fairseq_settings, cached in multi30k.vs_fairseq_dir) ------------------------
 def marker(workdir: Path) -> Path:
+    """The file that marks the model in ``workdir`` complete: its training record and test BLEU."""
     return workdir / "checkpoints" / "trained.json"
 
 
@@ -117,9 +84,9 @@ def ensure_model(minutes: float, threads: int, max_tokens: int, measured: bool =
     False leaves a model without its BLEU unmeasured (the training record instead)."""
     from headsweep.workers.families.fairseq_translation.train import train_translation
 
-    workdir = model_dir(minutes)
+    workdir = multi30k.vs_fairseq_dir(minutes)
     workdir.mkdir(parents=True, exist_ok=True)
-    spm_model, data_bin = m30k.prepare(workdir, vocab=VOCAB)
+    spm_model, data_bin = multi30k.prepare(workdir, vocab=multi30k.VS_FAIRSEQ_VOCAB)
     checkpoint = workdir / "checkpoints" / "checkpoint_last.pt"
     if marker(workdir).exists():
         record = json.loads(marker(workdir).read_text())
@@ -127,13 +94,13 @@ def ensure_model(minutes: float, threads: int, max_tokens: int, measured: bool =
         return checkpoint, spm_model, data_bin, record
     trained = workdir / "checkpoints" / "training.json"
     if not trained.exists():
-        result = train_translation(data_bin, workdir / "checkpoints", m30k.SRC, m30k.TGT,
-                                   train_settings(minutes, threads), log=lambda msg: print(msg, flush=True))
+        result = train_translation(data_bin, workdir / "checkpoints", multi30k.SRC, multi30k.TGT,
+                                   multi30k.vs_fairseq_settings(minutes, threads), log=common.log)
         # Written once training is over, so that a failure in what follows does not train again.
         trained.write_text(json.dumps({
             "epochs": result.epochs, "updates": result.updates, "train_seconds": round(result.seconds, 1),
             "valid_loss": result.valid_loss, "train_loss": result.train_loss, "threads": threads,
-            "settings": repr(train_settings(minutes, threads)), "stages": [],
+            "settings": repr(multi30k.vs_fairseq_settings(minutes, threads)), "stages": [],
         }, indent=1) + "\n")
     if not measured:
         return checkpoint, spm_model, data_bin, json.loads(trained.read_text())
@@ -164,7 +131,7 @@ def continue_training(minutes: float, more_minutes: float, threads: int, max_tok
 
     from headsweep.workers.families.fairseq_translation.train import train_translation
 
-    workdir = model_dir(minutes)
+    workdir = multi30k.vs_fairseq_dir(minutes)
     checkpoint = workdir / "checkpoints" / "checkpoint_last.pt"
     trained = workdir / "checkpoints" / "training.json"
     if not trained.exists():
@@ -209,8 +176,8 @@ def continue_training(minutes: float, more_minutes: float, threads: int, max_tok
 
     fairseq.trainer.Trainer = Restored
     try:
-        result = train_translation(workdir / "data-bin", workdir / "checkpoints", m30k.SRC, m30k.TGT,
-                                   train_settings(more_minutes, threads), log=log)
+        result = train_translation(workdir / "data-bin", workdir / "checkpoints", multi30k.SRC, multi30k.TGT,
+                                   multi30k.vs_fairseq_settings(more_minutes, threads), log=log)
     finally:
         fairseq.trainer.Trainer = stock
     record = json.loads(trained.read_text())
@@ -229,6 +196,7 @@ def checkpoint_updates(checkpoint: Path) -> int:
 
 
 def describe_record(record: dict) -> str:
+    """A model's training record and test BLEU, in a line."""
     return (f"{record['epochs']} epochs, {record['updates']} updates, {record['train_seconds']:.0f}s training, "
             f"valid loss {record['valid_loss']:.3f}; {TEST} BLEU {record['bleu']:.2f} (beam 5, fairseq loop, "
             f"{record['sacrebleu']})")
@@ -246,8 +214,10 @@ def test_bleu(checkpoint: Path, spm_model: Path, data_bin: Path, max_tokens: int
 
 
 def read_test(max_examples: int | None) -> tuple[list[str], list[str]]:
-    src = m30k.read_gz(m30k.DATA / f"{TEST}.{m30k.SRC}.gz")
-    ref = [line.strip() for line in m30k.read_gz(m30k.DATA / f"{TEST}.{m30k.TGT}.gz")]
+    """The first ``max_examples`` (None: all) test sources and references."""
+    source, target = multi30k.pair(TEST)
+    src = common.read_gz(source)
+    ref = [line.strip() for line in common.read_gz(target)]
     n = len(src) if max_examples is None else min(len(src), max_examples)
     return src[:n], ref[:n]
 
@@ -419,7 +389,7 @@ def headsweep_options(args) -> tuple[object, object, list[str]]:
 
 def translation_configs(checkpoint: Path, data_bin: Path, spm_model: Path, max_examples: int | None, args):
     """headsweep's model and data sections: beam 5 and fairseq-generate's other defaults, like (a)."""
-    from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+    from headsweep.workers.families.fairseq_translation.config import TranslationModel
 
     model_fields = {f.name for f in dataclasses.fields(TranslationModel)}
     extra = {}
@@ -429,10 +399,7 @@ def translation_configs(checkpoint: Path, data_bin: Path, spm_model: Path, max_e
             raise SystemExit(f"--model {key!r}: not a key of headsweep's fairseq_translation model section")
         extra[key.strip()] = parse_value(value.strip())
     model = TranslationModel(checkpoint=str(checkpoint), data_bin=str(data_bin), beam=5, **extra)
-    data = TranslationData(source=str(m30k.DATA / f"{TEST}.{m30k.SRC}.gz"),
-                           target=str(m30k.DATA / f"{TEST}.{m30k.TGT}.gz"),
-                           sentencepiece_model=str(spm_model), max_examples=max_examples, name=TEST)
-    return model, data
+    return model, multi30k.test_data(spm_model, max_examples, TEST)
 
 
 def capture_hypotheses(task) -> list:
@@ -452,8 +419,6 @@ def capture_hypotheses(task) -> list:
 
 def choose_masks(inventory, count: int) -> list[list]:
     """``count`` single-head masks, a third per attention type, each third spread over its heads."""
-    from grid_speed import spread
-
     by_type: dict[str, list] = {}
     for head in inventory.heads:
         by_type.setdefault(head.attention, []).append(head)
@@ -506,9 +471,7 @@ _WORKER: dict = {}
 
 def _start_worker(model_cfg, data_cfg, options, threads: int) -> None:
     """A (d) process: headsweep's adapter with ``threads`` torch threads, as a Ray worker holds it."""
-    logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("fairseq").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore")
+    common.quiet_logging()
     import torch
 
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
@@ -549,14 +512,15 @@ class WorkerProcesses:
 
 
 # -- main -------------------------------------------------------------------------------------
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args() -> argparse.Namespace:
+    """The command line; in smoke mode, 3 masks on a few sentences, hypotheses capped at 20 tokens."""
+    parser = common.command_line(__doc__)
     parser.add_argument("--masks", type=int, default=24,
                         help="single-head masks, spread evenly over enc_self, enc_dec and dec_self (besides the "
                              "baseline)")
     parser.add_argument("--max-examples", type=int, default=None, help="the first N test sentences (default: all)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads, every path alike")
-    parser.add_argument("--train-minutes", type=float, default=DEFAULT_TRAIN_MINUTES,
+    parser.add_argument("--train-minutes", type=float, default=multi30k.VS_FAIRSEQ_MINUTES,
                         help="training budget (part of the cache key)")
     parser.add_argument("--train-only", action="store_true", help="train (or read) the model, report its BLEU, stop")
     parser.add_argument("--more-minutes", type=float, default=0.0,
@@ -577,47 +541,48 @@ def main() -> None:
     parser.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
                         help="headsweep's model section for (b) and (c), e.g. lenpen=1.0 (repeatable); (a) gets "
                              "the same generation keys")
-    common.add_argument(parser)
     args = parser.parse_args()
     if common.enable_smoke(args):
-        global VOCAB
-        m30k.use_smoke()
-        VOCAB, args.masks, args.threads, args.max_examples = common.SMOKE_VOCAB, 3, 1, common.SMOKE_EXAMPLES
+        args.masks, args.threads, args.max_examples = 3, 1, common.SMOKE_EXAMPLES
         args.model.append("max_len_b=20")  # the smoke model babbles: cap its hypotheses, on every path alike
+    return args
 
-    if not m30k.DATA.is_dir():
-        skip(f"{m30k.DATA} not found (the shared data folder beside the repository)")
-    try:
-        import sentencepiece  # noqa: F401
-    except ImportError:
-        skip("the sentencepiece package is not installed (pip install sentencepiece)")
-    logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("fairseq").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore")
-    import torch
 
-    torch.set_num_threads(args.threads)
+def trained_model(args: argparse.Namespace) -> tuple[Path, Path, Path, dict]:
+    """(checkpoint, spm model, data-bin, record) of the model: read from the cache, trained, or with
+    ``--train-only --more-minutes`` trained longer."""
     more = args.train_only and args.more_minutes > 0
     checkpoint, spm_model, data_bin, record = ensure_model(args.train_minutes, args.threads, args.fairseq_max_tokens,
                                                            measured=not more)
     if more:
         record = continue_training(args.train_minutes, args.more_minutes, args.threads, args.fairseq_max_tokens)
-    if args.train_only:
-        common.result("translation_vs_fairseq_model", bleu=f"{record['bleu']:.2f}",
-                      train_s=f"{record['train_seconds']:.0f}")
-        return
+    return checkpoint, spm_model, data_bin, record
 
-    from grid_speed import PeakRSS, mib, run_grid
 
-    from headsweep.sweep.run.dispatch import units_per_call
+@dataclasses.dataclass
+class Routes:
+    """What is timed side by side: (a) fairseq's loop (None with ``--skip-a``), headsweep's adapters (``hs_plain``
+    (b), absent with ``--skip-b``; ``hs_default`` (c)) with their options, and (d)'s processes (None below 2)."""
+
+    loop: FairseqLoop | None
+    tasks: dict
+    options: dict
+    procs: WorkerProcesses | None
+    model_cfg: object
+    generation: dict
+    notes: list[str]  # how (b) and (c) are set
+    rss: dict  # resident memory after each route loaded
+
+
+def load_routes(args: argparse.Namespace, checkpoint: Path, spm_model: Path, data_bin: Path,
+                sources: list[str]) -> Routes:
+    """Every route loaded, the resident memory noted after each."""
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
 
-    sources, references = read_test(args.max_examples)
     plain_opts, default_opts, notes = headsweep_options(args)
     model_cfg, data_cfg = translation_configs(checkpoint, data_bin, spm_model, args.max_examples, args)
     generation = {k: getattr(model_cfg, k) for k in ("beam", "lenpen", "max_len_a", "max_len_b", "min_len",
                                                      "unkpen", "no_repeat_ngram_size")}
-    peak = PeakRSS()
     rss = {"start": PeakRSS.rss()}
     loop = None if args.skip_a else FairseqLoop(checkpoint, data_bin, spm_model, sources, args.fairseq_max_tokens,
                                                 generation)
@@ -633,60 +598,98 @@ def main() -> None:
         procs = WorkerProcesses(args.workers, args.threads, model_cfg, data_cfg, default_opts)
         print(f"(d): headsweep default in {args.workers} worker processes of {procs.options.threads} torch "
               "thread(s) each, each round of masks split evenly between them", flush=True)
-    options = {"hs_plain": plain_opts, "hs_default": default_opts}
-    info = tasks["hs_default"].describe()
-    singles = choose_masks(info.inventory, args.masks)
-    masks = [[]] + singles
-    n_total = len(m30k.read_gz(m30k.DATA / f"{TEST}.{m30k.SRC}.gz"))
+    return Routes(loop, tasks, {"hs_plain": plain_opts, "hs_default": default_opts}, procs, model_cfg, generation,
+                  notes, rss)
+
+
+def describe(routes: Routes, info, masks: list, record: dict, args: argparse.Namespace) -> None:
+    """The model, the data and how each route runs."""
+    from headsweep.sweep.run.dispatch import units_per_call
+
+    default_opts = routes.options["hs_default"]
+    n_total = len(common.read_gz(multi30k.pair(TEST)[0]))
     print(f"model: {describe_record(record)}")
-    print(f"data: {TEST}, {info.n_examples} of {n_total} sentences; beam 5, generation {generation}; "
-          f"torch threads {args.threads}; {len(singles)} single-head masks + the baseline")
+    print(f"data: {TEST}, {info.n_examples} of {n_total} sentences; beam 5, generation {routes.generation}; "
+          f"torch threads {args.threads}; {len(masks) - 1} single-head masks + the baseline")
     print(f"(a) fairseq: checkpoint_utils.load_model_ensemble_and_task, a deepcopy with out_proj columns zeroed per "
           f"mask, task.build_generator + task.inference_step, get_batch_iterator(max_tokens="
           f"{args.fairseq_max_tokens}, required_batch_size_multiple=1)")
     print("(b), (c): headsweep's TranslationAdapter in this process (no Ray: its start-up is not counted); "
-          + "; ".join(notes))
+          + "; ".join(routes.notes))
     print(f"(c): reuse: {info.facts.get('reuse')}; masks per call {units_per_call(default_opts.masks_per_batch)}, "
-          f"masks per search {tasks['hs_default'].masks_per_forward()}", flush=True)
+          f"masks per search {routes.tasks['hs_default'].masks_per_forward()}", flush=True)
 
-    call = units_per_call(default_opts.masks_per_batch)
-    captured = capture_hypotheses(tasks["hs_default"])
-    seconds = {"fairseq": 0.0, **dict.fromkeys(tasks, 0.0), **({"hs_workers": 0.0} if procs else {})}
+
+@dataclasses.dataclass
+class Timings:
+    """Per route: its seconds in all, per mask, and its outputs (``Decoded`` for (a), ``MaskOutput`` otherwise);
+    and (c)'s hypotheses with their scores, one list per call."""
+
+    seconds: dict
+    per_mask: dict
+    outs: dict
+    captured: list
+
+
+def time_rounds(routes: Routes, masks: list, args: argparse.Namespace, peak: PeakRSS) -> Timings:
+    """Every route on ``masks``, round by round (a round: the driver's call size, one call per (d) worker), so that
+    a change in the machine's load hits all of them."""
+    from headsweep.sweep.run.dispatch import units_per_call
+
+    call = units_per_call(routes.options["hs_default"].masks_per_batch)
+    captured = capture_hypotheses(routes.tasks["hs_default"])
+    seconds = {"fairseq": 0.0, **dict.fromkeys(routes.tasks, 0.0), **({"hs_workers": 0.0} if routes.procs else {})}
     per_mask = {k: [] for k in seconds}
     outs: dict[str, list] = {k: [] for k in seconds}
     round_size = call * max(1, args.workers)  # (d) gets one call per worker a round
     for first in range(0, len(masks), round_size):
         chunk = masks[first : first + round_size]
-        if loop is not None:
+        if routes.loop is not None:
             for mask in chunk:
-                got, s = peak.timed("fairseq", loop.decode, mask)
+                got, s = peak.timed("fairseq", routes.loop.decode, mask)
                 outs["fairseq"].append(got)
                 per_mask["fairseq"].append(s)
                 seconds["fairseq"] += s
-        for k, task in tasks.items():
-            got, s = run_grid(task, chunk, options[k], peak, k)
+        for k, task in routes.tasks.items():
+            got, s = run_grid(task, chunk, routes.options[k], peak, k)
             outs[k] += got
             per_mask[k] += [o.seconds for o in got]
             seconds[k] += s
-        if procs is not None:
+        if routes.procs is not None:
             start = time.perf_counter()
-            got = procs.evaluate(chunk)
+            got = routes.procs.evaluate(chunk)
             s = time.perf_counter() - start
             outs["hs_workers"] += got
             seconds["hs_workers"] += s
         print(f"  masks {first}..{first + len(chunk) - 1}: " + ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
               + " (cumulative)", flush=True)
+    return Timings(seconds, per_mask, outs, captured)
 
-    hyps_c = [h for call_hyps in captured for h in call_hyps]
+
+@dataclasses.dataclass
+class Agreement:
+    """Per mask a table row (BLEU and seconds per route, (a)'s differences from (c)); the masks whose BLEU (a) and
+    (c), and (a) and (d), give alike; the sentences (d) and (c) decode differently; (a)'s differences in all."""
+
+    rows: list = dataclasses.field(default_factory=list)
+    identical: int = 0
+    identical_d: int = 0
+    d_vs_c: int = 0
+    total: Difference = dataclasses.field(default_factory=Difference)
+
+
+def agreement(routes: Routes, masks: list, timings: Timings, references: list[str]) -> Agreement:
+    """How the routes' hypotheses and BLEU agree, mask by mask; (a)'s differing sentences decoded again alone."""
+    outs, per_mask, task = timings.outs, timings.per_mask, routes.tasks["hs_default"]
+    hyps_c = [h for call_hyps in timings.captured for h in call_hyps]
     if len(hyps_c) != len(masks):
         # This headsweep's evaluate() does not go through translate(): one more, untimed, decode.
         print("(c)'s hypothesis scores come from one more, untimed, translate() call", flush=True)
-        hyps_c = tasks["hs_default"].translate(masks)
-    lengths = [len(t) for t in tasks["hs_default"].examples.source]
-    max_lens = [int(min(model_cfg.max_len_a * n + model_cfg.max_len_b,
-                        tasks["hs_default"].model.max_decoder_positions() - 1)) for n in lengths]
-    rows, identical, identical_d, d_vs_c = [], 0, 0, 0
-    total_diff = Difference()
+        hyps_c = task.translate(masks)
+    lengths = [len(t) for t in task.examples.source]
+    max_lens = [int(min(routes.model_cfg.max_len_a * n + routes.model_cfg.max_len_b,
+                        task.model.max_decoder_positions() - 1)) for n in lengths]
+    found = Agreement()
     for j, mask in enumerate(masks):
         c = outs["hs_default"][j]
         c_text_again = [h.text for h in hyps_c[j]]
@@ -699,26 +702,30 @@ def main() -> None:
             b = outs["hs_plain"][j]
             row.update(b=corpus_bleu(b.outputs, references).score, b_s=per_mask["hs_plain"][j],
                        b_vs_c=sum(x != y for x, y in zip(b.outputs, c.outputs, strict=True)))
-        if procs is not None:
+        if routes.procs is not None:
             d = outs["hs_workers"][j]
             row.update(d=corpus_bleu(d.outputs, references).score)
-            d_vs_c += sum(x != y for x, y in zip(d.outputs, c.outputs, strict=True))
-        if loop is not None:
+            found.d_vs_c += sum(x != y for x, y in zip(d.outputs, c.outputs, strict=True))
+        if routes.loop is not None:
             a = outs["fairseq"][j]
             bleu_a = corpus_bleu(a.texts, references).score
-            identical_d += procs is not None and bleu_a == row["d"]
+            found.identical_d += routes.procs is not None and bleu_a == row["d"]
             diff = compare(a, c.outputs, hyps_c[j], max_lens)
             if diff.ids:
-                alone = loop.decode_alone(mask, diff.ids)
+                alone = routes.loop.decode_alone(mask, diff.ids)
                 diff.alone_a = sum(alone[i] == a.texts[i] for i in diff.ids)
                 diff.alone_c = sum(alone[i] == c.outputs[i] for i in diff.ids)
-            identical += bleu_a == bleu_c
+            found.identical += bleu_a == bleu_c
             row.update(a=bleu_a, a_s=per_mask["fairseq"][j], diff=diff)
             for name in ("n", "ties", "max_len", "unk", "alone_a", "alone_c"):
-                setattr(total_diff, name, getattr(total_diff, name) + getattr(diff, name))
-            total_diff.examples += [(row["mask"], *e) for e in diff.examples]
-        rows.append(row)
+                setattr(found.total, name, getattr(found.total, name) + getattr(diff, name))
+            found.total.examples += [(row["mask"], *e) for e in diff.examples]
+        found.rows.append(row)
+    return found
 
+
+def print_table(rows: list[dict]) -> None:
+    """BLEU per route, (a)'s differences from (c) and seconds, a line per mask."""
     print(f"\n{'mask':<14}{'BLEU a':>8}{'BLEU b':>8}{'BLEU c':>8}  same  {'differ a/c':>10}{'ties':>6}"
           f"{'b/c':>5}{'a s':>7}{'b s':>7}{'c s':>7}")
     for r in rows:
@@ -727,40 +734,78 @@ def main() -> None:
               f"{('yes' if r.get('a') == r['c'] else 'NO') if d else '-':<4}  {d.n if d else '-':>10}"
               f"{d.ties if d else '-':>6}{r.get('b_vs_c', '-'):>5}{r.get('a_s', float('nan')):7.2f}"
               f"{r.get('b_s', float('nan')):7.2f}{r['c_s']:7.2f}")
-    n = len(masks)
-    print(f"\ntimes for {n} decodes of {info.n_examples} sentences (baseline included):")
+
+
+def print_times(routes: Routes, timings: Timings, found: Agreement, peak: PeakRSS, n_examples: int,
+                args: argparse.Namespace) -> None:
+    """Each route's seconds and memory; (d) against (c) and (a); the resident memory after each load."""
+    n = len(timings.outs["hs_default"])
+    print(f"\ntimes for {n} decodes of {n_examples} sentences (baseline included):")
     labels = {"fairseq": "(a) fairseq loop", "hs_plain": "(b) headsweep plain", "hs_default": "(c) headsweep default",
               "hs_workers": f"(d) default, {args.workers} workers"}
-    for k, s in seconds.items():
-        if k == "fairseq" and loop is None:
+    for k, s in timings.seconds.items():
+        if k == "fairseq" and routes.loop is None:
             continue
         memory = (f"  peak RSS {mib(peak.peak[k])}, at most {mib(peak.rise[k])} above a call's start"
                   if k in peak.peak else "  (memory: other processes, not sampled)")
         print(f"  {labels[k]:<22} {s:7.1f}s  ({s / n:.2f}s a decode){memory}")
-    if procs is not None:
-        procs.close()
-        print(f"(d) vs (c): {d_vs_c} sentence hypotheses differ over {n} masks x {info.n_examples} sentences "
-              f"(other thread counts: summation order); BLEU of (d) equals (a)'s for {identical_d} of {n} masks")
-    print("  resident memory: " + ", ".join(f"{k} {mib(v)}" for k, v in rss.items()))
+    if routes.procs is not None:
+        routes.procs.close()
+        print(f"(d) vs (c): {found.d_vs_c} sentence hypotheses differ over {n} masks x {n_examples} sentences "
+              f"(other thread counts: summation order); BLEU of (d) equals (a)'s for {found.identical_d} of {n} "
+              f"masks")
+    print("  resident memory: " + ", ".join(f"{k} {mib(v)}" for k, v in routes.rss.items()))
+
+
+def print_differences(total: Difference, n: int, n_examples: int) -> None:
+    """What the sentences (a) and (c) decode differently are, with a few of them."""
+    print(f"(a) vs (c): {total.n} sentence hypotheses differ over {n} masks x {n_examples} sentences; "
+          f"{total.ties} of them beam ties (scores within {TIE:g}), {total.max_len} at the length "
+          f"limit, {total.unk} with <unk>; decoded again by (a)'s route one sentence a batch: "
+          f"{total.alone_a} give (a)'s hypothesis, {total.alone_c} give (c)'s")
+    for mask_name, i, sa, sc, la, lc, ta, tc in total.examples[:8]:
+        print(f"  {mask_name} sentence {i}: (a) score {sa:.6f} len {la}: {ta!r}\n"
+              f"  {'':<{len(mask_name)}} {'':>{len(str(i)) + 9}} (c) score {sc:.6f} len {lc}: {tc!r}")
+
+
+def main() -> None:
+    """Train or read the model; time the routes on the same masks, compare them; the RESULT line."""
+    args = parse_args()
+    multi30k.require("translation_vs_fairseq")
+    common.quiet_logging()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    checkpoint, spm_model, data_bin, record = trained_model(args)
+    if args.train_only:
+        common.result("translation_vs_fairseq_model", bleu=f"{record['bleu']:.2f}",
+                      train_s=f"{record['train_seconds']:.0f}")
+        return
+
+    sources, references = read_test(args.max_examples)
+    peak = PeakRSS()
+    routes = load_routes(args, checkpoint, spm_model, data_bin, sources)
+    info = routes.tasks["hs_default"].describe()
+    masks = [[]] + choose_masks(info.inventory, args.masks)
+    describe(routes, info, masks, record, args)
+    timings = time_rounds(routes, masks, args, peak)
+    found = agreement(routes, masks, timings, references)
+    print_table(found.rows)
+    print_times(routes, timings, found, peak, info.n_examples, args)
     peak.stop()
-    if loop is None:
+    seconds, n = timings.seconds, len(masks)
+    if routes.loop is None:
         common.result("translation_vs_fairseq", ratio="nan", identical_bleu="0/0",
                       plain_s=f"{seconds.get('hs_plain', 0):.1f}", default_s=f"{seconds['hs_default']:.1f}")
         return
-    print(f"(a) vs (c): {total_diff.n} sentence hypotheses differ over {n} masks x {info.n_examples} sentences; "
-          f"{total_diff.ties} of them beam ties (scores within {TIE:g}), {total_diff.max_len} at the length "
-          f"limit, {total_diff.unk} with <unk>; decoded again by (a)'s route one sentence a batch: "
-          f"{total_diff.alone_a} give (a)'s hypothesis, {total_diff.alone_c} give (c)'s")
-    for mask_name, i, sa, sc, la, lc, ta, tc in total_diff.examples[:8]:
-        print(f"  {mask_name} sentence {i}: (a) score {sa:.6f} len {la}: {ta!r}\n"
-              f"  {'':<{len(mask_name)}} {'':>{len(str(i)) + 9}} (c) score {sc:.6f} len {lc}: {tc!r}")
+    print_differences(found.total, n, info.n_examples)
     extra = {"plain_s": f"{seconds['hs_plain']:.1f}"} if "hs_plain" in seconds else {}
-    if procs is not None:
+    if routes.procs is not None:
         extra.update(workers=args.workers, workers_s=f"{seconds['hs_workers']:.1f}",
                      workers_ratio=f"{seconds['fairseq'] / seconds['hs_workers']:.2f}",
-                     workers_identical_bleu=f"{identical_d}/{n}")
+                     workers_identical_bleu=f"{found.identical_d}/{n}")
     common.result("translation_vs_fairseq", ratio=f"{seconds['fairseq'] / seconds['hs_default']:.2f}",
-                  identical_bleu=f"{identical}/{n}", fairseq_s=f"{seconds['fairseq']:.1f}",
+                  identical_bleu=f"{found.identical}/{n}", fairseq_s=f"{seconds['fairseq']:.1f}",
                   default_s=f"{seconds['hs_default']:.1f}", **extra)
 
 

@@ -1,4 +1,5 @@
-"""Every benchmark under bench/ in its ``--smoke`` mode, run as users run it (``python bench/X.py``, a subprocess).
+"""Every benchmark under bench/ in its ``--smoke`` mode, run as users run it (``python -m bench.X`` from the
+repository root, a subprocess); and no file under bench/ patches ``sys.path``.
 
 A benchmark that no test runs rots unnoticed (issue 27: ``bench/grid_speed.py`` crashed after its translation
 part and lost the classifier figure it had measured). Smoke mode takes each benchmark's own code path on tiny
@@ -10,6 +11,7 @@ train theirs once, and nothing lands in ``~/.cache``. Benchmarks that need ``../
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -21,7 +23,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
-# bench/common.py by its path: bench/ on sys.path would put every benchmark's name before the suite's modules.
+# bench/common.py by its path: the suite does not put the repository root on sys.path.
 _spec = importlib.util.spec_from_file_location("bench_common", BENCH / "common.py")
 common = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(common)
@@ -55,6 +57,13 @@ NOT_SMOKED = {
     "common": "the benchmarks' shared module, exercised by every smoke run",
     "slow_tests": "runs the suite's slow tests (pytest -m slow); a tiny version would test nothing",
     "gpu_check": "GPU checks, tested by their own test",
+    "__init__": "the package's docstring",
+    "classifier": "the BERT classifiers of real_size, grid_speed and screening, exercised by their smoke runs",
+    "flops": "FLOP counts and the matrix-product rate of real_size and lm_grid, exercised by their smoke runs",
+    "measure": "memory and grid timing of grid_speed, lm_grid and translation_vs_fairseq, exercised by their smoke "
+               "runs",
+    "multi30k": "the Multi30k data and models of the Multi30k benchmarks, exercised by their smoke runs",
+    "sweeps": "sweeps run and watched for real_size and ablation_methods, exercised by their smoke runs",
 }
 RESULT_LINE = re.compile(r"^RESULT ([a-z0-9_]+)((?: [a-z0-9_]+=\S+)+)$")
 
@@ -65,7 +74,7 @@ def bench_cache(tmp_path_factory) -> Path:
 
 
 def run_smoke(script: str, cache: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH / f"{script}.py"), "--smoke"], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", f"bench.{script}", "--smoke"], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "HEADSWEEP_BENCH_CACHE": str(cache)})
 
 
@@ -122,3 +131,21 @@ def test_result_line_refuses_what_the_test_could_not_parse(capsys) -> None:
     for bad in ({"ratio": ""}, {"note": "two words"}):
         with pytest.raises(ValueError, match="empty or spaced"):
             common.result("x", **bad)
+
+
+def path_patches(source: str) -> list[int]:
+    """The lines of ``source`` that touch ``sys.path`` (insert, assign, extend, read)."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+            and node.value.id == "sys"]
+
+
+def test_no_benchmark_patches_sys_path() -> None:
+    """The benchmarks run as modules of the ``bench`` package (``python -m bench.X``) and import their support
+    modules as ``bench.*``: none puts a folder on ``sys.path`` (bench/ there puts every benchmark's name, ``common``
+    among them, before every other module's)."""
+    patched = {str(p.relative_to(REPO)): lines for p in sorted(BENCH.rglob("*.py"))
+               if (lines := path_patches(p.read_text(encoding="utf-8")))}
+    assert patched == {}, f"sys.path patched at (file: lines) {patched}"
+    assert path_patches("import sys\nsys.path[:0] = ['x']\n") == [2]
+    assert path_patches("import sys\nfrom pathlib import Path\nsys.path.insert(0, str(Path.cwd()))\n") == [3]
