@@ -28,6 +28,20 @@ def test_include_overrides_and_relative_paths(tmp_path):
     assert cfg.hash() != load_config(tmp_path / "run.yaml").hash()
 
 
+def test_every_data_section_takes_relative_paths_from_the_config_file(tmp_path):
+    """``importance.data``, ``l0.data``, ``roles.data`` and ``ablation.reference`` resolve a relative path as ``data``
+    does: relative to the config file where the file is there."""
+    sections = {"importance": "data", "l0": "data", "roles": "data", "ablation": "reference"}
+    for key in sections:
+        (tmp_path / f"{key}.tsv").write_text(f"{key}\n")
+    lines = [f"{key}: {{{field}: {{path: {key}.tsv}}}}" for key, field in sections.items()]
+    (tmp_path / "c.yaml").write_text("model: {kind: hf_classifier, path: m}\ndata: {path: dev.tsv}\n"
+                                     + "\n".join(lines) + "\n")
+    merged = read_yaml(tmp_path / "c.yaml")
+    assert {key: merged[key][field]["path"] for key, field in sections.items()} == \
+        {key: str((tmp_path / f"{key}.tsv").resolve()) for key in sections}
+
+
 def test_the_hash_leaves_out_defaults_so_new_keys_keep_old_runs_resumable():
     base = {"model": {"kind": "hf_classifier", "path": "/models/m"}, "data": {"path": "/data/dev.tsv"}}
     default = SweepSection()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.experiments.data_sections import DATA
 
 IMPORTANCE_METHODS = ("gradient", "ablation", "lrp")
 
@@ -18,7 +19,7 @@ class ImportanceSection:
     """
 
     method: str = "gradient"
-    data: dict | None = None
+    data: dict | None = field(default=None, metadata={DATA: True})
     per_token: bool = True
     normalize: bool = True
     allow_eval_data: bool = False
