@@ -13,12 +13,14 @@ queueing behind the first one.
 Fault tolerance: actors are created with ``max_restarts``, so Ray restarts a worker whose
 process or node dies; the calls it had in flight fail with ``RayActorError`` (or, for a result
 that finished on a node lost before the driver fetched it, ``ObjectLostError``) and their units
-go back to the front of the queue, preferably to another worker. While Ray places a worker
-again (its node lost: some seconds) it answers ``ActorUnavailableError``; the pool waits up to
-``restart_wait_s`` for it and then uses it again, and only a worker Ray gave up on (or one
-still not back by then) is gone for good. A batch is retried at most ``max_retries`` times;
-after that, or when every worker is gone for good, the sweep stops with an error that names the
-evaluations (those already stored stay, and a rerun resumes).
+go back to the front of the queue, preferably to another worker. The other workers go on while
+Ray restarts the lost one (its process started again: seconds; its node lost: Ray places it on
+another, and until then it answers ``ActorUnavailableError``); it gets its calls back once it
+answers, within ``restart_wait_s``, and a phase ends once no worker is being restarted. Only a
+worker Ray gave up on (no restarts left), or one not back by then, is gone for good. A batch is
+retried at most ``max_retries`` times; after that, or when every worker is gone for good, the
+sweep stops with an error that names the evaluations (those already stored stay, and a rerun
+resumes).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError, RayTaskError
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.work import WorkUnit
@@ -102,6 +104,24 @@ def name_units(units: Sequence[WorkUnit], limit: int = 8) -> str:
 
 
 @dataclass
+class Restart:
+    """A lost worker that Ray is restarting: asked its name (``where``) until it answers or ``deadline`` passes."""
+
+    worker: int
+    actor: Any
+    lost_as: str  # its name before
+    deadline: float  # time.monotonic()
+    asked: Any = None  # the ``where`` call in flight, if any
+    ask_at: float = 0.0  # when to ask again, after an answer that it is not back yet
+
+    def ask(self) -> Any | None:
+        """The ``where`` call in flight, sent now if none is and it is time; None until then."""
+        if self.asked is None and time.monotonic() >= self.ask_at:
+            self.asked = self.actor.where.remote()
+        return self.asked
+
+
+@dataclass
 class WorkerPool:
     """Actors that each hold one model copy, with what the driver knows about each."""
 
@@ -113,6 +133,7 @@ class WorkerPool:
     alive: list[bool] = field(default_factory=list)
     done_by_worker: Counter = field(default_factory=Counter)
     busy: Counter = field(default_factory=Counter)
+    restarting: dict[int, Restart] = field(default_factory=dict)  # lost workers Ray is restarting
     # Called with a worker's actor once Ray restarted it (optimal ablation installs its constants again).
     on_restart: Callable[[Any], None] | None = None
 
@@ -132,12 +153,14 @@ class WorkerPool:
         """``fn(worker, *args)`` on one live worker (``EvalWorker.run``); on losing it, on the next (bounded)."""
         what = getattr(fn, "__name__", str(fn))
         for attempt in range(self.max_retries + 1):
+            self._wait_for_restarts()
             i = self.live()[0]
             sent_to = self.names[i]
             try:
                 return get(self.actors[i].run.remote(fn, *args))
             except LOST as exc:
                 self._lost(i, exc, f"its {what} call", attempt + 1, sent_to)
+                self._wait_for_restarts()  # nothing else to do meanwhile
         raise HeadsweepError(f"{what} failed on {self.max_retries + 1} workers in a row: each worker was lost")
 
     def stream(self, units: Sequence[WorkUnit], per_call: int) -> Iterator[tuple[WorkUnit, Any, str]]:
@@ -145,15 +168,16 @@ class WorkerPool:
 
         Calls go to the workers round-robin (slots ``[0, 1, ..., 0, 1, ...]``) and each call's batch is
         cut from the queue only when a slot is free, sized by ``batch_size`` so that the tail of the
-        queue is shared out rather than left to one worker.
+        queue is shared out rather than left to one worker. A lost worker's slots come back when Ray has
+        restarted it; the others go on meanwhile, and the stream ends once no worker is still being restarted.
         """
         queue: deque[WorkUnit] = deque(units)  # not yet sent
         # Batches a lost worker had in flight: (batch, failed attempts so far, the worker it was lost on).
         retry: deque[tuple[list[WorkUnit], int, int]] = deque()
         by_id = {u.eval_id: u for u in units}
-        pending: dict = {}
+        pending: dict = {}  # call -> (worker, batch, failed attempts so far, the worker's name when it was sent)
         slots: deque[int] = deque(i for _ in range(self.calls_in_flight) for i in self.live())
-        while queue or retry or pending:
+        while queue or retry or pending or self.restarting:
             while slots and (queue or retry):
                 # A retried batch goes first, to another worker where one has a free slot.
                 i = self._pick(slots, avoid=retry[0][2] if retry else None)
@@ -162,17 +186,25 @@ class WorkerPool:
                 if retry:
                     batch, attempts, _ = retry.popleft()
                 else:
-                    n = batch_size(len(queue), per_call, sum(self.alive), self.calls_in_flight)
+                    n = batch_size(len(queue), per_call, len(self.usable()), self.calls_in_flight)
                     batch, attempts = [queue.popleft() for _ in range(n)], 0
                 pending[self.actors[i].evaluate.remote(batch)] = (i, batch, attempts, self.names[i])
                 self.busy[i] += 1
-            if not pending:
+            if not pending and not self.restarting:
                 raise HeadsweepError(
                     f"all {len(self.actors)} workers were lost; not evaluated: "
                     f"{name_units([u for b, *_ in retry for u in b] + list(queue))}; the evaluations stored so far "
                     "are kept: rerun the same command to resume"
                 )
-            [ref], _ = ray.wait(list(pending), num_returns=1)
+            asked = {ref for r in self.restarting.values() if (ref := r.ask()) is not None}
+            ready, _ = ray.wait([*pending, *asked], num_returns=1,
+                                timeout=RESTART_POLL_S if self.restarting else None)
+            if not ready or ready[0] in asked:
+                for restart in list(self.restarting.values()):
+                    if self._returned(restart, ready) and self.alive[restart.worker]:
+                        slots.extend([restart.worker] * self.calls_in_flight)
+                continue
+            [ref] = ready
             i, batch, attempts, sent_to = pending.pop(ref)
             self.busy[i] -= 1
             try:
@@ -183,19 +215,23 @@ class WorkerPool:
                         f"{len(batch)} evaluations failed {attempts + 1} times, their worker lost each time "
                         f"(last: {type(exc).__name__}): {name_units(batch)}"
                     ) from None
-                self._lost(i, exc, f"{len(batch)} evaluations", attempts + 2, sent_to)
+                if self._lost(i, exc, f"{len(batch)} evaluations", attempts + 2, sent_to):
+                    slots = deque(k for k in slots if k != i)  # its free slots come back with it
                 retry.append((batch, attempts + 1, i))
-                if self.alive[i]:
-                    slots.append(i)
                 continue
             slots.append(i)
             self.done_by_worker[i] += len(results)
             for eval_id, out in results:
                 yield by_id[eval_id], out, self.names[i]
 
+    def usable(self) -> list[int]:
+        """The workers that take calls now: alive, and not being restarted."""
+        return [i for i, ok in enumerate(self.alive) if ok and i not in self.restarting]
+
     def _pick(self, slots: deque[int], avoid: int | None) -> int | None:
-        """Next free slot on a live worker; a retried batch goes to another worker when one is free."""
-        live = [i for i in slots if self.alive[i]]
+        """Next free slot on a usable worker; a retried batch goes to another worker when one is free."""
+        usable = set(self.usable())
+        live = [i for i in slots if i in usable]
         slots.clear()
         slots.extend(live)
         if not slots:
@@ -206,45 +242,64 @@ class WorkerPool:
                 return i
         return slots.popleft()
 
-    def _lost(self, i: int, exc: BaseException, what: str, attempt: int, sent_to: str) -> None:
-        """Worker ``i``, as ``sent_to`` (its name when the call went out), died under ``what``: wait for Ray to
-        restart it, or give it up. A worker already back under a new name since then was lost once, not again:
-        its other calls in flight then failed too, and go back to the queue without a second wait (as do those of
-        a worker given up already)."""
-        if self.names[i] != sent_to or not self.alive[i]:
-            return
-        try:
-            self.names[i] = self._restarted(i)
-            self.alive[i] = True
-            fate = f"restarted as {self.names[i]}"
-            if self.on_restart is not None:
-                self.on_restart(self.actors[i])
-        except (RayActorError, GetTimeoutError):
-            self.alive[i] = False
-            fate = "gone for good"
-        log(
-            f"worker {sent_to} lost ({type(exc).__name__}), {fate}; re-running {what} "
-            f"(attempt {attempt} of {self.max_retries + 1})"
-        )
+    def _lost(self, i: int, exc: BaseException, what: str, attempt: int, sent_to: str) -> bool:
+        """A call of ``what`` on worker ``i``, sent to it as ``sent_to``, failed with ``exc``: its worker (or the
+        node holding its result) was lost. Returns whether this is news: the worker's first failed call since it
+        was sent work as ``sent_to``; then Ray is restarting it (``restarting``), and the pool waits for it
+        (``_returned``). Its other calls in flight fail too; they are re-run without a second wait."""
+        first = self.names[i] == sent_to and self.alive[i] and i not in self.restarting
+        if first:
+            self.restarting[i] = Restart(i, self.actors[i], sent_to, time.monotonic() + self.restart_wait_s)
+            log(f"worker {sent_to} lost ({type(exc).__name__}); re-running {what} "
+                f"(attempt {attempt} of {self.max_retries + 1})")
+        else:
+            log(f"re-running {what} worker {sent_to} had in flight (attempt {attempt} of {self.max_retries + 1})")
+        return first
 
-    def _restarted(self, i: int) -> str:
-        """Worker ``i``'s name once Ray has it running again; ``GetTimeoutError`` after ``restart_wait_s``, Ray's
-        own error when it gave the worker up (no restarts left)."""
-        deadline = time.monotonic() + self.restart_wait_s
-        while True:
+    def _returned(self, restart: Restart, ready: list) -> bool:
+        """Whether the wait for ``restart`` is over (``ready``: the calls ``ray.wait`` found ready): the worker is
+        back under its new name (``on_restart`` done), or given up (Ray has no restarts left for it, or it is not
+        back within ``restart_wait_s``). While Ray places the worker again (its node was lost, say) it answers
+        ``ActorUnavailableError``; it is asked again a little later."""
+        i = restart.worker
+        if restart.asked is None or restart.asked not in ready:
+            if time.monotonic() < restart.deadline:
+                return False
+            fate = f"gone for good (not back within {self.restart_wait_s:g} s)"
+        else:
             try:
-                return ray.get(self.actors[i].where.remote(), timeout=max(0.0, deadline - time.monotonic()))
-            except ActorUnavailableError:
-                # Being placed again (its node was lost): Ray refuses calls until it is back.
-                if time.monotonic() >= deadline:
-                    raise GetTimeoutError(f"worker {i} not back within {self.restart_wait_s:g} s") from None
+                name = get(restart.asked)
+                if self.on_restart is not None:
+                    self.on_restart(self.actors[i])
+            except RayActorError as exc:
+                restart.asked, restart.ask_at = None, time.monotonic() + RESTART_POLL_S
+                if isinstance(exc, ActorUnavailableError) and time.monotonic() < restart.deadline:
+                    return False
+                fate = f"gone for good ({type(exc).__name__})"
+            else:
+                self.names[i] = name
+                fate = f"restarted as {name}"
+        del self.restarting[i]
+        self.alive[i] = fate.startswith("restarted")
+        log(f"worker {restart.lost_as} {fate}")
+        return True
+
+    def _wait_for_restarts(self) -> None:
+        """Block until no worker is being restarted (each back, or given up)."""
+        while self.restarting:
+            asked = [ref for r in self.restarting.values() if (ref := r.ask()) is not None]
+            ready = ray.wait(asked, num_returns=1, timeout=RESTART_POLL_S)[0] if asked else []
+            if not asked:
                 time.sleep(RESTART_POLL_S)
+            for restart in list(self.restarting.values()):
+                self._returned(restart, ready)
 
     def status_line(self) -> str:
         """One line per-worker status: evaluations done and calls in flight."""
         parts = []
         for i, name in enumerate(self.names):
-            state = "lost" if not self.alive[i] else ("busy" if self.busy[i] else "idle")
+            state = ("lost" if not self.alive[i] else "restarting" if i in self.restarting
+                     else "busy" if self.busy[i] else "idle")
             parts.append(f"{name} {self.done_by_worker[i]} done, {state}")
         return "workers: " + "; ".join(parts)
 
