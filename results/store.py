@@ -44,7 +44,7 @@ def _warn_once(message: str) -> None:
 
 
 # What a write meets when the store's file system is full, or a file would pass RLIMIT_FSIZE (ulimit -f).
-_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 class StoreFull(HeadsweepError):
@@ -170,7 +170,7 @@ class ResultStore:
             pq.write_table(data, tmp, filesystem=self.fs, compression="zstd")
             self.fs.move(tmp, final)
         except OSError as exc:
-            if exc.errno not in _FULL:
+            if exc.errno not in FULL_ERRNOS:
                 raise
             # The partial file goes at once: it holds space the user is about to free, and nothing reads it.
             with contextlib.suppress(OSError):

@@ -29,13 +29,15 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from headsweep.errors import HeadsweepError
-from headsweep.results.store import ResultStore
+from headsweep.results.store import FULL_ERRNOS, ResultStore, StoreFull
 from headsweep.sweep.run.runs import driver_id, process_exists
+from headsweep.sweep.terminal.console import say
 
 PREFIX = ".claim-"
 # A claim covers one read of the runs table and one row written; a holder on another host is taken for dead
 # when its object stays this long (the same bound as a run's heartbeat).
 STALE_AFTER_S = 600.0
+WAIT_NOTE_S = 10.0  # a wait longer than this is said on the console
 
 
 class StoreClaim:
@@ -46,6 +48,7 @@ class StoreClaim:
         self.key = key
         self.path = f"{store.root}/{PREFIX}{key}-{uuid.uuid4().hex}"
         self.first_seen: dict[str, float] = {}  # another claim's object -> when this driver first saw it
+        self.owners: dict[str, str] = {}  # another claim's object -> its driver, host:pid
         self.made_root = False
 
     def _write(self) -> None:
@@ -84,6 +87,7 @@ class StoreClaim:
             return False  # released while listed: not there at the next look
         except (OSError, ValueError, pa.ArrowException):
             owner = ""  # being written, or unreadable: left to the staleness bound
+        self.owners[path] = owner
         host, _, pid = owner.rpartition(":")
         if host == socket.gethostname() and pid.isdigit():
             return not process_exists(int(pid))
@@ -91,12 +95,18 @@ class StoreClaim:
 
     def acquire(self) -> None:
         """Write this driver's object, then wait until it is the only live one."""
-        pause = 0.05
+        pause, started, told = 0.05, time.monotonic(), False
         while True:
             self._write()
-            if not self._others():
+            others = self._others()
+            if not others:
                 return
             self._delete(self.path)
+            if not told and time.monotonic() - started > WAIT_NOTE_S:
+                told = True
+                say(f"waiting for the driver {self.owners.get(others[0]) or '(unknown)'} to start its run of this "
+                    f"config in store {self.store.uri} (a driver on another host that died meanwhile is taken for "
+                    f"dead after {STALE_AFTER_S:.0f} s)")
             time.sleep(random.uniform(0.5, 1.5) * pause)  # apart: two that backed off together retry apart
             pause = min(pause * 2, 2.0)
 
@@ -116,6 +126,8 @@ def store_claim(store: ResultStore, key: str) -> Iterator[None]:
         claim.acquire()
     except (OSError, pa.ArrowException) as exc:
         claim.release()
+        if getattr(exc, "errno", None) in FULL_ERRNOS:
+            raise StoreFull(store.uri, 0) from None
         raise HeadsweepError(f"store {store.uri}: cannot take the claim on config {key} that one run of a "
                              f"config starts at a time: {str(exc).splitlines()[0]}") from None
     try:

@@ -7,6 +7,7 @@ Each run is compared with the same config run alone: its significance rows and i
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import resource
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -24,17 +26,29 @@ import yaml
 from conftest import REPO, error_line, run_cli
 from s3_server import CREDENTIALS, s3_server, s3_store_uri
 
+from headsweep.errors import HeadsweepError
 from headsweep.results.query import run_query
 from headsweep.results.schema import TABLES
 from headsweep.results.store import ResultStore
+from headsweep.sweep.configuration.config import load_config
 from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.sweep.run.claim import PREFIX, store_claim
+from headsweep.sweep.run.runs import check_still_resumable
 
 # Each run lasts a few seconds on the tiny model, longer than two drivers started together take to differ.
 N_EXAMPLES = 1000
 EXPERIMENTS = {"heads": ["baseline", "single_head"], "layers": ["baseline", "all_but_one"]}
 N_EVALS = 9  # baseline + the tiny 2x4 BERT's 8 heads (single_head), or its 8 layers' heads kept alone
 VIEWS = {"deltas": "eval_id, test", "heads": "attention, layer, head", "layers": "attention, layer"}
+
+
+@dataclass
+class Alone:
+    """A config's run made alone: its store, its id, and what it holds (``outcome``)."""
+
+    store: ResultStore
+    run_id: str
+    outcome: dict
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +69,15 @@ def configs(tmp_path_factory, tiny_bert_dir) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def alone(configs, tmp_path_factory, ray_address) -> dict[str, dict]:
-    """What each config's run made alone in a store of its own holds (``outcome``)."""
+def alone(configs, tmp_path_factory, ray_address) -> dict[str, Alone]:
+    """Each config's run made alone, in a store of its own (the two drivers side by side)."""
+    stores = {name: str(tmp_path_factory.mktemp(f"alone-{name}") / "store") for name in configs}
+    results = finish([start(configs[name], stores[name], ray_address) for name in configs])
     found = {}
-    for name, path in configs.items():
-        store = tmp_path_factory.mktemp(f"alone-{name}") / "store"
-        proc = run_cli("run", str(path), "--store", str(store), "--address", ray_address, "--quiet")
-        assert proc.returncode == 0, proc.stderr
-        found[name] = outcome(ResultStore(str(store)), proc.stdout.strip())
+    for name, (code, out, err) in zip(configs, results, strict=True):
+        assert code == 0, err
+        store = ResultStore(stores[name])
+        found[name] = Alone(store, out.strip(), outcome(store, out.strip()))
     return found
 
 
@@ -127,13 +142,17 @@ def assert_runs_listed(store: str, run_ids: list[str], env: dict | None = None) 
         assert run_id in listed.stdout, listed.stdout
 
 
-def test_two_configs_and_one_twice_into_one_folder_at_once(configs, alone, tmp_path, ray_address):
+@pytest.mark.parametrize("where", ["folder", "s3"])
+def test_two_configs_and_one_twice_into_one_store_at_once(where, configs, alone, tmp_path, ray_address, request):
     """Three drivers started together: two configs finish as if run alone; the same config twice makes one run,
     the other driver refusing in one line, with nothing of its own left in the store."""
-    store = str(tmp_path / "store")
-    heads, layers, heads_again = finish([start(configs["heads"], store, ray_address),
-                                         start(configs["layers"], store, ray_address),
-                                         start(configs["heads"], store, ray_address)])
+    env = None
+    if where == "s3":
+        store, env = s3_store_uri(request.getfixturevalue("s3_endpoint"), "shared", "team/store"), CREDENTIALS
+    else:
+        store = str(tmp_path / "store")
+    heads, layers, heads_again = finish([start(configs[name], store, ray_address, env=env)
+                                         for name in ("heads", "layers", "heads")])
     assert layers[0] == 0, layers[2]
     won, lost = (heads, heads_again) if heads[0] == 0 else (heads_again, heads)
     assert won[0] == 0 and lost[0] == 2, (won[2], lost[2])
@@ -144,23 +163,33 @@ def test_two_configs_and_one_twice_into_one_folder_at_once(configs, alone, tmp_p
 
     reader = ResultStore(store)
     assert sorted(reader.read("runs").column("run_id").to_pylist()) == sorted(run_ids.values())
-    assert_runs_listed(store, list(run_ids.values()))
+    assert_runs_listed(store, list(run_ids.values()), env=env)
     for name, run_id in run_ids.items():
-        assert_same(outcome(reader, run_id), alone[name])
-    assert not [p for p in os.listdir(store) if p.startswith(".")]  # no claim or temporary file left behind
+        assert_same(outcome(reader, run_id), alone[name].outcome)
+    found = [i.path[len(reader.root) + 1:] for i in reader.fs.get_file_info(pafs.FileSelector(reader.root,
+                                                                                              recursive=True))]
+    assert not [p for p in found if "/." in f"/{p}"]  # no claim or temporary file left behind
+    partitions = {p.split("/")[1] for p in found if "/" in p}
+    assert partitions == {f"run_id={run_id}" for run_id in run_ids.values()}  # the refused driver wrote nothing
 
 
-def test_two_configs_into_one_s3_store_at_once(configs, alone, s3_endpoint, ray_address):
-    uri = s3_store_uri(s3_endpoint, "shared", "team/store")
-    results = finish([start(configs[name], uri, ray_address, env=CREDENTIALS) for name in EXPERIMENTS])
-    for code, _, err in results:
-        assert code == 0, err
-    run_ids = {name: out.strip() for name, (_, out, _) in zip(EXPERIMENTS, results, strict=True)}
-    reader = ResultStore(uri)
-    assert sorted(reader.read("runs").column("run_id").to_pylist()) == sorted(run_ids.values())
-    assert_runs_listed(uri, list(run_ids.values()), env=CREDENTIALS)
-    for name, run_id in run_ids.items():
-        assert_same(outcome(reader, run_id), alone[name])
+def test_the_run_to_continue_is_checked_again_under_the_claim(configs, alone, tmp_path):
+    """What another driver of the config wrote between a driver's choice and its first row: a run it is writing
+    refuses this driver; a run it left unfinished (so the choice is stale) asks for the command again."""
+    cfg = load_config(configs["heads"])
+    row = alone["heads"].store.run(alone["heads"].run_id)
+    assert row["config_hash"] == cfg.hash()
+    store = ResultStore(str(tmp_path / "store"))
+    with subprocess.Popen(["sleep", "60"]) as other:
+        facts = json.dumps({"driver": f"{socket.gethostname()}:{other.pid}"})
+        store.write_rows("runs", "r1", [{**row, "status": "running", "facts": facts}], "run")
+        with pytest.raises(HeadsweepError, match="run r1 of this config is still being written by the driver"):
+            check_still_resumable(store, cfg, None, True, before=None)
+        other.kill()
+    with pytest.raises(HeadsweepError, match="another driver started or stopped a run of this config"):
+        check_still_resumable(store, cfg, None, True, before=None)  # r1's driver died: r1 is to be resumed now
+    check_still_resumable(store, cfg, None, True, before=store.run("r1"))
+    check_still_resumable(store, cfg, None, False, before=None)  # --new: a run of its own whatever is there
 
 
 @pytest.mark.parametrize("where", ["folder", "s3"])
@@ -229,7 +258,7 @@ def test_a_full_store_stops_in_one_line_stays_readable_and_resumes(configs, alon
     assert rerun.stdout.strip() == failed["run_id"]
     assert f"resuming run {failed['run_id']}: 1 evaluations already stored" in rerun.stderr
     assert reader.run(failed["run_id"])["status"] == "complete"
-    assert_same(outcome(reader, failed["run_id"]), alone["heads"])
+    assert_same(outcome(reader, failed["run_id"]), alone["heads"].outcome)
 
 
 # Bytes: above the run's row (18 KB) and the baseline's examples chunk (9 KB), below the examples chunk of eight
