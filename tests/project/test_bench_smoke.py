@@ -44,6 +44,7 @@ SMOKE = {
     "real_size": ["real_size"] * 4,  # bert-base, gpt2, qwen2.5-0.5b, llama-3.2-1b
     "screening": ["screening_classifier", "screening_rates_classifier", "screening"],
     "significance": ["significance"],
+    "soak": ["soak"],  # 64 evaluations, one worker killed
     "translation_vs_fairseq": ["translation_vs_fairseq"],
 }
 # These print SKIP and exit 0 without ../shared/data (the others fall back to generated data).
@@ -113,6 +114,10 @@ def test_smoke(script: str, bench_cache: Path) -> None:
         first = lines.index(next(x for x in lines if x.startswith("RESULT grid_classifier ")))
         assert first < lines.index(next(x for x in lines if x.startswith("translation: "))), proc.stdout[-3000:]
         assert found[1][1]["identical_hypotheses"] == "true"
+    if script == "soak":
+        # The kill landed, and the faulted run stored every evaluation once, each number as the uninterrupted run's.
+        assert {k: found[0][1][k] for k in ("masks", "kills", "lost", "duplicated", "equal")} == {
+            "masks": "64", "kills": "1", "lost": "0", "duplicated": "0", "equal": "true"}, proc.stdout[-3000:]
     if script == "ablation_methods":
         # The LM's hook loop (mean ablation on hook_z, written in the script) gave headsweep's deltas.
         assert found[1][1]["model"] == "lm" and found[1][1]["hook_loop_equal"] == "true", proc.stdout[-3000:]
