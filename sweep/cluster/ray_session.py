@@ -8,7 +8,7 @@ import ray
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.sections import Config
-from headsweep.sweep.terminal import console
+from headsweep.sweep.terminal import console, signals
 
 
 def init_ray(address: str | None, cfg: Config) -> None:
@@ -22,21 +22,28 @@ def init_ray(address: str | None, cfg: Config) -> None:
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     try:
-        if address:
-            ray.init(address=address, log_to_driver=True)
-        else:
-            # A bare local instance would switch on token auth and write ~/.ray/auth_token, which
-            # later breaks `ray start` + job submission on the same machine; the embedded
-            # instance is private to this process, so it runs without.
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            need = cfg.sweep.workers * cfg.sweep.num_cpus_per_worker
-            # Leave Ray's own tasks room beside the workers (logical CPUs, not threads).
-            cpus = max(os.cpu_count() or 1, int(need + 0.999) + 1)
-            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+        # Ray replaces the SIGTERM handler (its core worker's aborts the process): a scheduler's SIGTERM must stop
+        # a run as Ctrl-C does, its row marked interrupted (headsweep.sweep.terminal.signals).
+        with signals.handlers_kept():
+            _init(address, cfg)
     except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
         where = address or "a local instance"
         raise HeadsweepError(f"cannot reach the Ray cluster at {where}: {str(exc).splitlines()[0]}") from None
     console.relay_ray_workers()
+
+
+def _init(address: str | None, cfg: Config) -> None:
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        # A bare local instance would switch on token auth and write ~/.ray/auth_token, which
+        # later breaks `ray start` + job submission on the same machine; the embedded
+        # instance is private to this process, so it runs without.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        need = cfg.sweep.workers * cfg.sweep.num_cpus_per_worker
+        # Leave Ray's own tasks room beside the workers (logical CPUs, not threads).
+        cpus = max(os.cpu_count() or 1, int(need + 0.999) + 1)
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
 
 
 def resolve_device(cfg: Config) -> str:

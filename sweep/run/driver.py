@@ -75,6 +75,7 @@ class Sweep:
     screened: set[str] = field(default_factory=set)  # of a resumed run: eval ids screened out (sweep.screen)
     warned: set[str] = field(default_factory=set)  # data warnings already shown
     hub: dict = field(default_factory=dict)  # runs.facts "hub": each hub id loaded, its commit and cache folder
+    record: RunRecord | None = None  # the run's row, once the run is opened (``record.written``: in the store)
 
     def model_variants(self) -> list[tuple[str | None, Any]]:
         """``(checkpoint, model config)`` for each model of the run: one, or one per training checkpoint."""
@@ -147,9 +148,12 @@ class Sweep:
         pool, info = self.start_workers(variants[0][1])
         try:
             record = self.open_run(pool, info)
-        except BaseException:
+        except BaseException as exc:
             pool.stop()
+            if self.record is not None and self.record.written:  # stopped after its first row: the row says so
+                self._stopped(self.record, exc, None)
             raise
+        record.start_heartbeat()
         budget = SessionBudget.from_config(self.cfg.sweep.budget)
         first: Context | None = None  # the first model's: its baseline is the run's baseline_score
         try:
@@ -189,17 +193,23 @@ class Sweep:
                 record.write(FAILED, error=str(full))
             raise full from None
         except BaseException as exc:
-            record.writer.flush()
-            record.baseline_score = _baseline(first)
-            status = INTERRUPTED if isinstance(exc, KeyboardInterrupt) else FAILED
-            error = None if status == INTERRUPTED else str(unwrap(exc)).splitlines()[0][:500]
-            record.write(status, error=error)
+            self._stopped(record, exc, first)
             raise
         finally:
+            record.stop_heartbeat()
             pool.stop()
         record.write(COMPLETE)
         self.store.remove_orphans(self.run_id)
         return self.run_id
+
+    def _stopped(self, record: RunRecord, exc: BaseException, first: Context | None) -> None:
+        """Write the row of a run that Ctrl-C or SIGTERM (a ``KeyboardInterrupt``: interrupted) or an error
+        (failed) stopped, with what it stored."""
+        record.writer.flush()
+        record.baseline_score = _baseline(first)
+        status = INTERRUPTED if isinstance(exc, KeyboardInterrupt) else FAILED
+        error = None if status == INTERRUPTED else str(unwrap(exc)).splitlines()[0][:500]
+        record.write(status, error=error)
 
     def open_run(self, pool: WorkerPool, info: DatasetInfo) -> RunRecord:
         """Check the config against the loaded model, find the run to resume, write the ``running`` row.
@@ -225,7 +235,7 @@ class Sweep:
         writer = ChunkWriter(self.store, self.run_id, info, self.cfg.sweep.flush_every, self.cfg.sweep.flush_seconds,
                              ablation=self.cfg.sweep.ablation)
         writer.written = len(self.done)
-        record = RunRecord(self.cfg, self.store, self.run_id, created_at, info, writer)
+        record = self.record = RunRecord(self.cfg, self.store, self.run_id, created_at, info, writer)
         # Another driver of this config may have chosen the same run (or none) since: checked again under a
         # claim that one driver of a config holds at a time, until its row says it is running.
         with store_claim(self.store, self.cfg.hash()):

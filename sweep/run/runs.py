@@ -9,8 +9,10 @@ computed again, unless its driver still lives.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -58,22 +60,32 @@ def process_exists(pid: int) -> bool:
     return True
 
 
-def refuse_if_live(run: dict) -> None:
-    """Two drivers must never write one run: refuse a ``running`` run whose driver still lives.
+def run_driver(facts: str | None) -> str:
+    """``host:pid`` of the driver that last wrote a run's row (from its ``facts``; empty if none is named)."""
+    return str(json.loads(facts or "{}").get("driver", ""))
 
-    On this host the driver's process is checked directly; a driver on another host counts as
-    alive while its heartbeat (``updated_at``, rewritten every ``HEARTBEAT_S``) is recent.
+
+def driver_alive(driver: str, heartbeat_age_s: float) -> bool:
+    """Whether the driver of a ``running`` run may still be writing it.
+
+    On this host its process is checked directly. A driver on another host (and any driver, seen by a reader of a
+    store on S3) counts as alive while its heartbeat (the row's ``updated_at``, rewritten every ``HEARTBEAT_S``
+    whatever the run is doing) is younger than ``STALE_AFTER_S``.
     """
+    host, _, pid = driver.rpartition(":")
+    if host == socket.gethostname() and pid.isdigit():
+        return int(pid) != os.getpid() and process_exists(int(pid))
+    return heartbeat_age_s < STALE_AFTER_S
+
+
+def refuse_if_live(run: dict) -> None:
+    """Two drivers must never write one run: refuse a ``running`` run whose driver still lives
+    (:func:`driver_alive`)."""
     if run["status"] != RUNNING:
         return
-    driver = json.loads(run["facts"] or "{}").get("driver", "")
-    host, _, pid = driver.rpartition(":")
+    driver = run_driver(run["facts"])
     age = (now() - run["updated_at"]).total_seconds()
-    if host == socket.gethostname() and pid.isdigit():
-        alive = int(pid) != os.getpid() and process_exists(int(pid))
-    else:
-        alive = age < STALE_AFTER_S
-    if alive:
+    if driver_alive(driver, age):
         raise HeadsweepError(
             f"run {run['run_id']} of this config is still being written by the driver {driver} (last heartbeat "
             f"{age:.0f} s ago; a driver on another host is taken for dead after {STALE_AFTER_S:.0f} s without one); "
@@ -155,7 +167,11 @@ class RunRecord:
     n_planned: int = 0
     baseline_score: float | None = None
     progress: dict = field(default_factory=dict)  # facts.progress: what `headsweep status` shows of a live run
+    written: bool = False  # the row is in the store (a run stopped before its first row wrote nothing)
     _last_beat: float = field(default_factory=time.monotonic)
+    _ended: bool = False  # a row saying how the run ended is written: no heartbeat may say running again
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _beating: threading.Event = field(default_factory=threading.Event, repr=False)  # set: the heartbeat stops
 
     def row(self, status: str, n_done: int, **extra) -> dict:
         info = self.info
@@ -189,8 +205,12 @@ class RunRecord:
         if status not in RUN_STATUSES:
             raise ValueError(f"run status {status!r} is not one of {', '.join(RUN_STATUSES)}")
         n_done = self.writer.written if n_done is None else n_done
-        self.store.write_rows("runs", self.run_id, [self.row(status, n_done, **extra)], "run")
-        self._last_beat = time.monotonic()
+        with self._lock:  # the heartbeat thread writes it too: one row at a time, and never after the last
+            if status == RUNNING and self._ended:
+                return
+            self.store.write_rows("runs", self.run_id, [self.row(status, n_done, **extra)], "run")
+            self.written, self._ended = True, status != RUNNING
+            self._last_beat = time.monotonic()
 
     def bytes_left(self) -> int:
         """The space the run's evaluations planned so far and not stored yet will take, at the bytes per stored
@@ -212,3 +232,19 @@ class RunRecord:
         """Rewrite the row now and then, so that another driver can tell this run is alive."""
         if self.beat_due():
             self.write(RUNNING)
+
+    def start_heartbeat(self) -> None:
+        """Keep the row's heartbeat going from a thread, also while nothing lands for long (a training step, an
+        evaluation of a large model): a driver that stops beating is taken for dead after ``STALE_AFTER_S``."""
+        threading.Thread(target=self._beat, name="headsweep-heartbeat", daemon=True).start()
+
+    def stop_heartbeat(self) -> None:
+        self._beating.set()
+
+    def _beat(self) -> None:
+        while not self._beating.wait(HEARTBEAT_S / 4):
+            try:
+                self.heartbeat()
+            except Exception as exc:  # noqa: BLE001 - a store that fails a heartbeat now may take the next one
+                logging.getLogger(__name__).warning("run %s: heartbeat not written (%s); trying again", self.run_id,
+                                                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

@@ -6,12 +6,13 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import traceback
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.terminal import console
+from headsweep.sweep.terminal import console, signals
 
 if TYPE_CHECKING:
     from headsweep.results.store import ResultStore
@@ -164,9 +165,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         # sys.stdout goes where stderr goes (the log file, or the terminal with --verbose).
         with contextlib.redirect_stdout(sys.stderr):
             run_id = sweep.execute()
-    except KeyboardInterrupt:
-        console.say(f"headsweep: interrupted: run {sweep.run_id} is marked interrupted in {args.store}")
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (signals.Terminated)
+        if sweep.record is not None and sweep.record.written:
+            _interrupted(exc, f"run {sweep.run_id} is marked interrupted in {args.store}; run the same command "
+                              "again to continue it")
+        else:  # nothing of the run stored yet: Ray starting, the models loading, optimal ablation's training
+            _interrupted(exc, "stopped before the run wrote anything; the store is as it was")
     console.out(run_id)
     return 0
 
@@ -301,10 +305,23 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def _stop_ray() -> None:
-    # Flush the workers' log lines now, so the error is the last line the user sees.
+    # Flush the workers' log lines now, so the error is the last line the user sees. Also without a connection:
+    # a ray.init that a signal cut short has local Ray processes to end (shutdown may run any number of times).
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
+    if ray is not None:
         ray.shutdown()
+
+
+def _interrupted(exc: KeyboardInterrupt, what: str = "") -> NoReturn:
+    """End a command that Ctrl-C or SIGTERM stopped: Ray shut down, one ``headsweep: interrupted`` line (saying
+    ``what`` was left, and which signal unless Ctrl-C's), then the process ends with 130 or 143 at once."""
+    signals.ignore_further()  # done by the signal's handler; not by a KeyboardInterrupt raised elsewhere
+    _stop_ray()
+    console.finish()
+    code = signals.exit_code(exc)
+    by = "" if code == 128 + signal.SIGINT else f" ({signal.Signals(code - 128).name})"
+    console.say(f"headsweep: interrupted{by}" + (f": {what}" if what else ""))
+    signals.exit_now(code)
 
 
 COMMANDS = {"run": cmd_run, "submit": cmd_submit, "jobs": cmd_jobs, "query": cmd_query, "runs": cmd_runs,
@@ -331,10 +348,13 @@ ANNOUNCE_LOG = {"run", "demo"}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit status. A command that Ctrl-C or SIGTERM stopped ends the process itself
+    (exit 130 or 143), once it has cleaned up."""
     args = parse(argv)
     # Set up here, never at import: a program that imports headsweep keeps its own logging and streams.
     con = console.setup(args.command, args.verbose, getattr(args, "store", None),
                         announce=args.command in ANNOUNCE_LOG)
+    signals.install()  # SIGTERM (a scheduler's stop) ends a command as Ctrl-C does
     try:
         code = COMMANDS[args.command](args)
     except HeadsweepError as exc:
@@ -342,10 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         console.finish(name_log=False)  # the error line is the one line that matters
         console.say(f"headsweep: error: {exc}")
         return 2
-    except KeyboardInterrupt:
-        console.finish()
-        console.say("headsweep: interrupted")
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (signals.Terminated)
+        _interrupted(exc)
     except BrokenPipeError:
         console.stdout_closed()  # e.g. `headsweep query ... | head -1`: the reader has what it wanted
         console.finish(name_log=False)
