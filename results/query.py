@@ -77,7 +77,7 @@ def connect(store: ResultStore) -> duckdb.DuckDBPyConnection:
         con.execute("SET lock_configuration = true")
     except duckdb.Error as exc:
         con.close()
-        raise _scan_error(store, exc) from None
+        raise scan_error(store, exc) from None
     except BaseException:
         con.close()
         raise
@@ -117,7 +117,7 @@ def run_query(store: ResultStore, sql: str, params: list | None = None) -> pa.Ta
         check_read_only(con, sql)
         return interruptible(con, lambda: _arrow(con.sql(sql, params=params)))
     except duckdb.Error as exc:
-        raise _scan_error(store, exc) from None
+        raise scan_error(store, exc) from None
     finally:
         with contextlib.suppress(duckdb.Error):  # a query that outlived its interrupt keeps the connection busy
             con.close()
@@ -164,7 +164,7 @@ def interruptible(con: duckdb.DuckDBPyConnection, work: Callable[[], T]) -> T:
     return outcome["value"]
 
 
-def _scan_error(store: ResultStore, exc: duckdb.Error) -> HeadsweepError:
+def scan_error(store: ResultStore, exc: duckdb.Error) -> HeadsweepError:
     """A DuckDB error as one line; one raised while scanning a damaged Parquet file names that file."""
     message = str(exc).splitlines()[0]
     if "Parquet" in message or "Arrow" in message or "IOError" in message:
@@ -211,16 +211,17 @@ def format_table(table: pa.Table, fmt: str = "table", max_rows: int | None = Non
     return "\n".join(lines)
 
 
-def check_out(out: str | None, store: ResultStore) -> None:
-    """Refuse an ``--out`` file inside the store: in a table's folder it would be read as the table's data, and
-    anywhere in the store it is no file of the store's own."""
+def check_out(out: str | Path | None, store: ResultStore, what: str = "file") -> None:
+    """Refuse an ``--out`` ``what`` (a file, or a folder: a report's, an exported model's) inside the store: in a
+    table's folder it would be read as the table's data, and anywhere in the store it is no file of the store's
+    own."""
     if not out or not store.local:
         return
     target = Path(out).expanduser().resolve()
     root = Path(store.root)
     if target == root or root in target.parents:
         raise HeadsweepError(f"--out {out} is inside the store {store.uri}, which holds only what headsweep runs "
-                             "write: give --out a file outside it")
+                             f"write: give --out a {what} outside it")
 
 
 def write_result(table: pa.Table, fmt: str, out: str | None) -> str | None:

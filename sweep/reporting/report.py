@@ -20,7 +20,7 @@ import duckdb
 import yaml
 
 from headsweep.errors import HeadsweepError
-from headsweep.results.query import connect
+from headsweep.results.query import connect, scan_error
 from headsweep.results.schema import SCHEMA_VERSION
 from headsweep.results.store import ResultStore
 from headsweep.sweep.experiments import KINDS, register_stored_kinds
@@ -231,6 +231,8 @@ def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path) ->
                  "(perplexity).</p>")
         for run in runs:
             _run_section(page, con, run)
+    except duckdb.Error as exc:  # a damaged file of the run's: the line naming it, as every reading command says
+        raise scan_error(store, exc) from None
     finally:
         con.close()
     index = out / "index.html"

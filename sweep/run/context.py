@@ -99,7 +99,7 @@ class Context:
         if self.baseline is None and reference is None:
             raise RuntimeError("the reference (baseline) is planned before any other unit")
         units = unique(with_prefix(units, self.prefix))
-        record.n_planned += len(units)
+        record.plan(len(units))
         todo = [u for u in units if u.eval_id not in self.done]
         if self.cfg.sweep.order == "importance" and "importance" in self.shared:
             todo = by_importance(todo, self.shared["importance"])

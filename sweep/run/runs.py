@@ -72,10 +72,16 @@ def driver_alive(driver: str, heartbeat_age_s: float) -> bool:
     store on S3) counts as alive while its heartbeat (the row's ``updated_at``, rewritten every ``HEARTBEAT_S``
     whatever the run is doing) is younger than ``STALE_AFTER_S``.
     """
-    host, _, pid = driver.rpartition(":")
-    if host == socket.gethostname() and pid.isdigit():
-        return int(pid) != os.getpid() and process_exists(int(pid))
+    pid = local_pid(driver)
+    if pid is not None:
+        return pid != os.getpid() and process_exists(pid)
     return heartbeat_age_s < STALE_AFTER_S
+
+
+def local_pid(driver: str) -> int | None:
+    """The process id of a driver (``host:pid``) that ran on this host, whose process can be checked; else None."""
+    host, _, pid = driver.rpartition(":")
+    return int(pid) if host == socket.gethostname() and pid.isdigit() else None
 
 
 def refuse_if_live(run: dict) -> None:
@@ -223,6 +229,12 @@ class RunRecord:
             return self.store.run_bytes(self.run_id) * left // done
         except (OSError, pa.ArrowException):
             return 0
+
+    def plan(self, n: int) -> None:
+        """``n`` more evaluations planned: the row says so now, so that a run whose driver dies before its next
+        heartbeat still shows how much it had planned."""
+        self.n_planned += n
+        self.write(RUNNING)
 
     def beat_due(self) -> bool:
         """Whether :meth:`heartbeat` would rewrite the row now."""

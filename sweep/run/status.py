@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 from headsweep.errors import HeadsweepError
-from headsweep.results.query import connect
+from headsweep.results.query import run_query
+from headsweep.results.schema import COMPLETE, RUNNING
 from headsweep.results.store import ResultStore
 from headsweep.sweep import experiments  # noqa: F401 - registers the kinds' tables and views read here
+from headsweep.sweep.run.runs import HEARTBEAT_S, STALE_AFTER_S, driver_alive, local_pid, run_driver
+
+# Timestamps as text and an age in seconds: DuckDB's TIMESTAMPTZ values need pytz in Python. The count of stored
+# evaluations is the evaluations table's, not the row's n_done (written with the row: behind a live run, and
+# never updated by a driver that died).
+STATUS_SQL = """
+SELECT s.run_id, s.name, s.status, s.model, s.dataset, s.metric, s.baseline_score, s.n_planned, s.n_significant,
+       s.n_heads, s.significant_so_far, s.eta_s, r.facts,
+       (SELECT count(DISTINCT e.eval_id) FROM evaluations e WHERE e.run_id = s.run_id) AS n_stored,
+       strftime(s.updated_at AT TIME ZONE 'UTC', '%Y-%m-%d %H:%M:%S') AS updated,
+       epoch(now()) - epoch(s.updated_at) AS age_s
+FROM summary s JOIN runs r USING (run_id) WHERE s.run_id = ?
+"""
 
 
 def _clock(seconds: float) -> str:
@@ -13,36 +27,47 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def stale_line(driver: str, updated: str, age_s: float) -> str:
+    """Why a ``running`` run's driver is taken for gone: its process is not there (a driver on this host), or its
+    heartbeat stopped longer ago than a live driver ever lets it (elsewhere, or a store read from another host)."""
+    if local_pid(driver) is not None:
+        return f"stale: its driver {driver} is not running (last heartbeat {updated} UTC, {_clock(age_s)} ago)"
+    return (f"stale: its driver {driver or '(not named)'} has written no heartbeat since {updated} UTC "
+            f"({_clock(age_s)} ago; a running driver writes one every {HEARTBEAT_S:.0f} s and is taken for gone "
+            f"after {STALE_AFTER_S:.0f} s without)")
+
+
 def status_lines(store: ResultStore, run_id: str) -> list[str]:
-    """Status, evaluations stored of planned, significant heads (final, or so far), ETA and last update."""
-    con = connect(store)
-    try:
-        # Timestamps as text and an age in seconds: DuckDB's TIMESTAMPTZ values need pytz in Python.
-        rel = con.execute("SELECT run_id, name, status, model, dataset, metric, baseline_score, n_done, n_planned, "
-                          "n_significant, n_heads, significant_so_far, eta_s, "
-                          "strftime(updated_at AT TIME ZONE 'UTC', '%Y-%m-%d %H:%M:%S') AS updated, "
-                          "epoch(now()) - epoch(updated_at) AS age_s FROM summary WHERE run_id = ?", [run_id])
-        columns = [d[0] for d in rel.description]
-        rows = [dict(zip(columns, r, strict=True)) for r in rel.fetchall()]
-    finally:
-        con.close()
+    """Status, evaluations stored of planned, significant heads (final, or so far), ETA and last update.
+
+    A ``running`` run whose driver is gone (killed, its host lost) is shown as stale, with how to resume it."""
+    rows = run_query(store, STATUS_SQL, [run_id]).to_pylist()
     if not rows:
         raise HeadsweepError(f"no run {run_id!r} in store {store.uri} (headsweep runs lists them)")
     r = rows[0]
-    lines = [f"run {r['run_id']} ({r['name']}): {r['status']}",
+    age = max(r["age_s"] or 0.0, 0.0)
+    driver = run_driver(r["facts"])
+    stale = r["status"] == RUNNING and not driver_alive(driver, age)
+    state = stale_line(driver, r["updated"], age) if stale else r["status"]
+    stored, planned = r["n_stored"], r["n_planned"]
+    if planned is None or planned < stored:
+        counts = f"{stored} (how many were planned is not recorded)"
+    else:
+        counts = f"{stored} of {planned}" + ("" if r["status"] == COMPLETE else " planned so far")
+    lines = [f"run {r['run_id']} ({r['name']}): {state}",
              f"model {r['model']}, data {r['dataset']}, metric {r['metric']}, baseline "
              + (f"{r['baseline_score']}" if r["baseline_score"] is not None else "not evaluated yet"),
-             f"evaluations stored: {r['n_done']} of {r['n_planned']}"
-             + ("" if r["status"] == "complete" else " planned so far")]
-    if r["status"] == "running" and r["significant_so_far"] is not None:
+             f"evaluations stored: {counts}"]
+    live = r["status"] == RUNNING and not stale
+    if live and r["significant_so_far"] is not None:
         lines.append(f"heads significant so far: {r['significant_so_far']} (corrected over the heads tested so far)")
     else:
         lines.append(f"heads significant: {r['n_significant']} of {r['n_heads']}")
-    if r["status"] == "running":
+    if live:
         eta = r["eta_s"]
         lines.append("ETA of the pass in progress: " + (_clock(eta) if eta is not None else "not known yet"))
-    if r["status"] in ("partial", "interrupted", "failed"):
-        lines.append("run the same command again to continue it (or headsweep run CONFIG --resume RUN_ID)")
+    if stale or r["status"] in ("partial", "interrupted", "failed"):
+        lines.append(f"run the same command again to continue it (or headsweep run CONFIG --resume {r['run_id']})")
     if r["updated"] is not None:
-        lines.append(f"last written {_clock(max(r['age_s'], 0))} ago ({r['updated']} UTC)")
+        lines.append(f"last written {_clock(age)} ago ({r['updated']} UTC)")
     return lines

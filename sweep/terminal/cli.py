@@ -219,10 +219,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from headsweep.results.query import check_out
     from headsweep.sweep.reporting.report import default_report_dir, write_report
 
     store = _existing_store(args.store)
-    console.out(write_report(store, args.run_ids, args.out or default_report_dir(args.run_ids)))
+    out = args.out or default_report_dir(args.run_ids)
+    check_out(out, store, "folder")
+    console.out(write_report(store, args.run_ids, out))
     return 0
 
 
@@ -274,13 +277,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from headsweep.results.query import check_out
     from headsweep.results.store import ResultStore
     from headsweep.sweep.configuration.config import load_config
     from headsweep.sweep.pruning.export import export_pruned
 
+    store = ResultStore(args.store)
+    check_out(args.out, store, "folder")
     cfg = load_config(args.config, list(args.overrides))
     mask = args.mask.replace(",", " ").split() if args.mask is not None else None
-    console.out(export_pruned(cfg, args.out, ResultStore(args.store), args.from_run, args.level, args.eval_id, mask))
+    console.out(export_pruned(cfg, args.out, store, args.from_run, args.level, args.eval_id, mask))
     return 0
 
 
