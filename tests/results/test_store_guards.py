@@ -70,6 +70,18 @@ def test_corrupt_evaluations_chunk_does_not_stop_queries_that_do_not_read_it(sto
     assert_one_line_failure(proc, chunk.name, "not a readable Parquet file")
 
 
+def test_status_and_report_name_a_damaged_chunk_of_the_run(store, small, tmp_path):
+    """The commands that read one run give the line every reading command gives for a file of that run's that is
+    not Parquet, and write nothing (no report folder either)."""
+    chunk = sorted((store / "evaluations" / f"run_id={small[1]}").glob("*.parquet"))[0]
+    chunk.write_bytes(chunk.read_bytes()[:60])  # a truncated copy, as a full disk or a killed copy leaves it
+    before = listing(store)
+    for args in (["status", small[1]], ["report", small[1], "--out", str(tmp_path / "report")]):
+        proc = run_cli(*args, "--store", str(store))
+        assert_one_line_failure(proc, str(chunk), "is not a readable Parquet file", "move it out of the store")
+    assert listing(store) == before and not (tmp_path / "report").exists()
+
+
 @pytest.mark.parametrize("sql, kind", [
     ("COPY (SELECT 1 AS x) TO '{store}/runs/junk.parquet' (FORMAT parquet)", "COPY"),
     ("DROP VIEW runs", "DROP"),

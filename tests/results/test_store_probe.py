@@ -4,8 +4,9 @@
   the report show the test the run computed (the first it names), equal to the ``significance`` table.
 - A run stopped by ``sweep.budget`` or Ctrl-C keeps its stored baseline in ``runs.baseline_score``; a row
   written when a run ends holds no live ``progress``.
-- Refused: ``--out`` inside the store, a ``--store`` where nothing (or a file) is, a run into a store holding a
-  foreign or damaged Parquet file; a refused run leaves the store as it was (no empty folder).
+- Refused: ``--out`` inside the store (query, runs, report, export), a ``--store`` where nothing (or a file)
+  is, a run into a store holding a foreign or damaged Parquet file; a refused run leaves the store as it was
+  (no empty folder).
 - Ctrl-C stops a query running inside DuckDB, every time.
 - ``gates.lambda`` is ``l0_lambda`` (schema 8); files written before read as such.
 """
@@ -170,20 +171,28 @@ def test_a_row_written_when_the_run_ends_drops_the_live_progress(tmp_path, tiny_
     assert "progress" not in json.loads(store.run("r1")["facts"])
 
 
-def test_out_inside_the_store_is_refused(sig_store, tmp_path):
+def test_out_inside_the_store_is_refused(sig_store, tmp_path, tiny_bert_dir, tiny_dev_tsv):
     store_dir = tmp_path / "store"
     shutil.copytree(sig_store[0], store_dir)
     run_id = next(iter(sig_store[1]))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(config(tiny_bert_dir, tiny_dev_tsv)))
     before = snapshot(store_dir)
-    for args, out in [(("query", "SELECT * FROM runs", "--format", "parquet"), f"runs/run_id={run_id}/extra.parquet"),
-                      (("query", "SELECT 1 AS x", "--format", "csv"), "x.csv"),
-                      (("runs", "--format", "parquet"), "evaluations/runs.parquet"),
-                      (("runs",), "")]:
+    for args, out, what in [
+        (("query", "SELECT * FROM runs", "--format", "parquet"), f"runs/run_id={run_id}/extra.parquet", "file"),
+        (("query", "SELECT 1 AS x", "--format", "csv"), "x.csv", "file"),
+        (("runs", "--format", "parquet"), "evaluations/runs.parquet", "file"),
+        (("runs",), "", "file"),
+        (("report", run_id), "report", "folder"),
+        (("report", run_id), f"runs/run_id={run_id}", "folder"),  # a folder that exists: checked before any write
+        (("export", str(cfg), "--mask", "self:0:1"), "exported", "folder"),
+        (("export", str(cfg), "--from-run", run_id, "--eval-id", "single_head/self:0:1"), "", "folder"),
+    ]:
         proc = run_cli(*args, "--store", str(store_dir), "--out", str(store_dir / out))
-        line = refused(proc, "is inside the store", "give --out a file outside it")
+        line = refused(proc, "is inside the store", f"give --out a {what} outside it")
         assert line == (f"headsweep: error: --out {store_dir / out} is inside the store {store_dir}, which holds only "
-                        "what headsweep runs write: give --out a file outside it")
-        assert snapshot(store_dir) == before
+                        f"what headsweep runs write: give --out a {what} outside it"), args
+        assert snapshot(store_dir) == before, args
     assert sorted(r["run_id"] for r in json_rows(run_cli("runs", "--store", str(store_dir), "--format", "json"))) \
         == sorted(sig_store[1])
 
