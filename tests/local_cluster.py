@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -26,7 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-START_TIMEOUT_S = 120
+START_TIMEOUT_S = 180  # three nodes on a busy machine
+REMOVE_TIMEOUT_S = 60
 
 
 def parent(pid: int) -> int:
@@ -109,9 +111,17 @@ class LocalCluster:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
             start_new_session=True,
         )
-        self.address = self._expect("ADDRESS")
+        try:
+            self.address = self._expect("ADDRESS", START_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
 
-    def _expect(self, word: str) -> str:
+    def _expect(self, word: str, timeout: float) -> str:
+        """The rest of the child's next line, which must start with ``word``; an error after ``timeout`` s."""
+        # One line per command, read whole: nothing stays in the reader's buffer for select to miss.
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            raise RuntimeError(f"local cluster: no {word} line within {timeout:g} s")
         line = self.proc.stdout.readline()
         if not line.startswith(word + " "):
             raise RuntimeError(f"local cluster: expected {word}, got {line!r} (exit code {self.proc.poll()})")
@@ -121,7 +131,7 @@ class LocalCluster:
         """Take away the node holding process ``pid`` (a worker actor's); returns the node's id."""
         self.proc.stdin.write(f"remove {pid}\n")
         self.proc.stdin.flush()
-        return self._expect("REMOVED")
+        return self._expect("REMOVED", REMOVE_TIMEOUT_S)
 
     def close(self) -> None:
         """Shut the cluster down (end of input), then end whatever of its session is left."""
@@ -131,7 +141,7 @@ class LocalCluster:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, 9)
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
 
     def __enter__(self) -> LocalCluster:

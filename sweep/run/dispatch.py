@@ -15,12 +15,12 @@ process or node dies; the calls it had in flight fail with ``RayActorError`` (or
 that finished on a node lost before the driver fetched it, ``ObjectLostError``) and their units
 go back to the front of the queue, preferably to another worker. The other workers go on while
 Ray restarts the lost one (its process started again: seconds; its node lost: Ray places it on
-another, and until then it answers ``ActorUnavailableError``); it gets its calls back once it
-answers, within ``restart_wait_s``, and a phase ends once no worker is being restarted. Only a
-worker Ray gave up on (no restarts left), or one not back by then, is gone for good. A batch is
-retried at most ``max_retries`` times; after that, or when every worker is gone for good, the
-sweep stops with an error that names the evaluations (those already stored stay, and a rerun
-resumes).
+another, and until then it answers ``ActorUnavailableError``); once it answers, within
+``restart_wait_s``, it loads its model, then gets its calls back; a phase ends once no worker is
+being restarted. Only a worker Ray gave up on (no restarts left), or one not back in time, is
+gone for good. A batch is retried at most ``max_retries`` times; after that, or when every
+worker is gone for good, the sweep stops with an error that names the evaluations (those
+already stored stay, and a rerun resumes).
 """
 
 from __future__ import annotations
@@ -103,19 +103,27 @@ def name_units(units: Sequence[WorkUnit], limit: int = 8) -> str:
     return names + (f" and {len(units) - limit} more" if len(units) > limit else "")
 
 
+def loaded(worker: Any) -> str:
+    """On a worker Ray restarted (through ``EvalWorker.run``): its model and data loaded again; its name."""
+    worker.adapter()
+    return worker.where()
+
+
 @dataclass
 class Restart:
-    """A lost worker that Ray is restarting: asked its name (``where``) until it answers or ``deadline`` passes."""
+    """A lost worker that Ray is restarting: asked its name (``where``) until it answers or ``deadline`` passes, then
+    made to load its model (``loading``) before it takes work again."""
 
     worker: int
     actor: Any
     lost_as: str  # its name before
     deadline: float  # time.monotonic()
-    asked: Any = None  # the ``where`` call in flight, if any
+    asked: Any = None  # the call in flight, if any: ``where``, or ``loaded`` once it answered
     ask_at: float = 0.0  # when to ask again, after an answer that it is not back yet
+    loading: bool = False
 
     def ask(self) -> Any | None:
-        """The ``where`` call in flight, sent now if none is and it is time; None until then."""
+        """The call in flight, ``where`` sent now if none is and it is time; None until then."""
         if self.asked is None and time.monotonic() >= self.ask_at:
             self.asked = self.actor.where.remote()
         return self.asked
@@ -153,14 +161,13 @@ class WorkerPool:
         """``fn(worker, *args)`` on one live worker (``EvalWorker.run``); on losing it, on the next (bounded)."""
         what = getattr(fn, "__name__", str(fn))
         for attempt in range(self.max_retries + 1):
-            self._wait_for_restarts()
+            self._wait_for_restarts()  # a lost worker back (or given up) first: nothing else to do meanwhile
             i = self.live()[0]
             sent_to = self.names[i]
             try:
                 return get(self.actors[i].run.remote(fn, *args))
             except LOST as exc:
                 self._lost(i, exc, f"its {what} call", attempt + 1, sent_to)
-                self._wait_for_restarts()  # nothing else to do meanwhile
         raise HeadsweepError(f"{what} failed on {self.max_retries + 1} workers in a row: each worker was lost")
 
     def stream(self, units: Sequence[WorkUnit], per_call: int) -> Iterator[tuple[WorkUnit, Any, str]]:
@@ -258,27 +265,39 @@ class WorkerPool:
 
     def _returned(self, restart: Restart, ready: list) -> bool:
         """Whether the wait for ``restart`` is over (``ready``: the calls ``ray.wait`` found ready): the worker is
-        back under its new name (``on_restart`` done), or given up (Ray has no restarts left for it, or it is not
-        back within ``restart_wait_s``). While Ray places the worker again (its node was lost, say) it answers
-        ``ActorUnavailableError``; it is asked again a little later."""
+        back, its model loaded, under its new name (``on_restart`` done), or given up (Ray has no restarts left
+        for it, or it does not answer within ``restart_wait_s``). While Ray places the worker again (its node was
+        lost, say) it answers ``ActorUnavailableError``; it is asked again a little later.
+
+        The load comes before any work: a call sent to a worker still loading would wait for the load, while
+        other workers could have run it, and be lost (and count against ``max_retries``) should the worker die
+        again before it is ready."""
         i = restart.worker
         if restart.asked is None or restart.asked not in ready:
-            if time.monotonic() < restart.deadline:
+            if restart.loading or time.monotonic() < restart.deadline:
                 return False
             fate = f"gone for good (not back within {self.restart_wait_s:g} s)"
         else:
             try:
-                name = get(restart.asked)
-                if self.on_restart is not None:
+                answer = get(restart.asked)
+                if restart.loading and self.on_restart is not None:
                     self.on_restart(self.actors[i])
             except RayActorError as exc:
-                restart.asked, restart.ask_at = None, time.monotonic() + RESTART_POLL_S
-                if isinstance(exc, ActorUnavailableError) and time.monotonic() < restart.deadline:
+                now = time.monotonic()
+                died_loading = restart.loading
+                restart.asked, restart.ask_at, restart.loading = None, now + RESTART_POLL_S, False
+                if died_loading:  # Ray restarts it again: asked afresh
+                    restart.deadline = now + self.restart_wait_s
+                    return False
+                if isinstance(exc, ActorUnavailableError) and now < restart.deadline:
                     return False
                 fate = f"gone for good ({type(exc).__name__})"
             else:
-                self.names[i] = name
-                fate = f"restarted as {name}"
+                if not restart.loading:
+                    restart.asked, restart.loading = restart.actor.run.remote(loaded), True
+                    return False
+                self.names[i] = answer
+                fate = f"restarted as {answer}"
         del self.restarting[i]
         self.alive[i] = fate.startswith("restarted")
         log(f"worker {restart.lost_as} {fate}")
