@@ -129,6 +129,35 @@ def test_interrupted_run_is_marked_and_store_stays_valid(tmp_path, tiny_bert_dir
     assert reader.read("examples").num_rows == 3000 * len(evals)
 
 
+def test_ctrl_c_before_the_first_row_leaves_no_store(tmp_path, tiny_bert_dir, tiny_dev_tsv, ray_address):
+    """Ctrl-C while optimal ablation trains its constants (before the run's first row): exit 130 and one line that
+    says nothing was written, no store made; a second Ctrl-C during the cleanup changes nothing."""
+    from headsweep.sweep.demo.sentiment import generate, write_tsv
+
+    reference = write_tsv(generate(2000, seed=3), tmp_path / "reference.tsv")
+    cfg = config_file(tmp_path, tiny_bert_dir, tiny_dev_tsv, sweep={"ablation": "optimal", "workers": 1},
+                      extra={"ablation": {"reference": {"path": str(reference)}, "steps": 5000}})
+    store = tmp_path / "store"
+    proc = subprocess.Popen([sys.executable, "-m", "headsweep", "run", str(cfg), "--store", str(store),
+                             "--address", ray_address, "--quiet"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    seen = []
+    while not any(line.startswith("optimal ablation: training") for line in seen):
+        line = proc.stderr.readline()
+        assert line, "".join(seen)  # the command ended before training
+        seen.append(line)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    lines = [x.rstrip("\n") for x in seen] + err.splitlines()
+    assert proc.returncode == 130, lines[-20:]
+    assert [x for x in lines if x.startswith("headsweep: interrupted")] == \
+        ["headsweep: interrupted: stopped before the run wrote anything; the store is as it was"], lines[-20:]
+    assert "Traceback" not in err and out == ""
+    assert not store.exists()
+
+
 @pytest.mark.parametrize("argv", [["run"], ["query"], ["nosuch"]])
 def test_usage_errors(argv):
     assert run_cli(*argv).returncode == 2

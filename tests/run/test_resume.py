@@ -1,21 +1,61 @@
-"""Resume: a driver killed mid-sweep loses only in-flight work; a rerun computes only what is missing."""
+"""Resume: a driver killed or stopped mid-sweep loses only in-flight work; a rerun computes only what is missing.
+
+``headsweep status`` tells a run whose driver is gone (stale) from a live one, and counts what is stored.
+"""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
+import pytest
 import yaml
 from conftest import REPO, run_cli
 
 from headsweep.results.store import ResultStore
 from headsweep.sweep.demo.sentiment import generate, write_tsv
+from headsweep.sweep.run.runs import STALE_AFTER_S
 
 
-def test_sigkill_then_rerun_computes_only_the_missing(tmp_path, tiny_bert_dir, ray_address):
+def status_of(run_id: str, store) -> list[str]:
+    proc = run_cli("status", run_id, "--store", str(store))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def check_status_of_a_killed_run(reader: ResultStore, killed: dict, stored: int) -> None:
+    """The row still says running: status calls it stale (its driver's process is gone) with the stored count, and
+    the heartbeat rule decides for a driver on another host (or a store read from elsewhere)."""
+    store, run_id = reader.root, killed["run_id"]
+    lines = status_of(run_id, store)
+    assert lines[0].startswith(f"run {run_id} (sweep): stale: its driver {json.loads(killed['facts'])['driver']} "
+                               "is not running (last heartbeat "), lines
+    assert f"evaluations stored: {stored} of {killed['n_planned']} planned so far" in lines
+    assert stored < killed["n_planned"]  # the plan was in the row before the first evaluation landed
+    assert f"run the same command again to continue it (or headsweep run CONFIG --resume {run_id})" in lines
+    assert not any(line.startswith("ETA") for line in lines)
+    elsewhere = {**killed, "facts": json.dumps({**json.loads(killed["facts"]), "driver": "elsewhere:1"})}
+    reader.write_rows("runs", run_id, [{**elsewhere, "updated_at": datetime.now(UTC) - timedelta(seconds=5)}], "run")
+    lines = status_of(run_id, store)
+    assert lines[0] == f"run {run_id} (sweep): running" and any(x.startswith("ETA of the pass") for x in lines), lines
+    old = datetime.now(UTC) - timedelta(seconds=STALE_AFTER_S + 60)
+    reader.write_rows("runs", run_id, [{**elsewhere, "updated_at": old}], "run")
+    lines = status_of(run_id, store)
+    assert lines[0].startswith(f"run {run_id} (sweep): stale: its driver elsewhere:1 has written no heartbeat since "
+                               f"{old:%Y-%m-%d %H:%M:%S} UTC (0:11:"), lines
+    assert lines[0].endswith("a running driver writes one every 60 s and is taken for gone after 600 s without)")
+
+
+@pytest.mark.parametrize("signum, code, status", [(signal.SIGKILL, -signal.SIGKILL, "running"),
+                                                  (signal.SIGTERM, 143, "interrupted")], ids=["SIGKILL", "SIGTERM"])
+def test_killed_or_stopped_then_rerun_computes_only_the_missing(tmp_path, tiny_bert_dir, ray_address, signum, code,
+                                                                status):
+    """SIGKILL leaves the row running (status says stale); SIGTERM, a scheduler's stop, marks it interrupted as
+    Ctrl-C does (exit 143, one line). Either way the same command resumes it."""
     data = write_tsv(generate(1000, seed=3), tmp_path / "dev.tsv")
     cfg = {
         "model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)},
@@ -32,12 +72,22 @@ def test_sigkill_then_rerun_computes_only_the_missing(tmp_path, tiny_bert_dir, r
     deadline = time.monotonic() + 600  # left as soon as the rows are there; a loaded machine is slow to start
     while time.monotonic() < deadline and reader.read("evaluations").num_rows < 4:
         time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err[-2000:]
     [killed] = reader.read("runs").to_pylist()
-    assert killed["status"] == "running"  # nobody could mark it: the driver died
+    assert killed["status"] == status and killed["error"] is None  # SIGKILL: nobody could mark it, the driver died
     before = set(reader.read("evaluations").column("eval_id").to_pylist())
     assert 4 <= len(before) < 17
+    if signum == signal.SIGKILL:
+        check_status_of_a_killed_run(reader, killed, len(before))
+    else:
+        assert err.splitlines()[-1] == (f"headsweep: interrupted (SIGTERM): run {killed['run_id']} is marked "
+                                        f"interrupted in {store}; run the same command again to continue it"), err
+        assert "Traceback" not in err and killed["n_done"] == len(before)
+        lines = status_of(killed["run_id"], store)
+        assert lines[0] == f"run {killed['run_id']} (sweep): interrupted"
+        assert f"evaluations stored: {len(before)} of {killed['n_planned']} planned so far" in lines
 
     started = datetime.now(UTC)
     rerun = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet")
@@ -97,6 +147,38 @@ def test_a_run_whose_driver_lives_is_never_resumed_by_a_second_driver():
         refuse_if_live(row("other-host:123", age_s=5))
     refuse_if_live(row("other-host:123", age_s=STALE_AFTER_S + 1))
     refuse_if_live(row(f"{here}:{live.pid}", age_s=1, status="interrupted"))
+
+
+def test_the_heartbeat_goes_on_while_nothing_lands_and_never_outlives_the_last_row(tmp_path, tiny_bert_dir,
+                                                                                     tiny_dev_tsv, monkeypatch):
+    """A driver busy for long without a result (a training step, one evaluation of a large model) still beats, so a
+    reader elsewhere never takes it for gone; once the row says how the run ended, no beat says running again."""
+    from headsweep.sweep.configuration.config import build_config
+    from headsweep.sweep.run import runs
+    from headsweep.sweep.run.chunks import ChunkWriter
+    from headsweep.workers.family import DatasetInfo
+    from headsweep.workers.heads import HeadInventory
+
+    monkeypatch.setattr(runs, "HEARTBEAT_S", 0.2)
+    store = ResultStore(str(tmp_path / "store"))
+    inventory = HeadInventory.from_json([{"attention": "self", "layer": 0, "num_heads": 2}])
+    info = DatasetInfo("m", "d", "accuracy", ["correct"], ["0"], [""], inventory)
+    cfg = build_config({"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)},
+                        "data": {"path": str(tiny_dev_tsv)}})
+    record = runs.RunRecord(cfg, store, "r1", runs.now(), info, ChunkWriter(store, "r1", info, 10, 10.0))
+    record.write("running")
+    first = store.run("r1")["updated_at"]
+    record.start_heartbeat()
+    try:
+        time.sleep(1.0)  # nothing written from this thread meanwhile
+        beaten = store.run("r1")
+        assert beaten["status"] == "running" and beaten["updated_at"] > first
+        record.write("interrupted")
+        ended = store.run("r1")
+        time.sleep(1.0)
+        assert store.run("r1") == ended
+    finally:
+        record.stop_heartbeat()
 
 
 def test_resumed_pruning_levels_follow_the_importance_the_run_stored(tmp_path, tiny_bert_dir, tiny_dev_tsv,
