@@ -8,7 +8,11 @@ the real ``headsweep run`` CLI in a subprocess, as users run it, on a local Ray 
 * faulted: from the first stored evaluation on, a worker is SIGKILLed every ``--every`` seconds (worker-0 and
   worker-1 in turn, at the pid the driver's own log names: ``workers ready: ...``, then ``restarted as ...``),
   until the grid is done; Ray restarts it (``sweep.worker_restarts`` allows it) and the pool re-runs the calls
-  it had in flight. The driver's resident memory (``VmRSS``) is sampled meanwhile.
+  it had in flight. A kill waits until the last one's worker is back (its model loaded): one worker is down
+  at a time, so the faults stay within what ``sweep.max_retries`` (2, the default) can absorb; killing
+  faster than workers come back (a restart takes ~20 s on 2 busy cores) loses every worker in turn, and a
+  batch re-run on each loss fails the run, as the bound means it to. The driver's resident memory
+  (``VmRSS``) is sampled meanwhile.
 * uninterrupted: the same config into another store.
 
 Significance is off (it tests statistics, not dispatch; bench/significance.py measures it); torch runs on one
@@ -22,8 +26,8 @@ evaluations and per-example rows, less run id, worker and timings), and the driv
 evaluations were stored and at its last sample before it exited. Goals: nothing lost or duplicated, equal, the
 end within 10% of the start.
 
-    python -m bench.soak                  # 4,096 evaluations, a kill every 10 s (tens of minutes on 2 cores)
-    python -m bench.soak --heads 8 --every 5
+    python -m bench.soak                  # 4,096 evaluations, a kill every 20 s (tens of minutes on 2 cores)
+    python -m bench.soak --heads 8 --every 10
     python -m bench.soak --smoke          # a 6-head classifier trained in seconds, 64 evaluations, one kill
 """
 
@@ -125,6 +129,7 @@ class Driver:
             env={**os.environ, "PYTHONWARNINGS": "ignore", "RAY_AUTH_MODE": "disabled"},
         )
         self.lines: list[str] = []
+        self.back: list[float] = []  # when each "restarted as" line came (time.time())
         self.pids: dict[str, int] = {}  # worker name -> pid of its live process; absent while Ray restarts it
         self.rss: list[float] = []
         self.lock = threading.Lock()
@@ -136,6 +141,8 @@ class Driver:
     def _read(self) -> None:
         for line in self.proc.stderr:
             self.lines.append(line)
+            if " restarted as " in line:
+                self.back.append(time.time())
             if "workers ready:" in line or " restarted as " in line:
                 found = WORKER.findall(line.split(" restarted as ")[-1])
                 with self.lock:
@@ -147,6 +154,11 @@ class Driver:
             if mib:  # none before the interpreter has started, or once it is gone
                 self.rss.append(mib)
             time.sleep(0.5)
+
+    def both_up(self) -> bool:
+        """Whether both workers' live processes are known: neither is being restarted."""
+        with self.lock:
+            return len(self.pids) == 2
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -175,23 +187,24 @@ class Driver:
 
 
 def faulted_run(config: Path, store: Path, address: str, every: float,
-                max_kills: int | None) -> tuple[Driver, int, float]:
+                max_kills: int | None) -> tuple[Driver, list[float], float]:
     """The grid while a worker is killed every ``every`` s from its first stored evaluation on (at most
-    ``max_kills``); returns the driver, the kills that hit a live worker, and its RSS when the kills began."""
+    ``max_kills``), worker-0 and worker-1 in turn, and only while the other one is up: a tick that finds a worker
+    still being restarted waits for it. Returns the driver, when each kill hit a live worker, and the driver's RSS
+    when the kills began."""
     driver = Driver(config, store, address)
     while driver.running() and not driver.stored_any():
         time.sleep(0.2)
     start_rss = driver.rss[-1] if driver.rss else float("nan")
-    kills = 0
-    for turn in itertools.count():
-        if not driver.running() or (max_kills is not None and kills >= max_kills):
-            break
-        if driver.kill_worker(f"worker-{turn % 2}") or driver.kill_worker(f"worker-{(turn + 1) % 2}"):
-            kills += 1
-            print(f"  kill {kills} at {time.strftime('%H:%M:%S')}", flush=True)
-        deadline = time.monotonic() + every
-        while driver.running() and time.monotonic() < deadline:
-            time.sleep(0.2)
+    kills: list[float] = []
+    next_kill = time.monotonic()
+    while driver.running() and (max_kills is None or len(kills) < max_kills):
+        if time.monotonic() >= next_kill and driver.both_up():
+            if driver.kill_worker(f"worker-{len(kills) % 2}"):
+                kills.append(time.time())
+                print(f"  kill {len(kills)} at {time.strftime('%H:%M:%S')}", flush=True)
+            next_kill = time.monotonic() + every
+        time.sleep(0.2)
     driver.finish()
     return driver, kills, start_rss
 
@@ -231,7 +244,8 @@ def same_numbers(one: Path, other: Path) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--every", type=float, default=10.0, help="seconds between kills (default 10)")
+    parser.add_argument("--every", type=float, default=20.0,
+                        help="seconds between kills, at least (default 20; a kill waits for the last one's restart)")
     parser.add_argument("--heads", type=int, default=None,
                         help="masks over the first HEADS heads only (default: all 12: 4,095 masks)")
     common.add_argument(parser)
@@ -254,9 +268,12 @@ def main() -> None:
         driver, kills, rss_start = faulted_run(config, folder / "faulted", address, args.every, 1 if smoke else None)
         if driver.proc.returncode != 0:
             sys.exit(f"the faulted run exited {driver.proc.returncode}:\n{''.join(driver.lines[-30:])}")
-        restarts = sum(" restarted as " in line for line in driver.lines)
-        print(f"faulted run: {time.monotonic() - start:.0f} s, {kills} kills, {restarts} restarts logged, driver RSS "
-              f"{min(driver.rss):.0f}-{max(driver.rss):.0f} MiB", flush=True)
+        # One worker down at a time: each kill's restart is the next "restarted as" line after it.
+        downtime = [next(t for t in driver.back if t > k) - k for k in kills if any(t > k for t in driver.back)]
+        print(f"faulted run: {time.monotonic() - start:.0f} s, {len(kills)} kills, {len(driver.back)} restarts "
+              f"logged, kill to restarted (model loaded) {np.mean(downtime) if downtime else float('nan'):.1f} s on "
+              "average, "
+              f"driver RSS {min(driver.rss):.0f}-{max(driver.rss):.0f} MiB", flush=True)
         start = time.monotonic()
         whole = Driver(config, folder / "whole", address)
         if whole.finish() != 0:
@@ -269,7 +286,7 @@ def main() -> None:
         [run] = faulted.read("runs").to_pylist()
         ids = faulted.read("evaluations").column("eval_id").to_pylist()
         print(f"faulted run: status {run['status']}, {run['n_done']} of {run['n_planned']} done", flush=True)
-        common.result("soak", masks=run["n_planned"], kills=kills, lost=run["n_planned"] - len(set(ids)),
+        common.result("soak", masks=run["n_planned"], kills=len(kills), lost=run["n_planned"] - len(set(ids)),
                       duplicated=len(ids) - len(set(ids)),
                       equal=str(same_numbers(folder / "faulted", folder / "whole")).lower(),
                       driver_rss_mib_start=f"{rss_start:.0f}", driver_rss_mib_end=f"{driver.rss[-1]:.0f}")
