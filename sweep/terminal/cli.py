@@ -319,14 +319,17 @@ def _stop_ray() -> None:
 
 
 def _interrupted(exc: KeyboardInterrupt, what: str = "") -> NoReturn:
-    """End a command that Ctrl-C or SIGTERM stopped: Ray shut down, one ``headsweep: interrupted`` line (saying
-    ``what`` was left, and which signal unless Ctrl-C's), then the process ends with 130 or 143 at once."""
+    """End a command that Ctrl-C or SIGTERM stopped (the run's row is written by then): one ``headsweep:
+    interrupted`` line (saying ``what`` was left, and which signal unless Ctrl-C's), Ray shut down, then the
+    process ends with 130 or 143 at once."""
     signals.ignore_further()  # done by the signal's handler; not by a KeyboardInterrupt raised elsewhere
-    _stop_ray()
     console.finish()
     code = signals.exit_code(exc)
     by = "" if code == 128 + signal.SIGINT else f" ({signal.Signals(code - 128).name})"
     console.say(f"headsweep: interrupted{by}" + (f": {what}" if what else ""))
+    # The line comes first: Ray's shutdown puts SIGTERM back to its default handler for a moment, and a SIGTERM
+    # repeated then ends the process by the signal itself (status 143 all the same) before anything after it.
+    _stop_ray()
     signals.exit_now(code)
 
 
