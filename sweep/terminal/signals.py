@@ -75,12 +75,16 @@ def exit_now(code: int) -> NoReturn:
 def handlers_kept() -> Iterator[None]:
     """Run a block that replaces signal handlers (``ray.init``: its Python SIGTERM handler calls
     ``sys.exit(SIGTERM)``, its core worker's C++ one aborts the process) and put this process's handlers back after
-    it. A SIGTERM that ended the block through such a ``sys.exit`` comes out as :class:`Terminated` where SIGTERM
-    raises that."""
+    it.
+
+    SIGTERM is held (blocked) meanwhile, in this thread and the threads the block starts, and arrives once the
+    handlers are back (Ctrl-C is not: it stops a connection that hangs). A SIGTERM that another thread took and
+    that ended the block through such a ``sys.exit`` comes out as :class:`Terminated` where SIGTERM raises that."""
     if threading.current_thread() is not threading.main_thread():
         yield  # handlers are only set from the main thread, so nobody replaces them from here
         return
     before = {signum: signal.getsignal(signum) for signum in HANDLED}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         yield
     except SystemExit as exc:
@@ -94,3 +98,4 @@ def handlers_kept() -> Iterator[None]:
             # None: a handler set from C, which cannot be put back from here; once stopping, signals stay ignored
             if handler is not None and not _state["stopping"]:
                 signal.signal(signum, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a signal held meanwhile is delivered now
