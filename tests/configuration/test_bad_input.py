@@ -129,9 +129,13 @@ def test_interrupted_run_is_marked_and_store_stays_valid(tmp_path, tiny_bert_dir
     assert reader.read("examples").num_rows == 3000 * len(evals)
 
 
-def test_ctrl_c_before_the_first_row_leaves_no_store(tmp_path, tiny_bert_dir, tiny_dev_tsv, ray_address):
-    """Ctrl-C while optimal ablation trains its constants (before the run's first row): exit 130 and one line that
-    says nothing was written, no store made; a second Ctrl-C during the cleanup changes nothing."""
+@pytest.mark.parametrize("signum, code, by", [(signal.SIGINT, 130, ""), (signal.SIGTERM, 143, " (SIGTERM)")],
+                         ids=["SIGINT", "SIGTERM"])
+def test_a_signal_before_the_first_row_leaves_no_store(tmp_path, tiny_bert_dir, tiny_dev_tsv, ray_address, signum,
+                                                       code, by):
+    """Ctrl-C or SIGTERM while optimal ablation trains its constants (before the run's first row): exit 130 or
+    143 and one line that says nothing was written, no store made; the signal again during the cleanup changes
+    nothing."""
     from headsweep.sweep.demo.sentiment import generate, write_tsv
 
     reference = write_tsv(generate(2000, seed=3), tmp_path / "reference.tsv")
@@ -146,14 +150,14 @@ def test_ctrl_c_before_the_first_row_leaves_no_store(tmp_path, tiny_bert_dir, ti
         line = proc.stderr.readline()
         assert line, "".join(seen)  # the command ended before training
         seen.append(line)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     time.sleep(0.3)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
     lines = [x.rstrip("\n") for x in seen] + err.splitlines()
-    assert proc.returncode == 130, lines[-20:]
+    assert proc.returncode == code, lines[-20:]
     assert [x for x in lines if x.startswith("headsweep: interrupted")] == \
-        ["headsweep: interrupted: stopped before the run wrote anything; the store is as it was"], lines[-20:]
+        [f"headsweep: interrupted{by}: stopped before the run wrote anything; the store is as it was"], lines[-20:]
     assert "Traceback" not in err and out == ""
     assert not store.exists()
 
