@@ -40,6 +40,15 @@ def parent(pid: int) -> int:
     return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a killed one may linger a while as a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split()[0] not in ("Z", "X")
+
+
 def descendants(root: int) -> list[int]:
     """Every living process below ``root`` (a raylet's workers and what they started)."""
     children: dict[int, list[int]] = {}
