@@ -93,15 +93,18 @@ def driver_cases(tmp: Path, model_dir: Path, data: Path) -> list[tuple[str, list
 def test_config_and_data_problems_are_refused_before_any_worker(tmp_path, tiny_bert_dir):
     """Each case costs one CLI start and nothing more: no Ray, no worker, no model (run side by side)."""
     data = write_rows(ROWS, tmp_path / "dev.tsv")
-    cases = driver_cases(tmp_path, tiny_bert_dir, data)
-    store = tmp_path / "store"
+    refused_before_any_worker(driver_cases(tmp_path, tiny_bert_dir, data), tmp_path / "store")
 
+
+def refused_before_any_worker(cases: list[tuple[str, list[str], str]], store: Path, side_by_side: int = 4) -> None:
+    """Each case (name, ``headsweep run`` arguments, the expected error) through the CLI, ``side_by_side`` at once:
+    refused with its line, no worker started, nothing written to ``store``."""
     def one(case: tuple[str, list[str], str]) -> subprocess.CompletedProcess:
         # No --address: a case that reached the workers would start a Ray instance of its own and say so.
         return subprocess.run([sys.executable, "-m", "headsweep", "run", *case[1], "--store", str(store)],
                               capture_output=True, text=True, timeout=300, cwd=REPO)
 
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=side_by_side) as pool:
         results = list(pool.map(one, cases))
     for (name, _, expected), proc in zip(cases, results, strict=True):
         try:

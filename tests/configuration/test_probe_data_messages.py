@@ -11,14 +11,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import REPO, error_line, run_cli
+from conftest import error_line, run_cli
 from test_bad_data import ROWS, classifier_config, write_rows
+from test_bad_input_probe import refused_before_any_worker
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.config import build_config
@@ -27,15 +25,6 @@ from headsweep.workers.families.hf_classifier.config import ClassifierData
 from headsweep.workers.families.hf_classifier.data import label_ids, read_examples
 
 SEED_RANGE = "must be a whole number from 0 to 9223372036854775807 (2**63 - 1)"
-
-
-def refused(proc: subprocess.CompletedProcess, expected: str) -> None:
-    """Exit code 2, the one error line ``headsweep: error: <expected>`` last, no traceback, nothing on stdout."""
-    assert proc.returncode == 2, proc.stderr
-    line = error_line(proc.stderr)
-    assert line == f"headsweep: error: {expected}", line
-    assert proc.stderr.strip().splitlines()[-1] == line
-    assert "Traceback" not in proc.stderr and proc.stdout.strip() == "", proc.stderr
 
 
 def truncated_jsonl(path: Path) -> Path:
@@ -89,22 +78,7 @@ def driver_cases(tmp: Path, model_dir: Path) -> list[tuple[str, list[str], str]]
 def test_data_and_config_problems_are_refused_before_any_worker(tmp_path, tiny_bert_dir):
     """Each case costs one CLI start: no Ray, no worker, no model (a case that reached the workers would start an
     embedded Ray instance and say ``workers ready``), no store."""
-    cases = driver_cases(tmp_path, tiny_bert_dir)
-    store = tmp_path / "store"
-
-    def one(case: tuple[str, list[str], str]) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "headsweep", "run", *case[1], "--store", str(store)],
-                              capture_output=True, text=True, timeout=300, cwd=REPO)
-
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        results = list(pool.map(one, cases))
-    for (name, _, expected), proc in zip(cases, results, strict=True):
-        try:
-            refused(proc, expected)
-        except AssertionError as exc:
-            raise AssertionError(f"case {name!r}: {exc}") from None
-        assert "workers ready" not in proc.stderr, name
-    assert not store.exists()
+    refused_before_any_worker(driver_cases(tmp_path, tiny_bert_dir), tmp_path / "store", side_by_side=3)
 
 
 def test_too_many_workers_are_held_to_the_cpus(tmp_path, tiny_bert_dir):
