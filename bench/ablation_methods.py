@@ -403,7 +403,7 @@ def main() -> None:
             log(f"SKIP ablation_methods multi30k: {multi30k.DATA} not found (the shared data folder beside the "
                 "repository)")
         else:
-            # Issue 30 asks optimal of the demo models only (it would need a Multi30k reference split besides).
+            # Optimal ablation runs on the demo models only (it would need a Multi30k reference split besides).
             section("multi30k", multi30k_config(args.threads, args.m30k_examples, folder), None,
                     methods("multi30k", METHODS[:3]), args, store, folder)
 

@@ -1,6 +1,6 @@
 """Benchmark: single-head grids of a fairseq Transformer, headsweep against fairseq's own generator loop.
 
-What a user writes without headsweep (issue #21) is the anchor: for each head, a weight-surgery
+What a user writes without headsweep is the anchor: for each head, a weight-surgery
 copy of the model (the head's columns of its attention's output projection zeroed, fairseq
 ``out_proj.weight[:, h*d:(h+1)*d] = 0``), decoded by fairseq's own ``SequenceGenerator``
 through ``task.inference_step`` in batches of ``max_tokens=6000`` (``task.get_batch_iterator``

@@ -1,4 +1,4 @@
-"""Independent routes to what a gated-off head leaves behind (issue 30), with no headsweep gate or fill code.
+"""Independent routes to what a gated-off head leaves behind, with no headsweep gate or fill code.
 
 * :func:`folded_fill`: weight surgery. Head ``h`` of a projection ``y = W_O x + b`` contributes
   ``W_O[:, h] x_h``; replacing ``x_h`` by a constant ``c_h`` is the same linear map as zeroing the head's input

@@ -309,8 +309,3 @@ class ModelFamily:
 
     def _unsupported(self, what: str) -> HeadsweepError:
         return HeadsweepError(f"model family {self.name!r} does not support {what}")
-
-
-# Older names, kept for plugins (``model.kind: package.module:NAME``) written against them.
-TaskKind = ModelFamily
-TaskAdapter = EvalAdapter

@@ -1,4 +1,4 @@
-"""Physical removal under mean and optimal ablation (issue 30, item 6): ``W_O[:, h] @ c_h`` folded into the bias.
+"""Physical removal under mean and optimal ablation: ``W_O[:, h] @ c_h`` folded into the bias.
 
 Head ``h`` contributes ``W_O[:, h] z_h`` to its output projection ``y = W_O z + b``. Mean and optimal ablation put a
 constant ``c_h`` in place of ``z_h``, so the ablated model is the model with the head's input columns of ``W_O``

@@ -1,4 +1,4 @@
-"""The bad-input probe of issue 27 (config and data): each case through the real CLI refuses with the one line the
+"""The bad-input probe (config and data): each case through the real CLI refuses with the one line the
 user should read, exit code 2, no traceback, and nothing written.
 
 Config and data-file problems are found on the driver before Ray or a model starts (``check_data_files``): those

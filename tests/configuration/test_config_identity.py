@@ -1,5 +1,5 @@
 """Config identity: ``Config.hash()`` (what a run resumes by) and the stored config JSON of representative configs,
-pinned as literals computed before the sweep package was restructured (issue 28), so that a restructuring of the
+pinned as literals computed before the sweep package was restructured, so that a restructuring of the
 config code provably keeps every existing run resumable and every stored ``runs.config`` the same."""
 
 from __future__ import annotations

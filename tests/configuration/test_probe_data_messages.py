@@ -1,4 +1,4 @@
-"""Data-file messages and config checks from the probe of a shared cluster service (issue 34), each through the
+"""Data-file messages and config checks from the probe of a shared cluster service, each through the
 real CLI where the user meets it: one line ``headsweep: error: ...``, exit code 2, no traceback, nothing written.
 
 The driver-side cases need no Ray and no model, and run side by side; the workers' wait needs the session's Ray.

@@ -1,4 +1,4 @@
-"""What a gated-off head leaves behind (issue 30), on every family of the contract suite: the gate's fill
+"""What a gated-off head leaves behind, on every family of the contract suite: the gate's fill
 (:class:`~headsweep.workers.ablation.HeadFill`, installed with ``HeadGates.set_fill``) against independent routes
 written here and in tests/ablation_routes.py, with no headsweep gate or fill code on them.
 

@@ -51,7 +51,7 @@ def listing(root) -> dict[str, bytes]:
 
 
 def test_every_checkpoint_is_checked_before_anything_is_written(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):
-    """A missing or differently shaped later checkpoint stops the run before its first row (issue #16)."""
+    """A missing or differently shaped later checkpoint stops the run before its first row."""
     from conftest import error_line
 
     other = save_tiny_classifier(tmp_path / "three-layers", layers=3, seed=2)

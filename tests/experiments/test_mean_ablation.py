@@ -1,4 +1,4 @@
-"""Mean ablation (issue 30): the means against a direct computation, the run through the CLI, resume and bad input.
+"""Mean ablation: the means against a direct computation, the run through the CLI, resume and bad input.
 
 The direct route runs a freshly loaded library model (transformers, fairseq) on **one example at a time**, so no
 padding exists on it at all, with a forward pre-hook on each attention module's output projection, and averages in

@@ -1,4 +1,4 @@
-"""Optimal ablation (issue 30, item 4): per-head constants trained on ablation.reference to minimise the loss.
+"""Optimal ablation: per-head constants trained on ablation.reference to minimise the loss.
 
 Against independent routes: the loss a trained constant claims is the loss of the stock model under weight surgery
 (the head's W_O columns zeroed, ``W_O[:, h] @ c_h`` in the bias: no gate or fill code), and that loss is at most the

@@ -1,7 +1,7 @@
 """Every benchmark under bench/ in its ``--smoke`` mode, run as users run it (``python -m bench.X`` from the
 repository root, a subprocess); and no file under bench/ patches ``sys.path``.
 
-A benchmark that no test runs rots unnoticed (issue 27: ``bench/grid_speed.py`` crashed after its translation
+A benchmark that no test runs rots unnoticed (``bench/grid_speed.py`` crashed after its translation
 part and lost the classifier figure it had measured). Smoke mode takes each benchmark's own code path on tiny
 models and data (``bench/common.py``); here each must exit 0 and print its RESULT lines, well formed, in order.
 The tiny models are cached in one folder for the module (``HEADSWEEP_BENCH_CACHE``), so the Multi30k benchmarks

@@ -1,5 +1,5 @@
 """Results identity: every table's schema and every view's columns, pinned as computed before the experiment kinds
-declared their own tables and views (issue 28), so that assembling them from the registry provably changed none;
+declared their own tables and views, so that assembling them from the registry provably changed none;
 updated by schema version 9 (runs and evaluations gain ``ablation``, the table ``ablation_values``, the views
 ``deltas``, ``heads`` and ``pruning`` an ``ablation`` column, ``deltas`` also ``logit_diff_normalized``)."""
 

@@ -1,4 +1,4 @@
-"""The results store's part of the bad-input probe (issue 27), through the real CLI.
+"""The results store's part of the bad-input probe, through the real CLI.
 
 - Significance: with ``significance.tests`` lacking the metric's primary test, the views, ``runs``, ``status`` and
   the report show the test the run computed (the first it names), equal to the ``significance`` table.

@@ -1,4 +1,4 @@
-"""Progressive answers (#20 item 2): ``sweep.order: importance``, ``sweep.budget`` and ``headsweep status``.
+"""Progressive answers: ``sweep.order: importance``, ``sweep.budget`` and ``headsweep status``.
 
 - The ordering rule on hand-built units; config errors; budget and order stay out of the config hash.
 - Through the real CLI on a tiny classifier: an importance-ordered run lands its masks most important first and

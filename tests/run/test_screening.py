@@ -1,4 +1,4 @@
-"""Sequential screening (#20 item 3): ``sweep.screen``.
+"""Sequential screening: ``sweep.screen``.
 
 - The subset: an adapter on chosen positions gives, for every family, exactly the full evaluation's rows at
   those positions, and the subset's and the rest's outputs joined give the whole set's (the independent

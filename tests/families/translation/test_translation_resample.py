@@ -1,4 +1,4 @@
-"""Resample ablation for fairseq translation's encoder self-attention (issue #30, item 3).
+"""Resample ablation for fairseq translation's encoder self-attention.
 
 The independent route is written here with fairseq alone, one sentence at a time (no padding, no batching): the
 donor sentence runs through a freshly loaded, ungated model's encoder with a pre-hook on every encoder layer's

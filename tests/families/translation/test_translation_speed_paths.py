@@ -1,4 +1,4 @@
-"""Translation speed paths (issue #21) against fairseq alone: token batching, fairseq's fused and
+"""Translation speed paths against fairseq alone: token batching, fairseq's fused and
 beamable attention, and the loss pass as an option.
 
 The independent route is tests/tiny_fairseq.py's: a model freshly loaded by fairseq's own loader,
