@@ -11,7 +11,8 @@ S3 (strongly consistent since December 2020), GCS, Azure, MinIO and Ceph do. On 
 consistent store the claim is only best effort.
 
 A driver that died while holding a claim leaves its object behind: on the same host the process is
-checked, and an object from another host is taken for dead after ``STALE_AFTER_S`` seen unchanged.
+checked, and an object from another host is taken for dead after ``STALE_AFTER_S`` seen unchanged (the bound
+after which a run without a heartbeat is taken for dead: a claim covers one read of the runs table and one row).
 """
 
 from __future__ import annotations
@@ -30,13 +31,10 @@ import pyarrow.fs as pafs
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import FULL_ERRNOS, ResultStore, StoreFull
-from headsweep.sweep.run.runs import driver_id, process_exists
+from headsweep.sweep.run.runs import STALE_AFTER_S, driver_id, process_exists
 from headsweep.sweep.terminal.console import say
 
 PREFIX = ".claim-"
-# A claim covers one read of the runs table and one row written; a holder on another host is taken for dead
-# when its object stays this long (the same bound as a run's heartbeat).
-STALE_AFTER_S = 600.0
 WAIT_NOTE_S = 10.0  # a wait longer than this is said on the console
 
 
