@@ -242,9 +242,9 @@ def hook_loop(cfg: dict, threads: int) -> tuple[dict[str, float], float, float]:
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-    from headsweep.workers.family import RuntimeOptions
 
     torch.set_num_threads(threads)
     model_cfg = CausalLMModel(path=cfg["model"]["path"], attn_implementation="sdpa")

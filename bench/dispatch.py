@@ -49,9 +49,9 @@ import numpy as np
 
 from bench import common
 from headsweep.plugins import FAMILIES_GROUP
-from headsweep.workers.family import DatasetInfo, MaskOutput, ModelFamily, RuntimeOptions
-from headsweep.workers.heads import Head, HeadInventory, LayerShape
-from headsweep.workers.metrics import ACCURACY
+from headsweep.workers.core.family import DatasetInfo, MaskOutput, ModelFamily, RuntimeOptions
+from headsweep.workers.core.heads import Head, HeadInventory, LayerShape
+from headsweep.workers.core.metrics import ACCURACY
 
 REPO = Path(__file__).resolve().parent.parent
 HEADS_PER_LAYER = 100
@@ -174,8 +174,8 @@ def pool_case(workers: int, n: int, sleep: float, log_dir: Path) -> dict:
     import ray
 
     from headsweep.sweep.run.dispatch import WorkerPool, units_per_call
-    from headsweep.workers.actor import EvalWorker
-    from headsweep.workers.work import WorkUnit
+    from headsweep.workers.core.actor import EvalWorker
+    from headsweep.workers.core.work import WorkUnit
 
     model, data = TrivialModel(kind="dispatch_sleep", heads=n), SleepData(seconds=sleep, log=str(log_dir))
     names = [f"worker-{i}" for i in range(workers)]

@@ -22,7 +22,7 @@ the gate check three single heads and one mask of three heads across layers. The
 * **hook loop**: what a TransformerLens or nnsight user writes: the model loaded by transformers, one forward
   pass per mask, a forward pre-hook on each masked head's ``o_proj`` zeroing that head's slice of its input.
 * **weight surgery** in ``--dtype``: the unhooked model with the heads' ``o_proj`` columns zeroed.
-* **gate**: headsweep's gates (:class:`~headsweep.workers.gates.HeadGates`), one mask at a time
+* **gate**: headsweep's gates (:class:`~headsweep.workers.core.gates.HeadGates`), one mask at a time
   (``CausalLMAdapter.nll`` of one mask).
 * **headsweep plain**: the adapter with ``sweep.reuse: false`` and ``sweep.masks_per_batch`` ``--masks-per-batch``
   (> 1: that many masks packed in one forward pass, the window batch repeated once per mask).
@@ -225,9 +225,9 @@ def load_user_model(folder: Path, device: str, dtype: torch.dtype) -> nn.Module:
 
 def adapter_for(folder: Path, text: Path, args: argparse.Namespace, reuse: bool):
     """The worker's evaluation adapter, configured as a sweep would configure it."""
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-    from headsweep.workers.family import RuntimeOptions
 
     model = CausalLMModel(path=str(folder), tokenizer=str(folder / "tokenizer"), attn_implementation="sdpa",
                           dtype=args.dtype)
@@ -401,7 +401,7 @@ class Outcome:
 
 def grid_masks(config: object) -> list:
     """Four single heads in each of the first, a middle and the last layer."""
-    from headsweep.workers.heads import Head
+    from headsweep.workers.core.heads import Head
 
     n_layers, heads = config.num_hidden_layers, config.num_attention_heads
     layers = sorted({0, n_layers // 2, n_layers - 1})
@@ -411,7 +411,7 @@ def grid_masks(config: object) -> list:
 
 def gate_masks(config: object) -> list:
     """A few heads for gate == weight surgery: single heads in three layers and one mask across layers."""
-    from headsweep.workers.heads import Head
+    from headsweep.workers.core.heads import Head
 
     last, heads = config.num_hidden_layers - 1, config.num_attention_heads
     mid = config.num_hidden_layers // 2

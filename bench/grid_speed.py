@@ -86,9 +86,9 @@ def loss_diff(a: list, b: list) -> str:
 # -- classifier ---------------------------------------------------------------------------------
 def classifier_bench(args: argparse.Namespace, peak: PeakRSS, workdir: Path) -> str:
     """The classifier part: its grid on the three sides, interleaved layer by layer; its RESULT line."""
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.hf_classifier.adapter import load_classifier
     from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
-    from headsweep.workers.family import RuntimeOptions
 
     model_dir, data, source = classifier.save_classifier(workdir)
 
@@ -185,8 +185,8 @@ def translation_model(args: argparse.Namespace, workdir: Path):
 
 def translation_bench(args: argparse.Namespace, peak: PeakRSS, workdir: Path) -> str:
     """The translation part: its masks on the three sides, interleaved call by call; its RESULT line."""
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
-    from headsweep.workers.family import RuntimeOptions
 
     model_cfg, data_cfg, source = translation_model(args, workdir)
     sides = {

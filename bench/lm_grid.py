@@ -161,9 +161,9 @@ def train(out: Path, steps: int, threads: int) -> Path:
 
 
 def headsweep_adapter(path: Path, heldout: Path, args, reuse: bool):
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-    from headsweep.workers.family import RuntimeOptions
 
     model = CausalLMModel(path=str(path), attn_implementation="sdpa", dtype=args.dtype)
     data = CausalLMData(path=str(heldout), window=SHAPE["window"], max_windows=args.windows)
@@ -339,7 +339,7 @@ def main() -> None:
 
     import torch
 
-    from headsweep.workers.heads import Head
+    from headsweep.workers.core.heads import Head
 
     torch.set_num_threads(args.threads)
     path = train(model_dir(args.train_steps), args.train_steps, args.threads)

@@ -90,10 +90,10 @@ def importance_runs(args: argparse.Namespace, model_cfg, data_bin, runtime, flic
                     kept: list[int]) -> list[float]:
     """Gradient importance of the original model on the validation split; per head count in ``kept``, the test
     BLEU with the least important other encoder self-attention heads masked."""
+    from headsweep.workers.analyses.importance import gradient_importance, rank_heads
+    from headsweep.workers.core.heads import Head
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationData
-    from headsweep.workers.heads import Head
-    from headsweep.workers.importance import gradient_importance, rank_heads
 
     valid = load_translation(model_cfg, TranslationData(data_bin=str(data_bin), split="valid",
                                                         max_examples=args.importance_examples), runtime)
@@ -114,9 +114,9 @@ def main() -> None:
     import torch
 
     from headsweep.sweep.experiments.l0.training import checkpoint_label_smoothing
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationModel
-    from headsweep.workers.family import RuntimeOptions
 
     torch.set_num_threads(args.threads)
     wall = time.perf_counter()

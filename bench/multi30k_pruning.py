@@ -41,9 +41,9 @@ def parse_args() -> argparse.Namespace:
 def importance(model_cfg, data_bin, runtime, examples: int):
     """Gradient importance (per token, normalised per layer) on ``examples`` validation pairs, its top heads
     printed."""
+    from headsweep.workers.analyses.importance import gradient_importance
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationData
-    from headsweep.workers.importance import gradient_importance
 
     start = time.perf_counter()
     valid = load_translation(model_cfg, TranslationData(data_bin=str(data_bin), split="valid",
@@ -103,9 +103,9 @@ def main() -> None:
     common.quiet_logging()
     import torch
 
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationModel
-    from headsweep.workers.family import RuntimeOptions
 
     torch.set_num_threads(args.threads)
     checkpoint, spm_model, data_bin = multi30k.cached_model(args.threads)

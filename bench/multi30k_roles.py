@@ -11,7 +11,7 @@ shared with ``bench/multi30k_pruning.py``). On test_2016_flickr:
    positional, rare-word (token frequencies from the fairseq dictionary's counts) and, when spaCy and an English
    pipeline are installed (``pip install -e .[syntax]``, see docs/experiments.md), syntactic roles from spaCy's
    parses of the English source;
-3. LRP relevance of every head (``headsweep.workers.lrp``) on validation pairs, never on the test set;
+3. LRP relevance of every head (``headsweep.workers.analyses.lrp``) on validation pairs, never on the test set;
 4. Spearman's rank correlation of confidence and of LRP relevance with the harm of each encoder head's removal
    (minus its BLEU delta), as the paper relates confidence and relevance to importance.
 
@@ -36,7 +36,7 @@ from bench import common, multi30k
 def spacy_available(model: str) -> str | None:
     """None when spaCy can parse with ``model`` here, else why not."""
     from headsweep.errors import HeadsweepError
-    from headsweep.workers.syntax import spacy_pipeline
+    from headsweep.workers.analyses.syntax import spacy_pipeline
 
     try:
         spacy_pipeline(model)
@@ -109,7 +109,7 @@ def roles_of(flickr, encoder: list, spacy_model: str):
     print(f"roles of {len(roles.heads)} heads on {roles.n_sentences} sentences in {seconds:.1f}s "
           f"(frequencies: {roles.frequencies})", flush=True)
     if roles.syntax is not None:
-        from headsweep.workers.syntax import DIRECTIONS, RELATIONS
+        from headsweep.workers.analyses.syntax import DIRECTIONS, RELATIONS
 
         print(f"parses: {json.dumps(roles.syntax, default=str)[:600]}")
         for rel in RELATIONS:
@@ -123,9 +123,9 @@ def roles_of(flickr, encoder: list, spacy_model: str):
 
 def relevance_of(model_cfg, data_bin: Path, runtime, examples: int):
     """LRP relevance of every head on ``examples`` validation pairs; (relevance, seconds)."""
+    from headsweep.workers.analyses.lrp import lrp_relevance
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationData
-    from headsweep.workers.lrp import lrp_relevance
 
     start = time.perf_counter()
     valid = load_translation(model_cfg, TranslationData(data_bin=str(data_bin), split="valid",
@@ -144,9 +144,9 @@ def main() -> None:
     import torch
     from scipy import stats
 
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationModel
-    from headsweep.workers.family import RuntimeOptions
 
     torch.set_num_threads(args.threads)
     checkpoint, spm_model, data_bin = model_files(args.model, args.threads)

@@ -58,9 +58,9 @@ def parse_args() -> argparse.Namespace:
 
 def load_task(args: argparse.Namespace):
     """The test set's translation adapter on the cached model (trained first if need be), described."""
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationModel
-    from headsweep.workers.family import RuntimeOptions
 
     t0 = time.perf_counter()
     checkpoint, spm_model, data_bin = multi30k.cached_model(args.threads, args.train_minutes)

@@ -4,8 +4,8 @@ Michel et al. (2019, sec. 6.2) report up to 17.5% faster BERT inference at batch
 with half the heads pruned. This builds a 6-layer, 12-head BERT classifier with BERT-base
 widths (hidden 768 = 12 x 64, feed-forward 3072, vocabulary 30522; random weights, which do
 not change the arithmetic's cost), removes a seeded random 50% of its 72 heads with
-``headsweep.workers.pruning`` and times the full and the pruned model side by side
-(``headsweep.workers.efficiency``: interleaved repeats after warm-up, on the same batch of random
+``headsweep.workers.pruning.removal`` and times the full and the pruned model side by side
+(``headsweep.workers.analyses.efficiency``: interleaved repeats after warm-up, on the same batch of random
 token ids of length 128, no padding) at batch sizes 1 and 64, on the CPU or a GPU if there is
 one. It also checks that the pruned model's logits equal the gated model's.
 
@@ -23,10 +23,10 @@ import time
 import torch
 
 from bench import common
-from headsweep.workers.efficiency import Workload, measure, summary
-from headsweep.workers.families.transformers.sites import find_sites
-from headsweep.workers.gates import HeadGates
-from headsweep.workers.pruning import prune_heads, ungated_copy
+from headsweep.workers.analyses.efficiency import Workload, measure, summary
+from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.families.hf_shared.sites import find_sites
+from headsweep.workers.pruning.removal import prune_heads, ungated_copy
 
 LAYERS, HEADS, HIDDEN, SEQ_LEN, VOCAB = 6, 12, 768, 128, 30522
 FRACTION = 0.5

@@ -107,7 +107,7 @@ def screening_rates(store_path: Path, full_id: str, significant: set[str], cfg: 
     import headsweep
     from headsweep.sweep.run.screening import ScreenSettings, verdicts
     from headsweep.sweep.statistics.significance import paired_bootstrap
-    from headsweep.workers.metrics import metric_by_name
+    from headsweep.workers.core.metrics import metric_by_name
 
     with headsweep.open_store(str(store_path)) as store:
         metric = store.sql("SELECT metric FROM runs WHERE run_id = ?", [full_id]).fetchone()[0]

@@ -338,7 +338,7 @@ PLAIN = {"reuse": False, "masks_per_batch": 1, "max_tokens": 0, "fused_attention
 
 
 def runtime_fields() -> set[str]:
-    from headsweep.workers.family import RuntimeOptions
+    from headsweep.workers.core.family import RuntimeOptions
 
     return {f.name for f in dataclasses.fields(RuntimeOptions)}
 
@@ -360,7 +360,7 @@ def parse_value(text: str):
 
 def headsweep_options(args) -> tuple[object, object, list[str]]:
     """(plain, default) RuntimeOptions and notes on what was set or could not be."""
-    from headsweep.workers.family import RuntimeOptions
+    from headsweep.workers.core.family import RuntimeOptions
 
     fields = runtime_fields()
     notes = []

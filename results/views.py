@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.schema import HEAD_COLUMNS
-from headsweep.workers.metrics import LOWER_IS_BETTER
+from headsweep.workers.core.metrics import LOWER_IS_BETTER
 
 # The metric's primary test (a t-test for accuracy and multiple choice's length-normalised accuracy_norm, the
 # paired bootstrap for corpus metrics, BLEU and perplexity, and for any metric not named here).
@@ -41,7 +41,7 @@ def _literal(text: str) -> str:
 
 def harm_sql(delta: str, metric: str) -> str:
     """SQL for how much worse than the baseline a score is, from its ``delta`` and the ``metric`` column's
-    direction (``headsweep.workers.metrics.Metric.higher_is_better``): ``-delta`` where higher is better,
+    direction (``headsweep.workers.core.metrics.Metric.higher_is_better``): ``-delta`` where higher is better,
     ``delta`` where lower is (perplexity). Positive harm: the masked heads were needed."""
     if not LOWER_IS_BETTER:
         return f"-{delta}"

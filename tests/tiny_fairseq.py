@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from headsweep.sweep.demo.translation import SyntheticData, prepare_synthetic
+from headsweep.workers.core.heads import Head
 from headsweep.workers.families.fairseq_translation.train import TrainSettings, train_translation
-from headsweep.workers.heads import Head
 
 TINY_SETTINGS = TrainSettings(
     encoder_layers=2, decoder_layers=2, embed_dim=32, ffn_dim=64, attention_heads=4, dropout=0.0,

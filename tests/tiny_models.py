@@ -86,7 +86,7 @@ def tiny_float64_bert(num_labels: int = 3, layers: int = 2, heads: int = 4, seed
 def zeroed_copy(model, heads):
     """The independent route to an ablation: a copy with the output-projection (W_O) columns of ``heads``
     set to zero, the bias kept."""
-    from headsweep.workers.families.transformers.sites import find_sites
+    from headsweep.workers.families.hf_shared.sites import find_sites
 
     ref = copy.deepcopy(model)
     sites = {s.key: s for s in find_sites(ref)}

@@ -2,7 +2,7 @@
 
 One setting read by the whole pipeline (as auto-circuit's ``AblationType``): every kind that evaluates masks
 (single_head, all_but_one, custom, kv_group, prune_level, pairs, the L0 gates' closed-gate evaluations) and
-gradient importance use the run's method through the workers' head gates (``headsweep.workers.ablation``).
+gradient importance use the run's method through the workers' head gates (``headsweep.workers.ablation.spec``).
 ``zero`` (the default) is what every earlier run did: configs that do not set it keep their hash.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.ablation import METHODS
+from headsweep.workers.ablation.spec import METHODS
 
 POSITIONS = ("all", "per_position")
 DIRECTIONS = ("noising", "denoising")
@@ -30,7 +30,7 @@ class AblationSection:
     mean over K draws). ``direction``: activation patching's, ``noising`` (the corrupted prompt's activations patched
     into the clean run, whose unpatched score is the baseline: is the head necessary?) or ``denoising`` (the clean
     prompt's into the corrupted run, the baseline: is it sufficient?). ``steps`` and ``lr``: optimal ablation's most
-    Adam updates per head and learning rate (``headsweep.workers.optimal_ablation``).
+    Adam updates per head and learning rate (``headsweep.workers.ablation.optimal``).
     """
 
     reference: dict | None = field(default=None, metadata={"data": True})

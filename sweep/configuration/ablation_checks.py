@@ -13,14 +13,14 @@ from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.ablation import AblationSection
 from headsweep.sweep.experiments import experiments_of
 from headsweep.sweep.experiments.data_sections import refuse_eval_data, typed_data
-from headsweep.workers.ablation import (
+from headsweep.workers.ablation.spec import (
     PATCH_NEEDS_PAIRS,
     PER_EXAMPLE_METHODS,
     patch_unavailable,
     resample_unavailable,
 )
-from headsweep.workers.heads import Head
-from headsweep.workers.registry import model_family
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.registry import model_family
 
 
 def ablation_settings(cfg: Any) -> tuple[str, AblationSection]:
@@ -42,8 +42,8 @@ def check_paired(method: str, sections: list[tuple[str, Any]]) -> None:
 
 
 def _check_per_example(cfg: Any, family: Any) -> None:
-    """resample and patch (per-example fills, ``headsweep.workers.donors``): patch needs paired data (a family with
-    no paired data format, fairseq translation, refuses it in its own line); resample draws donors over the whole
+    """resample and patch (per-example fills, ``headsweep.workers.ablation.donors``): patch needs paired data (a family
+    with no paired data format, fairseq translation, refuses it in its own line); resample draws donors over the whole
     evaluation set, which screening's subsets do not hold, and where the family fills only some attention types
     (``ModelFamily.resample_attention``: fairseq translation's ``enc_self``, since a donor's decoder states follow
     its own hypotheses) every head the run gates must be of those types (:func:`_check_resample_scope`)."""

@@ -2,7 +2,7 @@
 
 The sections every run has are in ``headsweep.sweep.configuration.sections``; the experiment kinds declare
 theirs (``Experiment.settings``); the ``model`` and ``data`` sections are typed by ``model.kind`` (see
-``headsweep.workers.family``). A config file may name others to start from with ``include: [file, ...]``
+``headsweep.workers.core.family``). A config file may name others to start from with ``include: [file, ...]``
 (paths relative to the including file); later files and the overrides win. Which names ``sweep.experiments``
 accepts, and what each kind asks of the config, comes from the experiment registry
 (``headsweep.sweep.experiments``).
@@ -33,7 +33,7 @@ from headsweep.sweep.experiments import (
 )
 from headsweep.sweep.experiments.data_sections import DATA, FILE, marked_fields, typed_data
 from headsweep.sweep.run.screening import Screening
-from headsweep.workers.registry import builtin_families, model_family
+from headsweep.workers.core.registry import builtin_families, model_family
 
 
 def _merge(base: dict, update: dict) -> dict:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.run.plan import attention_types
-from headsweep.workers.work import WorkUnit
+from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:
     from headsweep.sweep.reporting.page import ReportPart

@@ -43,7 +43,7 @@ from headsweep.results.schema import Table
 from headsweep.results.views import PruningCurve, View
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.data_sections import DATA, marked_fields, typed_data
-from headsweep.workers.work import WorkUnit
+from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:
     from headsweep.sweep.reporting.page import ReportPart

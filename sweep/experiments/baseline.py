@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.workers.work import WorkUnit
+from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:
     from headsweep.sweep.run.context import Context

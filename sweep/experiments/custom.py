@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.workers.heads import Head
-from headsweep.workers.work import WorkUnit
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:
     from headsweep.sweep.run.context import Context

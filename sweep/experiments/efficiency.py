@@ -2,7 +2,7 @@
 
 The mask is ``efficiency.mask`` (head names) or a stored evaluation's (``efficiency.level`` or
 ``efficiency.eval_id``, of this run or of ``efficiency.from_run``: ``headsweep.sweep.pruning.masks``).
-The timing runs in a worker (``headsweep.workers.efficiency.efficiency_on_worker``) and lands
+The timing runs in a worker (``headsweep.workers.analyses.efficiency.efficiency_on_worker``) and lands
 in the ``efficiency`` table, one row per model and batch size.
 """
 
@@ -20,7 +20,7 @@ from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.pruning.masks import efficiency_mask, explicit_mask
 from headsweep.sweep.terminal.progress import step
-from headsweep.workers.heads import Head
+from headsweep.workers.core.heads import Head
 
 if TYPE_CHECKING:
     from headsweep.sweep.run.context import Context
@@ -122,7 +122,7 @@ class Efficiency(Experiment):
             explicit_mask(ctx.cfg.efficiency.mask, ctx.inventory)
 
     def run(self, ctx: Context) -> None:
-        from headsweep.workers.efficiency import efficiency_on_worker  # torch: only when a run times models
+        from headsweep.workers.analyses.efficiency import efficiency_on_worker  # torch: only when a run times models
 
         choice = efficiency_mask(ctx.cfg.efficiency, ctx.store, ctx.run_id, ctx.inventory, ctx.prefix, ctx.checkpoint)
         with step("efficiency timing", enabled=ctx.show_progress, detail=ctx.pool.status_line):

@@ -18,8 +18,8 @@ from headsweep.sweep.experiments.importance.kind import SHARED_KEY, importance_d
 from headsweep.sweep.pruning.levels import iterative_level_masks, level_masks
 from headsweep.sweep.run.plan import check_attention_types
 from headsweep.sweep.terminal.progress import step
-from headsweep.workers.heads import Head, HeadInventory
-from headsweep.workers.work import WorkUnit
+from headsweep.workers.core.heads import Head, HeadInventory
+from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:
     from headsweep.sweep.run.context import Context
@@ -107,7 +107,7 @@ class PruneLevel(Experiment):
         if not prune.reestimate:
             scores = ctx.shared[SHARED_KEY]
             return level_masks(scores, ctx.inventory, prune.levels, prune.attention, prune.min_heads_per_layer)
-        from headsweep.workers.importance import importance_on_worker  # torch: only when a run re-estimates
+        from headsweep.workers.analyses.importance import importance_on_worker  # torch: only when a run re-estimates
 
         data_cfg = importance_data(ctx.cfg)
 

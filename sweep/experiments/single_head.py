@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.run.plan import attention_types
-from headsweep.workers.heads import Head
-from headsweep.workers.work import WorkUnit
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:
     from headsweep.sweep.reporting.page import ReportPart

@@ -2,7 +2,7 @@
 
 The model is the config's ``model`` section; the heads are a mask given by name, or the mask
 of a stored run's pruning level or evaluation (``headsweep.sweep.pruning.masks``). Loading,
-pruning and saving are the model family's (``headsweep.workers.family.ModelFamily``): for a
+pruning and saving are the model family's (``headsweep.workers.core.family.ModelFamily``): for a
 transformers classifier, a ``save_pretrained`` directory whose ``config.pruned_heads`` lists the
 removed heads (load it with ``headsweep.load_pruned``); for a fairseq translation model,
 ``checkpoint.pt`` with the removed heads under ``headsweep_pruned_heads`` and the model's
@@ -24,9 +24,9 @@ from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.pruning.fold import constants_to_fold, fold
 from headsweep.sweep.pruning.masks import MaskChoice, explicit_mask, stored_mask
-from headsweep.workers.heads import HeadInventory
-from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot
-from headsweep.workers.registry import model_family
+from headsweep.workers.core.heads import HeadInventory
+from headsweep.workers.core.registry import model_family
+from headsweep.workers.hub.cache import is_hub_id, resolve_snapshot
 
 MANIFEST = "headsweep-export.json"
 
@@ -108,8 +108,8 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
                   level: float | None = None, eval_id: str | None = None,
                   mask: Sequence[str] | None = None) -> Path:
     """Write the config's model without the chosen heads to ``out_dir``; returns the folder."""
-    from headsweep.workers.gates import site_inventory
-    from headsweep.workers.pruning import count_parameters
+    from headsweep.workers.core.gates import site_inventory
+    from headsweep.workers.pruning.removal import count_parameters
 
     out = _check_out(out_dir)  # before the model is loaded: a wrong folder should fail fast
     if from_run and store is not None:

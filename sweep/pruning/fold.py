@@ -23,7 +23,7 @@ import numpy as np
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.sections import Config
-from headsweep.workers.heads import Head, SiteKey
+from headsweep.workers.core.heads import Head, SiteKey
 
 
 def run_method(store: ResultStore | None, from_run: str | None, cfg: Config) -> tuple[str, dict]:

@@ -13,7 +13,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
-from headsweep.workers.heads import Head, HeadInventory
+from headsweep.workers.core.heads import Head, HeadInventory
 
 
 def heads_in_scope(inventory: HeadInventory, attention: Sequence[str] | None) -> list[Head]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.heads import Head, HeadInventory
+from headsweep.workers.core.heads import Head, HeadInventory
 
 if TYPE_CHECKING:  # reading a config (which names the efficiency kind) needs no store
     from headsweep.results.store import ResultStore

@@ -22,7 +22,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.query import run_query
 from headsweep.results.store import ResultStore
 from headsweep.sweep import experiments  # noqa: F401 - registers the kinds' tables and views read here
-from headsweep.workers.metrics import higher_is_better
+from headsweep.workers.core.metrics import higher_is_better
 
 # Per head of one run (the run id is a query parameter, never pasted into the SQL).
 DELTAS_SQL = """SELECT attention, layer, head, delta FROM evaluations

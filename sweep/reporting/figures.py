@@ -16,7 +16,7 @@ from matplotlib import colormaps
 from matplotlib.colors import Normalize, TwoSlopeNorm
 from matplotlib.figure import Figure
 
-from headsweep.workers.metrics import higher_is_better
+from headsweep.workers.core.metrics import higher_is_better
 
 DPI = 100
 SIGNIFICANT_MARK = "*"

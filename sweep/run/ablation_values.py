@@ -1,6 +1,6 @@
 """The driver's side of ``sweep.ablation``: the workers' ablation settings, and mean ablation's values in the store.
 
-The workers compute the means (``headsweep.workers.ablation_values``); the driver fetches them from one worker per
+The workers compute the means (``headsweep.workers.ablation.means``); the driver fetches them from one worker per
 model (each checkpoint's workers compute their own) and stores them in ``ablation_values``: one row per head with its
 vector (``values``, float32, ``n_rows x head_dim`` flattened: one row, or with ``per_position`` one per position plus
 the pooled mean last), the tokens it averaged and its norm. A resumed run recomputes them and compares: values that
@@ -20,8 +20,8 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.data_sections import typed_data
-from headsweep.workers.ablation import AblationSpec
-from headsweep.workers.heads import Head
+from headsweep.workers.ablation.spec import AblationSpec
+from headsweep.workers.core.heads import Head
 
 # Stored and recomputed means agree within this share of the site's largest value (float32 rounding and summation
 # order); a changed reference moves them far more.

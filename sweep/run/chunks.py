@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from headsweep.results.store import ResultStore
-from headsweep.workers.family import DatasetInfo, MaskOutput
-from headsweep.workers.work import WorkUnit
+from headsweep.workers.core.family import DatasetInfo, MaskOutput
+from headsweep.workers.core.work import WorkUnit
 
 
 @dataclass

@@ -26,9 +26,9 @@ from headsweep.sweep.run.runs import RunRecord
 from headsweep.sweep.run.screening import Screening
 from headsweep.sweep.statistics.significance_runner import SignificanceTracker
 from headsweep.sweep.terminal.progress import Progress
-from headsweep.workers.family import DatasetInfo
-from headsweep.workers.heads import HeadInventory
-from headsweep.workers.work import WorkUnit
+from headsweep.workers.core.family import DatasetInfo
+from headsweep.workers.core.heads import HeadInventory
+from headsweep.workers.core.work import WorkUnit
 
 
 @dataclass

@@ -35,7 +35,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError, RayTaskError
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.work import WorkUnit
+from headsweep.workers.core.work import WorkUnit
 
 CALLS_IN_FLIGHT_PER_WORKER = 2
 # Work units per call when sweep.masks_per_batch is 0: enough to share a forward pass (and, with

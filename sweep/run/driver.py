@@ -49,12 +49,12 @@ from headsweep.sweep.run.runs import (
 from headsweep.sweep.run.screening import Screening
 from headsweep.sweep.run.worker_start import wait_for_workers
 from headsweep.sweep.statistics.significance_runner import tests_for
-from headsweep.workers.actor import EvalWorker
-from headsweep.workers.checks import model_heads_on_worker
-from headsweep.workers.family import DatasetInfo, RuntimeOptions
-from headsweep.workers.heads import HeadInventory
-from headsweep.workers.hub_pins import pin_hub_models
-from headsweep.workers.registry import model_family
+from headsweep.workers.core.actor import EvalWorker
+from headsweep.workers.core.checks import model_heads_on_worker
+from headsweep.workers.core.family import DatasetInfo, RuntimeOptions
+from headsweep.workers.core.heads import HeadInventory
+from headsweep.workers.core.registry import model_family
+from headsweep.workers.hub.pins import pin_hub_models
 
 # Kept importable from here: the demo logs through the driver, and older callers check drivers with these.
 __all__ = ["STALE_AFTER_S", "Sweep", "log", "refuse_if_live"]

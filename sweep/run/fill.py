@@ -9,7 +9,7 @@ from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.run.ablation_values import StoredFill, ablation_spec
 from headsweep.sweep.run.dispatch import WorkerPool
 from headsweep.sweep.run.optimal_ablation import optimal_fill
-from headsweep.workers.worker_fill import fill_values_on_worker
+from headsweep.workers.ablation.worker_fill import fill_values_on_worker
 
 
 def fetch_fill(cfg: Config, pool: WorkerPool, store: ResultStore, run_id: str, checkpoint: str | None

@@ -14,7 +14,7 @@ What one worker is counted to need (``Need``):
   free once the model is loaded, so they fit by construction; the GPU is checked for the weights alone.
 
 * once, where the run has the ``efficiency`` experiment, one more copy of the weights: the worker that times it
-  holds the pruned model beside its own (the full model is its own, gates off: ``workers.pruning.as_stock``).
+  holds the pruned model beside its own (the full model is its own, gates off: ``workers.pruning.removal.as_stock``).
 
 What it is not counted to need, and why:
 
@@ -22,13 +22,13 @@ What it is not counted to need, and why:
   4 GiB on a CPU) and recomputes, once per call, the states that do not fit: they shrink to what is there.
 * gradient importance: its backward pass is held to the same activation budget, not counted beside it (a worker
   runs one or the other). The transformers families cut its loss batches to the budget and checkpoint the blocks,
-  so the backward pass keeps each layer's input and one block's activations (headsweep.workers.backward_memory);
+  so the backward pass keeps each layer's input and one block's activations (headsweep.workers.memory.backward_memory);
   on Qwen2.5-0.5B's shape its peak went from 6.6 to 3.0 GiB (weights 1.84 GiB). Not so held: fairseq translation
   (loss batches sized by ``sweep.max_tokens``), relevance propagation (``lrp``), importance under a per-example
   fill (resample ablation, activation patching) and L0 training (its pieces are not checkpointed), which keep
   every layer of a loss batch (or piece).
 * adapters on other data (``importance.data``, relevance, roles): they run the model the worker holds
-  (``workers.model_sharing``), so they add their data, not weights.
+  (``workers.memory.model_sharing``), so they add their data, not weights.
 * the worker process itself: Ray, torch and transformers imported take about 0.3 GiB (VmRSS measured with torch
   2.13 and transformers 5.23), small beside the weights of the models this check is for.
 
@@ -57,8 +57,8 @@ from typing import Any
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.cluster.ray_session import resolve_device
 from headsweep.sweep.configuration.sections import Config
-from headsweep.workers.batch_budget import CPU_ACTIVATION_BYTES, host_available
-from headsweep.workers.registry import model_family
+from headsweep.workers.core.registry import model_family
+from headsweep.workers.memory.batch_budget import CPU_ACTIVATION_BYTES, host_available
 
 GIB = 1 << 30
 # model.dtype values whose weights bfloat16 halves (or quarters).

@@ -2,14 +2,14 @@
 them, install them on every worker.
 
 * **where**: on the workers the run already has (``EvalWorker.run`` with
-  :func:`headsweep.workers.optimal_ablation.train_on_worker`), the heads cut into slices of about
+  :func:`headsweep.workers.ablation.optimal.train_on_worker`), the heads cut into slices of about
   ``heads / (CHUNKS_PER_WORKER x workers)`` so that the workers share them out as each finishes one; a slice whose
   worker is lost runs again through ``WorkerPool.call`` (Ray restarts the worker, the pool's retries). Not Tune
   trials: a constant trains in seconds to minutes, with nothing to checkpoint between its steps.
 * **stored** in ``ablation_values`` exactly as mean ablation's means (method ``optimal``, one row per head, the
   vectors file), before the run's first row; a resumed run reads them back (:func:`stored_values`) and installs them
   without training again, and L0 Tune trials apply them from the store as they do mean's.
-* **installed** on every live worker (:func:`headsweep.workers.optimal_ablation.install_on_worker`), and again on a
+* **installed** on every live worker (:func:`headsweep.workers.ablation.optimal.install_on_worker`), and again on a
   worker Ray restarts (``WorkerPool.on_restart``); until then a worker's gated-off heads refuse to run.
 """
 
@@ -25,8 +25,8 @@ from ray.exceptions import RayActorError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.run.ablation_values import StoredFill, stored_values
 from headsweep.sweep.run.dispatch import WorkerPool, get, log
-from headsweep.workers.ablation import AblationSpec
-from headsweep.workers.optimal_ablation import heads_on_worker, install_on_worker, train_on_worker
+from headsweep.workers.ablation.optimal import heads_on_worker, install_on_worker, train_on_worker
+from headsweep.workers.ablation.spec import AblationSpec
 
 CHUNKS_PER_WORKER = 4
 

@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.sections import Config
-from headsweep.workers.heads import Head, HeadInventory
-from headsweep.workers.work import WorkUnit
+from headsweep.workers.core.heads import Head, HeadInventory
+from headsweep.workers.core.work import WorkUnit
 
 
 def check_attention_types(wanted: Sequence[str], inventory: HeadInventory, key: str) -> None:

@@ -27,7 +27,7 @@ from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.version import code_version
-from headsweep.workers.family import DatasetInfo
+from headsweep.workers.core.family import DatasetInfo
 
 # A running run's row is rewritten this often; a driver on another host whose row is older than
 # STALE_AFTER_S is taken for dead, so its run may be resumed.

@@ -56,9 +56,9 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.statistics.significance import paired_bootstrap
-from headsweep.workers.family import MaskOutput
-from headsweep.workers.metrics import metric_by_name
-from headsweep.workers.work import WorkUnit
+from headsweep.workers.core.family import MaskOutput
+from headsweep.workers.core.metrics import metric_by_name
+from headsweep.workers.core.work import WorkUnit
 
 SCREENED_EXPERIMENTS = ("single_head",)
 SCREENED_OUT, COMPLETED = "screened_out", "completed"

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from headsweep.workers.metrics import accuracy_from_stats, bleu_from_stats
+from headsweep.workers.core.metrics import accuracy_from_stats, bleu_from_stats
 
 __all__ = [
     "CorpusScore",

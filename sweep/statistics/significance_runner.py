@@ -25,8 +25,8 @@ from headsweep.sweep.statistics.significance import (
     paired_ttest,
     significance_rows,
 )
-from headsweep.workers.metrics import METRICS, metric_by_name
-from headsweep.workers.work import WorkUnit
+from headsweep.workers.core.metrics import METRICS, metric_by_name
+from headsweep.workers.core.work import WorkUnit
 
 # The papers' tests: paired bootstrap for BLEU (Koehn 2004), a t-test for accuracy, with
 # McNemar's exact test as the better-founded companion for binary outcomes (``Metric.binary``: multiple

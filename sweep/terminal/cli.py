@@ -304,7 +304,7 @@ def _add_fetch(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from headsweep.workers.hub_cache import fetch
+    from headsweep.workers.hub.cache import fetch
 
     console.out(fetch(args.model, args.revision, say=console.say).folder)
     return 0

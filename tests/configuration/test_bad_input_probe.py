@@ -21,9 +21,9 @@ from test_bad_data import ROWS, classifier_config, listing, runs, write_rows
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.config import Config, build_config, check_data_files
 from headsweep.sweep.experiments.prune_level import check_min_heads
+from headsweep.workers.core.heads import HeadInventory, LayerShape
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
 from headsweep.workers.families.hf_classifier.data import label_ids
-from headsweep.workers.heads import HeadInventory, LayerShape
 
 KINDS = ("baseline, single_head, all_but_one, custom, importance, prune_level, efficiency, kv_group, roles, pairs, "
          "l0")

@@ -20,7 +20,7 @@ from test_bad_input_probe import refused_before_any_worker
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.config import build_config
-from headsweep.workers.example_subset import at_positions
+from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_classifier.config import ClassifierData
 from headsweep.workers.families.hf_classifier.data import label_ids, read_examples
 

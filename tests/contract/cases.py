@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from headsweep.workers.heads import Head, HeadInventory
+from headsweep.workers.core.heads import Head, HeadInventory
 
 
 @dataclass(frozen=True)

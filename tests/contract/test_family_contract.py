@@ -46,12 +46,12 @@ from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.configuration.reader import from_dict
 from headsweep.sweep.pruning.export import MANIFEST, export_pruned
-from headsweep.workers.family import EvalAdapter, MaskOutput, RuntimeOptions
-from headsweep.workers.gates import AttentionSite
-from headsweep.workers.heads import Head, HeadInventory
-from headsweep.workers.importance import gradient_importance
-from headsweep.workers.pruning import count_parameters
-from headsweep.workers.registry import model_family
+from headsweep.workers.analyses.importance import gradient_importance
+from headsweep.workers.core.family import EvalAdapter, MaskOutput, RuntimeOptions
+from headsweep.workers.core.gates import AttentionSite
+from headsweep.workers.core.heads import Head, HeadInventory
+from headsweep.workers.core.registry import model_family
+from headsweep.workers.pruning.removal import count_parameters
 
 from .cases import Built, FamilyCase, HeadParams, removed_parameters
 
@@ -387,8 +387,8 @@ def test_gradient_importance_on_held_out_data(case, built, plain):
 @pytest.mark.parametrize("per_token", [True, False], ids=["per_token", "batch_level"])
 def test_importance_within_a_backward_budget_equals_whole_batches(case, built, per_token):
     """Gradient importance with its loss batches cut to one row each and the blocks checkpointed (the backward
-    pass's memory budget, headsweep.workers.backward_memory) scores every head as plain autograd over whole batches
-    does. Batch-level importance takes a whole batch's gradient sum: the pieces of a batch are summed first."""
+    pass's memory budget, headsweep.workers.memory.backward_memory) scores every head as plain autograd over whole
+    batches does. Batch-level importance takes a whole batch's gradient sum: the pieces of a batch are summed first."""
     whole = load_adapter(case, built, data=built.heldout)
     if not hasattr(whole, "backward_budget"):
         pytest.skip(f"{case.id}: the family keeps whole loss batches (sized by sweep.max_tokens, no backward budget)")

@@ -15,10 +15,10 @@ from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import build_config, load_config
 from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.sweep.pruning.export import export_pruned
+from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.heads import Head
 from headsweep.workers.families.hf_classifier.pruning import load_pruned
-from headsweep.workers.families.transformers.sites import find_sites
-from headsweep.workers.gates import HeadGates
-from headsweep.workers.heads import Head
+from headsweep.workers.families.hf_shared.sites import find_sites
 
 HEAD_PARAMS = 8 * (3 * 33 + 32)  # tiny BERT: hidden 32, head size 8; W_Q, W_K, W_V rows with biases, W_O columns
 

@@ -13,7 +13,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.experiments import KINDS, Experiment, register, schedule
-from headsweep.workers.work import WorkUnit
+from headsweep.workers.core.work import WorkUnit
 
 HERE = Path(__file__).parent  # this module (the kind) and conftest (its helpers) must import in the CLI's process
 

@@ -17,7 +17,7 @@ from tiny_models import lm_text, save_tiny_causal_lm
 from tolerances import assert_routes_agree
 
 from headsweep.sweep.experiments.roles.settings import RolesSection
-from headsweep.workers.head_roles import (
+from headsweep.workers.analyses.head_roles import (
     POSITIONAL,
     RARE_WORDS,
     FrequencyTable,
@@ -240,9 +240,9 @@ def test_bert_maps_equal_the_models_eager_attentions(tiny_bert_dir, tiny_dev_tsv
     from transformers import AutoModelForSequenceClassification
 
     from headsweep.sweep.experiments.roles.worker import attention_maps
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.hf_classifier.adapter import load_classifier
     from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
-    from headsweep.workers.family import RuntimeOptions
 
     adapter = load_classifier(ClassifierModel(path=str(tiny_bert_dir), attn_implementation="sdpa"),
                               ClassifierData(path=str(tiny_dev_tsv)), RuntimeOptions(batch_size=16))
@@ -270,9 +270,9 @@ def test_llama_maps_equal_the_models_eager_attentions(tmp_path, one_thread):
     from transformers import AutoModelForCausalLM
 
     from headsweep.sweep.experiments.roles.worker import attention_maps
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-    from headsweep.workers.family import RuntimeOptions
 
     model_dir = save_tiny_causal_lm(tmp_path / "llama", "llama_8q2kv")
     corpus = tmp_path / "corpus.txt"
@@ -299,9 +299,9 @@ def test_llama_maps_equal_the_models_eager_attentions(tmp_path, one_thread):
 def tiny_translation(tmp_path_factory):
     from tiny_fairseq import train_tiny
 
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
-    from headsweep.workers.family import RuntimeOptions
 
     torch.set_num_threads(1)
     tiny = train_tiny(tmp_path_factory.mktemp("tiny_fairseq_roles"))
@@ -333,7 +333,7 @@ def test_fairseq_maps_equal_the_models_attention(tiny_translation):
     from tiny_fairseq import BOUND_SHAPE, attention_module, fairseq_load
 
     from headsweep.sweep.experiments.roles.worker import attention_maps
-    from headsweep.workers.heads import Head
+    from headsweep.workers.core.heads import Head
 
     tiny, adapter = tiny_translation
     fresh, _task = fairseq_load(tiny.checkpoint, tiny.data.data_bin)
@@ -459,9 +459,9 @@ def duck(store, table):
 
 def test_head_roles_rows_equal_the_statistics_in_process(roles_run, tiny_bert_dir, tiny_dev_tsv):
     from headsweep.sweep.experiments.roles.worker import head_roles
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.hf_classifier.adapter import load_classifier
     from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
-    from headsweep.workers.family import RuntimeOptions
 
     store, run_id, corpus = roles_run
     con = duckdb.connect()

@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from tiny_models import tiny_float64_bert, zeroed_copy
 
+from headsweep.workers.analyses.importance import gate_gradients, gradient_importance, normalize_by_layer, rank_heads
+from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.heads import Head
 from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches, cut_batches
-from headsweep.workers.families.transformers.sites import find_sites
-from headsweep.workers.gates import HeadGates
-from headsweep.workers.heads import Head
-from headsweep.workers.importance import gate_gradients, gradient_importance, normalize_by_layer, rank_heads
+from headsweep.workers.families.hf_shared.sites import find_sites
 
 # Ragged sentences of token ids (BERT's pad id is 0, never used here).
 SENTENCES = [
@@ -271,9 +271,9 @@ def test_padding_and_batching_do_not_change_importance():
 
 
 def test_real_classifier_task_padding_and_batching(tiny_bert_dir, tiny_dev_tsv):
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.hf_classifier.adapter import ClassifierAdapter
     from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
-    from headsweep.workers.family import RuntimeOptions
 
     def task(batch_size):
         return ClassifierAdapter(ClassifierModel(path=str(tiny_bert_dir), dtype="float64", attn_implementation="eager"),
@@ -380,9 +380,9 @@ def translation_task(tmp_path_factory):
     pytest.importorskip("fairseq")
     from tiny_fairseq import train_tiny
 
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
-    from headsweep.workers.family import RuntimeOptions
 
     tiny = train_tiny(tmp_path_factory.mktemp("tiny_fairseq_importance"))
 

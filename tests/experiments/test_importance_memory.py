@@ -1,4 +1,4 @@
-"""What gradient importance keeps for its backward pass (headsweep.workers.backward_memory).
+"""What gradient importance keeps for its backward pass (headsweep.workers.memory.backward_memory).
 
 - With the blocks checkpointed, what autograd keeps grows with the number of layers by each layer's input alone
   (a 2- and a 6-layer model of one width differ by four layer inputs); without, by every layer's activations. The
@@ -14,12 +14,12 @@ import pytest
 import torch
 from tiny_models import lm_text, save_tiny_causal_lm
 
-from headsweep.workers.ablation import AblationSpec
-from headsweep.workers.backward_memory import blocks_of, checkpointed
+from headsweep.workers.ablation.spec import AblationSpec
+from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.model import backward_bytes_per_row
-from headsweep.workers.family import RuntimeOptions
+from headsweep.workers.memory.backward_memory import blocks_of, checkpointed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 WINDOW = 16

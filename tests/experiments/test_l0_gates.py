@@ -21,10 +21,10 @@ from headsweep.errors import HeadsweepError
 from headsweep.sweep.experiments.l0.hard_concrete import HardConcrete
 from headsweep.sweep.experiments.l0.settings import L0Section
 from headsweep.sweep.experiments.l0.training import L0Trainer
+from headsweep.workers.core.family import RuntimeOptions
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.registry import model_family
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
-from headsweep.workers.family import RuntimeOptions
-from headsweep.workers.heads import Head
-from headsweep.workers.registry import model_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -356,8 +356,8 @@ def test_a_unit_with_weights_evaluates_a_model_holding_them(tmp_path, ray_addres
     import numpy as np
     import ray
 
-    from headsweep.workers.actor import EvalWorker
-    from headsweep.workers.work import WorkUnit
+    from headsweep.workers.core.actor import EvalWorker
+    from headsweep.workers.core.work import WorkUnit
 
     model_cfg = ClassifierModel(path=str(tiny_bert_dir), attn_implementation="eager")
     data_cfg = ClassifierData(path=str(tiny_dev_tsv))

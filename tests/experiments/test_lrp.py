@@ -1,4 +1,4 @@
-"""LRP head relevance (headsweep.workers.lrp) against independent routes.
+"""LRP head relevance (headsweep.workers.analyses.lrp) against independent routes.
 
 - Conservation: with every bias zero, the rules make each cut through the network (a layer's input, plus the
   encoder output for a decoder layer) hold exactly the explained logit sum, for a BERT classifier, a
@@ -24,14 +24,14 @@ from tiny_models import tiny_causal_lm, tiny_float64_bert
 
 from headsweep.results.store import ResultStore
 from headsweep.sweep.demo.sentiment import generate, write_tsv
+from headsweep.workers.analyses.lrp import lrp_relevance, lrp_rules, top_logit_batch
+from headsweep.workers.core.family import LossBatch, LossBatches, RuntimeOptions
+from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.families.fairseq_translation.adapter import load_translation
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 from headsweep.workers.families.hf_causal_lm.sites import find_sites as causal_sites
 from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches, cut_batches
-from headsweep.workers.families.transformers.sites import find_sites as classifier_sites
-from headsweep.workers.family import LossBatch, LossBatches, RuntimeOptions
-from headsweep.workers.gates import HeadGates
-from headsweep.workers.lrp import lrp_relevance, lrp_rules, top_logit_batch
+from headsweep.workers.families.hf_shared.sites import find_sites as classifier_sites
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -28,11 +28,11 @@ from headsweep.sweep.configuration.reader import from_dict
 from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.sweep.run.ablation_values import stored_values
 from headsweep.sweep.run.runs import resumable
-from headsweep.workers.ablation import AblationSpec
-from headsweep.workers.ablation_values import reference_means
-from headsweep.workers.family import RuntimeOptions
-from headsweep.workers.registry import model_family
-from headsweep.workers.worker_fill import fill_of
+from headsweep.workers.ablation.means import reference_means
+from headsweep.workers.ablation.spec import AblationSpec
+from headsweep.workers.ablation.worker_fill import fill_of
+from headsweep.workers.core.family import RuntimeOptions
+from headsweep.workers.core.registry import model_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

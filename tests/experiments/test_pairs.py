@@ -24,12 +24,12 @@ from headsweep.sweep.experiments.pairs.interactions import interaction_bootstrap
 from headsweep.sweep.experiments.pairs.kind import pairs_of
 from headsweep.sweep.reporting.report import write_report
 from headsweep.sweep.statistics.significance import adjust_pvalues, paired_bootstrap, resample_counts
+from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.metrics import accuracy_from_stats, bleu_from_stats, perplexity_from_stats
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout
-from headsweep.workers.families.transformers.sites import find_sites
-from headsweep.workers.gates import HeadGates
-from headsweep.workers.heads import Head
-from headsweep.workers.metrics import accuracy_from_stats, bleu_from_stats, perplexity_from_stats
-from headsweep.workers.replay import first_gated_layer
+from headsweep.workers.families.hf_shared.sites import find_sites
+from headsweep.workers.memory.replay import first_gated_layer
 
 N, R, SEED = 40, 400, 11
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from headsweep.sweep.pruning.levels import iterative_level_masks, level_masks
-from headsweep.workers.heads import Head, HeadInventory, LayerShape
+from headsweep.workers.core.heads import Head, HeadInventory, LayerShape
 
 LEVELS = [round(0.1 * i, 1) for i in range(11)]
 

@@ -20,7 +20,7 @@ from conftest import error_line, run_cli
 from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.syntax import (
+from headsweep.workers.analyses.syntax import (
     Aligned,
     SyntaxSettings,
     SyntaxTotals,
@@ -346,7 +346,7 @@ needs_spacy = pytest.mark.skipif(spacy_pipeline() is None, reason="spaCy with an
 @needs_spacy
 def test_spacy_parses_of_the_captions():
     """spaCy's ClearNLP labels: dobj counts as obj, and its words spell the text (the check passes)."""
-    from headsweep.workers.syntax import spacy_parses
+    from headsweep.workers.analyses.syntax import spacy_parses
 
     texts = ["Two big brown dogs are running.", "A man kicks a red ball quickly."]
     parses, made_by = spacy_parses(texts, "en_core_web_sm")
@@ -364,13 +364,13 @@ def test_spacy_route_on_the_constructed_head(noun_bert, one_thread):
     hit when its governor is the sentence's noun, the baseline is the most frequent offset's share."""
     from headsweep.sweep.experiments.roles.settings import RolesSection
     from headsweep.sweep.experiments.roles.worker import head_roles
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.hf_classifier.adapter import load_classifier
     from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
-    from headsweep.workers.family import RuntimeOptions
 
     adapter = load_classifier(ClassifierModel(path=str(noun_bert)), ClassifierData(path=str(TSV)),
                               RuntimeOptions(batch_size=4))
-    from headsweep.workers.syntax import spacy_parses
+    from headsweep.workers.analyses.syntax import spacy_parses
 
     result = head_roles(adapter, "hf_classifier", RolesSection(parser="spacy"))
     assert result.syntax["parses"].startswith("spaCy en_core_web_sm (spaCy 3.8.") and result.syntax["sentences"] == 11
@@ -400,9 +400,9 @@ def test_fairseq_enc_self_against_argmax_by_hand(tmp_path, one_thread):
 
     from headsweep.sweep.experiments.roles.settings import RolesSection
     from headsweep.sweep.experiments.roles.worker import attention_maps, head_roles
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
-    from headsweep.workers.family import RuntimeOptions
 
     tiny = train_tiny(tmp_path / "tiny")
     adapter = load_translation(TranslationModel(checkpoint=str(tiny.checkpoint), data_bin=str(tiny.data.data_bin)),

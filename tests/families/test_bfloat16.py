@@ -16,9 +16,9 @@ from tiny_models import lm_text, save_tiny_causal_lm, save_tiny_classifier
 
 import headsweep
 from headsweep.sweep.configuration.reader import from_dict
-from headsweep.workers.family import RuntimeOptions
-from headsweep.workers.importance import gate_gradients, loss_batches_of
-from headsweep.workers.registry import model_family
+from headsweep.workers.analyses.importance import gate_gradients, loss_batches_of
+from headsweep.workers.core.family import RuntimeOptions
+from headsweep.workers.core.registry import model_family
 
 
 @pytest.fixture(scope="module")

@@ -103,7 +103,7 @@ def test_bert_as_causal_lm(tmp_path, lm_files, tiny_bert_dir, ray_address):
 def test_architecture_check_reads_the_config(tmp_path, family, config, expected):
     """The config check on its own, over architectures no tiny folder above has."""
     from headsweep.errors import HeadsweepError
-    from headsweep.workers.families.transformers.architecture import check_architecture
+    from headsweep.workers.families.hf_shared.architecture import check_architecture
 
     if expected is None:
         check_architecture(tmp_path, config, family)
@@ -233,9 +233,9 @@ def test_unknown_words_in_multiple_choice_questions(tmp_path, lm_files):
     the CLI path is the perplexity run's)."""
     from transformers import AutoTokenizer
 
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-    from headsweep.workers.family import RuntimeOptions
 
     _, llama, _ = lm_files
     questions = [("the zzzq cat sees", ["a dog", "a zzzq"]), ("a zzzq runs", ["here", "there and zzzq"])]

@@ -21,8 +21,8 @@ from tiny_models import build_lm_tokenizer, lm_text, save_tiny_causal_lm, save_t
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import build_config
-from headsweep.workers.hub_cache import resolve_snapshot
-from headsweep.workers.hub_pins import pin_hub_models
+from headsweep.workers.hub.cache import resolve_snapshot
+from headsweep.workers.hub.pins import pin_hub_models
 
 BERT_A = "1a2b3c4d" + "0" * 32  # org/tiny-bert main
 BERT_B = "9f8e7d6c" + "1" * 32  # org/tiny-bert v2: other weights
@@ -73,7 +73,7 @@ def hub(tmp_path_factory):
 
 
 def test_ids_and_revisions_resolve_to_cached_snapshots(hub, tmp_path, monkeypatch):
-    from headsweep.workers.families.transformers.loading import resolve_model_dir
+    from headsweep.workers.families.hf_shared.loading import resolve_model_dir
 
     main = resolve_snapshot("org/tiny-bert")
     assert (main.revision, main.folder) == (BERT_A, snapshot("org/tiny-bert", BERT_A))

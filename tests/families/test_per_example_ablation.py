@@ -30,14 +30,14 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.demo.sentiment import generate, write_tsv
-from headsweep.workers.ablation import AblationSpec
-from headsweep.workers.donors import same_length_donors
+from headsweep.workers.ablation.donors import same_length_donors
+from headsweep.workers.ablation.spec import AblationSpec
+from headsweep.workers.core.family import RuntimeOptions
+from headsweep.workers.core.heads import Head
 from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_classifier.adapter import ClassifierAdapter
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
-from headsweep.workers.family import RuntimeOptions
-from headsweep.workers.heads import Head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LAYERS = 3

@@ -63,7 +63,7 @@ def test_lower_layers_never_import_the_driver():
             # The store reads metric facts (direction, primary test) from the metric definitions, a
             # module without torch; nothing else of the workers (models, Ray actors) belongs in a query.
             bad = sorted(m for m in imports_of(module, path, False)
-                         if m.startswith("headsweep.workers") and not m.startswith("headsweep.workers.metrics"))
+                         if m.startswith("headsweep.workers") and not m.startswith("headsweep.workers.core.metrics"))
             offenders += [f"{module} imports {m}" for m in bad]
     assert not offenders, "\n".join(offenders)
 
@@ -130,13 +130,14 @@ def test_the_package_tree_links_the_top_level_folders():
         link = REPO / "headsweep" / folder
         assert link.is_symlink(), f"{link} must be a symbolic link to ../{folder}"
         assert Path(link.readlink()) == Path("..") / folder, link.readlink()
-    code = ("import headsweep.sweep.terminal.cli as c, headsweep.workers.gates as g, headsweep.results.store as s; "
-            "print(c.__file__, g.__file__, s.__file__)")
+    code = ("import headsweep.sweep.terminal.cli as c, headsweep.workers.core.gates as g, "
+            "headsweep.results.store as s; print(c.__file__, g.__file__, s.__file__)")
     for cwd in (REPO, REPO / "tests"):
         out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,
                              check=True).stdout.split()
-        assert [Path(f).resolve() for f in out] == [REPO / "sweep" / "terminal" / "cli.py",
-                                                    REPO / "workers" / "gates.py", REPO / "results" / "store.py"], out
+        want = [REPO / "sweep" / "terminal" / "cli.py", REPO / "workers" / "core" / "gates.py",
+                REPO / "results" / "store.py"]
+        assert [Path(f).resolve() for f in out] == want, out
 
 
 def test_installed_distribution_has_one_top_level_name(tmp_path):
@@ -157,7 +158,7 @@ def test_installed_distribution_has_one_top_level_name(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"headsweep"}, tops
-    for module in ("headsweep/sweep/run/driver.py", "headsweep/workers/actor.py", "headsweep/results/store.py",
+    for module in ("headsweep/sweep/run/driver.py", "headsweep/workers/core/actor.py", "headsweep/results/store.py",
                    "headsweep/errors.py"):
         assert module in names
 

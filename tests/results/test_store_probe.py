@@ -156,8 +156,8 @@ def test_a_row_written_when_the_run_ends_drops_the_live_progress(tmp_path, tiny_
     from headsweep.sweep.configuration.config import build_config
     from headsweep.sweep.run.chunks import ChunkWriter
     from headsweep.sweep.run.runs import RunRecord, now
-    from headsweep.workers.family import DatasetInfo
-    from headsweep.workers.heads import HeadInventory
+    from headsweep.workers.core.family import DatasetInfo
+    from headsweep.workers.core.heads import HeadInventory
 
     store = ResultStore(str(tmp_path / "store"))
     inventory = HeadInventory.from_json([{"attention": "self", "layer": 0, "num_heads": 2}])

@@ -17,8 +17,8 @@ from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.sweep.run.plan import by_importance
-from headsweep.workers.heads import Head
-from headsweep.workers.work import WorkUnit
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.work import WorkUnit
 
 
 def unit(name: str, *heads: Head) -> WorkUnit:

@@ -1,5 +1,5 @@
 """A worker holds one copy of the weights: its adapter on other data (importance.data) uses the model it already
-holds (headsweep.workers.model_sharing), and neither adapter's gates act on the other's passes.
+holds (headsweep.workers.memory.model_sharing), and neither adapter's gates act on the other's passes.
 
 Checked in a real Ray actor against independent routes loaded on their own in this process: the importance the
 worker computes on the shared model equals that of an adapter with its own copy, and the evaluation adapter's
@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from headsweep.workers.analyses.importance import gradient_importance, importance_on_worker
+from headsweep.workers.core.family import RuntimeOptions
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.registry import model_family
+from headsweep.workers.core.work import WorkUnit
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
-from headsweep.workers.family import RuntimeOptions
-from headsweep.workers.heads import Head
-from headsweep.workers.importance import gradient_importance, importance_on_worker
-from headsweep.workers.registry import model_family
-from headsweep.workers.work import WorkUnit
 
 
 def holds_one_copy(worker, data_cfg) -> tuple[bool, int]:
@@ -33,7 +33,7 @@ def test_the_adapter_on_other_data_shares_the_workers_model(ray_address, tiny_be
     import ray
     from ray import cloudpickle
 
-    from headsweep.workers.actor import EvalWorker
+    from headsweep.workers.core.actor import EvalWorker
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # holds_one_copy runs in the worker
 
@@ -71,7 +71,7 @@ def test_the_adapter_on_other_data_shares_the_workers_model(ray_address, tiny_be
 @pytest.mark.parametrize("change", ["dtype", "attn_implementation"])
 def test_a_model_loaded_otherwise_is_not_shared(tiny_bert_dir, tiny_dev_tsv, change):
     """The offered model serves only a config that would load the same model (folder, dtype, device, attention)."""
-    from headsweep.workers.model_sharing import offered
+    from headsweep.workers.memory.model_sharing import offered
 
     family = model_family("hf_classifier")
     runtime = RuntimeOptions(batch_size=8, threads=1)

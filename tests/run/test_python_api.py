@@ -46,9 +46,9 @@ def test_load_pruned_from_the_package(tmp_path):
     import torch
     from tiny_models import random_batch, tiny_classifier
 
-    from headsweep.workers.families.transformers.pruning import save_pruned
-    from headsweep.workers.heads import Head
-    from headsweep.workers.pruning import count_parameters, prune_heads
+    from headsweep.workers.core.heads import Head
+    from headsweep.workers.families.hf_shared.pruning import save_pruned
+    from headsweep.workers.pruning.removal import count_parameters, prune_heads
 
     model = tiny_classifier("bert", "sdpa", layers=2)
     full = count_parameters(model)

@@ -156,8 +156,8 @@ def test_the_heartbeat_goes_on_while_nothing_lands_and_never_outlives_the_last_r
     from headsweep.sweep.configuration.config import build_config
     from headsweep.sweep.run import runs
     from headsweep.sweep.run.chunks import ChunkWriter
-    from headsweep.workers.family import DatasetInfo
-    from headsweep.workers.heads import HeadInventory
+    from headsweep.workers.core.family import DatasetInfo
+    from headsweep.workers.core.heads import HeadInventory
 
     monkeypatch.setattr(runs, "HEARTBEAT_S", 0.2)
     store = ResultStore(str(tmp_path / "store"))
@@ -190,7 +190,7 @@ def test_resumed_pruning_levels_follow_the_importance_the_run_stored(tmp_path, t
     import pyarrow.parquet as pq
 
     from headsweep.sweep.pruning.levels import level_masks
-    from headsweep.workers.heads import Head, HeadInventory
+    from headsweep.workers.core.heads import Head, HeadInventory
 
     train = write_tsv(generate(60, seed=11), tmp_path / "train.tsv")
     cfg = {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "data": {"path": str(tiny_dev_tsv)},

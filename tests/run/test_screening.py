@@ -26,8 +26,8 @@ from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.run.screening import ScreenSettings, complement, joined, verdicts
 from headsweep.sweep.statistics.significance import adjust_pvalues
-from headsweep.workers.example_subset import at_positions
-from headsweep.workers.heads import Head
+from headsweep.workers.core.heads import Head
+from headsweep.workers.data.example_subset import at_positions
 
 
 # -- the subset ---------------------------------------------------------------------------------------------------
@@ -59,7 +59,7 @@ def test_at_positions_keeps_per_example_lists_and_other_fields():
 def subset_matches_full(load, model_cfg, data_cfg, masks, positions, **runtime):
     """The adapter on ``positions`` against the whole-set adapter, mask by mask; and the subset's and the rest's
     outputs joined against the whole set's."""
-    from headsweep.workers.family import RuntimeOptions
+    from headsweep.workers.core.family import RuntimeOptions
 
     whole_set = load(model_cfg, data_cfg, RuntimeOptions(**runtime))
     metric = whole_set.describe().metric
@@ -138,7 +138,7 @@ def test_the_rule_follows_the_settings_given():
 
 
 def test_joined_places_each_part_at_its_positions():
-    from headsweep.workers.family import MaskOutput
+    from headsweep.workers.core.family import MaskOutput
 
     first = MaskOutput(accuracy_stats([1, 0]), np.array([0.1, 0.2]), ["a", "b"], 0.5, 1.0)
     rest = MaskOutput(accuracy_stats([1, 1, 0]), None, ["c", "d", "e"], 2 / 3, 2.0)

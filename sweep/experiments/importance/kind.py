@@ -1,8 +1,8 @@
 """``importance`` (Michel et al. sec. 4.1): a score per head, written to the ``importance`` table.
 
 ``importance.method: gradient`` estimates ``E|dL/dxi_h|`` on ``importance.data`` in a worker
-(``headsweep.workers.importance.importance_on_worker``); ``lrp`` each head's share of the relevance of the
-top-1 logit on ``importance.data`` (Voita et al. sec. 4; ``headsweep.workers.lrp``); ``ablation`` takes the
+(``headsweep.workers.analyses.importance.importance_on_worker``); ``lrp`` each head's share of the relevance of the
+top-1 logit on ``importance.data`` (Voita et al. sec. 4; ``headsweep.workers.analyses.lrp``); ``ablation`` takes the
 harm of each head's single-head ablation in this run (or in ``importance.from_run``): minus the delta where the
 metric's higher is better, the delta where lower is (perplexity), see :func:`ablation_importance`.
 The scores (normalised per layer or raw, as configured) are left in ``ctx.shared["importance"]`` for the
@@ -22,7 +22,7 @@ from headsweep.sweep.experiments.importance.tables import IMPORTANCE_TABLE
 from headsweep.sweep.experiments.importance.worker import load_data_on_worker
 from headsweep.sweep.experiments.registry import experiment_kind
 from headsweep.sweep.terminal.progress import step
-from headsweep.workers.heads import Head, HeadInventory
+from headsweep.workers.core.heads import Head, HeadInventory
 
 if TYPE_CHECKING:
     from headsweep.sweep.reporting.page import ReportPart
@@ -102,7 +102,7 @@ class Importance(Experiment):
     def estimate(self, ctx: Context) -> dict[Head, float]:
         """Estimate and write the scores; returns them as pruning ranks them."""
         # Imported here: torch is loaded when a run estimates importance, not when a config is read.
-        from headsweep.workers.importance import importance_on_worker, normalize_by_layer
+        from headsweep.workers.analyses.importance import importance_on_worker, normalize_by_layer
 
         imp = ctx.cfg.importance
         if imp.method == "gradient":
@@ -110,7 +110,7 @@ class Importance(Experiment):
                 result = ctx.pool.call(importance_on_worker, importance_data(ctx.cfg), imp.per_token, imp.normalize, ())
             raw, normalized = result.raw, result.normalized
         elif imp.method == "lrp":
-            from headsweep.workers.lrp import lrp_on_worker
+            from headsweep.workers.analyses.lrp import lrp_on_worker
 
             with step("LRP relevance", enabled=ctx.show_progress, detail=ctx.pool.status_line):
                 result = ctx.pool.call(lrp_on_worker, importance_data(ctx.cfg), imp.normalize, ())
@@ -162,7 +162,7 @@ def ablation_importance(store: Any, run_id: str, inventory: HeadInventory,
     Reads the ``single_head`` evaluations of ``run_id`` (of one training checkpoint, where the run
     has several) from the store; every head of the model must have one.
     """
-    from headsweep.workers.metrics import higher_is_better
+    from headsweep.workers.core.metrics import higher_is_better
 
     columns = ["experiment", "attention", "layer", "head", "delta", "checkpoint", "metric"]
     rows = store.read("evaluations", run_id, columns=columns)

@@ -1,6 +1,6 @@
 """Worker-side code of the ``importance`` kind (run in an ``EvalWorker`` through ``ctx.pool.call``; imports only
-``headsweep.workers``). The estimates themselves are ``headsweep.workers.importance`` (gradient) and
-``headsweep.workers.lrp`` (LRP relevance)."""
+``headsweep.workers``). The estimates themselves are ``headsweep.workers.analyses.importance`` (gradient) and
+``headsweep.workers.analyses.lrp`` (LRP relevance)."""
 
 from __future__ import annotations
 

@@ -40,10 +40,10 @@ from headsweep.sweep.experiments.l0.tables import GATES, L0_CURVE
 from headsweep.sweep.experiments.prune_level import prune_scope_name
 from headsweep.sweep.run.dispatch import log
 from headsweep.sweep.run.plan import check_attention_types
-from headsweep.workers.family import RuntimeOptions
-from headsweep.workers.heads import Head
-from headsweep.workers.registry import model_family
-from headsweep.workers.work import WorkUnit
+from headsweep.workers.core.family import RuntimeOptions
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.registry import model_family
+from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:
     from headsweep.sweep.run.context import Context

@@ -1,6 +1,6 @@
 """Training Hard Concrete head gates from a converged model (Voita et al. 2019 sec. 6).
 
-The gates sit where every other head gate of headsweep sits (``headsweep.workers.gates``: the input
+The gates sit where every other head gate of headsweep sits (``headsweep.workers.core.gates``: the input
 of each attention module's output projection), so one trainer serves every model family: the loss
 is the family's own training loss as gradient importance uses it (``EvalAdapter.loss_batches``):
 cross-entropy for classifiers, teacher-forced label-smoothed cross-entropy for fairseq translation
@@ -35,11 +35,11 @@ import torch
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.experiments.l0.hard_concrete import HardConcrete
-from headsweep.workers.backward_memory import by_group
-from headsweep.workers.family import EvalAdapter, RuntimeOptions
-from headsweep.workers.heads import Head, SiteKey
-from headsweep.workers.registry import model_family
-from headsweep.workers.worker_fill import fill_of
+from headsweep.workers.ablation.worker_fill import fill_of
+from headsweep.workers.core.family import EvalAdapter, RuntimeOptions
+from headsweep.workers.core.heads import Head, SiteKey
+from headsweep.workers.core.registry import model_family
+from headsweep.workers.memory.backward_memory import by_group
 
 STATE_FILE = "l0_state.pt"
 

@@ -32,9 +32,9 @@ from headsweep.sweep.experiments.single_head import SINGLE_HEAD, single_head_uni
 from headsweep.sweep.run.dispatch import log
 from headsweep.sweep.run.plan import attention_types
 from headsweep.sweep.statistics.significance import adjust_pvalues
-from headsweep.workers.heads import Head
-from headsweep.workers.metrics import metric_by_name
-from headsweep.workers.work import WorkUnit
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.metrics import metric_by_name
+from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:
     from headsweep.sweep.reporting.page import ReportPart

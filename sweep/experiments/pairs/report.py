@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 
 from headsweep.sweep.reporting import figures
 from headsweep.sweep.reporting.page import TOP_HEADS, ReportPart
-from headsweep.workers.metrics import higher_is_better
+from headsweep.workers.core.metrics import higher_is_better
 
 
 def interaction_matrix(rows: Sequence[dict], attention: str, metric: str | None, correction: str | None,

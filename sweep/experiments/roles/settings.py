@@ -1,8 +1,8 @@
 """The ``roles`` config section (Voita et al. 2019): what each head attends to, and which role thresholds apply.
 
 One definition: the config reader builds it, and the workers take it as it is (``worker.py``,
-``headsweep.workers.head_roles``, ``headsweep.workers.role_inputs``). Imports only ``headsweep.workers.syntax``
-(no torch), so the driver reads a config without loading a model.
+``headsweep.workers.analyses.head_roles``, ``headsweep.workers.analyses.role_inputs``). Imports only
+``headsweep.workers.analyses.syntax`` (no torch), so the driver reads a config without loading a model.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.experiments.data_sections import DATA, FILE
-from headsweep.workers.syntax import ALIASES, RELATIONS
+from headsweep.workers.analyses.syntax import ALIASES, RELATIONS
 
 
 @dataclass
 class RolesSection:
-    """The ``roles`` experiment (Voita et al. 2019): what each head attends to (``headsweep.workers.head_roles``).
+    """The ``roles`` experiment (Voita et al. 2019): what each head attends to
+    (``headsweep.workers.analyses.head_roles``).
 
     ``data`` has the keys of the model kind's ``data`` section (default: the evaluation set).
     ``frequencies``: ``dictionary`` (a fairseq model's dictionary counts, the default for fairseq), a
@@ -34,7 +35,8 @@ class RolesSection:
     rare_top: int = 500
     rare_threshold: float = 0.5
     rare_min_sentences: int = 10
-    # Syntactic heads (headsweep.workers.syntax): a CoNLL-U file aligned with the evaluation text, or parser: spacy.
+    # Syntactic heads (headsweep.workers.analyses.syntax): a CoNLL-U file aligned with the evaluation text, or parser:
+    # spacy.
     parses: str | None = field(default=None, metadata={FILE: True})
     parser: str | None = None
     spacy_model: str = "en_core_web_sm"

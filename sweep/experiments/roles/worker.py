@@ -3,11 +3,12 @@
 Worker-side code of the ``roles`` kind (run in an ``EvalWorker`` through ``ctx.pool.call``): it imports only
 ``headsweep.workers``, and takes the ``roles`` config section (``settings.RolesSection``) as the driver read it.
 
-The statistics are family-independent (:mod:`headsweep.workers.head_roles`, :mod:`headsweep.workers.syntax`);
+The statistics are family-independent (:mod:`headsweep.workers.analyses.head_roles`,
+:mod:`headsweep.workers.analyses.syntax`);
 what is per family comes from the family (``ModelFamily.attention_reader``: an
-:class:`~headsweep.workers.attention.AttentionReader` that runs the adapter's evaluation batches through the
+:class:`~headsweep.workers.analyses.attention.AttentionReader` that runs the adapter's evaluation batches through the
 unmasked model, handing each site's maps on as its module returns them, so one layer's maps are held at a time).
-Token frequencies and parses are :mod:`headsweep.workers.role_inputs`.
+Token frequencies and parses are :mod:`headsweep.workers.analyses.role_inputs`.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.attention import Sink
-from headsweep.workers.family import ModelFamily
-from headsweep.workers.head_roles import HeadRole, RoleTotals, SiteAttention, sentence_statistics
-from headsweep.workers.heads import SiteKey
-from headsweep.workers.registry import model_family
-from headsweep.workers.role_inputs import add_syntax, frequency_tables, syntax_inputs
-from headsweep.workers.syntax import SyntaxSettings, SyntaxTotals
+from headsweep.workers.analyses.attention import Sink
+from headsweep.workers.analyses.head_roles import HeadRole, RoleTotals, SiteAttention, sentence_statistics
+from headsweep.workers.analyses.role_inputs import add_syntax, frequency_tables, syntax_inputs
+from headsweep.workers.analyses.syntax import SyntaxSettings, SyntaxTotals
+from headsweep.workers.core.family import ModelFamily
+from headsweep.workers.core.heads import SiteKey
+from headsweep.workers.core.registry import model_family
 
 AttentionBatch = dict[SiteKey, SiteAttention]
 

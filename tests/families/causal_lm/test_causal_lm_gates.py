@@ -14,9 +14,9 @@ from tiny_models import lm_batch as batch
 from tiny_models import lm_logits as logits
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.heads import Head
 from headsweep.workers.families.hf_causal_lm.sites import find_sites, kv_groups, sites_or_error
-from headsweep.workers.gates import HeadGates
-from headsweep.workers.heads import Head
 
 ATTN = ["eager", "sdpa"]
 

@@ -17,12 +17,12 @@ from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.statistics.significance_runner import raw_tests
+from headsweep.workers.core.family import RuntimeOptions
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.metrics import PERPLEXITY
 from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.data import plan_windows
-from headsweep.workers.family import RuntimeOptions
-from headsweep.workers.heads import Head
-from headsweep.workers.metrics import PERPLEXITY
 
 WINDOW = 16
 
@@ -195,7 +195,7 @@ def test_errors(llama_dir, corpus, tmp_path):
 # -- gradient importance through loss_batches ------------------------------------------------------------
 
 def test_gradient_importance_equals_finite_differences_of_the_corpus_nll(tmp_path, corpus):
-    from headsweep.workers.importance import gradient_importance
+    from headsweep.workers.analyses.importance import gradient_importance
 
     # GPT-2 computes in float64 throughout when asked (Llama's RMSNorm and rotary tables stay float32).
     model_dir = save_tiny_causal_lm(tmp_path / "gpt2", "gpt2")

@@ -20,17 +20,17 @@ from tiny_models import lm_logits as logits
 from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.registry import model_family
 from headsweep.workers.families.hf_causal_lm.pruning import (
     GroupedKVProjection,
     load_pruned,
     prune_causal_lm_heads,
 )
 from headsweep.workers.families.hf_causal_lm.sites import find_sites, kv_groups
-from headsweep.workers.families.transformers.pruning import save_pruned
-from headsweep.workers.gates import HeadGates
-from headsweep.workers.heads import Head
-from headsweep.workers.pruning import count_parameters, prune_heads
-from headsweep.workers.registry import model_family
+from headsweep.workers.families.hf_shared.pruning import save_pruned
+from headsweep.workers.pruning.removal import count_parameters, prune_heads
 
 SHAPES = ["llama_8q2kv", "qwen2_14q2kv", "llama_mqa_4q1kv", "gpt2", "gpt_bigcode_mqa"]
 HEAD_DIM = 4  # tiny_causal_lm's default
@@ -223,8 +223,8 @@ def test_export_cli_of_a_causal_lm(lm_folder, tmp_path):
 def test_an_exported_lm_is_swept(lm_folder, tmp_path, ray_address):
     """``headsweep run`` with the exported folder as model.path: its baseline perplexity is the full model's
     under the removed mask (the full model's own adapter, gated), and only the kept heads are swept."""
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
-    from headsweep.workers.family import RuntimeOptions
 
     tmp, model_dir, corpus = lm_folder
     cfg = {"model": {"kind": "hf_causal_lm", "path": str(model_dir), "attn_implementation": "sdpa"},
@@ -277,9 +277,9 @@ def test_gpt_bigcode_without_multi_query(attn):
 def test_efficiency_rows_of_a_causal_lm(lm_folder):
     """The efficiency experiment's worker step on a causal LM: the full and the pruned model side by side, the
     pruned one removed through the family (``measure_task(..., family=...)`` as ``efficiency_on_worker`` calls it)."""
-    from headsweep.workers.efficiency import measure_task
+    from headsweep.workers.analyses.efficiency import measure_task
+    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
-    from headsweep.workers.family import RuntimeOptions
 
     _, model_dir, corpus = lm_folder
     family = model_family("hf_causal_lm")
@@ -301,8 +301,8 @@ def test_bare_models_find_their_family(shape, tmp_path):
     from tiny_models import tiny_classifier
 
     import headsweep
-    from headsweep.workers.families.transformers.pruning import save_pruned as save_classifier
-    from headsweep.workers.pruning import family_of_model
+    from headsweep.workers.families.hf_shared.pruning import save_pruned as save_classifier
+    from headsweep.workers.pruning.removal import family_of_model
 
     model = tiny_causal_lm(shape, "sdpa")
     assert family_of_model(model).name == "hf_causal_lm"

@@ -19,14 +19,14 @@ from conftest import run_cli
 from tiny_models import LM_SPECIALS, LM_WORDS, build_lm_tokenizer, lm_text, save_tiny_causal_lm
 from tolerances import assert_routes_agree
 
+from headsweep.workers.core.family import RuntimeOptions
+from headsweep.workers.core.heads import Head
 from headsweep.workers.families.hf_causal_lm import adapter as adapter_module
 from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.reuse import decoder_layout
-from headsweep.workers.families.transformers.layout import attention_layout
-from headsweep.workers.family import RuntimeOptions
-from headsweep.workers.heads import Head
-from headsweep.workers.replay import ReuseUnsupported
+from headsweep.workers.families.hf_shared.layout import attention_layout
+from headsweep.workers.memory.replay import ReuseUnsupported
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LAYERS = 3

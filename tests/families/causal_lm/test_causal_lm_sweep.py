@@ -220,8 +220,8 @@ def test_kv_group_on_a_model_without_grouped_heads_says_so():
     from headsweep.sweep.configuration.config import build_config
     from headsweep.sweep.experiments.kv_group import KV_GROUP, UNGROUPED
     from headsweep.sweep.run.context import Context
-    from headsweep.workers.family import DatasetInfo
-    from headsweep.workers.heads import HeadInventory, LayerShape
+    from headsweep.workers.core.family import DatasetInfo
+    from headsweep.workers.core.heads import HeadInventory, LayerShape
 
     cfg = build_config({"model": {"kind": "hf_classifier", "path": "m"}, "data": {"path": "d.tsv"},
                         "sweep": {"experiments": ["baseline", "kv_group"]}})

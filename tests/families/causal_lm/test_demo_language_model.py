@@ -7,9 +7,9 @@ import math
 import random
 
 from headsweep.sweep.demo.language_model import NOUNS, VERBS, build_tokenizer, generate, sentence, train_language_model
+from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-from headsweep.workers.family import RuntimeOptions
 
 
 def test_generated_text_has_no_unknown_tokens_and_verbs_agree():

@@ -19,12 +19,12 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import load_config
 from headsweep.sweep.pruning.export import choose, export_pruned
+from headsweep.workers.core.gates import HeadGates, site_inventory
+from headsweep.workers.core.heads import Head
 from headsweep.workers.families.hf_classifier.pruning import load_pruned
-from headsweep.workers.families.transformers.pruning import save_pruned
-from headsweep.workers.families.transformers.sites import find_sites
-from headsweep.workers.gates import HeadGates, site_inventory
-from headsweep.workers.heads import Head
-from headsweep.workers.pruning import count_parameters
+from headsweep.workers.families.hf_shared.pruning import save_pruned
+from headsweep.workers.families.hf_shared.sites import find_sites
+from headsweep.workers.pruning.removal import count_parameters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,9 +9,9 @@ import torch
 from tiny_models import random_batch, tiny_classifier, zeroed_copy
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.families.transformers.sites import find_sites
-from headsweep.workers.gates import HeadGates
-from headsweep.workers.heads import Head
+from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.heads import Head
+from headsweep.workers.families.hf_shared.sites import find_sites
 
 FAMILIES = ["bert", "roberta", "distilbert"]
 ATTN = ["eager", "sdpa"]

@@ -28,20 +28,20 @@ from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.sweep.pruning.export import export_pruned
 from headsweep.sweep.pruning.levels import level_masks
-from headsweep.workers.efficiency import measure_task
+from headsweep.workers.analyses.efficiency import measure_task
+from headsweep.workers.analyses.importance import gradient_importance
+from headsweep.workers.core.family import RuntimeOptions
+from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.heads import Head
 from headsweep.workers.families.fairseq_translation.adapter import load_translation
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 from headsweep.workers.families.fairseq_translation.pruning import PRUNED_KEY
 from headsweep.workers.families.hf_classifier.adapter import load_classifier
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 from headsweep.workers.families.hf_classifier.pruning import EmptyDistilBertAttention, EmptySelfAttention
-from headsweep.workers.families.transformers.sites import find_sites
-from headsweep.workers.family import RuntimeOptions
-from headsweep.workers.gates import HeadGates
-from headsweep.workers.head_slicing import plan_slice
-from headsweep.workers.heads import Head
-from headsweep.workers.importance import gradient_importance
-from headsweep.workers.pruning import as_stock, count_parameters, prune_heads, ungated_copy
+from headsweep.workers.families.hf_shared.sites import find_sites
+from headsweep.workers.pruning.head_slicing import plan_slice
+from headsweep.workers.pruning.removal import as_stock, count_parameters, prune_heads, ungated_copy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -210,7 +210,7 @@ def test_refusals(classifier, tiny_bert_dir):
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2))
     # The classifier family refuses decoder layouts (the hf_causal_lm family prunes them: test_causal_lm_pruning).
-    from headsweep.workers.registry import model_family
+    from headsweep.workers.core.registry import model_family
 
     with pytest.raises(HeadsweepError, match="are pruned by model.kind hf_causal_lm"):
         prune_heads(llama, [Head("self", 0, 0)], family=model_family("hf_classifier"))
@@ -328,7 +328,7 @@ def test_exported_fairseq_checkpoint_reloads_with_headsweeps_loader(tiny, transl
 
 
 def test_the_stock_model_is_the_gated_model_with_its_gates_off_and_back_after(tiny, translation):
-    """The efficiency experiment's full model (workers.pruning.as_stock) computes what a freshly loaded fairseq
+    """The efficiency experiment's full model (workers.pruning.removal.as_stock) computes what a freshly loaded fairseq
     model computes, fused attention path included, whatever gates are set; once it ends, gates act again and
     every module setting is as before (no second copy of the weights is made)."""
     task, levels = translation

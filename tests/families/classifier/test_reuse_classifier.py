@@ -13,15 +13,15 @@ from tiny_models import random_batch, tiny_classifier
 from tolerances import assert_routes_agree
 from transformers import ElectraConfig, ElectraForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
 
-from headsweep.workers.batch_budget import CPU_ACTIVATION_BYTES, masks_per_forward
+from headsweep.workers.core.family import RuntimeOptions
+from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.heads import Head
 from headsweep.workers.families.hf_classifier.adapter import load_classifier
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout
-from headsweep.workers.families.transformers.sites import find_sites
-from headsweep.workers.family import RuntimeOptions
-from headsweep.workers.gates import HeadGates
-from headsweep.workers.heads import Head
-from headsweep.workers.replay import ReuseUnsupported, first_gated_layer
+from headsweep.workers.families.hf_shared.sites import find_sites
+from headsweep.workers.memory.batch_budget import CPU_ACTIVATION_BYTES, masks_per_forward
+from headsweep.workers.memory.replay import ReuseUnsupported, first_gated_layer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LAYERS, HEADS = 3, 4

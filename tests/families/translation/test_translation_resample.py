@@ -34,11 +34,11 @@ from tiny_fairseq import BOUND_SHAPE, fairseq_load, train_tiny
 from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.ablation import AblationSpec
+from headsweep.workers.ablation.spec import AblationSpec
+from headsweep.workers.core.family import RuntimeOptions
+from headsweep.workers.core.heads import Head
 from headsweep.workers.families.fairseq_translation.adapter import TranslationAdapter, load_translation
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
-from headsweep.workers.family import RuntimeOptions
-from headsweep.workers.heads import Head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BEAM, MAX_LEN_B, SEED = 3, 24, 5

@@ -26,13 +26,13 @@ Per-sentence statistics are sacrebleu's own BLEU sufficient statistics of the de
 hypothesis against the reference; the corpus score is computed from their sum.
 
 Under resample ablation (``sweep.ablation: resample``) gated-off ``enc_self`` heads take a donor sentence's
-activations (:mod:`headsweep.workers.donors`): before a batch's searches, the donors' sources (each another sentence
-of the same source length, from any batch) are padded as the batch (fairseq pads sources on the left, so same-length
-sources padded to the batch's width line up position by position) and run once through the ungated encoder alone,
-recording every encoder self-attention's output-projection input; that is the gates' per-example fill while the
-batch's masks run. The fill acts inside the encoder, on the batch's sentences before beam search expands them to
-beams (packed masks repeat it mask-major; encoder reuse's replayed layer reads it too). Decoder attention takes no
-fill: a donor's decoder states follow its own hypotheses, so masks gating ``enc_dec`` or ``dec_self`` heads are refused.
+activations (:mod:`headsweep.workers.ablation.donors`): before a batch's searches, the donors' sources (each another
+sentence of the same source length, from any batch) are padded as the batch (fairseq pads sources on the left, so
+same-length sources padded to the batch's width line up position by position) and run once through the ungated
+encoder alone, recording every encoder self-attention's output-projection input; that is the gates' per-example fill
+while the batch's masks run. The fill acts inside the encoder, on the batch's sentences before beam search expands
+them to beams (packed masks repeat it mask-major; encoder reuse's replayed layer reads it too). Decoder attention takes
+no fill: a donor's decoder states follow its own hypotheses, so masks gating ``enc_dec`` or ``dec_self`` heads are refused.
 """
 
 from __future__ import annotations
@@ -48,12 +48,14 @@ from fairseq.data import LanguagePairDataset, data_utils
 from sacrebleu.metrics import BLEU as SacreBLEU
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.ablation import patch_unavailable, resample_unavailable
-from headsweep.workers.batch_budget import cache_budget
-from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
-from headsweep.workers.data_report import report
-from headsweep.workers.donors import donors_for, with_donors
-from headsweep.workers.example_subset import at_positions
+from headsweep.workers.ablation.donors import donors_for, with_donors
+from headsweep.workers.ablation.spec import patch_unavailable, resample_unavailable
+from headsweep.workers.core.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.metrics import BLEU
+from headsweep.workers.core.workload import median_batch, take_rows
+from headsweep.workers.data.data_report import report
+from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 from headsweep.workers.families.fairseq_translation.data import (
     ParallelExamples,
@@ -75,11 +77,9 @@ from headsweep.workers.families.fairseq_translation.search import (
 )
 from headsweep.workers.families.fairseq_translation.sites import gate_fairseq_model
 from headsweep.workers.families.fairseq_translation.training_loss import translation_loss_batches
-from headsweep.workers.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
-from headsweep.workers.heads import Head
-from headsweep.workers.metrics import BLEU
-from headsweep.workers.replay import ReuseUnsupported
-from headsweep.workers.workload import median_batch, take_rows
+from headsweep.workers.memory.batch_budget import cache_budget
+from headsweep.workers.memory.batch_budget import masks_per_forward as budget_masks_per_forward
+from headsweep.workers.memory.replay import ReuseUnsupported
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class TranslationAdapter:
 
     def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
         """Each mask's per-sentence BLEU statistics (and loss, with ``sweep.loss``); under resample ablation with K
-        draws (``ablation.resamples``), their mean over the draws (:mod:`headsweep.workers.donors`), and the
+        draws (``ablation.resamples``), their mean over the draws (:mod:`headsweep.workers.ablation.donors`), and the
         hypotheses of the first draw."""
         self.check_fillable(masks)
         start = time.perf_counter()
@@ -242,7 +242,7 @@ class TranslationAdapter:
                                                       "gate only enc_self heads"))
 
     def run_donors(self, donors: np.ndarray) -> None:
-        """The per-batch donor pass of :class:`~headsweep.workers.donors.Donors`: the sources of sentences
+        """The per-batch donor pass of :class:`~headsweep.workers.ablation.donors.Donors`: the sources of sentences
         ``donors`` (one per row of the batch, each as long as that row's sentence) padded as fairseq pads the batch
         (``left_pad_source``, to the longest), through the ungated encoder alone; the decoder is not needed, as no
         decoder head takes a fill."""
@@ -256,7 +256,7 @@ class TranslationAdapter:
 
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
         """The evaluation batches as teacher-forced label-smoothed cross-entropy (default epsilon 0.1), under the
-        run's resample fill where it has one (:func:`~headsweep.workers.donors.with_donors`)."""
+        run's resample fill where it has one (:func:`~headsweep.workers.ablation.donors.with_donors`)."""
         return with_donors(translation_loss_batches(self.model, self.gates, self.batches, self.src_dict.pad(),
                                                     self.tgt_dict.pad(), label_smoothing, dtype),
                            self.donors, [sample["id"] for sample in self.batches], self.run_donors)

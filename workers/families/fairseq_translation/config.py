@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from headsweep.workers.text_files import check_encoding
+from headsweep.workers.data.text_files import check_encoding
 
 
 @dataclass

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.data_report import UNKNOWN_SHARE_WARN, Finding
+from headsweep.workers.data.data_report import UNKNOWN_SHARE_WARN, Finding
+from headsweep.workers.data.text_files import check_file, check_max_examples, read_text, split_lines
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
-from headsweep.workers.text_files import check_file, check_max_examples, read_text, split_lines
 
 if TYPE_CHECKING:  # the driver checks the data files (check_data) without torch
     import torch

@@ -11,17 +11,17 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from headsweep.workers.core.family import ModelFamily
+from headsweep.workers.core.heads import Head, SiteKey
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
-from headsweep.workers.family import ModelFamily
-from headsweep.workers.heads import Head, SiteKey
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from headsweep.workers.attention import AttentionReader, Consumer
+    from headsweep.workers.analyses.attention import AttentionReader, Consumer
+    from headsweep.workers.core.gates import AttentionSite
     from headsweep.workers.families.fairseq_translation.model import LoadedTranslation
-    from headsweep.workers.gates import AttentionSite
-    from headsweep.workers.head_slicing import HeadSlice
+    from headsweep.workers.pruning.head_slicing import HeadSlice
 
 
 class TranslationFamily(ModelFamily):

@@ -26,10 +26,10 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import nn
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.core.gates import group_by_site
+from headsweep.workers.core.heads import Head, SiteKey
 from headsweep.workers.families.fairseq_translation.sites import find_fairseq_sites
-from headsweep.workers.gates import group_by_site
-from headsweep.workers.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
-from headsweep.workers.heads import Head, SiteKey
+from headsweep.workers.pruning.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
 
 PRUNED_KEY = "headsweep_pruned_heads"
 

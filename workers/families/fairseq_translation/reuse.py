@@ -5,7 +5,7 @@ teacher-forced scoring read the baseline encoder output, computed once per sente
 kept (within a memory budget) for every later mask. A mask whose first gated encoder layer is
 l runs fairseq's own encoder forward with layers 0..l-2 skipped, layer l-1 returning its
 cached output and layer l's self-attention returning the output projection of its cached
-per-head contexts with the masked heads gated off (:mod:`headsweep.workers.replay`); later encoder
+per-head contexts with the masked heads gated off (:mod:`headsweep.workers.memory.replay`); later encoder
 layers run as usual, with per-example gates. Masks of one call that share a first layer share
 one encoder pass (the sentences repeated once per mask, mask-major, as in the packed search).
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from headsweep.workers.gates import HeadGates
-from headsweep.workers.heads import Head
-from headsweep.workers.replay import (
+from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.heads import Head
+from headsweep.workers.memory.replay import (
     RecordedBaselines,
     ReuseUnsupported,
     gated_projection,

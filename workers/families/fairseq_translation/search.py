@@ -16,9 +16,9 @@ import torch
 from fairseq import utils as fairseq_utils
 from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
 
+from headsweep.workers.core.heads import SiteKey
 from headsweep.workers.families.fairseq_translation.config import TranslationModel
 from headsweep.workers.families.fairseq_translation.sites import FairseqHeadGates
-from headsweep.workers.heads import SiteKey
 
 
 @dataclass

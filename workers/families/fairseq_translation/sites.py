@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.gates import AttentionSite, HeadGates
+from headsweep.workers.core.gates import AttentionSite, HeadGates
 
 
 def _site(attention: str, layer: int, module: nn.Module, name: str) -> AttentionSite:

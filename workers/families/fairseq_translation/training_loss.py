@@ -12,8 +12,8 @@ import torch
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 from torch import nn
 
-from headsweep.workers.family import LossBatch, LossBatches
-from headsweep.workers.gates import HeadGates
+from headsweep.workers.core.family import LossBatch, LossBatches
+from headsweep.workers.core.gates import HeadGates
 
 # fairseq's recipes for the paper's IWSLT and WMT models (and fairseq_translation/train.py) train
 # with label smoothing 0.1; used when the caller does not say otherwise.

@@ -7,8 +7,8 @@ forward pass: the batch is repeated once per mask and each copy carries its own 
 states (:mod:`headsweep.workers.families.hf_causal_lm.reuse`); ``reuse: false`` runs every mask through
 the whole model. Per window the statistics are ``[nll_sum, n_tokens]`` (natural log), so corpus
 perplexity, bootstrap resamples and per-window mean NLL all come from the stored rows
-(:data:`headsweep.workers.metrics.PERPLEXITY`). Under resample ablation each window batch's donors (other
-windows, all of the same length) are recorded once before its masked passes (:mod:`headsweep.workers.donors`).
+(:data:`headsweep.workers.core.metrics.PERPLEXITY`). Under resample ablation each window batch's donors (other
+windows, all of the same length) are recorded once before its masked passes (:mod:`headsweep.workers.ablation.donors`).
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ import numpy as np
 import torch
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.backward_memory import backward_rows, pieces
-from headsweep.workers.batch_budget import cache_budget
-from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
-from headsweep.workers.data_report import unknown_tokens
-from headsweep.workers.donors import donors_for, with_donors
-from headsweep.workers.example_subset import at_positions
+from headsweep.workers.ablation.donors import donors_for, with_donors
+from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
+from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.metrics import PERPLEXITY
+from headsweep.workers.data.data_report import unknown_tokens
+from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import DEFAULT_WINDOW, CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.data import Window, plan_windows, read_corpus
 from headsweep.workers.families.hf_causal_lm.model import (
@@ -41,14 +42,13 @@ from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoi
 from headsweep.workers.families.hf_causal_lm.paired import PairedAdapter
 from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout, reused_grid
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
-from headsweep.workers.families.transformers.loading import max_positions, resolve_positions
-from headsweep.workers.families.transformers.reuse import PrefixReuseSwitch
-from headsweep.workers.families.transformers.tokenizer import count_unknown
-from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
-from headsweep.workers.gates import HeadGates
-from headsweep.workers.heads import Head
-from headsweep.workers.hub_cache import model_label
-from headsweep.workers.metrics import PERPLEXITY
+from headsweep.workers.families.hf_shared.loading import max_positions, resolve_positions
+from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch
+from headsweep.workers.families.hf_shared.tokenizer import count_unknown
+from headsweep.workers.hub.cache import model_label
+from headsweep.workers.memory.backward_memory import backward_rows, pieces
+from headsweep.workers.memory.batch_budget import cache_budget
+from headsweep.workers.memory.batch_budget import masks_per_forward as budget_masks_per_forward
 
 LOSS_NAME = "token cross-entropy"
 
@@ -159,12 +159,13 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
 
     def values(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
         """Each window's NLL sum under each mask; under resample ablation with K draws its mean over the draws
-        (:mod:`headsweep.workers.donors`)."""
+        (:mod:`headsweep.workers.ablation.donors`)."""
         return self.donors.mean_over_draws(lambda: self.nll(masks))
 
     def run_donors(self, donors: np.ndarray) -> None:
         """One ungated forward pass over the windows ``donors`` (the per-batch donor pass of
-        :class:`~headsweep.workers.donors.Donors`); only the last position's logits where the model allows it."""
+        :class:`~headsweep.workers.ablation.donors.Donors`); only the last position's logits where the model allows
+        it."""
         extra = {"logits_to_keep": 1} if self._keep_logits else {}
         self.model(input_ids=self.inputs[torch.as_tensor(donors, device=self.device)], use_cache=False, **extra)
 
@@ -239,11 +240,11 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
         """The windows as summed NLL of their scored tokens (``label_smoothing`` does not apply: the
         training loss of a causal LM is plain token cross-entropy); every position is a real token. Under the run's
-        per-example fill where it has one (:func:`~headsweep.workers.donors.with_donors`).
+        per-example fill where it has one (:func:`~headsweep.workers.ablation.donors.with_donors`).
 
         Each batch is cut into pieces of as many windows as the backward pass's memory budget holds
-        (:mod:`headsweep.workers.backward_memory`; ``backward_budget`` bytes, None: the device's activation budget),
-        the pieces of one batch sharing its ``group``."""
+        (:mod:`headsweep.workers.memory.backward_memory`; ``backward_budget`` bytes, None: the device's activation
+        budget), the pieces of one batch sharing its ``group``."""
         recompute = not self.donors.active
         row = backward_bytes_per_row(self.model.config, self.model.dtype, self.window, checkpointed=recompute)
         size = backward_rows(row, self.device, self.backward_budget)

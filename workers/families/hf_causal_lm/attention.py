@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import torch
 
-from headsweep.workers.attention import Sink, special_mask
-from headsweep.workers.families.transformers.attention import TransformersReader, transformers_attention
-from headsweep.workers.head_roles import SiteAttention, TokenSide
+from headsweep.workers.analyses.attention import Sink, special_mask
+from headsweep.workers.analyses.head_roles import SiteAttention, TokenSide
+from headsweep.workers.families.hf_shared.attention import TransformersReader, transformers_attention
 
 
 class CausalLMReader(TransformersReader):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.text_files import check_encoding
+from headsweep.workers.data.text_files import check_encoding
 
 # data.window when unset: this many tokens, or the model's maximum positions if it has fewer.
 DEFAULT_WINDOW = 512

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.data.paired_data import read_pairs
+from headsweep.workers.data.text_files import check_encoding, check_file, data_file, decode, json_lines, read_bytes
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
-from headsweep.workers.paired_data import read_pairs
-from headsweep.workers.text_files import check_encoding, check_file, data_file, decode, json_lines, read_bytes
 
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 

@@ -2,7 +2,7 @@
 
 Declared here with only its config sections imported: the methods import their modules when
 called, so reading configs never imports transformers. What it shares with ``hf_classifier`` is
-:class:`~headsweep.workers.families.transformers.family.TransformersFamily`.
+:class:`~headsweep.workers.families.hf_shared.family.TransformersFamily`.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.core.heads import Head, SiteKey
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-from headsweep.workers.families.transformers.family import TransformersFamily
-from headsweep.workers.heads import Head, SiteKey
+from headsweep.workers.families.hf_shared.family import TransformersFamily
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from headsweep.workers.attention import AttentionReader
-    from headsweep.workers.families.transformers.loading import LoadedTransformers
-    from headsweep.workers.head_slicing import HeadSlice
+    from headsweep.workers.analyses.attention import AttentionReader
+    from headsweep.workers.families.hf_shared.loading import LoadedTransformers
+    from headsweep.workers.pruning.head_slicing import HeadSlice
 
 
 class CausalLMFamily(TransformersFamily):
@@ -48,7 +48,7 @@ class CausalLMFamily(TransformersFamily):
         return prune_causal_lm_heads(model, heads)
 
     def exports_architecture(self, name: str) -> bool:
-        from headsweep.workers.families.transformers.architecture import is_causal_lm_architecture
+        from headsweep.workers.families.hf_shared.architecture import is_causal_lm_architecture
 
         return is_causal_lm_architecture(name)
 

@@ -1,5 +1,5 @@
 """Loading a transformers causal language model and its tokenizer from local folders, offline (through the
-transformers layer, :mod:`headsweep.workers.families.transformers.loading`); and what the perplexity and
+transformers layer, :mod:`headsweep.workers.families.hf_shared.loading`); and what the perplexity and
 multiple-choice adapters share (activation estimate, per-token NLL, facts about the model)."""
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.core.family import MaskOutput
+from headsweep.workers.core.heads import Head
 from headsweep.workers.families.hf_causal_lm.config import CausalLMModel
 from headsweep.workers.families.hf_causal_lm.pruning import prune_causal_lm_heads
 from headsweep.workers.families.hf_causal_lm.sites import SUPPORTED, kv_groups
-from headsweep.workers.families.transformers.architecture import CAUSAL_LM
-from headsweep.workers.families.transformers.loading import LoadedTransformers, load_folder
-from headsweep.workers.families.transformers.tokenizer import load_tokenizer as load_tokenizer_from
-from headsweep.workers.family import MaskOutput
-from headsweep.workers.heads import Head
-from headsweep.workers.hub_cache import is_hub_id, resolve_snapshot
+from headsweep.workers.families.hf_shared.architecture import CAUSAL_LM
+from headsweep.workers.families.hf_shared.loading import LoadedTransformers, load_folder
+from headsweep.workers.families.hf_shared.tokenizer import load_tokenizer as load_tokenizer_from
+from headsweep.workers.hub.cache import is_hub_id, resolve_snapshot
 
 
 def load_causal_lm(cfg: CausalLMModel, device: str) -> LoadedTransformers:
@@ -72,7 +72,7 @@ def activation_bytes_per_row(config, dtype: torch.dtype, positions: int, logit_p
 
 def backward_bytes_per_row(config, dtype: torch.dtype, positions: int, checkpointed: bool) -> int:
     """What one row's loss keeps for a backward pass through the gates (an estimate, see
-    :mod:`headsweep.workers.backward_memory`): with the blocks ``checkpointed``, every layer's input (layers x
+    :mod:`headsweep.workers.memory.backward_memory`): with the blocks ``checkpointed``, every layer's input (layers x
     hidden) and, twice over (activations and their gradients), one block's activations and the logits; without,
     every layer's activations and the logits twice."""
     layer = activation_bytes_per_row(config, dtype, positions, 0)

@@ -11,7 +11,7 @@ makes the numbers comparable with its ``acc`` and ``acc_norm``):
    choice (``numpy.argmax``).
 
 Every question stores ``[correct, correct_norm]``; ``data.choice_score`` picks the run's metric (``accuracy``
-or ``accuracy_norm``, :mod:`headsweep.workers.metrics`). Rows are (question, choice) pairs, right-padded in
+or ``accuracy_norm``, :mod:`headsweep.workers.core.metrics`). Rows are (question, choice) pairs, right-padded in
 batches with an attention mask, and the logits are computed only at the positions that predict continuation
 tokens. Several masks share one forward pass, as for perplexity; there is no prefix reuse here.
 """
@@ -27,10 +27,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
-from headsweep.workers.data_report import Finding, merge, report, unknown_tokens
-from headsweep.workers.donors import refuse_per_example
-from headsweep.workers.example_subset import at_positions
+from headsweep.workers.ablation.donors import refuse_per_example
+from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
+from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.metrics import MC_ACCURACY, MC_ACCURACY_NORM, Metric
+from headsweep.workers.core.workload import median_batch, take_rows
+from headsweep.workers.data.data_report import Finding, merge, report, unknown_tokens
+from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.model import (
     BaselineOnce,
@@ -47,14 +51,10 @@ from headsweep.workers.families.hf_causal_lm.questions import (
     request_tokens,
 )
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
-from headsweep.workers.families.transformers.loading import max_positions
-from headsweep.workers.families.transformers.tokenizer import count_unknown
-from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
-from headsweep.workers.gates import HeadGates
-from headsweep.workers.heads import Head
-from headsweep.workers.hub_cache import model_label
-from headsweep.workers.metrics import MC_ACCURACY, MC_ACCURACY_NORM, Metric
-from headsweep.workers.workload import median_batch, take_rows
+from headsweep.workers.families.hf_shared.loading import max_positions
+from headsweep.workers.families.hf_shared.tokenizer import count_unknown
+from headsweep.workers.hub.cache import model_label
+from headsweep.workers.memory.batch_budget import masks_per_forward as budget_masks_per_forward
 
 logger = logging.getLogger(__name__)
 

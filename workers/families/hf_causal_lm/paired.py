@@ -2,13 +2,13 @@
 
 The data are clean / corrupted prompt pairs (:mod:`headsweep.workers.families.hf_causal_lm.pairs`, the format).
 Per pair the statistic is ``logit_diff``: the logit of the answer token minus that of the wrong answer at the
-prompt's last position (:data:`headsweep.workers.metrics.LOGIT_DIFF`; the corpus score is the mean, so the paired
+prompt's last position (:data:`headsweep.workers.core.metrics.LOGIT_DIFF`; the corpus score is the mean, so the paired
 bootstrap and t-test run on it as on any metric).
 
 Which prompt is evaluated: the clean one, except under ``sweep.ablation: patch`` with ``ablation.direction:
 denoising``, where it is the corrupted one. So the baseline (the empty mask) is the unpatched clean run under
 noising (and every other method) and the unpatched corrupted run under denoising; under patching a gated-off head
-takes its output on the other prompt of the pair (:mod:`headsweep.workers.donors`). ``describe`` records both
+takes its output on the other prompt of the pair (:mod:`headsweep.workers.ablation.donors`). ``describe`` records both
 unpatched means (``logit_diff_clean``, ``logit_diff_corrupted``) in the run's facts: the normalised patching score
 ``(patched - corrupted) / (clean - corrupted)`` is computed from them.
 
@@ -29,10 +29,14 @@ import numpy as np
 import torch
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.batch_budget import cache_budget
-from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
-from headsweep.workers.donors import donors_for, with_donors
-from headsweep.workers.example_subset import at_positions
+from headsweep.workers.ablation.donors import donors_for, with_donors
+from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
+from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.metrics import LOGIT_DIFF
+from headsweep.workers.core.workload import median_batch, take_rows
+from headsweep.workers.data.example_subset import at_positions
+from headsweep.workers.data.paired_data import read_pairs
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.model import (
     BaselineOnce,
@@ -44,15 +48,11 @@ from headsweep.workers.families.hf_causal_lm.model import (
 from headsweep.workers.families.hf_causal_lm.pairs import encode_pairs
 from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout, reused_grid
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
-from headsweep.workers.families.transformers.loading import max_positions
-from headsweep.workers.families.transformers.reuse import PrefixReuseSwitch
-from headsweep.workers.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
-from headsweep.workers.gates import HeadGates
-from headsweep.workers.heads import Head
-from headsweep.workers.hub_cache import model_label
-from headsweep.workers.metrics import LOGIT_DIFF
-from headsweep.workers.paired_data import read_pairs
-from headsweep.workers.workload import median_batch, take_rows
+from headsweep.workers.families.hf_shared.loading import max_positions
+from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch
+from headsweep.workers.hub.cache import model_label
+from headsweep.workers.memory.batch_budget import cache_budget
+from headsweep.workers.memory.batch_budget import masks_per_forward as budget_masks_per_forward
 
 LOSS_NAME = "cross-entropy of the answer token at the last position"
 CONVENTION = ("logit_diff: logit of the answer token minus that of the wrong answer at the prompt's last position "
@@ -168,7 +168,7 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
 
     def values(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
         """Per mask and pair ``[logit_diff, answer NLL]``: shape (n_masks, n_pairs, 2); under resample ablation with
-        K draws the mean over the draws (:mod:`headsweep.workers.donors`)."""
+        K draws the mean over the draws (:mod:`headsweep.workers.ablation.donors`)."""
         return self.donors.mean_over_draws(lambda: self.logit_diffs(masks))
 
     def output(self, values: np.ndarray, seconds: float) -> MaskOutput:
@@ -179,7 +179,7 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
     def run_donors(self, donors: np.ndarray) -> None:
         """One ungated forward pass over the donor prompts of pairs ``donors`` (the other prompt under patching,
         the evaluated prompt of another pair under resample): the per-batch donor pass of
-        :class:`~headsweep.workers.donors.Donors`."""
+        :class:`~headsweep.workers.ablation.donors.Donors`."""
         extra = {"logits_to_keep": 1} if self._keep_logits else {}
         self.model(input_ids=self._inputs(self._donor_prompts, donors), use_cache=False, **extra)
 
@@ -239,7 +239,7 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
         """The evaluated prompts as the summed cross-entropy of their answer token at the last position
         (``label_smoothing`` does not apply); every position is a real token. Under the run's per-example fill where
-        it has one (:func:`~headsweep.workers.donors.with_donors`)."""
+        it has one (:func:`~headsweep.workers.ablation.donors.with_donors`)."""
         return with_donors(LossBatches([self._loss_batch(idx, dtype) for idx in self.batches], LOSS_NAME),
                            self.donors, self.batches, self.run_donors)
 

@@ -1,6 +1,6 @@
 """The prompt pairs of ``data.task: paired`` (activation patching) encoded for a causal LM.
 
-The format is :mod:`headsweep.workers.paired_data`'s. Here ``answer`` is the token the clean prompt should be
+The format is :mod:`headsweep.workers.data.paired_data`'s. Here ``answer`` is the token the clean prompt should be
 continued with and ``wrong_answer`` the one it competes with: each one token as the tokenizer encodes it alone,
 without special tokens (most tokenizers want the leading space), and not the tokenizer's unknown token. Both
 prompts are encoded without special tokens (``data.add_bos``: BOS before each) and must come out the same number of
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.paired_data import Pair
+from headsweep.workers.data.paired_data import Pair
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """Physical head pruning of decoder-only LMs with grouped-query attention, and pruned ``save_pretrained`` folders.
 
-Supported layouts (:mod:`headsweep.workers.families.transformers.layout`): Llama-style attention with separate
+Supported layouts (:mod:`headsweep.workers.families.hf_shared.layout`): Llama-style attention with separate
 ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3), GPT-2
 (one ``Conv1D`` ``c_attn`` holding q, k and v, and ``c_proj``; both keep their weight as ``(in, out)``) and
 GPTBigCode (an ``nn.Linear`` ``c_attn``; multi-query or not). The rule is
-:mod:`headsweep.workers.head_slicing`: a query head's rows of ``q_proj`` and columns of ``o_proj`` go; a key/value
-head's rows of ``k_proj`` and ``v_proj`` go only when every query head reading it is gone.
+:mod:`headsweep.workers.pruning.head_slicing`: a query head's rows of ``q_proj`` and columns of ``o_proj`` go; a
+key/value head's rows of ``k_proj`` and ``v_proj`` go only when every query head reading it is gone.
 
 After pruning, layers have their own head counts, which a stock config cannot state, so the pruned modules carry
 them in the attributes their forward reads (transformers 5):
@@ -28,7 +28,7 @@ Each pruned attention module records, in ``headsweep_kv_index``, the kept key/va
 reads (:attr:`HeadSlice.kv_index`), so :func:`~.sites.kv_groups` can name the groups of a pruned model.
 
 Exported models keep the removed heads in ``config.pruned_heads`` (``{"layer": [head, ...]}``, original numbers,
-as every transformers family writes them: :mod:`headsweep.workers.families.transformers.pruning`);
+as every transformers family writes them: :mod:`headsweep.workers.families.hf_shared.pruning`);
 :func:`load_pruned` rebuilds the stock architecture from ``config.json``, removes the same heads and loads the
 saved weights strictly (tied weights, which ``save_pretrained`` writes once, excepted). A static (pre-allocated)
 cache sized from the config does not fit a pruned model: generate with the default dynamic cache.
@@ -44,12 +44,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.families.transformers.layout import AttentionLayout, attention_layout
-from headsweep.workers.families.transformers.pruning import load_pruned as load_transformers_pruned
-from headsweep.workers.families.transformers.pruning import prune_sites
-from headsweep.workers.gates import AttentionSite
-from headsweep.workers.head_slicing import HeadSlice, keep_columns, keep_rows
-from headsweep.workers.heads import Head, SiteKey
+from headsweep.workers.core.gates import AttentionSite
+from headsweep.workers.core.heads import Head, SiteKey
+from headsweep.workers.families.hf_shared.layout import AttentionLayout, attention_layout
+from headsweep.workers.families.hf_shared.pruning import load_pruned as load_transformers_pruned
+from headsweep.workers.families.hf_shared.pruning import prune_sites
+from headsweep.workers.pruning.head_slicing import HeadSlice, keep_columns, keep_rows
 
 #: Attribute of a pruned attention module: for each kept query head, the position of its key/value head.
 KV_INDEX_ATTR = "headsweep_kv_index"

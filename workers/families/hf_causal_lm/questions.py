@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.data.text_files import decode, json_lines, read_bytes
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
-from headsweep.workers.text_files import decode, json_lines, read_bytes
 
 
 @dataclass(frozen=True)

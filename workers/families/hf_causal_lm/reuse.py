@@ -8,17 +8,17 @@ input of every attention output projection (the per-head contexts), plus the bas
   still builds its position ids, rotary tables and causal mask from them, as it always does),
 * layers 0..l-2 passed through and layer l-1 returning its cached output,
 * layer l's attention module returning the output projection of its cached contexts with the masked heads
-  gated off (:func:`headsweep.workers.replay.gated_projection`): no query/key/value or attention-score work,
+  gated off (:func:`headsweep.workers.memory.replay.gated_projection`): no query/key/value or attention-score work,
 * layers after l, the final norm and the LM head computed as usual, with per-example gates for any heads
   masked there, and only the logits the windows score (the adapter's ``logits_to_keep``).
 
 Masks with the same first layer share one forward pass (the window batch repeated once per mask).
 
-Layouts (:mod:`headsweep.workers.families.transformers.layout`): Llama-style attention (Llama, Mistral, Qwen2,
+Layouts (:mod:`headsweep.workers.families.hf_shared.layout`): Llama-style attention (Llama, Mistral, Qwen2,
 Qwen3, ...) and GPT-2 / GPTBigCode, whose decoder layers form one ``nn.ModuleList``, return a tensor, and whose
 attention module returns ``(output projection's output, weights)``. Recording checks all of that on the model
 itself, and the first masked pass is compared bit for bit with the whole gated model (:meth:`PrefixReuse.verify`);
-anything else raises :class:`~headsweep.workers.replay.ReuseUnsupported` and the plain path runs instead.
+anything else raises :class:`~headsweep.workers.memory.replay.ReuseUnsupported` and the plain path runs instead.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from headsweep.workers.donors import Donors
-from headsweep.workers.families.transformers.layout import attention_layout
-from headsweep.workers.families.transformers.reuse import repeat_rows, start_at_layer
-from headsweep.workers.gates import AttentionSite, HeadGates
-from headsweep.workers.heads import Head
-from headsweep.workers.replay import (
+from headsweep.workers.ablation.donors import Donors
+from headsweep.workers.core.gates import AttentionSite, HeadGates
+from headsweep.workers.core.heads import Head
+from headsweep.workers.families.hf_shared.layout import attention_layout
+from headsweep.workers.families.hf_shared.reuse import repeat_rows, start_at_layer
+from headsweep.workers.memory.replay import (
     RecordedBaselines,
     ReuseUnsupported,
     by_first_gated_layer,
@@ -52,7 +52,7 @@ TokenNLL = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class LinearWeights:
     """An output projection's weight and bias in ``nn.Linear``'s orientation ``(out, in)``, what
-    :func:`~headsweep.workers.replay.gated_projection` reads.
+    :func:`~headsweep.workers.memory.replay.gated_projection` reads.
 
     GPT-2's ``c_proj`` is a ``Conv1D`` computing ``addmm(bias, x, W)`` with ``W`` stored ``(in, out)``; handing
     ``W.t()`` (a view) to ``F.linear`` multiplies the same matrices, so the projection is the same floats (the

@@ -1,6 +1,6 @@
 """Attention sites of a causal LM, and which query heads share a key/value head.
 
-The sites are the transformers layouts of :mod:`headsweep.workers.families.transformers.layout`
+The sites are the transformers layouts of :mod:`headsweep.workers.families.hf_shared.layout`
 (Llama-style ``o_proj``, GPT-2 / GPTBigCode ``c_proj``); the gates act on the output projection's
 input, one slice of ``head_dim`` features per query head.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.families.transformers.layout import attention_layout
-from headsweep.workers.families.transformers.sites import find_sites as find_transformers_sites
-from headsweep.workers.gates import AttentionSite
+from headsweep.workers.core.gates import AttentionSite
+from headsweep.workers.families.hf_shared.layout import attention_layout
+from headsweep.workers.families.hf_shared.sites import find_sites as find_transformers_sites
 
 SUPPORTED = ("decoder-only causal LMs with Llama-style attention (Llama, Mistral, Qwen2, Qwen3, Phi-3, ...), "
              "GPT-2 and GPTBigCode")

@@ -6,7 +6,7 @@ own gates (per-example gates), which keeps small models busy. With ``sweep.reuse
 default) each mask's pass also starts at its first gated layer from cached baseline states
 (:mod:`headsweep.workers.families.hf_classifier.reuse`); ``reuse: false`` runs every mask through the whole model.
 Under resample ablation each batch's donors (examples of the same token length, from any batch) are padded as the
-batch and recorded once before its masked passes (:mod:`headsweep.workers.donors`).
+batch and recorded once before its masked passes (:mod:`headsweep.workers.ablation.donors`).
 """
 
 from __future__ import annotations
@@ -21,28 +21,28 @@ import torch
 import torch.nn.functional as F
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.backward_memory import backward_rows
-from headsweep.workers.batch_budget import cache_budget
-from headsweep.workers.batch_budget import masks_per_forward as budget_masks_per_forward
-from headsweep.workers.data_report import Finding, merge, report, unknown_tokens
-from headsweep.workers.donors import donors_for, with_donors
-from headsweep.workers.example_subset import at_positions
+from headsweep.workers.ablation.donors import donors_for, with_donors
+from headsweep.workers.core.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
+from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.metrics import ACCURACY, LOGIT_DIFF
+from headsweep.workers.core.workload import median_batch, take_rows
+from headsweep.workers.data.data_report import Finding, merge, report, unknown_tokens
+from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 from headsweep.workers.families.hf_classifier.data import findings, label_ids, read_examples
 from headsweep.workers.families.hf_classifier.model import load_classifier_model, resolve_max_length
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout
 from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches, cut_batches
-from headsweep.workers.families.transformers.loading import max_positions
-from headsweep.workers.families.transformers.reuse import PrefixReuseSwitch
-from headsweep.workers.families.transformers.sites import find_sites
-from headsweep.workers.families.transformers.tokenizer import count_unknown
-from headsweep.workers.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
-from headsweep.workers.gates import HeadGates
-from headsweep.workers.heads import Head
-from headsweep.workers.hub_cache import model_label
-from headsweep.workers.metrics import ACCURACY, LOGIT_DIFF
-from headsweep.workers.replay import by_first_gated_layer
-from headsweep.workers.workload import median_batch, take_rows
+from headsweep.workers.families.hf_shared.loading import max_positions
+from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch
+from headsweep.workers.families.hf_shared.sites import find_sites
+from headsweep.workers.families.hf_shared.tokenizer import count_unknown
+from headsweep.workers.hub.cache import model_label
+from headsweep.workers.memory.backward_memory import backward_rows
+from headsweep.workers.memory.batch_budget import cache_budget
+from headsweep.workers.memory.batch_budget import masks_per_forward as budget_masks_per_forward
+from headsweep.workers.memory.replay import by_first_gated_layer
 
 
 class ClassifierAdapter(PrefixReuseSwitch):
@@ -145,7 +145,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
     def run_donors(self, donors) -> None:
         """One ungated forward pass over the donor inputs of examples ``donors`` (another example's under resample,
         the pair's other input under patch), padded as a batch (the per-batch donor pass of
-        :class:`~headsweep.workers.donors.Donors`)."""
+        :class:`~headsweep.workers.ablation.donors.Donors`)."""
         self.model(**self.padded(self._donor_encoding, donors))
 
     def truncated(self, whole: list[list[int]]) -> Finding:
@@ -199,8 +199,8 @@ class ClassifierAdapter(PrefixReuseSwitch):
 
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
         """The evaluation batches as summed cross-entropy (``label_smoothing`` does not apply to classifiers), under
-        the run's per-example fill where it has one (:func:`~headsweep.workers.donors.with_donors`); batches cut to
-        the backward pass's memory budget (``backward_budget`` bytes, None: the device's activation budget)."""
+        the run's per-example fill where it has one (:func:`~headsweep.workers.ablation.donors.with_donors`); batches
+        cut to the backward pass's memory budget (``backward_budget`` bytes, None: the device's activation budget)."""
         recompute = not self.donors.active
 
         def rows(inputs: dict) -> int:
@@ -302,7 +302,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
 
     def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
         """Each mask's per-example statistics and loss; under resample ablation with K draws
-        (``ablation.resamples``), their mean over the draws (:mod:`headsweep.workers.donors`), and the outputs
+        (``ablation.resamples``), their mean over the draws (:mod:`headsweep.workers.ablation.donors`), and the outputs
         of the first draw."""
         start = time.perf_counter()
         correct, loss, preds = [], [], []

@@ -8,10 +8,10 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.attention import PieceSpans, Sink, special_mask
-from headsweep.workers.families.transformers.attention import TransformersReader, transformers_attention
-from headsweep.workers.head_roles import SiteAttention, TokenSide
-from headsweep.workers.syntax import offset_spans
+from headsweep.workers.analyses.attention import PieceSpans, Sink, special_mask
+from headsweep.workers.analyses.head_roles import SiteAttention, TokenSide
+from headsweep.workers.analyses.syntax import offset_spans
+from headsweep.workers.families.hf_shared.attention import TransformersReader, transformers_attention
 
 
 class ClassifierReader(TransformersReader):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.text_files import check_encoding
+from headsweep.workers.data.text_files import check_encoding
 
 # data.max_length when unset: this many tokens, or the model's maximum positions if it has fewer.
 DEFAULT_MAX_LENGTH = 128
@@ -32,7 +32,7 @@ class ClassifierData:
     the model's maximum positions; unset, it is 128 or the model's maximum if that is smaller.
 
     ``task: paired`` reads clean / corrupted input pairs for activation patching instead: a JSONL file in
-    :mod:`headsweep.workers.paired_data`'s format, ``answer`` and ``wrong_answer`` labels (names or ids) of the
+    :mod:`headsweep.workers.data.paired_data`'s format, ``answer`` and ``wrong_answer`` labels (names or ids) of the
     model; the metric is ``logit_diff`` (the answer's logit minus the wrong answer's), ``max_examples`` keeps the
     first pairs.
     """

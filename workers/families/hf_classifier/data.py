@@ -25,10 +25,9 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.data_report import Finding
-from headsweep.workers.families.hf_classifier.config import ClassifierData
-from headsweep.workers.paired_data import read_pairs
-from headsweep.workers.text_files import (
+from headsweep.workers.data.data_report import Finding
+from headsweep.workers.data.paired_data import read_pairs
+from headsweep.workers.data.text_files import (
     check_encoding,
     check_file,
     check_max_examples,
@@ -37,6 +36,7 @@ from headsweep.workers.text_files import (
     json_lines,
     read_bytes,
 )
+from headsweep.workers.families.hf_classifier.config import ClassifierData
 
 FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 FORMAT_NAMES = ("tsv", "csv", "jsonl", "parquet")

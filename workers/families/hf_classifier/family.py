@@ -2,7 +2,7 @@
 
 Declared here with only its config sections imported: the methods import their modules when
 called, so reading configs never imports transformers. What it shares with ``hf_causal_lm`` is
-:class:`~headsweep.workers.families.transformers.family.TransformersFamily`.
+:class:`~headsweep.workers.families.hf_shared.family.TransformersFamily`.
 """
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from headsweep.workers.core.heads import Head, SiteKey
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
-from headsweep.workers.families.transformers.family import TransformersFamily
-from headsweep.workers.heads import Head, SiteKey
+from headsweep.workers.families.hf_shared.family import TransformersFamily
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from headsweep.workers.attention import AttentionReader
-    from headsweep.workers.families.transformers.loading import LoadedTransformers
-    from headsweep.workers.head_slicing import HeadSlice
+    from headsweep.workers.analyses.attention import AttentionReader
+    from headsweep.workers.families.hf_shared.loading import LoadedTransformers
+    from headsweep.workers.pruning.head_slicing import HeadSlice
 
 
 class ClassifierFamily(TransformersFamily):
@@ -46,7 +46,7 @@ class ClassifierFamily(TransformersFamily):
 
     def exports_architecture(self, name: str) -> bool:
         """Every transformers folder but a causal LM's (a folder naming no architecture is refused by loading)."""
-        from headsweep.workers.families.transformers.architecture import is_causal_lm_architecture
+        from headsweep.workers.families.hf_shared.architecture import is_causal_lm_architecture
 
         return not is_causal_lm_architecture(name)
 

@@ -1,7 +1,7 @@
 """Loading a transformers sequence classifier from a local directory, offline (stock or pruned).
 
 The folder checks and the loading itself are the transformers layer's
-(:mod:`headsweep.workers.families.transformers.loading`); what is the classifier's own: its model class, its
+(:mod:`headsweep.workers.families.hf_shared.loading`); what is the classifier's own: its model class, its
 tokenizer in the model's folder, and ``data.max_length``.
 """
 
@@ -11,14 +11,14 @@ from pathlib import Path
 
 from headsweep.workers.families.hf_classifier.config import DEFAULT_MAX_LENGTH, ClassifierModel
 from headsweep.workers.families.hf_classifier.pruning import prune_hf_heads
-from headsweep.workers.families.transformers.architecture import CLASSIFIER
-from headsweep.workers.families.transformers.loading import (
+from headsweep.workers.families.hf_shared.architecture import CLASSIFIER
+from headsweep.workers.families.hf_shared.loading import (
     LoadedTransformers,
     load_folder,
     resolve_positions,
     weight_files_note,
 )
-from headsweep.workers.families.transformers.tokenizer import load_tokenizer
+from headsweep.workers.families.hf_shared.tokenizer import load_tokenizer
 
 # What to do about a model folder without a usable tokenizer (the classifier's tokenizer lives in its folder).
 TOKENIZER_HINT = "; save the model's tokenizer into that folder (tokenizer.save_pretrained)"
@@ -36,5 +36,5 @@ def _cannot_load(model_dir: Path) -> str:
 
 
 def resolve_max_length(requested: int | None, limit: int | None, model_dir: str) -> int:
-    """``data.max_length`` (see :func:`~headsweep.workers.families.transformers.loading.resolve_positions`)."""
+    """``data.max_length`` (see :func:`~headsweep.workers.families.hf_shared.loading.resolve_positions`)."""
     return resolve_positions("data.max_length", requested, limit, model_dir, DEFAULT_MAX_LENGTH)

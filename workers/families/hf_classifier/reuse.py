@@ -6,14 +6,14 @@ whose first gated layer is l then runs the model's own forward with
 
 * layers 0..l-2 skipped and layer l-1 returning its cached output (embeddings skipped too),
 * layer l's attention core returning the output projection of its cached contexts with the
-  masked heads gated off (:func:`headsweep.workers.replay.gated_projection`): no query/key/value or
+  masked heads gated off (:func:`headsweep.workers.memory.replay.gated_projection`): no query/key/value or
   attention-score work,
 * layers after l computed as usual, with per-example gates for any heads masked there.
 
 Masks that share a first layer share one forward pass (the batch repeated once per mask).
-Baseline states are kept between calls within a memory budget (:class:`headsweep.workers.replay.BaselineCache`).
+Baseline states are kept between calls within a memory budget (:class:`headsweep.workers.memory.replay.BaselineCache`).
 
-Layouts handled (:mod:`headsweep.workers.families.transformers.layout`): BERT, RoBERTa, ELECTRA,
+Layouts handled (:mod:`headsweep.workers.families.hf_shared.layout`): BERT, RoBERTa, ELECTRA,
 MiniLM and DistilBERT, whose layers form one ``nn.ModuleList`` and return a tensor. Anything
 else is evaluated with the plain path; :func:`classifier_layout` says why.
 """
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from headsweep.workers.families.transformers.layout import attention_layout
-from headsweep.workers.families.transformers.reuse import repeat_rows, start_at_layer
-from headsweep.workers.gates import AttentionSite, HeadGates
-from headsweep.workers.heads import Head
-from headsweep.workers.replay import (
+from headsweep.workers.core.gates import AttentionSite, HeadGates
+from headsweep.workers.core.heads import Head
+from headsweep.workers.families.hf_shared.layout import attention_layout
+from headsweep.workers.families.hf_shared.reuse import repeat_rows, start_at_layer
+from headsweep.workers.memory.replay import (
     RecordedBaselines,
     ReuseUnsupported,
     gated_projection,

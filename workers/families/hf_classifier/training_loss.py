@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headsweep.workers.family import LossBatch, LossBatches
-from headsweep.workers.gates import HeadGates
+from headsweep.workers.core.family import LossBatch, LossBatches
+from headsweep.workers.core.gates import HeadGates
 
 LOSS_NAME = "cross-entropy"
 
@@ -17,7 +17,7 @@ LOSS_NAME = "cross-entropy"
 def cut_batches(batches: Sequence[tuple[torch.Tensor, dict]], rows: Callable[[dict], int] | None = None
                 ) -> list[tuple[int, torch.Tensor, dict]]:
     """Batches of ``(example indices, tokenised inputs)`` as ``(group, indices, inputs)`` pieces of at most
-    ``rows(inputs)`` rows each (the backward pass's memory budget, :mod:`headsweep.workers.backward_memory`;
+    ``rows(inputs)`` rows each (the backward pass's memory budget, :mod:`headsweep.workers.memory.backward_memory`;
     None: whole batches), ``group`` the batch's position."""
     out = []
     for group, (idx, inputs) in enumerate(batches):

@@ -1,0 +1,132 @@
+"""The Ray actor of a sweep: loads one model and its data once, then runs what the driver sends.
+
+Two entry points: ``evaluate`` (the hot path: a batch of work units, each a mask evaluated on the
+whole evaluation set) and ``run`` (any other worker-side step of an experiment kind, e.g. gradient
+importance or efficiency timing): ``run(fn, *args)`` calls ``fn(worker, *args)`` in the actor, so
+a new experiment kind brings its worker-side function and never edits this class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import ray
+
+from headsweep.workers.ablation.worker_fill import WorkerFill
+from headsweep.workers.core.family import DatasetInfo, EvalAdapter, MaskOutput, RuntimeOptions
+from headsweep.workers.core.registry import model_family
+from headsweep.workers.memory.model_sharing import offered
+
+
+@ray.remote
+class EvalWorker:
+    """Holds the evaluation adapter of one model family (and adapters on other data, loaded on demand)."""
+
+    def __init__(self, name: str, kind: str, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions):
+        # fairseq logs every dictionary and data file it loads at INFO; a sweep's log is for progress.
+        logging.getLogger("fairseq").setLevel(logging.WARNING)
+        # headsweep's own warnings reach the driver's console as `headsweep: warning: ...` lines: the
+        # driver shows forwarded lines with that prefix and keeps the rest of a worker's output in its log.
+        own = logging.getLogger("headsweep")
+        if not own.handlers:
+            relay = logging.StreamHandler()
+            relay.setLevel(logging.WARNING)
+            relay.setFormatter(logging.Formatter("headsweep: warning: %(message)s"))
+            own.addHandler(relay)
+            own.propagate = False
+        self.name = name
+        self.kind, self.model_cfg, self.data_cfg, self.runtime = kind, model_cfg, data_cfg, runtime
+        self._adapter: EvalAdapter | None = None
+        self._other: dict[str, EvalAdapter] = {}  # repr(data config) -> adapter on that data
+        self._variant: tuple[tuple, EvalAdapter] | None = None  # ((positions, weights file), adapter)
+        # What gated-off heads leave behind (sweep.ablation), set on every adapter loaded; mean's values computed
+        # once, on the first load (again after Ray restarts the actor: the same values, they are deterministic).
+        self._fill = WorkerFill(runtime.ablation)
+
+    def load(self) -> DatasetInfo:
+        """Load model and data (errors surface here, not in the constructor, with their cause)."""
+        start = time.perf_counter()
+        self._adapter = model_family(self.kind).load(self.model_cfg, self.data_cfg, self.runtime)
+        info = self._adapter.describe()
+        info.facts = {**info.facts, "load_seconds": round(time.perf_counter() - start, 3)}
+        self._fill.install(self, self._adapter)
+        ablation = self._fill.facts()
+        return info if not ablation else dataclasses.replace(info, facts={**info.facts, "ablation": ablation})
+
+    def held_adapters(self) -> list[EvalAdapter]:
+        """Every adapter loaded and kept: the main one, the one on other data, the variant."""
+        variant = [self._variant[1]] if self._variant is not None else []
+        return [a for a in (self._adapter, *self._other.values(), *variant) if a is not None]
+
+    def fill_values(self) -> dict[str, Any]:
+        """The run's constant fill (mean ablation's means) as numpy arrays by ``attention:layer``; empty without."""
+        return self._fill.values()
+
+    def fill_tokens(self) -> dict[str, int]:
+        """The real tokens each site's mean counted, by ``attention:layer``; empty without means."""
+        return self._fill.tokens()
+
+    def adapter(self, data_cfg: Any = None) -> EvalAdapter:
+        """The adapter on the evaluation data (``data_cfg`` None), or on other data, loaded once and kept."""
+        if data_cfg is None or data_cfg == self.data_cfg:
+            if self._adapter is None:  # Ray restarted this actor after its process died: load again
+                self.load()
+            return self._adapter
+        key = repr(data_cfg)
+        if key not in self._other:
+            self._other = {}  # the previous one's data freed before the next loads
+            # The model the worker holds serves the other data too (one copy of the weights per worker).
+            with offered(getattr(self.adapter(), "model", None)):
+                self._other = {key: model_family(self.kind).load(self.model_cfg, data_cfg, self.runtime)}
+            self._fill.install(self, self._other[key], "other data")
+        return self._other[key]
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(self, *args)``: an experiment kind's worker-side step (a module-level function)."""
+        return fn(self, *args)
+
+    def where(self) -> str:
+        return f"{self.name}@{socket.gethostname()}:{os.getpid()}"
+
+    def variant_adapter(self, examples: tuple[int, ...] | None, weights: str | None) -> EvalAdapter:
+        """The adapter on the examples at ``examples`` (a screening subset, ``WorkUnit.examples``; None: all) whose
+        model holds the state dict at ``weights`` (``WorkUnit.weights``; None: the loaded weights).
+
+        Loaded on first use and kept, one variant at a time beside the main adapter (a second model copy).
+        """
+        key = (examples, weights)
+        if self._variant is None or self._variant[0] != key:
+            self._variant = None  # free the previous copy before loading the next
+            adapter = model_family(self.kind).load(self.model_cfg, self.data_cfg,
+                                                   replace(self.runtime, examples=examples))
+            if weights is not None:
+                import torch
+
+                # Before its first evaluation: load_state_dict copies in place, and the reuse caches (baseline
+                # states) are filled lazily from the weights the model holds when a mask first runs.
+                adapter.model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+            self._fill.install(self, adapter)
+            self._variant = (key, adapter)
+        return self._variant[1]
+
+    def evaluate(self, units: list) -> list[tuple[str, MaskOutput]]:
+        """Evaluate work units (``headsweep.workers.core.work.WorkUnit``); returns ``(eval_id, output)`` pairs.
+
+        Units that name ``examples`` run on the adapter of that subset, the others on the whole set; units that
+        name ``weights`` on an adapter whose model holds those weights.
+        """
+        results: list[tuple[str, MaskOutput]] = []
+        for subset, weights in dict.fromkeys((u.examples, u.weights) for u in units):
+            group = [u for u in units if (u.examples, u.weights) == (subset, weights)]
+            plain = subset is None and weights is None
+            adapter = self.adapter() if plain else self.variant_adapter(subset, weights)
+            outputs = adapter.evaluate([u.masked for u in group])
+            results.extend((u.eval_id, out) for u, out in zip(group, outputs, strict=True))
+        return results

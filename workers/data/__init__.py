@@ -1,0 +1,1 @@
+"""Evaluation data on the worker side: paired inputs, text files, data reports and example subsets."""

@@ -1,0 +1,1 @@
+"""The Hugging Face cache: finding model folders offline and pinning their revisions."""

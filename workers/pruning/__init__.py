@@ -1,0 +1,1 @@
+"""Removing heads for real: the weight surgery behind export and the head slicing it uses."""
