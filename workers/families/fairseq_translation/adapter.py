@@ -32,7 +32,8 @@ same-length sources padded to the batch's width line up position by position) an
 encoder alone, recording every encoder self-attention's output-projection input; that is the gates' per-example fill
 while the batch's masks run. The fill acts inside the encoder, on the batch's sentences before beam search expands
 them to beams (packed masks repeat it mask-major; encoder reuse's replayed layer reads it too). Decoder attention takes
-no fill: a donor's decoder states follow its own hypotheses, so masks gating ``enc_dec`` or ``dec_self`` heads are refused.
+no fill: a donor's decoder states follow its own hypotheses, so masks gating ``enc_dec`` or ``dec_self`` heads are
+refused.
 """
 
 from __future__ import annotations
