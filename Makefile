@@ -8,6 +8,8 @@ FAIRSEQ_SPEC ?= fairseq-fixed==0.12.3.1
 # `make install CONSTRAINTS=` installs without them: the newest versions pyproject.toml allows.
 CONSTRAINTS ?= constraints.txt
 CONSTRAIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+# apt-get needs root: sudo where this is not root.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 # The constraints were resolved on one Python (their first line, `# python X.Y`); pins such as numpy's may not
 # exist for another, so say so up front rather than let pip fail on one of them.
 CHECK_PYTHON = import sys; f = sys.argv[1]; want = open(f).readline().split()[-1]; \
@@ -27,6 +29,9 @@ endif
 	# transformers (see docs/development.md), and without build isolation so its C++ extensions build against our torch.
 	$(PYTHON) -c "import fairseq" 2>/dev/null || \
 		$(PIP) install $(CONSTRAIN) --no-deps --no-build-isolation "$(FAIRSEQ_SPEC)"
+	# The report's browser tests run Debian's chromium through chromium-driver; installed where missing.
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ $(SUDO) apt-get update -q && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }
 
 # Refreshes constraints.txt from the current environment, on purpose: run it in a fresh venv after
 # `make install CONSTRAINTS=` and a passing `make test`, and commit the file. torch, fairseq-fixed and
