@@ -36,13 +36,11 @@ from headsweep.sweep.run.dispatch import WorkerPool, log, unwrap
 from headsweep.sweep.run.fill import fetch_fill
 from headsweep.sweep.run.memory import check_memory
 from headsweep.sweep.run.runs import (
-    STALE_AFTER_S,
     RunRecord,
     StoredResults,
     check_still_resumable,
     new_run_id,
     now,
-    refuse_if_live,
     resumable,
     stored_results,
 )
@@ -55,9 +53,6 @@ from headsweep.workers.core.family import DatasetInfo, RuntimeOptions
 from headsweep.workers.core.heads import HeadInventory
 from headsweep.workers.core.registry import model_family
 from headsweep.workers.hub.pins import pin_hub_models
-
-# Kept importable from here: the demo logs through the driver, and older callers check drivers with these.
-__all__ = ["STALE_AFTER_S", "Sweep", "log", "refuse_if_live"]
 
 
 @dataclass

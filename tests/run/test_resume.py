@@ -130,7 +130,7 @@ def test_a_run_whose_driver_lives_is_never_resumed_by_a_second_driver():
     import pytest
 
     from headsweep.errors import HeadsweepError
-    from headsweep.sweep.run.driver import STALE_AFTER_S, refuse_if_live
+    from headsweep.sweep.run.runs import STALE_AFTER_S, refuse_if_live
 
     def row(driver: str, age_s: float, status: str = "running") -> dict:
         return {"run_id": "r1", "status": status, "facts": json.dumps({"driver": driver}),
