@@ -3,6 +3,10 @@
 Heads are ordered by the scores ``importance`` left in ``ctx.shared`` (or re-estimated under the
 current mask before each step with ``prune.reestimate``); the masks come from
 ``headsweep.sweep.pruning.levels``. One evaluation per level, eval id ``prune_level/<scope>/<p>``.
+With ``prune.uniform`` (``heads`` or ``kv_groups``) each level removes the same number of query heads per
+key/value group, or of whole groups, from every layer (``headsweep.sweep.pruning.uniform``), so the pruned model is
+a stock architecture; its scope is ``global-uniform_heads`` or ``global-uniform_kv_groups`` (the attention types
+in place of ``global`` when ``prune.attention`` is set).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.experiments.importance.kind import SHARED_KEY, importance_data
 from headsweep.sweep.pruning.levels import iterative_level_masks, level_masks
+from headsweep.sweep.pruning.uniform import UNIFORM_UNITS, layers_in_scope, removable, uniform_level_masks
 from headsweep.sweep.run.plan import check_attention_types
 from headsweep.sweep.terminal.progress import step
 from headsweep.workers.core.heads import Head, HeadInventory
@@ -36,8 +41,12 @@ class PruneSection:
     attention: list[str] | None = None
     min_heads_per_layer: int = 0
     reestimate: bool = False
+    uniform: str | None = None
 
     def check(self) -> None:
+        if self.uniform is not None and self.uniform not in UNIFORM_UNITS:
+            raise HeadsweepError(f"unknown prune.uniform {self.uniform!r} (known: {', '.join(UNIFORM_UNITS)}, or "
+                                 "null for global levels)")
         for p in self.levels:
             if not 0.0 <= p <= 1.0:
                 raise HeadsweepError(f"prune.levels must lie in [0, 1], got {p}")
@@ -45,9 +54,10 @@ class PruneSection:
             raise HeadsweepError(f"prune.min_heads_per_layer must be >= 0, got {self.min_heads_per_layer}")
 
 
-def prune_scope_name(attention: list[str] | None) -> str:
-    """The scope in a level's eval id: ``global``, or the attention types joined by ``+``."""
-    return "+".join(attention) if attention else "global"
+def prune_scope_name(attention: list[str] | None, uniform: str | None = None) -> str:
+    """The scope in a level's eval id: ``global``, or the attention types joined by ``+``; with ``-uniform_heads``
+    or ``-uniform_kv_groups`` after it for uniform levels."""
+    return ("+".join(attention) if attention else "global") + (f"-uniform_{uniform}" if uniform else "")
 
 
 def check_min_heads(min_heads: int, inventory: HeadInventory, attention: list[str] | None) -> None:
@@ -90,11 +100,20 @@ class PruneLevel(Experiment):
         if prune.attention:
             check_attention_types(prune.attention, ctx.inventory, "prune.attention")
         check_min_heads(prune.min_heads_per_layer, ctx.inventory, prune.attention)
+        if prune.uniform:
+            removable(self._layers(ctx), prune.uniform, prune.min_heads_per_layer)
+
+    def _layers(self, ctx: Context):
+        from headsweep.sweep.experiments.kv_group import layer_groups
+
+        groups = {f"{s.attention}:{s.layer}": layer_groups(ctx, s.attention, s.layer, s.num_heads)
+                  for s in ctx.inventory.layers}
+        return layers_in_scope(ctx.inventory, groups, ctx.cfg.prune.attention)
 
     def plan(self, ctx: Context) -> list[WorkUnit]:
         scope = ctx.cfg.prune.attention
         self.validate(ctx)
-        name = prune_scope_name(scope)
+        name = prune_scope_name(scope, ctx.cfg.prune.uniform)
         attention = scope[0] if scope and len(scope) == 1 else None
         return [
             WorkUnit(f"prune_level/{name}/{p:.4f}", "prune_level", mask, attention, level=p)
@@ -106,6 +125,9 @@ class PruneLevel(Experiment):
         prune, imp = ctx.cfg.prune, ctx.cfg.importance
         if not prune.reestimate:
             scores = ctx.shared[SHARED_KEY]
+            if prune.uniform:
+                return uniform_level_masks(lambda _mask: scores, self._layers(ctx), prune.levels, prune.uniform,
+                                           prune.min_heads_per_layer)
             return level_masks(scores, ctx.inventory, prune.levels, prune.attention, prune.min_heads_per_layer)
         from headsweep.workers.analyses.importance import importance_on_worker  # torch: only when a run re-estimates
 
@@ -115,6 +137,9 @@ class PruneLevel(Experiment):
             with step("importance re-estimate", enabled=ctx.show_progress, detail=ctx.pool.status_line):
                 return ctx.pool.call(importance_on_worker, data_cfg, imp.per_token, imp.normalize, mask).scores
 
+        if prune.uniform:
+            return uniform_level_masks(estimate, self._layers(ctx), prune.levels, prune.uniform,
+                                       prune.min_heads_per_layer)
         return iterative_level_masks(estimate, ctx.inventory, prune.levels, prune.attention, prune.min_heads_per_layer)
 
 
