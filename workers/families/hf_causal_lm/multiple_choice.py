@@ -28,16 +28,17 @@ import numpy as np
 import torch
 
 from headsweep.workers.ablation.donors import refuse_per_example
+from headsweep.workers.core.baseline_once import BaselineOnce
 from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
+from headsweep.workers.core.mask_grid import GridBatch, grid_batches, mask_grid
 from headsweep.workers.core.metrics import MC_ACCURACY, MC_ACCURACY_NORM, Metric
 from headsweep.workers.core.workload import median_batch, take_rows
 from headsweep.workers.data.data_report import Finding, merge, report, unknown_tokens
 from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.model import (
-    BaselineOnce,
     activation_bytes_per_row,
     load_causal_lm,
     model_facts,
@@ -239,19 +240,21 @@ class MultipleChoiceAdapter(BaselineOnce):
     @torch.inference_mode()
     def loglikelihoods(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
         """Each row's log-likelihood (nats, summed over its continuation tokens) under each mask: shape
-        (n_masks, n_rows), float64. Every mask runs the whole model; ``masks_per_forward`` masks share a pass."""
+        (n_masks, n_rows), float64. Every mask runs the whole model; ``masks_per_forward`` masks share a pass
+        (:func:`~headsweep.workers.core.mask_grid.mask_grid`)."""
         out = np.empty((len(masks), len(self.rows)), dtype=np.float64)
-        for batch in self.batches:
-            rows = batch.rows.numel()
-            per = self.masks_per_forward(batch)
-            for first in range(0, len(masks), per):
-                chunk = masks[first : first + per]
-                stacked = batch.repeat(len(chunk))
-                with self.gates.packed(chunk, rows):
-                    nll = self.continuation_nll(stacked)
-                sums = -(nll.double() * stacked.scored).sum(dim=1)
-                out[first : first + len(chunk), batch.rows.numpy()] = sums.view(len(chunk), rows).cpu().numpy()
-        return out
+        return mask_grid(masks, grid_batches(self.batches, lambda b: b.rows), self._plain_pass, out,
+                         masks_per_forward=lambda b: self.masks_per_forward(b.inputs))
+
+    def _plain_pass(self, batch: GridBatch[RowBatch]):
+        """The batch's packed forward pass: per row of the stacked batch, its continuation's log-likelihood."""
+        def forward(chunk: list[Sequence[Head]]) -> torch.Tensor:
+            stacked = batch.inputs.repeat(len(chunk))
+            with self.gates.packed(chunk, batch.rows):
+                nll = self.continuation_nll(stacked)
+            return -(nll.double() * stacked.scored).sum(dim=1)
+
+        return forward
 
     def continuation_nll(self, batch: RowBatch, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Per-position NLL of ``batch.targets`` at ``batch.positions`` (shape (B, K); unscored places hold
