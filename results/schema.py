@@ -37,6 +37,7 @@ SCHEMA_HISTORY = {
     8: "gates.lambda renamed l0_lambda (lambda is a keyword in DuckDB's SQL); older files' lambda reads as l0_lambda",
     9: "runs and evaluations gain ablation (sweep.ablation: what a gated-off head leaves behind; null in older files, "
        "which were all zero ablation); new table ablation_values (mean ablation's per-head values)",
+    10: "new table inputs (each run's evaluated inputs with their example ids, written once per run)",
 }
 
 SCHEMA_VERSION = max(SCHEMA_HISTORY)
@@ -120,7 +121,7 @@ TABLES: dict[str, pa.Schema] = {
         ]
     ),
     # Mean ablation's values (schema v9): per head (and checkpoint) what a gated-off head is replaced by, so that a
-    # resumed run can check it computes the same (sweep/run/ablation_values.py).
+    # resumed run can check it computes the same (sweep/ablation/values.py).
     "ablation_values": pa.schema(
         [
             ("checkpoint", pa.string()),
@@ -133,6 +134,17 @@ TABLES: dict[str, pa.Schema] = {
             ("mean_norm", pa.float64()),
             ("dtype", pa.string()),
             ("values", pa.list_(pa.float32())),
+        ]
+    ),
+    # Each run's evaluated inputs (schema v10), once per run rather than per mask: what the report's drill-downs and
+    # ``Store.head`` show beside the per-example changes, months after the data file moved. ``position``: the
+    # example's place in the evaluation set; ``input``: its text as the family reads it (a classifier's sentence, a
+    # translation's source, a language model's window decoded).
+    "inputs": pa.schema(
+        [
+            ("example_id", pa.string()),
+            ("position", pa.int64()),
+            ("input", pa.string()),
         ]
     ),
 }

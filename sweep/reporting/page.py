@@ -76,6 +76,7 @@ class Page:
         self.out = out
         self.parts: list[str] = []
         self.files: list[str] = []
+        self.scripts: list[str] = []  # data blocks (figures, drill-downs) placed after the page's text
 
     def add(self, text: str) -> None:
         self.parts.append(text)

@@ -1,5 +1,5 @@
-"""``headsweep report``: one self-contained HTML page (inline style, no scripts, nothing fetched)
-plus PNG figures, for one or more runs of a store.
+"""``headsweep report``: one self-contained folder (an interactive HTML page, the plotly.js bundle it draws with,
+PNG figures; nothing fetched at view time), for one or more runs of a store.
 
 Per run (and per training checkpoint when the run swept several): the part of each experiment kind, in
 registration order (``Experiment.report``: a layer x head heat map of single-head deltas per attention type with
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import html
 import json
+import shutil
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,7 +26,8 @@ from headsweep.results.query import connect, scan_error
 from headsweep.results.schema import SCHEMA_VERSION
 from headsweep.results.store import ResultStore
 from headsweep.sweep.experiments import KINDS, register_stored_kinds
-from headsweep.sweep.reporting import figures
+from headsweep.sweep.reporting import figures, plots
+from headsweep.sweep.reporting.explorer import Explorer, drill_script, figure_scripts
 from headsweep.sweep.reporting.page import (
     Page,
     ReportPart,
@@ -48,6 +51,10 @@ th { background: #f3f3f3; } td.text { text-align: left; }
 img { max-width: 100%; height: auto; display: block; margin: .5em 0; }
 pre { background: #f7f7f7; padding: 1em; overflow-x: auto; font-size: .85em; }
 .note { color: #555; font-size: .9em; }
+.plot { width: 100%; margin: .5em 0 1.5em; }
+.drill { border: 2px solid #888; border-radius: 6px; padding: .5em 1em; margin: 1em 0; background: #fcfcfc; }
+table.examples td { max-width: 28em; vertical-align: top; white-space: pre-wrap; }
+details > summary { cursor: pointer; font-weight: bold; margin: 1.5em 0; }
 """
 
 
@@ -135,6 +142,28 @@ def _run_section(page: Page, con: duckdb.DuckDBPyConnection, run: dict) -> None:
 
     checkpoints = _checkpoints(con, run_id)
     sig = config.get("significance", {})
+    curves, table = _pruning_curves(con, run, checkpoints, heads_per_type)
+    inputs = _inputs(con, run_id)
+    if inputs is None:
+        page.add('<p class="note">This store predates stored inputs (results schema version below 10): the '
+                 "drill-downs show example ids, references and outputs but not the inputs themselves.</p>")
+    for checkpoint, label in checkpoints:
+        prefix = run_id + (f"-{label.split(' ')[0]}" if label else "")
+        if label:
+            page.add(f"<h3>Checkpoint {html.escape(label)}: {html.escape(checkpoint or '')}</h3>")
+        explorer = Explorer(con, run, checkpoint, order, key=prefix)
+        for part in explorer.heatmaps() + explorer.interactions():
+            page.add(part)
+        page.add(f'<div class="drill" id="drill-{html.escape(prefix)}" hidden></div>')
+        page.scripts.append(figure_scripts(explorer.figures))
+        page.scripts.append(drill_script(prefix, explorer.drilldowns(_pruning_order(table, run_id, checkpoint),
+                                                                     inputs)))
+    if curves:
+        element = f"fig-{run_id}-pruning"
+        page.add(f'<div class="plot" id="{html.escape(element)}"></div>')
+        page.scripts.append(figure_scripts([(element, _pruning_plot(con, run, table))]))
+
+    page.add('<details><summary>Static figures and tables (PNG, for papers)</summary>')
     for checkpoint, label in checkpoints:
         prefix = run_id + (f"-{label.split(' ')[0]}" if label else "")
         if label:
@@ -142,8 +171,6 @@ def _run_section(page: Page, con: duckdb.DuckDBPyConnection, run: dict) -> None:
         part = ReportPart(page, con, run, checkpoint, order, metric, prefix, sig)
         for kind in KINDS.values():  # each kind's part, in registration order
             kind.report(part)
-
-    curves, table = _pruning_curves(con, run, checkpoints, heads_per_type)
     if curves:
         page.add("<h3>Pruning curves</h3>")
         page.add('<p class="note">At each level the least important heads (of the scope) are masked together; '
@@ -152,7 +179,42 @@ def _run_section(page: Page, con: duckdb.DuckDBPyConnection, run: dict) -> None:
         page.add(html_table(table, [("curve", "curve"), ("percent", "% pruned"), ("n_masked", "heads masked"),
                                 score_column(metric), ("relative_score", "relative to baseline"),
                                 ("p_adjusted", "adjusted p"), ("significant", "significant")]))
+    page.add("</details>")
     _reproducibility(page, run, config, facts)
+
+
+def _inputs(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, str] | None:
+    """The run's stored inputs by example id (None: a store written before schema version 10 kept none)."""
+    found = con.execute("SELECT example_id, input FROM inputs WHERE run_id = ?", [run_id]).fetchall()
+    return {e: t for e, t in found} if found else None
+
+
+def _pruning_order(table: list[dict], run_id: str, checkpoint: str | None) -> dict[str, str]:
+    """Per head, where this run's global pruning curve first masks it (``masked from 25% on, 3 heads masked``)."""
+    order: dict[str, str] = {}
+    rows = sorted((r for r in table if r["run_id"] == run_id and r["checkpoint"] == checkpoint
+                   and r["scope"] == "global"), key=lambda r: r["level"])
+    for r in rows:
+        for name in r["heads_masked"] or []:
+            order.setdefault(name, f"masked from the {100 * r['level']:.4g}% level on ({r['n_masked']} heads masked "
+                                   f"there, {r['curve']})")
+    return order
+
+
+def _pruning_plot(con: duckdb.DuckDBPyConnection, run: dict, table: list[dict]) -> str:
+    """The interactive pruning figure: each curve of the table with its levels' confidence bands."""
+    intervals = {(r["run_id"], r["checkpoint"], tuple(r["heads_masked"] or []), r["level"]): (r["ci_low"], r["ci_high"])
+                 for r in query_rows(con, "SELECT run_id, checkpoint, heads_masked, level, ci_low, ci_high FROM deltas "
+                                          "WHERE level IS NOT NULL AND run_id IN (SELECT unnest(?::VARCHAR[]))",
+                                     [sorted({r["run_id"] for r in table})])}
+    curves: dict[str, list[plots.PruningPoint]] = {}
+    for r in table:
+        low, high = intervals.get((r["run_id"], r["checkpoint"], tuple(r["heads_masked"] or []), r["level"]),
+                                  (None, None))
+        curves.setdefault(r["curve"], []).append(plots.PruningPoint(
+            level=r["level"], n_masked=r["n_masked"], score=r["score"], ci_low=low, ci_high=high,
+            significant=bool(r["significant"]), p_adjusted=r["p_adjusted"]))
+    return plots.pruning(curves, run["baseline_score"], run["metric"])
 
 
 def _ablation_fact(run: dict, facts: dict) -> str:
@@ -199,13 +261,40 @@ def default_report_dir(run_ids: Sequence[str]) -> Path:
     return Path("headsweep-report", run_ids[0]) if len(run_ids) == 1 else Path("headsweep-report")
 
 
-def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path) -> Path:
-    """Write ``index.html`` and its figures for ``run_ids`` under ``out``; returns the page's path.
+def _bundle() -> Path:
+    """plotly.js as the installed plotly package ships it (minified, no network at view time)."""
+    import plotly
 
-    Kinds defined outside headsweep that the store's runs ran are registered first (their parts and views)."""
+    return Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+
+
+GLUE = Path(__file__).with_name("explorer.js")
+
+
+def _check_out(out: Path) -> None:
+    """Refuse a report folder that cannot be one: a file, or a folder whose parent cannot be written."""
+    if out.exists() and not out.is_dir():
+        raise HeadsweepError(f"report folder {out} is a file: give --out a folder (or a path that does not exist)")
+    parent = out.parent if out.parent != Path("") else Path(".")
+    for above in (parent, *parent.parents):
+        if above.exists():
+            if not above.is_dir():
+                raise HeadsweepError(f"cannot create report folder {out}: {above} is a file")
+            break
+
+
+def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path) -> Path:
+    """Write ``index.html``, its figures and the plotly.js bundle for ``run_ids`` under ``out``; returns the page's
+    path.
+
+    Everything is written into a temporary folder beside ``out`` and renamed into place, so a failure leaves no
+    half-written report (and an earlier report in ``out`` stays until the new one replaces it). Kinds defined outside
+    headsweep that the store's runs ran are registered first (their parts and views)."""
     out = Path(out)
+    _check_out(out)
     register_stored_kinds(store)
     con = connect(store)
+    work: Path | None = None
     try:
         runs = []
         for run_id in run_ids:
@@ -218,25 +307,48 @@ def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path) ->
                 hint = f" (newest: {', '.join(known)})" if known else " (the store has no runs)"
                 raise HeadsweepError(f"no run {run_id!r} in store {store.uri}{hint}")
             runs.append(rows[0])
+        work = out.parent / f".{out.name}.writing-{uuid.uuid4().hex[:8]}"
         try:
-            out.mkdir(parents=True, exist_ok=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            work.mkdir()
         except OSError as exc:
-            raise HeadsweepError(f"cannot create report folder {out}: {exc.strerror}") from None
-        page = Page(out)
+            work = None
+            raise HeadsweepError(f"cannot create report folder {out}: {exc.strerror or exc}") from None
+        page = Page(work)
         title = "headsweep report: " + ", ".join(f"{r['name'] or ''} ({r['run_id']})" for r in runs)
         page.add(f"<h1>{html.escape(title)}</h1>")
         page.add(f'<p class="note">Store: {html.escape(store.uri)}, read with results schema version '
                  f"{SCHEMA_VERSION}. Delta = score with the heads masked minus the baseline score; negative "
                  "means the heads were needed where higher is better (accuracy, BLEU), positive where lower is "
-                 "(perplexity).</p>")
+                 "(perplexity). Hover a cell for its numbers; click it for the examples the head changes.</p>")
         for run in runs:
             _run_section(page, con, run)
+        shutil.copyfile(_bundle(), work / "plotly.min.js")
+        index = work / "index.html"
+        index.write_text(
+            f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style><script src=\"plotly.min.js\"></script></head><body>\n"
+            + "\n".join(page.parts) + "\n" + "\n".join(page.scripts)
+            + f"\n<script>{GLUE.read_text(encoding='utf-8')}</script>\n</body></html>\n", encoding="utf-8")
+        _replace(work, out)
+        work = None
     except duckdb.Error as exc:  # a damaged file of the run's: the line naming it, as every reading command says
         raise scan_error(store, exc) from None
+    except OSError as exc:
+        raise HeadsweepError(f"cannot write report folder {out}: {exc.strerror or exc}") from None
     finally:
         con.close()
-    index = out / "index.html"
-    index.write_text(f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}"
-                     f"</title><style>{STYLE}</style></head><body>\n" + "\n".join(page.parts) + "\n</body></html>\n",
-                     encoding="utf-8")
-    return index
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+    return out / "index.html"
+
+
+def _replace(work: Path, out: Path) -> None:
+    """Put the finished folder ``work`` at ``out`` (an earlier report there is moved aside, then removed)."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        out.rename(old)
+    work.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -18,6 +18,7 @@ TABLE_SCHEMAS = {
     "significance": "3639d29009b5cfa0", "ablation_values": "e6882a44bcf7be9e", "importance": "ad03cd3d6f7f4798",
     "efficiency": "a28670936fa39255",
     "gates": "bd53d1a21b7670ae", "head_roles": "bf64317461d9cff2", "interactions": "6a48948cf46cf463",
+    "inputs": "969ef41913c7dbd5",  # schema version 10: each run's inputs, once per run
 }
 SYNTAX = [f"{rel}_{col}" for rel in ("nsubj", "obj", "amod", "advmod")
           for col in ("dep2gov", "dep2gov_baseline", "gov2dep", "gov2dep_baseline", "instances")]

@@ -1,0 +1,147 @@
+"""Which examples a head's removal changes: per-example scores of a masked evaluation against the baseline's.
+
+Every evaluation stores its per-example sufficient statistics (``examples.stats``); one example's score is the
+metric's corpus score of its row alone: correct or not (accuracy), sentence BLEU (sacrebleu's corpus formula with
+``effective_order``, as ``sacrebleu.sentence_bleu``), the window's perplexity, the pair's logit difference. The
+change of an example is its score with the heads masked minus its baseline score, and ``harm`` the change in the
+metric's direction (positive: the example got worse). The drill-down, ``Store.head`` and the scale bench read this
+one definition; examples are ordered by harm, ties by ``example_id``, so a SQL query over the store names the same
+top example.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from headsweep.workers.core.metrics import METRICS, bleu_from_stats, higher_is_better
+
+# What an example's score is called, per metric.
+VALUE_NAMES = {"accuracy": "correct", "accuracy_norm": "correct (length-normalised)", "bleu": "sentence BLEU",
+               "perplexity": "window perplexity", "logit_diff": "logit difference"}
+
+
+def value_name(metric: str | None) -> str:
+    """What one example's score is (``sentence BLEU``), for column headers."""
+    return VALUE_NAMES.get(metric or "", "example score")
+
+
+def example_values(metric: str | None, stats: np.ndarray) -> np.ndarray:
+    """One score per example from per-example statistics ``(n, n_stats)``: the metric's score of the row alone."""
+    stats = np.asarray(stats, dtype=np.float64)
+    if metric == "bleu":
+        return bleu_from_stats(stats, effective_order=True)
+    known = METRICS.get(metric or "")
+    if known is None:  # a metric headsweep does not know: its first statistic
+        return stats[..., 0]
+    return np.asarray(known.score_from_stats(stats, 1), dtype=np.float64)
+
+
+def stats_matrix(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """A list<double> column of equal-length lists as an ``(n, k)`` array."""
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    n = len(column)
+    flat = pc.list_flatten(column).to_numpy(zero_copy_only=False).astype(np.float64)
+    return flat.reshape(n, -1) if n else np.zeros((0, 1))
+
+
+@dataclass
+class Changes:
+    """Per-example scores of evaluations against their baseline, in one flat table of ``n`` rows.
+
+    ``eval_ids[i]``'s example ``example_ids[i]`` scored ``value[i]`` with the heads masked and ``base[i]``
+    without; ``harm[i]`` is the change in the metric's direction.
+    """
+
+    metric: str | None
+    eval_ids: np.ndarray
+    example_ids: np.ndarray
+    value: np.ndarray
+    base: np.ndarray
+    output: np.ndarray
+    base_output: np.ndarray
+    reference: np.ndarray
+
+    @property
+    def change(self) -> np.ndarray:
+        return self.value - self.base
+
+    @property
+    def harm(self) -> np.ndarray:
+        return -self.change if higher_is_better(self.metric) else self.change
+
+
+def baseline_eval_id(con: duckdb.DuckDBPyConnection, run_id: str, checkpoint: str | None) -> str | None:
+    """The eval id of the baseline evaluation of ``run_id``'s model ``checkpoint`` (None: the run has none)."""
+    found = con.execute("SELECT min(eval_id) FROM evaluations WHERE run_id = ? AND experiment = 'baseline' "
+                        "AND checkpoint IS NOT DISTINCT FROM ?", [run_id, checkpoint]).fetchone()
+    return found[0] if found else None
+
+
+def changes(con: duckdb.DuckDBPyConnection, run_id: str, checkpoint: str | None, metric: str | None,
+            eval_ids: list[str] | None = None, experiment: str = "single_head") -> Changes | None:
+    """The per-example changes of ``run_id``'s evaluations of ``experiment`` (or of ``eval_ids``) on model
+    ``checkpoint`` against its baseline; None where the run stored no baseline examples (an older store)."""
+    baseline = baseline_eval_id(con, run_id, checkpoint)
+    if baseline is None:
+        return None
+    base = con.execute("SELECT example_id, stats, output FROM examples WHERE run_id = ? AND eval_id = ?",
+                       [run_id, baseline]).to_arrow_table()
+    if base.num_rows == 0:
+        return None
+    if eval_ids is None:
+        wanted = ("SELECT eval_id FROM evaluations WHERE run_id = ? AND experiment = ? "
+                  "AND checkpoint IS NOT DISTINCT FROM ?")
+        params: list = [run_id, experiment, checkpoint]
+    else:
+        wanted = "SELECT unnest(?::VARCHAR[])"
+        params = [eval_ids]
+    masked = con.execute(f"SELECT eval_id, example_id, stats, output, reference FROM examples "
+                         f"WHERE run_id = ? AND eval_id IN ({wanted})", [run_id, *params]).to_arrow_table()
+    base_ids = base.column("example_id").to_numpy(zero_copy_only=False)
+    at = {e: i for i, e in enumerate(base_ids)}
+    example_ids = masked.column("example_id").to_numpy(zero_copy_only=False)
+    where = np.array([at.get(e, -1) for e in example_ids], dtype=np.int64)
+    keep = where >= 0  # an example the baseline lacks (a screening subset never does) has no change
+    base_values = example_values(metric, stats_matrix(base.column("stats")))
+    values = example_values(metric, stats_matrix(masked.column("stats"))) if masked.num_rows else np.zeros(0)
+    base_out = base.column("output").to_numpy(zero_copy_only=False)
+    return Changes(
+        metric=metric,
+        eval_ids=masked.column("eval_id").to_numpy(zero_copy_only=False)[keep],
+        example_ids=example_ids[keep],
+        value=values[keep],
+        base=base_values[where[keep]],
+        output=masked.column("output").to_numpy(zero_copy_only=False)[keep],
+        base_output=base_out[where[keep]],
+        reference=masked.column("reference").to_numpy(zero_copy_only=False)[keep],
+    )
+
+
+def top_changed(found: Changes, k: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per eval id, the row indices of its ``k`` most harmed examples (harm > 0, most first, ties by example id)
+    and of its ``k`` most helped ones (harm < 0)."""
+    if len(found.eval_ids) == 0:
+        return {}
+    harm = found.harm
+    # One sort for every evaluation: by eval id, then harm (descending), then example id.
+    order = np.lexsort((found.example_ids.astype(str), -harm, found.eval_ids.astype(str)))
+    helped_order = np.lexsort((found.example_ids.astype(str), harm, found.eval_ids.astype(str)))
+    sorted_ids = found.eval_ids[order].astype(str)
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    ends = np.r_[starts[1:], len(order)]
+    helped_ids = found.eval_ids[helped_order].astype(str)
+    h_starts = np.flatnonzero(np.r_[True, helped_ids[1:] != helped_ids[:-1]])
+    h_ends = np.r_[h_starts[1:], len(helped_order)]
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for (s, e), (hs, he) in zip(zip(starts, ends, strict=True), zip(h_starts, h_ends, strict=True), strict=True):
+        worse = order[s:e]
+        worse = worse[harm[worse] > 0][:k]
+        better = helped_order[hs:he]
+        better = better[harm[better] < 0][:k]
+        out[sorted_ids[s]] = (worse, better)
+    return out

@@ -1,0 +1,54 @@
+// The explorer's glue (headsweep report): plotly draws every figure; this draws each one from its JSON block and
+// opens a head's drill-down (an HTML fragment the report rendered) when a cell or point is clicked. Nothing is
+// fetched: the figures and drill-downs sit in the page, plotly.js beside it.
+(function () {
+  "use strict";
+  var heads = {};  // model key -> {head name -> {html, fig}}, parsed on first use
+
+  function drilldowns(key) {
+    if (!(key in heads)) {
+      var block = document.querySelector('script.hs-heads[data-key="' + key + '"]');
+      heads[key] = block ? JSON.parse(block.textContent) : {};
+    }
+    return heads[key];
+  }
+
+  function openHead(key, name) {
+    var entry = drilldowns(key)[name];
+    var panel = document.getElementById("drill-" + key);
+    if (!entry || !panel) { return; }
+    panel.innerHTML = entry.html;
+    panel.dataset.head = name;
+    panel.hidden = false;
+    if (entry.fig) {
+      var div = document.createElement("div");
+      div.className = "plot role-figure";
+      panel.insertBefore(div, panel.querySelector("h4"));
+      var fig = JSON.parse(entry.fig);
+      Plotly.newPlot(div, fig.data, fig.layout, {displaylogo: false, responsive: true});
+    }
+    panel.scrollIntoView({block: "start"});
+  }
+  window.headsweepOpenHead = openHead;
+
+  function draw(block) {
+    var div = document.getElementById(block.dataset.target);
+    var fig = JSON.parse(block.textContent);
+    Plotly.newPlot(div, fig.data, fig.layout, {displaylogo: false, responsive: true}).then(function () {
+      div.dataset.drawn = "yes";
+    });
+    var key = div.dataset.drill;
+    if (key) {
+      div.on("plotly_click", function (event) {
+        var point = event.points && event.points[0];
+        if (point && typeof point.customdata === "string" && point.customdata) { openHead(key, point.customdata); }
+      });
+    }
+  }
+
+  document.querySelectorAll("script.hs-figure").forEach(draw);
+  if (location.hash.indexOf("#head=") === 0) {  // #head=KEY/NAME opens that drill-down
+    var target = decodeURIComponent(location.hash.slice(6)).split("/");
+    openHead(target[0], target.slice(1).join("/"));
+  }
+})();

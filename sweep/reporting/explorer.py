@@ -1,0 +1,229 @@
+"""The interactive part of a run's report: heat maps, pruning curves, interactions, the cheap-vs-exact scatter, and
+a drill-down per head, for one model of one run.
+
+Figures are plotly JSON (``plots``); the page draws them with the plotly.js bundle it carries (``explorer.js`` is
+the glue: draw each figure, open a head's drill-down when a cell or point is clicked). Drill-downs are HTML
+fragments rendered here, one per head, kept in a JSON block and shown on click: what a head's removal changes, on
+which examples (``example_changes``), beside its statistics, importance rank, pruning order and roles.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import duckdb
+
+from headsweep.sweep.reporting import plots
+from headsweep.sweep.reporting.example_changes import changes, top_changed, value_name
+from headsweep.sweep.reporting.figures import harm, metric_name
+from headsweep.sweep.reporting.page import rows as query_rows
+from headsweep.sweep.reporting.page import same
+from headsweep.workers.core.metrics import higher_is_better
+
+TOP_EXAMPLES = 5  # per direction, per head
+MAX_TEXT = 600  # characters of an input or output shown in a drill-down (the store keeps all of it)
+FAR_OFF_NAMED = 5
+
+HEADS_SQL = f"""
+SELECT h.*, d.ci_low, d.ci_high, d.eval_id, r.confidence, r.top_offset, r.top_offset_share, r.rare_share,
+       r.rare_chance, r.roles, r.* EXCLUDE (run_id, checkpoint, attention, layer, head, n_tokens, confidence, entropy,
+       top_offset, top_offset_share, rare_share, rare_sentences, rare_chance, roles)
+FROM heads h
+LEFT JOIN (SELECT * FROM deltas WHERE experiment = 'single_head') d
+  ON d.run_id = h.run_id AND d.checkpoint IS NOT DISTINCT FROM h.checkpoint
+     AND d.attention = h.attention AND d.layer = h.layer AND d.head = h.head
+LEFT JOIN head_roles r
+  ON r.run_id = h.run_id AND r.checkpoint IS NOT DISTINCT FROM h.checkpoint
+     AND r.attention = h.attention AND r.layer = h.layer AND r.head = h.head
+WHERE h.run_id = ? AND {same('h.checkpoint')}
+ORDER BY h.attention, h.layer, h.head
+"""
+
+
+def heads_of(con: duckdb.DuckDBPyConnection, run_id: str, checkpoint: str | None) -> list[dict]:
+    """Every head of one model of a run: the ``heads`` view with its single-head interval, eval id and roles."""
+    return query_rows(con, HEADS_SQL, [run_id, checkpoint])
+
+
+def siblings(con: duckdb.DuckDBPyConnection, run: dict) -> list[dict]:
+    """The newest complete run per other ablation method of the same model, data, metric and heads (what
+    ``headsweep compare`` pairs): the heat maps' method switch."""
+    return query_rows(con, """
+        SELECT * FROM (
+            SELECT *, row_number() OVER (PARTITION BY coalesce(ablation, 'zero') ORDER BY created_at DESC) AS n
+            FROM runs WHERE run_id <> ? AND model IS NOT DISTINCT FROM ? AND dataset IS NOT DISTINCT FROM ?
+              AND metric IS NOT DISTINCT FROM ? AND heads IS NOT DISTINCT FROM ? AND status = 'complete'
+              AND coalesce(ablation, 'zero') <> ?)
+        WHERE n = 1 ORDER BY coalesce(ablation, 'zero')""",
+                      [run["run_id"], run["model"], run["dataset"], run["metric"], run["heads"],
+                       run.get("ablation") or "zero"])
+
+
+def _cut(text: object) -> str:
+    text = "" if text is None else str(text)
+    return text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + " ..."
+
+
+@dataclass
+class Explorer:
+    """The interactive section of one model of one run; ``key`` names its elements on the page."""
+
+    con: duckdb.DuckDBPyConnection
+    run: dict
+    checkpoint: str | None
+    order: list[str]
+    key: str
+
+    def __post_init__(self) -> None:
+        self.metric = self.run["metric"]
+        self.heads = heads_of(self.con, self.run["run_id"], self.checkpoint)
+        for h in self.heads:
+            h["hover"] = plots.head_hover(h, self.metric)
+        self.figures: list[tuple[str, str]] = []  # (element id, figure JSON)
+
+    # -- the figures ---------------------------------------------------------------------
+    def heatmaps(self) -> list[str]:
+        """HTML of the heat maps that have values: single-head delta (with the method switch), all-but-one,
+        importance, role confidence."""
+        parts = []
+        variants = [plots.Variant(f"{self.run.get('ablation') or 'zero'} ablation (this run)", self.heads)]
+        for other in siblings(self.con, self.run):
+            theirs = heads_of(self.con, other["run_id"], self.checkpoint)
+            for h in theirs:
+                h["hover"] = plots.head_hover(h, self.metric) + f"<br>run {other['run_id']}"
+            if any(h["delta"] is not None for h in theirs):
+                variants.append(plots.Variant(f"{other.get('ablation') or 'zero'} ablation (run {other['run_id']})",
+                                              theirs))
+        worse = "red = worse" + ("" if higher_is_better(self.metric) else f" ({metric_name(self.metric)} went up)")
+        if any(h["delta"] is not None for h in self.heads):
+            parts.append(self._figure("deltas", plots.heatmap(
+                variants, self.order, lambda h: h["delta"], diverging=True,
+                harm_positive=not higher_is_better(self.metric), colour_label=f"delta {metric_name(self.metric)}",
+                title=f"Single-head ablation: change in {metric_name(self.metric)} with one head masked; x = "
+                      f"significant (adjusted p); {worse}. Click a cell for its examples.")))
+        if any(h["all_but_one_delta"] is not None for h in self.heads):
+            parts.append(self._figure("all-but-one", plots.heatmap(
+                variants[:1], self.order,
+                lambda h: h["all_but_one_delta"], diverging=True, harm_positive=not higher_is_better(self.metric),
+                colour_label=f"delta {metric_name(self.metric)}", marked=lambda h: False,
+                title="All-but-one: change when every other head of the layer is masked and this one kept")))
+        if any(h["importance"] is not None for h in self.heads):
+            method = next((h["importance_method"] for h in self.heads if h["importance_method"]), "importance")
+            normalized = any(h["importance_normalized"] is not None for h in self.heads)
+            key = "importance_normalized" if normalized else "importance"
+            parts.append(self._figure("importance", plots.heatmap(
+                variants[:1], self.order, lambda h: h[key], diverging=False, marked=lambda h: False,
+                colour_label=f"{method}" + (" (normalised per layer)" if normalized else ""),
+                title=f"Head importance ({method}); hover for its rank (1 = most important)")))
+        if any(h.get("confidence") is not None for h in self.heads):
+            parts.append(self._figure("confidence", plots.heatmap(
+                variants[:1], self.order, lambda h: h.get("confidence"), diverging=False,
+                marked=lambda h: bool(h.get("roles")), colour_label="confidence (0-1)",
+                title="Role confidence (mean largest attention weight); x = the head has a role (hover names it)")))
+        if any(h["importance"] is not None and h["delta"] is not None for h in self.heads):
+            method = next((h["importance_method"] for h in self.heads if h["importance_method"]), "importance")
+            for h in self.heads:
+                if h["delta"] is not None:
+                    h["harm"] = harm(self.metric, h["delta"])
+            named = plots.far_off(self.heads, "importance", FAR_OFF_NAMED)
+            parts.append(self._figure("cheap-vs-exact", plots.cheap_vs_exact(self.heads, "importance", method,
+                                                                             self.metric, named)))
+            listed = ", ".join(f"{html.escape(h['name'])} (#{h['rank_cheap']} by {html.escape(method)}, "
+                               f"#{h['rank_harm']} by harm)" for h in named)
+            parts.append(f'<p class="note">Heads where the cheap estimate and the exact answer disagree most: '
+                         f"{listed}.</p>")
+        return parts
+
+    def interactions(self) -> list[str]:
+        rows = query_rows(self.con, f"SELECT * FROM interactions WHERE run_id = ? AND {same('checkpoint')} "
+                                    "ORDER BY head_i, head_j", [self.run["run_id"], self.checkpoint])
+        types = [a for a in self.order if any(r["attention_i"] == r["attention_j"] == a for r in rows)]
+        return [self._figure(f"pairs-{a}", plots.interactions(rows, a, self.metric)) for a in types]
+
+    def _figure(self, name: str, figure: str) -> str:
+        element = f"fig-{self.key}-{name}"
+        self.figures.append((element, figure))
+        return f'<div class="plot" id="{html.escape(element)}" data-drill="{html.escape(self.key)}"></div>'
+
+    # -- the drill-downs -----------------------------------------------------------------
+    def drilldowns(self, pruned_at: dict[str, str], inputs: dict[str, str] | None) -> dict[str, dict]:
+        """Per head name, its drill-down: ``html`` (the fragment) and ``fig`` (its role figure's JSON or None)."""
+        found = changes(self.con, self.run["run_id"], self.checkpoint, self.metric)
+        top = top_changed(found, TOP_EXAMPLES) if found is not None else {}
+        out = {}
+        for h in self.heads:
+            parts = [f"<h3>Head {html.escape(h['name'])}</h3>", self._facts(h, pruned_at.get(h["name"]))]
+            if found is None:
+                parts.append('<p class="note">This run stored no per-example rows for its baseline (an older store, '
+                             "or a run stopped before its baseline): no examples to show.</p>")
+            elif h.get("eval_id") is None:
+                parts.append('<p class="note">This head was not ablated alone in this run: no examples.</p>')
+            else:
+                worse, better = top.get(h["eval_id"], ((), ()))
+                parts.append(self._examples(found, worse, "Examples its removal makes worse", inputs))
+                parts.append(self._examples(found, better, "Examples its removal makes better", inputs))
+            out[h["name"]] = {"html": "\n".join(parts), "fig": plots.role_bars(h)}
+        return out
+
+    def _facts(self, h: dict, pruned: str | None) -> str:
+        rows = []
+        if h["delta"] is not None:
+            ci = f" [{plots.num(h['ci_low'])}, {plots.num(h['ci_high'])}]" if h.get("ci_low") is not None else ""
+            rows += [("delta (95% interval)", f"{plots.num(h['delta'])}{ci}"),
+                     ("score / baseline", f"{plots.num(h['score'])} / {plots.num(h['baseline_score'])}"),
+                     ("test, p, adjusted p", f"{h['test']}, {plots.num(h['p_value'])}, {plots.num(h['p_adjusted'])}"
+                                             f" ({h['correction'] or 'none'})"),
+                     ("significant", "yes" if h["significant"] else "no")]
+        if h["all_but_one_delta"] is not None:
+            rows.append(("all-but-one delta (only this head kept in its layer)", plots.num(h["all_but_one_delta"])))
+        if h["importance_rank"] is not None:
+            rows.append(("importance rank", f"{h['importance_rank']} of {len(self.heads)} "
+                                            f"({h['importance_method']}, 1 = most important)"))
+        if pruned:
+            rows.append(("pruning order", pruned))
+        if h.get("confidence") is not None:
+            rows.append(("confidence", plots.num(h["confidence"])))
+            rows.append(("roles", ", ".join(h["roles"] or []) or "none"))
+        cells = "".join(f"<tr><th>{html.escape(k)}</th><td class=\"text\">{html.escape(str(v))}</td></tr>"
+                        for k, v in rows)
+        return f'<table class="facts">{cells}</table>'
+
+    def _examples(self, found, indices: Sequence[int], title: str, inputs: dict[str, str] | None) -> str:
+        if len(indices) == 0:
+            return f"<h4>{html.escape(title)}</h4><p class=\"note\">None: no example changed that way.</p>"
+        name = value_name(self.metric)
+        head = ["example", "input", "reference", "baseline output", "output with the head masked",
+                f"{name}, baseline", f"{name}, masked", "change"]
+        body = []
+        for i in indices:
+            example = str(found.example_ids[i])
+            text = inputs.get(example) if inputs is not None else None
+            flipped = found.output[i] != found.base_output[i]
+            cells = [example, _cut(text) if text is not None else "(not stored)", _cut(found.reference[i]),
+                     _cut(found.base_output[i]), _cut(found.output[i]) + (" (changed)" if flipped else ""),
+                     plots.num(float(found.base[i])), plots.num(float(found.value[i])),
+                     plots.num(float(found.value[i] - found.base[i]))]
+            body.append('<tr class="example">' + "".join(f'<td class="text">{html.escape(c)}</td>' for c in cells)
+                        + "</tr>")
+        header = "".join(f"<th>{html.escape(c)}</th>" for c in head)
+        return f"<h4>{html.escape(title)}</h4><table class=\"examples\"><tr>{header}</tr>{''.join(body)}</table>"
+
+
+def figure_scripts(figures: Sequence[tuple[str, str]]) -> str:
+    """The figures as JSON blocks the glue draws (``</`` escaped so no figure text ends the block)."""
+    return "\n".join(f'<script type="application/json" class="hs-figure" data-target="{html.escape(element)}">'
+                     f"{safe_json(figure)}</script>" for element, figure in figures)
+
+
+def safe_json(text: str) -> str:
+    """JSON text that can sit inside a ``<script>`` element."""
+    return text.replace("</", "<\\/").replace("<!--", "<\\!--")
+
+
+def drill_script(key: str, heads: dict[str, dict]) -> str:
+    """The drill-downs of one model as a JSON block (read on the first click)."""
+    return (f'<script type="application/json" class="hs-heads" data-key="{html.escape(key)}">'
+            f"{safe_json(json.dumps(heads, separators=(',', ':')))}</script>")
