@@ -10,6 +10,7 @@ the few entry points a notebook needs; they import their machinery on first use,
 >>> store = headsweep.open_store("headsweep-store")
 >>> store.view("heads").df()                       # a DuckDB relation -> pandas
 >>> store.sql("SELECT * FROM pruning WHERE run_id = ?", ["RUN"]).fetchall()
+>>> store.head("self:3:7", run="RUN")              # the examples masking one head changes most, as pandas
 >>> run_id = headsweep.run("conf/classifier_single_head.yaml", ["sweep.workers=1"])
 >>> model = headsweep.load_pruned("exported-model/")
 """
@@ -54,6 +55,25 @@ class Store:
     def df(self, name: str):
         """The table or view ``name`` as a pandas DataFrame (needs pandas)."""
         return self.view(name).df()
+
+    def head(self, name: str, run: str, checkpoint: str | None = None):
+        """The report's drill-down as a pandas DataFrame: every example of head ``name``'s single-head ablation in
+        ``run`` (``checkpoint``: which model, for a run over several), most harmed first (ties by example id), with
+        ``example_id``, ``input`` (null for runs before results schema version 10), ``reference``,
+        ``baseline_output``, ``output``, ``baseline_value`` and ``value`` (the example's own score: correct, sentence
+        BLEU, window perplexity...), ``change`` (value - baseline_value) and ``harm`` (the change in the metric's
+        direction, positive = worse). An unknown run or head raises :class:`HeadsweepError` naming it."""
+        from headsweep.sweep.reporting.example_changes import head_examples
+
+        return head_examples(self.connection, run, name, checkpoint).to_pandas()
+
+    def attention(self, name: str, run: str, examples: int = 3):
+        """Attention patterns of head ``name`` on the ``examples`` examples its removal harms most, from the run's
+        model (loaded again on this machine): a list of dicts with ``example_id``, ``tokens`` and ``weights`` (a
+        query x key array). See ``headsweep.sweep.reporting.attention_maps``."""
+        from headsweep.sweep.reporting.attention_maps import head_patterns
+
+        return head_patterns(self.connection, run, name, examples)
 
     def close(self) -> None:
         self.connection.close()

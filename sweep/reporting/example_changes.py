@@ -25,6 +25,17 @@ VALUE_NAMES = {"accuracy": "correct", "accuracy_norm": "correct (length-normalis
                "perplexity": "window perplexity", "logit_diff": "logit difference"}
 
 
+def fetch(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> list[tuple]:
+    """The rows of ``sql`` (``?`` filled from ``params``) as tuples, the result consumed whole."""
+    return con.sql(sql, params=params or []).fetchall()
+
+
+def one(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> tuple | None:
+    """The first row of ``sql``, or None."""
+    found = fetch(con, sql, params)
+    return found[0] if found else None
+
+
 def value_name(metric: str | None) -> str:
     """What one example's score is (``sentence BLEU``), for column headers."""
     return VALUE_NAMES.get(metric or "", "example score")
@@ -77,8 +88,8 @@ class Changes:
 
 def baseline_eval_id(con: duckdb.DuckDBPyConnection, run_id: str, checkpoint: str | None) -> str | None:
     """The eval id of the baseline evaluation of ``run_id``'s model ``checkpoint`` (None: the run has none)."""
-    found = con.execute("SELECT min(eval_id) FROM evaluations WHERE run_id = ? AND experiment = 'baseline' "
-                        "AND checkpoint IS NOT DISTINCT FROM ?", [run_id, checkpoint]).fetchone()
+    found = one(con, "SELECT min(eval_id) FROM evaluations WHERE run_id = ? AND experiment = 'baseline' "
+                     "AND checkpoint IS NOT DISTINCT FROM ?", [run_id, checkpoint])
     return found[0] if found else None
 
 
@@ -89,8 +100,8 @@ def changes(con: duckdb.DuckDBPyConnection, run_id: str, checkpoint: str | None,
     baseline = baseline_eval_id(con, run_id, checkpoint)
     if baseline is None:
         return None
-    base = con.execute("SELECT example_id, stats, output FROM examples WHERE run_id = ? AND eval_id = ?",
-                       [run_id, baseline]).to_arrow_table()
+    base = con.sql("SELECT example_id, stats, output FROM examples WHERE run_id = ? AND eval_id = ?",
+                   params=[run_id, baseline]).to_arrow_table()
     if base.num_rows == 0:
         return None
     if eval_ids is None:
@@ -100,8 +111,8 @@ def changes(con: duckdb.DuckDBPyConnection, run_id: str, checkpoint: str | None,
     else:
         wanted = "SELECT unnest(?::VARCHAR[])"
         params = [eval_ids]
-    masked = con.execute(f"SELECT eval_id, example_id, stats, output, reference FROM examples "
-                         f"WHERE run_id = ? AND eval_id IN ({wanted})", [run_id, *params]).to_arrow_table()
+    masked = con.sql(f"SELECT eval_id, example_id, stats, output, reference FROM examples "
+                     f"WHERE run_id = ? AND eval_id IN ({wanted})", params=[run_id, *params]).to_arrow_table()
     base_ids = base.column("example_id").to_numpy(zero_copy_only=False)
     at = {e: i for i, e in enumerate(base_ids)}
     example_ids = masked.column("example_id").to_numpy(zero_copy_only=False)
@@ -145,3 +156,51 @@ def top_changed(found: Changes, k: int) -> dict[str, tuple[np.ndarray, np.ndarra
         better = better[harm[better] < 0][:k]
         out[sorted_ids[s]] = (worse, better)
     return out
+
+
+def head_examples(con: duckdb.DuckDBPyConnection, run_id: str, name: str, checkpoint: str | None = None
+                  ) -> pa.Table:
+    """Every example of head ``name``'s single-head ablation in run ``run_id`` (model ``checkpoint``; a run over
+    checkpoints needs one named), most harmed first (ties by example id): ``example_id``, ``input`` (null before
+    schema version 10), ``reference``, ``baseline_output``, ``output``, ``baseline_value``, ``value``, ``change``,
+    ``harm``. Unknown runs, heads and checkpoints, and runs without per-example rows, are refused in one line."""
+    from headsweep.errors import HeadsweepError
+
+    run = one(con, "SELECT metric FROM runs WHERE run_id = ?", [run_id])
+    if run is None:
+        raise HeadsweepError(f"no run {run_id!r} in the store (headsweep runs lists them)")
+    models = [r[0] for r in fetch(con, "SELECT DISTINCT checkpoint FROM evaluations WHERE run_id = ? "
+                                        "ORDER BY checkpoint", [run_id])]
+    if checkpoint is None and len(models) > 1:
+        raise HeadsweepError(f"run {run_id} swept {len(models)} checkpoints: name one with checkpoint= "
+                             f"({', '.join(str(m) for m in models)})")
+    checkpoint = checkpoint if checkpoint is not None else (models[0] if models else None)
+    if models and checkpoint not in models:
+        raise HeadsweepError(f"run {run_id} has no checkpoint {checkpoint!r} ({', '.join(str(m) for m in models)})")
+    found = one(con, "SELECT eval_id FROM evaluations WHERE run_id = ? AND experiment = 'single_head' AND "
+                        "checkpoint IS NOT DISTINCT FROM ? AND attention || ':' || layer || ':' || head = ?",
+                        [run_id, checkpoint, name])
+    if found is None:
+        known = [r[0] for r in fetch(con, "SELECT name FROM heads WHERE run_id = ? ORDER BY attention, layer, head",
+                                           [run_id])]
+        hint = f"its heads: {', '.join(known[:6])}{' ...' if len(known) > 6 else ''}" if known else "it has no heads"
+        if name in known:
+            raise HeadsweepError(f"head {name} was not ablated alone in run {run_id} (no single_head evaluation)")
+        raise HeadsweepError(f"no head {name!r} in run {run_id} ({hint}; names are attention:layer:head)")
+    got = changes(con, run_id, checkpoint, run[0], eval_ids=[found[0]])
+    if got is None or len(got.eval_ids) == 0:
+        raise HeadsweepError(f"run {run_id} stored no per-example rows for its baseline or head {name}: nothing to "
+                             "show per example")
+    order = np.lexsort((got.example_ids.astype(str), -got.harm))
+    inputs = dict(fetch(con, "SELECT example_id, input FROM inputs WHERE run_id = ?", [run_id]))
+    return pa.table({
+        "example_id": got.example_ids[order].astype(str),
+        "input": pa.array([inputs.get(e) for e in got.example_ids[order]], pa.string()),
+        "reference": got.reference[order],
+        "baseline_output": got.base_output[order],
+        "output": got.output[order],
+        "baseline_value": got.base[order],
+        "value": got.value[order],
+        "change": got.change[order],
+        "harm": got.harm[order],
+    })

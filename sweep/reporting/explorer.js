@@ -20,13 +20,14 @@
     panel.innerHTML = entry.html;
     panel.dataset.head = name;
     panel.hidden = false;
-    if (entry.fig) {
+    var before = panel.querySelector("h4");  // role and attention figures go above the examples
+    (entry.figs || []).forEach(function (text) {
       var div = document.createElement("div");
-      div.className = "plot role-figure";
-      panel.insertBefore(div, panel.querySelector("h4"));
-      var fig = JSON.parse(entry.fig);
-      Plotly.newPlot(div, fig.data, fig.layout, {displaylogo: false, responsive: true});
-    }
+      div.className = "plot drill-figure";
+      panel.insertBefore(div, before);
+      var fig = JSON.parse(text);
+      Plotly.newPlot(div, fig.data, fig.layout, {displaylogo: false});
+    });
     panel.scrollIntoView({block: "start"});
   }
   window.headsweepOpenHead = openHead;

@@ -149,8 +149,10 @@ class Explorer:
         return f'<div class="plot" id="{html.escape(element)}" data-drill="{html.escape(self.key)}"></div>'
 
     # -- the drill-downs -----------------------------------------------------------------
-    def drilldowns(self, pruned_at: dict[str, str], inputs: dict[str, str] | None) -> dict[str, dict]:
-        """Per head name, its drill-down: ``html`` (the fragment) and ``fig`` (its role figure's JSON or None)."""
+    def drilldowns(self, pruned_at: dict[str, str], inputs: dict[str, str] | None,
+                   extras: dict[str, dict] | None = None) -> dict[str, dict]:
+        """Per head name, its drill-down: ``html`` (the fragment) and ``figs`` (figure JSON texts: its role figure,
+        its attention patterns from ``extras``, which may also add ``html``)."""
         found = changes(self.con, self.run["run_id"], self.checkpoint, self.metric)
         top = top_changed(found, TOP_EXAMPLES) if found is not None else {}
         out = {}
@@ -165,7 +167,11 @@ class Explorer:
                 worse, better = top.get(h["eval_id"], ((), ()))
                 parts.append(self._examples(found, worse, "Examples its removal makes worse", inputs))
                 parts.append(self._examples(found, better, "Examples its removal makes better", inputs))
-            out[h["name"]] = {"html": "\n".join(parts), "fig": plots.role_bars(h)}
+            more = (extras or {}).get(h["name"], {})
+            if more.get("html"):
+                parts.append(more["html"])
+            role = plots.role_bars(h)
+            out[h["name"]] = {"html": "\n".join(parts), "figs": ([role] if role else []) + more.get("figs", [])}
         return out
 
     def _facts(self, h: dict, pruned: str | None) -> str:
@@ -210,6 +216,22 @@ class Explorer:
                         + "</tr>")
         header = "".join(f"<th>{html.escape(c)}</th>" for c in head)
         return f"<h4>{html.escape(title)}</h4><table class=\"examples\"><tr>{header}</tr>{''.join(body)}</table>"
+
+
+def attention_extras(patterns: Sequence, losses: Sequence) -> dict[str, dict]:
+    """Per head, its attention-pattern figures and (causal LMs) the table of the tokens whose loss it raises most."""
+    out: dict[str, dict] = {}
+    for p in patterns:
+        out.setdefault(p.head, {"figs": [], "html": ""})["figs"].append(plots.attention_map(p))
+    for t in losses:
+        entry = out.setdefault(t.head, {"figs": [], "html": ""})
+        rows = "".join(f"<tr><td>{pos}</td><td class=\"text\">{html.escape(word)}</td><td>{plots.num(a)}</td>"
+                       f"<td>{plots.num(b)}</td><td>{plots.num(b - a)}</td></tr>" for pos, word, a, b in t.tokens)
+        entry["html"] += (f"<h4>Window {html.escape(t.example_id)}: the tokens whose loss rises most with the head "
+                          "masked (recomputed with the model)</h4><table class=\"tokens\"><tr><th>position</th>"
+                          "<th>token</th><th>NLL baseline (nats)</th><th>NLL masked</th><th>rise</th></tr>"
+                          f"{rows}</table>")
+    return out
 
 
 def figure_scripts(figures: Sequence[tuple[str, str]]) -> str:

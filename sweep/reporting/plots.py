@@ -290,3 +290,19 @@ def role_bars(h: dict) -> str | None:
                              "xanchor": "left", "font": {"size": 12}}, height=280, barmode="group",
                       yaxis={"range": [0, 1], "title": "share"}, margin={"l": 50, "r": 10, "t": 40, "b": 60})
     return pio.to_json(fig, validate=False, engine="json")
+
+
+def attention_map(pattern) -> str:
+    """One head's attention on one example: a query x key heat map of the model's own weights (rows sum to 1 over
+    every key; the map shows the first tokens only, see ``attention_maps.MAX_TOKENS``)."""
+    queries = [f"{i}:{t}" for i, t in enumerate(pattern.queries)]
+    keys = [f"{i}:{t}" for i, t in enumerate(pattern.keys)]
+    fig = go.Figure(go.Heatmap(z=np.round(pattern.weights, 4), x=keys, y=queries, colorscale="Blues", zmin=0, zmax=1,
+                               hovertemplate="query %{y}<br>key %{x}<br>weight %{z}<extra></extra>",
+                               colorbar={"title": {"text": "weight", "side": "right"}}))
+    side = min(640, 14 * max(len(queries), len(keys)) + 160)
+    fig.update_layout(title={"text": f"{pattern.head} on example {pattern.example_id}: attention (query x key)",
+                             "x": 0, "xanchor": "left", "font": {"size": 12}}, height=side, width=side + 80,
+                      yaxis={"autorange": "reversed", "tickfont": {"size": 9}}, xaxis={"tickfont": {"size": 9}},
+                      margin={"l": 90, "r": 10, "t": 40, "b": 90})
+    return pio.to_json(fig, validate=False, engine="json")

@@ -27,7 +27,8 @@ from headsweep.results.schema import SCHEMA_VERSION
 from headsweep.results.store import ResultStore
 from headsweep.sweep.experiments import KINDS, register_stored_kinds
 from headsweep.sweep.reporting import figures, plots
-from headsweep.sweep.reporting.explorer import Explorer, drill_script, figure_scripts
+from headsweep.sweep.reporting.example_changes import fetch
+from headsweep.sweep.reporting.explorer import Explorer, attention_extras, drill_script, figure_scripts
 from headsweep.sweep.reporting.page import (
     Page,
     ReportPart,
@@ -118,7 +119,7 @@ def _kept_per_type(rows: list[dict], heads_per_type: dict[str, int]) -> dict[str
     return kept
 
 
-def _run_section(page: Page, con: duckdb.DuckDBPyConnection, run: dict) -> None:
+def _run_section(page: Page, con: duckdb.DuckDBPyConnection, run: dict, attention: bool = False) -> None:
     run_id = run["run_id"]
     config = json.loads(run["config"] or "{}")
     facts = json.loads(run["facts"] or "{}")
@@ -156,8 +157,9 @@ def _run_section(page: Page, con: duckdb.DuckDBPyConnection, run: dict) -> None:
             page.add(part)
         page.add(f'<div class="drill" id="drill-{html.escape(prefix)}" hidden></div>')
         page.scripts.append(figure_scripts(explorer.figures))
+        extras = _attention(page, con, run, checkpoint, explorer) if attention else {}
         page.scripts.append(drill_script(prefix, explorer.drilldowns(_pruning_order(table, run_id, checkpoint),
-                                                                     inputs)))
+                                                                     inputs, extras)))
     if curves:
         element = f"fig-{run_id}-pruning"
         page.add(f'<div class="plot" id="{html.escape(element)}"></div>')
@@ -183,9 +185,34 @@ def _run_section(page: Page, con: duckdb.DuckDBPyConnection, run: dict) -> None:
     _reproducibility(page, run, config, facts)
 
 
+def _attention(page: Page, con: duckdb.DuckDBPyConnection, run: dict, checkpoint: str | None,
+               explorer: Explorer) -> dict[str, dict]:
+    """``--attention``: the most harmful heads' attention patterns (and a causal LM's token losses) for their
+    drill-downs; a model that cannot be loaded again is one warning line and a note on the page."""
+    import logging
+    import time
+
+    from headsweep.sweep.reporting.attention_maps import MAX_HEADS, AttentionUnavailable, run_patterns
+
+    shown = [h["name"] for h in sorted((h for h in explorer.heads if h["delta"] is not None),
+                                       key=lambda h: (-figures.harm(run["metric"], h["delta"]), h["name"]))][:MAX_HEADS]
+    start = time.perf_counter()
+    losses: list = []
+    try:
+        patterns = run_patterns(con, run, checkpoint, shown, losses=losses)
+    except AttentionUnavailable as exc:
+        logging.getLogger("headsweep").warning("%s", exc)
+        page.add(f'<p class="note">{html.escape(str(exc))}</p>')
+        return {}
+    page.add(f'<p class="note">Attention patterns of the {len(shown)} most harmful heads on the examples their '
+             f"removal harms most, read from the model in {time.perf_counter() - start:.1f} s (open a head's "
+             "drill-down to see them).</p>")
+    return attention_extras(patterns, losses)
+
+
 def _inputs(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, str] | None:
     """The run's stored inputs by example id (None: a store written before schema version 10 kept none)."""
-    found = con.execute("SELECT example_id, input FROM inputs WHERE run_id = ?", [run_id]).fetchall()
+    found = fetch(con, "SELECT example_id, input FROM inputs WHERE run_id = ?", [run_id])
     return {e: t for e, t in found} if found else None
 
 
@@ -283,13 +310,14 @@ def _check_out(out: Path) -> None:
             break
 
 
-def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path) -> Path:
+def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path, attention: bool = False) -> Path:
     """Write ``index.html``, its figures and the plotly.js bundle for ``run_ids`` under ``out``; returns the page's
     path.
 
     Everything is written into a temporary folder beside ``out`` and renamed into place, so a failure leaves no
     half-written report (and an earlier report in ``out`` stays until the new one replaces it). Kinds defined outside
-    headsweep that the store's runs ran are registered first (their parts and views)."""
+    headsweep that the store's runs ran are registered first (their parts and views). ``attention``: load each
+    run's model again for the drill-downs' attention patterns (:mod:`headsweep.sweep.reporting.attention_maps`)."""
     out = Path(out)
     _check_out(out)
     register_stored_kinds(store)
@@ -322,7 +350,7 @@ def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path) ->
                  "means the heads were needed where higher is better (accuracy, BLEU), positive where lower is "
                  "(perplexity). Hover a cell for its numbers; click it for the examples the head changes.</p>")
         for run in runs:
-            _run_section(page, con, run)
+            _run_section(page, con, run, attention)
         shutil.copyfile(_bundle(), work / "plotly.min.js")
         index = work / "index.html"
         index.write_text(
