@@ -1,4 +1,5 @@
-"""Plugins (experiment kinds, model families) defined outside headsweep, found through installed entry points.
+"""Plugins (experiment kinds, model families, ablation methods) defined outside headsweep, found through installed
+entry points.
 
 A config names a plugin by its entry-point name, never by a module path: configs come from many users of one
 cluster, and reading one must never import code the config chooses. What can be imported is what the cluster's
@@ -9,6 +10,9 @@ administrator installed: a package declaring, in its ``pyproject.toml``::
 
     [project.entry-points."headsweep.families"]
     my_family = "my_package.family:MY_FAMILY"
+
+    [project.entry-points."headsweep.ablations"]
+    my_method = "my_package.ablation:MY_METHOD"
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ T = TypeVar("T")
 
 KINDS_GROUP = "headsweep.kinds"
 FAMILIES_GROUP = "headsweep.families"
+ABLATIONS_GROUP = "headsweep.ablations"
 
 
 def installed(group: str) -> list[str]:

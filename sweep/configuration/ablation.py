@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.ablation.spec import METHODS
+from headsweep.workers.ablation.method import SETTINGS
+from headsweep.workers.ablation.registry import ablation_method
 
 POSITIONS = ("all", "per_position")
 DIRECTIONS = ("noising", "denoising")
@@ -45,8 +46,7 @@ class AblationSection:
 
     def check(self, method: str) -> None:
         """The section's own values, and those that mean nothing for ``method`` (``sweep.ablation``)."""
-        if method not in METHODS:
-            raise HeadsweepError(f"unknown sweep.ablation {method!r} (known: {', '.join(METHODS)})")
+        declared = ablation_method(method)  # unknown names refused here, with the known ones
         if self.positions not in POSITIONS:
             raise HeadsweepError(f"unknown ablation.positions {self.positions!r} (known: {', '.join(POSITIONS)})")
         if self.resamples < 1:
@@ -57,18 +57,15 @@ class AblationSection:
             raise HeadsweepError(f"ablation.lr must be positive, got {self.lr}")
         if self.direction not in DIRECTIONS:
             raise HeadsweepError(f"unknown ablation.direction {self.direction!r} (known: {', '.join(DIRECTIONS)})")
-        meaningful = {"zero": ("keep_first",), "mean": ("reference", "positions", "keep_first"),
-                      "resample": ("seed", "resamples", "keep_first"),
-                      "optimal": ("reference", "keep_first", "allow_eval_data", "seed", "steps", "lr"),
-                      "patch": ("keep_first", "direction")}[method]
         defaults = AblationSection()
-        for name in ("reference", "positions", "seed", "resamples", "allow_eval_data", "direction", "steps", "lr"):
-            if name not in meaningful and getattr(self, name) != getattr(defaults, name):
+        for name in SETTINGS:  # keep_first: every method honours it
+            if name not in declared.settings and getattr(self, name) != getattr(defaults, name):
                 raise HeadsweepError(f"ablation.{name} is set but sweep.ablation is {method}, which does not read "
                                      f"it: remove it, or set sweep.ablation to a method that does")
+        declared.check_settings(self)
 
 
 def averaged_outcomes(cfg: Any) -> bool:
     """Whether each example's statistics are a mean over several resample draws (``ablation.resamples`` > 1), so
     that a 0/1 outcome (accuracy) is one no longer."""
-    return cfg.sweep.ablation == "resample" and cfg.ablation.resamples > 1
+    return ablation_method(cfg.sweep.ablation).draws(cfg.ablation) > 1

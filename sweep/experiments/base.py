@@ -32,11 +32,13 @@ A kind with more than one module is a folder (``roles/``, ``importance/``, ``pai
 Everything else has a default: ``needs(cfg)`` (kinds whose results it reads: they run first and
 join the run when it does not list them), ``implied(cfg)`` (other config keys ask for it),
 ``check_config(cfg)`` (config checks at load time, for a run of this kind), ``validate(ctx)`` (checks against the
-loaded model, before anything is written).
+loaded model, before anything is written), ``gated_attention(cfg)`` (the heads it gates beyond ``sweep.attention``'s,
+which ablation methods that fill only some attention types check: none by default).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from headsweep.results.schema import Table
@@ -48,6 +50,18 @@ from headsweep.workers.core.work import WorkUnit
 if TYPE_CHECKING:
     from headsweep.sweep.reporting.page import ReportPart
     from headsweep.sweep.run.context import Context
+
+
+@dataclass(frozen=True)
+class GatedHeads:
+    """Heads a kind gates (or scores against the run's fill) as the config key ``key`` says: the heads of the
+    ``attention`` types (None: every type the model has), or the heads ``named`` one by one; or, with ``every_head``
+    (``(what it does, what to change)``), every head of the model whatever its settings."""
+
+    key: str
+    attention: tuple[str, ...] | None = None
+    named: tuple[str, ...] | None = None
+    every_head: tuple[str, str] | None = None
 
 
 class Experiment:
@@ -99,6 +113,12 @@ class Experiment:
 
     def validate(self, ctx: Context) -> None:
         """Refuse what does not fit the loaded model (``ctx.cfg``, ``ctx.info``), before anything is written."""
+
+    def gated_attention(self, cfg: Config) -> list[GatedHeads]:
+        """The heads this kind gates beyond ``sweep.attention``'s (which every run's gating kinds read), by the
+        config keys that choose them: methods that fill only some attention types refuse a run whose kinds reach
+        others, naming the key (``headsweep.sweep.configuration.ablation_checks``). None by default."""
+        return []
 
     def plan(self, ctx: Context) -> list[WorkUnit]:
         """The evaluations of this kind on ``ctx``'s model; eval ids without the checkpoint prefix."""

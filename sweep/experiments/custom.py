@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.sections import Config
-from headsweep.sweep.experiments.base import Experiment
+from headsweep.sweep.experiments.base import Experiment, GatedHeads
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.work import WorkUnit
 
@@ -26,6 +26,9 @@ class Custom(Experiment):
     def check_config(self, cfg: Config) -> None:
         if not cfg.sweep.masks:
             raise HeadsweepError("experiment 'custom' needs sweep.masks (a list of masks, each a list of head names)")
+
+    def gated_attention(self, cfg: Config) -> list[GatedHeads]:
+        return [GatedHeads("sweep.masks", named=tuple(name for mask in cfg.sweep.masks for name in mask))]
 
     def validate(self, ctx: Context) -> None:
         self.plan(ctx)  # every head name is checked against the model's heads

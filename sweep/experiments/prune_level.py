@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from headsweep.errors import HeadsweepError
 from headsweep.results.views import PruningCurve
 from headsweep.sweep.configuration.sections import Config
-from headsweep.sweep.experiments.base import Experiment
+from headsweep.sweep.experiments.base import Experiment, GatedHeads
 from headsweep.sweep.experiments.importance.kind import SHARED_KEY, importance_data
 from headsweep.sweep.pruning.levels import iterative_level_masks, level_masks
 from headsweep.sweep.pruning.uniform import UNIFORM_UNITS, layers_in_scope, removable, uniform_level_masks
@@ -94,6 +94,9 @@ class PruneLevel(Experiment):
 
     def needs(self, cfg: Config) -> tuple[str, ...]:
         return ("importance",)
+
+    def gated_attention(self, cfg: Config) -> list[GatedHeads]:
+        return [GatedHeads("prune.attention", attention=tuple(cfg.prune.attention or ()) or None)]
 
     def validate(self, ctx: Context) -> None:
         prune = ctx.cfg.prune

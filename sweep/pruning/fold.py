@@ -23,6 +23,7 @@ import numpy as np
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.sections import Config
+from headsweep.workers.ablation.registry import DEFAULT_METHOD, ablation_method, folding_methods
 from headsweep.workers.core.heads import Head, SiteKey
 
 
@@ -32,7 +33,7 @@ def run_method(store: ResultStore | None, from_run: str | None, cfg: Config) -> 
         rows = store.read("runs", from_run, columns=["config", "ablation"]).to_pylist()
         if rows:
             stored = json.loads(rows[-1]["config"])
-            return rows[-1]["ablation"] or "zero", stored
+            return rows[-1]["ablation"] or DEFAULT_METHOD, stored
     return cfg.sweep.ablation, json.loads(cfg.to_json())
 
 
@@ -40,16 +41,16 @@ def constants_to_fold(cfg: Config, store: ResultStore | None, from_run: str | No
                       ) -> tuple[str, dict[str, np.ndarray]]:
     """The method and, for mean and optimal, the constants (``attention:layer`` -> ``(H, d)``) the export folds;
     empty for zero ablation. Refuses what no change of weights reproduces (module docstring)."""
-    from headsweep.sweep.run.ablation_values import stored_values
+    from headsweep.sweep.ablation.values import stored_values
 
     method, stored_cfg = run_method(store, from_run, cfg)
-    if method == "zero":
+    declared = ablation_method(method)
+    if declared.fold == "nothing":
         return method, {}
     source = f"run {from_run}" if from_run else "this config"
-    if method in ("resample", "patch"):
-        raise HeadsweepError(f"{source} ablates heads with sweep.ablation {method} (each example's heads take another "
-                             "input's activations), which no change of weights reproduces: export a mask found "
-                             "under zero, mean or optimal ablation")
+    if declared.fold == "refused":
+        raise HeadsweepError(f"{source} ablates heads with sweep.ablation {method} ({declared.fold_refusal}), which no "
+                             f"change of weights reproduces: export a mask found under {folding_methods()} ablation")
     if not from_run or store is None:
         raise HeadsweepError(f"export under sweep.ablation {method} folds the constants a run stored into the output "
                              "projections' biases: name that run with --from-run (and --level or --eval-id)")

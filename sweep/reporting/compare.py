@@ -22,6 +22,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.query import run_query
 from headsweep.results.store import ResultStore
 from headsweep.sweep import experiments  # noqa: F401 - registers the kinds' tables and views read here
+from headsweep.workers.ablation.registry import DEFAULT_METHOD
 from headsweep.workers.core.metrics import higher_is_better
 
 # Per head of one run (the run id is a query parameter, never pasted into the SQL).
@@ -86,7 +87,7 @@ def compare_runs(store: ResultStore, run_a: str, run_b: str) -> tuple[pa.Table, 
     sa, sb = significant[run_a], significant[run_b]
     union = sa | sb
     overlap = {
-        "ablation_a": [ra.get("ablation") or "zero"], "ablation_b": [rb.get("ablation") or "zero"],
+        "ablation_a": [ra.get("ablation") or DEFAULT_METHOD], "ablation_b": [rb.get("ablation") or DEFAULT_METHOD],
         "significant_a": [len(sa)], "significant_b": [len(sb)], "significant_both": [len(sa & sb)],
         "jaccard": [len(sa & sb) / len(union) if union else None],
         "heads_both": [_names(sa & sb)], "heads_gained": [_names(sb - sa)], "heads_lost": [_names(sa - sb)],

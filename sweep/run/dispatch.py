@@ -170,14 +170,20 @@ class WorkerPool:
                 self._lost(i, exc, f"its {what} call", attempt + 1, sent_to)
         raise HeadsweepError(f"{what} failed on {self.max_retries + 1} workers in a row: each worker was lost")
 
-    def stream(self, units: Sequence[WorkUnit], per_call: int) -> Iterator[tuple[WorkUnit, Any, str]]:
+    def stream(self, units: Sequence[WorkUnit], per_call: int,
+               send: Callable[[Any, list[WorkUnit]], Any] | None = None) -> Iterator[tuple[WorkUnit, Any, str]]:
         """Evaluate ``units`` in calls of at most ``per_call``; yield ``(unit, output, worker name)`` as they land.
+
+        ``send(actor, batch)`` makes one call (its result: ``(eval_id, output)`` pairs, as ``EvalWorker.evaluate``
+        gives them, which it does by default): another worker step streams its units as evaluations do (optimal
+        ablation's constants, a slice of heads per call).
 
         Calls go to the workers round-robin (slots ``[0, 1, ..., 0, 1, ...]``) and each call's batch is
         cut from the queue only when a slot is free, sized by ``batch_size`` so that the tail of the
         queue is shared out rather than left to one worker. A lost worker's slots come back when Ray has
         restarted it; the others go on meanwhile, and the stream ends once no worker is still being restarted.
         """
+        call = send if send is not None else (lambda actor, batch: actor.evaluate.remote(batch))
         queue: deque[WorkUnit] = deque(units)  # not yet sent
         # Batches a lost worker had in flight: (batch, failed attempts so far, the worker it was lost on).
         retry: deque[tuple[list[WorkUnit], int, int]] = deque()
@@ -195,7 +201,7 @@ class WorkerPool:
                 else:
                     n = batch_size(len(queue), per_call, len(self.usable()), self.calls_in_flight)
                     batch, attempts = [queue.popleft() for _ in range(n)], 0
-                pending[self.actors[i].evaluate.remote(batch)] = (i, batch, attempts, self.names[i])
+                pending[call(self.actors[i], batch)] = (i, batch, attempts, self.names[i])
                 self.busy[i] += 1
             if not pending and not self.restarting:
                 raise HeadsweepError(

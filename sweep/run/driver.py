@@ -22,18 +22,18 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.schema import COMPLETE, FAILED, INTERRUPTED, PARTIAL, RUNNING
 from headsweep.results.store import ResultStore, StoreFull
 from headsweep.sweep import experiments
+from headsweep.sweep.ablation.fill import fetch_fill
+from headsweep.sweep.ablation.values import ablation_spec
 from headsweep.sweep.cluster.placement import WorkerAsk, alive_nodes, check_placement
 from headsweep.sweep.cluster.ray_session import init_ray, resolve_device
 from headsweep.sweep.configuration.ablation import averaged_outcomes
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.single_head import SINGLE_HEAD
-from headsweep.sweep.run.ablation_values import ablation_spec
 from headsweep.sweep.run.budget import BudgetReached, SessionBudget
 from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.claim import store_claim
 from headsweep.sweep.run.context import Context
 from headsweep.sweep.run.dispatch import WorkerPool, log, unwrap
-from headsweep.sweep.run.fill import fetch_fill
 from headsweep.sweep.run.memory import check_memory
 from headsweep.sweep.run.runs import (
     RunRecord,

@@ -27,6 +27,7 @@ from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.version import code_version
+from headsweep.workers.ablation.registry import DEFAULT_METHOD
 from headsweep.workers.core.family import DatasetInfo
 
 # A running run's row is rewritten this often; a driver on another host whose row is older than
@@ -107,7 +108,7 @@ def resumable(store: ResultStore, cfg: Config, resume: str | None, auto_resume: 
         if run is None:
             raise HeadsweepError(f"--resume {resume}: no such run in store {store.uri}")
         if run["config_hash"] != cfg.hash():
-            before = json.loads(run["config"] or "{}").get("sweep", {}).get("ablation", "zero")
+            before = json.loads(run["config"] or "{}").get("sweep", {}).get("ablation", DEFAULT_METHOD)
             if before != cfg.sweep.ablation:
                 raise HeadsweepError(
                     f"--resume {resume}: that run was made with sweep.ablation {before}, this config asks "

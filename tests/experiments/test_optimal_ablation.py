@@ -26,7 +26,7 @@ from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.configuration.reader import from_dict
 from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.sweep.pruning.export import MANIFEST, export_pruned
-from headsweep.sweep.run.ablation_values import stored_values
+from headsweep.sweep.ablation.values import stored_values
 from headsweep.workers.ablation.means import reference_means
 from headsweep.workers.ablation.optimal import train_head
 from headsweep.workers.ablation.spec import AblationSpec

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.ablation.spec import PATCH_NEEDS_PAIRS, PER_EXAMPLE_METHODS, AblationSpec, HeadFill
+from headsweep.workers.ablation.spec import AblationSpec, HeadFill
 from headsweep.workers.core.family import LossBatch, LossBatches
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import SiteKey
@@ -246,26 +246,14 @@ def donors_for(spec: AblationSpec, gates: HeadGates, lengths: Sequence[int], pai
     refuses: the driver refuses such a run first), nothing for the other methods. ``what``, ``where`` and ``more``
     word the refusal (:func:`same_length_donors`); ``attention``: the attention types the donor pass records
     (:class:`Donors`)."""
-    lengths = list(lengths)
-    if spec.method == "resample":
-        drawn = same_length_donors(lengths, spec.seed, spec.resamples, what, where, more)
-        return Donors(gates, lambda: drawn, spec.keep_first, attention)
-    if spec.method == "patch":
-        def pairs() -> np.ndarray:
-            if not paired:
-                raise HeadsweepError(PATCH_NEEDS_PAIRS)
-            return np.arange(len(lengths), dtype=np.int64)[None, :]
-
-        return Donors(gates, pairs, spec.keep_first, attention)
-    return Donors(gates)
+    draw = spec.method_object.draw_donors(spec, list(lengths), paired, what, where, more)
+    if draw is None:
+        return Donors(gates)
+    return Donors(gates, draw, spec.keep_first, attention)
 
 
 def refuse_per_example(spec: AblationSpec, what: str, why: str) -> None:
     """An adapter that cannot fill heads per example (``what``, e.g. "multiple-choice questions", ``why`` the
     reason) refuses resample with one line, and patch with :data:`PATCH_NEEDS_PAIRS` (it holds no pairs); called
     where the adapter on the evaluation data is described (an adapter loaded for its loss alone never refuses)."""
-    if spec.method == "patch":
-        raise HeadsweepError(PATCH_NEEDS_PAIRS)
-    if spec.method in PER_EXAMPLE_METHODS:
-        raise HeadsweepError(f"sweep.ablation {spec.method} is not available for {what}: {why}; use sweep.ablation "
-                             "mean")
+    spec.method_object.refuse_per_example(what, why)

@@ -83,6 +83,15 @@ class _Sums:
         self.counts.index_add_(0, positions, torch.ones_like(positions, dtype=torch.float64))
 
 
+def describe_reference(reference: Any) -> Any:
+    """What ``runs.facts`` says of the reference: the evaluation data, or the section's set fields."""
+    if reference is None:
+        return "evaluation data (data)"
+    if dataclasses.is_dataclass(reference):
+        return {k: v for k, v in dataclasses.asdict(reference).items() if v is not None}
+    return reference
+
+
 def _value_dtype(model: Any) -> torch.dtype:
     import torch
 

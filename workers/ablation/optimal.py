@@ -32,9 +32,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.ablation.means import _loss_batches, reference_means, site_name
+from headsweep.workers.ablation.means import _loss_batches, describe_reference, reference_means, site_name
+from headsweep.workers.ablation.method import AblationMethod
 from headsweep.workers.ablation.spec import AblationSpec, HeadFill
 from headsweep.workers.core.heads import Head, SiteKey
+from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:
     import torch
@@ -141,6 +143,15 @@ def train_on_worker(worker: Any, heads: list[tuple[str, int, int]]) -> dict[str,
     return out
 
 
+def train_units(worker: Any, units: list[WorkUnit]) -> list[tuple[str, dict[str, Any]]]:
+    """Worker-side step of the driver's stream (``WorkerPool.stream``): each unit's head's constant, as
+    ``(eval_id, {"constant": array (d,), "tokens": {attention:layer: n}, "log": {...}})``."""
+    heads = [(h.attention, h.layer, h.head) for unit in units for h in unit.masked]
+    trained = train_on_worker(worker, heads)
+    return [(unit.eval_id, {"constant": trained["constants"][head], "tokens": trained["tokens"], "log": record})
+            for unit, head, record in zip(units, heads, trained["log"], strict=True)]
+
+
 def heads_on_worker(worker: Any) -> list[tuple[str, int, int]]:
     """Worker-side step: every head of the model, ``(attention, layer, head)`` in model order."""
     sites = worker.adapter().gates.sites
@@ -151,3 +162,31 @@ def heads_on_worker(worker: Any) -> list[tuple[str, int, int]]:
 def install_on_worker(worker: Any, values: dict[str, np.ndarray]) -> None:
     """Worker-side step: the trained (or stored) constants become the fill of every adapter the worker holds."""
     worker._fill.set_constants(worker, values)
+
+
+class Optimal(AblationMethod):
+    """The method's declarations: constants trained by the driver on the workers
+    (:mod:`headsweep.sweep.ablation.training`), on ``ablation.reference`` (required, not the evaluation set),
+    installed on every worker; until then a gated-off head refuses to run (:class:`UntrainedFill`)."""
+
+    name = "optimal"
+    fill = "constant"
+    settings = ("reference", "allow_eval_data", "seed", "steps", "lr")
+    reference = "training"
+    trained = True
+    fold = "constants"
+
+    def worker_fill(self, spec: AblationSpec) -> HeadFill | None:
+        return UntrainedFill(keep_first=spec.keep_first)
+
+    def facts(self, spec: AblationSpec, means: Any) -> dict[str, Any]:
+        return {**super().facts(spec, means), "reference": describe_reference(spec.reference),
+                "start": "the head's mean over the reference",
+                "optimiser": f"Adam lr={spec.lr:g}, full-batch gradients over the reference",
+                "steps": spec.steps, "seed": spec.seed,
+                "stopping": f"at most {spec.steps} updates, or the best loss improved by less than a relative "
+                            f"{TOLERANCE:g} over {PATIENCE} steps; the best constant seen kept",
+                "masks": "each removed head replaced by its own single-head constant (not trained per mask)"}
+
+
+OPTIMAL = Optimal()

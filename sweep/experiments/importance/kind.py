@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.sections import Config
-from headsweep.sweep.experiments.base import Experiment
+from headsweep.sweep.experiments.base import Experiment, GatedHeads
 from headsweep.sweep.experiments.data_sections import refuse_eval_data, typed_data
 from headsweep.sweep.experiments.importance.settings import ImportanceSection
 from headsweep.sweep.experiments.importance.tables import IMPORTANCE_TABLE
@@ -58,6 +58,13 @@ class Importance(Experiment):
 
     def data_sections(self, cfg: Config) -> list[tuple[str, Any]]:
         return [("importance.data", importance_data(cfg))] if cfg.importance.method in ("gradient", "lrp") else []
+
+    def gated_attention(self, cfg: Config) -> list[GatedHeads]:
+        if cfg.importance.method != "gradient":
+            return []
+        return [GatedHeads("importance.method", every_head=(
+            "gradient importance scores every head of the model against its donor's activations",
+            "use importance.method lrp, or ablation with importance.from_run"))]
 
     def needs(self, cfg: Config) -> tuple[str, ...]:
         imp = cfg.importance

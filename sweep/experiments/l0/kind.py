@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.sections import Config
-from headsweep.sweep.experiments.base import Experiment
+from headsweep.sweep.experiments.base import Experiment, GatedHeads
 from headsweep.sweep.experiments.data_sections import refuse_eval_data, typed_data
 from headsweep.sweep.experiments.l0.settings import L0Section
 from headsweep.sweep.experiments.l0.tables import GATES, L0_CURVE
@@ -76,6 +76,9 @@ class L0Gates(Experiment):
 
     def data_sections(self, cfg: Config) -> list[tuple[str, Any]]:
         return [("l0.data", l0_data(cfg))]
+
+    def gated_attention(self, cfg: Config) -> list[GatedHeads]:
+        return [GatedHeads("l0.attention", attention=tuple(cfg.l0.attention or ()) or None)]
 
     def check_config(self, cfg: Config) -> None:
         l0 = cfg.l0
@@ -186,9 +189,9 @@ class L0Gates(Experiment):
         """Run (or restore and finish) the Tune experiment of this context; its results by lambda."""
         from ray import tune
 
+        from headsweep.sweep.ablation.values import ablation_spec, stored_values
         from headsweep.sweep.cluster.ray_session import resolve_device
         from headsweep.sweep.experiments.l0.training import L0Job, l0_trainable
-        from headsweep.sweep.run.ablation_values import ablation_spec, stored_values
 
         cfg, l0, s = ctx.cfg, ctx.cfg.l0, ctx.cfg.sweep
         family = model_family(cfg.model.kind)

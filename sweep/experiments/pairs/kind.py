@@ -23,7 +23,7 @@ import pyarrow.dataset as ds
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.sections import Config
-from headsweep.sweep.experiments.base import Experiment
+from headsweep.sweep.experiments.base import Experiment, GatedHeads
 from headsweep.sweep.experiments.pairs.interactions import interaction_bootstrap
 from headsweep.sweep.experiments.pairs.settings import PairsSection
 from headsweep.sweep.experiments.pairs.tables import INTERACTIONS
@@ -72,6 +72,10 @@ class Pairs(Experiment):
 
     def check_config(self, cfg: Config) -> None:
         cfg.pairs.check()
+
+    def gated_attention(self, cfg: Config) -> list[GatedHeads]:
+        # the other selections pair heads of sweep.attention's types
+        return [GatedHeads("pairs.heads", named=tuple(cfg.pairs.heads or ()))] if cfg.pairs.select == "list" else []
 
     def validate(self, ctx: Context) -> None:
         p = ctx.cfg.pairs

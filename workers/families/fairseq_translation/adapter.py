@@ -158,7 +158,7 @@ class TranslationAdapter:
 
     # -- EvalAdapter ---------------------------------------------------------------------
     def describe(self) -> DatasetInfo:
-        if self.runtime.ablation.method == "patch":  # no paired translation data: refused before anything is written
+        if self.runtime.ablation.method_object.needs_pairs:  # no paired translation data: refused before anything runs
             raise HeadsweepError(patch_unavailable("fairseq_translation"))
         ex = self.examples
         return DatasetInfo(

@@ -78,7 +78,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
                 raise HeadsweepError(f"data file {data_cfg.path}: line {examples.lines[int(same[0])]}: answer and "
                                      "wrong_answer are the same label: their logit difference is always 0")
             other = examples.corrupted
-            if spec.method == "patch" and spec.direction == "denoising":
+            if spec.method_object.evaluates_corrupted(spec):
                 self.evaluated, other = "corrupted", examples.texts
                 examples = dataclasses.replace(examples, texts=examples.corrupted)
         self.examples = examples
@@ -93,7 +93,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
         if other is not None:
             self.other_encoding = self.tokenizer(other, truncation=True, max_length=self.max_length)
             self._check_pair_lengths(lengths, data_cfg.path)
-            if spec.method == "patch":
+            if spec.method_object.fills_from_pair(spec):
                 self._donor_encoding = self.other_encoding
         self.donors = donors_for(spec, self.gates, lengths, paired=self.paired, where=f"data file {data_cfg.path}",
                                  more="more examples (a larger data.max_examples, or a larger file)")
