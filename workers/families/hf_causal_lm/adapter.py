@@ -14,7 +14,7 @@ windows, all of the same length) are recorded once before its masked passes (:mo
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -22,16 +22,17 @@ import torch
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.donors import donors_for, with_donors
+from headsweep.workers.core.baseline_once import BaselineOnce
 from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
+from headsweep.workers.core.mask_grid import GridBatch, Pass, grid_batches, mask_grid
 from headsweep.workers.core.metrics import PERPLEXITY
 from headsweep.workers.data.data_report import unknown_tokens
 from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import DEFAULT_WINDOW, CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.data import Window, plan_windows, read_corpus
 from headsweep.workers.families.hf_causal_lm.model import (
-    BaselineOnce,
     activation_bytes_per_row,
     backward_bytes_per_row,
     load_causal_lm,
@@ -40,11 +41,11 @@ from headsweep.workers.families.hf_causal_lm.model import (
 )
 from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoiceAdapter
 from headsweep.workers.families.hf_causal_lm.paired import PairedAdapter
-from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout, reused_grid
+from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
 from headsweep.workers.families.hf_shared.loading import max_positions, resolve_positions
-from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch
-from headsweep.workers.families.hf_shared.tokenizer import count_unknown
+from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, repeat_rows
+from headsweep.workers.families.hf_shared.tokenizer import bos_id, count_unknown
 from headsweep.workers.hub.cache import model_label
 from headsweep.workers.memory.backward_memory import backward_rows, pieces
 from headsweep.workers.memory.batch_budget import cache_budget
@@ -78,7 +79,7 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
         self.max_positions = max_positions(self.model.config)
         self.window = resolve_window(data_cfg.window, self.max_positions, model_cfg.path)
         self.add_bos = bool(data_cfg.add_bos)
-        bos = self._bos_id() if self.add_bos else None
+        bos = bos_id(self.tokenizer) if self.add_bos else None
         ids = self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         self.windows = plan_windows(len(ids), self.window, data_cfg.stride, self.add_bos)
         if not self.windows:
@@ -122,13 +123,6 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
                              self.tokenizer.unk_token),
         }
         self._baseline: MaskOutput | None = None
-
-    def _bos_id(self) -> int:
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        if bos is None:
-            raise HeadsweepError("data.add_bos is true but the tokenizer has no BOS token (bos_token); "
-                                 "set data.add_bos: false")
-        return int(bos)
 
     def _window_inputs(self, ids: list[int], bos: int | None) -> torch.Tensor:
         rows = [ids[w.start : w.start + w.length] for w in self.windows]
@@ -185,33 +179,44 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
 
     def _nll_reused(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
         """Masks grouped by first gated layer; each group starts there from the batch's baseline states, the empty
-        mask is the baseline itself (:func:`~.reuse.reused_grid`)."""
-        out = np.empty((len(masks), len(self.windows)), dtype=np.float64)
-        grid = reused_grid(self._reuse, self.gates, self.batches, self.donors, self.run_donors, masks, self._batch,
-                           lambda inputs: self.masks_per_forward(inputs.shape[0]))
-        for chunk, idx, scored, token_nll in grid:
-            sums = (token_nll.double() * scored.repeat(len(chunk), 1)).sum(dim=1)
-            out[np.ix_(chunk, idx.numpy())] = sums.view(len(chunk), len(idx)).cpu().numpy()
-        return out
+        mask is the baseline itself (:meth:`~.reuse.PrefixReuse.start`)."""
+        reuse = self._reuse
+
+        def start(batch: GridBatch[torch.Tensor]) -> Pass:
+            inputs, scored = self._batch(batch.inputs)
+            forward = reuse.start(batch.key, inputs, scored)
+            return lambda chunk: self._window_sums(forward(chunk), repeat_rows(scored, len(chunk)))
+
+        return self._grid(masks, start, reuse.groups(masks))
 
     def _nll_plain(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
         """The reference: every mask (one copy of the batch each) runs the whole model."""
+
+        def start(batch: GridBatch[torch.Tensor]) -> Pass:
+            inputs, scored = self._batch(batch.inputs)
+
+            def forward(chunk: list[Sequence[Head]]) -> torch.Tensor:
+                stacked, stacked_scored = repeat_rows(inputs, len(chunk)), repeat_rows(scored, len(chunk))
+                with self.gates.packed(chunk, batch.rows):
+                    return self._window_sums(self.token_nll(stacked, stacked_scored), stacked_scored)
+
+            return forward
+
+        return self._grid(masks, start)
+
+    def _grid(self, masks: Sequence[Sequence[Head]], start: Callable[[GridBatch[torch.Tensor]], Pass],
+              groups: list[list[int]] | None = None) -> np.ndarray:
+        """Every mask over every window batch (:func:`~headsweep.workers.core.mask_grid.mask_grid`): shape
+        (n_masks, n_windows)."""
         out = np.empty((len(masks), len(self.windows)), dtype=np.float64)
-        for idx in self.batches:
-            inputs, scored = self._batch(idx)
-            rows = inputs.shape[0]
-            per = self.masks_per_forward(rows)
-            with self.donors.batch(idx, self.run_donors, needed=any(masks)):
-                for first in range(0, len(masks), per):
-                    chunk = masks[first : first + per]
-                    stacked, stacked_scored = inputs, scored
-                    if len(chunk) > 1:
-                        stacked, stacked_scored = inputs.repeat(len(chunk), 1), scored.repeat(len(chunk), 1)
-                    with self.gates.packed(chunk, rows):
-                        token_nll = self.token_nll(stacked, stacked_scored)
-                    sums = (token_nll.double() * stacked_scored).sum(dim=1)
-                    out[first : first + len(chunk), idx.numpy()] = sums.view(len(chunk), rows).cpu().numpy()
-        return out
+        return mask_grid(masks, grid_batches(self.batches, lambda idx: idx), start, out,
+                         masks_per_forward=lambda batch: self.masks_per_forward(batch.rows), donors=self.donors,
+                         run_donors=self.run_donors, groups=groups)
+
+    @staticmethod
+    def _window_sums(token_nll: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+        """Each row's summed NLL over its scored tokens (float64)."""
+        return (token_nll.double() * scored).sum(dim=1)
 
     def token_nll(self, inputs: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
         """Per-position NLL (nats; float32, or float64 for a float64 model) of ``inputs[:, 1:]`` given the

@@ -4,18 +4,13 @@ multiple-choice adapters share (activation estimate, per-token NLL, facts about 
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.core.family import MaskOutput
-from headsweep.workers.core.heads import Head
 from headsweep.workers.families.hf_causal_lm.config import CausalLMModel
 from headsweep.workers.families.hf_causal_lm.pruning import prune_causal_lm_heads
 from headsweep.workers.families.hf_causal_lm.sites import SUPPORTED, kv_groups
@@ -104,38 +99,3 @@ def model_facts(model: nn.Module, sites) -> dict:
             "attn_implementation": getattr(cfg, "_attn_implementation", None),
             "dtype": str(model.dtype).removeprefix("torch."),
             "num_key_value_heads": {k: len(v) for k, v in groups.items()}, "kv_groups": groups}
-
-
-class BaselineOnce:
-    """``evaluate`` and ``baseline`` of both causal-LM adapters: the unmasked evaluation is computed once and
-    reused; a subclass computes one row of per-example values per mask (``values``) and turns a row into a
-    :class:`MaskOutput` (``output``)."""
-
-    gates: object  # HeadGates
-    _baseline: MaskOutput | None = None
-
-    def values(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
-        """Per-example values under each mask: shape (n_masks, n_examples), float64."""
-        raise NotImplementedError
-
-    def output(self, values: np.ndarray, seconds: float) -> MaskOutput:
-        """The evaluation of one mask from its per-example values."""
-        raise NotImplementedError
-
-    def baseline(self) -> MaskOutput:
-        """The unmasked evaluation, computed once and reused."""
-        if self._baseline is None:
-            self._baseline = self.evaluate([[]])[0]
-        return self._baseline
-
-    def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
-        masks = [list(m) for m in masks]
-        for mask in masks:
-            for head in mask:
-                self.gates.inventory.check(head)
-        todo = [i for i, m in enumerate(masks) if m or self._baseline is None]
-        start = time.perf_counter()
-        computed = dict(zip(todo, self.values([masks[i] for i in todo]), strict=True)) if todo else {}
-        seconds_each = (time.perf_counter() - start) / max(1, len(todo))
-        return [self.output(computed[i], seconds_each) if i in computed else self._baseline
-                for i in range(len(masks))]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -30,26 +30,29 @@ import torch
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.donors import donors_for, with_donors
+from headsweep.workers.core.baseline_once import BaselineOnce
 from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
+from headsweep.workers.core.mask_grid import GridBatch, Pass, grid_batches, mask_grid
 from headsweep.workers.core.metrics import LOGIT_DIFF
 from headsweep.workers.core.workload import median_batch, take_rows
 from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.data.paired_data import read_pairs
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.model import (
-    BaselineOnce,
     activation_bytes_per_row,
     load_causal_lm,
     model_facts,
     target_nll,
 )
 from headsweep.workers.families.hf_causal_lm.pairs import encode_pairs
-from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout, reused_grid
+from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
 from headsweep.workers.families.hf_shared.loading import max_positions
+from headsweep.workers.families.hf_shared.paired import paired_sides
 from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch
+from headsweep.workers.families.hf_shared.tokenizer import bos_id
 from headsweep.workers.hub.cache import model_label
 from headsweep.workers.memory.batch_budget import cache_budget
 from headsweep.workers.memory.batch_budget import masks_per_forward as budget_masks_per_forward
@@ -80,7 +83,7 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
         if data_cfg.max_pairs is not None:
             pairs = pairs[: data_cfg.max_pairs]
         self.pairs = at_positions(pairs, runtime.examples)
-        bos = self._bos_id() if data_cfg.add_bos else None
+        bos = bos_id(self.tokenizer) if data_cfg.add_bos else None
         encoded = encode_pairs(self.tokenizer, self.pairs, bos, data_cfg.path)
         self.max_positions = max_positions(self.model.config)
         longest = max(encoded, key=lambda e: len(e.clean))
@@ -89,18 +92,16 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
             raise HeadsweepError(f"data file {data_cfg.path}: line {line}: the prompts are {len(longest.clean)} "
                                  f"tokens, more than the model's {self.max_positions} positions: shorten them")
         self.spec = runtime.ablation
-        denoising = self.spec.method == "patch" and self.spec.direction == "denoising"
+        self.sides = paired_sides(self.spec)
         clean = [e.clean for e in encoded]
-        corrupted = [e.corrupted for e in encoded]
         # The prompts each mask is evaluated on, and the other prompt of each pair (what patching fills from).
-        self.prompts, self.others = (corrupted, clean) if denoising else (clean, corrupted)
-        self.evaluated = "corrupted" if denoising else "clean"
+        self.prompts, self.others = self.sides.arrange(clean, [e.corrupted for e in encoded])
+        self.evaluated = self.sides.evaluated
         self.answers = torch.tensor([[e.answer, e.wrong_answer] for e in encoded], device=self.device)
         self.lengths = [len(p) for p in clean]
         self.batches = self._batches(runtime.batch_size)
         self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-        # Patching fills from the pair's other prompt; resample from other pairs' evaluated prompts.
-        self._donor_prompts = self.others if self.spec.method == "patch" else self.prompts
+        self._donor_prompts = self.sides.donor_side(self.prompts, self.others)
         self.donors = donors_for(self.spec, self.gates, self.lengths, paired=True, what="pairs",
                                  where=f"data file {data_cfg.path}", more="more pairs (or a larger data.max_pairs)")
         self.model_name = model_label(model_cfg.path)
@@ -120,13 +121,6 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
             self.data_facts["direction"] = self.spec.direction
         self._baseline: MaskOutput | None = None
 
-    def _bos_id(self) -> int:
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        if bos is None:
-            raise HeadsweepError("data.add_bos is true but the tokenizer has no BOS token (bos_token); "
-                                 "set data.add_bos: false")
-        return int(bos)
-
     def _batches(self, batch_size: int) -> list[torch.Tensor]:
         """Pair indices, by length: every batch holds prompts of one length (no padding), at most ``batch_size``."""
         batches = []
@@ -143,7 +137,7 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
         baseline = self.baseline()
         other = float(self._unmasked(self.others)[:, 0].mean())
         evaluated = float(baseline.stats[:, 0].mean())
-        clean, corrupted = (evaluated, other) if self.evaluated == "clean" else (other, evaluated)
+        clean, corrupted = self.sides.clean_and_corrupted(evaluated, other)
         return DatasetInfo(
             model=self.model_name,
             dataset=self.dataset_name,
@@ -189,28 +183,38 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
         return self.reused_or_plain(lambda: self._reused(masks), lambda: self._plain(masks))
 
     def _reused(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
-        out = np.empty((len(masks), len(self.pairs), 2), dtype=np.float64)
-        grid = reused_grid(self._reuse, self.gates, self.batches, self.donors, self.run_donors, masks,
-                           lambda idx: (self._inputs(self.prompts, idx), self.answers[idx.to(self.device)]),
-                           self.masks_per_forward)
-        for chunk, idx, _answers, values in grid:
-            out[np.ix_(chunk, idx.numpy())] = values.double().view(len(chunk), len(idx), 2).cpu().numpy()
-        return out
+        reuse = self._reuse
+
+        def start(batch: GridBatch[torch.Tensor]) -> Pass:
+            return reuse.start(batch.key, *self._batch(batch.inputs))
+
+        return self._grid(masks, start, reuse.groups(masks))
 
     def _plain(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
+        def start(batch: GridBatch[torch.Tensor]) -> Pass:
+            inputs, answers = self._batch(batch.inputs)
+
+            def forward(chunk: list[Sequence[Head]]) -> torch.Tensor:
+                with self.gates.packed(chunk, batch.rows):
+                    return self.pair_values(inputs.repeat(len(chunk), 1), answers.repeat(len(chunk), 1))
+
+            return forward
+
+        return self._grid(masks, start)
+
+    def _batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The evaluated prompts of pairs ``idx`` and their answer ids, on the device."""
+        return self._inputs(self.prompts, idx), self.answers[idx.to(self.device)]
+
+    def _grid(self, masks: Sequence[Sequence[Head]], start: Callable[[GridBatch[torch.Tensor]], Pass],
+              groups: list[list[int]] | None = None) -> np.ndarray:
+        """Per mask and pair ``[logit_diff, answer NLL]`` over every batch
+        (:func:`~headsweep.workers.core.mask_grid.mask_grid`), float64."""
         out = np.empty((len(masks), len(self.pairs), 2), dtype=np.float64)
-        for idx in self.batches:
-            inputs, answers = self._inputs(self.prompts, idx), self.answers[idx.to(self.device)]
-            rows = inputs.shape[0]
-            per = self.masks_per_forward(inputs)
-            with self.donors.batch(idx, self.run_donors, needed=any(masks)):
-                for first in range(0, len(masks), per):
-                    chunk = masks[first : first + per]
-                    with self.gates.packed(chunk, rows):
-                        values = self.pair_values(inputs.repeat(len(chunk), 1), answers.repeat(len(chunk), 1))
-                    out[first : first + len(chunk), idx.numpy()] = values.double().view(len(chunk), rows, 2
-                                                                                       ).cpu().numpy()
-        return out
+        return mask_grid(masks, grid_batches(self.batches, lambda idx: idx), start, out,
+                         masks_per_forward=lambda batch: self.masks_per_forward(self._inputs(self.prompts,
+                                                                                              batch.inputs)),
+                         donors=self.donors, run_donors=self.run_donors, groups=groups)
 
     def last_logits(self, inputs: torch.Tensor) -> torch.Tensor:
         """The logits at the last position of every row, ``(B, V)``, with the gates as they are set (only that
@@ -244,7 +248,7 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
                            self.donors, self.batches, self.run_donors)
 
     def _loss_batch(self, idx: torch.Tensor, dtype: torch.dtype) -> LossBatch:
-        inputs, answers = self._inputs(self.prompts, idx), self.answers[idx.to(self.device)]
+        inputs, answers = self._batch(idx)
         real = torch.ones(inputs.shape, dtype=torch.bool, device=self.device)
 
         def loss() -> torch.Tensor:

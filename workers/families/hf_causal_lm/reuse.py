@@ -23,13 +23,12 @@ anything else raises :class:`~headsweep.workers.memory.replay.ReuseUnsupported` 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from headsweep.workers.ablation.donors import Donors
 from headsweep.workers.core.gates import AttentionSite, HeadGates
 from headsweep.workers.core.heads import Head
 from headsweep.workers.families.hf_shared.layout import attention_layout
@@ -209,6 +208,33 @@ class PrefixReuse(RecordedBaselines[BaselineStates]):
         finally:
             self.gates.clear()
 
+    def groups(self, masks: Sequence[Sequence[Head]]) -> list[list[int]]:
+        """The positions of ``masks`` that may share a pass: one first gated layer each (the empty mask apart)."""
+        return list(by_first_gated_layer(masks, self.gates.inventory).values())
+
+    def start(self, key: int, inputs: torch.Tensor, scored: torch.Tensor) -> Callable[[list[Sequence[Head]]],
+                                                                                   torch.Tensor]:
+        """Batch ``key``'s forward pass on the reuse path (a :data:`~headsweep.workers.core.mask_grid.Pass`): masks
+        of one :meth:`groups` group started at their first gated layer from the batch's baseline states, the empty
+        mask the baseline itself; per-row values, mask-major.
+
+        The states are recorded now, ungated (before the batch's per-example fill), and the first batch verifies
+        the replay once on the deepest layer (the most replayed) before ``describe()`` reports reuse.
+        ``inputs``: the batch's input ids; ``scored``: what it scores (the adapter's second argument to its
+        forward pass)."""
+        states = self.states(key, inputs, scored)
+        if not self.verified:
+            site = self.gates.sites[-1]
+            self.verify(inputs, scored, states, [Head(site.attention, site.layer, 0)])
+
+        def forward(chunk: list[Sequence[Head]]) -> torch.Tensor:
+            layer = first_gated_layer(chunk[0])
+            if layer is None:
+                return states.token_nll.repeat(len(chunk), 1)
+            return self.run(inputs, scored, states, layer, chunk)
+
+        return forward
+
     def verify(self, inputs: torch.Tensor, scored: torch.Tensor, states: BaselineStates,
                mask: Sequence[Head]) -> None:
         """Check once that a masked pass replayed from the cached states is the whole gated model's pass, bit for
@@ -226,36 +252,3 @@ class PrefixReuse(RecordedBaselines[BaselineStates]):
             raise ReuseUnsupported(f"replaying the model from cached states (mask {[str(h) for h in mask]}) does not "
                                    "reproduce the whole model's result exactly")
         self.verified = True
-
-
-def reused_grid(reuse: PrefixReuse, gates: HeadGates, batches: Sequence[torch.Tensor], donors: Donors,
-                run_donors: Callable, masks: Sequence[Sequence[Head]],
-                batch_inputs: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                masks_per_forward: Callable[[torch.Tensor], int],
-                ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Every mask over every batch on the reuse path, in chunks: ``(mask positions, the batch's example indices, what
-    the batch scores, the chunk's per-row values)``, the rows the batch repeated once per mask of the chunk.
-
-    What the perplexity and the paired adapters share: masks grouped by first gated layer, each group started there
-    from the batch's baseline states (``reuse.states``; the empty mask is the baseline itself), verified once per
-    adapter on its deepest layer (the most replayed) before ``describe()`` reports reuse, under the batch's
-    per-example fill where the run has one. ``batch_inputs(idx)``: the batch's input ids and what it scores (the
-    recorded states' second key); ``masks_per_forward(inputs)``: masks per pass. The adapters reduce the values
-    their own way."""
-    groups = by_first_gated_layer(masks, gates.inventory)
-    for key, idx in enumerate(batches):
-        inputs, scored = batch_inputs(idx)
-        states = reuse.states(key, inputs, scored)
-        if not reuse.verified:
-            site = gates.sites[-1]
-            reuse.verify(inputs, scored, states, [Head(site.attention, site.layer, 0)])
-        per = masks_per_forward(inputs)
-        with donors.batch(idx, run_donors, needed=any(layer is not None for layer in groups)):
-            for layer, members in groups.items():
-                for first in range(0, len(members), per):
-                    chunk = members[first : first + per]
-                    if layer is None:
-                        values = states.token_nll.repeat(len(chunk), 1)
-                    else:
-                        values = reuse.run(inputs, scored, states, layer, [masks[i] for i in chunk])
-                    yield chunk, idx, scored, values

@@ -108,3 +108,13 @@ def count_unknown(tokenizer, sequences: Iterable[Sequence[int]]) -> tuple[int, i
             total += 1
             unknown += token == unk
     return unknown, total
+
+
+def bos_id(tokenizer) -> int:
+    """The tokenizer's BOS token id, which ``data.add_bos`` puts before every window or prompt; refused with one
+    line when it has none."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        raise HeadsweepError("data.add_bos is true but the tokenizer has no BOS token (bos_token); "
+                             "set data.add_bos: false")
+    return int(bos)
