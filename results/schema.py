@@ -37,7 +37,8 @@ SCHEMA_HISTORY = {
     8: "gates.lambda renamed l0_lambda (lambda is a keyword in DuckDB's SQL); older files' lambda reads as l0_lambda",
     9: "runs and evaluations gain ablation (sweep.ablation: what a gated-off head leaves behind; null in older files, "
        "which were all zero ablation); new table ablation_values (mean ablation's per-head values)",
-    10: "new table inputs (each run's evaluated inputs with their example ids, written once per run)",
+    10: "new table inputs (each run's evaluated inputs with their example ids, written once per run); head_roles "
+        "gains sink_share (attention on the first position, causal attention)",
 }
 
 SCHEMA_VERSION = max(SCHEMA_HISTORY)

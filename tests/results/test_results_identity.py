@@ -1,7 +1,8 @@
 """Results identity: every table's schema and every view's columns, pinned as computed before the experiment kinds
 declared their own tables and views, so that assembling them from the registry provably changed none;
 updated by schema version 9 (runs and evaluations gain ``ablation``, the table ``ablation_values``, the views
-``deltas``, ``heads`` and ``pruning`` an ``ablation`` column, ``deltas`` also ``logit_diff_normalized``)."""
+``deltas``, ``heads`` and ``pruning`` an ``ablation`` column, ``deltas`` also ``logit_diff_normalized``) and by schema
+version 10 (the table ``inputs``; ``head_roles`` and the ``roles`` view gain ``sink_share``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ TABLE_SCHEMAS = {
     "runs": "b8ef53ec2b3cdf1a", "evaluations": "45338b486cccee33", "examples": "a59303de5a81b426",
     "significance": "3639d29009b5cfa0", "ablation_values": "e6882a44bcf7be9e", "importance": "ad03cd3d6f7f4798",
     "efficiency": "a28670936fa39255",
-    "gates": "bd53d1a21b7670ae", "head_roles": "bf64317461d9cff2", "interactions": "6a48948cf46cf463",
+    "gates": "bd53d1a21b7670ae", "head_roles": "18d76c1e5cb8e148", "interactions": "6a48948cf46cf463",
     "inputs": "969ef41913c7dbd5",  # schema version 10: each run's inputs, once per run
 }
 SYNTAX = [f"{rel}_{col}" for rel in ("nsubj", "obj", "amod", "advmod")
@@ -39,7 +40,7 @@ VIEW_COLUMNS = {
                 "significant_so_far", "eta_s", "updated_at"],
     "roles": ["run_id", "checkpoint", "attention", "layer", "head", "name", "confidence", "entropy", "top_offset",
               "top_offset_share", "rare_share", "rare_sentences", "rare_chance", "n_tokens", "roles", *SYNTAX,
-              "metric", "baseline_score", "score", "delta", *TEST, "harm", "importance_method", "importance",
+              "sink_share", "metric", "baseline_score", "score", "delta", *TEST, "harm", "importance_method", "importance",
               "importance_normalized", "importance_rank"],
 }
 

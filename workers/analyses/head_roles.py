@@ -43,6 +43,13 @@ Conventions (docs/experiments.md, "What the heads do", says the same for users):
   1 / sentence length (5-10% for sentences of 10 to 20 tokens). 0.5 asks that the rarest word win in a
   majority of sentences, at least five times chance for sentences of 10 tokens or more, and still
   admits the paper's head with a margin.
+* **Attention sinks** (causal sites: decoder-only models, a translation's decoder self-attention): the share of
+  a head's attention that goes to the first position of the sequence (a window's BOS, or its first token where
+  there is none), averaged over the counted queries after that position (the first query can only attend to
+  itself). ``sink_share``; role ``attention_sink`` when it reaches ``sink_threshold`` (0.5: most of the head's
+  attention). Pretrained decoder LMs' most confident heads are of this kind (Xiao et al. 2023, "Efficient
+  Streaming Language Models with Attention Sinks"), so without it they would read as role-less. Null for
+  bidirectional sites.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ import torch
 
 POSITIONAL = "positional"
 RARE_WORDS = "rare_words"
+ATTENTION_SINK = "attention_sink"
 
 
 @dataclass
@@ -138,6 +146,8 @@ class SentenceStats:
     rare_eligible: np.ndarray | None = None  # (B,) bool
     rare_hits: np.ndarray | None = None  # (B, H) bool (False where not eligible)
     rare_chance: np.ndarray | None = None  # (B,) float (0 where not eligible)
+    sink_sum: np.ndarray | None = None  # (B, H) float: attention on the first position, summed over sink queries
+    sink_queries: np.ndarray | None = None  # (B,) int: counted queries after the first position (causal sites)
 
 
 @dataclass
@@ -157,6 +167,7 @@ class HeadRole:
     rare_chance: float | None
     roles: list[str]
     syntax: dict[str, float | int | None] = field(default_factory=dict)  # headsweep.workers.analyses.syntax columns
+    sink_share: float | None = None  # attention on the first position (causal sites only)
 
 
 def _allowed(site: SiteAttention, keys: torch.Tensor) -> torch.Tensor:
@@ -201,6 +212,12 @@ def sentence_statistics(site: SiteAttention, frequencies: FrequencyTable | None 
     )
     if frequencies is not None:
         _rare_words(site, frequencies, real, counted, w, stats)
+    if site.causal:
+        first = site.keys.real & site.keys.positions.eq(0)  # (B, K): the sequence's first real position
+        on_first = (w * first[:, None, None, :].to(w.dtype)).sum(-1)  # (B, H, Q)
+        after = counted & site.queries.positions.gt(0)  # (B, Q)
+        stats.sink_sum = (on_first.double() * after[:, None, :]).sum(-1).cpu().numpy()
+        stats.sink_queries = after.sum(-1).cpu().numpy()
     return stats
 
 
@@ -238,12 +255,16 @@ class RoleTotals:
     rare_sentences: int = 0
     rare_hits: np.ndarray | None = None
     rare_chance_sum: float = 0.0
+    sink: bool = False  # whether the site is causal (the sink sums mean something)
+    sink_sum: np.ndarray | None = None
+    sink_queries: int = 0
 
     def __post_init__(self) -> None:
         zeros = np.zeros(self.num_heads)
         self.max_sum = zeros.copy() if self.max_sum is None else self.max_sum
         self.entropy_sum = zeros.copy() if self.entropy_sum is None else self.entropy_sum
         self.rare_hits = np.zeros(self.num_heads, dtype=np.int64) if self.rare_hits is None else self.rare_hits
+        self.sink_sum = np.zeros(self.num_heads) if self.sink_sum is None else self.sink_sum
 
     def add(self, stats: SentenceStats, rows: Sequence[int] | np.ndarray | None = None) -> RoleTotals:
         """Add the sentences ``rows`` of ``stats`` (default: all of them)."""
@@ -261,11 +282,15 @@ class RoleTotals:
             self.rare_sentences += int(stats.rare_eligible[pick].sum())
             self.rare_hits = self.rare_hits + stats.rare_hits[pick].sum(0)
             self.rare_chance_sum += float(stats.rare_chance[pick].sum())
+        if stats.sink_sum is not None and stats.sink_queries is not None:
+            self.sink = True
+            self.sink_sum = self.sink_sum + stats.sink_sum[pick].sum(0)
+            self.sink_queries += int(stats.sink_queries[pick].sum())
         return self
 
     def heads(self, attention: str, layer: int, settings: Any) -> list[HeadRole]:
         """The corpus values and roles of each head of the site; ``settings``: the ``roles`` config section (its
-        ``offsets``, ``positional_threshold``, ``rare_threshold`` and ``rare_min_sentences``)."""
+        ``offsets``, ``positional_threshold``, ``rare_threshold``, ``rare_min_sentences`` and ``sink_threshold``)."""
         return [self.head(attention, layer, h, settings) for h in range(self.num_heads)]
 
     def head(self, attention: str, layer: int, h: int, settings: Any) -> HeadRole:
@@ -283,11 +308,14 @@ class RoleTotals:
         if (rare_share is not None and rare_share >= settings.rare_threshold
                 and self.rare_sentences >= settings.rare_min_sentences):
             roles.append(RARE_WORDS)
+        sink_share = float(self.sink_sum[h]) / self.sink_queries if self.sink and self.sink_queries else None
+        if sink_share is not None and sink_share >= getattr(settings, "sink_threshold", 0.5):
+            roles.append(ATTENTION_SINK)
         return HeadRole(
             attention=attention, layer=layer, head=h, n_tokens=n,
             confidence=float(self.max_sum[h]) / n if n else None,
             entropy=float(self.entropy_sum[h]) / n if n else None,
             top_offset=top, top_offset_share=counts[top] / n if top is not None else None,
             rare_share=rare_share, rare_sentences=self.rare_sentences if self.rare else None,
-            rare_chance=rare_chance, roles=roles,
+            rare_chance=rare_chance, roles=roles, sink_share=sink_share,
         )

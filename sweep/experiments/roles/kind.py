@@ -105,7 +105,8 @@ class Roles(Experiment):
         rows = [{"checkpoint": ctx.checkpoint, "attention": h.attention, "layer": h.layer, "head": h.head,
                  "n_tokens": h.n_tokens, "confidence": h.confidence, "entropy": h.entropy, "top_offset": h.top_offset,
                  "top_offset_share": h.top_offset_share, "rare_share": h.rare_share,
-                 "rare_sentences": h.rare_sentences, "rare_chance": h.rare_chance, "roles": h.roles, **h.syntax}
+                 "rare_sentences": h.rare_sentences, "rare_chance": h.rare_chance, "roles": h.roles,
+                 "sink_share": h.sink_share, **h.syntax}
                 for h in result.heads]
         ctx.write("head_roles", rows, name="roles")
 

@@ -19,11 +19,12 @@ from headsweep.sweep.reporting import figures
 from headsweep.sweep.reporting.page import ReportPart
 
 # Short cell labels: positional heads by offset, rare-word heads, syntactic heads by relation.
-ROLE_CODES = {"rare_words": "R"}
+ROLE_CODES = {"rare_words": "R", "attention_sink": "B"}
 
 
 def role_code(role: str) -> str:
-    """``positional:-1`` -> ``P-1``, ``rare_words`` -> ``R``, ``syntactic:amod`` -> ``S:amod``."""
+    """``positional:-1`` -> ``P-1``, ``rare_words`` -> ``R``, ``attention_sink`` -> ``B`` (attends to the first
+    position: BOS), ``syntactic:amod`` -> ``S:amod``."""
     if role in ROLE_CODES:
         return ROLE_CODES[role]
     kind, _, detail = role.partition(":")
@@ -43,7 +44,7 @@ def confidence_role_map(rows: Sequence[dict], attention_order: Sequence[str]) ->
         return labels.get((attention, layer, head), "")
 
     title = ("Head confidence (mean largest attention weight on a word) and roles\n"
-             "P-1/P+1 positional, R rare words, S:rel syntactic")
+             "P-1/P+1 positional, R rare words, B attention sink, S:rel syntactic")
     return figures.heatmap(rows, "confidence", attention_order, title=title,
                            colour_label="confidence (0-1)", text=text)
 

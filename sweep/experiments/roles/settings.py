@@ -43,6 +43,9 @@ class RolesSection:
     relations: list[str] = field(default_factory=lambda: list(RELATIONS))
     syntactic_margin: float = 0.1
     syntactic_min_instances: int = 10
+    # Attention sinks (causal attention): role attention_sink when this share of a head's attention goes to the
+    # first position.
+    sink_threshold: float = 0.5
 
     @property
     def syntax(self) -> bool:
@@ -67,7 +70,7 @@ class RolesSection:
         if 0 in self.offsets or len(set(self.offsets)) != len(self.offsets):
             raise HeadsweepError(f"roles.offsets must be distinct non-zero relative offsets (e.g. [-1, 1]: the "
                                  f"previous and the next token), got {self.offsets}")
-        for key in ("positional_threshold", "rare_threshold"):
+        for key in ("positional_threshold", "rare_threshold", "sink_threshold"):
             value = getattr(self, key)
             if not 0 < value <= 1:
                 raise HeadsweepError(f"roles.{key} must be a share in (0, 1], got {value}")

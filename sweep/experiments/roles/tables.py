@@ -30,6 +30,7 @@ HEAD_ROLES = Table("head_roles", pa.schema([
     ("rare_chance", pa.float64()),
     ("roles", pa.list_(pa.string())),
     *SYNTAX_COLUMNS,
+    ("sink_share", pa.float64()),  # schema v10: attention on the first position (causal sites; null elsewhere)
 ]))
 
 _SYNTAX = ", ".join("r." + name for name, _ in SYNTAX_COLUMNS)
@@ -40,7 +41,7 @@ ROLES_VIEW = View("roles", f"""
 CREATE VIEW roles AS
 SELECT r.run_id, r.checkpoint, r.attention, r.layer, r.head, r.attention || ':' || r.layer || ':' || r.head AS name,
        r.confidence, r.entropy, r.top_offset, r.top_offset_share, r.rare_share, r.rare_sentences, r.rare_chance,
-       r.n_tokens, r.roles, {_SYNTAX}, h.metric, h.baseline_score, h.score, h.delta, h.test, h.p_value, h.p_adjusted,
+       r.n_tokens, r.roles, {_SYNTAX}, r.sink_share, h.metric, h.baseline_score, h.score, h.delta, h.test, h.p_value, h.p_adjusted,
        h.correction, h.alpha, h.significant, h.harm, h.importance_method, h.importance, h.importance_normalized,
        h.importance_rank
 FROM head_roles r
