@@ -3,6 +3,10 @@
 The model is the config's ``model`` section; the heads are a mask given by name, or the mask
 of a stored run's pruning level or evaluation (``headsweep.sweep.pruning.masks``). Loading,
 pruning and saving are the model family's (``headsweep.workers.core.family.ModelFamily``): for a
+Llama-style causal LM whose mask leaves the same heads in every layer and key/value group (the masks of
+``prune.uniform`` levels), the stock architecture (``--stock``, the default where the mask fits): a
+``save_pretrained`` directory whose ``config.json`` states the pruned ``num_attention_heads``,
+``num_key_value_heads`` and ``head_dim``, which stock ``from_pretrained`` loads; for other masks and for a
 transformers classifier, a ``save_pretrained`` directory whose ``config.pruned_heads`` lists the
 removed heads (load it with ``headsweep.load_pruned``); for a fairseq translation model,
 ``checkpoint.pt`` with the removed heads under ``headsweep_pruned_heads`` and the model's
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -97,21 +102,43 @@ def _checkpoint_of(store: ResultStore | None, run_id: str | None, cfg: Config) -
     return next((c for c in checkpoints if _same_file(c, mine)), None)
 
 
-def _check_out(out_dir: str | Path) -> Path:
+def _check_out(out_dir: str | Path, force: bool = False) -> Path:
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise HeadsweepError(f"--out {out} exists and is not an empty directory: choose a new one")
+    if out.exists() and not out.is_dir():
+        raise HeadsweepError(f"--out {out} is a file: give a new or empty folder")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise HeadsweepError(f"--out {out} exists and is not empty: choose a new folder, or add --force to replace "
+                             "what it holds")
     return out
+
+
+def _stock_sizes(family, model, heads, stock: bool | None) -> dict[str, int] | None:
+    """The stock sizes for this mask; None for the ``pruned_heads`` format (``stock`` False, or None and the mask
+    or the family has no stock config). ``stock`` True refuses what does not fit, with the reason."""
+    if stock is False:
+        return None
+    try:
+        return family.stock_sizes(model, heads)
+    except HeadsweepError:
+        if stock:
+            raise
+        return None
 
 
 def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = None, from_run: str | None = None,
                   level: float | None = None, eval_id: str | None = None,
-                  mask: Sequence[str] | None = None) -> Path:
-    """Write the config's model without the chosen heads to ``out_dir``; returns the folder."""
+                  mask: Sequence[str] | None = None, stock: bool | None = None, force: bool = False) -> Path:
+    """Write the config's model without the chosen heads to ``out_dir``; returns the folder.
+
+    ``stock``: True writes the stock architecture or refuses the mask; False the ``pruned_heads`` format; None
+    (default) the stock architecture where the mask and the family allow it. ``force`` replaces what a non-empty
+    ``out_dir`` holds. The folder is written beside ``out_dir`` and renamed into place once complete, so a refusal
+    or a failure leaves ``out_dir`` as it was.
+    """
     from headsweep.workers.core.gates import site_inventory
     from headsweep.workers.pruning.removal import count_parameters
 
-    out = _check_out(out_dir)  # before the model is loaded: a wrong folder should fail fast
+    out = _check_out(out_dir, force)  # before the model is loaded: a wrong folder should fail fast
     if from_run and store is not None:
         check_run_model(store, from_run, cfg)
     family = model_family(cfg.model.kind)
@@ -119,28 +146,58 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
     model = loaded.model
     inventory = site_inventory(family.find_sites(model))
     choice = choose(inventory, store, from_run, level, eval_id, mask)
+    sizes = _stock_sizes(family, model, choice.heads, stock)
     # Mean and optimal ablation: the removed heads' constants folded into the biases first (sweep/pruning/fold.py).
     method, constants = constants_to_fold(cfg, store, from_run, _checkpoint_of(store, from_run, cfg))
     if constants:
         fold(family.find_sites(model), choice.heads, constants, method, str(getattr(cfg.model,
                                                                                     family.checkpoint_key)))
-    out.mkdir(parents=True, exist_ok=True)
     n_full = count_parameters(model)
     slices = family.prune(model, choice.heads)
-    family.save_pruned(cfg.model, loaded, choice.heads, out)
-    manifest = {
-        "model": str(getattr(cfg.model, family.checkpoint_key)),
-        "kind": cfg.model.kind,
-        "heads_removed": [str(h) for h in choice.heads],
-        # every layer, each with its heads' numbers in the full model (a layer left whole: all of them)
-        "heads_kept": {f"{s.attention}:{s.layer}": list(slices[(s.attention, s.layer)].kept)
-                       if (s.attention, s.layer) in slices else list(range(s.num_heads)) for s in inventory.layers},
-        "mask_source": choice.source,
-        "ablation": method,  # mean / optimal: the removed heads' constants folded into the output biases
-        "source_run": choice.run_id,
-        "level": choice.level,
-        "n_params_full": n_full,
-        "n_params_pruned": count_parameters(model),
-    }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.headsweep-export-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        sizes = _save(family, cfg, loaded, choice.heads, sizes, stock, staging)
+        manifest = {
+            "model": str(getattr(cfg.model, family.checkpoint_key)),
+            "kind": cfg.model.kind,
+            # stock: config.json states the pruned sizes (from_pretrained loads it); pruned_heads: it lists the
+            # removed heads (headsweep.load_pruned loads it)
+            "format": "stock" if sizes else "pruned_heads",
+            "stock_sizes": sizes,
+            "heads_removed": [str(h) for h in choice.heads],
+            # every layer, each with its heads' numbers in the full model (a layer left whole: all of them)
+            "heads_kept": {f"{s.attention}:{s.layer}": list(slices[(s.attention, s.layer)].kept)
+                           if (s.attention, s.layer) in slices else list(range(s.num_heads))
+                           for s in inventory.layers},
+            "mask_source": choice.source,
+            "ablation": method,  # mean / optimal: the removed heads' constants folded into the output biases
+            "source_run": choice.run_id,
+            "level": choice.level,
+            "n_params_full": n_full,
+            "n_params_pruned": count_parameters(model),
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def _save(family, cfg: Config, loaded, heads, sizes: dict[str, int] | None, stock: bool | None,
+          folder: Path) -> dict[str, int] | None:
+    """Save in the stock format where ``sizes`` is set (falling back to ``pruned_heads`` when the default's
+    config check refuses it), else in the family's ``pruned_heads`` format; returns the sizes written."""
+    if sizes:
+        try:
+            family.save_stock(cfg.model, loaded, sizes, folder)
+            return sizes
+        except HeadsweepError:
+            if stock:
+                raise
+    family.save_pruned(cfg.model, loaded, heads, folder)
+    return None

@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--level", type=float, help="the prune_level evaluation at this level (e.g. 0.5)")
     export.add_argument("--eval-id", help="the evaluation with this id (e.g. custom/self:0:1,self:1:2)")
     export.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder for the pruned model")
+    export.add_argument("--stock", action=argparse.BooleanOptionalAction, default=None,
+                        help="--stock: the model's own architecture with the pruned head counts in config.json "
+                             "(from_pretrained loads it), or refuse the mask; --no-stock: config.pruned_heads "
+                             "(headsweep.load_pruned loads it); default: stock where the mask fits")
+    export.add_argument("--force", action="store_true", help="replace what a non-empty --out folder holds")
     _store_arg(export)
 
     demo = sub.add_parser("demo", help="the embedded default, end to end, offline")
@@ -286,7 +291,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     check_out(args.out, store, "folder")
     cfg = load_config(args.config, list(args.overrides))
     mask = args.mask.replace(",", " ").split() if args.mask is not None else None
-    console.out(export_pruned(cfg, args.out, store, args.from_run, args.level, args.eval_id, mask))
+    console.out(export_pruned(cfg, args.out, store, args.from_run, args.level, args.eval_id, mask, stock=args.stock,
+                              force=args.force))
     return 0
 
 

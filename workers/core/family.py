@@ -268,6 +268,16 @@ class ModelFamily:
         """Write ``loaded`` (already pruned of ``heads``) into the empty folder ``out_dir``, in the family's format."""
         raise self._unsupported("exporting a pruned model")
 
+    def stock_sizes(self, model: nn.Module, heads: Sequence[Head]) -> dict[str, int]:
+        """The sizes a stock config of ``model`` without ``heads`` states (``headsweep export --stock``: a folder the
+        model's own library loads as it is), or a one-line error saying why there is none. Checks only."""
+        raise self._unsupported("exporting a stock architecture (--stock)")
+
+    def save_stock(self, model_cfg: Any, loaded: LoadedModel, sizes: dict[str, int], out_dir: Any) -> None:
+        """Write ``loaded`` (already pruned of heads :meth:`stock_sizes` accepted) into the empty folder ``out_dir``
+        as the stock architecture with ``sizes``."""
+        raise self._unsupported("exporting a stock architecture (--stock)")
+
     def loads_exported(self, folder: str | Path) -> bool:
         """Whether ``folder`` is one this family's ``save_pruned`` writes (``headsweep.load_pruned`` asks)."""
         return False

@@ -47,6 +47,13 @@ class CausalLMFamily(TransformersFamily):
 
         return prune_causal_lm_heads(model, heads)
 
+    def stock_sizes(self, model: nn.Module, heads: Sequence[Head]) -> dict[str, int]:
+        """Llama-style models without the same heads in every layer and key/value group (GPT-2 and GPTBigCode:
+        never) are refused (:mod:`~headsweep.workers.families.hf_causal_lm.stock`)."""
+        from headsweep.workers.families.hf_causal_lm.stock import stock_sizes
+
+        return stock_sizes(model, heads)
+
     def exports_architecture(self, name: str) -> bool:
         from headsweep.workers.families.hf_shared.architecture import is_causal_lm_architecture
 

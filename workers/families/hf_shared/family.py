@@ -49,6 +49,24 @@ class TransformersFamily(ModelFamily):
 
         save_pruned(loaded.model, out_dir, loaded.tokenizer)
 
+    def stock_sizes(self, model: nn.Module, heads: Sequence[Head]) -> dict[str, int]:
+        """BERT-family encoders derive the head size from ``hidden_size / num_attention_heads``: refused."""
+        from headsweep.errors import HeadsweepError
+        from headsweep.workers.families.hf_shared.stock import TIED_HEAD_SIZE
+
+        raise HeadsweepError(TIED_HEAD_SIZE.format(name=type(model).__name__,
+                                                   how="hidden_size / num_attention_heads"))
+
+    def save_stock(self, model_cfg: Any, loaded: LoadedTransformers, sizes: dict[str, int],
+                   out_dir: str | Path) -> None:
+        """The ``save_pretrained`` folder (with the tokenizer) of the pruned model whose ``config.json`` states
+        ``sizes`` (no ``pruned_heads``): stock ``from_pretrained`` loads it."""
+        from headsweep.workers.families.hf_shared.pruning import save_pruned
+        from headsweep.workers.families.hf_shared.stock import stock_config
+
+        stock_config(loaded.model, sizes)
+        save_pruned(loaded.model, out_dir, loaded.tokenizer)
+
     def loads_exported(self, folder: str | Path) -> bool:
         from headsweep.workers.families.hf_shared.architecture import exported_architecture
 
