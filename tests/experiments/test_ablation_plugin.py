@@ -63,7 +63,8 @@ def surgery_losses(model_dir: Path, data_file: Path, heads: list[Head], factor: 
     family = model_family("hf_classifier")
     adapter = family.load(from_dict(family.model_config, {"kind": "hf_classifier", "path": str(model_dir)}, "model"),
                           from_dict(family.data_config, {"path": str(data_file)}, "data"),
-                          RuntimeOptions(batch_size=BATCH))
+                          # the plain path: prefix reuse would keep the first weights' states
+                          RuntimeOptions(batch_size=BATCH, reuse=False, masks_per_batch=1))
     ids = adapter.describe().example_ids
     adapter.gates.remove()
     sites = {s.key: s for s in adapter.gates.sites}
@@ -76,7 +77,6 @@ def surgery_losses(model_dir: Path, data_file: Path, heads: list[Head], factor: 
         with torch.no_grad():
             weight[:, span] *= factor
         try:
-            adapter._baseline = None  # it keeps its first unmasked evaluation (BaselineOnce); the weights changed
             (result,) = adapter.evaluate([[]])
         finally:
             with torch.no_grad():
