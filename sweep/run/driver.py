@@ -34,6 +34,7 @@ from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.claim import store_claim
 from headsweep.sweep.run.context import Context
 from headsweep.sweep.run.dispatch import WorkerPool, log, unwrap
+from headsweep.sweep.run.inputs import write_inputs
 from headsweep.sweep.run.memory import check_memory
 from headsweep.sweep.run.runs import (
     RunRecord,
@@ -238,6 +239,7 @@ class Sweep:
             record.write(RUNNING, n_done=0)
         if fill is not None:
             fill.write()
+        write_inputs(self.store, self.run_id, info)  # once per run: the texts the drill-downs show
         return record
 
     def check_checkpoints(self, pool: WorkerPool, info: DatasetInfo) -> None:

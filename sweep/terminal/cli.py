@@ -91,11 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run_id", metavar="RUN_ID")
     _store_arg(status)
 
-    report = sub.add_parser("report", help="an HTML page with figures of one or more runs; prints its path")
+    report = sub.add_parser("report", help="an interactive HTML page (the explorer) of one or more runs; prints its "
+                            "path")
     report.add_argument("run_ids", nargs="+", metavar="RUN_ID")
     _store_arg(report)
-    report.add_argument("--out", metavar="DIR", help="folder for index.html and its PNG files "
+    report.add_argument("--out", metavar="DIR", help="folder for index.html, plotly.min.js and its PNG files "
                         "(default: ./headsweep-report/RUN_ID for one run, ./headsweep-report otherwise)")
+    report.add_argument("--attention", action="store_true", help="load each run's model again for the attention "
+                        "patterns of the 8 most harmful heads on the examples they change most (and a language "
+                        "model's per-token losses) in their drill-downs")
 
     submit = sub.add_parser("submit", help="submit a sweep as a Ray job to a running cluster; prints the job id")
     submit.add_argument("config", help="YAML config file; model, data and store paths must be valid on the cluster")
@@ -230,7 +234,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     store = _existing_store(args.store)
     out = args.out or default_report_dir(args.run_ids)
     check_out(out, store, "folder")
-    console.out(write_report(store, args.run_ids, out))
+    console.out(write_report(store, args.run_ids, out, attention=args.attention))
     return 0
 
 

@@ -104,6 +104,9 @@ class DatasetInfo:
     references: list[str]
     inventory: HeadInventory
     facts: dict[str, Any] = field(default_factory=dict)
+    # The evaluated texts, one per example id (a sentence, a source, a decoded window): stored once per run in the
+    # ``inputs`` table for the report's drill-downs. Empty: the family keeps none.
+    inputs: list[str] = field(default_factory=list)
 
     @property
     def n_examples(self) -> int:

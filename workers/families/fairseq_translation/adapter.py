@@ -169,6 +169,8 @@ class TranslationAdapter:
             example_ids=list(ex.ids),
             references=list(ex.references),
             inventory=self.gates.inventory,
+            # the sources as the model saw them, subword marks removed (for the run's inputs table)
+            inputs=[self.src_dict.string(s.int().cpu(), self.pipeline.post_process) for s in ex.source],
             facts={
                 "model_class": type(self.model).__name__,
                 "checkpoint": str(self.cfg.checkpoint),

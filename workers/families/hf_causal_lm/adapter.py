@@ -143,6 +143,7 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
             example_ids=[f"w{i}" for i in range(len(self.windows))],
             references=[self._span(w) for w in self.windows],
             inventory=self.gates.inventory,
+            inputs=self.tokenizer.batch_decode(self.inputs.cpu().tolist()),  # each window's tokens, BOS included
             facts={**model_facts(self.model, self.gates.sites), "mean_nll_nats": mean, "reuse": self.reuse_note,
                    **self.data_facts},
         )

@@ -173,6 +173,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
             example_ids=self.examples.ids,
             references=self.examples.labels,
             inventory=self.gates.inventory,
+            inputs=_input_texts(self.examples),
             facts={"model_class": type(self.model).__name__, "num_labels": int(self.model.config.num_labels),
                    "dtype": str(self.model.dtype).removeprefix("torch."), "reuse": self.reuse_note, **self.data_facts,
                    **paired},
@@ -351,4 +352,11 @@ def _label_text(raw: list[str], id2label: dict[int, str]) -> dict[int, str]:
 def load_classifier(model_cfg: ClassifierModel, data_cfg: ClassifierData, runtime: RuntimeOptions) -> ClassifierAdapter:
     """Loader named by the ``hf_classifier`` model family."""
     return ClassifierAdapter(model_cfg, data_cfg, runtime)
+
+
+def _input_texts(examples) -> list[str]:
+    """Each example's text as the model reads it (a text pair joined by `` [SEP] ``), for the run's ``inputs``."""
+    if examples.text_pairs is None:
+        return list(examples.texts)
+    return [f"{a} [SEP] {b}" for a, b in zip(examples.texts, examples.text_pairs, strict=True)]
 
