@@ -20,6 +20,7 @@ import numpy as np
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.reporting.example_changes import changes, fetch, one, top_changed
+from headsweep.workers.ablation.registry import DEFAULT_METHOD
 
 MAX_HEADS = 8
 EXAMPLES = 3
@@ -161,7 +162,7 @@ def run_patterns(con: duckdb.DuckDBPyConnection, run: dict, checkpoint: str | No
         if example in positions:
             wanted.setdefault(row_of[positions[example]], []).append((name, int(layer), int(head), example))
     kind = json.loads(config)["model"]["kind"]
-    if losses is not None and (run.get("ablation") or "zero") == "zero":
+    if losses is not None and (run.get("ablation") or DEFAULT_METHOD) == DEFAULT_METHOD:
         losses += token_losses(adapter, [(n, e, row_of[positions[e]]) for n, e in picks if e in positions])
     return read_patterns(adapter, kind, wanted)
 

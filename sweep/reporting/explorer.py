@@ -21,6 +21,7 @@ from headsweep.sweep.reporting.example_changes import changes, top_changed, valu
 from headsweep.sweep.reporting.figures import harm, metric_name
 from headsweep.sweep.reporting.page import rows as query_rows
 from headsweep.sweep.reporting.page import same
+from headsweep.workers.ablation.registry import DEFAULT_METHOD
 from headsweep.workers.core.metrics import higher_is_better
 
 TOP_EXAMPLES = 5  # per direction, per head
@@ -59,7 +60,7 @@ def siblings(con: duckdb.DuckDBPyConnection, run: dict) -> list[dict]:
               AND coalesce(ablation, 'zero') <> ?)
         WHERE n = 1 ORDER BY coalesce(ablation, 'zero')""",
                       [run["run_id"], run["model"], run["dataset"], run["metric"], run["heads"],
-                       run.get("ablation") or "zero"])
+                       run.get("ablation") or DEFAULT_METHOD])
 
 
 def _cut(text: object) -> str:

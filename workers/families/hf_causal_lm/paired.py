@@ -117,8 +117,7 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
             "prompt_lengths": dict(sorted(Counter(self.lengths).items())), "templates": dict(templates),
             "evaluated_prompt": self.evaluated, "convention": CONVENTION, "encoding": data_cfg.encoding,
         }
-        if self.spec.method == "patch":
-            self.data_facts["direction"] = self.spec.direction
+        self.data_facts.update(self.spec.method_object.data_facts(self.spec))  # patch: its direction
         self._baseline: MaskOutput | None = None
 
     def _batches(self, batch_size: int) -> list[torch.Tensor]:

@@ -42,5 +42,5 @@ class PairedSides:
 
 def paired_sides(spec: AblationSpec) -> PairedSides:
     """The sides of the run's ablation ``spec`` (module docstring)."""
-    patch = spec.method == "patch"
-    return PairedSides("corrupted" if patch and spec.direction == "denoising" else "clean", patch)
+    method = spec.method_object
+    return PairedSides("corrupted" if method.evaluates_corrupted(spec) else "clean", method.fills_from_pair(spec))
