@@ -85,7 +85,7 @@ def test_export_cli(tmp_path, tiny_bert_dir, tiny_dev_tsv):
     with torch.no_grad():
         # summation order: the exported model's narrower projections; 2 layers plus the pooler and classifier
         assert_routes_agree(pruned(**inputs).logits, gated, depth=2 + 1, width=64)
-    with pytest.raises(HeadsweepError, match=f"--out {out} exists and is not an empty directory"):
+    with pytest.raises(HeadsweepError, match=f"--out {out} exists and is not empty: choose a new folder"):
         export_pruned(load_config(tmp_path / "c.yaml"), out, mask=["self:0:1"])
 
 
