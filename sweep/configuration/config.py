@@ -74,7 +74,7 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
 
 # Keys that name files. A relative path is taken relative to the config file when it exists there,
 # otherwise relative to the working directory (and a hub-style model id stays as written).
-PATH_KEYS = ("path", "checkpoint", "data_bin", "source", "target", "bpe_codes", "sentencepiece_model")
+PATH_KEYS = ("path", "checkpoint", "data_bin", "source", "target", "bpe_codes", "sentencepiece_model", "include_path")
 
 
 def _resolve_paths(data: dict, base: Path) -> None:

@@ -37,7 +37,11 @@ from headsweep.workers.core.work import WorkUnit
 # test, one of these, unless significance.tests leaves it out.
 DEFAULT_TESTS = {"bleu": ["paired_bootstrap"], "accuracy": ["paired_ttest", "mcnemar_exact"],
                  "accuracy_norm": ["paired_ttest", "mcnemar_exact"], "perplexity": ["paired_bootstrap", "paired_ttest"],
-                 "logit_diff": ["paired_bootstrap", "paired_ttest"]}
+                 "logit_diff": ["paired_bootstrap", "paired_ttest"],
+                 # lm-eval tasks' corpus metrics (data.task lm_eval): the bootstrap over documents, and a t-test on
+                 # per-document negative log-likelihood (per word or byte for the rolling ones)
+                 **{m: ["paired_bootstrap", "paired_ttest"] for m in ("loglikelihood_perplexity", "word_perplexity",
+                                                                      "byte_perplexity", "bits_per_byte")}}
 TESTS_PER_TASK = 32
 
 

@@ -151,7 +151,36 @@ def mean_logit_diff(stats_sum: np.ndarray, n: int) -> np.ndarray:
 # so the bootstrap rescores resamples from the rows and the t-test reads the per-pair values.
 LOGIT_DIFF = Metric("logit_diff", ("logit_diff",), mean_logit_diff)
 
-METRICS = {m.name: m for m in (ACCURACY, MC_ACCURACY_NORM, BLEU, PERPLEXITY, LOGIT_DIFF)}
+# lm-evaluation-harness tasks (hf_causal_lm data.task: lm_eval), each document's statistics as the task's own
+# process_results gives them. Multiple choice stores [correct, correct_norm] (MC_STAT_NAMES, read by ``accuracy`` and
+# ``accuracy_norm``). Loglikelihood tasks store [correct (is_greedy), loglikelihood]: ``accuracy`` reads column 0 and
+# lm-eval's ``perplexity``, exp(-mean loglikelihood over documents), column 1. Rolling tasks store [loglikelihood,
+# words, bytes]: lm-eval's weighted_perplexity and bits_per_byte aggregations are functions of their sums.
+LOGLIKELIHOOD_STAT_NAMES = ("correct", "loglikelihood")
+ROLLING_STAT_NAMES = ("loglikelihood", "words", "bytes")
+
+
+def _nll_per(i: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Per-document negative log-likelihood per unit (column ``i``: words or bytes): the t-test's values."""
+    return lambda stats: -np.asarray(stats, dtype=np.float64)[..., 0] / np.asarray(stats, dtype=np.float64)[..., i]
+
+
+LOGLIKELIHOOD_PERPLEXITY = Metric(
+    "loglikelihood_perplexity", LOGLIKELIHOOD_STAT_NAMES,
+    lambda s, n: np.exp(-np.asarray(s, dtype=np.float64)[..., 1] / n), higher_is_better=False,
+    example_values=lambda stats: -np.asarray(stats, dtype=np.float64)[..., 1])
+WORD_PERPLEXITY = Metric("word_perplexity", ROLLING_STAT_NAMES,
+                         lambda s, n: np.exp(-np.asarray(s, dtype=np.float64)[..., 0] / np.asarray(s)[..., 1]),
+                         higher_is_better=False, example_values=_nll_per(1))
+BYTE_PERPLEXITY = Metric("byte_perplexity", ROLLING_STAT_NAMES,
+                         lambda s, n: np.exp(-np.asarray(s, dtype=np.float64)[..., 0] / np.asarray(s)[..., 2]),
+                         higher_is_better=False, example_values=_nll_per(2))
+BITS_PER_BYTE = Metric("bits_per_byte", ROLLING_STAT_NAMES,
+                       lambda s, n: -np.asarray(s, dtype=np.float64)[..., 0] / np.asarray(s)[..., 2] / np.log(2.0),
+                       higher_is_better=False, example_values=_nll_per(2))
+LM_EVAL_METRICS = (LOGLIKELIHOOD_PERPLEXITY, WORD_PERPLEXITY, BYTE_PERPLEXITY, BITS_PER_BYTE)
+
+METRICS = {m.name: m for m in (ACCURACY, MC_ACCURACY_NORM, BLEU, PERPLEXITY, LOGIT_DIFF, *LM_EVAL_METRICS)}
 
 #: Names of the metrics for which a lower score is better (the SQL views are generated from it).
 LOWER_IS_BETTER = tuple(m.name for m in METRICS.values() if not m.higher_is_better)

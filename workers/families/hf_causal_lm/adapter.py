@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -50,6 +51,9 @@ from headsweep.workers.hub.cache import model_label
 from headsweep.workers.memory.backward_memory import backward_rows, pieces
 from headsweep.workers.memory.batch_budget import cache_budget
 from headsweep.workers.memory.batch_budget import masks_per_forward as budget_masks_per_forward
+
+if TYPE_CHECKING:
+    from headsweep.workers.families.hf_causal_lm.lm_eval_adapter import LmEvalAdapter
 
 LOSS_NAME = "token cross-entropy"
 
@@ -283,10 +287,15 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
 
 
 def load_causal_lm_adapter(model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions
-                           ) -> CausalLMAdapter | MultipleChoiceAdapter | PairedAdapter:
+                           ) -> CausalLMAdapter | MultipleChoiceAdapter | PairedAdapter | LmEvalAdapter:
     """Loader named by the ``hf_causal_lm`` model family: by ``data.task``, the perplexity adapter,
     (``multiple_choice``) :class:`~headsweep.workers.families.hf_causal_lm.multiple_choice.MultipleChoiceAdapter` or
-    (``paired``) :class:`~headsweep.workers.families.hf_causal_lm.paired.PairedAdapter`."""
+    (``paired``) :class:`~headsweep.workers.families.hf_causal_lm.paired.PairedAdapter` or (``lm_eval``)
+    :class:`~headsweep.workers.families.hf_causal_lm.lm_eval_adapter.LmEvalAdapter`."""
+    if data_cfg.task == "lm_eval":  # imported here: lm-eval (and datasets) load only for runs that use them
+        from headsweep.workers.families.hf_causal_lm.lm_eval_adapter import LmEvalAdapter
+
+        return LmEvalAdapter(model_cfg, data_cfg, runtime)
     if data_cfg.task == "multiple_choice":
         return MultipleChoiceAdapter(model_cfg, data_cfg, runtime)
     if data_cfg.task == "paired":

@@ -10,7 +10,11 @@ from headsweep.workers.data.text_files import check_encoding
 # data.window when unset: this many tokens, or the model's maximum positions if it has fewer.
 DEFAULT_WINDOW = 512
 
-TASKS = ("perplexity", "multiple_choice", "paired")
+TASKS = ("perplexity", "multiple_choice", "paired", "lm_eval")
+# lm-evaluation-harness's few-shot seed (simple_evaluate's fewshot_random_seed default)
+LM_EVAL_FEWSHOT_SEED = 1234
+# data.metric of data.task lm_eval: lm-eval's metric names this family scores (lm_eval_scoring.py maps them)
+LM_EVAL_METRICS = ("acc", "acc_norm", "perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
 CHOICE_SCORES = {"acc": "accuracy", "acc_norm": "accuracy_norm"}  # data.choice_score -> the run's metric
 
 
@@ -56,6 +60,13 @@ class CausalLMData:
     alone: usually with their leading space) and optionally a ``template`` id; the metric is ``logit_diff`` (the
     answer's logit minus the wrong answer's at the last position). ``add_bos`` puts BOS before both prompts;
     ``max_pairs`` keeps the first pairs.
+
+    ``task: lm_eval`` builds the documents and requests of lm-evaluation-harness tasks with lm-eval itself
+    (:mod:`headsweep.workers.families.hf_causal_lm.lm_eval_tasks`): ``tasks`` names them (built-in tasks, or tasks
+    in YAML files under ``include_path``), ``num_fewshot`` overrides their few-shot count as lm-eval's
+    ``--num_fewshot`` does (None: the task's own), ``fewshot_seed`` is lm-eval's few-shot seed, ``limit`` keeps
+    the first documents of each task, and ``metric`` names the run's metric among lm-eval's (None: the first
+    task's first one this family scores). Several tasks pool their documents (docs/lm-eval-tasks.md).
     """
 
     path: str = ""
@@ -75,6 +86,12 @@ class CausalLMData:
     choice_score: str = "acc"  # acc | acc_norm: which one is the run's metric
     max_questions: int | None = None
     max_pairs: int | None = None
+    tasks: list[str] | None = None
+    include_path: str | None = None
+    num_fewshot: int | None = None
+    fewshot_seed: int = LM_EVAL_FEWSHOT_SEED
+    limit: int | None = None
+    metric: str | None = None
 
     @property
     def paired(self) -> bool:
@@ -85,7 +102,11 @@ class CausalLMData:
         """What can be checked without the model or the file (the worker checks the rest)."""
         check_encoding(self.encoding)
         if self.task not in TASKS:
-            raise HeadsweepError(f"data.task must be perplexity, multiple_choice or paired, got {self.task!r}")
+            raise HeadsweepError(f"data.task must be perplexity, multiple_choice, paired or lm_eval, got {self.task!r}")
+        if self.task == "lm_eval":
+            self._check_lm_eval()
+            return
+        self._refuse_keys_of("lm_eval", self._lm_eval_keys())
         if self.task != "paired" and self.max_pairs is not None:
             raise HeadsweepError(f"data.max_pairs applies to data.task paired, not {self.task}: remove it, or set "
                                  "data.task: paired")
@@ -116,6 +137,31 @@ class CausalLMData:
         defaults = CausalLMData()
         keys = ["context_field", "choices_field", "gold_field", "target_delimiter", "choice_score", "max_questions"]
         return [k for k in keys if getattr(self, k) != getattr(defaults, k)]
+
+    def _lm_eval_keys(self) -> list[str]:
+        defaults = CausalLMData()
+        keys = ["tasks", "include_path", "num_fewshot", "fewshot_seed", "limit", "metric"]
+        return [k for k in keys if getattr(self, k) != getattr(defaults, k)]
+
+    def _check_lm_eval(self) -> None:
+        self._refuse_keys_of("multiple_choice", self._multiple_choice_keys())
+        self._refuse_keys_of("perplexity", self._perplexity_keys())
+        others = [k for k in ("path", "format", "max_pairs") if getattr(self, k) != getattr(CausalLMData(), k)]
+        if others:
+            raise HeadsweepError(f"data.{others[0]} does not apply to data.task lm_eval (its documents come from the "
+                                 "tasks' own datasets): remove it")
+        if not self.tasks or not all(isinstance(t, str) and t for t in self.tasks):
+            raise HeadsweepError("data.task lm_eval needs data.tasks: a list of lm-evaluation-harness task names, "
+                                 "e.g. data.tasks: [arc_easy] (tasks in your own YAML files: data.include_path)")
+        if len(set(self.tasks)) < len(self.tasks):
+            raise HeadsweepError(f"data.tasks names a task twice: {self.tasks}")
+        if self.limit is not None and self.limit < 1:
+            raise HeadsweepError(f"data.limit must be at least 1 document per task, got {self.limit}")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise HeadsweepError(f"data.num_fewshot must be 0 or more, got {self.num_fewshot}")
+        if self.metric is not None and self.metric not in LM_EVAL_METRICS:
+            raise HeadsweepError(f"data.metric must be one of lm-eval's {', '.join(LM_EVAL_METRICS)}, got "
+                                 f"{self.metric!r}")
 
     def _refuse_keys_of(self, task: str, keys: list[str]) -> None:
         if keys:

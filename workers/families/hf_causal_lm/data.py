@@ -34,6 +34,11 @@ def check_data(cfg: CausalLMData, key: str = "data") -> None:
         read_corpus(cfg, key)
     elif cfg.task == "paired":
         read_pairs(cfg, key)
+    elif cfg.task == "lm_eval":  # lm-eval finds the tasks and reads their documents (offline), as the workers will
+        from headsweep.workers.families.hf_causal_lm.lm_eval_scoring import choose_metric
+        from headsweep.workers.families.hf_causal_lm.lm_eval_tasks import load_tasks
+
+        choose_metric(load_tasks(cfg, key), cfg.metric, key)
     else:
         check_file(cfg.path, data_file(key), f"{key}.path")
 
