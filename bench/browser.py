@@ -61,14 +61,19 @@ def chromium() -> Iterator:
         shutil.rmtree(profile, ignore_errors=True)
 
 
-def open_page(driver, page: Path, timeout: float = 30.0) -> float:
-    """Load ``page`` from ``file://`` and wait until every figure is drawn; returns the seconds it took."""
-    start = time.perf_counter()
+def open_page(driver, page: Path, timeout: float = 60.0, everything: bool = False) -> float:
+    """Load ``page`` from ``file://`` and wait until its first figure is drawn (the explorer draws the others as
+    they come near the viewport; ``everything``: draw and wait for all of them); returns the seconds from the start
+    of navigation to that moment, as the page's own clock says."""
     driver.get(page.resolve().as_uri())
-    wait_for(driver, "return document.querySelectorAll('.plot[id]').length > 0 && "
-                     "Array.from(document.querySelectorAll('.plot[id]')).every(d => d.dataset.drawn === 'yes')",
+    wait_for(driver, "const d = document.querySelector('.plot[id]'); return d !== null && d.dataset.drawn === 'yes'",
              timeout)
-    return time.perf_counter() - start
+    first = float(driver.execute_script("return Number(document.querySelector('.plot[id]').dataset.drawnAt)"))
+    if everything:
+        driver.execute_script("window.headsweepDrawAll()")
+        wait_for(driver, "return Array.from(document.querySelectorAll('.plot[id]'))"
+                         ".every(d => d.dataset.drawn === 'yes')", timeout)
+    return first / 1000.0
 
 
 def wait_for(driver, script: str, timeout: float = 10.0) -> None:
@@ -97,8 +102,12 @@ for (let i = 0; i < full.length; i++) {
     if (x < 0) continue;
     const xa = t.xaxis === 'x' ? div._fullLayout.xaxis : div._fullLayout['xaxis' + t.xaxis.slice(1)];
     const ya = t.yaxis === 'y' ? div._fullLayout.yaxis : div._fullLayout['yaxis' + t.yaxis.slice(1)];
+    // Selenium's offsets count from the element's in-view centre: the centre of its part inside the viewport.
     const box = div.getBoundingClientRect();
-    return [xa._offset + xa.l2p(x) - box.width / 2, ya._offset + ya.l2p(y) - box.height / 2];
+    const left = Math.max(box.left, 0), right = Math.min(box.right, window.innerWidth);
+    const top = Math.max(box.top, 0), bottom = Math.min(box.bottom, window.innerHeight);
+    const cx = (left + right) / 2 - box.left, cy = (top + bottom) / 2 - box.top;
+    return [xa._offset + xa.l2p(x) - cx, ya._offset + ya.l2p(y) - cy];
   }
 }
 return null;
@@ -118,6 +127,8 @@ def hover_cell(driver, element: str, head: str) -> str:
     from selenium.webdriver.common.action_chains import ActionChains
 
     div = driver.find_element("id", element)
+    driver.execute_script("arguments[0].scrollIntoView({block: 'start'})", div)
+    wait_for(driver, f"return document.getElementById('{element}').dataset.drawn === 'yes'", 30)
     x, y = cell_offset(driver, element, head)
     ActionChains(driver).move_to_element_with_offset(div, x, y).perform()
     wait_for(driver, f"return document.querySelector('#{element} .hoverlayer .hovertext') !== null", 5)
@@ -129,6 +140,8 @@ def click_cell(driver, element: str, head: str, key: str, timeout: float = 10.0)
     from selenium.webdriver.common.action_chains import ActionChains
 
     div = driver.find_element("id", element)
+    driver.execute_script("arguments[0].scrollIntoView({block: 'start'})", div)
+    wait_for(driver, f"return document.getElementById('{element}').dataset.drawn === 'yes'", timeout)
     x, y = cell_offset(driver, element, head)
     start = time.perf_counter()
     ActionChains(driver).move_to_element_with_offset(div, x, y).click().perform()

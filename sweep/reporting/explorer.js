@@ -34,9 +34,12 @@
 
   function draw(block) {
     var div = document.getElementById(block.dataset.target);
+    if (!div || div.dataset.drawn) { return; }
+    div.dataset.drawn = "drawing";
     var fig = JSON.parse(block.textContent);
     Plotly.newPlot(div, fig.data, fig.layout, {displaylogo: false, responsive: true}).then(function () {
       div.dataset.drawn = "yes";
+      div.dataset.drawnAt = String(performance.now());  // ms since navigation: what the scale bench reads
     });
     var key = div.dataset.drill;
     if (key) {
@@ -47,7 +50,23 @@
     }
   }
 
-  document.querySelectorAll("script.hs-figure").forEach(draw);
+  // Figures are drawn as they come near the viewport: a page of many runs opens at the speed of its first figure.
+  var blocks = {};
+  document.querySelectorAll("script.hs-figure").forEach(function (block) { blocks[block.dataset.target] = block; });
+  if ("IntersectionObserver" in window) {
+    var seen = new IntersectionObserver(function (entries) {
+      entries.forEach(function (entry) {
+        if (entry.isIntersecting) { seen.unobserve(entry.target); draw(blocks[entry.target.id]); }
+      });
+    }, {rootMargin: "400px 0px"});
+    Object.keys(blocks).forEach(function (id) {
+      var div = document.getElementById(id);
+      if (div) { seen.observe(div); }
+    });
+  } else {
+    Object.keys(blocks).forEach(function (id) { draw(blocks[id]); });
+  }
+  window.headsweepDrawAll = function () { Object.keys(blocks).forEach(function (id) { draw(blocks[id]); }); };
   if (location.hash.indexOf("#head=") === 0) {  // #head=KEY/NAME opens that drill-down
     var target = decodeURIComponent(location.hash.slice(6)).split("/");
     openHead(target[0], target.slice(1).join("/"));

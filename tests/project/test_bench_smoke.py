@@ -42,6 +42,7 @@ SMOKE = {
     "multi30k_translation": ["multi30k_grid"],
     "prune_speed": ["prune_speed", "prune_speed"],  # batch sizes 1 and 64
     "real_size": ["real_size"] * 4,  # bert-base, gpt2, qwen2.5-0.5b, llama-3.2-1b
+    "report_scale": ["report_scale"],  # a synthetic store's report opened in headless Chromium
     "screening": ["screening_classifier", "screening_rates_classifier", "screening"],
     "significance": ["significance"],
     "soak": ["soak"],  # 64 evaluations, one worker killed
@@ -59,6 +60,7 @@ NOT_SMOKED = {
     "slow_tests": "runs the suite's slow tests (pytest -m slow); a tiny version would test nothing",
     "gpu_check": "GPU checks, tested by their own test",
     "__init__": "the package's docstring",
+    "browser": "headless Chromium for report_scale and the browser tests, exercised by report_scale's smoke run",
     "classifier": "the BERT classifiers of real_size, grid_speed and screening, exercised by their smoke runs",
     "flops": "FLOP counts and the matrix-product rate of real_size and lm_grid, exercised by their smoke runs",
     "measure": "memory and grid timing of grid_speed, lm_grid and translation_vs_fairseq, exercised by their smoke "
