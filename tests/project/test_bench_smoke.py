@@ -46,6 +46,7 @@ SMOKE = {
     "screening": ["screening_classifier", "screening_rates_classifier", "screening"],
     "significance": ["significance"],
     "soak": ["soak"],  # 64 evaluations, one worker killed
+    "stock_export": ["stock_export"] * 3,  # qwen2.5-0.5b at 50% (25% is no whole group), llama-3.2-1b at 25%, 50%
     "translation_vs_fairseq": ["translation_vs_fairseq"],
 }
 # These print SKIP and exit 0 without ../shared/data (the others fall back to generated data).
