@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,7 @@ from headsweep.workers.ablation.donors import donors_for, with_donors
 from headsweep.workers.core.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
+from headsweep.workers.core.mask_grid import GridBatch, Pass, mask_grid
 from headsweep.workers.core.metrics import ACCURACY, LOGIT_DIFF
 from headsweep.workers.core.workload import median_batch, take_rows
 from headsweep.workers.data.data_report import Finding, merge, report, unknown_tokens
@@ -35,14 +36,14 @@ from headsweep.workers.families.hf_classifier.model import load_classifier_model
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout
 from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches, cut_batches
 from headsweep.workers.families.hf_shared.loading import max_positions
-from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch
+from headsweep.workers.families.hf_shared.paired import paired_sides
+from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, repeat_rows
 from headsweep.workers.families.hf_shared.sites import find_sites
 from headsweep.workers.families.hf_shared.tokenizer import count_unknown
 from headsweep.workers.hub.cache import model_label
 from headsweep.workers.memory.backward_memory import backward_rows
 from headsweep.workers.memory.batch_budget import cache_budget
 from headsweep.workers.memory.batch_budget import masks_per_forward as budget_masks_per_forward
-from headsweep.workers.memory.replay import by_first_gated_layer
 
 
 class ClassifierAdapter(PrefixReuseSwitch):
@@ -63,11 +64,12 @@ class ClassifierAdapter(PrefixReuseSwitch):
         id2label = {int(k): v for k, v in self.model.config.id2label.items()}
         self.labels = torch.tensor(label_ids(examples.labels, id2label, data_cfg.path, examples.row),
                                    device=self.device)
-        # Paired inputs (data.task: paired): the metric is the logit difference; the corrupted inputs are evaluated
-        # under patch's denoising, the clean ones otherwise, and `other` holds each pair's other input.
+        # Paired inputs (data.task: paired): the metric is the logit difference; which input of a pair is evaluated
+        # and which fills is the run's choice of sides (hf_shared/paired.py), `other` each pair's other input.
         self.paired = data_cfg.paired
         self.metric = LOGIT_DIFF if self.paired else ACCURACY
         spec = runtime.ablation
+        self.sides = paired_sides(spec)
         self.evaluated, other = "clean", None
         if self.paired:
             assert examples.corrupted is not None and examples.wrong_labels is not None and examples.lines is not None
@@ -77,10 +79,9 @@ class ClassifierAdapter(PrefixReuseSwitch):
             if len(same):
                 raise HeadsweepError(f"data file {data_cfg.path}: line {examples.lines[int(same[0])]}: answer and "
                                      "wrong_answer are the same label: their logit difference is always 0")
-            other = examples.corrupted
-            if spec.method_object.evaluates_corrupted(spec):
-                self.evaluated, other = "corrupted", examples.texts
-                examples = dataclasses.replace(examples, texts=examples.corrupted)
+            self.evaluated = self.sides.evaluated
+            texts, other = self.sides.arrange(examples.texts, examples.corrupted)
+            examples = dataclasses.replace(examples, texts=texts)
         self.examples = examples
         self._label_text = _label_text(examples.labels, id2label)
         self.max_positions = max_positions(self.model.config)
@@ -88,13 +89,11 @@ class ClassifierAdapter(PrefixReuseSwitch):
         self.encoding = self.encode(self.max_length)
         self.batches = self.tokenise(self.max_length, runtime.batch_size, self.encoding)
         lengths = [len(ids) for ids in self.encoding["input_ids"]]
-        # Patching fills from the pair's other input; resample from other examples' evaluated inputs.
         self._donor_encoding = self.encoding
         if other is not None:
             self.other_encoding = self.tokenizer(other, truncation=True, max_length=self.max_length)
             self._check_pair_lengths(lengths, data_cfg.path)
-            if spec.method_object.fills_from_pair(spec):
-                self._donor_encoding = self.other_encoding
+            self._donor_encoding = self.sides.donor_side(self.encoding, self.other_encoding)
         self.donors = donors_for(spec, self.gates, lengths, paired=self.paired, where=f"data file {data_cfg.path}",
                                  more="more examples (a larger data.max_examples, or a larger file)")
         whole = self.tokenizer(examples.texts, examples.text_pairs, verbose=False)["input_ids"]  # not truncated
@@ -136,7 +135,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
         for i, n in enumerate(lengths):
             m = len(self.other_encoding["input_ids"][i])
             if m != n:
-                clean, corrupted = (n, m) if self.evaluated == "clean" else (m, n)
+                clean, corrupted = self.sides.clean_and_corrupted(n, m)
                 raise HeadsweepError(f"data file {path}: line {self.examples.lines[i]}: the clean input is {clean} "
                                      f"tokens and the corrupted one {corrupted}; patching puts one input's activations "
                                      "at the other's positions, so they must tokenise to the same length: reword one "
@@ -162,7 +161,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
         if self.paired:  # both unpatched means: the normalised patching score is computed from them
             evaluated = float(self.statistic(self.logits([[]])[0]).mean())
             other = float(self.statistic(self._other_logits()).mean())
-            clean, corrupted = (evaluated, other) if self.evaluated == "clean" else (other, evaluated)
+            clean, corrupted = self.sides.clean_and_corrupted(evaluated, other)
             paired = {"task": "paired", "evaluated_input": self.evaluated, "logit_diff_clean": clean,
                       "logit_diff_corrupted": corrupted}
         return DatasetInfo(
@@ -264,42 +263,38 @@ class ClassifierAdapter(PrefixReuseSwitch):
         return self.reused_or_plain(lambda: self._logits_reused(masks), lambda: self._logits_plain(masks))
 
     def _logits_reused(self, masks: Sequence[Sequence[Head]]) -> torch.Tensor:
-        """Masks grouped by first gated layer; each group starts there from the batch's baseline states."""
-        out = torch.empty(len(masks), len(self.examples.ids), self.model.config.num_labels, device=self.device)
-        groups = by_first_gated_layer(masks, self.gates.inventory)
-        for key, (idx, inputs) in enumerate(self.batches):
-            per = self.masks_per_forward(inputs)
-            states = self._reuse.states(key, inputs)
-            cols = idx.to(self.device)
-            rows = idx.numel()
-            with self.donors.batch(idx, self.run_donors, needed=any(layer is not None for layer in groups)):
-                for layer, members in groups.items():
-                    for first in range(0, len(members), per):
-                        chunk = members[first : first + per]
-                        if layer is None:
-                            logits = states.logits.float().repeat(len(chunk), 1)
-                        else:
-                            logits = self._reuse.run(inputs, states, layer, [masks[i] for i in chunk]).float()
-                        which = torch.tensor(chunk, device=self.device)
-                        out[which.unsqueeze(1), cols.unsqueeze(0)] = logits.view(len(chunk), rows, -1)
-        return out
+        """Masks grouped by first gated layer; each group starts there from the batch's baseline states
+        (:meth:`~.reuse.PrefixReuse.start`)."""
+        reuse = self._reuse
+
+        def start(batch: GridBatch[dict]) -> Pass:
+            forward = reuse.start(batch.key, batch.inputs)
+            return lambda chunk: forward(chunk).float()
+
+        return self._grid(masks, start, reuse.groups(masks))
 
     def _logits_plain(self, masks: Sequence[Sequence[Head]]) -> torch.Tensor:
         """The reference: every mask (or copy of the batch) runs the whole model."""
-        n = len(self.examples.ids)
-        out = torch.empty(len(masks), n, self.model.config.num_labels, device=self.device)
-        for idx, inputs in self.batches:
-            per = self.masks_per_forward(inputs)
-            rows = idx.numel()
-            with self.donors.batch(idx, self.run_donors, needed=any(masks)):
-                for first in range(0, len(masks), per):
-                    chunk = masks[first : first + per]
-                    stacked = inputs if len(chunk) == 1 else {
-                        k: v.repeat(len(chunk), *([1] * (v.dim() - 1))) for k, v in inputs.items()}
-                    with self.gates.packed(chunk, rows):
-                        logits = self.model(**stacked).logits.float()
-                    out[first : first + len(chunk), idx.to(self.device)] = logits.view(len(chunk), rows, -1)
-        return out
+
+        def start(batch: GridBatch[dict]) -> Pass:
+            def forward(chunk: list[Sequence[Head]]) -> torch.Tensor:
+                stacked = {k: repeat_rows(v, len(chunk)) for k, v in batch.inputs.items()}
+                with self.gates.packed(chunk, batch.rows):
+                    return self.model(**stacked).logits.float()
+
+            return forward
+
+        return self._grid(masks, start)
+
+    def _grid(self, masks: Sequence[Sequence[Head]], start: Callable[[GridBatch[dict]], Pass],
+              groups: list[list[int]] | None = None) -> torch.Tensor:
+        """Every mask over every batch (:func:`~headsweep.workers.core.mask_grid.mask_grid`): logits of shape
+        (n_masks, n_examples, n_labels), on the device."""
+        out = torch.empty(len(masks), len(self.examples.ids), self.model.config.num_labels, device=self.device)
+        batches = [GridBatch(key, inputs, idx) for key, (idx, inputs) in enumerate(self.batches)]
+        return mask_grid(masks, batches, start, out,
+                         masks_per_forward=lambda batch: self.masks_per_forward(batch.inputs),
+                         donors=self.donors, run_donors=self.run_donors, groups=groups)
 
     def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
         """Each mask's per-example statistics and loss; under resample ablation with K draws
@@ -359,4 +354,3 @@ def _input_texts(examples) -> list[str]:
     if examples.text_pairs is None:
         return list(examples.texts)
     return [f"{a} [SEP] {b}" for a, b in zip(examples.texts, examples.text_pairs, strict=True)]
-

@@ -20,7 +20,7 @@ else is evaluated with the plain path; :func:`classifier_layout` says why.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +33,8 @@ from headsweep.workers.families.hf_shared.reuse import repeat_rows, start_at_lay
 from headsweep.workers.memory.replay import (
     RecordedBaselines,
     ReuseUnsupported,
+    by_first_gated_layer,
+    first_gated_layer,
     gated_projection,
     layer_stack,
     pass_through,
@@ -121,6 +123,24 @@ class PrefixReuse(RecordedBaselines[BaselineStates]):
         if any(c is None for c in contexts):
             raise ReuseUnsupported("an attention output projection was not called as a module")
         return BaselineStates(logits, hidden[:-1], contexts, shape[0])
+
+    def groups(self, masks: Sequence[Sequence[Head]]) -> list[list[int]]:
+        """The positions of ``masks`` that may share a pass: one first gated layer each (the empty mask apart)."""
+        return list(by_first_gated_layer(masks, self.gates.inventory).values())
+
+    def start(self, key: int, inputs: dict) -> Callable[[list[Sequence[Head]]], torch.Tensor]:
+        """Batch ``key``'s forward pass on the reuse path (a :data:`~headsweep.workers.core.mask_grid.Pass`): masks
+        of one :meth:`groups` group started at their first gated layer from the batch's baseline states (recorded
+        now, ungated), the empty mask the baseline itself; logits per row, mask-major."""
+        states = self.states(key, inputs)
+
+        def forward(chunk: list[Sequence[Head]]) -> torch.Tensor:
+            layer = first_gated_layer(chunk[0])
+            if layer is None:
+                return states.logits.repeat(len(chunk), 1)
+            return self.run(inputs, states, layer, chunk)
+
+        return forward
 
     def run(self, inputs: dict, states: BaselineStates, layer: int, masks: Sequence[Sequence[Head]]) -> torch.Tensor:
         """Logits of the batch under each mask (all first gated at ``layer``), mask-major: (k*B, labels)."""
