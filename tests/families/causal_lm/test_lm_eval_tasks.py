@@ -193,6 +193,24 @@ def test_masked_heads_equal_simple_evaluate_on_weight_surgery(setup, shape, attn
     assert moved == len(masks)
 
 
+@pytest.mark.parametrize("shape, attn", [("llama_8q2kv", "sdpa"), ("gpt2", "eager")])
+def test_prefix_reuse_equals_the_plain_path_bit_for_bit(setup, shape, attn):
+    """Every single-head and all-but-one mask of the contract suite's causal-LM shapes, few-shot contexts in padded
+    batches: masks started at their first gated layer from cached states equal whole-model passes exactly (one
+    mask per pass: the same kernels on the same shapes), and within rounding when masks share passes."""
+    _, tasks, models = setup
+    cfg = data(tasks, ["tiny_mc"], num_fewshot=2)
+    runs = {(reuse, per): LmEvalAdapter(CausalLMModel(path=str(models[shape]), attn_implementation=attn), cfg,
+                                        RuntimeOptions(batch_size=3, masks_per_batch=per, reuse=reuse))
+            for reuse, per in ((True, 1), (False, 1), (True, 0))}
+    assert runs[True, 1].reuse_note.startswith("prefix") and runs[False, 1].reuse_note.startswith("off")
+    heads = list(runs[True, 1].gates.inventory.heads)
+    masks = [[]] + [[h] for h in heads] + [[h for h in heads if h.layer == g.layer and h != g] for g in heads]
+    plain = runs[False, 1].values(masks)
+    assert np.array_equal(runs[True, 1].values(masks), plain)  # exact
+    assert_routes_agree(runs[True, 0].values(masks)[..., 0], plain[..., 0], depth=DEPTH, width=WIDTH)
+
+
 def test_multiple_choice_task_equals_the_same_questions_as_an_lm_eval_task(setup, tmp_path):
     """``data.task: multiple_choice`` on a JSONL file and the same questions as an lm-eval task: the same outcomes
     and scores; log-likelihoods within rounding (multiple choice sums its tokens in float64, lm-eval in float32)."""

@@ -11,14 +11,18 @@
 
 Rows are sorted by length and right-padded in batches of ``sweep.batch_size`` (a batch with padding passes an
 attention mask; one without passes none, as HFLM does), and several masks share one forward pass (the batch
-repeated once per mask). The per-document loss (``examples.loss``, importance) is the negative log-likelihood of
+repeated once per mask). With ``sweep.reuse`` (the default) a mask starts at its first gated layer from the batch's
+cached baseline states (:mod:`.reuse`: the context and continuations below that layer run once per batch, not once
+per mask); with one mask per pass that is the plain path bit for bit.
+
+The per-document loss (``examples.loss``, importance) is the negative log-likelihood of
 the gold continuation: the gold choice (multiple choice), the continuation (loglikelihood), the whole text
 (rolling).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -44,8 +48,11 @@ from headsweep.workers.families.hf_causal_lm.model import (
     model_facts,
     target_nll,
 )
+from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
+from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, repeat_rows
 from headsweep.workers.hub.cache import model_label
+from headsweep.workers.memory.batch_budget import cache_budget
 from headsweep.workers.memory.batch_budget import masks_per_forward as budget_masks_per_forward
 
 LOSS_NAME = "token cross-entropy of the gold continuations"
@@ -71,13 +78,25 @@ class RowBatch:
     targets: torch.Tensor
     lengths: list[int]
 
-    def repeat(self, n: int) -> RowBatch:
-        """The batch stacked ``n`` times (one copy per mask)."""
-        if n == 1:
-            return self
-        mask = None if self.attention_mask is None else self.attention_mask.repeat(n, 1)
-        return RowBatch(self.rows, self.input_ids.repeat(n, 1), mask, self.positions.repeat(n, 1),
-                        self.targets.repeat(n, 1), self.lengths * n)
+    @property
+    def packed(self) -> torch.Tensor:
+        """Everything but the input ids in one tensor with a row per row (what prefix reuse repeats per mask):
+        ``[attention mask (W) | positions (K) | targets (K) | continuation length (1)]``; :func:`unpack` reads it."""
+        mask = (self.attention_mask if self.attention_mask is not None else
+                torch.ones_like(self.input_ids))
+        lengths = torch.tensor(self.lengths, dtype=torch.long, device=self.input_ids.device).unsqueeze(1)
+        return torch.cat([mask, self.positions, self.targets, lengths], dim=1)
+
+
+def unpack(input_ids: torch.Tensor, packed: torch.Tensor
+           ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:attr:`RowBatch.packed` back into the attention mask (None where no row is padded), positions, targets and
+    continuation lengths."""
+    width = input_ids.shape[1]
+    keep = (packed.shape[1] - width - 1) // 2
+    mask = packed[:, :width]
+    return (None if bool(mask.all()) else mask, packed[:, width : width + keep],
+            packed[:, width + keep : width + 2 * keep], packed[:, -1])
 
 
 def row_batch(rows: Sequence[TokenRow], which: Sequence[int], device: torch.device) -> RowBatch:
@@ -118,7 +137,7 @@ def _subset(tasks: list[TaskDocs], examples: tuple[int, ...] | None) -> list[Tas
     return out
 
 
-class LmEvalAdapter(BaselineOnce):
+class LmEvalAdapter(PrefixReuseSwitch, BaselineOnce):
     """A gated causal LM with lm-evaluation-harness tasks (an ``EvalAdapter``)."""
 
     def __init__(self, model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
@@ -134,6 +153,7 @@ class LmEvalAdapter(BaselineOnce):
         loaded = load_causal_lm(model_cfg, runtime.device)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.gates = HeadGates(sites_or_error(self.model))
+        self.model_name = model_label(model_cfg.path)
         self.encoded: EncodedTasks = encode_tasks(self.model, self.tokenizer, self.tasks)
         self.rows = self.encoded.rows
         self.scorer = DocumentScorer(self.tasks, self.metric_name, self.metric)
@@ -143,9 +163,12 @@ class LmEvalAdapter(BaselineOnce):
                           for d, reqs in enumerate(self.encoded.requests[t])]
         self.batches = self._batches(range(len(self.rows)), runtime.batch_size)
         self.grid = grid_batches(self.batches, lambda b: b.rows)
-        self.model_name = model_label(model_cfg.path)
         self.dataset_name = data_cfg.name or "+".join(t.name for t in self.tasks)
-        self.reuse_note = "plain path: every mask runs the whole model (prefix reuse is not implemented for lm_eval)"
+        self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
+                                                            decoder_layout(self.model, self.gates.sites),
+                                                            self.packed_pass, cache_budget(self.device)),
+                         "prefix: masks start at their first gated layer from cached baseline states (layer outputs "
+                         "and per-head contexts per batch of requests)")
         self.data_facts = {
             "task": "lm_eval", "lm_eval_tasks": [t.name for t in self.tasks],
             "output_type": self.output_type, "lm_eval_metric": self.metric_name,
@@ -238,37 +261,63 @@ class LmEvalAdapter(BaselineOnce):
     @torch.inference_mode()
     def loglikelihoods(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
         """Each row's (loglikelihood, greedy) under each mask: shape (n_masks, n_rows, 2), float64 holding the
-        float lm-eval would compute; through the mask-grid loop (``masks_per_forward`` masks share a pass)."""
+        float lm-eval would compute; through the mask-grid loop, with prefix reuse while it runs (masks grouped by
+        first gated layer, each group starting there from the batch's baseline states)."""
         out = np.empty((len(masks), len(self.rows), 2), dtype=np.float64)
-        return mask_grid(masks, self.grid, self._start, out,
-                         masks_per_forward=lambda batch: self.masks_per_forward(batch.inputs))
+
+        def grid(start: Callable[[GridBatch[RowBatch]], Pass], groups: list[list[int]] | None = None) -> np.ndarray:
+            return mask_grid(masks, self.grid, start, out, groups=groups,
+                             masks_per_forward=lambda batch: self.masks_per_forward(batch.inputs))
+
+        return self.reused_or_plain(lambda: grid(self._start_reused, self._reuse.groups(masks)),
+                                    lambda: grid(self._start))
 
     def _start(self, batch: GridBatch[RowBatch]) -> Pass:
-        """The batch's packed forward pass: per row of the batch repeated once per mask, (loglikelihood, greedy)."""
+        """The plain path's packed forward pass: every mask runs the whole model; per row of the batch repeated once
+        per mask, (loglikelihood, greedy)."""
+        input_ids, packed = batch.inputs.input_ids, batch.inputs.packed
+
         def forward(chunk: list[Sequence[Head]]) -> np.ndarray:
-            stacked = batch.inputs.repeat(len(chunk))
+            ids, extra = repeat_rows(input_ids, len(chunk)), repeat_rows(packed, len(chunk))
             with self.gates.packed(chunk, batch.rows):
-                logprobs, greedy = self.continuation_logprobs(stacked)
-            return np.stack(row_sums(logprobs, greedy, stacked.lengths), axis=1)
+                return self._sums(self.packed_pass(ids, extra), extra)
 
         return forward
+
+    def _start_reused(self, batch: GridBatch[RowBatch]) -> Pass:
+        """The reuse path's pass (:meth:`~.reuse.PrefixReuse.start`): the batch's baseline recorded once, masks of
+        one first gated layer started there."""
+        input_ids, packed = batch.inputs.input_ids, batch.inputs.packed
+        forward = self._reuse.start(batch.key, input_ids, packed)
+        return lambda chunk: self._sums(forward(chunk), repeat_rows(packed, len(chunk)))
+
+    @staticmethod
+    def _sums(values: torch.Tensor, packed: torch.Tensor) -> np.ndarray:
+        """(loglikelihood, greedy) per row from :meth:`packed_pass`'s output (module docstring: HFLM's sum)."""
+        keep = values.shape[1] // 2
+        lengths = [int(c) for c in packed[:, -1].tolist()]
+        return np.stack(row_sums(values[:, :keep], values[:, keep:].bool(), lengths), axis=1)
+
+    def packed_pass(self, input_ids: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """One forward pass with the gates as they are set: per row the log-probabilities of its targets (K, in
+        the logits' dtype) and whether each is the argmax (K, as 0/1), side by side: shape (B, 2K)."""
+        mask, positions, targets, _ = unpack(input_ids, packed)
+        extra: dict[str, Any] = {} if mask is None else {"attention_mask": mask}
+        # every position's logits, as HFLM computes them: the vocabulary projection of fewer positions (logits_to_keep)
+        # multiplies matrices of another shape, which rounds differently
+        full = self.model(input_ids=input_ids, use_cache=False, **extra).logits
+        logprobs = torch.log_softmax(torch.take_along_dim(full, positions.unsqueeze(-1), dim=1), dim=-1)
+        greedy = logprobs.argmax(dim=-1) == targets
+        picked = torch.gather(logprobs, 2, targets.unsqueeze(-1)).squeeze(-1)
+        return torch.cat([picked, greedy.to(picked.dtype)], dim=1)
 
     def _logits(self, batch: RowBatch) -> torch.Tensor:
         """The logits at ``batch.positions`` (B, K, V) from one forward pass with the gates as they are set."""
         extra: dict[str, Any] = {}
         if batch.attention_mask is not None:
             extra["attention_mask"] = batch.attention_mask
-        # every position's logits, as HFLM computes them: the vocabulary projection of fewer positions (logits_to_keep)
-        # multiplies matrices of another shape, which rounds differently
         full = self.model(input_ids=batch.input_ids, use_cache=False, **extra).logits
         return torch.take_along_dim(full, batch.positions.unsqueeze(-1), dim=1)
-
-    def continuation_logprobs(self, batch: RowBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The log-probabilities of ``batch.targets`` (B, K) in the logits' dtype, as HFLM takes them
-        (``log_softmax`` over the vocabulary, then gathered), and whether each target is the argmax (B, K)."""
-        logprobs = torch.log_softmax(self._logits(batch), dim=-1)
-        greedy = logprobs.argmax(dim=-1) == batch.targets
-        return torch.gather(logprobs, 2, batch.targets.unsqueeze(-1)).squeeze(-1), greedy
 
     def bytes_per_row(self, batch: RowBatch) -> int:
         """Activation bytes of one row of ``batch`` (see :func:`~.model.activation_bytes_per_row`): every position's
