@@ -479,7 +479,7 @@ def test_bad_lines_and_settings_are_one_line(tmp_path, word_lm):
         read_questions(CausalLMData(path=str(tmp_path / "none.jsonl"), task="multiple_choice"))
 
     settings = {
-        (("task", "mc"),): "data.task must be perplexity, multiple_choice or paired, got 'mc'",
+        (("task", "mc"),): "data.task must be perplexity, multiple_choice, paired or lm_eval, got 'mc'",
         (("task", "multiple_choice"), ("window", 16)): "data.window applies to data.task perplexity",
         (("max_questions", 3),): "data.max_questions applies to data.task multiple_choice, not perplexity",
         (("task", "multiple_choice"), ("choice_score", "f1")): "data.choice_score must be acc or acc_norm",

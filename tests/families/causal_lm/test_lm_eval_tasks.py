@@ -211,6 +211,24 @@ def test_prefix_reuse_equals_the_plain_path_bit_for_bit(setup, shape, attn):
     assert_routes_agree(runs[True, 0].values(masks)[..., 0], plain[..., 0], depth=DEPTH, width=WIDTH)
 
 
+@pytest.mark.parametrize("shape, attn", [("llama_8q2kv", "sdpa"), ("gpt2", "eager")])
+def test_multiple_choice_prefix_reuse_equals_the_plain_path_bit_for_bit(setup, shape, attn, tmp_path):
+    """``data.task: multiple_choice`` too: every single-head and all-but-one mask, reuse == plain exactly."""
+    from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+
+    _, _, models = setup
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"context": c, "choices": ch, "gold": g}) + "\n" for c, ch, g in QUESTIONS))
+    model = CausalLMModel(path=str(models[shape]), attn_implementation=attn)
+    runs = {reuse: load_causal_lm_adapter(model, CausalLMData(path=str(path), task="multiple_choice"),
+                                          RuntimeOptions(batch_size=4, masks_per_batch=1, reuse=reuse))
+            for reuse in (True, False)}
+    assert runs[True].reuse_note.startswith("prefix")
+    heads = list(runs[True].gates.inventory.heads)
+    masks = [[]] + [[h] for h in heads] + [[h for h in heads if h.layer == g.layer and h != g] for g in heads]
+    assert np.array_equal(runs[True].values(masks), runs[False].values(masks))  # exact
+
+
 def test_multiple_choice_task_equals_the_same_questions_as_an_lm_eval_task(setup, tmp_path):
     """``data.task: multiple_choice`` on a JSONL file and the same questions as an lm-eval task: the same outcomes
     and scores; log-likelihoods within rounding (multiple choice sums its tokens in float64, lm-eval in float32)."""

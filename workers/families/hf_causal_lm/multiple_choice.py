@@ -13,7 +13,8 @@ makes the numbers comparable with its ``acc`` and ``acc_norm``):
 Every question stores ``[correct, correct_norm]``; ``data.choice_score`` picks the run's metric (``accuracy``
 or ``accuracy_norm``, :mod:`headsweep.workers.core.metrics`). Rows are (question, choice) pairs, right-padded in
 batches with an attention mask, and the logits are computed only at the positions that predict continuation
-tokens. Several masks share one forward pass, as for perplexity; there is no prefix reuse here.
+tokens. Several masks share one forward pass, and with ``sweep.reuse`` a mask starts at its first gated layer from the
+batch's cached baseline states, as for perplexity (:mod:`headsweep.workers.families.hf_causal_lm.reuse`).
 """
 
 from __future__ import annotations
@@ -51,10 +52,13 @@ from headsweep.workers.families.hf_causal_lm.questions import (
     read_questions,
     request_tokens,
 )
+from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
 from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
 from headsweep.workers.families.hf_shared.loading import max_positions
+from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, repeat_rows
 from headsweep.workers.families.hf_shared.tokenizer import count_unknown
 from headsweep.workers.hub.cache import model_label
+from headsweep.workers.memory.batch_budget import cache_budget
 from headsweep.workers.memory.batch_budget import masks_per_forward as budget_masks_per_forward
 
 logger = logging.getLogger(__name__)
@@ -110,6 +114,21 @@ class RowBatch:
         return RowBatch(self.rows, *(t.repeat(n, 1) for t in (self.input_ids, self.attention_mask, self.positions,
                                                                self.targets, self.scored)))
 
+    @property
+    def packed(self) -> torch.Tensor:
+        """Everything but the input ids, one row per row: ``[attention mask (W) | positions (K) | targets (K) |
+        scored (K)]`` (:func:`unpack` reads it)."""
+        return torch.cat([self.attention_mask, self.positions, self.targets, self.scored.long()], dim=1)
+
+
+def unpack(input_ids: torch.Tensor, packed: torch.Tensor) -> RowBatch:
+    """A batch from its input ids and :attr:`RowBatch.packed` (``rows`` left empty: the rows are not needed)."""
+    width = input_ids.shape[1]
+    keep = (packed.shape[1] - width) // 3
+    parts = [packed[:, width + i * keep : width + (i + 1) * keep] for i in range(3)]
+    return RowBatch(torch.empty(0, dtype=torch.long), input_ids, packed[:, :width], parts[0], parts[1],
+                    parts[2].bool())
+
 
 def row_batch(rows: Sequence[Row], which: Sequence[int], device: torch.device) -> RowBatch:
     """The rows ``which`` as one right-padded batch (padding id 0: masked out, and never read by a real token of a
@@ -135,7 +154,7 @@ def row_batch(rows: Sequence[Row], which: Sequence[int], device: torch.device) -
                     targets.to(device), scored.to(device))
 
 
-class MultipleChoiceAdapter(BaselineOnce):
+class MultipleChoiceAdapter(PrefixReuseSwitch, BaselineOnce):
     """A gated causal LM with a multiple-choice question set (an ``EvalAdapter``)."""
 
     def __init__(self, model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
@@ -171,8 +190,11 @@ class MultipleChoiceAdapter(BaselineOnce):
         self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.model_name = model_label(model_cfg.path)
         self.dataset_name = data_cfg.name or Path(Path(data_cfg.path).name.removesuffix(".gz")).stem
-        self.reuse_note = ("plain path: every mask runs the whole model (prefix reuse is not implemented for "
-                           "multiple choice)")
+        self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
+                                                            decoder_layout(self.model, self.gates.sites),
+                                                            self.packed_nll, cache_budget(self.device)),
+                         "prefix: masks start at their first gated layer from cached baseline states (layer outputs "
+                         "and per-head contexts per batch of choices)")
         ids = [f"q{i}" for i in range(len(questions))]
         counts: dict[str, int] = {}
         for q in questions:
@@ -240,11 +262,17 @@ class MultipleChoiceAdapter(BaselineOnce):
     @torch.inference_mode()
     def loglikelihoods(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
         """Each row's log-likelihood (nats, summed over its continuation tokens) under each mask: shape
-        (n_masks, n_rows), float64. Every mask runs the whole model; ``masks_per_forward`` masks share a pass
-        (:func:`~headsweep.workers.core.mask_grid.mask_grid`)."""
+        (n_masks, n_rows), float64; ``masks_per_forward`` masks share a pass
+        (:func:`~headsweep.workers.core.mask_grid.mask_grid`). With prefix reuse (``sweep.reuse``) masks start at
+        their first gated layer from the batch's baseline states; else every mask runs the whole model."""
         out = np.empty((len(masks), len(self.rows)), dtype=np.float64)
-        return mask_grid(masks, grid_batches(self.batches, lambda b: b.rows), self._plain_pass, out,
-                         masks_per_forward=lambda b: self.masks_per_forward(b.inputs))
+
+        def grid(start, groups: list[list[int]] | None = None) -> np.ndarray:
+            return mask_grid(masks, grid_batches(self.batches, lambda b: b.rows), start, out, groups=groups,
+                             masks_per_forward=lambda b: self.masks_per_forward(b.inputs))
+
+        return self.reused_or_plain(lambda: grid(self._reused_pass, self._reuse.groups(masks)),
+                                    lambda: grid(self._plain_pass))
 
     def _plain_pass(self, batch: GridBatch[RowBatch]):
         """The batch's packed forward pass: per row of the stacked batch, its continuation's log-likelihood."""
@@ -255,6 +283,23 @@ class MultipleChoiceAdapter(BaselineOnce):
             return -(nll.double() * stacked.scored).sum(dim=1)
 
         return forward
+
+    def _reused_pass(self, batch: GridBatch[RowBatch]):
+        """The reuse path's pass (:meth:`~.reuse.PrefixReuse.start`): the batch's baseline recorded once, masks of one
+        first gated layer started there; the same sums as :meth:`_plain_pass`."""
+        packed = batch.inputs.packed
+        forward = self._reuse.start(batch.key, batch.inputs.input_ids, packed)
+
+        def sums(chunk: list[Sequence[Head]]) -> torch.Tensor:
+            scored = unpack(batch.inputs.input_ids, repeat_rows(packed, len(chunk))).scored
+            return -(forward(chunk).double() * scored).sum(dim=1)
+
+        return sums
+
+    def packed_nll(self, input_ids: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """:meth:`continuation_nll` of the batch ``input_ids`` with the rest of it in :attr:`RowBatch.packed` (what
+        prefix reuse repeats once per mask)."""
+        return self.continuation_nll(unpack(input_ids, packed))
 
     def continuation_nll(self, batch: RowBatch, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Per-position NLL of ``batch.targets`` at ``batch.positions`` (shape (B, K); unscored places hold
