@@ -67,13 +67,15 @@ class Store:
 
         return head_examples(self.connection, run, name, checkpoint).to_pandas()
 
-    def attention(self, name: str, run: str, examples: int = 3):
+    def attention(self, name: str, run: str, examples: int = 3, checkpoint: str | None = None):
         """Attention patterns of head ``name`` on the ``examples`` examples its removal harms most, from the run's
-        model (loaded again on this machine): a list of dicts with ``example_id``, ``tokens`` and ``weights`` (a
-        query x key array). See ``headsweep.sweep.reporting.attention_maps``."""
+        model (loaded again on this machine, ``checkpoint``: which one, default the run's first): a list of dicts
+        with ``head``, ``example_id``, ``queries`` and ``keys`` (token strings) and ``weights`` (a query x key
+        array: the model's own attention weights, the first ``MAX_TOKENS`` tokens). See
+        ``headsweep.sweep.reporting.attention_maps``."""
         from headsweep.sweep.reporting.attention_maps import head_patterns
 
-        return head_patterns(self.connection, run, name, examples)
+        return head_patterns(self.connection, run, name, examples, checkpoint)
 
     def close(self) -> None:
         self.connection.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import duckdb
@@ -66,6 +67,9 @@ def load_adapter(config_json: str, positions: list[int]) -> Any:
     except HeadsweepError as exc:
         raise AttentionUnavailable(f"--attention: the run's config no longer loads here: {exc}") from None
     where = _model_path(cfg) or cfg.model.kind
+    if Path(where).is_absolute() and not Path(where).exists():  # a hub id is no absolute path: the loader says
+        raise AttentionUnavailable(f"--attention: the run's model folder {where} is not there any more (moved or "
+                                   "deleted): the page has no attention patterns; the rest of it is written")
     try:
         return model_family(cfg.model.kind).load(cfg.model, cfg.data, RuntimeOptions(
             device="cpu", threads=1, reuse=False, examples=tuple(positions)))
@@ -211,16 +215,18 @@ def token_losses(adapter: Any, picks: list[tuple[str, str, int]]) -> list[TokenL
     return out
 
 
-def head_patterns(con: duckdb.DuckDBPyConnection, run_id: str, name: str, examples: int = EXAMPLES
-                  ) -> list[dict[str, Any]]:
-    """``Store.attention``: head ``name``'s patterns on the ``examples`` examples its removal harms most."""
-    run = one(con, "SELECT run_id, metric, config FROM runs WHERE run_id = ?", [run_id])
+def head_patterns(con: duckdb.DuckDBPyConnection, run_id: str, name: str, examples: int = EXAMPLES,
+                  checkpoint: str | None = None) -> list[dict[str, Any]]:
+    """``Store.attention``: head ``name``'s patterns on the ``examples`` examples its removal harms most, on model
+    ``checkpoint`` (default: the run's first)."""
+    run = one(con, "SELECT run_id, metric, config, ablation FROM runs WHERE run_id = ?", [run_id])
     if run is None:
         raise HeadsweepError(f"no run {run_id!r} in the store (headsweep runs lists them)")
     known = {r[0] for r in fetch(con, "SELECT name FROM heads WHERE run_id = ?", [run_id])}
     if name not in known:
         raise HeadsweepError(f"no head {name!r} in run {run_id} (names are attention:layer:head)")
-    checkpoints = [r[0] for r in fetch(con, "SELECT DISTINCT checkpoint FROM evaluations WHERE run_id = ?",
-                                             [run_id])]
-    row = {"run_id": run[0], "metric": run[1], "config": run[2]}
-    return [p.as_dict() for p in run_patterns(con, row, checkpoints[0] if checkpoints else None, [name], examples)]
+    if checkpoint is None:
+        first = one(con, "SELECT checkpoint FROM evaluations WHERE run_id = ? ORDER BY eval_id LIMIT 1", [run_id])
+        checkpoint = first[0] if first else None
+    row = {"run_id": run[0], "metric": run[1], "config": run[2], "ablation": run[3]}
+    return [p.as_dict() for p in run_patterns(con, row, checkpoint, [name], examples)]

@@ -204,9 +204,12 @@ def _attention(page: Page, con: duckdb.DuckDBPyConnection, run: dict, checkpoint
         logging.getLogger("headsweep").warning("%s", exc)
         page.add(f'<p class="note">{html.escape(str(exc))}</p>')
         return {}
-    page.add(f'<p class="note">Attention patterns of the {len(shown)} most harmful heads on the examples their '
-             f"removal harms most, read from the model in {time.perf_counter() - start:.1f} s (open a head's "
-             "drill-down to see them).</p>")
+    if not patterns:
+        page.add('<p class="note">No attention patterns: the most harmful heads change no example for the worse.</p>')
+        return {}
+    page.add(f'<p class="note">Attention patterns of the {len({p.head for p in patterns})} most harmful heads on '
+             f"the examples their removal harms most, read from the model in {time.perf_counter() - start:.1f} s "
+             "(open a head's drill-down to see them).</p>")
     return attention_extras(patterns, losses)
 
 

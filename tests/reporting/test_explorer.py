@@ -1,0 +1,129 @@
+"""The explorer's data without a browser: ``Store.head`` against SQL over the store, the stored inputs against the
+data file, attention patterns against the model's own weights, and the report's bad input (one line, exit 2,
+nothing written; a model that moved is one warning and the page is still written; a run without per-example rows
+and a store from before stored inputs say so in the page)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import error_line, run_cli
+from explorer_support import WORST_EXAMPLES_SQL, bench_module
+from small_store import small_store
+
+import headsweep
+from headsweep.errors import HeadsweepError
+
+synthetic = bench_module("synthetic_store")
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv):
+    store, run_id, checkpoints = small_store(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv)
+    return str(store), run_id, checkpoints
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    root = tmp_path_factory.mktemp("synthetic") / "store"
+    runs = synthetic.build_store(root, 2, 4, 40, levels=[0.0, 0.5, 1.0])
+    return root, runs
+
+
+def most_harmful(store: headsweep.Store, run_id: str, checkpoint: str | None) -> str:
+    return store.sql("SELECT name FROM heads WHERE run_id = ? AND checkpoint IS NOT DISTINCT FROM ? "
+                     "ORDER BY harm DESC, name LIMIT 1", [run_id, checkpoint]).fetchall()[0][0]
+
+
+def test_head_frame_equals_sql_and_inputs_equal_the_data_file(small, tiny_dev_tsv):
+    root, run_id, checkpoints = small
+    with headsweep.open_store(root) as store:
+        name = most_harmful(store, run_id, checkpoints[0])
+        frame = store.head(name, run=run_id, checkpoint=checkpoints[0])
+        worst = store.sql(WORST_EXAMPLES_SQL, [run_id, f"ckpt0/single_head/{name}", "ckpt0/baseline"]).fetchall()
+        inputs = dict(store.sql("SELECT example_id, input FROM inputs WHERE run_id = ?", [run_id]).fetchall())
+    assert worst, "the most harmful head changes no example: the small store no longer tests this"
+    harmed = frame[frame.harm > 0]
+    assert list(harmed.example_id) == [w[0] for w in worst]
+    assert list(harmed.output) == [w[2] for w in worst] and list(harmed.baseline_output) == [w[3] for w in worst]
+    assert (frame.harm.diff().dropna() <= 0).all()  # most harmed first
+    # one row per example, the input stored once per run equal to the data file's text
+    lines = [line.split("\t") for line in tiny_dev_tsv.read_text().splitlines()[1:]]
+    assert len(frame) == len(inputs) == len(lines)
+    assert sorted(inputs.values()) == sorted(text for text, _ in lines)
+    assert all(frame.input == [inputs[e] for e in frame.example_id])
+
+
+def test_head_refuses_unknown_run_head_and_missing_checkpoint(small):
+    root, run_id, checkpoints = small
+    with headsweep.open_store(root) as store:
+        with pytest.raises(HeadsweepError, match="no run 'nope'"):
+            store.head("self:0:0", run="nope", checkpoint=checkpoints[0])
+        with pytest.raises(HeadsweepError, match=r"no head 'self:9:9' in run .* names are attention:layer:head"):
+            store.head("self:9:9", run=run_id, checkpoint=checkpoints[0])
+        with pytest.raises(HeadsweepError, match="swept 2 checkpoints: name one"):
+            store.head("self:0:0", run=run_id)
+
+
+def test_attention_patterns_are_the_models_own_weights(small, tiny_dev_tsv):
+    """``Store.attention`` against BERT's own eager attention weights on the example's text."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    root, run_id, checkpoints = small
+    with headsweep.open_store(root) as store:
+        name = most_harmful(store, run_id, checkpoints[0])
+        patterns = store.attention(name, run=run_id, examples=2, checkpoint=checkpoints[0])
+        inputs = dict(store.sql("SELECT example_id, input FROM inputs WHERE run_id = ?", [run_id]).fetchall())
+    assert len(patterns) == 2
+    _, layer, head = name.split(":")
+    model = AutoModelForSequenceClassification.from_pretrained(checkpoints[0], attn_implementation="eager").eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints[0])
+    for p in patterns:
+        encoded = tokenizer(inputs[p["example_id"]], return_tensors="pt")
+        with torch.no_grad():
+            expected = model(**encoded, output_attentions=True).attentions[int(layer)][0, int(head)]
+        assert p["queries"] == tokenizer.convert_ids_to_tokens(encoded["input_ids"][0])
+        assert torch.allclose(torch.as_tensor(p["weights"]), expected, atol=1e-5)
+
+
+def test_report_into_a_file_or_an_unwritable_place_is_one_line(synth, tmp_path):
+    root, runs = synth
+    afile = tmp_path / "report.html"
+    afile.write_text("mine")
+    proc = run_cli("report", runs[0], "--store", str(root), "--out", str(afile))
+    assert proc.returncode == 2
+    assert "is a file" in error_line(proc.stderr) and afile.read_text() == "mine"
+    proc = run_cli("report", runs[0], "--store", str(root), "--out", "/proc/headsweep-report")
+    assert proc.returncode == 2 and "cannot create report folder /proc/headsweep-report" in error_line(proc.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]  # nothing half-written beside it
+
+
+def test_attention_with_a_moved_model_is_one_warning_and_the_page(synth, tmp_path):
+    root, runs = synth
+    out = tmp_path / "r"
+    proc = run_cli("report", runs[0], "--store", str(root), "--out", str(out), "--attention")
+    assert proc.returncode == 0, proc.stderr
+    warnings = [x for x in proc.stderr.splitlines() if x.startswith("headsweep: warning:")]
+    assert len(warnings) == 1 and "/nonexistent/synthetic" in warnings[0]
+    page = (out / "index.html").read_text()
+    assert "/nonexistent/synthetic" in page and "fig-" + runs[0] + "-deltas" in page
+    assert (out / "plotly.min.js").is_file()
+
+
+def test_run_without_example_rows_and_store_before_inputs(synth, tmp_path):
+    root, runs = synth
+    bare = tmp_path / "bare"
+    shutil.copytree(root, bare)
+    shutil.rmtree(bare / "examples")
+    shutil.rmtree(bare / "inputs")
+    proc = run_cli("report", runs[0], "--store", str(bare), "--out", str(tmp_path / "r"))
+    assert proc.returncode == 0, proc.stderr
+    page = (tmp_path / "r" / "index.html").read_text()
+    assert "This store predates stored inputs" in page
+    start = page.index('class="hs-heads"')
+    heads = json.loads(page[page.index(">", start) + 1 : page.index("</script>", start)].replace("<\\/", "</"))
+    assert set(heads) == {f"self:{layer}:{h}" for layer in range(2) for h in range(4)}
+    assert all("stored no per-example rows" in entry["html"] for entry in heads.values())
