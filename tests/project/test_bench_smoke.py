@@ -36,6 +36,7 @@ SMOKE = {
     "dispatch": ["dispatch", "dispatch_balance"],
     "grid_speed": ["grid_classifier", "grid_translation"],
     "lm_grid": ["lm_grid"],  # TransformerLens is not a dependency: its line is not expected
+    "lm_eval_grid": ["lm_eval_grid"],  # six questions on a 2-layer model: lm-eval loop, plain, reuse
     "multi30k_l0": ["l0"],
     "multi30k_pruning": ["multi30k_pruning"],
     "multi30k_roles": ["roles"],
