@@ -148,3 +148,35 @@ def click_cell(driver, element: str, head: str, key: str, timeout: float = 10.0)
     wait_for(driver, f"const p = document.getElementById('drill-{key}'); return p && !p.hidden && "
                      f"p.dataset.head === {head!r}", timeout)
     return time.perf_counter() - start
+
+
+def press_button(driver, element: str, label: str) -> None:
+    """Click the button labelled ``label`` of figure ``element``'s switch (plotly's update menu)."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    div = driver.find_element("id", element)
+    driver.execute_script("arguments[0].scrollIntoView({block: 'start'})", div)
+    for button in div.find_elements("css selector", "g.updatemenu-button"):
+        if button.text.strip() == label or label in button.text:
+            ActionChains(driver).move_to_element(button).click().perform()
+            return
+    raise LookupError(f"no button {label!r} on {element}")
+
+
+def visible_heatmap(driver, element: str) -> list:
+    """The z values of the first visible heat map trace of figure ``element``."""
+    return driver.execute_script(
+        "const d = document.getElementById(arguments[0]);"
+        "const t = d._fullData.find(t => t.type === 'heatmap' && t.visible === true);"
+        "return t ? Array.from(t.z, row => Array.from(row)) : null",
+        element)
+
+
+def screenshot(driver, path: Path, element: str | None = None) -> Path:
+    """A PNG of the window (or of one element) at ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if element is None:
+        driver.save_screenshot(str(path))
+    else:
+        driver.find_element("id", element).screenshot(str(path))
+    return path
