@@ -39,6 +39,8 @@ SCHEMA_HISTORY = {
        "which were all zero ablation); new table ablation_values (mean ablation's per-head values)",
     10: "new table inputs (each run's evaluated inputs with their example ids, written once per run); head_roles "
         "gains sink_share (attention on the first position, causal attention)",
+    11: "new table serving (prefill and decode tokens/s and KV-cache bytes per token of a stock-exported pruned "
+        "model against the full model)",
 }
 
 SCHEMA_VERSION = max(SCHEMA_HISTORY)

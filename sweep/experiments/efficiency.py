@@ -4,10 +4,19 @@ The mask is ``efficiency.mask`` (head names) or a stored evaluation's (``efficie
 ``efficiency.eval_id``, of this run or of ``efficiency.from_run``: ``headsweep.sweep.pruning.masks``).
 The timing runs in a worker (``headsweep.workers.analyses.efficiency.efficiency_on_worker``) and lands
 in the ``efficiency`` table, one row per model and batch size.
+
+Where the mask has a stock architecture (a uniform level of a Llama-style LM: ``headsweep export`` writes it as the
+model's own architecture), the model as served is timed too (``efficiency.stock``, default ``auto``): the stock
+export, loaded by ``from_pretrained``, against the full model, prefill tokens/s at ``efficiency.prefill_batch_sizes``,
+decode tokens/s with the KV cache at ``efficiency.decode_batch_sizes`` and the KV-cache bytes per token, beside the
+speed-ups the removed FLOPs and bytes predict (``headsweep.workers.analyses.stock_serving``); one row per model,
+phase and batch size in the ``serving`` table. A mask without a stock architecture writes no serving rows and says
+why in a warning.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -41,8 +50,22 @@ class EfficiencySection:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
     warmup: int = 3
     repeats: int = 10
+    stock: str = "auto"
+    prefill_batch_sizes: list[int] = field(default_factory=lambda: [1, 16])
+    decode_batch_sizes: list[int] = field(default_factory=lambda: [1])
+    prompt_tokens: int = 128
+    new_tokens: int = 32
 
     def check(self) -> None:
+        if self.stock not in ("auto", "off"):
+            raise HeadsweepError(f"efficiency.stock must be auto or off, got {self.stock!r}")
+        for key in ("prefill_batch_sizes", "decode_batch_sizes"):
+            sizes = getattr(self, key)
+            if not sizes or any(b < 1 for b in sizes):
+                raise HeadsweepError(f"efficiency.{key} must be positive integers, got {sizes}")
+        if self.prompt_tokens < 1 or self.new_tokens < 2:
+            raise HeadsweepError(f"efficiency needs prompt_tokens >= 1 and new_tokens >= 2 (decoding speed is timed "
+                                 f"past the first new token), got {self.prompt_tokens} and {self.new_tokens}")
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise HeadsweepError(f"efficiency.batch_sizes must be positive integers, got {self.batch_sizes}")
         if self.warmup < 0 or self.repeats < 1:
@@ -82,6 +105,33 @@ EFFICIENCY_TABLE = Table("efficiency", pa.schema([
 ]))
 
 
+# The model as served (a stock export against the full model): one row per model variant, phase and batch size.
+SERVING_TABLE = Table("serving", pa.schema([
+    ("mask_source", pa.string()),
+    ("source_run", pa.string()),
+    ("level", pa.float64()),
+    ("heads_masked", pa.list_(pa.string())),
+    ("n_masked", pa.int32()),
+    ("heads_removed", pa.float64()),
+    ("checkpoint", pa.string()),
+    ("variant", pa.string()),  # full / stock
+    ("phase", pa.string()),  # prefill / decode
+    ("batch_size", pa.int32()),
+    ("prompt_tokens", pa.int32()),
+    ("new_tokens", pa.int32()),
+    ("device", pa.string()),
+    ("n_params", pa.int64()),
+    ("n_heads", pa.int32()),
+    ("kv_bytes_per_token", pa.int64()),
+    ("tokens_per_s", pa.float64()),
+    ("speedup", pa.float64()),
+    ("predicted_speedup", pa.float64()),
+    ("finished_at", pa.timestamp("us", tz="UTC")),
+]))
+
+logger = logging.getLogger(__name__)  # headsweep's logger: its warnings reach the terminal
+
+
 class Efficiency(Experiment):
     """Speed and memory gained by removing the heads of one mask."""
 
@@ -89,7 +139,7 @@ class Efficiency(Experiment):
     section = "efficiency"
     settings = EfficiencySection
     table = "efficiency"
-    tables = (EFFICIENCY_TABLE,)
+    tables = (EFFICIENCY_TABLE, SERVING_TABLE)
 
     def needs(self, cfg: Config) -> tuple[str, ...]:
         # A mask named by level or eval id may be one of this run's evaluations: every kind of the
@@ -130,6 +180,17 @@ class Efficiency(Experiment):
         rows = [{**choice.columns(ctx.inventory), **row, "checkpoint": ctx.checkpoint, "finished_at": datetime.now(UTC)}
                 for row in timed]
         ctx.write("efficiency", rows, name="efficiency")
+        if ctx.cfg.efficiency.stock == "off":
+            return
+        from headsweep.workers.analyses.stock_serving import serving_on_worker
+
+        with step("efficiency serving", enabled=ctx.show_progress, detail=ctx.pool.status_line):
+            served, reason = ctx.pool.call(serving_on_worker, choice.heads, ctx.cfg.efficiency)
+        if reason:
+            logger.warning("efficiency: no serving timing for this mask: %s", reason)
+            return
+        ctx.write("serving", [{**choice.columns(ctx.inventory), **row, "checkpoint": ctx.checkpoint,
+                               "finished_at": datetime.now(UTC)} for row in served], name="serving")
 
 
 EFFICIENCY = Efficiency()

@@ -2,7 +2,8 @@
 declared their own tables and views, so that assembling them from the registry provably changed none;
 updated by schema version 9 (runs and evaluations gain ``ablation``, the table ``ablation_values``, the views
 ``deltas``, ``heads`` and ``pruning`` an ``ablation`` column, ``deltas`` also ``logit_diff_normalized``) and by schema
-version 10 (the table ``inputs``; ``head_roles`` and the ``roles`` view gain ``sink_share``)."""
+version 10 (the table ``inputs``; ``head_roles`` and the ``roles`` view gain ``sink_share``) and by schema version 11
+(the table ``serving``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ TABLE_SCHEMAS = {
     "efficiency": "a28670936fa39255",
     "gates": "bd53d1a21b7670ae", "head_roles": "18d76c1e5cb8e148", "interactions": "6a48948cf46cf463",
     "inputs": "969ef41913c7dbd5",  # schema version 10: each run's inputs, once per run
+    "serving": "0698c6f689941633",  # schema version 11: stock exports as served
 }
 SYNTAX = [f"{rel}_{col}" for rel in ("nsubj", "obj", "amod", "advmod")
           for col in ("dep2gov", "dep2gov_baseline", "gov2dep", "gov2dep_baseline", "instances")]

@@ -179,17 +179,45 @@ def _row(variant: str, phase: str, batch: int, prompt: int, tokens_per_s: float,
 
 def stock_serving(full: nn.Module, mask: Sequence[Head], prefill_batches: Sequence[int],
                   decode_batches: Sequence[int], prompt: int, new_tokens: int, warmup: int, repeats: int,
-                  device: torch.device) -> tuple[list[dict], dict[str, float]]:
+                  device: torch.device) -> list[dict]:
     """``full`` (a model without gates, or a gated one inside ``as_stock``) and its stock export without ``mask``
-    loaded by ``from_pretrained``, side by side (:func:`serving_rows`), and the predicted speed-ups at the largest
-    decode batch. The export goes to a temporary folder, deleted afterwards."""
+    loaded by ``from_pretrained``, side by side (:func:`serving_rows`), each row with the speed-up the model
+    predicts (``predicted_speedup``, 1 for the full model). The export goes to a temporary folder, deleted
+    afterwards."""
     dtype = next(full.parameters()).dtype
     with tempfile.TemporaryDirectory(prefix="headsweep-stock-") as tmp:
         export_stock(full, mask, Path(tmp) / "stock")
         stock, _ = load_stock(Path(tmp) / "stock", dtype, device)
     rows = serving_rows({"full": full, "stock": stock}, prefill_batches, decode_batches, prompt, new_tokens, warmup,
                         repeats, device)
+    shapes = {"full": ServingShape.of(full), "stock": ServingShape.of(stock)}
     element = next(stock.parameters()).element_size()
-    predicted = predicted_speedups(ServingShape.of(full), ServingShape.of(stock),
-                                   max(decode_batches), prompt, new_tokens, element)
-    return rows, predicted
+    for row in rows:
+        predicted = predicted_speedups(shapes["full"], shapes[row["variant"]], row["batch_size"], prompt, new_tokens,
+                                       element)
+        row["predicted_speedup"] = predicted[row["phase"]]
+    return rows
+
+
+def serving_on_worker(worker, mask: Sequence[Head], settings) -> tuple[list[dict], str | None]:
+    """Worker-side step of the ``efficiency`` experiment for a mask with a stock architecture: the serving rows
+    (:func:`stock_serving`, with the device), or no rows and the reason the mask has none (the family's
+    ``stock_sizes`` refusal)."""
+    from headsweep.errors import HeadsweepError
+    from headsweep.workers.core.registry import model_family
+    from headsweep.workers.pruning.removal import as_stock
+
+    adapter = worker.adapter()
+    try:
+        model_family(worker.kind).stock_sizes(adapter.model, list(mask))
+    except HeadsweepError as exc:
+        return [], str(exc)
+    with as_stock(adapter.model, adapter.gates) as full:
+        rows = stock_serving(full, mask, settings.prefill_batch_sizes, settings.decode_batch_sizes,
+                             settings.prompt_tokens, settings.new_tokens, settings.warmup, settings.repeats,
+                             adapter.device)
+    if adapter.device.type == "cuda":
+        device = f"cuda ({torch.cuda.get_device_name(adapter.device)})"
+    else:
+        device = f"cpu ({torch.get_num_threads()} thread(s))"
+    return [{**row, "device": device} for row in rows], None

@@ -6,8 +6,9 @@ and ``AutoTokenizer`` load each exported folder, count its parameters and comput
 same mask (head gates: the independent route), for Llama-style grouped-query cases with 8/2, 9/3 and 14/2
 query/key-value heads, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and tied embeddings; the parameter count with
 the removed heads' weights counted by hand. A prune_level run with ``prune.uniform: kv_groups`` goes through the
-CLI: its stored score at a level is what the exported folder scores, and lm-eval's log-likelihoods of that folder
-are the gated model's. The refusals: one line, exit 2 (through the CLI once), nothing written.
+CLI: its stored score at a level is what the exported folder scores, lm-eval's log-likelihoods of that folder are
+the gated model's, and the efficiency experiment times the level's stock export as served. The refusals: one line,
+exit 2 (through the CLI once), nothing written.
 """
 
 from __future__ import annotations
@@ -256,9 +257,13 @@ def test_a_uniform_run_exports_a_stock_model_that_scores_what_the_run_stored(cas
     train = tmp_path / "train.txt"
     train.write_text(lm_text(200, seed=5))
     config = config_file(tmp_path, model_dir, corpus,
-                         sweep={"experiments": ["baseline", "importance", "prune_level"], "batch_size": 8},
+                         sweep={"experiments": ["baseline", "importance", "prune_level", "efficiency"],
+                                "batch_size": 8},
                          importance={"data": {"path": str(train), "window": 16}},
-                         prune={"uniform": "kv_groups", "levels": [0.0, 0.5]})
+                         prune={"uniform": "kv_groups", "levels": [0.0, 0.5]},
+                         efficiency={"level": 0.5, "batch_sizes": [2], "warmup": 0, "repeats": 1,
+                                     "prefill_batch_sizes": [1, 2], "decode_batch_sizes": [2], "prompt_tokens": 6,
+                                     "new_tokens": 3})
     store = tmp_path / "store"
     proc = run_cli("run", str(config), "--store", str(store), "--address", ray_address, "--quiet")
     assert proc.returncode == 0, proc.stderr
@@ -269,6 +274,15 @@ def test_a_uniform_run_exports_a_stock_model_that_scores_what_the_run_stored(cas
     masked = [Head.parse(h) for h in level["heads_masked"]]
     for layer in range(LAYERS):  # one whole key/value group (of 4 query heads) per layer
         assert sorted(h.head for h in masked if h.layer == layer) in ([0, 1, 2, 3], [4, 5, 6, 7])
+
+    # The efficiency experiment timed the level's stock export as served: half the KV-cache bytes per token.
+    served = ResultStore(str(store)).read("serving", run_id).to_pylist()
+    assert sorted((r["variant"], r["phase"], r["batch_size"]) for r in served) == sorted(
+        (v, p, b) for v in ("full", "stock") for p, b in (("prefill", 1), ("prefill", 2), ("decode", 2)))
+    by = {(r["variant"], r["phase"], r["batch_size"]): r for r in served}
+    assert by[("stock", "decode", 2)]["kv_bytes_per_token"] * 2 == by[("full", "decode", 2)]["kv_bytes_per_token"]
+    assert by[("full", "prefill", 1)]["speedup"] == 1.0 and by[("stock", "prefill", 1)]["predicted_speedup"] > 1
+    assert by[("stock", "prefill", 1)]["heads_masked"] == level["heads_masked"]
 
     out = tmp_path / "stock"
     args = ("export", str(config), "--from-run", run_id, "--level", "0.5", "--store", str(store), "--out", str(out))
