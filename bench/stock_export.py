@@ -21,7 +21,8 @@ skipped with a line saying so.
 
 ``equal``: the stock model's logits on two prompts equal the full model's with the mask's heads' ``o_proj`` columns
 zeroed (weight surgery, the independent route) within the summation-order bound ``6 (L + 1) I eps max|ref| + eps``
-(tests/tolerances.py: L layers and the LM head, I the feed-forward width, float32's eps).
+(tests/tolerances.py: L layers and the LM head, I the feed-forward width, float32's eps), and the mask moves the
+logits by more than that bound (so the comparison can fail).
 
 The prediction (``workers/analyses/stock_serving.py``): prefill by FLOPs (matrix products, attention scores and
 values, the LM head for the last position), decoding by bytes read per step (every matrix weight once, the LM
@@ -146,7 +147,7 @@ def measure_share(full, shape_name: str, share: float, args, workdir: Path) -> N
     result("stock_export", shape=shape_name, removed=f"{removed:.3f}",
            prefill_speedup=f"{by[('stock', 'prefill', 16)]['speedup']:.3f}", decode_speedup=f"{decode:.3f}",
            kv_bytes_ratio=f"{kv_ratio:.3f}",
-           loads_stock=str(loads).lower(), equal=str(diff <= tol and moved > 100 * tol).lower(),
+           loads_stock=str(loads).lower(), equal=str(diff <= tol < moved).lower(),
            requested=f"{share:.2f}", prefill1_speedup=f"{by[('stock', 'prefill', 1)]['speedup']:.3f}",
            predicted_prefill=f"{predicted16:.3f}", predicted_decode=f"{predicted['decode']:.3f}",
            goal=str(decode >= GOAL * predicted["decode"]).lower())
