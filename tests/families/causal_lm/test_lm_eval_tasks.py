@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 from conftest import error_line, run_cli
 from tiny_models import save_tiny_causal_lm, zeroed_output_columns
@@ -246,6 +247,20 @@ def test_multiple_choice_task_equals_the_same_questions_as_an_lm_eval_task(setup
         ours, theirs = mc.evaluate([m])[0], lm.evaluate([m])[0]
         assert np.array_equal(ours.stats, theirs.stats) and ours.score == theirs.score  # exact: 0/1 outcomes
         assert_routes_agree(ours.loss, theirs.loss, depth=DEPTH, width=WIDTH)
+
+
+def test_importance_differentiates_the_gold_continuations(setup):
+    """Gradient importance reads the documents' loss: the gold choices' summed NLL, equal to the stored losses."""
+    from headsweep.workers.analyses.importance import gradient_importance
+
+    _, tasks, models = setup
+    a = adapter(models["llama_8q2kv"], data(tasks, ["tiny_mc"]))
+    batches = a.loss_batches(None, torch.float32).batches
+    with torch.no_grad():
+        total = sum(float(b.loss()) for b in batches)
+    assert total == pytest.approx(float(a.evaluate([[]])[0].loss.sum()), rel=1e-5)  # other: float32 sums, two orders
+    scores = gradient_importance(a, per_token=False, normalize=False).scores
+    assert len(scores) == 16 and all(v >= 0 for v in scores.values()) and max(scores.values()) > 0
 
 
 def test_bad_input_is_one_line(setup):
