@@ -10,6 +10,7 @@ from headsweep.sweep.ablation.training import trained_fill
 from headsweep.sweep.ablation.values import StoredFill, ablation_spec
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.run.dispatch import WorkerPool
+from headsweep.workers.ablation.registry import method_of
 from headsweep.workers.ablation.worker_fill import fill_values_on_worker
 
 
@@ -19,7 +20,7 @@ def fetch_fill(cfg: Config, pool: WorkerPool, store: ResultStore, run_id: str, c
     against what the run stored for it; trained constants trained (or read back on resume) and installed
     (:mod:`headsweep.sweep.ablation.training`); None for a method without constants (zero, resample, patch)."""
     spec = ablation_spec(cfg)
-    method = spec.method_object
+    method = method_of(spec)
     if method.fill != "constant":
         return None
     if method.trained:

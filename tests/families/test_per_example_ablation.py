@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.demo.sentiment import generate, write_tsv
-from headsweep.workers.ablation.donors import same_length_donors
+from headsweep.workers.ablation.resample import same_length_donors
 from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head

@@ -18,7 +18,8 @@ padding in any batch, so the donor's activations line up with the example's posi
 batch (the donors of a batch's examples, padded as that batch) has the batch's very shape. The donor is in general
 in another batch of the adapter's length-sorted batching: its inputs are taken from the whole evaluation set, not
 from the batch. An example without another of its length cannot be resampled, and a run with one is refused
-(:func:`same_length_donors`). Causal-LM perplexity windows all have the same length, so any derangement works.
+(:func:`~headsweep.workers.ablation.resample.same_length_donors`). Causal-LM perplexity windows all have the same
+length, so any derangement works.
 
 **Repeats.** ``ablation.resamples: K`` draws K derangements (draw ``k`` seeded by ``(seed, k)``); the adapter
 evaluates every mask under each, and each example's statistics are the mean over the K draws
@@ -43,52 +44,11 @@ import numpy as np
 import torch
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.ablation.registry import method_of
 from headsweep.workers.ablation.spec import AblationSpec, HeadFill
 from headsweep.workers.core.family import LossBatch, LossBatches
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import SiteKey
-
-#: How many example lengths an error message names before it says how many more there are.
-SHOWN = 5
-
-
-def derangement(n: int, rng: np.random.Generator) -> np.ndarray:
-    """A permutation of ``range(n)`` with no fixed point, uniform over all such permutations (drawn by rejection:
-    about e tries on average), from ``rng``. ``n`` must be at least 2."""
-    if n < 2:
-        raise ValueError(f"a derangement needs at least 2 elements, got {n}")
-    identity = np.arange(n)
-    while True:
-        perm = rng.permutation(n)
-        if not (perm == identity).any():
-            return perm
-
-
-def same_length_donors(lengths: Sequence[int], seed: int, draws: int = 1, what: str = "examples",
-                       where: str = "the evaluation data", more: str = "more data") -> np.ndarray:
-    """Resample ablation's donors: shape ``(draws, n)``, ``donors[k, i]`` the example whose activations replace
-    example ``i``'s in draw ``k``; within each group of examples of one length, a derangement (draw ``k`` seeded by
-    ``(seed, k)``, the groups in order of length).
-
-    Refused (:class:`HeadsweepError`) when an example has no other example of its length: it has no donor whose
-    positions line up with its own. The line names the ``what`` of ``where`` and says how to get ``more``.
-    """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    groups: dict[int, np.ndarray] = {int(n): np.flatnonzero(lengths == n) for n in np.unique(lengths)}
-    alone = sorted(n for n, members in groups.items() if len(members) < 2)
-    if alone:
-        shown = ", ".join(str(n) for n in alone[:SHOWN]) + (f" and {len(alone) - SHOWN} more" if len(alone) > SHOWN
-                                                            else "")
-        raise HeadsweepError(
-            f"sweep.ablation resample draws each example's donor among {what} of the same token length (the same "
-            f"padding, so positions line up), and {len(alone)} of the {len(lengths)} {what} of {where} have no other "
-            f"of their length (lengths {shown}): evaluate {more}, or use sweep.ablation mean")
-    donors = np.empty((draws, len(lengths)), dtype=np.int64)
-    for k in range(draws):
-        rng = np.random.default_rng((seed, k))
-        for members in groups.values():
-            donors[k, members] = members[derangement(len(members), rng)]
-    return donors
 
 
 def record_contexts(gates: HeadGates, run: Callable[[], Any],
@@ -238,15 +198,16 @@ def with_donors(batches: LossBatches, donors: Donors, rows: Sequence[torch.Tenso
 def donors_for(spec: AblationSpec, gates: HeadGates, lengths: Sequence[int], paired: bool = False,
                what: str = "examples", where: str = "the evaluation data", more: str = "more data",
                attention: Sequence[str] | None = None) -> Donors:
-    """The :class:`Donors` of an adapter under the run's ablation ``spec`` (``RuntimeOptions.ablation``):
-    resample's same-length derangements over ``lengths`` (each example's token length; drawn now, so that data
-    they cannot pair are refused when the adapter loads, which the driver has every worker do before the run writes
-    anything, for the evaluation data and for the data importance and the L0 gates read), patch's pairs
-    (``paired``: the adapter holds paired data, example ``i``'s donor its other prompt; without pairs, drawing them
-    refuses: the driver refuses such a run first), nothing for the other methods. ``what``, ``where`` and ``more``
-    word the refusal (:func:`same_length_donors`); ``attention``: the attention types the donor pass records
-    (:class:`Donors`)."""
-    draw = spec.method_object.draw_donors(spec, list(lengths), paired, what, where, more)
+    """The :class:`Donors` of an adapter under the run's ablation ``spec`` (``RuntimeOptions.ablation``), as its
+    method draws them (``AblationMethod.draw_donors``): resample's same-length derangements over ``lengths`` (each
+    example's token length; drawn now, so that data they cannot pair are refused when the adapter loads, which the
+    driver has every worker do before the run writes anything, for the evaluation data and for the data importance
+    and the L0 gates read), patch's pairs (``paired``: the adapter holds paired data, example ``i``'s donor its other
+    prompt; without pairs, drawing them refuses: the driver refuses such a run first), nothing for the other methods.
+    ``what``, ``where`` and ``more`` word the refusal
+    (:func:`~headsweep.workers.ablation.resample.same_length_donors`); ``attention``: the attention types the donor
+    pass records (:class:`Donors`)."""
+    draw = method_of(spec).draw_donors(spec, list(lengths), paired, what, where, more)
     if draw is None:
         return Donors(gates)
     return Donors(gates, draw, spec.keep_first, attention)
@@ -256,4 +217,4 @@ def refuse_per_example(spec: AblationSpec, what: str, why: str) -> None:
     """An adapter that cannot fill heads per example (``what``, e.g. "multiple-choice questions", ``why`` the
     reason) refuses resample with one line, and patch with :data:`PATCH_NEEDS_PAIRS` (it holds no pairs); called
     where the adapter on the evaluation data is described (an adapter loaded for its loss alone never refuses)."""
-    spec.method_object.refuse_per_example(what, why)
+    method_of(spec).refuse_per_example(what, why)

@@ -15,6 +15,7 @@ from headsweep.workers.ablation.method import AblationMethod, check_method
 from headsweep.workers.ablation.optimal import OPTIMAL
 from headsweep.workers.ablation.patch import PATCH
 from headsweep.workers.ablation.resample import RESAMPLE
+from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.ablation.zero import ZERO
 
 # What a run that does not set sweep.ablation, and a stored row written before methods existed, use.
@@ -55,6 +56,11 @@ def ablation_method(name: str) -> AblationMethod:
         raise HeadsweepError(f"ablation method entry point {name!r} names a method called {plugin.name!r}: the two "
                              "names must be the same")
     return register(plugin)
+
+
+def method_of(spec: AblationSpec) -> AblationMethod:
+    """The method of the run's ablation ``spec`` (``RuntimeOptions.ablation``): what adapters ask it."""
+    return ablation_method(spec.method)
 
 
 def folding_methods() -> str:

@@ -11,7 +11,52 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.method import AblationMethod
+
+#: How many example lengths an error message names before it says how many more there are.
+SHOWN = 5
+
+
+def derangement(n: int, rng: np.random.Generator) -> np.ndarray:
+    """A permutation of ``range(n)`` with no fixed point, uniform over all such permutations (drawn by rejection:
+    about e tries on average), from ``rng``. ``n`` must be at least 2."""
+    if n < 2:
+        raise ValueError(f"a derangement needs at least 2 elements, got {n}")
+    identity = np.arange(n)
+    while True:
+        perm = rng.permutation(n)
+        if not (perm == identity).any():
+            return perm
+
+
+def same_length_donors(lengths: Sequence[int], seed: int, draws: int = 1, what: str = "examples",
+                       where: str = "the evaluation data", more: str = "more data") -> np.ndarray:
+    """Resample ablation's donors: shape ``(draws, n)``, ``donors[k, i]`` the example whose activations replace
+    example ``i``'s in draw ``k``; within each group of examples of one length, a derangement (draw ``k`` seeded by
+    ``(seed, k)``, the groups in order of length).
+
+    Refused (:class:`HeadsweepError`) when an example has no other example of its length: it has no donor whose
+    positions line up with its own. The line names the ``what`` of ``where`` and says how to get ``more``.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    groups: dict[int, np.ndarray] = {int(n): np.flatnonzero(lengths == n) for n in np.unique(lengths)}
+    alone = sorted(n for n, members in groups.items() if len(members) < 2)
+    if alone:
+        shown = ", ".join(str(n) for n in alone[:SHOWN]) + (f" and {len(alone) - SHOWN} more" if len(alone) > SHOWN
+                                                            else "")
+        raise HeadsweepError(
+            f"sweep.ablation resample draws each example's donor among {what} of the same token length (the same "
+            f"padding, so positions line up), and {len(alone)} of the {len(lengths)} {what} of {where} have no other "
+            f"of their length (lengths {shown}): evaluate {more}, or use sweep.ablation mean")
+    donors = np.empty((draws, len(lengths)), dtype=np.int64)
+    for k in range(draws):
+        rng = np.random.default_rng((seed, k))
+        for members in groups.values():
+            donors[k, members] = members[derangement(len(members), rng)]
+    return donors
 
 
 class Resample(AblationMethod):
@@ -25,8 +70,6 @@ class Resample(AblationMethod):
         return section.resamples
 
     def draw_donors(self, spec: Any, lengths: Sequence[int], paired: bool, what: str, where: str, more: str):
-        from headsweep.workers.ablation.donors import same_length_donors  # torch: on the workers only
-
         # drawn now: data they cannot pair are refused when the adapter loads
         drawn = same_length_donors(list(lengths), spec.seed, spec.resamples, what, where, more)
         return lambda: drawn

@@ -35,8 +35,6 @@ from headsweep.workers.core.heads import SiteKey
 if TYPE_CHECKING:  # the driver reads AblationSpec: torch stays out of its import time
     import torch
 
-    from headsweep.workers.ablation.method import AblationMethod
-
 # The one line that refuses activation patching on data without clean / corrupted pairs (driver and workers).
 PATCH_NEEDS_PAIRS = ("sweep.ablation patch needs paired data (clean and corrupted inputs): set data.task: paired "
                      "(hf_causal_lm or hf_classifier: JSONL rows clean, corrupted, answer, wrong_answer), or use "
@@ -84,18 +82,6 @@ class AblationSpec:
     direction: str = "noising"
     lr: float = 0.01
     steps: int = 100
-
-    @property
-    def method_object(self) -> AblationMethod:
-        """The registered method ``method`` names (:mod:`headsweep.workers.ablation.registry`): what it declares."""
-        from headsweep.workers.ablation.registry import ablation_method
-
-        return ablation_method(self.method)
-
-    @property
-    def constant(self) -> bool:
-        """Whether the fill is one value per head (or head and position), known before any batch runs."""
-        return self.method_object.fill == "constant"
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from headsweep.workers.ablation.means import MeanValues, check_right_padded, site_name
+from headsweep.workers.ablation.registry import method_of
 from headsweep.workers.ablation.spec import AblationSpec, HeadFill
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ class WorkerFill:
             return self.means.fill
         if self.constants is not None:
             return self.constants
-        return self.spec.method_object.worker_fill(self.spec)
+        return method_of(self.spec).worker_fill(self.spec)
 
     def install(self, worker: Any, adapter: EvalAdapter, data: str = "evaluation data") -> None:
         """Give ``adapter`` (just loaded by ``worker``) the run's fill; the first call of a constant method computes
@@ -50,7 +51,7 @@ class WorkerFill:
         if self.means is None and not self._computed:
             self._computing = True
             try:
-                self.means = self.spec.method_object.compute(worker, self.spec)
+                self.means = method_of(self.spec).compute(worker, self.spec)
             finally:
                 self._computing = False
             self._computed = True
@@ -73,7 +74,7 @@ class WorkerFill:
 
     def facts(self) -> dict[str, Any]:
         """``runs.facts["ablation"]``: what the method records of itself, its settings and its values."""
-        return self.spec.method_object.facts(self.spec, self.means)
+        return method_of(self.spec).facts(self.spec, self.means)
 
     def values(self) -> dict[str, np.ndarray]:
         """The constant fill as numpy arrays by ``attention:layer`` (empty for methods without one)."""

@@ -50,6 +50,7 @@ from sacrebleu.metrics import BLEU as SacreBLEU
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.donors import donors_for, with_donors
+from headsweep.workers.ablation.registry import method_of
 from headsweep.workers.ablation.spec import patch_unavailable, resample_unavailable
 from headsweep.workers.core.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.core.heads import Head
@@ -158,7 +159,7 @@ class TranslationAdapter:
 
     # -- EvalAdapter ---------------------------------------------------------------------
     def describe(self) -> DatasetInfo:
-        if self.runtime.ablation.method_object.needs_pairs:  # no paired translation data: refused before anything runs
+        if method_of(self.runtime.ablation).needs_pairs:  # no paired translation data: refused before anything runs
             raise HeadsweepError(patch_unavailable("fairseq_translation"))
         ex = self.examples
         return DatasetInfo(

@@ -30,6 +30,7 @@ import torch
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.donors import donors_for, with_donors
+from headsweep.workers.ablation.registry import method_of
 from headsweep.workers.core.baseline_once import BaselineOnce
 from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.core.gates import HeadGates
@@ -117,7 +118,7 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
             "prompt_lengths": dict(sorted(Counter(self.lengths).items())), "templates": dict(templates),
             "evaluated_prompt": self.evaluated, "convention": CONVENTION, "encoding": data_cfg.encoding,
         }
-        self.data_facts.update(self.spec.method_object.data_facts(self.spec))  # patch: its direction
+        self.data_facts.update(method_of(self.spec).data_facts(self.spec))  # patch: its direction
         self._baseline: MaskOutput | None = None
 
     def _batches(self, batch_size: int) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar
 
+from headsweep.workers.ablation.registry import method_of
 from headsweep.workers.ablation.spec import AblationSpec
 
 T = TypeVar("T")
@@ -42,5 +43,5 @@ class PairedSides:
 
 def paired_sides(spec: AblationSpec) -> PairedSides:
     """The sides of the run's ablation ``spec`` (module docstring)."""
-    method = spec.method_object
+    method = method_of(spec)
     return PairedSides("corrupted" if method.evaluates_corrupted(spec) else "clean", method.fills_from_pair(spec))
