@@ -135,8 +135,20 @@ def test_without_its_entry_point_the_name_is_refused(tmp_path, tiny_bert_dir, ti
     assert not (tmp_path / "store").exists()
 
 
-@pytest.mark.parametrize("method", ["zero", "mean", "resample", "optimal", "patch"])
-def test_builtin_methods_are_registered_objects(method):
+# name -> (fill kind, with ablation.positions: per_position, reference, pairs, trained, fold): docs/ablation-methods.md
+DECLARED = {"zero": ("none", "none", "none", False, False, "nothing"),
+            "mean": ("constant", "per_position", "optional", False, False, "constants"),
+            "resample": ("per_example", "per_example", "none", False, False, "refused"),
+            "optimal": ("constant", "per_position", "training", False, True, "constants"),
+            "patch": ("per_example", "per_example", "none", True, False, "refused")}
+
+
+@pytest.mark.parametrize("name", list(DECLARED))
+def test_builtin_methods_declare_what_the_docs_say(name):
     from headsweep.workers.ablation.registry import ablation_method
 
-    assert ablation_method(method).name == method
+    method = ablation_method(name)
+    assert method.name == name
+    got = (method.fill_kind(AblationSpec(name)), method.fill_kind(AblationSpec(name, per_position=True)),
+           method.reference, method.needs_pairs, method.trained, method.fold)
+    assert got == DECLARED[name]

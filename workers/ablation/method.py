@@ -61,7 +61,7 @@ class AblationMethod:
         """Refuse values of the ``ablation`` section (``section``) this method cannot work with; nothing by
         default (the section checks its own values and the keys this method does not read)."""
 
-    def kind(self, spec: AblationSpec) -> str:
+    def fill_kind(self, spec: AblationSpec) -> str:
         """The fill's kind under ``spec``: ``none``, ``constant``, ``per_position`` or ``per_example``."""
         if self.fill == "constant" and spec.per_position:
             return "per_position"
