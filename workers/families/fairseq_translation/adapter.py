@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,6 +56,7 @@ from headsweep.workers.ablation.registry import method_of
 from headsweep.workers.ablation.spec import patch_unavailable, resample_unavailable
 from headsweep.workers.core.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.core.heads import Head
+from headsweep.workers.core.mask_grid import GridBatch, mask_grid
 from headsweep.workers.core.metrics import BLEU
 from headsweep.workers.core.workload import median_batch, take_rows
 from headsweep.workers.data.data_report import report
@@ -315,48 +318,47 @@ class TranslationAdapter:
         # per-sentence statistics against its cached references.
         return np.asarray(self._bleu._extract_corpus_statistics(hypotheses, None), dtype=np.float64)
 
+    def _grid(self, masks: Sequence[Sequence[Head]], forward: Callable[[GridBatch[dict], list[Sequence[Head]]], Any],
+              out: np.ndarray) -> np.ndarray:
+        """Every mask over every batch (:func:`~headsweep.workers.core.mask_grid.mask_grid`) through ``forward``
+        (a batch and a chunk of masks: a value per row, mask-major); resample's donors recorded once per batch,
+        their fill read by every pass of the batch."""
+        batches = [GridBatch(key, sample, sample["id"].cpu()) for key, sample in enumerate(self.batches)]
+        return mask_grid(masks, batches, lambda batch: partial(forward, batch), out,
+                         masks_per_forward=lambda batch: self.masks_per_forward(batch.inputs),
+                         donors=self.donors, run_donors=self.run_donors)
+
     @torch.inference_mode()
     def translate(self, masks: Sequence[Sequence[Head]]) -> list[list[Hypothesis]]:
         """Beam-search every sentence under each mask: [mask][example] best hypotheses."""
-        n = len(self.examples.ids)
-        out: list[list[Hypothesis | None]] = [[None] * n for _ in masks]
-        for key, sample in enumerate(self.batches):
-            per = self.masks_per_forward(sample)
-            # Resample: the batch's donors recorded once, their fill read by every search of the batch.
-            with self.donors.batch(sample["id"], self.run_donors, needed=any(masks)):
-                for first in range(0, len(masks), per):
-                    chunk = list(masks[first : first + per])
-                    for m, ids, hypos in self._search(key, sample, chunk):
-                        for i, hypo in zip(ids, hypos, strict=True):
-                            best = hypo[0]
-                            out[first + m][i] = Hypothesis(best["tokens"].cpu(), float(best["score"]),
-                                                           self.pipeline.decode(best["tokens"]))
-        return out  # type: ignore[return-value]
+        def best(hypo) -> Hypothesis:
+            return Hypothesis(hypo[0]["tokens"].cpu(), float(hypo[0]["score"]), self.pipeline.decode(hypo[0]["tokens"]))
 
-    def _search(self, key: int, sample: dict, chunk: list[Sequence[Head]]):
-        """Beam search of one batch under each mask of ``chunk``: ``(mask index, example ids, hypotheses)``."""
-        ids = sample["id"].tolist()
-        rows = len(ids)
+        def forward(batch: GridBatch[dict], chunk: list[Sequence[Head]]) -> list[Hypothesis]:
+            return [best(hypo) for hypo in self._search(batch.key, batch.inputs, chunk)]
+
+        return self._grid(masks, forward, np.empty((len(masks), len(self.examples.ids)), dtype=object)).tolist()
+
+    def _search(self, key: int, sample: dict, chunk: list[Sequence[Head]]) -> list:
+        """Beam search of one batch under each mask of ``chunk``: each row's beams, mask-major."""
+        rows = len(sample["id"])
         beamable = self.runtime.fused_attention
         try:
             if self._reuse is None and len(chunk) == 1:
                 self.gates.set_mask(chunk[0])
-                hypos = make_generator(self.cfg, self.tgt_dict, [self.model], beamable).generate([self.model], sample)
-                return [(0, ids, hypos)]
+                return make_generator(self.cfg, self.tgt_dict, [self.model], beamable).generate([self.model], sample)
             # With reuse the encoder output comes from the reuse cache. One mask: its gates hold for
             # the whole search; several: every row's gates are routed.
             encode = None if self._reuse is None else (lambda: self._reuse.encode(key, sample["net_input"], chunk))
             if len(chunk) == 1:
                 ensemble = RoutedEnsemble(self.model, self.gates, None, None, encode=encode,
                                           fixed=lambda: self.gates.set_mask(chunk[0]))
-                hypos = make_generator(self.cfg, self.tgt_dict, ensemble, beamable).generate([self.model], sample)
-                return [(0, ids, hypos)]
+                return make_generator(self.cfg, self.tgt_dict, ensemble, beamable).generate([self.model], sample)
             row_mask = torch.arange(len(chunk), device=self.device).repeat_interleave(rows)
             ensemble = RoutedEnsemble(self.model, self.gates, self.gates.gate_tables(chunk, self.device), row_mask,
                                       encode=encode)
-            hypos = make_generator(self.cfg, self.tgt_dict, ensemble, beamable).generate(
+            return make_generator(self.cfg, self.tgt_dict, ensemble, beamable).generate(
                 [self.model], repeat_sample(sample, len(chunk)))
-            return [(m, ids, hypos[m * rows : (m + 1) * rows]) for m in range(len(chunk))]
         finally:
             self.gates.clear()
             if beamable:
@@ -365,30 +367,21 @@ class TranslationAdapter:
     @torch.inference_mode()
     def reference_loss(self, masks: Sequence[Sequence[Head]]) -> list[np.ndarray]:
         """Teacher-forced cross-entropy of each reference under each mask (nats per target token)."""
-        n = len(self.examples.ids)
-        out = [np.zeros(n) for _ in masks]
         # For models with set_beam_size (BART-style), a beam search leaves the "beamable" encoder
         # attention on, which would treat teacher-forced rows as beams of one sentence.
         self.model.decoder.set_beam_size(1)
-        for key, sample in enumerate(self.batches):
-            ids = sample["id"].cpu().numpy()
-            rows = len(ids)
-            per = self.masks_per_forward(sample)
-            with self.donors.batch(sample["id"], self.run_donors, needed=any(masks)):
-                for first in range(0, len(masks), per):
-                    chunk = list(masks[first : first + per])
-                    if self._reuse is not None:
-                        try:
-                            nll = self._token_nll_reused(key, sample, chunk)
-                        finally:
-                            self.gates.clear()
-                    else:
-                        stacked = sample if len(chunk) == 1 else repeat_sample(sample, len(chunk))
-                        with self.gates.packed(chunk, rows):
-                            nll = self._token_nll(stacked)
-                    for m in range(len(chunk)):
-                        out[first + m][ids] = nll[m * rows : (m + 1) * rows]
-        return out
+
+        def forward(batch: GridBatch[dict], chunk: list[Sequence[Head]]) -> np.ndarray:
+            if self._reuse is not None:
+                try:
+                    return self._token_nll_reused(batch.key, batch.inputs, chunk)
+                finally:
+                    self.gates.clear()
+            stacked = batch.inputs if len(chunk) == 1 else repeat_sample(batch.inputs, len(chunk))
+            with self.gates.packed(chunk, batch.rows):
+                return self._token_nll(stacked)
+
+        return list(self._grid(masks, forward, np.zeros((len(masks), len(self.examples.ids)))))
 
     def _token_nll(self, sample: dict) -> np.ndarray:
         return self._nll(self.model(**sample["net_input"]), sample)
