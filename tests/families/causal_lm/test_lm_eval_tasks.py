@@ -58,7 +58,10 @@ def _write_tasks(folder: Path) -> Path:
     rows = lambda qs: "".join(json.dumps({"q": c, "opts": ch, "label": g}) + "\n" for c, ch, g in qs)  # noqa: E731
     (folder / "mc_test.jsonl").write_text(rows(QUESTIONS))
     (folder / "mc_train.jsonl").write_text(rows(TRAIN))
-    (folder / "ll.csv").write_text("context,word\n" + "".join(f"{c},{ch[g]}\n" for c, ch, g in QUESTIONS))
+    # the last context is longer than the model's 64 positions: lm-eval cuts it from the left
+    long = " ".join(["the big cat runs quickly and then"] * 12)
+    (folder / "ll.csv").write_text("context,word\n" + "".join(f"{c},{ch[g]}\n" for c, ch, g in QUESTIONS)
+                                   + f"{long},sleeps\n")
     pq.write_table(pa.table({"text": TEXTS}), folder / "texts.parquet")
     tasks = {
         "tiny_mc": {"dataset_path": "json", "dataset_kwargs": {"data_files": {
@@ -146,6 +149,7 @@ def test_unmasked_documents_and_aggregate_equal_simple_evaluate(setup, task, sho
     info = a.describe()
     assert info.example_ids == [f"{task}/{i}" for i in range(len(out.stats))]
     assert info.facts["num_fewshot"] == {task: shots} and info.facts["baseline_by_task"] == {task: out.score}
+    assert info.facts["truncated_documents"] == (1 if task == "tiny_ll" else 0)
     if task == "tiny_mc" and shots:
         # few-shot contexts: lm-eval's for the same seed (1234), and other ones for another seed
         theirs = [s["arguments"] for s in sorted(result["samples"][task], key=lambda s: s["doc_id"])]
