@@ -77,6 +77,10 @@ def _write_tasks(folder: Path) -> Path:
             "doc_to_text": "", "doc_to_target": "{{text}}",
             "metric_list": [{"metric": "word_perplexity"}, {"metric": "byte_perplexity"},
                             {"metric": "bits_per_byte"}]},
+        "tiny_mc2": {"dataset_path": "json", "dataset_kwargs": {"data_files": {
+            "test": str(folder / "mc_train.jsonl")}}, "test_split": "test", "output_type": "multiple_choice",
+            "doc_to_text": "{{q}}", "doc_to_choice": "{{opts}}", "doc_to_target": "{{label}}",
+            "metric_list": [{"metric": "acc"}]},
         "tiny_gen": {"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(folder / "mc_test.jsonl")}},
                      "test_split": "test", "output_type": "generate_until", "doc_to_text": "{{q}}",
                      "doc_to_target": "{{label}}", "metric_list": [{"metric": "exact_match"}]},
@@ -251,6 +255,22 @@ def test_multiple_choice_task_equals_the_same_questions_as_an_lm_eval_task(setup
         ours, theirs = mc.evaluate([m])[0], lm.evaluate([m])[0]
         assert np.array_equal(ours.stats, theirs.stats) and ours.score == theirs.score  # exact: 0/1 outcomes
         assert_routes_agree(ours.loss, theirs.loss, depth=DEPTH, width=WIDTH)
+
+
+def test_several_tasks_pool_their_documents(setup):
+    """Two multiple-choice tasks: their documents side by side, the score the accuracy over both, each task's own
+    aggregate in the facts; a metric one task lacks (acc_norm) is NaN there and refused as the run's metric."""
+    _, tasks, models = setup
+    both = adapter(models["llama_8q2kv"], data(tasks, ["tiny_mc", "tiny_mc2"]))
+    one, two = (adapter(models["llama_8q2kv"], data(tasks, [t])).evaluate([[]])[0] for t in ("tiny_mc", "tiny_mc2"))
+    out = both.evaluate([[]])[0]
+    assert np.array_equal(out.stats[:, 0], np.concatenate([one.stats[:, 0], two.stats[:, 0]]))  # exact
+    assert np.isnan(out.stats[len(QUESTIONS):, 1]).all()
+    assert out.score == out.stats[:, 0].mean()
+    assert both.describe().facts["baseline_by_task"] == {"tiny_mc": one.score, "tiny_mc2": two.score}
+    assert both.example_ids[len(QUESTIONS)] == "tiny_mc2/0"
+    with pytest.raises(HeadsweepError, match="lm-eval task 'tiny_mc2' does not compute acc_norm"):
+        check_data(data(tasks, ["tiny_mc", "tiny_mc2"], metric="acc_norm"))
 
 
 def test_importance_differentiates_the_gold_continuations(setup):
