@@ -129,6 +129,7 @@ def hover_cell(driver, element: str, head: str) -> str:
     div = driver.find_element("id", element)
     driver.execute_script("arguments[0].scrollIntoView({block: 'start'})", div)
     wait_for(driver, f"return document.getElementById('{element}').dataset.drawn === 'yes'", 30)
+    driver.execute_script("arguments[0].scrollIntoView({block: 'start'})", div)  # where it is once drawn
     x, y = cell_offset(driver, element, head)
     ActionChains(driver).move_to_element_with_offset(div, x, y).perform()
     wait_for(driver, f"return document.querySelector('#{element} .hoverlayer .hovertext') !== null", 5)
@@ -142,6 +143,7 @@ def click_cell(driver, element: str, head: str, key: str, timeout: float = 10.0)
     div = driver.find_element("id", element)
     driver.execute_script("arguments[0].scrollIntoView({block: 'start'})", div)
     wait_for(driver, f"return document.getElementById('{element}').dataset.drawn === 'yes'", timeout)
+    driver.execute_script("arguments[0].scrollIntoView({block: 'start'})", div)  # where it is once drawn
     x, y = cell_offset(driver, element, head)
     start = time.perf_counter()
     ActionChains(driver).move_to_element_with_offset(div, x, y).click().perform()

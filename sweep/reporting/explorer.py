@@ -147,7 +147,7 @@ class Explorer:
     def _figure(self, name: str, figure: str) -> str:
         element = f"fig-{self.key}-{name}"
         self.figures.append((element, figure))
-        return f'<div class="plot" id="{html.escape(element)}" data-drill="{html.escape(self.key)}"></div>'
+        return plot_div(element, figure, self.key)
 
     # -- the drill-downs -----------------------------------------------------------------
     def drilldowns(self, pruned_at: dict[str, str], inputs: dict[str, str] | None,
@@ -233,6 +233,14 @@ def attention_extras(patterns: Sequence, losses: Sequence) -> dict[str, dict]:
                           "<th>token</th><th>NLL baseline (nats)</th><th>NLL masked</th><th>rise</th></tr>"
                           f"{rows}</table>")
     return out
+
+
+def plot_div(element: str, figure: str, drill: str | None = None) -> str:
+    """The element a figure is drawn into, as tall as the figure will be: figures drawn as they near the viewport
+    then move nothing on the page."""
+    height = json.loads(figure).get("layout", {}).get("height") or 450
+    extra = f' data-drill="{html.escape(drill)}"' if drill else ""
+    return f'<div class="plot" id="{html.escape(element)}" style="height: {int(height)}px"{extra}></div>'
 
 
 def figure_scripts(figures: Sequence[tuple[str, str]]) -> str:

@@ -28,7 +28,7 @@ from headsweep.results.store import ResultStore
 from headsweep.sweep.experiments import KINDS, register_stored_kinds
 from headsweep.sweep.reporting import figures, plots
 from headsweep.sweep.reporting.example_changes import fetch
-from headsweep.sweep.reporting.explorer import Explorer, attention_extras, drill_script, figure_scripts
+from headsweep.sweep.reporting.explorer import Explorer, attention_extras, drill_script, figure_scripts, plot_div
 from headsweep.sweep.reporting.page import (
     Page,
     ReportPart,
@@ -162,8 +162,9 @@ def _run_section(page: Page, con: duckdb.DuckDBPyConnection, run: dict, attentio
                                                                      inputs, extras)))
     if curves:
         element = f"fig-{run_id}-pruning"
-        page.add(f'<div class="plot" id="{html.escape(element)}"></div>')
-        page.scripts.append(figure_scripts([(element, _pruning_plot(con, run, table))]))
+        figure = _pruning_plot(con, run, table)
+        page.add(plot_div(element, figure))
+        page.scripts.append(figure_scripts([(element, figure)]))
 
     page.add('<details><summary>Static figures and tables (PNG, for papers)</summary>')
     for checkpoint, label in checkpoints:
