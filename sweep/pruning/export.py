@@ -26,8 +26,8 @@ from pathlib import Path
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
+from headsweep.sweep.ablation.fold import constants_to_fold, fold
 from headsweep.sweep.configuration.sections import Config
-from headsweep.sweep.pruning.fold import constants_to_fold, fold
 from headsweep.sweep.pruning.masks import MaskChoice, explicit_mask, stored_mask
 from headsweep.workers.core.heads import HeadInventory
 from headsweep.workers.core.registry import model_family
@@ -147,7 +147,7 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
     inventory = site_inventory(family.find_sites(model))
     choice = choose(inventory, store, from_run, level, eval_id, mask)
     sizes = _stock_sizes(family, model, choice.heads, stock)
-    # Mean and optimal ablation: the removed heads' constants folded into the biases first (sweep/pruning/fold.py).
+    # Mean and optimal ablation: the removed heads' constants folded into the biases first (sweep/ablation/fold.py).
     method, constants = constants_to_fold(cfg, store, from_run, _checkpoint_of(store, from_run, cfg))
     if constants:
         fold(family.find_sites(model), choice.heads, constants, method, str(getattr(cfg.model,

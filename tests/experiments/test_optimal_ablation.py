@@ -220,7 +220,7 @@ def test_optimal_settings_refused_by_the_config(tmp_path, tiny_bert_dir, tiny_de
 def test_export_refuses_what_a_bias_cannot_hold(tmp_path, tiny_bert_dir, tiny_dev_tsv):
     from tiny_models import tiny_causal_lm
 
-    from headsweep.sweep.pruning.fold import constants_to_fold, fold
+    from headsweep.sweep.ablation.fold import constants_to_fold, fold
 
     base = {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "data": {"path": str(tiny_dev_tsv)}}
     reference = write_tsv(generate(10, seed=3), tmp_path / "reference.tsv")
@@ -243,7 +243,7 @@ def test_fold_into_gpt2_conv1d_bias_equals_the_gated_fill(tmp_path):
     zeroed as pruning removes them, against the gate route with the same constants as fill."""
     from tiny_models import lm_text, save_tiny_causal_lm
 
-    from headsweep.sweep.pruning.fold import fold
+    from headsweep.sweep.ablation.fold import fold
 
     model_dir = save_tiny_causal_lm(tmp_path / "gpt2", "gpt2")
     (tmp_path / "eval.txt").write_text(lm_text(100, seed=8))
