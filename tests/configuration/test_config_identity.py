@@ -69,7 +69,9 @@ def test_every_case_is_pinned():
 
 # Keys added since the pins, at their defaults in every case: the stored config JSON gains them, and the rest of
 # it (and the hash, which leaves defaults out) must stay as pinned.
-ADDED = {"sweep": {"ablation": "zero", "memory_limit_gib": None},
+ADDED = {"sweep": {"ablation": "zero", "memory_limit_gib": None}, "prune": {"uniform": None},
+         "efficiency": {"stock": "auto", "prefill_batch_sizes": [1, 16], "decode_batch_sizes": [1],
+                        "prompt_tokens": 128, "new_tokens": 32},
          "ablation": {"reference": None, "positions": "all", "keep_first": False, "seed": 0, "resamples": 1,
                       "allow_eval_data": False, "direction": "noising", "steps": 100, "lr": 0.01}}
 
@@ -80,8 +82,9 @@ def test_config_identity_is_unchanged(name, config_hash, json_hash):
     assert cfg.hash() == config_hash
     stored = json.loads(cfg.to_json())
     assert stored.pop("ablation") == ADDED["ablation"]
-    for key, default in ADDED["sweep"].items():
-        assert stored["sweep"].pop(key) == default, key
+    for section in ("sweep", "prune", "efficiency"):
+        for key, default in ADDED[section].items():
+            assert stored[section].pop(key) == default, (section, key)
     if stored["model"]["kind"] == "hf_causal_lm":  # data.task paired's key, at its default
         assert stored["data"].pop("max_pairs") is None
     if stored["model"]["kind"] == "hf_classifier":  # data.task (paired inputs), at its default
