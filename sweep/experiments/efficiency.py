@@ -10,8 +10,8 @@ model's own architecture), the model as served is timed too (``efficiency.stock`
 export, loaded by ``from_pretrained``, against the full model, prefill tokens/s at ``efficiency.prefill_batch_sizes``,
 decode tokens/s with the KV cache at ``efficiency.decode_batch_sizes`` and the KV-cache bytes per token, beside the
 speed-ups the removed FLOPs and bytes predict (``headsweep.workers.analyses.stock_serving``); one row per model,
-phase and batch size in the ``serving`` table. A mask without a stock architecture writes no serving rows and says
-why in a warning.
+phase and batch size in the ``serving`` table. A mask without a stock architecture writes no serving rows (and says
+why in a warning where the run's own levels are ``prune.uniform``).
 """
 
 from __future__ import annotations
@@ -187,7 +187,10 @@ class Efficiency(Experiment):
         with step("efficiency serving", enabled=ctx.show_progress, detail=ctx.pool.status_line):
             served, reason = ctx.pool.call(serving_on_worker, choice.heads, ctx.cfg.efficiency)
         if reason:
-            logger.warning("efficiency: no serving timing for this mask: %s", reason)
+            # A warning where the run's own levels are uniform (the mask was meant to be stock); else most masks
+            # have no stock architecture, and saying so every time would be noise.
+            log = logger.warning if ctx.cfg.prune.uniform else logger.info
+            log("efficiency: no serving timing for this mask: %s", reason)
             return
         ctx.write("serving", [{**choice.columns(ctx.inventory), **row, "checkpoint": ctx.checkpoint,
                                "finished_at": datetime.now(UTC)} for row in served], name="serving")
