@@ -114,16 +114,15 @@ def main() -> None:
     import torch
 
     from headsweep.sweep.experiments.l0.training import checkpoint_label_smoothing
-    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
-    from headsweep.workers.families.fairseq_translation.config import TranslationModel
+    from headsweep.workers.families.fairseq_translation.config import TranslationModel, TranslationRuntime
 
     torch.set_num_threads(args.threads)
     wall = time.perf_counter()
     checkpoint, spm_model, data_bin = multi30k.cached_model(args.threads)  # shared with the other Multi30k benchmarks
     model_cfg = TranslationModel(checkpoint=str(checkpoint), data_bin=str(data_bin), beam=args.beam)
     # reuse off: the L0 runs load fine-tuned weights into the test adapter's model, and no cache may outlive them
-    runtime = RuntimeOptions(batch_size=64, max_tokens=0, reuse=False)
+    runtime = TranslationRuntime(batch_size=64, max_tokens=0, reuse=False)
     flickr = load_translation(model_cfg, multi30k.test_data(spm_model, args.max_examples), runtime)
     enc_self = [h for h in flickr.describe().inventory.heads if h.attention == "enc_self"]
     baseline = flickr.evaluate([[]])[0].score

@@ -338,9 +338,20 @@ PLAIN = {"reuse": False, "masks_per_batch": 1, "max_tokens": 0, "fused_attention
 
 
 def runtime_fields() -> set[str]:
+    return {f.name for f in dataclasses.fields(translation_runtime())}
+
+
+def translation_runtime() -> type:
+    """The translation family's RuntimeOptions (its own class where this headsweep has one)."""
+    from headsweep.workers.core.registry import model_family
+
+    return getattr(model_family("fairseq_translation"), "runtime_options", None) or _plain_runtime()
+
+
+def _plain_runtime() -> type:
     from headsweep.workers.core.family import RuntimeOptions
 
-    return {f.name for f in dataclasses.fields(RuntimeOptions)}
+    return RuntimeOptions
 
 
 def parse_value(text: str):
@@ -360,8 +371,7 @@ def parse_value(text: str):
 
 def headsweep_options(args) -> tuple[object, object, list[str]]:
     """(plain, default) RuntimeOptions and notes on what was set or could not be."""
-    from headsweep.workers.core.family import RuntimeOptions
-
+    RuntimeOptions = translation_runtime()  # noqa: N806 (a class)
     fields = runtime_fields()
     notes = []
     plain = {k: v for k, v in PLAIN.items() if k in fields}

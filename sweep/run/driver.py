@@ -50,7 +50,7 @@ from headsweep.sweep.run.worker_start import wait_for_workers
 from headsweep.sweep.statistics.significance_runner import tests_for
 from headsweep.workers.core.actor import EvalWorker
 from headsweep.workers.core.checks import model_heads_on_worker
-from headsweep.workers.core.family import DatasetInfo, RuntimeOptions
+from headsweep.workers.core.family import DatasetInfo
 from headsweep.workers.core.heads import HeadInventory
 from headsweep.workers.core.registry import model_family
 from headsweep.workers.hub.pins import pin_hub_models
@@ -85,7 +85,8 @@ class Sweep:
         s = self.cfg.sweep
         check_placement(self.cfg, alive_nodes())
         threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // s.workers)
-        runtime = RuntimeOptions(
+        # Each family keeps the settings its own options have (a family may add some: ModelFamily.runtime_options).
+        runtime = model_family(model_cfg.kind).runtime(
             device=resolve_device(self.cfg),
             masks_per_batch=s.masks_per_batch,
             reuse=s.reuse,

@@ -47,7 +47,7 @@ from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.configuration.reader import from_dict
 from headsweep.sweep.pruning.export import MANIFEST, export_pruned
 from headsweep.workers.analyses.importance import gradient_importance
-from headsweep.workers.core.family import EvalAdapter, MaskOutput, RuntimeOptions
+from headsweep.workers.core.family import EvalAdapter, MaskOutput
 from headsweep.workers.core.gates import AttentionSite
 from headsweep.workers.core.heads import Head, HeadInventory
 from headsweep.workers.core.registry import model_family
@@ -72,7 +72,7 @@ def load_adapter(case: FamilyCase, built: Built, *, model: dict | None = None, d
     family = model_family(built.model["kind"])
     model_cfg = from_dict(family.model_config, model or built.model, "model")
     data_cfg = from_dict(family.data_config, data or built.data, "data")
-    return family.load(model_cfg, data_cfg, RuntimeOptions(**{**case.runtime, **runtime}))
+    return family.load(model_cfg, data_cfg, family.runtime(**{**case.runtime, **runtime}))
 
 
 def ungated(adapter: EvalAdapter) -> EvalAdapter:

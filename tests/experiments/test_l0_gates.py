@@ -24,6 +24,7 @@ from headsweep.sweep.experiments.l0.training import L0Trainer
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.fairseq_translation.config import TranslationRuntime
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -524,7 +525,7 @@ def test_fairseq_gates_on_encoder_self_attention_with_the_checkpoints_label_smoo
     def make(lam):
         adapter = model_family("fairseq_translation").load(
             model_cfg, TranslationData(data_bin=str(tiny_translation.data.data_bin), split="valid"),
-            RuntimeOptions(batch_size=20, max_tokens=0))
+            TranslationRuntime(batch_size=20, max_tokens=0))
         return L0Trainer(adapter, *settings(lam, steps=40, attention=["enc_self"],
                                            label_smoothing=checkpoint_label_smoothing(model_cfg)))
 

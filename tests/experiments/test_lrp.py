@@ -25,10 +25,10 @@ from tiny_models import tiny_causal_lm, tiny_float64_bert
 from headsweep.results.store import ResultStore
 from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.workers.analyses.lrp import lrp_relevance, lrp_rules, top_logit_batch
-from headsweep.workers.core.family import LossBatch, LossBatches, RuntimeOptions
+from headsweep.workers.core.family import LossBatch, LossBatches
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.families.fairseq_translation.adapter import load_translation
-from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel, TranslationRuntime
 from headsweep.workers.families.hf_causal_lm.sites import find_sites as causal_sites
 from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches, cut_batches
 from headsweep.workers.families.hf_shared.sites import find_sites as classifier_sites
@@ -82,7 +82,7 @@ def tiny_translation(tmp_path_factory, one_thread):
     model_cfg = TranslationModel(checkpoint=str(tiny.checkpoint), data_bin=str(tiny.data.data_bin), beam=2,
                                  max_len_b=10)
     data_cfg = TranslationData(data_bin=str(tiny.data.data_bin), split="valid", max_examples=12)
-    return load_translation(model_cfg, data_cfg, RuntimeOptions(batch_size=6, max_tokens=0))
+    return load_translation(model_cfg, data_cfg, TranslationRuntime(batch_size=6, max_tokens=0))
 
 
 def cut_points(model) -> tuple[dict[str, tuple[torch.nn.Module, str]], list[list[str]]]:

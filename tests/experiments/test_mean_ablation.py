@@ -23,15 +23,14 @@ from tolerances import assert_routes_agree
 from headsweep.errors import HeadsweepError
 from headsweep.results.query import run_query
 from headsweep.results.store import ResultStore
+from headsweep.sweep.ablation.values import stored_values
 from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.configuration.reader import from_dict
 from headsweep.sweep.demo.sentiment import generate, write_tsv
-from headsweep.sweep.ablation.values import stored_values
 from headsweep.sweep.run.runs import resumable
 from headsweep.workers.ablation.means import reference_means
 from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.ablation.worker_fill import fill_of
-from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.registry import model_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -40,7 +39,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def load(model: dict, data: dict, **runtime):
     family = model_family(model["kind"])
     return family.load(from_dict(family.model_config, model, "model"), from_dict(family.data_config, data, "data"),
-                       RuntimeOptions(**runtime))
+                       family.runtime(**runtime))
 
 
 class Recorder:

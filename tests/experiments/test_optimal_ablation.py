@@ -22,16 +22,15 @@ from tolerances import assert_routes_agree, max_difference
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
+from headsweep.sweep.ablation.values import stored_values
 from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.configuration.reader import from_dict
 from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.sweep.pruning.export import MANIFEST, export_pruned
-from headsweep.sweep.ablation.values import stored_values
 from headsweep.workers.ablation.means import reference_means
 from headsweep.workers.ablation.optimal import train_head
 from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.ablation.worker_fill import WorkerFill, fill_of
-from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.registry import model_family
 
@@ -43,7 +42,7 @@ STEPS = 25
 def load(model: dict, data: dict, **runtime):
     family = model_family(model["kind"])
     return family.load(from_dict(family.model_config, model, "model"), from_dict(family.data_config, data, "data"),
-                       RuntimeOptions(**runtime))
+                       family.runtime(**runtime))
 
 
 def surgery_loss(adapter, head: Head, constant: torch.Tensor) -> float:

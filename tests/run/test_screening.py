@@ -59,7 +59,8 @@ def test_at_positions_keeps_per_example_lists_and_other_fields():
 def subset_matches_full(load, model_cfg, data_cfg, masks, positions, **runtime):
     """The adapter on ``positions`` against the whole-set adapter, mask by mask; and the subset's and the rest's
     outputs joined against the whole set's."""
-    from headsweep.workers.core.family import RuntimeOptions
+    # the translation family's options (a subclass) carry max_tokens for the translation case
+    from headsweep.workers.families.fairseq_translation.config import TranslationRuntime as RuntimeOptions
 
     whole_set = load(model_cfg, data_cfg, RuntimeOptions(**runtime))
     metric = whole_set.describe().metric

@@ -40,7 +40,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -60,13 +60,11 @@ if TYPE_CHECKING:  # the driver imports this module: keep torch out of its impor
     from headsweep.workers.pruning.head_slicing import HeadSlice
 
 
-# fairseq-generate's usual --max-tokens for evaluation (see docs/families.md, "fairseq translation").
-DEFAULT_MAX_TOKENS = 6000
-
-
 @dataclass
 class RuntimeOptions:
-    """How an adapter runs: the driver's ``sweep`` section, resolved for one worker."""
+    """How an adapter runs: the driver's ``sweep`` section, resolved for one worker. A family with settings of its
+    own subclasses it (``ModelFamily.runtime_options``; fairseq translation's token budget, loss pass and fused
+    attention: :class:`~headsweep.workers.families.fairseq_translation.config.TranslationRuntime`)."""
 
     device: str = "cpu"
     batch_size: int = 32
@@ -74,17 +72,6 @@ class RuntimeOptions:
     reuse: bool = True  # share work between masks (prefix/encoder reuse); False: plain reference path
     threads: int = 0
     seed: int = 0
-    # Families that batch by tokens (fairseq translation): sentences per batch bounded by a token
-    # budget, fairseq's --max-tokens (sentences x longest source <= max_tokens), instead of
-    # batch_size sentences; 0: batches of batch_size sentences. Other families ignore it.
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    # Families whose per-example loss costs a pass of its own (translation: a teacher-forced pass
-    # per mask): False stores no loss (examples.loss null). Others get it free and always store it.
-    loss: bool = False
-    # fairseq translation: fairseq's fast attention paths where gates allow them (the fused kernel
-    # in modules no mask of a batch gates; encoder-decoder keys once per sentence, not per beam);
-    # False: neither, every gated module unfused (the plain reference).
-    fused_attention: bool = True
     # Only these examples (positions in the evaluation set, after data.max_examples), for the subset that
     # sequential screening evaluates first (sweep.screen); None: every example. See workers/data/example_subset.py.
     examples: tuple[int, ...] | None = None
@@ -212,8 +199,9 @@ class ModelFamily:
 
     ``loader`` is ``package.module:NAME`` of a callable ``(model_cfg, data_cfg, runtime)`` returning
     the :class:`EvalAdapter` (imported when first used). ``checkpoint_key`` is the ``model`` key a
-    run over training checkpoints replaces. ``batches_by_tokens``: its adapter reads
-    ``RuntimeOptions.max_tokens`` (``sweep.max_tokens`` is refused for the others).
+    run over training checkpoints replaces. ``runtime_options``: its :class:`RuntimeOptions`, a subclass where it
+    has settings of its own (:meth:`runtime` builds it). ``batches_by_tokens``: its options carry ``max_tokens``
+    (``sweep.max_tokens`` is refused for the others).
     ``syntax_attention``: the attention type whose heads roles scores against parses of the
     evaluation text (None: the family has no parsed text). ``hub_ids``: ``model.path`` (and
     ``model.tokenizer``, ``checkpoints``) may name a Hugging Face Hub model in the local cache,
@@ -237,6 +225,13 @@ class ModelFamily:
     hub_ids: bool = False
     fills_by_position: bool = True
     resample_attention: tuple[str, ...] | None = None
+    runtime_options: type[RuntimeOptions] = RuntimeOptions
+
+    def runtime(self, **settings: Any) -> RuntimeOptions:
+        """The family's :class:`RuntimeOptions` from ``settings`` (the sweep section resolved for a worker), less
+        the settings its options do not have (another family's: the driver hands every family the same ones)."""
+        names = {f.name for f in fields(self.runtime_options)}
+        return self.runtime_options(**{k: v for k, v in settings.items() if k in names})
 
     def load(self, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions) -> EvalAdapter:
         """The evaluation adapter: the gated model on the evaluation data."""

@@ -40,7 +40,6 @@ from headsweep.sweep.experiments.l0.tables import GATES, L0_CURVE
 from headsweep.sweep.experiments.prune_level import prune_scope_name
 from headsweep.sweep.run.dispatch import log
 from headsweep.sweep.run.plan import check_attention_types
-from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.registry import model_family
 from headsweep.workers.core.work import WorkUnit
@@ -198,7 +197,7 @@ class L0Gates(Experiment):
         model_cfg = cfg.model if ctx.checkpoint is None else dataclasses.replace(
             cfg.model, **{family.checkpoint_key: ctx.checkpoint})
         # The gates train under the run's ablation: a trial is no worker, so mean ablation's values come from the store.
-        runtime = RuntimeOptions(device=resolve_device(cfg), threads=max(1, int(s.num_cpus_per_worker)),
+        runtime = family.runtime(device=resolve_device(cfg), threads=max(1, int(s.num_cpus_per_worker)),
                                  seed=cfg.seed, reuse=False, ablation=ablation_spec(cfg), **s.batching())
         job = L0Job(cfg.model.kind, model_cfg, l0_data(cfg), runtime, l0, report_every=max(1, l0.steps // 20),
                     fill_values=stored_values(ctx.store, ctx.run_id, ctx.checkpoint))

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 from tiny_fairseq import train_tiny
 
-from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
 from headsweep.workers.families.fairseq_translation.adapter import load_translation
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+from headsweep.workers.families.fairseq_translation.config import TranslationRuntime as RuntimeOptions
 from headsweep.workers.families.fairseq_translation.reuse import EncoderReuse
 from headsweep.workers.memory.batch_budget import CPU_ACTIVATION_BYTES
 

@@ -35,10 +35,10 @@ from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.spec import AblationSpec
-from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
 from headsweep.workers.families.fairseq_translation.adapter import TranslationAdapter, load_translation
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+from headsweep.workers.families.fairseq_translation.config import TranslationRuntime as RuntimeOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BEAM, MAX_LEN_B, SEED = 3, 24, 5

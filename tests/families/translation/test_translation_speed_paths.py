@@ -21,10 +21,10 @@ from tolerances import assert_routes_agree
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import load_config
-from headsweep.workers.core.family import DEFAULT_MAX_TOKENS, RuntimeOptions
 from headsweep.workers.core.heads import Head
 from headsweep.workers.families.fairseq_translation.adapter import batch_tokens, load_translation, token_batches
-from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+from headsweep.workers.families.fairseq_translation.config import DEFAULT_MAX_TOKENS, TranslationData, TranslationModel
+from headsweep.workers.families.fairseq_translation.config import TranslationRuntime as RuntimeOptions
 
 BEAM, MAX_LEN_B = 3, 24
 # A budget that cuts the 40 test sentences (8 to 15 tokens with EOS) into batches of 1 to 5 sentences.

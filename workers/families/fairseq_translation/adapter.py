@@ -61,7 +61,7 @@ from headsweep.workers.core.metrics import BLEU
 from headsweep.workers.core.workload import median_batch, take_rows
 from headsweep.workers.data.data_report import report
 from headsweep.workers.data.example_subset import at_positions
-from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel, TranslationRuntime
 from headsweep.workers.families.fairseq_translation.data import (
     ParallelExamples,
     TextPipeline,
@@ -98,7 +98,8 @@ class TranslationAdapter:
 
     metric = BLEU
 
-    def __init__(self, model_cfg: TranslationModel, data_cfg: TranslationData, runtime: RuntimeOptions):
+    def __init__(self, model_cfg: TranslationModel, data_cfg: TranslationData, options: RuntimeOptions):
+        runtime = TranslationRuntime.of(options)
         if model_cfg.beam < 1:
             raise HeadsweepError(f"model.beam must be at least 1, got {model_cfg.beam}")
         if runtime.threads > 0:

@@ -6,9 +6,13 @@ Defaults follow ``fairseq-generate``: beam 5, length penalty 1, maximum length
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.data.text_files import check_encoding
+
+# fairseq-generate's usual --max-tokens for evaluation (see docs/families.md, "fairseq translation").
+DEFAULT_MAX_TOKENS = 6000
 
 
 @dataclass
@@ -68,3 +72,28 @@ class TranslationData:
     def check(self) -> None:
         """What can be checked without the model or the files (the worker checks the rest)."""
         check_encoding(self.encoding)
+
+
+@dataclass
+class TranslationRuntime(RuntimeOptions):
+    """How the translation adapter runs: :class:`RuntimeOptions` and the family's own settings, from the ``sweep``
+    keys of the same names."""
+
+    # Sentences per batch bounded by a token budget, fairseq's --max-tokens (sentences x longest source <=
+    # max_tokens), instead of batch_size sentences; 0: batches of batch_size sentences.
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    # The per-example loss costs a pass of its own (a teacher-forced pass per mask): False stores no loss
+    # (examples.loss null).
+    loss: bool = False
+    # fairseq's fast attention paths where gates allow them (the fused kernel in modules no mask of a batch gates;
+    # encoder-decoder keys once per sentence, not per beam); False: neither, every gated module unfused (the plain
+    # reference).
+    fused_attention: bool = True
+
+    @classmethod
+    def of(cls, runtime: RuntimeOptions) -> TranslationRuntime:
+        """``runtime`` as this family's options: itself, or (a plain :class:`RuntimeOptions`, as a caller outside
+        the driver may hand the loader) its settings with this family's defaults."""
+        if isinstance(runtime, cls):
+            return runtime
+        return cls(**{f.name: getattr(runtime, f.name) for f in fields(runtime)})

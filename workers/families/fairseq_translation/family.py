@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from headsweep.workers.core.family import ModelFamily
 from headsweep.workers.core.heads import Head, SiteKey
-from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
+from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel, TranslationRuntime
 
 if TYPE_CHECKING:
     from torch import nn
@@ -90,4 +90,4 @@ FAIRSEQ_TRANSLATION = TranslationFamily("fairseq_translation", TranslationModel,
                                         "headsweep.workers.families.fairseq_translation.adapter:load_translation",
                                         checkpoint_key="checkpoint", batches_by_tokens=True,
                                         syntax_attention="enc_self", fills_by_position=False,
-                                        resample_attention=("enc_self",))
+                                        resample_attention=("enc_self",), runtime_options=TranslationRuntime)
