@@ -76,6 +76,8 @@ class Changes:
     output: np.ndarray
     base_output: np.ndarray
     reference: np.ndarray
+    loss: np.ndarray | None = None  # examples.loss with the heads masked (None: the family stores none)
+    base_loss: np.ndarray | None = None
 
     @property
     def change(self) -> np.ndarray:
@@ -100,7 +102,7 @@ def changes(con: duckdb.DuckDBPyConnection, run_id: str, checkpoint: str | None,
     baseline = baseline_eval_id(con, run_id, checkpoint)
     if baseline is None:
         return None
-    base = con.sql("SELECT example_id, stats, output FROM examples WHERE run_id = ? AND eval_id = ?",
+    base = con.sql("SELECT example_id, stats, output, loss FROM examples WHERE run_id = ? AND eval_id = ?",
                    params=[run_id, baseline]).to_arrow_table()
     if base.num_rows == 0:
         return None
@@ -111,7 +113,7 @@ def changes(con: duckdb.DuckDBPyConnection, run_id: str, checkpoint: str | None,
     else:
         wanted = "SELECT unnest(?::VARCHAR[])"
         params = [eval_ids]
-    masked = con.sql(f"SELECT eval_id, example_id, stats, output, reference FROM examples "
+    masked = con.sql(f"SELECT eval_id, example_id, stats, output, reference, loss FROM examples "
                      f"WHERE run_id = ? AND eval_id IN ({wanted})", params=[run_id, *params]).to_arrow_table()
     base_ids = base.column("example_id").to_numpy(zero_copy_only=False)
     at = {e: i for i, e in enumerate(base_ids)}
@@ -121,6 +123,10 @@ def changes(con: duckdb.DuckDBPyConnection, run_id: str, checkpoint: str | None,
     base_values = example_values(metric, stats_matrix(base.column("stats")))
     values = example_values(metric, stats_matrix(masked.column("stats"))) if masked.num_rows else np.zeros(0)
     base_out = base.column("output").to_numpy(zero_copy_only=False)
+    # the per-example loss (a multiple-choice question's gold NLL, a pair's answer NLL...), where the family stores it
+    has_loss = base.column("loss").null_count < base.num_rows
+    base_loss = base.column("loss").to_numpy(zero_copy_only=False).astype(np.float64) if has_loss else None
+    loss = masked.column("loss").to_numpy(zero_copy_only=False).astype(np.float64) if has_loss else None
     return Changes(
         metric=metric,
         eval_ids=masked.column("eval_id").to_numpy(zero_copy_only=False)[keep],
@@ -129,6 +135,8 @@ def changes(con: duckdb.DuckDBPyConnection, run_id: str, checkpoint: str | None,
         base=base_values[where[keep]],
         output=masked.column("output").to_numpy(zero_copy_only=False)[keep],
         base_output=base_out[where[keep]],
+        loss=None if loss is None else loss[keep],
+        base_loss=None if base_loss is None else base_loss[where[keep]],
         reference=masked.column("reference").to_numpy(zero_copy_only=False)[keep],
     )
 
@@ -163,7 +171,8 @@ def head_examples(con: duckdb.DuckDBPyConnection, run_id: str, name: str, checkp
     """Every example of head ``name``'s single-head ablation in run ``run_id`` (model ``checkpoint``; a run over
     checkpoints needs one named), most harmed first (ties by example id): ``example_id``, ``input`` (null before
     schema version 10), ``reference``, ``baseline_output``, ``output``, ``baseline_value``, ``value``, ``change``,
-    ``harm``. Unknown runs, heads and checkpoints, and runs without per-example rows, are refused in one line."""
+    ``harm``, and where the family stores a per-example loss ``baseline_loss`` and ``loss``. Unknown runs, heads and
+    checkpoints, and runs without per-example rows, are refused in one line."""
     from headsweep.errors import HeadsweepError
 
     run = one(con, "SELECT metric FROM runs WHERE run_id = ?", [run_id])
@@ -193,6 +202,8 @@ def head_examples(con: duckdb.DuckDBPyConnection, run_id: str, name: str, checkp
                              "show per example")
     order = np.lexsort((got.example_ids.astype(str), -got.harm))
     inputs = dict(fetch(con, "SELECT example_id, input FROM inputs WHERE run_id = ?", [run_id]))
+    losses = {} if got.loss is None or got.base_loss is None else {
+        "baseline_loss": got.base_loss[order], "loss": got.loss[order]}
     return pa.table({
         "example_id": got.example_ids[order].astype(str),
         "input": pa.array([inputs.get(e) for e in got.example_ids[order]], pa.string()),
@@ -203,4 +214,5 @@ def head_examples(con: duckdb.DuckDBPyConnection, run_id: str, name: str, checkp
         "value": got.value[order],
         "change": got.change[order],
         "harm": got.harm[order],
+        **losses,
     })

@@ -204,6 +204,8 @@ class Explorer:
         name = value_name(self.metric)
         head = ["example", "input", "reference", "baseline output", "output with the head masked",
                 f"{name}, baseline", f"{name}, masked", "change"]
+        if found.loss is not None:  # a question's gold NLL, a pair's answer NLL, a classifier's loss
+            head += ["loss, baseline", "loss, masked"]
         body = []
         for i in indices:
             example = str(found.example_ids[i])
@@ -213,6 +215,8 @@ class Explorer:
                      _cut(found.base_output[i]), _cut(found.output[i]) + (" (changed)" if flipped else ""),
                      plots.num(float(found.base[i])), plots.num(float(found.value[i])),
                      plots.num(float(found.value[i] - found.base[i]))]
+            if found.loss is not None and found.base_loss is not None:
+                cells += [plots.num(float(found.base_loss[i])), plots.num(float(found.loss[i]))]
             body.append('<tr class="example">' + "".join(f'<td class="text">{html.escape(c)}</td>' for c in cells)
                         + "</tr>")
         header = "".join(f"<th>{html.escape(c)}</th>" for c in head)
