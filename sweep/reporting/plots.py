@@ -145,6 +145,8 @@ def heatmap(variants: Sequence[Variant], order: Sequence[str], value: Callable[[
 
 @dataclass
 class PruningPoint:
+    """One level of a pruning curve: its score, the interval of its delta and the baseline that delta is from."""
+
     level: float
     n_masked: int
     score: float
@@ -152,6 +154,7 @@ class PruningPoint:
     ci_high: float | None
     significant: bool
     p_adjusted: float | None
+    baseline: float | None = None
 
 
 def pruning(curves: dict[str, list[PruningPoint]], baseline: float | None, metric: str | None) -> str:
@@ -162,9 +165,10 @@ def pruning(curves: dict[str, list[PruningPoint]], baseline: float | None, metri
     for n, (label, points) in enumerate(curves.items()):
         colour = palette[n % len(palette)]
         x = [100.0 * p.level for p in points]
-        base = baseline if baseline is not None else 0.0
-        lows = [None if p.ci_low is None else base + p.ci_low for p in points]
-        highs = [None if p.ci_high is None else base + p.ci_high for p in points]
+        # each level's interval is of its delta from its own model's baseline (checkpoints differ)
+        bases = [p.baseline if p.baseline is not None else baseline for p in points]
+        lows = [None if p.ci_low is None or b is None else b + p.ci_low for p, b in zip(points, bases, strict=True)]
+        highs = [None if p.ci_high is None or b is None else b + p.ci_high for p, b in zip(points, bases, strict=True)]
         if any(v is not None for v in lows):
             fig.add_trace(go.Scatter(x=x + x[::-1], y=highs + lows[::-1], fill="toself", fillcolor=colour,
                                      opacity=0.18, line={"width": 0}, hoverinfo="skip", showlegend=True,

@@ -244,7 +244,7 @@ def _pruning_plot(con: duckdb.DuckDBPyConnection, run: dict, table: list[dict]) 
                                   (None, None))
         curves.setdefault(r["curve"], []).append(plots.PruningPoint(
             level=r["level"], n_masked=r["n_masked"], score=r["score"], ci_low=low, ci_high=high,
-            significant=bool(r["significant"]), p_adjusted=r["p_adjusted"]))
+            significant=bool(r["significant"]), p_adjusted=r["p_adjusted"], baseline=r["baseline_score"]))
     return plots.pruning(curves, run["baseline_score"], run["metric"])
 
 

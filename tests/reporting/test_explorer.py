@@ -16,6 +16,8 @@ from small_store import small_store
 
 import headsweep
 from headsweep.errors import HeadsweepError
+from headsweep.results.store import ResultStore
+from headsweep.sweep.reporting.report import write_report
 
 synthetic = bench_module("synthetic_store")
 
@@ -96,8 +98,8 @@ def test_report_into_a_file_or_an_unwritable_place_is_one_line(synth, tmp_path):
     proc = run_cli("report", runs[0], "--store", str(root), "--out", str(afile))
     assert proc.returncode == 2
     assert "is a file" in error_line(proc.stderr) and afile.read_text() == "mine"
-    proc = run_cli("report", runs[0], "--store", str(root), "--out", "/proc/headsweep-report")
-    assert proc.returncode == 2 and "cannot create report folder /proc/headsweep-report" in error_line(proc.stderr)
+    with pytest.raises(HeadsweepError, match="^cannot create report folder /proc/headsweep-report: "):
+        write_report(ResultStore(str(root)), [runs[0]], "/proc/headsweep-report")  # not writable, even for root
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]  # nothing half-written beside it
 
 
@@ -119,11 +121,20 @@ def test_run_without_example_rows_and_store_before_inputs(synth, tmp_path):
     shutil.copytree(root, bare)
     shutil.rmtree(bare / "examples")
     shutil.rmtree(bare / "inputs")
-    proc = run_cli("report", runs[0], "--store", str(bare), "--out", str(tmp_path / "r"))
-    assert proc.returncode == 0, proc.stderr
-    page = (tmp_path / "r" / "index.html").read_text()
+    page = write_report(ResultStore(str(bare)), [runs[0]], tmp_path / "r").read_text()
     assert "This store predates stored inputs" in page
     start = page.index('class="hs-heads"')
     heads = json.loads(page[page.index(">", start) + 1 : page.index("</script>", start)].replace("<\\/", "</"))
     assert set(heads) == {f"self:{layer}:{h}" for layer in range(2) for h in range(4)}
     assert all("stored no per-example rows" in entry["html"] for entry in heads.values())
+
+
+def test_far_off_names_the_heads_whose_two_ranks_differ_most():
+    """The cheap-vs-exact scatter's named heads: rank by importance (most first) against rank by harm."""
+    from headsweep.sweep.reporting.plots import far_off
+
+    heads = [{"name": f"self:0:{i}", "importance": imp, "harm": harm}
+             for i, (imp, harm) in enumerate([(5.0, 0.5), (4.0, 0.4), (3.0, 0.3), (0.1, 0.9), (2.0, 0.2)])]
+    [first] = far_off(heads, "importance", 1)
+    # self:0:3 is last by importance (#5) and first by harm (#1): what pruning by importance keeps wrongly last
+    assert (first["name"], first["rank_cheap"], first["rank_harm"]) == ("self:0:3", 5, 1)

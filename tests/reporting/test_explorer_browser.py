@@ -125,3 +125,24 @@ def test_method_switch_shows_the_other_runs_deltas(chrome, tmp_path, shots):
     assert grid(mean) != grid(zero)
     assert browser.console_errors(chrome) == []
     browser.screenshot(chrome, shots / "method-switch.png", element)
+
+
+def test_pruning_band_is_the_baseline_plus_each_levels_interval(small_page):
+    """The interactive pruning figure's band, read from the page, against the pruning levels' intervals in SQL (each
+    around its own model's baseline)."""
+    import json
+
+    page, store, run_id, checkpoints = small_page
+    text = page.read_text()
+    start = text.index(f'data-target="fig-{run_id}-pruning">')
+    figure = json.loads(text[text.index(">", start) + 1 : text.index("</script>", start)].replace("<\\/", "</"))
+    with headsweep.open_store(store) as s:
+        rows = s.sql("SELECT level, baseline_score + ci_low AS low, baseline_score + ci_high AS high FROM deltas "
+                     "WHERE run_id = ? AND checkpoint = ? AND experiment = 'prune_level' AND eval_id LIKE "
+                     "'%prune_level/global/%' ORDER BY level", [run_id, checkpoints[0]]).fetchall()
+    [band] = [t for t in figure["data"] if t.get("fill") == "toself" and t["name"].startswith("global, ckpt0")]
+    n = len(rows)
+    assert band["x"][:n] == pytest.approx([100 * r[0] for r in rows])
+    highs, lows = band["y"][:n], band["y"][n:][::-1]
+    for (level, low, high), hi, lo in zip(rows, highs, lows, strict=True):
+        assert (lo, hi) == pytest.approx((low, high)), level
