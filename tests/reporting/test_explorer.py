@@ -138,3 +138,36 @@ def test_far_off_names_the_heads_whose_two_ranks_differ_most():
     [first] = far_off(heads, "importance", 1)
     # self:0:3 is last by importance (#5) and first by harm (#1): what pruning by importance keeps wrongly last
     assert (first["name"], first["rank_cheap"], first["rank_harm"]) == ("self:0:3", 5, 1)
+
+
+def test_token_losses_equal_the_weight_surgery_models(tmp_path, one_thread):
+    """A causal LM window's tokens whose loss a head's removal raises most (recomputed for the drill-down), against
+    the independent route: the model whose output projection has the head's input columns zeroed."""
+    import torch.nn.functional as F
+    from tiny_models import lm_text, save_tiny_causal_lm, zeroed_output_columns
+    from transformers import AutoModelForCausalLM
+
+    from headsweep.sweep.reporting.attention_maps import TOP_TOKENS, token_losses
+    from headsweep.workers.core.family import RuntimeOptions
+    from headsweep.workers.core.heads import Head
+    from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
+    from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+
+    model_dir = save_tiny_causal_lm(tmp_path / "llama", "llama_8q2kv")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(lm_text(120, seed=4))
+    adapter = CausalLMAdapter(CausalLMModel(path=str(model_dir), attn_implementation="eager"),
+                              CausalLMData(path=str(corpus), window=16, add_bos=True), RuntimeOptions(batch_size=4))
+    [found] = token_losses(adapter, [("self:1:3", "w1", 1)])
+    assert len(found.tokens) == TOP_TOKENS
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    surgery = zeroed_output_columns(reference, [Head.parse("self:1:3")])
+    ids = adapter.inputs[1:2]
+    with torch.no_grad():
+        base = F.cross_entropy(reference(input_ids=ids).logits[0, :-1].float(), ids[0, 1:], reduction="none")
+        masked = F.cross_entropy(surgery(input_ids=ids).logits[0, :-1].float(), ids[0, 1:], reduction="none")
+    rise = torch.where(adapter.scored[1], masked - base, torch.tensor(float("-inf")))
+    assert [p for p, *_ in found.tokens] == (torch.argsort(rise, descending=True)[:TOP_TOKENS] + 1).tolist()
+    for position, _, nll_base, nll_masked in found.tokens:
+        assert (nll_base, nll_masked) == pytest.approx((float(base[position - 1]), float(masked[position - 1])),
+                                                       rel=1e-4, abs=1e-5)
