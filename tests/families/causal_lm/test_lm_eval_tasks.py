@@ -257,6 +257,29 @@ def test_multiple_choice_task_equals_the_same_questions_as_an_lm_eval_task(setup
         assert_routes_agree(ours.loss, theirs.loss, depth=DEPTH, width=WIDTH)
 
 
+def test_rolling_metrics_from_summed_statistics_and_their_tests(setup):
+    """word_perplexity, byte_perplexity and bits_per_byte from summed [loglikelihood, words, bytes] equal lm-eval's
+    aggregations of the same documents; the run's default tests (bootstrap, t-test) take them."""
+    from lm_eval.api.metrics import bits_per_byte, weighted_perplexity
+
+    from headsweep.sweep.configuration.sections import SignificanceSection
+    from headsweep.sweep.statistics.significance_runner import raw_tests, tests_for
+    from headsweep.workers.core.metrics import metric_by_name
+
+    _, tasks, models = setup
+    a = adapter(models["llama_8q2kv"], data(tasks, ["tiny_rolling"], metric="bits_per_byte"), batch_size=4)
+    base, masked = (o.stats for o in a.evaluate([[], [Head("self", 0, 1)]]))
+    words, size = [(s[0], s[1]) for s in base.tolist()], [(s[0], s[2]) for s in base.tolist()]
+    # other: numpy's pairwise sums against lm-eval's Python sums, float64
+    assert metric_by_name("word_perplexity").score(base) == pytest.approx(weighted_perplexity(words), rel=1e-12)
+    assert metric_by_name("byte_perplexity").score(base) == pytest.approx(weighted_perplexity(size), rel=1e-12)
+    assert metric_by_name("bits_per_byte").score(base) == pytest.approx(bits_per_byte(size), rel=1e-12)
+    tests = tests_for(SignificanceSection(), "bits_per_byte")
+    assert tests == ["paired_bootstrap", "paired_ttest"]
+    results = raw_tests("bits_per_byte", base, masked[None], tests, 200, 1)
+    assert all(0 <= float(r.p_value[0]) <= 1 for r in results)
+
+
 def test_several_tasks_pool_their_documents(setup):
     """Two multiple-choice tasks: their documents side by side, the score the accuracy over both, each task's own
     aggregate in the facts; a metric one task lacks (acc_norm) is NaN there and refused as the run's metric."""
