@@ -2,13 +2,13 @@
 
 The proof runs in a separate Python process that never imports headsweep: ``AutoModelForCausalLM.from_pretrained``
 and ``AutoTokenizer`` load each exported folder, count its parameters and compute its logits, and lm-eval's
-``HFLM(pretrained=DIR)`` scores log-likelihoods on it. Here the logits are compared with the full model's under the
-same mask (head gates: the independent route), for Llama-style grouped-query cases with 8/2, 9/3 and 14/2
+``simple_evaluate(HFLM(pretrained=DIR))`` scores a task on it. Here the logits are compared with the full model's under
+the same mask (head gates: the independent route), for Llama-style grouped-query cases with 8/2, 9/3 and 14/2
 query/key-value heads, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and tied embeddings; the parameter count with
 the removed heads' weights counted by hand. A prune_level run with ``prune.uniform: kv_groups`` goes through the
-CLI: its stored score at a level is what the exported folder scores, lm-eval's log-likelihoods of that folder are
-the gated model's, and the efficiency experiment times the level's stock export as served. The refusals: one line,
-exit 2 (through the CLI once), nothing written.
+CLI: its stored score at a level is what the exported folder scores, lm-eval scores a task on the folder as a
+``data.task: lm_eval`` sweep scores the level's mask, and the efficiency experiment times the level's stock export as
+served. The refusals: one line, exit 2 (through the CLI once), nothing written.
 """
 
 from __future__ import annotations
@@ -63,12 +63,17 @@ for name, job in request.items():
                  "config": {k: getattr(model.config, k) for k in ("num_attention_heads", "num_key_value_heads",
                                                                      "head_dim", "hidden_size")},
                  "tokens": tokenizer("the cat sees")["input_ids"]}
-    if job.get("requests"):
-        from lm_eval.api.instance import Instance
+    if job.get("lm_eval"):
+        import lm_eval.evaluator
+        from lm_eval import simple_evaluate
         from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
         lm = HFLM(pretrained=job["dir"], device="cpu", batch_size=1, dtype="float32")
-        out[name]["loglikelihoods"] = [ll for ll, _ in lm.loglikelihood(
-            [Instance("loglikelihood", {}, tuple(r), i) for i, r in enumerate(job["requests"])])]
+        lm_eval.evaluator.add_env_info = lambda results: None  # pip list and the like: seconds, nothing needed
+        task, metric = job["lm_eval"]
+        result = simple_evaluate(model=lm, tasks=[task], bootstrap_iters=0,
+                                 task_manager=TaskManager(include_path=job["include_path"], include_defaults=False))
+        out[name]["lm_eval_score"] = result["results"][task][metric + ",none"]
 out["headsweep_imported"] = sorted(m for m in sys.modules if m.split(".")[0] == "headsweep")
 print(json.dumps(out))
 """
@@ -122,6 +127,19 @@ def removed_parameters(name: str) -> int:
         total += len(gone) * (d_model * d + bias + d * d_model)
         total += sum(2 * (d_model * d + bias) for g in range(kv) if set(range(g * size, (g + 1) * size)) <= set(gone))
     return total
+
+
+def lm_eval_task(folder: Path) -> Path:
+    """A loglikelihood lm-eval task over a local CSV file (lm-eval's own YAML format), in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [("the cat sees", "dog"), ("a big red", "house"), ("the small bird", "sleeps"), ("here the dog", "runs"),
+            ("quickly and then", "today"), ("the river", "tree")]
+    (folder / "ll.csv").write_text("context,word\n" + "".join(f"{c},{w}\n" for c, w in rows))
+    (folder / "stock_ll.yaml").write_text(yaml.safe_dump({
+        "task": "stock_ll", "dataset_path": "csv", "dataset_kwargs": {"data_files": {"test": str(folder / "ll.csv")}},
+        "test_split": "test", "output_type": "loglikelihood", "doc_to_text": "{{context}}",
+        "doc_to_target": " {{word}}", "metric_list": [{"metric": "perplexity"}, {"metric": "acc"}]}))
+    return folder
 
 
 def config_file(folder: Path, model_dir: Path, corpus: Path, **extra) -> Path:
@@ -240,17 +258,17 @@ def test_gpt2_and_bert_are_refused_with_the_reason(tmp_path, tiny_bert_dir, tiny
 
 def test_a_uniform_run_exports_a_stock_model_that_scores_what_the_run_stored(cases, tmp_path, ray_address):
     """prune_level with prune.uniform: kv_groups through the CLI; ``headsweep export --from-run --level`` writes the
-    stock architecture by default; the folder scores what the run stored at that level, and lm-eval's HFLM on the
-    folder gives the gated model's log-likelihoods. A second export into the full folder is refused (exit 2, one
+    stock architecture by default; the folder scores what the run stored at that level, and lm-eval's
+    ``simple_evaluate(HFLM(pretrained=DIR))`` scores a task on it as a ``data.task: lm_eval`` sweep scores the
+    level's mask. A second export into the full folder is refused (exit 2, one
     line)."""
-    import transformers
-    from lm_eval.api.instance import Instance
-    from lm_eval.models.huggingface import HFLM
 
     from headsweep.results.store import ResultStore
     from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.core.registry import model_family
     from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
+    from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+    from headsweep.workers.families.hf_causal_lm.lm_eval_adapter import LmEvalAdapter
 
     tmp, corpus, _, done, _ = cases
     model_dir = done["llama_8q2kv_heads"][0]
@@ -300,15 +318,16 @@ def test_a_uniform_run_exports_a_stock_model_that_scores_what_the_run_stored(cas
     # summation order: perplexity = exp(mean NLL); the NLL's error is at most the logits' bound (logits ~ 10)
     assert stock_adapter.evaluate([[]])[0].score == pytest.approx(level["score"], rel=1e-4)
 
-    requests = [("the cat sees", " the dog"), ("a big red", " house today"), ("river", " tree and then")]
-    seen = stock_load({"level": {"dir": str(out), "ids": [[4, 5, 6]], "requests": requests}})["level"]
-    full = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    gated_lm = HFLM(pretrained=full, tokenizer=transformers.AutoTokenizer.from_pretrained(model_dir), device="cpu",
-                    batch_size=1)
-    with HeadGates(find_sites(full)).masked(masked):
-        gated = [ll for ll, _ in gated_lm.loglikelihood([Instance("loglikelihood", {}, r, i)
-                                                         for i, r in enumerate(requests)])]
-    # summation order: a log-likelihood sums a few log-softmax values, each within the logits' bound (depth 3,
-    # width 64), so the bound of the largest one times the continuation's length (3 tokens)
-    assert_routes_agree(torch.tensor(seen["loglikelihoods"]), torch.tensor(gated), depth=LAYERS + 1, width=64 * 3,
-                        what="HFLM log-likelihoods")
+    # lm-eval on the folder scores a task as the sweep scores it at that level (data.task: lm_eval: the adapter
+    # a run with that data evaluates its masks with, on the full model under the level's mask).
+    tasks = lm_eval_task(tmp_path / "tasks")
+    sweep_score, unmasked = (o.score for o in LmEvalAdapter(
+        CausalLMModel(path=str(model_dir), attn_implementation="eager"),
+        CausalLMData(task="lm_eval", tasks=["stock_ll"], include_path=str(tasks), metric="perplexity"),
+        RuntimeOptions(batch_size=1)).evaluate([masked, []]))
+    seen = stock_load({"level": {"dir": str(out), "ids": [[4, 5, 6]], "lm_eval": ["stock_ll", "perplexity"],
+                                 "include_path": str(tasks)}})["level"]
+    # summation order: perplexity = exp(-mean log-likelihood); each log-likelihood within a few times the logits'
+    # bound (logits ~ 10, bound ~ 1e-4 relative), so 1e-4 relative
+    assert seen["lm_eval_score"] == pytest.approx(sweep_score, rel=1e-4)
+    assert sweep_score != pytest.approx(unmasked, rel=1e-3)  # other: the mask matters to the score
