@@ -67,8 +67,10 @@
     Object.keys(blocks).forEach(function (id) { draw(blocks[id]); });
   }
   window.headsweepDrawAll = function () { Object.keys(blocks).forEach(function (id) { draw(blocks[id]); }); };
-  if (location.hash.indexOf("#head=") === 0) {  // #head=KEY/NAME opens that drill-down
-    var target = decodeURIComponent(location.hash.slice(6)).split("/");
-    openHead(target[0], target.slice(1).join("/"));
-  }
+  document.addEventListener("DOMContentLoaded", function () {
+    if (location.hash.indexOf("#head=") === 0) {  // #head=KEY/NAME opens that drill-down
+      var target = decodeURIComponent(location.hash.slice(6)).split("/");
+      openHead(target[0], target.slice(1).join("/"));
+    }
+  });
 })();

@@ -76,7 +76,8 @@ class Page:
         self.out = out
         self.parts: list[str] = []
         self.files: list[str] = []
-        self.scripts: list[str] = []  # data blocks (figures, drill-downs) placed after the page's text
+        self.scripts: list[str] = []  # the figures' data blocks, after the page's text
+        self.late: list[str] = []  # the drill-downs' data blocks, after the script that draws the figures
 
     def add(self, text: str) -> None:
         self.parts.append(text)

@@ -158,7 +158,7 @@ def _run_section(page: Page, con: duckdb.DuckDBPyConnection, run: dict, attentio
         page.add(f'<div class="drill" id="drill-{html.escape(prefix)}" hidden></div>')
         page.scripts.append(figure_scripts(explorer.figures))
         extras = _attention(page, con, run, checkpoint, explorer) if attention else {}
-        page.scripts.append(drill_script(prefix, explorer.drilldowns(_pruning_order(table, run_id, checkpoint),
+        page.late.append(drill_script(prefix, explorer.drilldowns(_pruning_order(table, run_id, checkpoint),
                                                                      inputs, extras)))
     if curves:
         element = f"fig-{run_id}-pruning"
@@ -361,7 +361,9 @@ def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path, at
             f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style><script src=\"plotly.min.js\"></script></head><body>\n"
             + "\n".join(page.parts) + "\n" + "\n".join(page.scripts)
-            + f"\n<script>{GLUE.read_text(encoding='utf-8')}</script>\n</body></html>\n", encoding="utf-8")
+            # the figures are drawn before the browser has parsed the drill-downs (read on the first click)
+            + f"\n<script>{GLUE.read_text(encoding='utf-8')}</script>\n" + "\n".join(page.late)
+            + "\n</body></html>\n", encoding="utf-8")
         _replace(work, out)
         work = None
     except duckdb.Error as exc:  # a damaged file of the run's: the line naming it, as every reading command says
