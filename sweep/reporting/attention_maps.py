@@ -59,7 +59,6 @@ def _model_path(cfg: Any) -> str | None:
 def load_adapter(config_json: str, positions: list[int]) -> Any:
     """The run's model and data (from its stored config) on the evaluation examples at ``positions``."""
     from headsweep.sweep.configuration.config import build_config
-    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.core.registry import model_family
 
     try:
@@ -71,8 +70,10 @@ def load_adapter(config_json: str, positions: list[int]) -> Any:
         raise AttentionUnavailable(f"--attention: the run's model folder {where} is not there any more (moved or "
                                    "deleted): the page has no attention patterns; the rest of it is written")
     try:
-        return model_family(cfg.model.kind).load(cfg.model, cfg.data, RuntimeOptions(
-            device="cpu", threads=1, reuse=False, examples=tuple(positions)))
+        family = model_family(cfg.model.kind)
+        # the family's own options (fairseq's carry more), on CPU, plain path, only the examples shown
+        runtime = family.runtime(device="cpu", threads=1, reuse=False, examples=tuple(positions))
+        return family.load(cfg.model, cfg.data, runtime)
     except (HeadsweepError, OSError, ValueError) as exc:
         line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise AttentionUnavailable(f"--attention: cannot load the run's model from {where} ({line}): the page has "
