@@ -244,6 +244,9 @@ class MultipleChoiceAdapter(PrefixReuseSwitch, BaselineOnce):
             example_ids=self.example_ids,
             references=[str(q.gold) for q in self.questions],
             inventory=self.gates.inventory,
+            # the question and its numbered choices, for the run's inputs table
+            inputs=[f"{q.context} | choices: " + " / ".join(f"{i}: {c}" for i, c in enumerate(q.choices))
+                    for q in self.questions],
             facts={**model_facts(self.model, self.gates.sites), "reuse": self.reuse_note, **self.data_facts,
                    "baseline_acc": acc, "baseline_acc_norm": acc_norm},
         )

@@ -146,6 +146,8 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
             example_ids=[f"p{i}" for i in range(len(self.pairs))],
             references=[p.answer for p in self.pairs],
             inventory=self.gates.inventory,
+            inputs=[f"clean: {p.clean} | corrupted: {p.corrupted} (answer {p.answer}, wrong {p.wrong_answer})"
+                    for p in self.pairs],  # for the run's inputs table
             facts={**model_facts(self.model, self.gates.sites), "reuse": self.reuse_note, **self.data_facts,
                    "logit_diff_clean": clean, "logit_diff_corrupted": corrupted},
         )
