@@ -41,9 +41,9 @@ ROLES_VIEW = View("roles", f"""
 CREATE VIEW roles AS
 SELECT r.run_id, r.checkpoint, r.attention, r.layer, r.head, r.attention || ':' || r.layer || ':' || r.head AS name,
        r.confidence, r.entropy, r.top_offset, r.top_offset_share, r.rare_share, r.rare_sentences, r.rare_chance,
-       r.n_tokens, r.roles, {_SYNTAX}, r.sink_share, h.metric, h.baseline_score, h.score, h.delta, h.test, h.p_value, h.p_adjusted,
-       h.correction, h.alpha, h.significant, h.harm, h.importance_method, h.importance, h.importance_normalized,
-       h.importance_rank
+       r.n_tokens, r.roles, {_SYNTAX}, r.sink_share, h.metric, h.baseline_score, h.score, h.delta, h.test,
+       h.p_value, h.p_adjusted, h.correction, h.alpha, h.significant, h.harm, h.importance_method, h.importance,
+       h.importance_normalized, h.importance_rank
 FROM head_roles r
 LEFT JOIN heads h ON {same_head_sql("h", "r")}
 """)
