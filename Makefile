@@ -49,8 +49,11 @@ constraints:
 demo: install
 	headsweep demo
 
+# Two test processes, each with its own local Ray instance, a test file's tests on one process (module fixtures are
+# built once): the suite is mostly single-threaded start-up and waiting, so two processes fit CI's two cores.
+TEST_WORKERS ?= 2
 test: install
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # ruff, and basedpyright (pyrightconfig.json): every import, headsweep.* included, resolves for static tools.
 lint:
