@@ -42,8 +42,8 @@ VIEW_COLUMNS = {
                 "significant_so_far", "eta_s", "updated_at"],
     "roles": ["run_id", "checkpoint", "attention", "layer", "head", "name", "confidence", "entropy", "top_offset",
               "top_offset_share", "rare_share", "rare_sentences", "rare_chance", "n_tokens", "roles", *SYNTAX,
-              "sink_share", "metric", "baseline_score", "score", "delta", *TEST, "harm", "importance_method", "importance",
-              "importance_normalized", "importance_rank"],
+              "sink_share", "metric", "baseline_score", "score", "delta", *TEST, "harm", "importance_method",
+              "importance", "importance_normalized", "importance_rank"],
 }
 
 
