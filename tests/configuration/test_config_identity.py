@@ -70,6 +70,7 @@ def test_every_case_is_pinned():
 # Keys added since the pins, at their defaults in every case: the stored config JSON gains them, and the rest of
 # it (and the hash, which leaves defaults out) must stay as pinned.
 ADDED = {"sweep": {"ablation": "zero", "memory_limit_gib": None}, "prune": {"uniform": None},
+         "roles": {"sink_threshold": 0.5},
          "efficiency": {"stock": "auto", "prefill_batch_sizes": [1, 16], "decode_batch_sizes": [1],
                         "prompt_tokens": 128, "new_tokens": 32},
          "ablation": {"reference": None, "positions": "all", "keep_first": False, "seed": 0, "resamples": 1,
@@ -82,11 +83,15 @@ def test_config_identity_is_unchanged(name, config_hash, json_hash):
     assert cfg.hash() == config_hash
     stored = json.loads(cfg.to_json())
     assert stored.pop("ablation") == ADDED["ablation"]
-    for section in ("sweep", "prune", "efficiency"):
+    for section in ("sweep", "prune", "roles", "efficiency"):
         for key, default in ADDED[section].items():
             assert stored[section].pop(key) == default, (section, key)
-    if stored["model"]["kind"] == "hf_causal_lm":  # data.task paired's key, at its default
+    if stored["model"]["kind"] == "hf_causal_lm":  # data.task paired's and lm_eval's keys, at their defaults
         assert stored["data"].pop("max_pairs") is None
+        lm_eval = {k: stored["data"].pop(k) for k in ("tasks", "include_path", "num_fewshot", "fewshot_seed", "limit",
+                                                      "metric")}
+        assert lm_eval == {"tasks": None, "include_path": None, "num_fewshot": None, "fewshot_seed": 1234,
+                           "limit": None, "metric": None}
     if stored["model"]["kind"] == "hf_classifier":  # data.task (paired inputs), at its default
         assert stored["data"].pop("task") == "classification"
     pinned_json = json.dumps(stored, sort_keys=True, separators=(",", ":"))
