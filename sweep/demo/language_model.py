@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from headsweep.sweep.demo.training import train_shuffled
+
 NOUNS = {"cat": "cats", "dog": "dogs", "bird": "birds", "child": "children", "teacher": "teachers",
          "farmer": "farmers", "baker": "bakers", "fox": "foxes"}
 VERBS = {"runs": "run", "sleeps": "sleep", "sings": "sing", "waits": "wait", "laughs": "laugh", "jumps": "jump"}
@@ -101,25 +103,9 @@ def _train(out_dir: Path, layers: int, heads: int, kv_heads: int, hidden: int, w
     model = LlamaForCausalLM(config)
     ids = tokenizer(generate(n_sentences, seed=seed + 1), add_special_tokens=False)["input_ids"]
     rows = torch.tensor(ids[: len(ids) // window * window]).view(-1, window)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    batch = 32
-    steps = epochs * ((len(rows) + batch - 1) // batch)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
-    model.train()
-    g = torch.Generator().manual_seed(seed)
-    for epoch in range(epochs):
-        order = torch.randperm(len(rows), generator=g)
-        total = 0.0
-        for start in range(0, len(rows), batch):
-            chunk = rows[order[start : start + batch]]
-            loss = model(input_ids=chunk, labels=chunk, use_cache=False).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            total += loss.item() * len(chunk)
-        log(f"  demo language model epoch {epoch + 1}/{epochs}: train loss {total / len(rows):.4f}")
-    model.eval()
+    train_shuffled(model, len(rows), 32, 3e-3, epochs, seed,
+                   lambda idx: model(input_ids=rows[idx], labels=rows[idx], use_cache=False).loss,
+                   "language model", log)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

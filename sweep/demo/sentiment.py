@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from headsweep.sweep.demo.training import train_shuffled
+
 SUBJECTS = ["the film", "the movie", "this story", "the acting", "the plot", "the ending", "the music", "the cast"]
 VERBS = ["was", "is", "seemed", "felt", "looked"]
 POSITIVE = ["good", "great", "superb", "moving", "charming", "clever", "fresh", "delightful", "gripping", "warm"]
@@ -132,27 +134,10 @@ def _train(out_dir: Path, layers: int, heads: int, hidden: int, n_train: int, ep
     rows = generate(n_train, seed=seed + 1)
     enc = tokenizer([t for t, _ in rows], padding=True, return_tensors="pt")
     labels = torch.tensor([y for _, y in rows])
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-    batch = 64
-    steps = epochs * ((len(rows) + batch - 1) // batch)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
-    model.train()
-    g = torch.Generator().manual_seed(seed)
-    for epoch in range(epochs):
-        order = torch.randperm(len(rows), generator=g)
-        total = 0.0
-        for start in range(0, len(rows), batch):
-            idx = order[start : start + batch]
-            out = model(
-                input_ids=enc["input_ids"][idx], attention_mask=enc["attention_mask"][idx], labels=labels[idx]
-            )
-            opt.zero_grad()
-            out.loss.backward()
-            opt.step()
-            sched.step()
-            total += out.loss.item() * len(idx)
-        log(f"  demo classifier epoch {epoch + 1}/{epochs}: train loss {total / len(rows):.4f}")
-    model.eval()
+    train_shuffled(model, len(rows), 64, 2e-3, epochs, seed,
+                   lambda idx: model(input_ids=enc["input_ids"][idx], attention_mask=enc["attention_mask"][idx],
+                                     labels=labels[idx]).loss,
+                   "classifier", log)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
