@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
+
 from headsweep.errors import HeadsweepError
 from headsweep.results.query import run_query
 from headsweep.results.schema import COMPLETE, RUNNING
@@ -20,6 +22,28 @@ SELECT s.run_id, s.name, s.status, s.model, s.dataset, s.metric, s.baseline_scor
        epoch(now()) - epoch(s.updated_at) AS age_s
 FROM summary s JOIN runs r USING (run_id) WHERE s.run_id = ?
 """
+
+
+# The driver and heartbeat age of every run whose row says running (what ``runs_listing`` checks).
+RUNNING_SQL = """
+SELECT run_id, facts, epoch(now()) - epoch(updated_at) AS age_s FROM runs WHERE status = 'running'
+"""
+
+
+def runs_listing(store: ResultStore, sql: str) -> pa.Table:
+    """``sql`` (the ``runs`` command's listing of the summary view) with ``status`` ``stale`` for a run whose row
+    says running but whose driver is gone, by the rule ``headsweep status`` follows (:func:`driver_alive`)."""
+    table = run_query(store, sql)
+    if "status" not in table.column_names or "run_id" not in table.column_names:
+        return table
+    stale = {r["run_id"] for r in run_query(store, RUNNING_SQL).to_pylist()
+             if not driver_alive(run_driver(r["facts"]), max(r["age_s"] or 0.0, 0.0))}
+    if not stale:
+        return table
+    ids, statuses = table.column("run_id").to_pylist(), table.column("status").to_pylist()
+    statuses = ["stale" if run_id in stale else status for run_id, status in zip(ids, statuses, strict=True)]
+    i = table.column_names.index("status")
+    return table.set_column(i, "status", pa.array(statuses, pa.string()))
 
 
 def _clock(seconds: float) -> str:

@@ -198,13 +198,14 @@ def _existing_store(uri: str) -> ResultStore:
     return store
 
 
-def _query_out(args: argparse.Namespace, sql: str) -> int:
-    """Run ``sql`` on the store; print the result, or write it to ``--out`` (never into the store)."""
+def _query_out(args: argparse.Namespace, sql: str, listing=None) -> int:
+    """Run ``sql`` on the store (through ``listing(store, sql)`` where given); print the result, or write it to
+    ``--out`` (never into the store)."""
     from headsweep.results.query import check_out, run_query, write_result
 
     store = _existing_store(args.store)
     check_out(args.out, store)
-    text = write_result(run_query(store, sql), args.format, args.out)
+    text = write_result((listing or run_query)(store, sql), args.format, args.out)
     if text is not None:
         console.out(text)
     return 0
@@ -216,8 +217,9 @@ def cmd_query(args: argparse.Namespace) -> int:
 
 def cmd_runs(args: argparse.Namespace) -> int:
     from headsweep.results.views import RUNS_LIST
+    from headsweep.sweep.run.status import runs_listing
 
-    return _query_out(args, RUNS_LIST)
+    return _query_out(args, RUNS_LIST, runs_listing)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

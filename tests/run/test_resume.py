@@ -27,6 +27,14 @@ def status_of(run_id: str, store) -> list[str]:
     return proc.stdout.splitlines()
 
 
+def listed_status(run_id: str, store) -> str:
+    """The run's status as ``headsweep runs`` lists it."""
+    proc = run_cli("runs", "--store", str(store), "--format", "json")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    [row] = [r for r in map(json.loads, proc.stdout.splitlines()) if r["run_id"] == run_id]
+    return row["status"]
+
+
 def check_status_of_a_killed_run(reader: ResultStore, killed: dict, stored: int) -> None:
     """The row still says running: status calls it stale (its driver's process is gone) with the stored count, and
     the heartbeat rule decides for a driver on another host (or a store read from elsewhere)."""
@@ -38,16 +46,20 @@ def check_status_of_a_killed_run(reader: ResultStore, killed: dict, stored: int)
     assert stored < killed["n_planned"]  # the plan was in the row before the first evaluation landed
     assert f"run the same command again to continue it (or headsweep run CONFIG --resume {run_id})" in lines
     assert not any(line.startswith("ETA") for line in lines)
+    assert listed_status(run_id, store) == "stale"  # runs says what status says; the row itself still says running
+    assert reader.read("runs").column("status").to_pylist() == ["running"]
     elsewhere = {**killed, "facts": json.dumps({**json.loads(killed["facts"]), "driver": "elsewhere:1"})}
     reader.write_rows("runs", run_id, [{**elsewhere, "updated_at": datetime.now(UTC) - timedelta(seconds=5)}], "run")
     lines = status_of(run_id, store)
     assert lines[0] == f"run {run_id} (sweep): running" and any(x.startswith("ETA of the pass") for x in lines), lines
+    assert listed_status(run_id, store) == "running"
     old = datetime.now(UTC) - timedelta(seconds=STALE_AFTER_S + 60)
     reader.write_rows("runs", run_id, [{**elsewhere, "updated_at": old}], "run")
     lines = status_of(run_id, store)
     assert lines[0].startswith(f"run {run_id} (sweep): stale: its driver elsewhere:1 has written no heartbeat since "
                                f"{old:%Y-%m-%d %H:%M:%S} UTC (0:11:"), lines
     assert lines[0].endswith("a running driver writes one every 60 s and is taken for gone after 600 s without)")
+    assert listed_status(run_id, store) == "stale"
 
 
 @pytest.mark.parametrize("signum, code, status", [(signal.SIGKILL, -signal.SIGKILL, "running"),
