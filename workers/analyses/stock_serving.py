@@ -4,14 +4,15 @@ The stock model is what ``headsweep export`` writes for a uniform mask of a Llam
 with the mask's heads removed, saved with the pruned ``num_attention_heads``, ``num_key_value_heads`` and
 ``head_dim`` in ``config.json``, and loaded back by ``AutoModelForCausalLM.from_pretrained`` (no headsweep code in
 its forward). It is timed against the full model, also as ``from_pretrained`` gives it, interleaved
-(:func:`~headsweep.workers.analyses.efficiency.time_side_by_side`), each figure from the fastest of the timed
-repeats (on a shared machine other processes only slow a run down):
+(:func:`~headsweep.workers.analyses.efficiency.time_side_by_side`), prefill from the fastest of the timed repeats (on a
+shared machine other processes only slow a run down):
 
 * **prefill**: one forward pass over ``batch x prompt`` tokens with the cache on and the logits of the last
   position only (``logits_to_keep=1``, as ``generate`` runs its first step); tokens/s = batch x prompt / seconds;
 * **decode**: greedy ``generate`` of exactly ``new_tokens`` tokens after the prompt (``min_new_tokens`` =
-  ``max_new_tokens``, the dynamic cache), and of one token (its prefill and first token); decode tokens/s =
-  batch x (new_tokens - 1) / (the difference of the two), the steps that read the cache;
+  ``max_new_tokens``, the dynamic cache), and of one token (its prefill and first token), back to back in each
+  round; decode tokens/s = batch x (new_tokens - 1) / (the median over the rounds of the difference of the two),
+  the steps that read the cache;
 * **KV-cache bytes per token**: ``2 x layers x num_key_value_heads x head_dim x`` the dtype's bytes, what each
   cached position holds.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,16 +153,43 @@ def serving_rows(models: dict[str, nn.Module], prefill_batches: Sequence[int], d
                                              repeats, device))
         rows += [_row(name, "prefill", b, prompt, b * prompt / seconds[name], model) for name, model in models.items()]
     for b in decode_batches:
-        ids = prompts(vocab, b, prompt, device)
-        first = _fastest(time_side_by_side(models, decode_workload(ids, 1), warmup, repeats, device))
-        whole = _fastest(time_side_by_side(models, decode_workload(ids, new_tokens), warmup, repeats, device))
+        steps = _decode_steps(models, prompts(vocab, b, prompt, device), new_tokens, warmup, repeats, device)
         for name, model in models.items():
-            steps = max(whole[name] - first[name], 1e-9)
-            rows.append(_row(name, "decode", b, prompt, b * (new_tokens - 1) / steps, model, new_tokens=new_tokens))
+            rows.append(_row(name, "decode", b, prompt, b * (new_tokens - 1) / steps[name], model,
+                             new_tokens=new_tokens))
     full = {(r["phase"], r["batch_size"]): r["tokens_per_s"] for r in rows if r["variant"] == "full"}
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / full[(r["phase"], r["batch_size"])]
     return rows
+
+
+def _decode_steps(models: dict[str, nn.Module], ids: torch.Tensor, new_tokens: int, warmup: int, repeats: int,
+                  device: torch.device) -> dict[str, float]:
+    """Seconds of the ``new_tokens - 1`` cached decoding steps of each model: per round, ``generate`` of
+    ``new_tokens`` less ``generate`` of one, run back to back (so that a change of machine load between the two
+    does not enter the difference); the median over the rounds."""
+    one, whole = decode_workload(ids, 1), decode_workload(ids, new_tokens)
+    for model in models.values():
+        for _ in range(warmup):
+            one.run(model)
+            whole.run(model)
+    steps: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(repeats):
+        for name, model in models.items():
+            seconds = []
+            for workload in (one, whole):
+                _sync(device)
+                start = time.perf_counter()
+                workload.run(model)
+                _sync(device)
+                seconds.append(time.perf_counter() - start)
+            steps[name].append(seconds[1] - seconds[0])
+    return {name: max(float(np.median(s)), 1e-9) for name, s in steps.items()}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _fastest(seconds: dict[str, list[float]]) -> dict[str, float]:
