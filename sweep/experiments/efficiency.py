@@ -74,8 +74,8 @@ class EfficiencySection:
             )
 
 
-# One row per model variant (full / pruned) and batch size.
-EFFICIENCY_TABLE = Table("efficiency", pa.schema([
+# The mask a row measures (both tables start with it).
+MASK_COLUMNS = [
     ("mask_source", pa.string()),
     ("source_run", pa.string()),
     ("level", pa.float64()),
@@ -83,6 +83,11 @@ EFFICIENCY_TABLE = Table("efficiency", pa.schema([
     ("n_masked", pa.int32()),
     ("heads_removed", pa.float64()),
     ("checkpoint", pa.string()),
+]
+
+# One row per model variant (full / pruned) and batch size.
+EFFICIENCY_TABLE = Table("efficiency", pa.schema([
+    *MASK_COLUMNS,
     ("variant", pa.string()),
     ("batch_size", pa.int32()),
     ("device", pa.string()),
@@ -107,13 +112,7 @@ EFFICIENCY_TABLE = Table("efficiency", pa.schema([
 
 # The model as served (a stock export against the full model): one row per model variant, phase and batch size.
 SERVING_TABLE = Table("serving", pa.schema([
-    ("mask_source", pa.string()),
-    ("source_run", pa.string()),
-    ("level", pa.float64()),
-    ("heads_masked", pa.list_(pa.string())),
-    ("n_masked", pa.int32()),
-    ("heads_removed", pa.float64()),
-    ("checkpoint", pa.string()),
+    *MASK_COLUMNS,
     ("variant", pa.string()),  # full / stock
     ("phase", pa.string()),  # prefill / decode
     ("batch_size", pa.int32()),
