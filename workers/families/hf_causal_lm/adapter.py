@@ -25,7 +25,6 @@ from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.donors import donors_for, with_donors
 from headsweep.workers.core.baseline_once import BaselineOnce
 from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
-from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.mask_grid import GridBatch, Pass, grid_batches, mask_grid
 from headsweep.workers.core.metrics import PERPLEXITY
@@ -34,16 +33,15 @@ from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import DEFAULT_WINDOW, CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.data import Window, plan_windows, read_corpus
 from headsweep.workers.families.hf_causal_lm.model import (
+    GatedCausalLM,
     activation_bytes_per_row,
     backward_bytes_per_row,
-    load_causal_lm,
     model_facts,
     target_nll,
 )
 from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoiceAdapter
 from headsweep.workers.families.hf_causal_lm.paired import PairedAdapter
 from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
-from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
 from headsweep.workers.families.hf_shared.loading import max_positions, resolve_positions
 from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, repeat_rows
 from headsweep.workers.families.hf_shared.tokenizer import bos_id, count_unknown
@@ -63,7 +61,7 @@ def resolve_window(requested: int | None, limit: int | None, model_dir: str) -> 
     return resolve_positions("data.window", requested, limit, model_dir, DEFAULT_WINDOW, minimum=2)
 
 
-class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
+class CausalLMAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
     """A gated causal LM with its corpus cut into windows (an ``EvalAdapter``); ``describe`` records the
     baseline's mean NLL."""
 
@@ -72,14 +70,8 @@ class CausalLMAdapter(PrefixReuseSwitch, BaselineOnce):
 
     def __init__(self, model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
         data_cfg.check()
-        if runtime.threads > 0:
-            torch.set_num_threads(runtime.threads)
-        self.device = torch.device(runtime.device)
-        self.runtime = runtime
         text = read_corpus(data_cfg)
-        loaded = load_causal_lm(model_cfg, runtime.device)
-        self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        self.gates = HeadGates(sites_or_error(self.model))
+        self.load_gated(model_cfg, runtime)
         self.max_positions = max_positions(self.model.config)
         self.window = resolve_window(data_cfg.window, self.max_positions, model_cfg.path)
         self.add_bos = bool(data_cfg.add_bos)

@@ -32,7 +32,6 @@ import torch
 from headsweep.workers.ablation.donors import refuse_per_example
 from headsweep.workers.core.baseline_once import BaselineOnce
 from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
-from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.mask_grid import GridBatch, Pass, grid_batches, mask_grid
 from headsweep.workers.core.workload import median_batch, take_rows
@@ -43,13 +42,12 @@ from headsweep.workers.families.hf_causal_lm.lm_eval_requests import EncodedTask
 from headsweep.workers.families.hf_causal_lm.lm_eval_scoring import DocumentScorer, choose_metric
 from headsweep.workers.families.hf_causal_lm.lm_eval_tasks import TaskDocs, load_tasks
 from headsweep.workers.families.hf_causal_lm.model import (
+    GatedCausalLM,
     activation_bytes_per_row,
-    load_causal_lm,
     model_facts,
     target_nll,
 )
 from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
-from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
 from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, repeat_rows
 from headsweep.workers.hub.cache import model_label
 from headsweep.workers.memory.batch_budget import cache_budget
@@ -137,7 +135,7 @@ def _subset(tasks: list[TaskDocs], examples: tuple[int, ...] | None) -> list[Tas
     return out
 
 
-class LmEvalAdapter(PrefixReuseSwitch, BaselineOnce):
+class LmEvalAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
     """A gated causal LM with lm-evaluation-harness tasks (an ``EvalAdapter``)."""
 
     def __init__(self, model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
@@ -146,13 +144,7 @@ class LmEvalAdapter(PrefixReuseSwitch, BaselineOnce):
         all_tasks = load_tasks(data_cfg)
         self.metric_name, self.metric = choose_metric(all_tasks, data_cfg.metric)
         self.tasks = _subset(all_tasks, runtime.examples)
-        if runtime.threads > 0:
-            torch.set_num_threads(runtime.threads)
-        self.device = torch.device(runtime.device)
-        self.runtime = runtime
-        loaded = load_causal_lm(model_cfg, runtime.device)
-        self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        self.gates = HeadGates(sites_or_error(self.model))
+        self.load_gated(model_cfg, runtime)
         self.model_name = model_label(model_cfg.path)
         self.encoded: EncodedTasks = encode_tasks(self.model, self.tokenizer, self.tasks)
         self.rows = self.encoded.rows

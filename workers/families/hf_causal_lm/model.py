@@ -11,9 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.core.family import RuntimeOptions
+from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.families.hf_causal_lm.config import CausalLMModel
 from headsweep.workers.families.hf_causal_lm.pruning import prune_causal_lm_heads
-from headsweep.workers.families.hf_causal_lm.sites import SUPPORTED, kv_groups
+from headsweep.workers.families.hf_causal_lm.sites import SUPPORTED, kv_groups, sites_or_error
 from headsweep.workers.families.hf_shared.architecture import CAUSAL_LM
 from headsweep.workers.families.hf_shared.loading import LoadedTransformers, load_folder
 from headsweep.workers.families.hf_shared.tokenizer import load_tokenizer as load_tokenizer_from
@@ -30,6 +32,22 @@ def load_causal_lm(cfg: CausalLMModel, device: str) -> LoadedTransformers:
                        tokenizer=lambda model_dir: load_tokenizer(cfg.tokenizer or str(model_dir),
                                                                   given=cfg.tokenizer is not None),
                        prune=prune_causal_lm_heads, cannot_load=_cannot_load)
+
+
+class GatedCausalLM:
+    """What every causal-LM adapter starts with: the run's threads, device and options, the model with its
+    tokenizer, and gates on its attention sites."""
+
+    def load_gated(self, model_cfg: CausalLMModel, runtime: RuntimeOptions) -> None:
+        """Loads the model of ``model_cfg`` onto ``runtime.device`` and puts gates on it (call it after the data
+        is read and checked: a bad data file then costs no model load)."""
+        if runtime.threads > 0:
+            torch.set_num_threads(runtime.threads)
+        self.device = torch.device(runtime.device)
+        self.runtime = runtime
+        loaded = load_causal_lm(model_cfg, runtime.device)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.gates = HeadGates(sites_or_error(self.model))
 
 
 def _cannot_load(model_dir: Path) -> str:

@@ -31,7 +31,6 @@ import torch
 from headsweep.workers.ablation.donors import refuse_per_example
 from headsweep.workers.core.baseline_once import BaselineOnce
 from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
-from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.mask_grid import GridBatch, grid_batches, mask_grid
 from headsweep.workers.core.metrics import MC_ACCURACY, MC_ACCURACY_NORM, Metric
@@ -40,8 +39,8 @@ from headsweep.workers.data.data_report import Finding, merge, report, unknown_t
 from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.model import (
+    GatedCausalLM,
     activation_bytes_per_row,
-    load_causal_lm,
     model_facts,
     target_nll,
 )
@@ -53,7 +52,6 @@ from headsweep.workers.families.hf_causal_lm.questions import (
     request_tokens,
 )
 from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
-from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
 from headsweep.workers.families.hf_shared.loading import max_positions
 from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, repeat_rows
 from headsweep.workers.families.hf_shared.tokenizer import count_unknown
@@ -154,21 +152,15 @@ def row_batch(rows: Sequence[Row], which: Sequence[int], device: torch.device) -
                     targets.to(device), scored.to(device))
 
 
-class MultipleChoiceAdapter(PrefixReuseSwitch, BaselineOnce):
+class MultipleChoiceAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
     """A gated causal LM with a multiple-choice question set (an ``EvalAdapter``)."""
 
     def __init__(self, model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
         data_cfg.check()
         # Read (and refuse) the file before loading the model: a bad line costs no model load.
         questions = read_questions(data_cfg)
-        if runtime.threads > 0:
-            torch.set_num_threads(runtime.threads)
-        self.device = torch.device(runtime.device)
-        self.runtime = runtime
         self.metric: Metric = METRICS_BY_SCORE[data_cfg.choice_score]
-        loaded = load_causal_lm(model_cfg, runtime.device)
-        self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        self.gates = HeadGates(sites_or_error(self.model))
+        self.load_gated(model_cfg, runtime)
         self.max_length, source = self._max_length()
         available = len(questions)
         if data_cfg.max_questions is not None:

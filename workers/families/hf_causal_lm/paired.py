@@ -33,7 +33,6 @@ from headsweep.workers.ablation.donors import donors_for, with_donors
 from headsweep.workers.ablation.registry import method_of
 from headsweep.workers.core.baseline_once import BaselineOnce
 from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
-from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.mask_grid import GridBatch, Pass, grid_batches, mask_grid
 from headsweep.workers.core.metrics import LOGIT_DIFF
@@ -42,14 +41,13 @@ from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.data.paired_data import read_pairs
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_causal_lm.model import (
+    GatedCausalLM,
     activation_bytes_per_row,
-    load_causal_lm,
     model_facts,
     target_nll,
 )
 from headsweep.workers.families.hf_causal_lm.pairs import encode_pairs
 from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
-from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
 from headsweep.workers.families.hf_shared.loading import max_positions
 from headsweep.workers.families.hf_shared.paired import paired_sides
 from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch
@@ -64,7 +62,7 @@ CONVENTION = ("logit_diff: logit of the answer token minus that of the wrong ans
               "answers one token each); corpus score: the mean over pairs")
 
 
-class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
+class PairedAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
     """A gated causal LM with clean / corrupted prompt pairs (an ``EvalAdapter``); ``describe`` records the
     unpatched clean and corrupted mean logit differences."""
 
@@ -73,13 +71,7 @@ class PairedAdapter(PrefixReuseSwitch, BaselineOnce):
     def __init__(self, model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
         data_cfg.check()
         pairs = read_pairs(data_cfg)  # a bad line costs no model load
-        if runtime.threads > 0:
-            torch.set_num_threads(runtime.threads)
-        self.device = torch.device(runtime.device)
-        self.runtime = runtime
-        loaded = load_causal_lm(model_cfg, runtime.device)
-        self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        self.gates = HeadGates(sites_or_error(self.model))
+        self.load_gated(model_cfg, runtime)
         available = len(pairs)
         if data_cfg.max_pairs is not None:
             pairs = pairs[: data_cfg.max_pairs]
