@@ -18,17 +18,24 @@ one after another in this process on ``--threads`` threads (no Ray: start-up is 
 * **plain**: headsweep's ``data.task: lm_eval`` adapter, ``sweep.reuse: false, masks_per_batch: 1``: the whole
   model once per mask;
 * **reuse**: the same with ``sweep.reuse: true, masks_per_batch: 0`` (the defaults): each batch's baseline states
-  kept, each mask starting at its first gated layer, masks of one layer sharing passes.
+  kept, each mask starting at its first gated layer, masks of one layer sharing passes;
+* **context**: the same with ``sweep.context_cache: true``: each question's context once per mask, its four choices
+  continued from the context's key/value cache (B contexts a batch, masks packed);
+* **driver**: ``headsweep run`` as a user runs it (a subprocess: Ray's start, one worker with ``--threads``
+  threads, the model load, lm-eval's task build, the grid as ``sweep.masks``, the store written), with
+  ``sweep.context_cache: true``; its whole wall time, start-up included.
 
-Figures: ``vs_lm_eval_loop`` = lm-eval loop wall / reuse wall (goal >= 3); ``reuse_over_plain`` = plain wall / reuse
-wall; ``reuse_over_bound`` = bound / reuse wall, where ``bound = plain wall x sum_m C(first layer of m) /
-(n_masks x C_full)`` from per-module seconds measured with hooks on one forward pass (as bench/real_size.py: a
-mask first gated at layer l still needs that layer without its attention core, the layers above and the head);
-``equal``: every mask's ``acc`` and ``acc_norm`` (each document's, and the aggregate) identical between lm-eval and
-both headsweep routes, with the largest log-likelihood difference printed (batches of B rows round in another
-order than HFLM's batches; a few float32 epsilons).
+Figures: ``vs_lm_eval_loop`` = lm-eval loop wall / the driver's wall (goal >= 3); ``context_in_process`` = lm-eval
+loop wall / the context route's wall; ``reuse_over_plain`` = plain wall / reuse wall; ``reuse_over_bound`` = bound /
+reuse wall, where ``bound = plain wall x sum_m C(first layer of m) / (n_masks x C_full)`` from per-module seconds
+measured with hooks on one forward pass (as bench/real_size.py: a mask first gated at layer l still needs that
+layer without its attention core, the layers above and the head); ``equal``: every mask's ``acc`` and ``acc_norm``
+(each document's, and the aggregate) identical between lm-eval and the plain and reuse routes, the context route
+and the driver's stored scores, with the largest log-likelihood differences printed (batches of B rows round in
+another order than HFLM's batches, the context cache multiplies matrices of other shapes: a few float32 epsilons).
 
-Prints ``RESULT lm_eval_grid vs_lm_eval_loop=<x> reuse_over_plain=<x> reuse_over_bound=<x> equal=<true|false>``.
+Prints ``RESULT lm_eval_grid vs_lm_eval_loop=<x> context_in_process=<x> reuse_over_plain=<x> reuse_over_bound=<x>
+equal=<true|false>``.
 
 Usage: python -m bench.lm_eval_grid [--questions N] [--layers L] [--hidden H] [--threads T] [--smoke]
 """
@@ -142,19 +149,18 @@ def lm_eval_loop(model_dir: Path, tasks: Path, masks: list[list[tuple[int, int]]
     return time.perf_counter() - start, out
 
 
-def headsweep_route(model_dir: Path, tasks: Path, masks: list[list[tuple[int, int]]], reuse: bool
-                    ) -> tuple[float, list[dict], str]:
+def headsweep_route(model_dir: Path, tasks: Path, masks: list[list[tuple[int, int]]], reuse: bool,
+                    context_cache: bool = False) -> tuple[float, list[dict], str]:
     """The grid through the ``data.task: lm_eval`` adapter (the baseline computed while it loads, as a worker does,
     then every mask timed)."""
-    from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.core.heads import Head
-    from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+    from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel, CausalLMRuntime
     from headsweep.workers.families.hf_causal_lm.lm_eval_adapter import LmEvalAdapter
 
     adapter = LmEvalAdapter(CausalLMModel(path=str(model_dir), attn_implementation="sdpa"),
                             CausalLMData(task="lm_eval", tasks=["bench_mc"], include_path=str(tasks)),
-                            RuntimeOptions(batch_size=SIZES["batch_size"], reuse=reuse,
-                                           masks_per_batch=0 if reuse else 1))
+                            CausalLMRuntime(batch_size=SIZES["batch_size"], reuse=reuse,
+                                            masks_per_batch=0 if reuse else 1, context_cache=context_cache))
     heads = [[Head("self", layer, head) for layer, head in m] for m in masks]
     start = time.perf_counter()
     values = adapter.values(heads)
@@ -165,6 +171,35 @@ def headsweep_route(model_dir: Path, tasks: Path, masks: list[list[tuple[int, in
                 "docs": [(float(a), float(b)) for a, b in o.stats], "lls": [float(v[r, 0]) for r in order]}
                for o, v in zip(outs, values, strict=True)]
     return seconds, results, adapter.reuse_note
+
+
+def driver_route(root: Path, model_dir: Path, tasks: Path, masks: list[list[tuple[int, int]]], threads: int
+                 ) -> tuple[float, dict[str, float]]:
+    """``headsweep run`` in a subprocess with the grid as custom masks and the context cache on: its wall seconds
+    and each mask's stored score (``acc``), keyed by the mask's head names (the baseline's by "")."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from headsweep.results.store import ResultStore
+
+    config = root / "driver.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"kind": "hf_causal_lm", "path": str(model_dir), "attn_implementation": "sdpa"},
+        "data": {"task": "lm_eval", "tasks": ["bench_mc"], "include_path": str(tasks), "metric": "acc"},
+        "sweep": {"experiments": ["baseline", "custom"], "workers": 1, "threads_per_worker": threads,
+                  "batch_size": SIZES["batch_size"], "context_cache": True,
+                  "masks": [[f"self:{layer}:{head}" for layer, head in m] for m in masks if m]}}))
+    store = root / "store"
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "headsweep", "run", str(config), "--store", str(store)],
+                          capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode:
+        raise SystemExit(f"headsweep run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    table = ResultStore(str(store)).read("evaluations", columns=["heads_masked", "score"]).to_pylist()
+    return seconds, {",".join(row["heads_masked"] or []): row["score"] for row in table}
 
 
 def layer_costs(model_dir: Path, tasks: Path) -> tuple[float, list[float]]:
@@ -257,20 +292,29 @@ def main() -> None:
         common.log(f"headsweep plain: {plain_s:.1f} s")
         reuse_s, reused, note = headsweep_route(model_dir, tasks, masks, reuse=True)
         common.log(f"headsweep reuse: {reuse_s:.1f} s ({note.split(':')[0]})")
+        context_s, cached, note = headsweep_route(model_dir, tasks, masks, reuse=True, context_cache=True)
+        common.log(f"headsweep context cache: {context_s:.1f} s ({note.split(':')[0]})")
+        driver_s, stored = driver_route(root, model_dir, tasks, masks, args.threads)
+        common.log(f"headsweep run (driver, Ray, one worker, start-up included): {driver_s:.1f} s")
         loop_s, theirs = lm_eval_loop(model_dir, tasks, masks)
         common.log(f"lm-eval loop: {loop_s:.1f} s")
     # the baseline costs the full pass on every route; each masked grid cell its first gated layer's share
     share = (full + sum(partial[m[0][0]] for m in masks[1:])) / (full * len(masks))
     bound = plain_s * share
-    routes = list(zip(theirs, plain, reused, strict=True))
-    equal = all(a[k] == b[k] == c[k] for a, b, c in routes for k in ("docs", "acc", "acc_norm"))
-    worst = max(abs(x - y) for a, _, c in routes for x, y in zip(a["lls"], c["lls"], strict=True))
+    routes = list(zip(theirs, plain, reused, cached, strict=True))
+    equal = all(a[k] == b[k] == c[k] == d[k] for a, b, c, d in routes for k in ("docs", "acc", "acc_norm"))
+    names = [",".join(f"self:{layer}:{head}" for layer, head in m) for m in masks]
+    equal = equal and all(stored.get(name) == a["acc"] for name, a in zip(names, theirs, strict=True))
+    worst = max(abs(x - y) for a, _, c, _ in routes for x, y in zip(a["lls"], c["lls"], strict=True))
+    worst_context = max(abs(x - y) for a, _, _, d in routes for x, y in zip(a["lls"], d["lls"], strict=True))
     same_routes = all(a["lls"] == b["lls"] for a, b in zip(plain, reused, strict=True))
     common.log(f"reuse bound: plain x {share:.3f} = {bound:.1f} s; largest |loglikelihood| difference lm-eval vs "
-               f"headsweep {worst:.3g}; plain == reuse log-likelihoods bit for bit: {same_routes}")
-    common.result("lm_eval_grid", vs_lm_eval_loop=f"{loop_s / reuse_s:.2f}",
-                  reuse_over_plain=f"{plain_s / reuse_s:.2f}", reuse_over_bound=f"{bound / reuse_s:.3f}",
-                  equal=str(equal).lower())
+               f"headsweep reuse {worst:.3g}, vs the context cache {worst_context:.3g}; plain == reuse "
+               f"log-likelihoods bit for bit: {same_routes}; lm-eval loop / reuse (in process): "
+               f"{loop_s / reuse_s:.2f}")
+    common.result("lm_eval_grid", vs_lm_eval_loop=f"{loop_s / driver_s:.2f}",
+                  context_in_process=f"{loop_s / context_s:.2f}", reuse_over_plain=f"{plain_s / reuse_s:.2f}",
+                  reuse_over_bound=f"{bound / reuse_s:.3f}", equal=str(equal).lower())
 
 
 if __name__ == "__main__":

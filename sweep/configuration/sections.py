@@ -46,6 +46,7 @@ class SweepSection:
     max_tokens: int | None = None  # translation: token budget per batch; null: 6000, or batch_size when set
     masks_per_batch: int = 0
     reuse: bool = True
+    context_cache: bool = False  # causal LMs, multiple-choice lm-eval tasks: choices continue from the context's cache
     loss: bool = False  # translation: the teacher-forced pass that fills examples.loss (else null)
     fused_attention: bool = True  # translation: fairseq's fused/beamable attention where no gate needs it off
     flush_every: int = 64

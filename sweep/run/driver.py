@@ -94,6 +94,7 @@ class Sweep:
             seed=self.cfg.seed,
             loss=s.loss,
             fused_attention=s.fused_attention,
+            context_cache=s.context_cache,
             ablation=ablation_spec(self.cfg),
             **s.batching(),
         )

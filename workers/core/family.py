@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -58,6 +58,8 @@ if TYPE_CHECKING:  # the driver imports this module: keep torch out of its impor
     from headsweep.workers.analyses.attention import AttentionReader, Consumer
     from headsweep.workers.core.gates import AttentionSite, HeadGates
     from headsweep.workers.pruning.head_slicing import HeadSlice
+
+R = TypeVar("R", bound="RuntimeOptions")
 
 
 @dataclass
@@ -77,6 +79,15 @@ class RuntimeOptions:
     examples: tuple[int, ...] | None = None
     # What a gated-off head leaves behind (sweep.ablation and its settings); default zero: nothing changes.
     ablation: AblationSpec = field(default_factory=AblationSpec)
+
+    @classmethod
+    def of(cls: type[R], runtime: RuntimeOptions) -> R:
+        """``runtime`` as a family's options ``cls``: itself, or (a plain :class:`RuntimeOptions`, as a caller
+        outside the driver may hand the loader) its settings with the family's defaults for the rest."""
+        if isinstance(runtime, cls):
+            return runtime
+        names = {f.name for f in fields(cls)}
+        return cls(**{f.name: getattr(runtime, f.name) for f in fields(runtime) if f.name in names})
 
 
 @dataclass

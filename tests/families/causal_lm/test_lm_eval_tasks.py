@@ -28,9 +28,10 @@ from tiny_models import save_tiny_causal_lm, zeroed_output_columns
 from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.configuration.config import build_config
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
-from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel, CausalLMRuntime
 from headsweep.workers.families.hf_causal_lm.data import check_data
 from headsweep.workers.families.hf_causal_lm.lm_eval_adapter import LmEvalAdapter
 from headsweep.workers.families.hf_causal_lm.lm_eval_tasks import load_tasks
@@ -218,6 +219,43 @@ def test_prefix_reuse_equals_the_plain_path_bit_for_bit(setup, shape, attn):
     plain = runs[False, 1].values(masks)
     assert np.array_equal(runs[True, 1].values(masks), plain)  # exact
     assert_routes_agree(runs[True, 0].values(masks)[..., 0], plain[..., 0], depth=DEPTH, width=WIDTH)
+
+
+@pytest.mark.parametrize("shape, attn", [("llama_8q2kv", "sdpa"), ("gpt2", "eager")])
+def test_choices_from_the_context_cache_equal_the_plain_path_within_rounding(setup, shape, attn):
+    """``sweep.context_cache``: every single-head and all-but-one mask of the contract suite's causal-LM shapes,
+    few-shot contexts of several lengths (left-padded) and choices of 1-5 tokens (right-padded), masks packed: each
+    question's context once per mask, its choices from the context's key/value cache, within the summation-order
+    bound of the plain path (other matrix shapes), every choice's greedy match and every accuracy the same."""
+    _, tasks, models = setup
+    cfg = data(tasks, ["tiny_mc"], num_fewshot=2)
+    model = CausalLMModel(path=str(models[shape]), attn_implementation=attn)
+    cached = LmEvalAdapter(model, cfg, CausalLMRuntime(batch_size=3, masks_per_batch=0, context_cache=True))
+    plain = LmEvalAdapter(model, cfg, CausalLMRuntime(batch_size=3, masks_per_batch=1, reuse=False))
+    assert cached.reuse_note.startswith("context cache") and len(cached.context_grid) == 2  # 6 questions, 3 a batch
+    assert {len(b.inputs.lengths) for b in cached.context_grid} != {3}  # rows per batch: the choices, not contexts
+    heads = list(cached.gates.inventory.heads)
+    masks = [[]] + [[h] for h in heads] + [[h for h in heads if h.layer == g.layer and h != g] for g in heads]
+    ours, theirs = cached.values(masks), plain.values(masks)
+    # summation order: a continuation's products have fewer rows than the whole row's
+    assert_routes_agree(ours[..., 0], theirs[..., 0], depth=DEPTH, width=WIDTH)
+    assert np.array_equal(ours[..., 1], theirs[..., 1])
+    assert [o.score for o in cached.evaluate(masks)] == [o.score for o in plain.evaluate(masks)]
+    assert 0 < np.abs(ours[..., 0] - theirs[..., 0]).max()  # not the plain path under another name
+
+
+def test_context_cache_is_refused_where_no_choices_share_a_context(setup, tmp_path):
+    """A config asking for the context cache on another task is one line; a rolling lm-eval task runs the prefix
+    path and says so."""
+    _, tasks, models = setup
+    rolling = LmEvalAdapter(CausalLMModel(path=str(models["gpt2"])), data(tasks, ["tiny_rolling"]),
+                            CausalLMRuntime(context_cache=True))
+    assert rolling.reuse_note.startswith("prefix")
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sees a dog " * 40)
+    with pytest.raises(HeadsweepError, match="^sweep.context_cache applies to causal LMs on lm-eval multiple-choice"):
+        build_config({"model": {"kind": "hf_causal_lm", "path": str(models["gpt2"])},
+                      "data": {"path": str(corpus)}, "sweep": {"context_cache": True}})
 
 
 @pytest.mark.parametrize("shape, attn", [("llama_8q2kv", "sdpa"), ("gpt2", "eager")])

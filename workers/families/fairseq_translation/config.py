@@ -6,7 +6,7 @@ Defaults follow ``fairseq-generate``: beam 5, length penalty 1, maximum length
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.data.text_files import check_encoding
@@ -89,11 +89,3 @@ class TranslationRuntime(RuntimeOptions):
     # encoder-decoder keys once per sentence, not per beam); False: neither, every gated module unfused (the plain
     # reference).
     fused_attention: bool = True
-
-    @classmethod
-    def of(cls, runtime: RuntimeOptions) -> TranslationRuntime:
-        """``runtime`` as this family's options: itself, or (a plain :class:`RuntimeOptions`, as a caller outside
-        the driver may hand the loader) its settings with this family's defaults."""
-        if isinstance(runtime, cls):
-            return runtime
-        return cls(**{f.name: getattr(runtime, f.name) for f in fields(runtime)})

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.data.text_files import check_encoding
 
 # data.window when unset: this many tokens, or the model's maximum positions if it has fewer.
@@ -16,6 +17,17 @@ LM_EVAL_FEWSHOT_SEED = 1234
 # data.metric of data.task lm_eval: lm-eval's metric names this family scores (lm_eval_scoring.py maps them)
 LM_EVAL_METRICS = ("acc", "acc_norm", "perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
 CHOICE_SCORES = {"acc": "accuracy", "acc_norm": "accuracy_norm"}  # data.choice_score -> the run's metric
+
+
+@dataclass
+class CausalLMRuntime(RuntimeOptions):
+    """How the causal-LM adapters run: :class:`RuntimeOptions` and the family's own setting, from the ``sweep`` key
+    of the same name."""
+
+    # Multiple-choice requests (data.task lm_eval): each question's context once per mask, its choices continued
+    # from the context's key/value cache (context_cache.py); equal to the plain path within float32 rounding, not
+    # bit for bit, so off by default.
+    context_cache: bool = False
 
 
 @dataclass

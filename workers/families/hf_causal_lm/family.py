@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.heads import Head, SiteKey
-from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel, CausalLMRuntime
 from headsweep.workers.families.hf_shared.family import TransformersFamily
 
 if TYPE_CHECKING:
@@ -77,4 +77,4 @@ class CausalLMFamily(TransformersFamily):
 
 HF_CAUSAL_LM = CausalLMFamily("hf_causal_lm", CausalLMModel, CausalLMData,
                               "headsweep.workers.families.hf_causal_lm.adapter:load_causal_lm_adapter",
-                              hub_ids=True)
+                              hub_ids=True, runtime_options=CausalLMRuntime)

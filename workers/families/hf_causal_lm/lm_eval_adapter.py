@@ -37,7 +37,14 @@ from headsweep.workers.core.mask_grid import GridBatch, Pass, grid_batches, mask
 from headsweep.workers.core.workload import median_batch, take_rows
 from headsweep.workers.data.data_report import Finding, report
 from headsweep.workers.data.example_subset import at_positions
-from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel, CausalLMRuntime
+from headsweep.workers.families.hf_causal_lm.context_cache import (
+    ContextBatch,
+    ContextCache,
+    bytes_per_mask,
+    context_batches,
+)
+from headsweep.workers.families.hf_causal_lm.lm_eval_documents import document_inputs, document_references, gold_choice
 from headsweep.workers.families.hf_causal_lm.lm_eval_requests import EncodedTasks, TokenRow, encode_tasks
 from headsweep.workers.families.hf_causal_lm.lm_eval_scoring import DocumentScorer, choose_metric
 from headsweep.workers.families.hf_causal_lm.lm_eval_tasks import TaskDocs, load_tasks
@@ -84,6 +91,11 @@ class RowBatch:
                 torch.ones_like(self.input_ids))
         lengths = torch.tensor(self.lengths, dtype=torch.long, device=self.input_ids.device).unsqueeze(1)
         return torch.cat([mask, self.positions, self.targets, lengths], dim=1)
+
+
+CONTEXT_NOTE = ("context cache (sweep.context_cache): each question's context runs once per mask and its choices "
+                "continue from the context's key/value cache; equal to the plain path within float32 rounding, "
+                "not bit for bit")
 
 
 def unpack(input_ids: torch.Tensor, packed: torch.Tensor
@@ -156,11 +168,17 @@ class LmEvalAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
         self.batches = self._batches(range(len(self.rows)), runtime.batch_size)
         self.grid = grid_batches(self.batches, lambda b: b.rows)
         self.dataset_name = data_cfg.name or "+".join(t.name for t in self.tasks)
-        self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
-                                                            decoder_layout(self.model, self.gates.sites),
-                                                            self.packed_pass, cache_budget(self.device)),
-                         "prefix: masks start at their first gated layer from cached baseline states (layer outputs "
-                         "and per-head contexts per batch of requests)")
+        self.context_grid: list[GridBatch[ContextBatch]] = []
+        if CausalLMRuntime.of(runtime).context_cache and self.output_type == "multiple_choice":
+            self.context_grid = grid_batches(
+                context_batches(self.rows, range(len(self.rows)), runtime.batch_size, self.device), lambda b: b.rows)
+            self.start_reuse(runtime.reuse, lambda: ContextCache(self.model, self.gates), CONTEXT_NOTE)
+        else:
+            self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
+                                                                decoder_layout(self.model, self.gates.sites),
+                                                                self.packed_pass, cache_budget(self.device)),
+                             "prefix: masks start at their first gated layer from cached baseline states (layer "
+                             "outputs and per-head contexts per batch of requests)")
         self.data_facts = {
             "task": "lm_eval", "lm_eval_tasks": [t.name for t in self.tasks],
             "output_type": self.output_type, "lm_eval_metric": self.metric_name,
@@ -180,15 +198,7 @@ class LmEvalAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
         """The rows whose NLL is the document's loss: the gold choice's (multiple choice), else every row."""
         if task.output_type != "multiple_choice":
             return [r for request in requests for r in request]
-        doc = task.docs[d][1]
-        gold = task.task.doc_to_target(doc)
-        if isinstance(gold, list):
-            gold = gold[0] if gold else 0
-        if isinstance(gold, str):
-            choices = task.task.doc_to_choice(doc)
-            gold = choices.index(gold) if gold in choices else 0
-        gold = int(gold) if 0 <= int(gold) < len(requests) else 0
-        return list(requests[gold])
+        return list(requests[gold_choice(task, d, len(requests))])
 
     def _batches(self, which: Sequence[int], batch_size: int) -> list[RowBatch]:
         """Rows sorted by length (little padding), ``batch_size`` rows a batch."""
@@ -207,7 +217,8 @@ class LmEvalAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
             metric=self.metric.name,
             stat_names=list(self.metric.stat_names),
             example_ids=self.example_ids,
-            references=["" for _ in self.example_ids],
+            references=document_references(self.tasks),
+            inputs=document_inputs(self.tasks),  # each document's context and choices, for the run's inputs table
             inventory=self.gates.inventory,
             facts={**model_facts(self.model, self.gates.sites), "reuse": self.reuse_note, **self.data_facts,
                    "baseline_score": baseline.score, "baseline_by_task": self._per_task},
@@ -261,6 +272,11 @@ class LmEvalAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
             return mask_grid(masks, self.grid, start, out, groups=groups,
                              masks_per_forward=lambda batch: self.masks_per_forward(batch.inputs))
 
+        if isinstance(self._reuse, ContextCache):
+            return self.reused_or_plain(
+                lambda: mask_grid(masks, self.context_grid, self._start_context, out,
+                                  masks_per_forward=lambda batch: self._masks_per_context(batch.inputs)),
+                lambda: grid(self._start))
         return self.reused_or_plain(lambda: grid(self._start_reused, self._reuse.groups(masks)),
                                     lambda: grid(self._start))
 
@@ -282,6 +298,31 @@ class LmEvalAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
         input_ids, packed = batch.inputs.input_ids, batch.inputs.packed
         forward = self._reuse.start(batch.key, input_ids, packed)
         return lambda chunk: self._sums(forward(chunk), repeat_rows(packed, len(chunk)))
+
+    def _start_context(self, batch: GridBatch[ContextBatch]) -> Pass:
+        """The context-cache path's pass (:mod:`.context_cache`); the first batch is checked against the plain path
+        once, unmasked, before any mask runs on it."""
+        cached: ContextCache = self._reuse
+        lengths = batch.inputs.lengths
+
+        def forward(chunk: list[Sequence[Head]]) -> np.ndarray:
+            values = cached.logprobs(batch.inputs, chunk)
+            keep = values.shape[1] // 2
+            return np.stack(row_sums(values[:, :keep], values[:, keep:].bool(), lengths * len(chunk)), axis=1)
+
+        if not cached.verified:
+            rows = row_batch(self.rows, batch.inputs.rows.tolist(), self.device)
+            self.gates.clear()
+            plain = self._sums(self.packed_pass(rows.input_ids, rows.packed), rows.packed)
+            config = self.model.config
+            width = max(int(getattr(config, "hidden_size", 0) or 0), int(rows.input_ids.shape[1]))
+            cached.verify(forward([()]), plain, self.model.dtype, len(self.gates.sites), width)
+        return forward
+
+    def _masks_per_context(self, batch: ContextBatch) -> int:
+        """``sweep.masks_per_batch``, or (0: automatic) as many copies of a context batch as the budget holds."""
+        return budget_masks_per_forward(self.runtime.masks_per_batch, 1,
+                                        bytes_per_mask(self.model.config, self.model.dtype, batch), self.device)
 
     @staticmethod
     def _sums(values: torch.Tensor, packed: torch.Tensor) -> np.ndarray:
