@@ -105,9 +105,14 @@ class StoredFill:
 def stored_values(store: ResultStore, run_id: str, checkpoint: str | None) -> dict[str, np.ndarray]:
     """The values run ``run_id`` stored for this model, shaped as the workers give them (``attention:layer`` ->
     ``(H, d)``, or ``(P + 1, H, d)`` per position); empty where it stored none."""
+    return values_from_rows(store.read("ablation_values", run_id).to_pylist(), checkpoint)
+
+
+def values_from_rows(rows: list[dict], checkpoint: str | None) -> dict[str, np.ndarray]:
+    """:func:`stored_values` from a run's ``ablation_values`` rows as dicts (a query's, or the store's)."""
     by_site: dict[str, dict[int, np.ndarray]] = {}
     per_position = False
-    for row in store.read("ablation_values", run_id).to_pylist():
+    for row in rows:
         if row["checkpoint"] != checkpoint:
             continue
         per_position = row["positions"] == "per_position"

@@ -20,8 +20,8 @@ import duckdb
 import numpy as np
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.reporting.drill_scores import drill_scores, recomputes, run_fill
 from headsweep.sweep.reporting.example_changes import changes, fetch, one, top_changed
-from headsweep.workers.ablation.registry import DEFAULT_METHOD
 
 MAX_HEADS = 8
 EXAMPLES = 3
@@ -123,11 +123,13 @@ def read_patterns(adapter: Any, kind: str, wanted: dict[int, list[tuple[str, int
 
 
 def run_patterns(con: duckdb.DuckDBPyConnection, run: dict, checkpoint: str | None, heads: list[str],
-                 per_head: int = EXAMPLES, losses: list[TokenLosses] | None = None) -> list[Pattern]:
+                 per_head: int = EXAMPLES, losses: list[Any] | None = None) -> list[Pattern]:
     """Attention patterns of ``heads`` of one model of a run on the ``per_head`` examples each one's removal harms
-    most (from the store's per-example rows); raises :class:`AttentionUnavailable` when the model is gone. A causal
-    LM's windows also get the tokens whose loss each head's removal raises most, appended to ``losses`` (zero
-    ablation runs only: other methods' fill values are not recomputed here)."""
+    most (from the store's per-example rows); raises :class:`AttentionUnavailable` when the model is gone. With
+    ``losses``, what the drill-downs recompute on those examples under the run's fill is appended to it
+    (:func:`~headsweep.sweep.reporting.drill_scores.drill_scores`: a causal LM window's token losses, a question's
+    choice scores), and a model whose examples the roles reader does not read (multiple-choice questions) gives
+    no patterns rather than an error."""
     wanted_evals = {r[0]: r[1] for r in fetch(con,
         "SELECT attention || ':' || layer || ':' || head, eval_id FROM evaluations WHERE run_id = ? AND "
         "experiment = 'single_head' AND checkpoint IS NOT DISTINCT FROM ?", [run["run_id"], checkpoint])}
@@ -167,53 +169,18 @@ def run_patterns(con: duckdb.DuckDBPyConnection, run: dict, checkpoint: str | No
         if example in positions:
             wanted.setdefault(row_of[positions[example]], []).append((name, int(layer), int(head), example))
     kind = json.loads(config)["model"]["kind"]
-    if losses is not None and (run.get("ablation") or DEFAULT_METHOD) == DEFAULT_METHOD:
-        losses += token_losses(adapter, [(n, e, row_of[positions[e]]) for n, e in picks if e in positions])
-    return read_patterns(adapter, kind, wanted)
+    if losses is None:
+        return read_patterns(adapter, kind, wanted)
+    shown = [(n, e, row_of[positions[e]]) for n, e in picks if e in positions]
+    if recomputes(adapter):
+        losses += drill_scores(adapter, run_fill(con, run, checkpoint), shown)
+    from headsweep.workers.core.registry import model_family
 
-
-TOP_TOKENS = 8
-
-
-@dataclass
-class TokenLosses:
-    """Where in a window a head's removal raises the loss: the scored tokens whose NLL rises most."""
-
-    head: str
-    example_id: str
-    tokens: list[tuple[int, str, float, float]]  # (position in the window, token, NLL baseline, NLL masked)
-
-
-def token_losses(adapter: Any, picks: list[tuple[str, str, int]]) -> list[TokenLosses]:
-    """Per (head, example id, row of ``adapter``'s windows): the ``TOP_TOKENS`` scored tokens whose NLL (nats)
-    rises most with the head gated off (zero ablation), recomputed with the model: a causal LM's windows only."""
-    import torch
-
-    from headsweep.workers.core.heads import Head
-
-    if not hasattr(adapter, "token_nll") or not hasattr(adapter, "scored"):
+    try:
+        model_family(kind).attention_reader(adapter)
+    except HeadsweepError:  # the family's roles reader refuses these examples: the recomputed scores alone
         return []
-    out = []
-    rows = sorted({r for _, _, r in picks})
-    index = torch.tensor(rows, device=adapter.inputs.device)
-    inputs, scored = adapter.inputs[index], adapter.scored[index.to(adapter.scored.device)]
-    adapter.gates.clear()
-    with torch.inference_mode():
-        base = adapter.token_nll(inputs, scored).double().cpu()
-        by_head: dict[str, torch.Tensor] = {}
-        for name in dict.fromkeys(n for n, _, _ in picks):
-            with adapter.gates.masked([Head.parse(name)]):
-                by_head[name] = adapter.token_nll(inputs, scored).double().cpu()
-    ids = inputs.cpu()
-    for name, example, row in picks:
-        r = rows.index(row)
-        rise = torch.where(scored[r].cpu(), by_head[name][r] - base[r], torch.tensor(float("-inf"), dtype=base.dtype))
-        top = torch.argsort(rise, descending=True)[:TOP_TOKENS].tolist()
-        # position p of the NLL row predicts input token p + 1
-        words = adapter.tokenizer.convert_ids_to_tokens([int(ids[r, p + 1]) for p in top])
-        out.append(TokenLosses(name, example, [(p + 1, str(w), float(base[r, p]), float(by_head[name][r, p]))
-                                               for p, w in zip(top, words, strict=True)]))
-    return out
+    return read_patterns(adapter, kind, wanted)
 
 
 def head_patterns(con: duckdb.DuckDBPyConnection, run_id: str, name: str, examples: int = EXAMPLES,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import duckdb
 
 from headsweep.sweep.reporting import plots
+from headsweep.sweep.reporting.drill_scores import ChoiceScores, NotRecomputed, TokenLosses
 from headsweep.sweep.reporting.example_changes import changes, top_changed, value_name
 from headsweep.sweep.reporting.figures import harm, metric_name
 from headsweep.sweep.reporting.page import rows as query_rows
@@ -224,19 +225,50 @@ class Explorer:
 
 
 def attention_extras(patterns: Sequence, losses: Sequence) -> dict[str, dict]:
-    """Per head, its attention-pattern figures and (causal LMs) the table of the tokens whose loss it raises most."""
+    """Per head, its attention-pattern figures and what its drill-down recomputed with the model
+    (:mod:`~headsweep.sweep.reporting.drill_scores`): a causal LM window's tokens whose loss it raises most, a
+    question's every choice's log-likelihood, or the line saying why nothing was recomputed."""
     out: dict[str, dict] = {}
     for p in patterns:
         out.setdefault(p.head, {"figs": [], "html": ""})["figs"].append(plots.attention_map(p))
+    noted: set[str] = set()
     for t in losses:
         entry = out.setdefault(t.head, {"figs": [], "html": ""})
-        rows = "".join(f"<tr><td>{pos}</td><td class=\"text\">{html.escape(word)}</td><td>{plots.num(a)}</td>"
-                       f"<td>{plots.num(b)}</td><td>{plots.num(b - a)}</td></tr>" for pos, word, a, b in t.tokens)
-        entry["html"] += (f"<h4>Window {html.escape(t.example_id)}: the tokens whose loss rises most with the head "
-                          "masked (recomputed with the model)</h4><table class=\"tokens\"><tr><th>position</th>"
-                          "<th>token</th><th>NLL baseline (nats)</th><th>NLL masked</th><th>rise</th></tr>"
-                          f"{rows}</table>")
+        if isinstance(t, NotRecomputed):
+            if t.head not in noted:
+                entry["html"] += f'<p class="note recomputed">{html.escape(t.note)}</p>'
+                noted.add(t.head)
+        elif isinstance(t, ChoiceScores):
+            entry["html"] += _choice_table(t)
+        else:
+            entry["html"] += _token_table(t)
     return out
+
+
+def _token_table(t: TokenLosses) -> str:
+    rows = "".join(f"<tr><td>{pos}</td><td class=\"text\">{html.escape(word)}</td><td>{plots.num(a)}</td>"
+                   f"<td>{plots.num(b)}</td><td>{plots.num(b - a)}</td></tr>" for pos, word, a, b in t.tokens)
+    base, masked = t.window_nll
+    return (f"<h4>Window {html.escape(t.example_id)}: the tokens whose loss rises most with the head masked "
+            f"(recomputed with the model; window NLL {plots.num(base)} -> {plots.num(masked)} nats)</h4>"
+            "<table class=\"tokens\"><tr><th>position</th><th>token</th><th>NLL baseline (nats)</th>"
+            f"<th>NLL masked</th><th>rise</th></tr>{rows}</table>")
+
+
+def _choice_table(t: ChoiceScores) -> str:
+    def pick(values: list[float]) -> int:
+        return max(range(len(values)), key=lambda c: (values[c], -c))  # the first maximum, as argmax
+
+    picked = (pick(t.baseline), pick(t.masked))
+    rows = "".join(
+        f'<tr class="choice{" gold" if c == t.gold else ""}"><td>{c}{" (gold)" if c == t.gold else ""}</td>'
+        f'<td class="text">{html.escape(_cut(text))}</td><td>{plots.num(a)}'
+        f'{" *" if c == picked[0] else ""}</td><td>{plots.num(b)}{" *" if c == picked[1] else ""}</td>'
+        f"<td>{plots.num(b - a)}</td></tr>"
+        for c, (text, a, b) in enumerate(zip(t.choices, t.baseline, t.masked, strict=True)))
+    return (f"<h4>Question {html.escape(t.example_id)}: every choice's log-likelihood (nats, recomputed with the "
+            "model; * = the likeliest)</h4><table class=\"choices\"><tr><th>choice</th><th>text</th>"
+            f"<th>baseline</th><th>head masked</th><th>change</th></tr>{rows}</table>")
 
 
 def plot_div(element: str, figure: str, drill: str | None = None) -> str:

@@ -205,12 +205,13 @@ def _attention(page: Page, con: duckdb.DuckDBPyConnection, run: dict, checkpoint
         logging.getLogger("headsweep").warning("%s", exc)
         page.add(f'<p class="note">{html.escape(str(exc))}</p>')
         return {}
-    if not patterns:
+    if not patterns and not losses:
         page.add('<p class="note">No attention patterns: the most harmful heads change no example for the worse.</p>')
         return {}
-    page.add(f'<p class="note">Attention patterns of the {len({p.head for p in patterns})} most harmful heads on '
-             f"the examples their removal harms most, read from the model in {time.perf_counter() - start:.1f} s "
-             "(open a head's drill-down to see them).</p>")
+    heads = len({p.head for p in patterns} | {t.head for t in losses})
+    what = "Attention patterns" if patterns else "Scores recomputed with the model"
+    page.add(f'<p class="note">{what} of the {heads} most harmful heads on the examples their removal harms most, '
+             f"in {time.perf_counter() - start:.1f} s (open a head's drill-down to see them).</p>")
     return attention_extras(patterns, losses)
 
 

@@ -5,6 +5,7 @@ and a store from before stored inputs say so in the page)."""
 
 from __future__ import annotations
 
+import html
 import json
 import shutil
 
@@ -147,7 +148,7 @@ def test_token_losses_equal_the_weight_surgery_models(tmp_path, one_thread):
     from tiny_models import lm_text, save_tiny_causal_lm, zeroed_output_columns
     from transformers import AutoModelForCausalLM
 
-    from headsweep.sweep.reporting.attention_maps import TOP_TOKENS, token_losses
+    from headsweep.sweep.reporting.drill_scores import TOP_TOKENS, token_losses
     from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.core.heads import Head
     from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
@@ -171,3 +172,86 @@ def test_token_losses_equal_the_weight_surgery_models(tmp_path, one_thread):
     for position, _, nll_base, nll_masked in found.tokens:
         assert (nll_base, nll_masked) == pytest.approx((float(base[position - 1]), float(masked[position - 1])),
                                                        rel=1e-4, abs=1e-5)
+    assert found.window_nll == pytest.approx((float((base * adapter.scored[1]).sum()),
+                                              float((masked * adapter.scored[1]).sum())), rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def mean_lm_run(tmp_path_factory, ray_address):
+    """A mean-ablation perplexity sweep of a tiny Llama-style model through the real CLI (baseline, single heads)."""
+    import yaml
+    from tiny_models import lm_text, save_tiny_causal_lm
+
+    tmp = tmp_path_factory.mktemp("mean-lm")
+    model_dir = save_tiny_causal_lm(tmp / "llama", "llama_8q2kv")
+    corpus = tmp / "corpus.txt"
+    corpus.write_text(lm_text(160, seed=4))
+    config = tmp / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"kind": "hf_causal_lm", "path": str(model_dir), "attn_implementation": "eager"},
+        "data": {"path": str(corpus), "window": 16},
+        "sweep": {"experiments": ["baseline", "single_head"], "ablation": "mean", "batch_size": 8}}))
+    store = tmp / "store"
+    proc = run_cli("run", str(config), "--store", str(store), "--address", ray_address, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    return store, proc.stdout.strip().splitlines()[-1]
+
+
+def test_mean_ablation_token_losses_sum_to_the_stored_window_nll(mean_lm_run, tmp_path):
+    """Per-token losses under mean ablation (the run's stored means installed as the fill): the worst head's
+    drill-down lists its windows' tokens, and each shown window's recomputed NLL, summed over its scored tokens,
+    equals the window NLL the run stored (``examples.stats[1]``) for the baseline and for the head's mask."""
+    from headsweep.results.query import connect
+    from headsweep.sweep.reporting.attention_maps import run_patterns
+    from headsweep.sweep.reporting.drill_scores import TokenLosses
+
+    store, run_id = mean_lm_run
+    page = write_report(ResultStore(str(store)), [run_id], tmp_path / "r", attention=True).read_text()
+    start = page.index('class="hs-heads"')
+    heads = json.loads(page[page.index(">", start) + 1 : page.index("</script>", start)].replace("<\\/", "</"))
+    con = connect(ResultStore(str(store)))
+    try:
+        (worst,), = con.sql("SELECT name FROM heads WHERE run_id = ? ORDER BY harm DESC, name LIMIT 1",
+                            params=[run_id]).fetchall()
+        assert "the tokens whose loss rises most" in heads[worst]["html"]
+        run = dict(zip(("run_id", "metric", "config", "ablation"), con.sql(
+            "SELECT run_id, metric, config, ablation FROM runs WHERE run_id = ?", params=[run_id]).fetchall()[0],
+            strict=True))
+        assert run["ablation"] == "mean"
+        losses: list = []
+        run_patterns(con, run, None, [worst], losses=losses)
+        stored = {(experiment, example): stats[0] for experiment, example, stats in con.sql(
+            "SELECT e.experiment, x.example_id, x.stats FROM examples x JOIN evaluations e USING (run_id, eval_id) "
+            "WHERE x.run_id = ? AND (e.experiment = 'baseline' OR e.attention || ':' || e.layer || ':' || e.head = ?)",
+            params=[run_id, worst]).fetchall()}
+    finally:
+        con.close()
+    windows = [t for t in losses if isinstance(t, TokenLosses)]
+    assert windows, "the worst head harms no window: the run no longer tests this"
+    for t in windows:
+        assert t.window_nll == pytest.approx((stored[("baseline", t.example_id)],
+                                              stored[("single_head", t.example_id)]), rel=1e-6)
+        assert t.window_nll[1] > t.window_nll[0]  # a window the head's removal harms
+
+
+def test_a_per_example_fill_is_one_line_in_the_drilldown(mean_lm_run):
+    """Resample (and activation patching) fill a head from donors drawn over the whole evaluation set: nothing is
+    recomputed, and each shown head's drill-down says why in one line."""
+    from headsweep.results.query import connect
+    from headsweep.sweep.reporting.drill_scores import NotRecomputed, run_fill
+    from headsweep.sweep.reporting.explorer import attention_extras
+
+    store, run_id = mean_lm_run
+    con = connect(ResultStore(str(store)))
+    try:
+        config, = con.sql("SELECT config FROM runs WHERE run_id = ?", params=[run_id]).fetchall()[0]
+        assert run_fill(con, {"run_id": run_id, "config": config, "ablation": "mean"}, None).note is None
+        data = json.loads(config)
+        data["sweep"]["ablation"] = "resample"
+        fill = run_fill(con, {"run_id": run_id, "config": json.dumps(data), "ablation": "resample"}, None)
+    finally:
+        con.close()
+    assert fill.fill is None and fill.note is not None and "\n" not in fill.note
+    assert fill.note.startswith("Not recomputed under resample ablation")
+    extras = attention_extras([], [NotRecomputed("self:0:1", fill.note)] * 2)
+    assert extras["self:0:1"]["html"].count(html.escape(fill.note)) == 1
