@@ -126,6 +126,46 @@ def test_causal_lm_constants_beat_the_mean_and_equal_surgery(tmp_path):
     check_trained(adapter, evaluation, [Head("self", 0, 1), Head("self", 1, 6)], depth=2, width=64)
 
 
+def _lm_eval_task(folder: Path, name: str, seed: int) -> None:
+    """A local lm-eval multiple-choice task of 12 questions over the tiny models' words."""
+    from tiny_models import lm_text
+
+    rng = np.random.default_rng(seed)
+    words = lm_text(400, seed=seed).split()
+    lines = []
+    for q in range(12):
+        start = int(rng.integers(0, len(words) - 20))
+        choices = [" ".join(words[start + 8 + 3 * c : start + 9 + 3 * c + c % 2]) for c in range(3)]
+        lines.append(json.dumps({"q": " ".join(words[start : start + 6 + q % 3]), "opts": choices,
+                                 "label": int(rng.integers(0, 3))}))
+    (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump({
+        "task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(folder / f"{name}.jsonl")}},
+        "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{q}}", "doc_to_choice": "{{opts}}",
+        "doc_to_target": "{{label}}", "metric_list": [{"metric": "acc"}]}))
+
+
+def test_lm_eval_task_constants_beat_the_mean_and_equal_surgery(tmp_path):
+    """Mean and optimal ablation on an lm-eval task: the means and constants over the reference task's gold
+    continuations, installed on the evaluation task's adapter (plain path, and the context cache) equal to the
+    stock model with the constant folded into the head's output projection."""
+    from tiny_models import save_tiny_causal_lm
+
+    model_dir = save_tiny_causal_lm(tmp_path / "lm", "llama_8q2kv")
+    model = {"kind": "hf_causal_lm", "path": str(model_dir), "attn_implementation": "eager"}
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    _lm_eval_task(tasks, "ref_mc", seed=7)
+    _lm_eval_task(tasks, "eval_mc", seed=8)
+    lm_eval = {"task": "lm_eval", "include_path": str(tasks)}
+    adapter = load(model, {**lm_eval, "tasks": ["ref_mc"]}, batch_size=4)
+    for context_cache in (False, True):
+        evaluation = load(model, {**lm_eval, "tasks": ["eval_mc"]}, batch_size=4, reuse=context_cache,
+                          context_cache=context_cache)
+        assert evaluation.reuse_note.startswith("context cache" if context_cache else "off")
+        check_trained(adapter, evaluation, [Head("self", 0, 1), Head("self", 1, 6)], depth=2, width=64)
+
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
