@@ -417,6 +417,52 @@ def test_sweep_through_the_cli(score, metric, column, sweep_files, word_lm, ray_
     proc = run_cli("query", f"SELECT DISTINCT test FROM deltas WHERE run_id = '{run_id}' AND experiment = "
                    "'single_head'", "--store", str(store), "--format", "csv")
     assert proc.returncode == 0 and "paired_ttest" in proc.stdout, proc.stderr
+    if score == "acc":
+        check_choice_scores(store, run_id, model, tokenizer, questions, golds)
+
+
+def check_choice_scores(store, run_id, model, tokenizer, questions, golds) -> None:
+    """The drill-down's every choice's log-likelihood (recomputed with the model by ``headsweep report
+    --attention``) on the questions of the head that turns the most answers wrong: the gold's equals the run's
+    stored loss and the likeliest is its stored output, with the head kept and masked; the masked ones equal the
+    weight-surgery copy's direct log-likelihoods."""
+    from headsweep.results.query import connect
+    from headsweep.results.store import ResultStore
+    from headsweep.sweep.reporting.attention_maps import run_patterns
+    from headsweep.sweep.reporting.drill_scores import ChoiceScores
+
+    con = connect(ResultStore(str(store)))
+    try:
+        # the head whose removal turns the most right answers wrong (a random model's heads may help on balance)
+        (worst,), = con.sql(
+            "SELECT e.attention || ':' || e.layer || ':' || e.head AS name FROM examples m JOIN evaluations e "
+            "USING (run_id, eval_id) JOIN examples b ON b.run_id = m.run_id AND b.example_id = m.example_id AND "
+            "b.eval_id = (SELECT eval_id FROM evaluations WHERE run_id = ? AND experiment = 'baseline') "
+            "WHERE m.run_id = ? AND e.experiment = 'single_head' AND b.stats[1] > m.stats[1] "
+            "GROUP BY name ORDER BY count(*) DESC, name LIMIT 1", params=[run_id, run_id]).fetchall()
+        run = dict(zip(("run_id", "metric", "config", "ablation"), con.sql(
+            "SELECT run_id, metric, config, ablation FROM runs WHERE run_id = ?", params=[run_id]).fetchall()[0],
+            strict=True))
+        losses: list = []
+        assert run_patterns(con, run, None, [worst], losses=losses) == []  # questions: no attention maps
+        stored = {(experiment, example): (loss, output) for experiment, example, loss, output in con.sql(
+            "SELECT e.experiment, x.example_id, x.loss, x.output FROM examples x JOIN evaluations e USING (run_id, "
+            "eval_id) WHERE x.run_id = ? AND (e.experiment = 'baseline' OR e.attention || ':' || e.layer || ':' || "
+            "e.head = ?)", params=[run_id, worst]).fetchall()}
+    finally:
+        con.close()
+    scores = [t for t in losses if isinstance(t, ChoiceScores)]
+    assert scores, "the worst head changes no answer: the run no longer tests the drill-down"
+    surgery = zeroed_output_columns(model, [Head.parse(worst)])
+    for t in scores:
+        q = int(t.example_id[1:])
+        assert (t.choices, t.gold) == (questions[q][1], golds[q])
+        for lls, experiment in ((t.baseline, "baseline"), (t.masked, "single_head")):
+            loss, output = stored[(experiment, t.example_id)]
+            assert_routes_agree(np.array([lls[t.gold]]), np.array([-loss]), depth=DEPTH, width=WIDTH, what=experiment)
+            assert int(np.argmax(lls)) == int(output)
+        direct, _ = direct_scores(surgery, tokenizer, [questions[q]])
+        assert_routes_agree(np.array(t.masked), direct[0], depth=DEPTH, width=WIDTH, what=t.example_id)
 
 
 # -- (e) bad input: one line, exit 2, nothing written ---------------------------------------------------------
