@@ -425,12 +425,45 @@ def test_sweep_through_the_cli_with_a_cached_hub_dataset(setup, tmp_path):
     assert {t for (t,) in tests} == {"paired_ttest", "mcnemar_exact"}
     (facts,), = con.sql(f"SELECT facts FROM {duck(store, 'runs')} WHERE run_id = '{run_id}'").fetchall()
     assert json.loads(facts)["lm_eval_tasks"] == ["hub_mc"]
+    # the documents stored once per run (the inputs table): context and numbered choices, gold as the reference
+    inputs = con.sql(f"SELECT example_id, position, input FROM {duck(store, 'inputs')} ORDER BY position").fetchall()
+    assert inputs == [(f"hub_mc/{d}", d, f"{c} | choices: " + " / ".join(f"{i}:  {x}" for i, x in enumerate(ch)))
+                      for d, (c, ch, _) in enumerate(QUESTIONS)]
+    references = con.sql(f"SELECT DISTINCT example_id, reference FROM {duck(store, 'examples')}").fetchall()
+    assert sorted(references) == sorted((f"hub_mc/{d}", str(g)) for d, (_, _, g) in enumerate(QUESTIONS))
     # not cached (another HF_HOME): refused on the driver, one line naming the dataset
     refused = run_cli("run", str(config), "--store", str(tmp_path / "none"), "--quiet",
                       env={"HF_HOME": str(tmp_path / "empty-home"), "HF_DATASETS_CACHE": str(tmp_path / "e")})
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "dataset someorg/tinyq is not in the local datasets cache" in error_line(refused.stderr)
     assert not (tmp_path / "none").exists()
+
+
+def test_drilldown_choice_scores_equal_simple_evaluate_on_weight_surgery(setup):
+    """Every choice's log-likelihood a drill-down recomputes (``headsweep report --attention``) on the documents
+    it shows (the adapter loaded on those alone, as the report loads it), against lm-eval's own per-choice
+    log-likelihoods (``simple_evaluate``'s samples) on the model and on the copy whose head's ``o_proj`` input
+    columns are zero; the gold is lm-eval's target."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from headsweep.sweep.reporting.drill_scores import choice_scores
+
+    _, tasks, models = setup
+    head, docs = "self:1:2", (1, 3)
+    a = LmEvalAdapter(CausalLMModel(path=str(models["llama_8q2kv"]), attn_implementation="eager"),
+                      data(tasks, ["tiny_mc"]), RuntimeOptions(batch_size=1, masks_per_batch=1, examples=docs))
+    found = choice_scores(a, [(head, f"tiny_mc/{d}", row) for row, d in enumerate(docs)])
+    model = AutoModelForCausalLM.from_pretrained(models["llama_8q2kv"], attn_implementation="eager").eval()
+    tokenizer = AutoTokenizer.from_pretrained(models["llama_8q2kv"])
+    routes = {"baseline": lm_eval_route(model, tokenizer, tasks, ["tiny_mc"]),
+              "masked": lm_eval_route(zeroed_output_columns(model, [Head.parse(head)]), tokenizer, tasks, ["tiny_mc"])}
+    assert [t.example_id for t in found] == [f"tiny_mc/{d}" for d in docs]
+    for t, d in zip(found, docs, strict=True):
+        assert (t.choices, t.gold) == ([" " + c for c in QUESTIONS[d][1]], QUESTIONS[d][2])
+        for side, result in routes.items():
+            sample = next(s for s in result["samples"]["tiny_mc"] if s["doc_id"] == d)
+            assert getattr(t, side) == [float(r[0][0]) for r in sample["resps"]], side  # exact, as lm-eval sums
+    assert found[0].masked != found[0].baseline  # the head matters
 
 
 def _cache_hub_dataset(home: Path, repo: str, jsonl: Path) -> None:
