@@ -270,9 +270,16 @@ def _live_log_class() -> type:
             log(f"l0 lambda={lam:g} step {result.get('step')}: {text}expected open gates "
                 f"{result.get('expected_open', float('nan')):.3g}, closed {result.get('closed')}")
 
+        def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+            # Tune calls this, not on_trial_error, for a failure it retries (a process killed, a node lost).
+            step = (trial.last_result or {}).get("step")
+            at = f" at step {step}" if step is not None else ""
+            log(f"l0 lambda={trial.config.get('lam'):g}: trial failed{at} (failure {trial.num_failures}); Tune "
+                "restarts it from its last checkpoint")
+
         def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-            log(f"l0 lambda={trial.config.get('lam'):g}: trial failed (Tune retries it from its last checkpoint "
-                "while retries are left)")
+            log(f"l0 lambda={trial.config.get('lam'):g}: trial failed after {trial.num_failures} failure(s), "
+                "no retries left")
 
     return LiveLog
 
