@@ -226,11 +226,11 @@ def _check_sections(cfg: Config) -> None:
             f"sweep.max_tokens applies to model families that batch by tokens (fairseq_translation), "
             f"not {cfg.model.kind}: use sweep.batch_size"
         )
-    if cfg.sweep.context_cache and getattr(cfg.data, "task", None) != "lm_eval":
+    if cfg.sweep.context_cache and getattr(cfg.data, "task", None) not in ("multiple_choice", "lm_eval"):
         raise HeadsweepError(
-            "sweep.context_cache applies to causal LMs on lm-eval multiple-choice tasks (model.kind hf_causal_lm, "
-            f"data.task lm_eval), not model.kind {cfg.model.kind} with data.task {getattr(cfg.data, 'task', None)}: "
-            "remove it or set it false"
+            "sweep.context_cache applies to causal LMs on multiple-choice questions (model.kind hf_causal_lm, "
+            f"data.task multiple_choice or lm_eval), not model.kind {cfg.model.kind} with data.task "
+            f"{getattr(cfg.data, 'task', None)}: remove it or set it false"
         )
     cfg.significance.check()
     cfg.ablation.check(cfg.sweep.ablation)

@@ -253,7 +253,7 @@ def test_context_cache_is_refused_where_no_choices_share_a_context(setup, tmp_pa
     assert rolling.reuse_note.startswith("prefix")
     corpus = tmp_path / "c.txt"
     corpus.write_text("the cat sees a dog " * 40)
-    with pytest.raises(HeadsweepError, match="^sweep.context_cache applies to causal LMs on lm-eval multiple-choice"):
+    with pytest.raises(HeadsweepError, match="^sweep.context_cache applies to causal LMs on multiple-choice questions"):
         build_config({"model": {"kind": "hf_causal_lm", "path": str(models["gpt2"])},
                       "data": {"path": str(corpus)}, "sweep": {"context_cache": True}})
 
@@ -273,7 +273,14 @@ def test_multiple_choice_prefix_reuse_equals_the_plain_path_bit_for_bit(setup, s
     assert runs[True].reuse_note.startswith("prefix")
     heads = list(runs[True].gates.inventory.heads)
     masks = [[]] + [[h] for h in heads] + [[h for h in heads if h.layer == g.layer and h != g] for g in heads]
-    assert np.array_equal(runs[True].values(masks), runs[False].values(masks))  # exact
+    plain = runs[False].values(masks)
+    assert np.array_equal(runs[True].values(masks), plain)  # exact
+    # the context cache (sweep.context_cache), masks packed: within rounding (other matrix shapes), same answers
+    cached = load_causal_lm_adapter(model, CausalLMData(path=str(path), task="multiple_choice"),
+                                    CausalLMRuntime(batch_size=4, context_cache=True))
+    assert cached.reuse_note.startswith("context cache")
+    assert_routes_agree(cached.values(masks), plain, depth=DEPTH, width=WIDTH)  # summation order
+    assert [o.stats.tolist() for o in cached.evaluate(masks)] == [o.stats.tolist() for o in runs[False].evaluate(masks)]
 
 
 def test_multiple_choice_task_equals_the_same_questions_as_an_lm_eval_task(setup, tmp_path):

@@ -14,7 +14,7 @@ batch of contexts and per chunk of masks two forward passes run:
    its position ids following its context, an attention mask hiding the context's padding.
 
 Each row's log-likelihood and greedy match are then taken as ``HFLM._loglikelihood_tokens`` takes them
-(:func:`~.lm_eval_adapter.row_sums`). A 4-choice question with a context of n tokens and choices of m costs
+(:func:`~.model.row_sums`). A 4-choice question with a context of n tokens and choices of m costs
 ``n + 4m`` token positions per mask instead of ``4(n + m)``.
 
 Not bit for bit: the continuation's matrix products have fewer rows than the whole row's (a few tokens against
@@ -27,7 +27,7 @@ ignores the cache or the position ids gives differences of whole nats, not round
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,8 +37,12 @@ from torch import nn
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
 from headsweep.workers.families.hf_causal_lm.lm_eval_requests import TokenRow
-from headsweep.workers.families.hf_causal_lm.model import activation_bytes_per_row
+from headsweep.workers.families.hf_causal_lm.model import activation_bytes_per_row, row_sums
 from headsweep.workers.memory.replay import ReuseUnsupported
+
+CONTEXT_NOTE = ("context cache (sweep.context_cache): each question's context runs once per mask and its choices "
+                "continue from the context's key/value cache; equal to the plain path within float32 rounding, "
+                "not bit for bit")
 
 
 def split_row(row: TokenRow) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -168,21 +172,35 @@ class ContextCache:
         picked = torch.gather(logprobs, 2, targets.unsqueeze(-1)).squeeze(-1)
         return torch.cat([picked, greedy.to(picked.dtype)], dim=1)
 
-    def verify(self, values: np.ndarray, plain: np.ndarray, dtype: torch.dtype, depth: int, width: int) -> None:
-        """Check the first batch's unmasked (loglikelihood, greedy) against the plain path's: within the float32
-        summation-order bound per token summed (6 x depth x width x eps x the log-likelihood's size, the bound of
-        tests/tolerances.py with a floor), else :class:`ReuseUnsupported` (the model ignores the cache or the
-        position ids: whole nats apart)."""
-        eps = torch.finfo(dtype).eps
-        bound = 6 * depth * width * eps * np.maximum(np.abs(plain[:, 0]), 1.0) + eps
-        far = np.abs(values[:, 0] - plain[:, 0]) > bound
-        if bool(far.any()):
-            worst = int(np.argmax(np.abs(values[:, 0] - plain[:, 0])))
-            raise ReuseUnsupported(
-                f"continuing choices from the context's key/value cache gives log-likelihood {values[worst, 0]:.6g} "
-                f"where the whole row gives {plain[worst, 0]:.6g}: beyond rounding (the model ignores its cache or "
-                "position ids)")
-        self.verified = True
+    def start(self, batch: ContextBatch, plain: Callable[[], np.ndarray], dtype: torch.dtype, depth: int,
+              width: int) -> Callable[[list[Sequence[Head]]], np.ndarray]:
+        """The batch's pass for the mask-grid loop: a chunk of masks -> per row, mask-major, (loglikelihood, greedy)
+        as HFLM sums them (:func:`~.model.row_sums`); shape (k*R, 2).
+
+        Until a batch has been checked, its unmasked log-likelihoods are compared first with ``plain()`` (the plain
+        path's, one per row of the batch): within the float32 summation-order bound of tests/tolerances.py (6 x
+        ``depth`` x ``width`` x eps x the log-likelihood's size), else :class:`ReuseUnsupported` (a model that
+        ignores its cache or its position ids is whole nats off)."""
+        lengths = batch.lengths
+
+        def forward(chunk: list[Sequence[Head]]) -> np.ndarray:
+            values = self.logprobs(batch, chunk)
+            keep = values.shape[1] // 2
+            return np.stack(row_sums(values[:, :keep], values[:, keep:].bool(), lengths * len(chunk)), axis=1)
+
+        if not self.verified:
+            self.gates.clear()
+            mine, theirs = forward([()])[:, 0], plain()
+            eps = torch.finfo(dtype).eps
+            far = np.abs(mine - theirs) > 6 * depth * width * eps * np.maximum(np.abs(theirs), 1.0) + eps
+            if bool(far.any()):
+                worst = int(np.argmax(np.abs(mine - theirs)))
+                raise ReuseUnsupported(
+                    f"continuing choices from the context's key/value cache gives log-likelihood {mine[worst]:.6g} "
+                    f"where the whole row gives {theirs[worst]:.6g}: beyond rounding (the model ignores its cache "
+                    "or position ids)")
+            self.verified = True
+        return forward
 
 
 def bytes_per_mask(config, dtype: torch.dtype, batch: ContextBatch) -> int:
@@ -199,3 +217,10 @@ def bytes_per_mask(config, dtype: torch.dtype, batch: ContextBatch) -> int:
     cache = 2 * layers * kv * head_dim * itemsize * (batch.width + wk)
     return (batch.contexts * (activation_bytes_per_row(config, dtype, batch.width, 1) + cache)
             + rows * (activation_bytes_per_row(config, dtype, max(1, wk), wk + 1) + cache))
+
+
+def context_width(config, batch: ContextBatch) -> int:
+    """The longest inner product of a pass over ``batch``: the model's width, or the attention's keys (a context
+    and a continuation) where longer; what the rounding bound of :meth:`ContextCache.start` counts."""
+    hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)
+    return max(hidden, batch.width + int(batch.continuation_ids.shape[1]))

@@ -39,10 +39,12 @@ from headsweep.workers.data.data_report import Finding, report
 from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel, CausalLMRuntime
 from headsweep.workers.families.hf_causal_lm.context_cache import (
+    CONTEXT_NOTE,
     ContextBatch,
     ContextCache,
     bytes_per_mask,
     context_batches,
+    context_width,
 )
 from headsweep.workers.families.hf_causal_lm.lm_eval_documents import document_inputs, document_references, gold_choice
 from headsweep.workers.families.hf_causal_lm.lm_eval_requests import EncodedTasks, TokenRow, encode_tasks
@@ -52,6 +54,7 @@ from headsweep.workers.families.hf_causal_lm.model import (
     GatedCausalLM,
     activation_bytes_per_row,
     model_facts,
+    row_sums,
     target_nll,
 )
 from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
@@ -91,11 +94,6 @@ class RowBatch:
                 torch.ones_like(self.input_ids))
         lengths = torch.tensor(self.lengths, dtype=torch.long, device=self.input_ids.device).unsqueeze(1)
         return torch.cat([mask, self.positions, self.targets, lengths], dim=1)
-
-
-CONTEXT_NOTE = ("context cache (sweep.context_cache): each question's context runs once per mask and its choices "
-                "continue from the context's key/value cache; equal to the plain path within float32 rounding, "
-                "not bit for bit")
 
 
 def unpack(input_ids: torch.Tensor, packed: torch.Tensor
@@ -300,24 +298,14 @@ class LmEvalAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
         return lambda chunk: self._sums(forward(chunk), repeat_rows(packed, len(chunk)))
 
     def _start_context(self, batch: GridBatch[ContextBatch]) -> Pass:
-        """The context-cache path's pass (:mod:`.context_cache`); the first batch is checked against the plain path
-        once, unmasked, before any mask runs on it."""
-        cached: ContextCache = self._reuse
-        lengths = batch.inputs.lengths
-
-        def forward(chunk: list[Sequence[Head]]) -> np.ndarray:
-            values = cached.logprobs(batch.inputs, chunk)
-            keep = values.shape[1] // 2
-            return np.stack(row_sums(values[:, :keep], values[:, keep:].bool(), lengths * len(chunk)), axis=1)
-
-        if not cached.verified:
+        """The context-cache path's pass (:meth:`.context_cache.ContextCache.start`), checked once against the plain
+        path on the first batch."""
+        def plain() -> np.ndarray:
             rows = row_batch(self.rows, batch.inputs.rows.tolist(), self.device)
-            self.gates.clear()
-            plain = self._sums(self.packed_pass(rows.input_ids, rows.packed), rows.packed)
-            config = self.model.config
-            width = max(int(getattr(config, "hidden_size", 0) or 0), int(rows.input_ids.shape[1]))
-            cached.verify(forward([()]), plain, self.model.dtype, len(self.gates.sites), width)
-        return forward
+            return self._sums(self.packed_pass(rows.input_ids, rows.packed), rows.packed)[:, 0]
+
+        return self._reuse.start(batch.inputs, plain, self.model.dtype, len(self.gates.sites) + 1,
+                                 context_width(self.model.config, batch.inputs))
 
     def _masks_per_context(self, batch: ContextBatch) -> int:
         """``sweep.masks_per_batch``, or (0: automatic) as many copies of a context batch as the budget holds."""
@@ -393,20 +381,6 @@ class LmEvalAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
             input_ids = input_ids[:, :max_length]
         return Workload(batch_size, int(input_ids.numel()),
                         lambda model: model(input_ids=input_ids, use_cache=False))
-
-
-def row_sums(logprobs: torch.Tensor, greedy: torch.Tensor, lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's continuation log-likelihood and greedy match: the last ``lengths[b]`` entries of row b, summed in
-    the log-probabilities' dtype over a contiguous one-row tensor (the sum HFLM takes, in its order), then widened
-    to float64 (exact)."""
-    logprobs, greedy = logprobs.cpu(), greedy.cpu()
-    keep = logprobs.shape[1]
-    sums = np.empty(len(lengths), dtype=np.float64)
-    matches = np.empty(len(lengths), dtype=np.float64)
-    for b, c in enumerate(lengths):
-        sums[b] = float(logprobs[b : b + 1, keep - c :].contiguous().sum())
-        matches[b] = float(bool(greedy[b, keep - c :].all()))
-    return sums, matches
 
 
 def _lm_eval_version() -> str:

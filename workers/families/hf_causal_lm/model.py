@@ -4,8 +4,10 @@ multiple-choice adapters share (activation estimate, per-token NLL, facts about 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -117,3 +119,17 @@ def model_facts(model: nn.Module, sites) -> dict:
             "attn_implementation": getattr(cfg, "_attn_implementation", None),
             "dtype": str(model.dtype).removeprefix("torch."),
             "num_key_value_heads": {k: len(v) for k, v in groups.items()}, "kv_groups": groups}
+
+
+def row_sums(logprobs: torch.Tensor, greedy: torch.Tensor, lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's continuation log-likelihood and greedy match: the last ``lengths[b]`` entries of row b, summed in
+    the log-probabilities' dtype over a contiguous one-row tensor (the sum HFLM takes, in its order), then widened
+    to float64 (exact)."""
+    logprobs, greedy = logprobs.cpu(), greedy.cpu()
+    keep = logprobs.shape[1]
+    sums = np.empty(len(lengths), dtype=np.float64)
+    matches = np.empty(len(lengths), dtype=np.float64)
+    for b, c in enumerate(lengths):
+        sums[b] = float(logprobs[b : b + 1, keep - c :].contiguous().sum())
+        matches[b] = float(bool(greedy[b, keep - c :].all()))
+    return sums, matches

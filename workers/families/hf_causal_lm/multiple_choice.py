@@ -37,7 +37,15 @@ from headsweep.workers.core.metrics import MC_ACCURACY, MC_ACCURACY_NORM, Metric
 from headsweep.workers.core.workload import median_batch, take_rows
 from headsweep.workers.data.data_report import Finding, merge, report, unknown_tokens
 from headsweep.workers.data.example_subset import at_positions
-from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel, CausalLMRuntime
+from headsweep.workers.families.hf_causal_lm.context_cache import (
+    CONTEXT_NOTE,
+    ContextBatch,
+    ContextCache,
+    bytes_per_mask,
+    context_batches,
+    context_width,
+)
 from headsweep.workers.families.hf_causal_lm.model import (
     GatedCausalLM,
     activation_bytes_per_row,
@@ -182,11 +190,17 @@ class MultipleChoiceAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
         self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.model_name = model_label(model_cfg.path)
         self.dataset_name = data_cfg.name or Path(Path(data_cfg.path).name.removesuffix(".gz")).stem
-        self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
-                                                            decoder_layout(self.model, self.gates.sites),
-                                                            self.packed_nll, cache_budget(self.device)),
-                         "prefix: masks start at their first gated layer from cached baseline states (layer outputs "
-                         "and per-head contexts per batch of choices)")
+        self.context_grid: list[GridBatch[ContextBatch]] = []
+        if CausalLMRuntime.of(runtime).context_cache:
+            self.context_grid = grid_batches(
+                context_batches(self.rows, range(len(self.rows)), runtime.batch_size, self.device), lambda b: b.rows)
+            self.start_reuse(runtime.reuse, lambda: ContextCache(self.model, self.gates), CONTEXT_NOTE)
+        else:
+            self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
+                                                                decoder_layout(self.model, self.gates.sites),
+                                                                self.packed_nll, cache_budget(self.device)),
+                             "prefix: masks start at their first gated layer from cached baseline states (layer "
+                             "outputs and per-head contexts per batch of choices)")
         ids = [f"q{i}" for i in range(len(questions))]
         counts: dict[str, int] = {}
         for q in questions:
@@ -266,8 +280,25 @@ class MultipleChoiceAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
             return mask_grid(masks, grid_batches(self.batches, lambda b: b.rows), start, out, groups=groups,
                              masks_per_forward=lambda b: self.masks_per_forward(b.inputs))
 
+        if isinstance(self._reuse, ContextCache):
+            return self.reused_or_plain(
+                lambda: mask_grid(masks, self.context_grid, self._context_pass, out, masks_per_forward=lambda b: (
+                    budget_masks_per_forward(self.runtime.masks_per_batch, 1, bytes_per_mask(
+                        self.model.config, self.model.dtype, b.inputs), self.device))),
+                lambda: grid(self._plain_pass))
         return self.reused_or_plain(lambda: grid(self._reused_pass, self._reuse.groups(masks)),
                                     lambda: grid(self._plain_pass))
+
+    def _context_pass(self, batch: GridBatch[ContextBatch]):
+        """The context-cache path's pass (:meth:`.context_cache.ContextCache.start`): per row, its continuation's
+        log-likelihood summed as lm-eval sums it; checked once against :meth:`_plain_pass` on the first batch."""
+        def plain() -> np.ndarray:
+            rows = row_batch(self.rows, batch.inputs.rows.tolist(), self.device)
+            return self._plain_pass(GridBatch(batch.key, rows, rows.rows))([()]).cpu().numpy()
+
+        forward = self._reuse.start(batch.inputs, plain, self.model.dtype, len(self.gates.sites) + 1,
+                                    context_width(self.model.config, batch.inputs))
+        return lambda chunk: forward(chunk)[:, 0]
 
     def _plain_pass(self, batch: GridBatch[RowBatch]):
         """The batch's packed forward pass: per row of the stacked batch, its continuation's log-likelihood."""
