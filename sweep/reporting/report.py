@@ -188,8 +188,9 @@ def _run_section(page: Page, con: duckdb.DuckDBPyConnection, run: dict, attentio
 
 def _attention(page: Page, con: duckdb.DuckDBPyConnection, run: dict, checkpoint: str | None,
                explorer: Explorer) -> dict[str, dict]:
-    """``--attention``: the most harmful heads' attention patterns (and a causal LM's token losses) for their
-    drill-downs; a model that cannot be loaded again is one warning line and a note on the page."""
+    """``--attention``: the most harmful heads' attention patterns and the scores their drill-downs recompute
+    (a causal LM's token losses, a question's every choice: :mod:`~headsweep.sweep.reporting.drill_scores`); a model
+    that cannot be loaded again is one warning line and a note on the page."""
     import logging
     import time
 
