@@ -205,7 +205,12 @@ class Explorer:
         name = value_name(self.metric)
         head = ["example", "input", "reference", "baseline output", "output with the head masked",
                 f"{name}, baseline", f"{name}, masked", "change"]
-        if found.loss is not None:  # a question's gold NLL, a pair's answer NLL, a classifier's loss
+        # a pair's two answers: its stored answer NLL and logit difference give both log-probabilities (one softmax)
+        pair = self.metric == "logit_diff" and found.loss is not None and found.base_loss is not None
+        if pair:
+            head += ["log p(answer), baseline", "log p(answer), masked", "log p(wrong answer), baseline",
+                     "log p(wrong answer), masked"]
+        elif found.loss is not None:  # a question's gold NLL, a classifier's loss
             head += ["loss, baseline", "loss, masked"]
         body = []
         for i in indices:
@@ -216,7 +221,11 @@ class Explorer:
                      _cut(found.base_output[i]), _cut(found.output[i]) + (" (changed)" if flipped else ""),
                      plots.num(float(found.base[i])), plots.num(float(found.value[i])),
                      plots.num(float(found.value[i] - found.base[i]))]
-            if found.loss is not None and found.base_loss is not None:
+            if pair:
+                answer = (-float(found.base_loss[i]), -float(found.loss[i]))
+                cells += [plots.num(answer[0]), plots.num(answer[1]), plots.num(answer[0] - float(found.base[i])),
+                          plots.num(answer[1] - float(found.value[i]))]
+            elif found.loss is not None and found.base_loss is not None:
                 cells += [plots.num(float(found.base_loss[i])), plots.num(float(found.loss[i]))]
             body.append('<tr class="example">' + "".join(f'<td class="text">{html.escape(c)}</td>' for c in cells)
                         + "</tr>")

@@ -448,6 +448,23 @@ def test_a_denoising_run_through_the_cli(tmp_path, lm_files, ray_address):
         if row["experiment"] == "single_head":
             assert row["test"] == "paired_bootstrap" and 0 < row["p_value"] <= 1
     assert [r["logit_diff_normalized"] for r in deltas if r["experiment"] == "baseline"] == [pytest.approx(0, abs=1e-9)]
+    # A pair's drill-down shows both answers' log-probabilities (from the stored answer NLL and logit difference):
+    # the baseline's are the model's own last-position log-softmax on the corrupted prompt (denoising's baseline).
+    import re
+
+    from headsweep.sweep.reporting.report import write_report
+
+    text = write_report(results, [proc.stdout.strip().splitlines()[-1]], tmp_path / "report").read_text()
+    start = text.index('class="hs-heads"')
+    heads = json.loads(text[text.index(">", start) + 1 : text.index("</script>", start)].replace("<\\/", "</"))
+    shown = [h["html"] for h in heads.values() if '<tr class="example">' in h["html"]]
+    assert shown and "log p(wrong answer), baseline" in shown[0]
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", shown[0].split('<tr class="example">')[1].split("</tr>")[0])
+    pair = rows[int(cells[0][1:])]
+    ids = tokenizer(pair["corrupted"], add_special_tokens=False)["input_ids"]
+    logp = torch.log_softmax(run(torch.tensor([ids]))[-1], dim=-1)
+    expected = [float(logp[tokenizer.convert_tokens_to_ids(pair[k])]) for k in ("answer", "wrong_answer")]
+    assert [float(cells[8]), float(cells[10])] == pytest.approx(expected, rel=1e-3, abs=1e-4)  # 4 digits shown
 
 
 def test_gate_gradients_under_patching_are_attribution_patching(lm_files):
