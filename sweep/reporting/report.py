@@ -211,8 +211,9 @@ def _attention(page: Page, con: duckdb.DuckDBPyConnection, run: dict, checkpoint
         return {}
     heads = len({p.head for p in patterns} | {t.head for t in losses})
     what = "Attention patterns" if patterns else "Scores recomputed with the model"
-    page.add(f'<p class="note">{what} of the {heads} most harmful heads on the examples their removal harms most, '
-             f"in {time.perf_counter() - start:.1f} s (open a head's drill-down to see them).</p>")
+    page.add(f'<p class="note">{what} of the {heads} most harmful head{"s" if heads != 1 else ""} on the examples '
+             f"their removal harms most, in {time.perf_counter() - start:.1f} s (open a head's drill-down to see "
+             "them).</p>")
     return attention_extras(patterns, losses)
 
 
