@@ -38,7 +38,15 @@ from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
 from headsweep.workers.families.hf_causal_lm.lm_eval_requests import TokenRow
 from headsweep.workers.families.hf_causal_lm.model import activation_bytes_per_row, row_sums
-from headsweep.workers.memory.replay import ReuseUnsupported
+from headsweep.workers.families.hf_causal_lm.reuse import DecoderLayout, decoder_layout
+from headsweep.workers.families.hf_shared.reuse import start_at_layer
+from headsweep.workers.memory.replay import (
+    RecordedBaselines,
+    ReuseUnsupported,
+    by_first_gated_layer,
+    first_gated_layer,
+    replaced_forwards,
+)
 
 CONTEXT_NOTE = ("context cache (sweep.context_cache): each question's context runs once per mask and its choices "
                 "continue from the context's key/value cache; equal to the plain path within float32 rounding, "
@@ -53,20 +61,17 @@ def split_row(row: TokenRow) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 @dataclass
 class ContextBatch:
-    """Some questions' contexts and the rows that continue from them, on the device.
+    """Some questions' contexts, all of one length, and the rows that continue from them, on the device.
 
     ``rows[r]`` is the adapter's row r of this batch (the order of every per-row output), ``group[r]`` its
     context; ``targets`` are right-aligned as in :class:`~.lm_eval_adapter.RowBatch` (row r's last
     ``lengths[r]`` columns)."""
 
+    key: int  # its position in the adapter's context batches (what the kept states are keyed on)
     rows: torch.Tensor  # (R,) the adapter's row indices (CPU)
-    context_ids: torch.Tensor  # (G, Wc) left-padded
-    context_mask: torch.Tensor | None  # (G, Wc); None where no context is padded
-    context_positions: torch.Tensor  # (G, Wc)
-    context_lengths: torch.Tensor  # (G,)
+    context_ids: torch.Tensor  # (G, Wc): no padding
     group: torch.Tensor  # (R,) each row's context
     continuation_ids: torch.Tensor  # (R, Wk) right-padded; Wk = the longest continuation (0: every choice 1 token)
-    continuation_mask: torch.Tensor  # (R, Wk)
     targets: torch.Tensor  # (R, K), K = Wk + 1
     lengths: list[int]
 
@@ -81,45 +86,36 @@ class ContextBatch:
 
 def context_batches(rows: Sequence[TokenRow], which: Sequence[int], contexts_per_batch: int,
                     device: torch.device) -> list[ContextBatch]:
-    """The rows ``which`` grouped by context, contexts sorted by length (little padding), ``contexts_per_batch``
-    contexts a batch."""
+    """The rows ``which`` grouped by context, at most ``contexts_per_batch`` contexts a batch, and only contexts of
+    one length in a batch: the context pass then runs unpadded, with no attention mask, so the attention takes its
+    causal kernel (a padding mask costs it the fused path: about twice the attention's time on the CPU), and masks
+    packed into one pass give it its rows."""
     by_context: dict[tuple[int, ...], list[int]] = {}
     for i in which:
         by_context.setdefault(split_row(rows[i])[0], []).append(i)
-    ordered = sorted(by_context.items(), key=lambda item: len(item[0]))
+    by_length: dict[int, list[tuple[tuple[int, ...], list[int]]]] = {}
+    for item in by_context.items():
+        by_length.setdefault(len(item[0]), []).append(item)
     per = max(1, contexts_per_batch)
-    return [_batch(rows, ordered[i : i + per], device) for i in range(0, len(ordered), per)]
+    parts = [same[i : i + per] for _, same in sorted(by_length.items()) for i in range(0, len(same), per)]
+    return [_batch(key, rows, part, device) for key, part in enumerate(parts)]
 
 
-def _batch(rows: Sequence[TokenRow], groups: list[tuple[tuple[int, ...], list[int]]],
+def _batch(key: int, rows: Sequence[TokenRow], groups: list[tuple[tuple[int, ...], list[int]]],
            device: torch.device) -> ContextBatch:
-    width = max(len(ctx) for ctx, _ in groups)
-    g = len(groups)
-    context_ids = torch.zeros(g, width, dtype=torch.long)
-    context_mask = torch.zeros(g, width, dtype=torch.long)
     members = [(n, i) for n, (_, which) in enumerate(groups) for i in which]
     rest = [split_row(rows[i])[1] for _, i in members]
     wk = max(len(r) for r in rest)
-    keep = wk + 1
     continuation_ids = torch.zeros(len(members), wk, dtype=torch.long)
-    continuation_mask = torch.zeros(len(members), wk, dtype=torch.long)
-    targets = torch.zeros(len(members), keep, dtype=torch.long)
-    for n, (ctx, _) in enumerate(groups):
-        context_ids[n, width - len(ctx):] = torch.tensor(ctx)
-        context_mask[n, width - len(ctx):] = 1
+    targets = torch.zeros(len(members), wk + 1, dtype=torch.long)
     for r, ((_, i), tokens) in enumerate(zip(members, rest, strict=True)):
+        # padding id 0 after a row's continuation: read by no real token of a causal model
         continuation_ids[r, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        continuation_mask[r, : len(tokens)] = 1
-        targets[r, keep - len(rows[i].targets):] = torch.tensor(rows[i].targets)
-    lengths = context_mask.sum(dim=1)
-    # generate's position ids for left padding: counted from each row's first real token (padding at 1, unread)
-    positions = (context_mask.cumsum(dim=1) - 1).clamp(min=0)
-    padded = bool((context_mask == 0).any())
+        targets[r, wk + 1 - len(rows[i].targets):] = torch.tensor(rows[i].targets)
     return ContextBatch(
-        rows=torch.tensor([i for _, i in members]), context_ids=context_ids.to(device),
-        context_mask=context_mask.to(device) if padded else None, context_positions=positions.to(device),
-        context_lengths=lengths.to(device), group=torch.tensor([n for n, _ in members], device=device),
-        continuation_ids=continuation_ids.to(device), continuation_mask=continuation_mask.to(device),
+        key=key, rows=torch.tensor([i for _, i in members]),
+        context_ids=torch.tensor([ctx for ctx, _ in groups]).to(device),
+        group=torch.tensor([n for n, _ in members], device=device), continuation_ids=continuation_ids.to(device),
         targets=targets.to(device), lengths=[len(rows[i].targets) for _, i in members])
 
 
@@ -127,38 +123,98 @@ def _repeat(t: torch.Tensor, k: int) -> torch.Tensor:
     return t if k == 1 else t.repeat(k, *([1] * (t.dim() - 1)))
 
 
-class ContextCache:
-    """The two passes of the module docstring over one :class:`ContextBatch` under a chunk of masks."""
+@dataclass
+class ContextStates:
+    """One context batch's unmasked pass: what a mask first gated at layer l starts from (the output of layer
+    l - 1, the keys and values of the layers below l) and the embeddings' output shape and dtype."""
 
-    def __init__(self, model: nn.Module, gates: HeadGates):
-        self.model, self.gates = model, gates
+    hidden: dict[int, torch.Tensor]  # output of layer i, for every i = site.layer - 1 >= 0
+    keys: list[torch.Tensor]  # per layer: (G, key/value heads, Wc, head dim)
+    values: list[torch.Tensor]
+    embedding_shape: tuple[int, ...] | None
+    embedding_dtype: torch.dtype | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.hidden.values(), *self.keys, *self.values])
+
+
+class ContextCache(RecordedBaselines[ContextStates]):
+    """The two passes of the module docstring over one :class:`ContextBatch` under a chunk of masks, each chunk's
+    context pass started at its masks' first gated layer (``layout`` given: :mod:`.reuse`'s decoder layouts)."""
+
+    def __init__(self, model: nn.Module, gates: HeadGates, layout: DecoderLayout | None, budget_bytes: int):
+        super().__init__(budget_bytes)
+        self.model, self.gates, self.layout = model, gates, layout
         self.verified = False
+
+    def groups(self, masks: Sequence[Sequence[Head]]) -> list[list[int]]:
+        """The positions of ``masks`` that may share a pass: one first gated layer each (all, without a layout)."""
+        if self.layout is None:
+            return [list(range(len(masks)))]
+        return list(by_first_gated_layer(masks, self.gates.inventory).values())
+
+    def record(self, batch: ContextBatch) -> ContextStates:
+        """The batch's contexts through the ungated model once: the layer outputs masks start from and every
+        layer's keys and values."""
+        lay = self.layout
+        assert lay is not None
+        keep = {s.layer - 1 for s in lay.sites if s.layer > 0}
+        hidden: dict[int, torch.Tensor] = {}
+        embedded: list = []
+        handles = [lay.layers[i].register_forward_hook(
+            lambda _m, _a, out, i=i: hidden.__setitem__(i, out)) for i in keep]
+        if lay.embeddings is not None:
+            handles.append(lay.embeddings.register_forward_hook(
+                lambda _m, _a, out: embedded.append((tuple(out.shape), out.dtype) if torch.is_tensor(out) else None)))
+        self.gates.clear()
+        try:
+            cache = self.model(input_ids=batch.context_ids, use_cache=True, logits_to_keep=1).past_key_values
+        finally:
+            for h in handles:
+                h.remove()
+        if any(not torch.is_tensor(out) for out in hidden.values()):
+            raise ReuseUnsupported("a decoder layer does not return one tensor")
+        layers = [cache.layers[i] for i in range(len(lay.layers))]
+        shape, dtype = embedded[0] if len(embedded) == 1 and embedded[0] is not None else (None, None)
+        return ContextStates(hidden, [layer.keys for layer in layers], [layer.values for layer in layers],
+                             shape, dtype)
+
+    def _contexts(self, batch: ContextBatch, masks: Sequence[Sequence[Head]]):
+        """The context pass of ``masks`` (one first gated layer): (logits of the last position, key/value cache)."""
+        k = len(masks)
+        layer = first_gated_layer(masks[0]) if self.layout is not None else None
+        if not layer:  # the empty mask, layer 0, or no layout: the whole model
+            with self.gates.packed(masks, batch.contexts):
+                out = self.model(input_ids=_repeat(batch.context_ids, k), use_cache=True, logits_to_keep=1)
+            return out.logits, out.past_key_values
+        lay = self.layout
+        states = self.states(batch.key, batch)
+        replacements = start_at_layer(lay.layers, layer, states.hidden, k, lay.embeddings, states.embedding_shape,
+                                      states.embedding_dtype)
+        with replaced_forwards(replacements), self.gates.packed(masks, batch.contexts):
+            out = self.model(input_ids=_repeat(batch.context_ids, k), use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        for i in range(layer):  # the layers below the first gated one never ran: the unmasked keys and values
+            cache.update(_repeat(states.keys[i], k), _repeat(states.values[i], k), i)
+        return out.logits, cache
 
     def logprobs(self, batch: ContextBatch, masks: Sequence[Sequence[Head]]) -> torch.Tensor:
         """Per row of the batch repeated once per mask (mask-major): the log-probabilities of its targets (K,
         right-aligned, in the logits' dtype) and whether each is the argmax (K, as 0/1), side by side: (k*R, 2K),
         the layout of the plain path's ``packed_pass``."""
         k, g, r = len(masks), batch.contexts, int(batch.rows.numel())
-        mask = None if batch.context_mask is None else _repeat(batch.context_mask, k)
-        with self.gates.packed(masks, g):
-            out = self.model(input_ids=_repeat(batch.context_ids, k), attention_mask=mask,
-                             position_ids=_repeat(batch.context_positions, k), use_cache=True, logits_to_keep=1)
+        context_logits, cache = self._contexts(batch, masks)
         # row r of mask m reads context m * G + group[r]
         select = (torch.arange(k, device=batch.group.device).unsqueeze(1) * g + batch.group.unsqueeze(0)).reshape(-1)
-        first = out.logits[:, -1][select].unsqueeze(1)  # (k*R, 1, V): predicts each row's first target
+        first = context_logits[:, -1][select].unsqueeze(1)  # (k*R, 1, V): predicts each row's first target
         wk = batch.continuation_ids.shape[1]
         if wk:
-            cache = out.past_key_values
             cache.batch_select_indices(select)
-            context_mask = (torch.ones(g, batch.width, dtype=torch.long, device=select.device)
-                            if batch.context_mask is None else batch.context_mask)
-            attention = torch.cat([context_mask[batch.group], batch.continuation_mask], dim=1)
-            positions = (batch.context_lengths[batch.group].unsqueeze(1)
-                         + torch.arange(wk, device=select.device).unsqueeze(0))
+            positions = batch.width + torch.arange(wk, device=select.device).unsqueeze(0).expand(k * r, wk)
             with self.gates.packed(masks, r):
-                rest = self.model(input_ids=_repeat(batch.continuation_ids, k), attention_mask=_repeat(attention, k),
-                                  position_ids=_repeat(positions, k), past_key_values=cache,
-                                  use_cache=True).logits
+                rest = self.model(input_ids=_repeat(batch.continuation_ids, k), position_ids=positions,
+                                  past_key_values=cache, use_cache=True).logits
             logits = torch.cat([first, rest], dim=1)  # (k*R, K, V): position j predicts target j
         else:
             logits = first
@@ -172,15 +228,16 @@ class ContextCache:
         picked = torch.gather(logprobs, 2, targets.unsqueeze(-1)).squeeze(-1)
         return torch.cat([picked, greedy.to(picked.dtype)], dim=1)
 
-    def start(self, batch: ContextBatch, plain: Callable[[], np.ndarray], dtype: torch.dtype, depth: int,
-              width: int) -> Callable[[list[Sequence[Head]]], np.ndarray]:
-        """The batch's pass for the mask-grid loop: a chunk of masks -> per row, mask-major, (loglikelihood, greedy)
-        as HFLM sums them (:func:`~.model.row_sums`); shape (k*R, 2).
+    def start(self, batch: ContextBatch, plain: Callable[[Sequence[Head]], np.ndarray], dtype: torch.dtype,
+              depth: int, width: int) -> Callable[[list[Sequence[Head]]], np.ndarray]:
+        """The batch's pass for the mask-grid loop: a chunk of masks (one first gated layer) -> per row,
+        mask-major, (loglikelihood, greedy) as HFLM sums them (:func:`~.model.row_sums`); shape (k*R, 2).
 
-        Until a batch has been checked, its unmasked log-likelihoods are compared first with ``plain()`` (the plain
-        path's, one per row of the batch): within the float32 summation-order bound of tests/tolerances.py (6 x
-        ``depth`` x ``width`` x eps x the log-likelihood's size), else :class:`ReuseUnsupported` (a model that
-        ignores its cache or its position ids is whole nats off)."""
+        The first batch is checked against ``plain(mask)`` (the plain path's log-likelihoods of the batch's rows
+        under ``mask``), unmasked and, with a layout, under a head of the deepest layer (the pass started there):
+        within the float32 summation-order bound of tests/tolerances.py (6 x ``depth`` x ``width`` x eps x the
+        log-likelihood's size), else :class:`ReuseUnsupported` (a model that ignores its cache or its position ids
+        is whole nats off)."""
         lengths = batch.lengths
 
         def forward(chunk: list[Sequence[Head]]) -> np.ndarray:
@@ -189,16 +246,19 @@ class ContextCache:
             return np.stack(row_sums(values[:, :keep], values[:, keep:].bool(), lengths * len(chunk)), axis=1)
 
         if not self.verified:
-            self.gates.clear()
-            mine, theirs = forward([()])[:, 0], plain()
-            eps = torch.finfo(dtype).eps
-            far = np.abs(mine - theirs) > 6 * depth * width * eps * np.maximum(np.abs(theirs), 1.0) + eps
-            if bool(far.any()):
-                worst = int(np.argmax(np.abs(mine - theirs)))
-                raise ReuseUnsupported(
-                    f"continuing choices from the context's key/value cache gives log-likelihood {mine[worst]:.6g} "
-                    f"where the whole row gives {theirs[worst]:.6g}: beyond rounding (the model ignores its cache "
-                    "or position ids)")
+            site = self.gates.sites[-1]
+            checks: list[Sequence[Head]] = [()] + ([[Head(site.attention, site.layer, 0)]] if self.layout else [])
+            for mask in checks:
+                self.gates.clear()
+                mine, theirs = forward([mask])[:, 0], plain(mask)
+                eps = torch.finfo(dtype).eps
+                far = np.abs(mine - theirs) > 6 * depth * width * eps * np.maximum(np.abs(theirs), 1.0) + eps
+                if bool(far.any()):
+                    worst = int(np.argmax(np.abs(mine - theirs)))
+                    raise ReuseUnsupported(
+                        f"continuing choices from the context's key/value cache (mask {[str(h) for h in mask]}) gives "
+                        f"log-likelihood {mine[worst]:.6g} where the whole row gives {theirs[worst]:.6g}: beyond "
+                        "rounding (the model ignores its cache or position ids)")
             self.verified = True
         return forward
 
@@ -224,3 +284,13 @@ def context_width(config, batch: ContextBatch) -> int:
     and a continuation) where longer; what the rounding bound of :meth:`ContextCache.start` counts."""
     hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)
     return max(hidden, batch.width + int(batch.continuation_ids.shape[1]))
+
+
+def context_cache(model: nn.Module, gates: HeadGates, budget_bytes: int) -> ContextCache:
+    """The strategy for ``model``: with prefix reuse where its decoder layout allows it (:func:`.reuse.decoder_layout`),
+    else whole context passes."""
+    try:
+        layout = decoder_layout(model, gates.sites)
+    except ReuseUnsupported:
+        layout = None
+    return ContextCache(model, gates, layout, budget_bytes)

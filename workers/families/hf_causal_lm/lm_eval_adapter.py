@@ -44,6 +44,7 @@ from headsweep.workers.families.hf_causal_lm.context_cache import (
     ContextCache,
     bytes_per_mask,
     context_batches,
+    context_cache,
     context_width,
 )
 from headsweep.workers.families.hf_causal_lm.lm_eval_documents import document_inputs, document_references, gold_choice
@@ -170,7 +171,8 @@ class LmEvalAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
         if CausalLMRuntime.of(runtime).context_cache and self.output_type == "multiple_choice":
             self.context_grid = grid_batches(
                 context_batches(self.rows, range(len(self.rows)), runtime.batch_size, self.device), lambda b: b.rows)
-            self.start_reuse(runtime.reuse, lambda: ContextCache(self.model, self.gates), CONTEXT_NOTE)
+            self.start_reuse(runtime.reuse, lambda: context_cache(self.model, self.gates, cache_budget(self.device)),
+                             CONTEXT_NOTE)
         else:
             self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
                                                                 decoder_layout(self.model, self.gates.sites),
@@ -272,7 +274,7 @@ class LmEvalAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
 
         if isinstance(self._reuse, ContextCache):
             return self.reused_or_plain(
-                lambda: mask_grid(masks, self.context_grid, self._start_context, out,
+                lambda: mask_grid(masks, self.context_grid, self._start_context, out, groups=self._reuse.groups(masks),
                                   masks_per_forward=lambda batch: self._masks_per_context(batch.inputs)),
                 lambda: grid(self._start))
         return self.reused_or_plain(lambda: grid(self._start_reused, self._reuse.groups(masks)),
@@ -300,9 +302,9 @@ class LmEvalAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
     def _start_context(self, batch: GridBatch[ContextBatch]) -> Pass:
         """The context-cache path's pass (:meth:`.context_cache.ContextCache.start`), checked once against the plain
         path on the first batch."""
-        def plain() -> np.ndarray:
+        def plain(mask: Sequence[Head]) -> np.ndarray:
             rows = row_batch(self.rows, batch.inputs.rows.tolist(), self.device)
-            return self._sums(self.packed_pass(rows.input_ids, rows.packed), rows.packed)[:, 0]
+            return self._start(GridBatch(batch.key, rows, rows.rows))([mask])[:, 0]
 
         return self._reuse.start(batch.inputs, plain, self.model.dtype, len(self.gates.sites) + 1,
                                  context_width(self.model.config, batch.inputs))

@@ -44,6 +44,7 @@ from headsweep.workers.families.hf_causal_lm.context_cache import (
     ContextCache,
     bytes_per_mask,
     context_batches,
+    context_cache,
     context_width,
 )
 from headsweep.workers.families.hf_causal_lm.model import (
@@ -194,7 +195,8 @@ class MultipleChoiceAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
         if CausalLMRuntime.of(runtime).context_cache:
             self.context_grid = grid_batches(
                 context_batches(self.rows, range(len(self.rows)), runtime.batch_size, self.device), lambda b: b.rows)
-            self.start_reuse(runtime.reuse, lambda: ContextCache(self.model, self.gates), CONTEXT_NOTE)
+            self.start_reuse(runtime.reuse, lambda: context_cache(self.model, self.gates, cache_budget(self.device)),
+                             CONTEXT_NOTE)
         else:
             self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
                                                                 decoder_layout(self.model, self.gates.sites),
@@ -282,7 +284,8 @@ class MultipleChoiceAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
 
         if isinstance(self._reuse, ContextCache):
             return self.reused_or_plain(
-                lambda: mask_grid(masks, self.context_grid, self._context_pass, out, masks_per_forward=lambda b: (
+                lambda: mask_grid(masks, self.context_grid, self._context_pass, out, groups=self._reuse.groups(masks),
+                                  masks_per_forward=lambda b: (
                     budget_masks_per_forward(self.runtime.masks_per_batch, 1, bytes_per_mask(
                         self.model.config, self.model.dtype, b.inputs), self.device))),
                 lambda: grid(self._plain_pass))
@@ -292,9 +295,9 @@ class MultipleChoiceAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
     def _context_pass(self, batch: GridBatch[ContextBatch]):
         """The context-cache path's pass (:meth:`.context_cache.ContextCache.start`): per row, its continuation's
         log-likelihood summed as lm-eval sums it; checked once against :meth:`_plain_pass` on the first batch."""
-        def plain() -> np.ndarray:
+        def plain(mask: Sequence[Head]) -> np.ndarray:
             rows = row_batch(self.rows, batch.inputs.rows.tolist(), self.device)
-            return self._plain_pass(GridBatch(batch.key, rows, rows.rows))([()]).cpu().numpy()
+            return self._plain_pass(GridBatch(batch.key, rows, rows.rows))([mask]).cpu().numpy()
 
         forward = self._reuse.start(batch.inputs, plain, self.model.dtype, len(self.gates.sites) + 1,
                                     context_width(self.model.config, batch.inputs))
