@@ -246,6 +246,25 @@ def test_choices_from_the_context_cache_equal_the_plain_path_within_rounding(set
     assert 0 < np.abs(ours[..., 0] - theirs[..., 0]).max()  # not the plain path under another name
 
 
+def test_bfloat16_reuse_and_context_cache_within_the_bound(setup):
+    """In bfloat16 (16-bit storage, float32 sums): prefix reuse and the context cache against the plain path, every
+    single-head and all-but-one mask of a GQA model, within tests/tolerances.py's 16-bit bound."""
+    _, tasks, models = setup
+    cfg = data(tasks, ["tiny_mc"], num_fewshot=2)
+    model = CausalLMModel(path=str(models["llama_8q2kv"]), attn_implementation="sdpa", dtype="bfloat16")
+    runs = {name: LmEvalAdapter(model, cfg, CausalLMRuntime(batch_size=3, masks_per_batch=per, reuse=reuse,
+                                                            context_cache=cache))
+            for name, reuse, per, cache in (("plain", False, 1, False), ("prefix", True, 0, False),
+                                            ("context", True, 0, True))}
+    assert runs["context"].reuse_note.startswith("context cache") and runs["prefix"].reuse_note.startswith("prefix")
+    heads = list(runs["plain"].gates.inventory.heads)
+    masks = [[]] + [[h] for h in heads] + [[h for h in heads if h.layer == g.layer and h != g] for g in heads]
+    plain = runs["plain"].values(masks)[..., 0]
+    for name in ("prefix", "context"):  # summation order, 16-bit
+        assert_routes_agree(runs[name].values(masks)[..., 0], plain, depth=DEPTH, width=WIDTH, dtype=torch.bfloat16,
+                            what=name)
+
+
 def test_context_cache_is_refused_where_no_choices_share_a_context(setup, tmp_path):
     """A config asking for the context cache on another task is one line; a rolling lm-eval task runs the prefix
     path and says so."""

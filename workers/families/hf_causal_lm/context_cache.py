@@ -235,9 +235,8 @@ class ContextCache(RecordedBaselines[ContextStates]):
 
         The first batch is checked against ``plain(mask)`` (the plain path's log-likelihoods of the batch's rows
         under ``mask``), unmasked and, with a layout, under a head of the deepest layer (the pass started there):
-        within the float32 summation-order bound of tests/tolerances.py (6 x ``depth`` x ``width`` x eps x the
-        log-likelihood's size), else :class:`ReuseUnsupported` (a model that ignores its cache or its position ids
-        is whole nats off)."""
+        within :func:`rounding_bound`, else :class:`ReuseUnsupported` (a model that ignores its cache or its
+        position ids is whole nats off)."""
         lengths = batch.lengths
 
         def forward(chunk: list[Sequence[Head]]) -> np.ndarray:
@@ -251,8 +250,7 @@ class ContextCache(RecordedBaselines[ContextStates]):
             for mask in checks:
                 self.gates.clear()
                 mine, theirs = forward([mask])[:, 0], plain(mask)
-                eps = torch.finfo(dtype).eps
-                far = np.abs(mine - theirs) > 6 * depth * width * eps * np.maximum(np.abs(theirs), 1.0) + eps
+                far = np.abs(mine - theirs) > rounding_bound(theirs, dtype, depth, width)
                 if bool(far.any()):
                     worst = int(np.argmax(np.abs(mine - theirs)))
                     raise ReuseUnsupported(
@@ -261,6 +259,16 @@ class ContextCache(RecordedBaselines[ContextStates]):
                         "rounding (the model ignores its cache or position ids)")
             self.verified = True
         return forward
+
+
+def rounding_bound(reference: np.ndarray, dtype: torch.dtype, depth: int, width: int) -> np.ndarray:
+    """How far two summation orders may take each value of ``reference`` apart: the bound tests/tolerances.py
+    derives (Higham; for 16-bit models, products summed in float32 and rounded once): ``6 x depth x width x eps x
+    scale + eps``, or ``6 x depth x (2 eps + width x eps_float32) x scale + eps``, the scale a value's size (at
+    least 1)."""
+    info = torch.finfo(dtype)
+    per_layer = (2 * info.eps + width * torch.finfo(torch.float32).eps) if info.bits == 16 else width * info.eps
+    return 6 * depth * per_layer * np.maximum(np.abs(reference), 1.0) + info.eps
 
 
 def bytes_per_mask(config, dtype: torch.dtype, batch: ContextBatch) -> int:
