@@ -29,17 +29,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
+from headsweep.workers.core.mask_grid import GridBatch, Out, Pass, grid_batches, mask_grid
+from headsweep.workers.families.hf_causal_lm.config import CausalLMRuntime
 from headsweep.workers.families.hf_causal_lm.lm_eval_requests import TokenRow
 from headsweep.workers.families.hf_causal_lm.model import activation_bytes_per_row, row_sums
 from headsweep.workers.families.hf_causal_lm.reuse import DecoderLayout, decoder_layout
-from headsweep.workers.families.hf_shared.reuse import start_at_layer
+from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, start_at_layer
+from headsweep.workers.memory.batch_budget import cache_budget, masks_per_forward
 from headsweep.workers.memory.replay import (
     RecordedBaselines,
     ReuseUnsupported,
@@ -302,3 +307,41 @@ def context_cache(model: nn.Module, gates: HeadGates, budget_bytes: int) -> Cont
     except ReuseUnsupported:
         layout = None
     return ContextCache(model, gates, layout, budget_bytes)
+
+
+class ContextCacheSwitch(PrefixReuseSwitch):
+    """An adapter of multiple-choice rows (:class:`~.lm_eval_requests.TokenRow` s) that runs the context cache
+    when ``sweep.context_cache`` asks for it, else its prefix reuse (the adapter holds ``model``, ``gates``,
+    ``device`` and ``runtime``)."""
+
+    model: nn.Module
+    gates: HeadGates
+    device: torch.device
+    runtime: RuntimeOptions
+    context_grid: list[GridBatch[ContextBatch]]
+
+    def start_context_or_prefix(self, rows: Sequence[TokenRow], runtime: RuntimeOptions, applies: bool,
+                                prefix: Callable[[], Any], prefix_note: str) -> None:
+        """The context cache over ``rows`` where the run asks for it and it ``applies`` (rows share contexts),
+        else prefix reuse (``prefix()`` builds it; :meth:`start_reuse`)."""
+        self.context_grid = []
+        if applies and CausalLMRuntime.of(runtime).context_cache:
+            self.context_grid = grid_batches(context_batches(rows, range(len(rows)), runtime.batch_size, self.device),
+                                             lambda b: b.rows)
+            self.start_reuse(runtime.reuse, lambda: context_cache(self.model, self.gates, cache_budget(self.device)),
+                             CONTEXT_NOTE)
+        else:
+            self.start_reuse(runtime.reuse, prefix, prefix_note)
+
+    def reused_grid(self, masks: Sequence[Sequence[Head]], out: Out, start: Callable[[GridBatch[ContextBatch]], Pass],
+                    prefix: Callable[[], Out], plain: Callable[[], Out]) -> Out:
+        """Every mask's values in ``out``: through the context batches (``start`` their pass) while the context
+        cache runs, else ``prefix()`` while prefix reuse runs, else (or once either turns out not to fit the
+        model) ``plain()``."""
+        if not isinstance(self._reuse, ContextCache):
+            return self.reused_or_plain(prefix, plain)
+        cached: ContextCache = self._reuse
+        return self.reused_or_plain(lambda: mask_grid(
+            masks, self.context_grid, start, out, groups=cached.groups(masks), masks_per_forward=lambda batch: (
+                masks_per_forward(self.runtime.masks_per_batch, 1, bytes_per_mask(
+                    self.model.config, self.model.dtype, batch.inputs), self.device))), plain)

@@ -37,16 +37,8 @@ from headsweep.workers.core.mask_grid import GridBatch, Pass, grid_batches, mask
 from headsweep.workers.core.workload import median_batch, take_rows
 from headsweep.workers.data.data_report import Finding, report
 from headsweep.workers.data.example_subset import at_positions
-from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel, CausalLMRuntime
-from headsweep.workers.families.hf_causal_lm.context_cache import (
-    CONTEXT_NOTE,
-    ContextBatch,
-    ContextCache,
-    bytes_per_mask,
-    context_batches,
-    context_cache,
-    context_width,
-)
+from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+from headsweep.workers.families.hf_causal_lm.context_cache import ContextBatch, ContextCacheSwitch, context_width
 from headsweep.workers.families.hf_causal_lm.lm_eval_documents import document_inputs, document_references, gold_choice
 from headsweep.workers.families.hf_causal_lm.lm_eval_requests import EncodedTasks, TokenRow, encode_tasks
 from headsweep.workers.families.hf_causal_lm.lm_eval_scoring import DocumentScorer, choose_metric
@@ -59,7 +51,7 @@ from headsweep.workers.families.hf_causal_lm.model import (
     target_nll,
 )
 from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
-from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, repeat_rows
+from headsweep.workers.families.hf_shared.reuse import repeat_rows
 from headsweep.workers.hub.cache import model_label
 from headsweep.workers.memory.batch_budget import cache_budget
 from headsweep.workers.memory.batch_budget import masks_per_forward as budget_masks_per_forward
@@ -146,7 +138,7 @@ def _subset(tasks: list[TaskDocs], examples: tuple[int, ...] | None) -> list[Tas
     return out
 
 
-class LmEvalAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
+class LmEvalAdapter(GatedCausalLM, ContextCacheSwitch, BaselineOnce):
     """A gated causal LM with lm-evaluation-harness tasks (an ``EvalAdapter``)."""
 
     def __init__(self, model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
@@ -167,18 +159,12 @@ class LmEvalAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
         self.batches = self._batches(range(len(self.rows)), runtime.batch_size)
         self.grid = grid_batches(self.batches, lambda b: b.rows)
         self.dataset_name = data_cfg.name or "+".join(t.name for t in self.tasks)
-        self.context_grid: list[GridBatch[ContextBatch]] = []
-        if CausalLMRuntime.of(runtime).context_cache and self.output_type == "multiple_choice":
-            self.context_grid = grid_batches(
-                context_batches(self.rows, range(len(self.rows)), runtime.batch_size, self.device), lambda b: b.rows)
-            self.start_reuse(runtime.reuse, lambda: context_cache(self.model, self.gates, cache_budget(self.device)),
-                             CONTEXT_NOTE)
-        else:
-            self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
-                                                                decoder_layout(self.model, self.gates.sites),
-                                                                self.packed_pass, cache_budget(self.device)),
-                             "prefix: masks start at their first gated layer from cached baseline states (layer "
-                             "outputs and per-head contexts per batch of requests)")
+        self.start_context_or_prefix(
+            self.rows, runtime, self.output_type == "multiple_choice",
+            lambda: PrefixReuse(self.model, self.gates, decoder_layout(self.model, self.gates.sites),
+                                self.packed_pass, cache_budget(self.device)),
+            "prefix: masks start at their first gated layer from cached baseline states (layer outputs and per-head "
+            "contexts per batch of requests)")
         self.data_facts = {
             "task": "lm_eval", "lm_eval_tasks": [t.name for t in self.tasks],
             "output_type": self.output_type, "lm_eval_metric": self.metric_name,
@@ -272,13 +258,8 @@ class LmEvalAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
             return mask_grid(masks, self.grid, start, out, groups=groups,
                              masks_per_forward=lambda batch: self.masks_per_forward(batch.inputs))
 
-        if isinstance(self._reuse, ContextCache):
-            return self.reused_or_plain(
-                lambda: mask_grid(masks, self.context_grid, self._start_context, out, groups=self._reuse.groups(masks),
-                                  masks_per_forward=lambda batch: self._masks_per_context(batch.inputs)),
-                lambda: grid(self._start))
-        return self.reused_or_plain(lambda: grid(self._start_reused, self._reuse.groups(masks)),
-                                    lambda: grid(self._start))
+        return self.reused_grid(masks, out, self._start_context,
+                                lambda: grid(self._start_reused, self._reuse.groups(masks)), lambda: grid(self._start))
 
     def _start(self, batch: GridBatch[RowBatch]) -> Pass:
         """The plain path's packed forward pass: every mask runs the whole model; per row of the batch repeated once
@@ -308,11 +289,6 @@ class LmEvalAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
 
         return self._reuse.start(batch.inputs, plain, self.model.dtype, len(self.gates.sites) + 1,
                                  context_width(self.model.config, batch.inputs))
-
-    def _masks_per_context(self, batch: ContextBatch) -> int:
-        """``sweep.masks_per_batch``, or (0: automatic) as many copies of a context batch as the budget holds."""
-        return budget_masks_per_forward(self.runtime.masks_per_batch, 1,
-                                        bytes_per_mask(self.model.config, self.model.dtype, batch), self.device)
 
     @staticmethod
     def _sums(values: torch.Tensor, packed: torch.Tensor) -> np.ndarray:

@@ -37,16 +37,8 @@ from headsweep.workers.core.metrics import MC_ACCURACY, MC_ACCURACY_NORM, Metric
 from headsweep.workers.core.workload import median_batch, take_rows
 from headsweep.workers.data.data_report import Finding, merge, report, unknown_tokens
 from headsweep.workers.data.example_subset import at_positions
-from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel, CausalLMRuntime
-from headsweep.workers.families.hf_causal_lm.context_cache import (
-    CONTEXT_NOTE,
-    ContextBatch,
-    ContextCache,
-    bytes_per_mask,
-    context_batches,
-    context_cache,
-    context_width,
-)
+from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+from headsweep.workers.families.hf_causal_lm.context_cache import ContextBatch, ContextCacheSwitch, context_width
 from headsweep.workers.families.hf_causal_lm.model import (
     GatedCausalLM,
     activation_bytes_per_row,
@@ -62,7 +54,7 @@ from headsweep.workers.families.hf_causal_lm.questions import (
 )
 from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
 from headsweep.workers.families.hf_shared.loading import max_positions
-from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, repeat_rows
+from headsweep.workers.families.hf_shared.reuse import repeat_rows
 from headsweep.workers.families.hf_shared.tokenizer import count_unknown
 from headsweep.workers.hub.cache import model_label
 from headsweep.workers.memory.batch_budget import cache_budget
@@ -161,7 +153,7 @@ def row_batch(rows: Sequence[Row], which: Sequence[int], device: torch.device) -
                     targets.to(device), scored.to(device))
 
 
-class MultipleChoiceAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
+class MultipleChoiceAdapter(GatedCausalLM, ContextCacheSwitch, BaselineOnce):
     """A gated causal LM with a multiple-choice question set (an ``EvalAdapter``)."""
 
     def __init__(self, model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
@@ -191,18 +183,12 @@ class MultipleChoiceAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
         self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.model_name = model_label(model_cfg.path)
         self.dataset_name = data_cfg.name or Path(Path(data_cfg.path).name.removesuffix(".gz")).stem
-        self.context_grid: list[GridBatch[ContextBatch]] = []
-        if CausalLMRuntime.of(runtime).context_cache:
-            self.context_grid = grid_batches(
-                context_batches(self.rows, range(len(self.rows)), runtime.batch_size, self.device), lambda b: b.rows)
-            self.start_reuse(runtime.reuse, lambda: context_cache(self.model, self.gates, cache_budget(self.device)),
-                             CONTEXT_NOTE)
-        else:
-            self.start_reuse(runtime.reuse, lambda: PrefixReuse(self.model, self.gates,
-                                                                decoder_layout(self.model, self.gates.sites),
-                                                                self.packed_nll, cache_budget(self.device)),
-                             "prefix: masks start at their first gated layer from cached baseline states (layer "
-                             "outputs and per-head contexts per batch of choices)")
+        self.start_context_or_prefix(
+            self.rows, runtime, True,
+            lambda: PrefixReuse(self.model, self.gates, decoder_layout(self.model, self.gates.sites), self.packed_nll,
+                                cache_budget(self.device)),
+            "prefix: masks start at their first gated layer from cached baseline states (layer outputs and per-head "
+            "contexts per batch of choices)")
         ids = [f"q{i}" for i in range(len(questions))]
         counts: dict[str, int] = {}
         for q in questions:
@@ -282,15 +268,9 @@ class MultipleChoiceAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
             return mask_grid(masks, grid_batches(self.batches, lambda b: b.rows), start, out, groups=groups,
                              masks_per_forward=lambda b: self.masks_per_forward(b.inputs))
 
-        if isinstance(self._reuse, ContextCache):
-            return self.reused_or_plain(
-                lambda: mask_grid(masks, self.context_grid, self._context_pass, out, groups=self._reuse.groups(masks),
-                                  masks_per_forward=lambda b: (
-                    budget_masks_per_forward(self.runtime.masks_per_batch, 1, bytes_per_mask(
-                        self.model.config, self.model.dtype, b.inputs), self.device))),
-                lambda: grid(self._plain_pass))
-        return self.reused_or_plain(lambda: grid(self._reused_pass, self._reuse.groups(masks)),
-                                    lambda: grid(self._plain_pass))
+        return self.reused_grid(masks, out, self._context_pass,
+                                lambda: grid(self._reused_pass, self._reuse.groups(masks)),
+                                lambda: grid(self._plain_pass))
 
     def _context_pass(self, batch: GridBatch[ContextBatch]):
         """The context-cache path's pass (:meth:`.context_cache.ContextCache.start`): per row, its continuation's
