@@ -62,6 +62,16 @@ def tiny_bert_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def wide_bert_dir(tmp_path_factory) -> Path:
+    """The tiny BERT classifier with 4 layers of 4 heads: 33 evaluations for baseline, single-head and all-but-one.
+    Tests that stop a run after its first few rows use it with few examples: a long run in masks (what they
+    interrupt between) rather than in examples per mask (what an interrupt waits for)."""
+    from tiny_models import save_tiny_classifier
+
+    return save_tiny_classifier(tmp_path_factory.mktemp("models") / "wide-bert", layers=4)
+
+
+@pytest.fixture(scope="session")
 def tiny_dev_tsv(tmp_path_factory) -> Path:
     from headsweep.sweep.demo.sentiment import generate, write_tsv
 

@@ -102,11 +102,10 @@ def test_store_not_writable(tmp_path, tiny_bert_dir, tiny_dev_tsv):
     assert proc.returncode == 2 and "is not writable" in proc.stderr.strip().splitlines()[-1], proc.stderr
 
 
-def test_interrupted_run_is_marked_and_store_stays_valid(tmp_path, tiny_bert_dir, ray_address):
-    from headsweep.sweep.demo.sentiment import generate, write_tsv
-
-    data = write_tsv(generate(3000, seed=3), tmp_path / "big.tsv")
-    cfg = config_file(tmp_path, tiny_bert_dir, data,
+def test_interrupted_run_is_marked_and_store_stays_valid(tmp_path, wide_bert_dir, tiny_dev_tsv, ray_address):
+    # Ctrl-C after 3 rows of 33 (40 examples each): the run is long in masks, so that it is still going when the
+    # signal comes even on a fast machine, and short per mask, so that the interrupt waits little.
+    cfg = config_file(tmp_path, wide_bert_dir, tiny_dev_tsv,
                       sweep={"experiments": ["single_head", "all_but_one"], "batch_size": 8,
                              "masks_per_batch": 1, "flush_every": 1, "workers": 1})
     store = tmp_path / "store"
@@ -126,7 +125,8 @@ def test_interrupted_run_is_marked_and_store_stays_valid(tmp_path, tiny_bert_dir
     evals = reader.read("evaluations").column("eval_id").to_pylist()
     assert 3 <= len(evals) < run["n_planned"] and len(set(evals)) == len(evals)
     assert run["n_done"] == len(evals)
-    assert reader.read("examples").num_rows == 3000 * len(evals)
+    assert run["n_planned"] == 33  # baseline + 16 single-head + 16 all-but-one
+    assert reader.read("examples").num_rows == 40 * len(evals)
 
 
 @pytest.mark.parametrize("signum, code, by", [(signal.SIGINT, 130, ""), (signal.SIGTERM, 143, " (SIGTERM)")],
