@@ -9,22 +9,31 @@ The head holds no CPU, so every worker actor runs on a worker node and taking a 
 the driver's raylet with it. Node death is noticed within about a second (short GCS health checks), as a real
 lost node would be after ``health_check_failure_threshold`` missed beats.
 
-Protocol (one line each way): the child prints ``ADDRESS <gcs address>``, then answers ``remove <pid>`` (take
-away, without a graceful shutdown, the node whose raylet started process ``pid``) with ``REMOVED <node id>`` or
-``ERROR <why>``; end of input shuts the cluster down.
+With ``dashboard=True`` the head also serves Ray's job API (``headsweep submit`` and ``jobs`` talk to it), with
+token auth off and ``HOME`` in the cluster's scratch folder (design notes: a token in ``~/.ray`` would turn it on).
+``resources`` are custom resources every worker node gets (e.g. ``{"driver": 1}``: a job submitted with
+``entrypoint_resources`` runs its driver on a worker node, which can then be lost; the head cannot).
+
+Protocol (one line each way): the child prints ``ADDRESS <gcs address>`` (then, with a dashboard, ``DASHBOARD
+<job API url>`` once the job API answers), then answers ``remove <pid>`` (take away, without a graceful shutdown,
+the node whose raylet started process ``pid``) with ``REMOVED <node id>`` or ``ERROR <why>``; end of input shuts
+the cluster down.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 START_TIMEOUT_S = 180  # three nodes on a busy machine
@@ -63,7 +72,31 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def serve(worker_nodes: int, cpus: int) -> None:
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now (held open together, so that no two are the same)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def wait_for_job_api(url: str) -> None:
+    import requests
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(f"{url}/api/jobs/", timeout=2).ok:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"the job API at {url} did not answer within {START_TIMEOUT_S} s")
+
+
+def serve(worker_nodes: int, cpus: int, dashboard: bool = False, resources: dict | None = None) -> None:
     """Start the cluster, print its address, then take nodes away as asked on stdin."""
     import ray
     import ray._private.utils
@@ -77,12 +110,23 @@ def serve(worker_nodes: int, cpus: int) -> None:
     temp_dir = tempfile.mkdtemp(prefix="hs-cl-", dir="/tmp")
     fast_health = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                    "health_check_failure_threshold": 2}
-    cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir, "_system_config": fast_health})
+    head: dict = {"num_cpus": 0, "include_dashboard": dashboard, "temp_dir": temp_dir, "_system_config": fast_health}
+    if dashboard:
+        # Free ports: the agent's default (52365) may be taken by another Ray on this machine.
+        dashboard_port, agent_port = free_ports(2)
+        head.update(dashboard_host="127.0.0.1", dashboard_port=dashboard_port, dashboard_agent_listen_port=agent_port)
+    cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args=head)
     try:
-        nodes = [cluster.add_node(num_cpus=cpus) for _ in range(worker_nodes)]
+        # Each node its own temp dir, as each machine has its own disk: nodes sharing one unpack each job's
+        # uploaded working_dir into the same folder and remove it under one another's workers.
+        nodes = [cluster.add_node(num_cpus=cpus, resources=dict(resources or {}), temp_dir=f"{temp_dir}/n{i}")
+                 for i in range(worker_nodes)]
         cluster.wait_for_nodes()
         print(f"ADDRESS {cluster.address}", flush=True)
+        if dashboard:
+            url = f"http://127.0.0.1:{head['dashboard_port']}"
+            wait_for_job_api(url)
+            print(f"DASHBOARD {url}", flush=True)
         for line in sys.stdin:
             command, _, arg = line.strip().partition(" ")
             if command != "remove":
@@ -113,15 +157,26 @@ def serve(worker_nodes: int, cpus: int) -> None:
 class LocalCluster:
     """The child process's cluster, seen from the test: its address, and ``remove_node_of(pid)``."""
 
-    def __init__(self, worker_nodes: int = 2, cpus: int = 2):
+    def __init__(self, worker_nodes: int = 2, cpus: int = 2, dashboard: bool = False, resources: dict | None = None):
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker-nodes", str(worker_nodes), "--cpus", str(cpus)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-            start_new_session=True,
-        )
+        argv = [sys.executable, __file__, "--worker-nodes", str(worker_nodes), "--cpus", str(cpus),
+                "--resources", json.dumps(resources or {})]
+        self.home = None
+        if dashboard:
+            argv.append("--dashboard")
+            self.home = tempfile.mkdtemp(prefix="hs-cl-home-", dir="/tmp")
+            env.update(HOME=self.home, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+            # A job's driver runs in its uploaded folder, not here: the cluster's python finds headsweep on its
+            # path (this checkout), as a cluster image has it installed.
+            repo = str(Path(__file__).resolve().parent.parent)
+            env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
+        # The child's messages go to a file, shown when it fails to answer (a pipe nobody reads would fill).
+        self.errors = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors,
+                                     text=True, env=env, start_new_session=True)
         try:
             self.address = self._expect("ADDRESS", START_TIMEOUT_S)
+            self.dashboard = self._expect("DASHBOARD", START_TIMEOUT_S) if dashboard else None
         except BaseException:
             self.close()
             raise
@@ -130,11 +185,18 @@ class LocalCluster:
         """The rest of the child's next line, which must start with ``word``; an error after ``timeout`` s."""
         # One line per command, read whole: nothing stays in the reader's buffer for select to miss.
         if not select.select([self.proc.stdout], [], [], timeout)[0]:
-            raise RuntimeError(f"local cluster: no {word} line within {timeout:g} s")
+            raise RuntimeError(f"local cluster: no {word} line within {timeout:g} s{self._said()}")
         line = self.proc.stdout.readline()
         if not line.startswith(word + " "):
-            raise RuntimeError(f"local cluster: expected {word}, got {line!r} (exit code {self.proc.poll()})")
+            raise RuntimeError(f"local cluster: expected {word}, got {line!r} (exit code {self.proc.poll()})"
+                               f"{self._said()}")
         return line.split(" ", 1)[1].strip()
+
+    def _said(self) -> str:
+        """The end of what the child wrote to stderr, for an error message."""
+        self.errors.seek(0)
+        tail = self.errors.read()[-3000:]
+        return f"; its stderr ends:\n{tail}" if tail.strip() else ""
 
     def remove_node_of(self, pid: int) -> str:
         """Take away the node holding process ``pid`` (a worker actor's); returns the node's id."""
@@ -152,6 +214,9 @@ class LocalCluster:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
+        if self.home is not None:
+            shutil.rmtree(self.home, ignore_errors=True)
+        self.errors.close()
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -164,8 +229,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker-nodes", type=int, default=2)
     parser.add_argument("--cpus", type=int, default=2, help="logical CPUs per worker node")
+    parser.add_argument("--resources", default="{}", help="custom resources of each worker node, as JSON")
+    parser.add_argument("--dashboard", action="store_true", help="serve Ray's job API on the head")
     args = parser.parse_args()
-    serve(args.worker_nodes, args.cpus)
+    serve(args.worker_nodes, args.cpus, args.dashboard, json.loads(args.resources))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,13 @@ relative path is refused: on the cluster it would land in the job's temporary wo
 vanish with it. With ``store=None`` the job uses the cluster's ``$HEADSWEEP_STORE`` and fails at once,
 with a message in its logs, when the cluster does not set it.
 
+Where the driver runs. Ray's job supervisor, and the driver it starts as a child process, run on the head node
+unless the job asks for resources (``entrypoint_num_cpus``, ``entrypoint_resources``); then Ray may place them on
+any node that has those, and a lost node can take the driver with it. Ray then marks the job FAILED ("Job
+supervisor actor died"); ``status_detail`` says so in headsweep's words, and submitting the same config again
+continues the run from the store: the new driver finds the run's row still ``running`` and its Ray job ended on
+the cluster (``sweep/run/runs.py``), so it resumes the run without waiting for the heartbeat to go stale.
+
 Addresses are the dashboard's job API, ``http://HEAD:8265`` (``kubectl port-forward`` to the head
 service on Kubernetes). Every call first probes the address with a bounded timeout, so an address
 that does not answer fails in seconds with one line instead of hanging. Clusters with token
@@ -219,6 +226,8 @@ def submit(
     wait: bool = False,
     *,
     python: str = "python",
+    entrypoint_num_cpus: float | None = None,
+    entrypoint_resources: dict[str, float] | None = None,
 ) -> str:
     """Submit ``headsweep run CONFIG [overrides] --store STORE [--workers N]`` as a Ray job.
 
@@ -233,6 +242,8 @@ def submit(
             taken by the uploaded config.
         wait: block until the job ends; a job that does not succeed raises ``HeadsweepError``.
         python: the interpreter on the cluster that has headsweep installed.
+        entrypoint_num_cpus: CPUs the driver holds; with ``entrypoint_resources`` (custom resources, e.g.
+            ``{"driver": 1}``), lets Ray run the driver on a node that has them instead of the head.
 
     Returns:
         The Ray job (submission) id.
@@ -242,6 +253,11 @@ def submit(
     _check_store(store)
     if workers is not None and workers < 1:
         raise HeadsweepError(f"--workers must be at least 1, got {workers}")
+    if entrypoint_num_cpus is not None and not entrypoint_num_cpus >= 0:
+        raise HeadsweepError(f"--entrypoint-num-cpus must be >= 0, got {entrypoint_num_cpus}")
+    for name, amount in (entrypoint_resources or {}).items():
+        if not isinstance(amount, (int, float)) or isinstance(amount, bool) or not amount >= 0:
+            raise HeadsweepError(f"--entrypoint-resources: resource {name!r} must be a number >= 0, got {amount!r}")
     overrides = list(overrides)
     # Validate here so that a typo fails now, not minutes later in the job's logs.
     load_config(config_path, overrides + ([f"sweep.workers={workers}"] if workers is not None else []))
@@ -256,7 +272,9 @@ def submit(
         entrypoint = build_entrypoint(config_rel, overrides, store, workers, python)
         metadata = {"headsweep_config": Path(config_path).name, "headsweep_store": store or "$HEADSWEEP_STORE"}
         with _api_errors(url):
-            job_id = client.submit_job(entrypoint=entrypoint, runtime_env=env, metadata=metadata)
+            job_id = client.submit_job(entrypoint=entrypoint, runtime_env=env, metadata=metadata,
+                                       entrypoint_num_cpus=entrypoint_num_cpus,
+                                       entrypoint_resources=entrypoint_resources or None)
     if wait:
         _follow(client, url, job_id, None)
     return job_id
@@ -298,6 +316,32 @@ def status(address: str, job_id: str) -> str:
     with _api_errors(url, job_id):
         st = client.get_job_status(job_id)
     return str(getattr(st, "value", st))
+
+
+# Ray's error types (JobErrorType) for a job whose driver went away with its supervisor: the node that ran it was
+# lost, or the supervisor's process died.
+DRIVER_LOST = ("JOB_SUPERVISOR_ACTOR_DIED", "JOB_SUPERVISOR_ACTOR_UNKNOWN_FAILURE")
+
+
+def status_detail(address: str, job_id: str) -> tuple[str, str | None]:
+    """The job's status and, for a job that ended otherwise than SUCCEEDED, one line saying why (None when Ray
+    gives no reason): a driver lost with its node is named as such, with how to continue the run."""
+    client, url = _client(address)
+    with _api_errors(url, job_id):
+        info = client.get_job_info(job_id)
+    st = str(getattr(info.status, "value", info.status))
+    return st, _why(st, info)
+
+
+def _why(st: str, info: Any) -> str | None:
+    if st not in ("FAILED", "STOPPED"):
+        return None
+    message = " ".join((info.message or "").split())
+    kind = str(getattr(info.error_type, "value", info.error_type) or "")
+    if kind in DRIVER_LOST or message.startswith("Job supervisor actor died"):
+        return (f"the job's driver was lost with the process or node that ran it (Ray: {message[:300]}); submit "
+                "the same config again to continue the run from the store")
+    return message[:500] or None
 
 
 def logs(address: str, job_id: str) -> str:

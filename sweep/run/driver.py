@@ -225,6 +225,8 @@ class Sweep:
         created_at = now()
         if previous is not None:
             self.run_id, created_at = previous["run_id"], previous["created_at"]
+            if previous.get("driver_gone"):  # a run whose row says running: its driver died without a word
+                log(f"run {self.run_id} was left running by a driver that is gone ({previous['driver_gone']})")
             self.done = stored_results(self.store, self.run_id, info)
             self.screened = Screening.stored(self.store, self.run_id)
             log(f"resuming run {self.run_id}: {len(self.done)} evaluations already stored")

@@ -66,17 +66,57 @@ def run_driver(facts: str | None) -> str:
     return str(json.loads(facts or "{}").get("driver", ""))
 
 
-def driver_alive(driver: str, heartbeat_age_s: float) -> bool:
+def driver_alive(driver: str, heartbeat_age_s: float, ray_job_alive: bool | None = None) -> bool:
     """Whether the driver of a ``running`` run may still be writing it.
 
-    On this host its process is checked directly. A driver on another host (and any driver, seen by a reader of a
-    store on S3) counts as alive while its heartbeat (the row's ``updated_at``, rewritten every ``HEARTBEAT_S``
-    whatever the run is doing) is younger than ``STALE_AFTER_S``.
+    ``ray_job_alive`` is what the Ray cluster this process is connected to knows of that driver
+    (:func:`ray_job_alive`; None: nothing). A Ray job the cluster has ended is a driver gone (its process exited,
+    or its node was lost). On this host its process is checked directly. Elsewhere a Ray job the cluster has alive
+    is a driver alive; and a driver the cluster does not know (and any driver, seen by a reader of a store on S3)
+    counts as alive while its heartbeat (the row's ``updated_at``, rewritten every ``HEARTBEAT_S`` whatever the run
+    is doing) is younger than ``STALE_AFTER_S``.
     """
+    if ray_job_alive is False:
+        return False
     pid = local_pid(driver)
     if pid is not None:
         return pid != os.getpid() and process_exists(pid)
+    if ray_job_alive:
+        return True
     return heartbeat_age_s < STALE_AFTER_S
+
+
+def ray_facts() -> dict[str, str]:
+    """This driver's Ray job and the node it is connected to, when it runs on Ray (written in the run's ``facts``):
+    how a later driver on the same cluster tells whether this one still lives (:func:`ray_job_alive`)."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    context = ray.get_runtime_context()
+    return {"ray_job": context.get_job_id(), "ray_node": context.get_node_id()}
+
+
+def ray_job_alive(facts: str | None) -> bool | None:
+    """Whether the driver whose run row holds ``facts`` still runs, as the Ray cluster this process is connected to
+    knows it: False once its Ray job has ended (Ray ends a driver's job when its process exits or its node is lost),
+    True while it runs, None when this process is on no Ray cluster or on another one than that driver was (job ids
+    repeat between clusters: the driver's node must be one this cluster knows, dead or alive)."""
+    import ray
+
+    named = json.loads(facts or "{}")
+    job, node = named.get("ray_job"), named.get("ray_node")
+    if not job or not node or not ray.is_initialized():
+        return None
+    try:
+        from ray._private import state  # the GCS's job table: Ray offers no public call for it without a dashboard
+
+        if not any(n.get("NodeID") == node for n in ray.nodes()):
+            return None
+        entry = next((j for j in state.jobs() if j.get("JobID") == job), None)
+    except Exception:  # noqa: BLE001 - an answer Ray could not give leaves the other rules to decide
+        return None
+    return None if entry is None else not entry.get("IsDead", False)
 
 
 def local_pid(driver: str) -> int | None:
@@ -85,19 +125,28 @@ def local_pid(driver: str) -> int | None:
     return int(pid) if host == socket.gethostname() and pid.isdigit() else None
 
 
-def refuse_if_live(run: dict) -> None:
+def refuse_if_live(run: dict) -> str | None:
     """Two drivers must never write one run: refuse a ``running`` run whose driver still lives
-    (:func:`driver_alive`)."""
+    (:func:`driver_alive`). Returns why a ``running`` run's driver is taken for gone (None: the run was not running).
+    """
     if run["status"] != RUNNING:
-        return
+        return None
     driver = run_driver(run["facts"])
     age = (now() - run["updated_at"]).total_seconds()
-    if driver_alive(driver, age):
+    on_ray = ray_job_alive(run["facts"])
+    if on_ray is False:
+        return f"its Ray job {json.loads(run['facts'])['ray_job']} has ended on this cluster"
+    if driver_alive(driver, age, on_ray):
+        why = (f"its Ray job {json.loads(run['facts'])['ray_job']} runs on this cluster" if on_ray else
+               f"last heartbeat {age:.0f} s ago; a driver on another host is taken for dead after "
+               f"{STALE_AFTER_S:.0f} s without one")
         raise HeadsweepError(
-            f"run {run['run_id']} of this config is still being written by the driver {driver} (last heartbeat "
-            f"{age:.0f} s ago; a driver on another host is taken for dead after {STALE_AFTER_S:.0f} s without one); "
+            f"run {run['run_id']} of this config is still being written by the driver {driver} ({why}); "
             "wait for it, stop it, or start a separate run with --new"
         )
+    if local_pid(driver) is not None:
+        return f"its process {driver} is not running"
+    return f"its driver {driver or '(not named)'} has written no heartbeat for {age:.0f} s"
 
 
 def resumable(store: ResultStore, cfg: Config, resume: str | None, auto_resume: bool) -> dict | None:
@@ -118,16 +167,16 @@ def resumable(store: ResultStore, cfg: Config, resume: str | None, auto_resume: 
                 f"--resume {resume}: that run was made with another config (hash {run['config_hash']}, "
                 f"this one {cfg.hash()}); results of different configs are never mixed: start a new run"
             )
-        refuse_if_live(run)
-        return run
+        gone = refuse_if_live(run)
+        return {**run, "driver_gone": gone} if gone else run
     if not auto_resume:
         return None
     unfinished = [r for r in runs if r["config_hash"] == cfg.hash() and r["status"] != COMPLETE]
     if not unfinished:
         return None
     newest = max(unfinished, key=lambda r: r["created_at"])
-    refuse_if_live(newest)
-    return newest
+    gone = refuse_if_live(newest)
+    return {**newest, "driver_gone": gone} if gone else newest
 
 
 def check_still_resumable(store: ResultStore, cfg: Config, resume: str | None, auto_resume: bool,
@@ -175,6 +224,7 @@ class RunRecord:
     baseline_score: float | None = None
     progress: dict = field(default_factory=dict)  # facts.progress: what `headsweep status` shows of a live run
     written: bool = False  # the row is in the store (a run stopped before its first row wrote nothing)
+    ray: dict = field(default_factory=ray_facts)  # facts.ray_job, ray_node: the driver's Ray job and node
     _last_beat: float = field(default_factory=time.monotonic)
     _ended: bool = False  # a row saying how the run ended is written: no heartbeat may say running again
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -195,7 +245,7 @@ class RunRecord:
             "n_examples": info.n_examples,
             "heads": json.dumps(info.inventory.to_json()),
             # progress is a live run's (ETA, pass left): a row that says how the run ended has none
-            "facts": json.dumps({**info.facts, "driver": driver_id(),
+            "facts": json.dumps({**info.facts, "driver": driver_id(), **self.ray,
                                  **({"progress": self.progress} if self.progress and status == RUNNING else {})},
                                 sort_keys=True, default=str),
             "code_version": code_version(),

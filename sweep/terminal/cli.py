@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--python", default="python", help="the Python interpreter on the cluster (default: python)")
     submit.add_argument("--runtime-env-json", help="extra Ray runtime_env as JSON (e.g. pip packages, env vars)")
     submit.add_argument("--wait", action="store_true", help="follow the job until it ends")
+    submit.add_argument("--entrypoint-num-cpus", type=float, default=None,
+                        help="CPUs the driver holds; with this or --entrypoint-resources Ray may run the driver on "
+                        "a worker node instead of the head")
+    submit.add_argument("--entrypoint-resources", default=None, metavar="JSON",
+                        help='custom resources the driver needs, as JSON (e.g. \'{"driver": 1}\')')
 
     jobs = sub.add_parser("jobs", help="follow submitted jobs: list, status, logs, stop, wait")
     jobs_sub = jobs.add_subparsers(dest="jobs_command", required=True)
@@ -249,7 +254,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
         env = json.loads(args.runtime_env_json) if args.runtime_env_json else None
     except json.JSONDecodeError as exc:
         raise HeadsweepError(f"--runtime-env-json is not valid JSON: {exc}") from None
-    job_id = jobs.submit(args.config, args.overrides, args.address, args.store, args.workers, env, python=args.python)
+    try:
+        resources = json.loads(args.entrypoint_resources) if args.entrypoint_resources else None
+    except json.JSONDecodeError as exc:
+        raise HeadsweepError(f"--entrypoint-resources is not valid JSON: {exc}") from None
+    if resources is not None and not isinstance(resources, dict):
+        raise HeadsweepError(f"--entrypoint-resources must be a JSON object of resource amounts, got {resources!r}")
+    job_id = jobs.submit(args.config, args.overrides, args.address, args.store, args.workers, env, python=args.python,
+                         entrypoint_num_cpus=args.entrypoint_num_cpus, entrypoint_resources=resources)
     console.out(job_id)
     if args.wait:
         jobs.follow(args.address, job_id)
@@ -264,7 +276,10 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if args.jobs_command == "list":
         console.out(jobs.format_jobs(jobs.list_jobs(args.address)))
     elif args.jobs_command == "status":
-        console.out(jobs.status(args.address, args.job_id))
+        state, why = jobs.status_detail(args.address, args.job_id)
+        console.out(state)  # the status word alone on its line, for scripts; why on the next
+        if why:
+            console.out(why)
     elif args.jobs_command == "logs":
         console.out(jobs.logs(args.address, args.job_id), end="")
     elif args.jobs_command == "stop":
