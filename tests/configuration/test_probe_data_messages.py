@@ -50,6 +50,8 @@ def driver_cases(tmp: Path, model_dir: Path) -> list[tuple[str, list[str], str]]
     shutil.copyfile(data, copy)
     comma = write_rows(ROWS, tmp / "dev.csv")
     cut = truncated_jsonl(tmp / "cut.jsonl")
+    ragged = tmp / "ragged.csv"
+    ragged.write_text("sentence,label\na fine film,1\n\ndull, long and loud,0\n")
     config = str(classifier_config(tmp, model_dir, {"path": str(data)}))
     last = len(ROWS)
     return [
@@ -59,6 +61,9 @@ def driver_cases(tmp: Path, model_dir: Path) -> list[tuple[str, list[str], str]]
         ("tsv on a comma-separated file", [config, f"data.path={comma}", "data.format=tsv"],
          f"data file {comma} is read as tsv (data.format) but its header line has no tab and looks comma-separated: "
          "set data.format=csv"),
+        ("a csv row with a field too many", [config, f"data.path={ragged}"],
+         f"cannot read data file {ragged} as csv: row 2 (line 4) has 3 field(s) where the header has 2 ('dull, long "
+         "and loud,0'); a value holding a comma must be in double quotes"),
         ("csv on a tab-separated file", [config, "data.format=csv"],
          f"data file {data} is read as csv (data.format) but its header line has no comma and looks tab-separated: "
          "set data.format=tsv"),
@@ -142,6 +147,30 @@ def test_rows_count_from_1_with_the_line_they_are_on(tmp_path):
     subset = at_positions(examples, [1])
     with pytest.raises(HeadsweepError, match=r"'awful' in row 2 \(line 3\)"):
         label_ids(subset.labels, {0: "negative", 1: "positive"}, str(jsonl), subset.row)
+
+
+@pytest.mark.parametrize(("name", "text", "line"), [
+    ("missing.csv", "sentence,label\ngood,1\n\n\nbad\nfine,1\n",
+     "row 2 (line 5) has 1 field(s) where the header has 2 ('bad'); each row needs one value per column of the "
+     "header, separated by a comma"),
+    ("quoted.csv", 'sentence,label\n"a film\nin two lines",1\ngood,0,1\n',
+     "row 2 (line 4) has 3 field(s) where the header has 2 ('good,0,1'); a value holding a comma must be in double "
+     "quotes"),
+    ("unclosed.csv", 'sentence,label\ngood,1\n"bad,0\nfine,1\n',
+     "row 2 (line 3) has 1 field(s) where the header has 2 ('\"bad,0'); a quote opened in it is never closed (a "
+     'literal quote inside a quoted value is written twice: "")'),
+    ("tab.tsv", "sentence\tlabel\ngood\t1\n\nbad\tworse\t0\n",
+     "row 2 (line 4) has 3 field(s) where the header has 2 ('bad\\tworse\\t0'); tsv has no quoting: a value "
+     "cannot hold a tab (or use data.format=csv with quoted values)"),
+])
+def test_a_malformed_row_is_named_by_its_row_and_line(tmp_path, name, text, line):
+    """pyarrow's own parse error names no line (and, read on several threads, no row): the refusal names the row
+    from 1 and the line an editor shows, past blank lines and quoted line breaks."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(HeadsweepError) as err:
+        read_examples(ClassifierData(path=str(path)))
+    assert str(err.value) == f"cannot read data file {path} as {name[-3:]}: {line}"
 
 
 def test_a_bad_line_inside_a_jsonl_file_is_not_called_truncated(tmp_path):

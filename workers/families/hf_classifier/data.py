@@ -111,10 +111,55 @@ def _read(path: Path, fmt: str, cfg: ClassifierData, columns: list[str], key: st
                                convert_options=as_text)
     except (pa.ArrowInvalid, OSError) as exc:
         _check_separator(path, fmt, text, cfg, key)
+        bad = _invalid_row(_utf8_source(data, text, cfg.encoding), options, as_text)
+        if bad is not None:
+            raise HeadsweepError(_invalid_row_message(path, fmt, text, bad)) from None
         raise HeadsweepError(f"cannot read data file {path} as {fmt}: {str(exc).splitlines()[0]}") from None
     if any(c not in table.column_names for c in columns):
         _check_separator(path, fmt, text, cfg, key)
     return _Read(table.column_names, table.num_rows, _columns(table, columns), _row_lines(text, fmt))
+
+
+def _invalid_row(source: pa.BufferReader, options: pacsv.ParseOptions,
+                 convert: pacsv.ConvertOptions) -> pacsv.InvalidRow | None:
+    """The first row pyarrow refuses for its number of fields, with its number (None: the error was another).
+
+    Read again on one thread: pyarrow numbers a refused row only then (a failed read's price, not every read's).
+    Its number counts records as it parses them: the header is 1, blank lines are skipped and a quoted value over
+    several lines is one record, as :func:`_row_lines` counts them.
+    """
+    found: list[pacsv.InvalidRow] = []
+
+    def keep(row: pacsv.InvalidRow) -> str:
+        found.append(row)
+        return "error"
+
+    parse = pacsv.ParseOptions(delimiter=options.delimiter, quote_char=options.quote_char, invalid_row_handler=keep)
+    try:
+        pacsv.read_csv(source, parse_options=parse, convert_options=convert,
+                       read_options=pacsv.ReadOptions(use_threads=False))
+    except (pa.ArrowInvalid, OSError):
+        pass
+    return found[0] if found and found[0].number is not None else None
+
+
+def _invalid_row_message(path: Path, fmt: str, text: str, bad: pacsv.InvalidRow) -> str:
+    """One line naming the refused row (from 1, with its line), its fields against the header's, and the cause a
+    user can fix."""
+    row = bad.number - 1  # pyarrow counts the header as record 1
+    lines = _row_lines(text, fmt)
+    where = place(row, lines[row - 1] if 0 < row <= len(lines) else None)
+    shown = bad.text.split("\n", 1)[0][:80]
+    if fmt == "csv" and bad.text.count('"') % 2:
+        why = "a quote opened in it is never closed (a literal quote inside a quoted value is written twice: \"\")"
+    elif bad.actual_columns < bad.expected_columns:
+        why = f"each row needs one value per column of the header, separated by a {SEPARATORS[fmt][1]}"
+    elif fmt == "csv":
+        why = "a value holding a comma must be in double quotes"
+    else:
+        why = "tsv has no quoting: a value cannot hold a tab (or use data.format=csv with quoted values)"
+    return (f"cannot read data file {path} as {fmt}: row {where} has {bad.actual_columns} field(s) where the header "
+            f"has {bad.expected_columns} ({shown!r}); {why}")
 
 
 def _columns(table: pa.Table, columns: list[str]) -> dict[str, list]:
