@@ -64,14 +64,15 @@ def check_status_of_a_killed_run(reader: ResultStore, killed: dict, stored: int)
 
 @pytest.mark.parametrize("signum, code, status", [(signal.SIGKILL, -signal.SIGKILL, "running"),
                                                   (signal.SIGTERM, 143, "interrupted")], ids=["SIGKILL", "SIGTERM"])
-def test_killed_or_stopped_then_rerun_computes_only_the_missing(tmp_path, tiny_bert_dir, ray_address, signum, code,
-                                                                status):
+def test_killed_or_stopped_then_rerun_computes_only_the_missing(tmp_path, wide_bert_dir, tiny_dev_tsv, ray_address,
+                                                                signum, code, status):
     """SIGKILL leaves the row running (status says stale); SIGTERM, a scheduler's stop, marks it interrupted as
     Ctrl-C does (exit 143, one line). Either way the same command resumes it."""
-    data = write_tsv(generate(1000, seed=3), tmp_path / "dev.tsv")
+    # Stopped after 4 rows of 33 (40 examples each): long in masks, so that the run is still going when the signal
+    # comes even on a fast machine; short per mask, so that the run and its resumption are quick.
     cfg = {
-        "model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)},
-        "data": {"path": str(data)},
+        "model": {"kind": "hf_classifier", "path": str(wide_bert_dir)},
+        "data": {"path": str(tiny_dev_tsv)},
         "sweep": {"experiments": ["baseline", "single_head", "all_but_one"], "batch_size": 8,
                   "masks_per_batch": 1, "flush_every": 1, "workers": 1},
     }
@@ -90,7 +91,7 @@ def test_killed_or_stopped_then_rerun_computes_only_the_missing(tmp_path, tiny_b
     [killed] = reader.read("runs").to_pylist()
     assert killed["status"] == status and killed["error"] is None  # SIGKILL: nobody could mark it, the driver died
     before = set(reader.read("evaluations").column("eval_id").to_pylist())
-    assert 4 <= len(before) < 17
+    assert 4 <= len(before) < 33
     if signum == signal.SIGKILL:
         check_status_of_a_killed_run(reader, killed, len(before))
     else:
@@ -108,12 +109,12 @@ def test_killed_or_stopped_then_rerun_computes_only_the_missing(tmp_path, tiny_b
     assert f"resuming run {killed['run_id']}: {len(before)} evaluations already stored" in rerun.stderr
     evals = reader.read("evaluations").to_pylist()
     ids = [e["eval_id"] for e in evals]
-    assert len(ids) == len(set(ids)) == 17  # baseline + 8 single-head + 8 all-but-one, each once
+    assert len(ids) == len(set(ids)) == 33  # baseline + 16 single-head + 16 all-but-one, each once
     new = {e["eval_id"] for e in evals if e["finished_at"] >= started}
     assert new == set(ids) - before
-    assert reader.read("examples").num_rows == 17 * 1000
+    assert reader.read("examples").num_rows == 33 * 40
     [run] = reader.read("runs").to_pylist()
-    assert run["status"] == "complete" and run["n_done"] == 17
+    assert run["status"] == "complete" and run["n_done"] == 33
     sig = reader.read("significance").to_pylist()
     assert sorted(s["eval_id"] for s in sig if s["test"] == "paired_ttest") == sorted(set(ids) - {"baseline"})
 
