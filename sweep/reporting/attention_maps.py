@@ -20,7 +20,7 @@ import duckdb
 import numpy as np
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.reporting.drill_scores import drill_scores, recomputes, run_fill
+from headsweep.sweep.reporting.drill_scores import drill_scores, recomputes, run_fill, token_scores
 from headsweep.sweep.reporting.example_changes import changes, fetch, one, top_changed
 
 MAX_HEADS = 8
@@ -123,13 +123,14 @@ def read_patterns(adapter: Any, kind: str, wanted: dict[int, list[tuple[str, int
 
 
 def run_patterns(con: duckdb.DuckDBPyConnection, run: dict, checkpoint: str | None, heads: list[str],
-                 per_head: int = EXAMPLES, losses: list[Any] | None = None) -> list[Pattern]:
+                 per_head: int = EXAMPLES, losses: list[Any] | None = None, scored: int = 0) -> list[Pattern]:
     """Attention patterns of ``heads`` of one model of a run on the ``per_head`` examples each one's removal harms
     most (from the store's per-example rows); raises :class:`AttentionUnavailable` when the model is gone. With
     ``losses``, what the drill-downs recompute on those examples under the run's fill is appended to it
     (:func:`~headsweep.sweep.reporting.drill_scores.drill_scores`: a causal LM window's token losses, a question's
-    choice scores), and a model whose examples the roles reader does not read (multiple-choice questions) gives
-    no patterns rather than an error."""
+    choice scores; a question's on the ``scored`` examples its removal changes most in either direction, what the
+    drill-down lists), and a model whose examples the roles reader does not read
+    (multiple-choice questions) gives no patterns rather than an error."""
     wanted_evals = {r[0]: r[1] for r in fetch(con,
         "SELECT attention || ':' || layer || ':' || head, eval_id FROM evaluations WHERE run_id = ? AND "
         "experiment = 'single_head' AND checkpoint IS NOT DISTINCT FROM ?", [run["run_id"], checkpoint])}
@@ -138,6 +139,7 @@ def run_patterns(con: duckdb.DuckDBPyConnection, run: dict, checkpoint: str | No
     if found is None or not evals:
         return []
     top = top_changed(found, per_head)
+    both = top_changed(found, scored) if losses is not None and scored > per_head else top
     positions = dict(fetch(con, "SELECT example_id, position FROM inputs WHERE run_id = ?", [run["run_id"]]))
     if not positions:  # before stored inputs: the baseline's rows are in example order
         base = fetch(con, "SELECT example_id FROM examples WHERE run_id = ? AND eval_id = (SELECT min(eval_id) FROM "
@@ -145,10 +147,14 @@ def run_patterns(con: duckdb.DuckDBPyConnection, run: dict, checkpoint: str | No
                           "FROM ?)", [run["run_id"], run["run_id"], checkpoint])
         positions = {e: i for i, (e,) in enumerate(base)}
     picks: list[tuple[str, str]] = []
+    score_picks: list[tuple[str, str]] = []
     for name in heads:
         worse, _ = top.get(wanted_evals.get(name, ""), ((), ()))
         picks += [(name, str(found.example_ids[i])) for i in worse]
-    used = sorted({positions[e] for _, e in picks if e in positions})
+        worse, better = both.get(wanted_evals.get(name, ""), ((), ()))
+        score_picks += [(name, str(found.example_ids[i])) for i in [*worse, *better]]
+    score_picks = list(dict.fromkeys(picks + score_picks))
+    used = sorted({positions[e] for _, e in score_picks if e in positions})
     if not used:
         return []
     config = run["config"]
@@ -171,7 +177,9 @@ def run_patterns(con: duckdb.DuckDBPyConnection, run: dict, checkpoint: str | No
     kind = json.loads(config)["model"]["kind"]
     if losses is None:
         return read_patterns(adapter, kind, wanted)
-    shown = [(n, e, row_of[positions[e]]) for n, e in picks if e in positions]
+    # a window's tokens whose loss rises: the examples a head harms; a question's choices: both directions
+    scored_picks = picks if token_scores(adapter) else score_picks
+    shown = [(n, e, row_of[positions[e]]) for n, e in scored_picks if e in positions]
     if recomputes(adapter):
         losses += drill_scores(adapter, run_fill(con, run, checkpoint), shown)
     from headsweep.workers.core.registry import model_family

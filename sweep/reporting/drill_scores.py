@@ -102,7 +102,7 @@ def run_fill(con: duckdb.DuckDBPyConnection, run: dict, checkpoint: str | None) 
 
 def recomputes(adapter: Any) -> bool:
     """Whether ``adapter`` has scores a drill-down recomputes (a causal LM's windows or multiple-choice questions)."""
-    return _token_adapter(adapter) or _choice_layout(adapter) is not None
+    return token_scores(adapter) or _choice_layout(adapter) is not None
 
 
 def drill_scores(adapter: Any, fill: RunFill, picks: list[tuple[str, str, int]]) -> list[Any]:
@@ -117,7 +117,8 @@ def drill_scores(adapter: Any, fill: RunFill, picks: list[tuple[str, str, int]])
     return token_losses(adapter, picks) + choice_scores(adapter, picks)
 
 
-def _token_adapter(adapter: Any) -> bool:
+def token_scores(adapter: Any) -> bool:
+    """Whether ``adapter``'s drill-down scores are a causal LM window's token losses (else a question's choices)."""
     return hasattr(adapter, "token_nll") and hasattr(adapter, "scored")
 
 
@@ -129,7 +130,7 @@ def token_losses(adapter: Any, picks: list[tuple[str, str, int]]) -> list[TokenL
 
     from headsweep.workers.core.heads import Head
 
-    if not _token_adapter(adapter):
+    if not token_scores(adapter):
         return []
     out = []
     rows = sorted({r for _, _, r in picks})

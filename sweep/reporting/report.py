@@ -28,7 +28,14 @@ from headsweep.results.store import ResultStore
 from headsweep.sweep.experiments import KINDS, register_stored_kinds
 from headsweep.sweep.reporting import figures, plots
 from headsweep.sweep.reporting.example_changes import fetch
-from headsweep.sweep.reporting.explorer import Explorer, attention_extras, drill_script, figure_scripts, plot_div
+from headsweep.sweep.reporting.explorer import (
+    TOP_EXAMPLES,
+    Explorer,
+    attention_extras,
+    drill_script,
+    figure_scripts,
+    plot_div,
+)
 from headsweep.sweep.reporting.page import (
     Page,
     ReportPart,
@@ -201,7 +208,7 @@ def _attention(page: Page, con: duckdb.DuckDBPyConnection, run: dict, checkpoint
     start = time.perf_counter()
     losses: list = []
     try:
-        patterns = run_patterns(con, run, checkpoint, shown, losses=losses)
+        patterns = run_patterns(con, run, checkpoint, shown, losses=losses, scored=TOP_EXAMPLES)
     except AttentionUnavailable as exc:
         logging.getLogger("headsweep").warning("%s", exc)
         page.add(f'<p class="note">{html.escape(str(exc))}</p>')

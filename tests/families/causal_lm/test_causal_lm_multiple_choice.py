@@ -444,7 +444,14 @@ def check_choice_scores(store, run_id, model, tokenizer, questions, golds) -> No
             "SELECT run_id, metric, config, ablation FROM runs WHERE run_id = ?", params=[run_id]).fetchall()[0],
             strict=True))
         losses: list = []
-        assert run_patterns(con, run, None, [worst], losses=losses) == []  # questions: no attention maps
+        # questions: no attention maps; the choices of the 5 questions it changes most in either direction
+        assert run_patterns(con, run, None, [worst], losses=losses, scored=5) == []
+        helped = {e for (e,) in con.sql(
+            "SELECT m.example_id FROM examples m JOIN evaluations e USING (run_id, eval_id) JOIN examples b ON "
+            "b.run_id = m.run_id AND b.example_id = m.example_id AND b.eval_id = (SELECT eval_id FROM evaluations "
+            "WHERE run_id = ? AND experiment = 'baseline') WHERE m.run_id = ? AND e.attention || ':' || e.layer || "
+            "':' || e.head = ? AND e.experiment = 'single_head' AND b.stats[1] < m.stats[1]",
+            params=[run_id, run_id, worst]).fetchall()}
         stored = {(experiment, example): (loss, output) for experiment, example, loss, output in con.sql(
             "SELECT e.experiment, x.example_id, x.loss, x.output FROM examples x JOIN evaluations e USING (run_id, "
             "eval_id) WHERE x.run_id = ? AND (e.experiment = 'baseline' OR e.attention || ':' || e.layer || ':' || "
@@ -453,6 +460,7 @@ def check_choice_scores(store, run_id, model, tokenizer, questions, golds) -> No
         con.close()
     scores = [t for t in losses if isinstance(t, ChoiceScores)]
     assert scores, "the worst head changes no answer: the run no longer tests the drill-down"
+    assert not helped or helped & {t.example_id for t in scores}  # the questions it turns right are shown too
     surgery = zeroed_output_columns(model, [Head.parse(worst)])
     for t in scores:
         q = int(t.example_id[1:])
