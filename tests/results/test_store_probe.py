@@ -119,16 +119,15 @@ def test_views_status_and_report_show_the_test_the_run_computed(sig_store, tmp_p
     assert f"8 heads evaluated, {n_significant} significant at adjusted p" in page
 
 
-def test_stopped_runs_keep_their_baseline(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):
-    from headsweep.sweep.demo.sentiment import generate, write_tsv
-
+def test_stopped_runs_keep_their_baseline(tmp_path, ray_address, tiny_bert_dir, wide_bert_dir, tiny_dev_tsv):
     store_dir = tmp_path / "store"
     store = ResultStore(str(store_dir))
     partial = run_id_of(run(tmp_path, "budget", config(tiny_bert_dir, tiny_dev_tsv, budget={"evaluations": 3}),
                             store_dir, ray_address))
-    # Ctrl-C once the baseline and one more evaluation are stored (a larger data set: the run lasts)
-    data = write_tsv(generate(1000, seed=3), tmp_path / "big.tsv")
-    cfg = config(tiny_bert_dir, data, batch_size=8, masks_per_batch=1, flush_every=1)
+    # Ctrl-C once the baseline and more evaluations are stored: 5 rows of 33 (40 examples each), a run long in
+    # masks, so that it is still going when the signal comes
+    cfg = config(wide_bert_dir, tiny_dev_tsv, batch_size=8, masks_per_batch=1, flush_every=1,
+                 experiments=["baseline", "single_head", "all_but_one"])
     (tmp_path / "long.yaml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.Popen([sys.executable, "-m", "headsweep", "run", str(tmp_path / "long.yaml"), "--store",
                              str(store_dir), "--address", ray_address, "--quiet"], cwd=REPO, stdout=subprocess.PIPE,
