@@ -69,15 +69,15 @@ def first_layer(mask: list[str]) -> int:
     return min(int(name.split(":")[1]) for name in mask)
 
 
-def cpu_matmul_rate(threads: int = 1) -> float:
-    """FLOP/s of ``torch.mm`` of two 2048 x 2048 float32 matrices on ``threads`` threads: the fastest single product
-    of those run in 2 s (on a shared machine other processes only ever slow a product down, so the fastest is the
-    closest to what the cores can do)."""
+def cpu_matmul_rate(threads: int = 1, n: int = 2048, seconds: float = 2.0) -> float:
+    """FLOP/s of ``torch.mm`` of two ``n`` x ``n`` float32 matrices on ``threads`` threads: the fastest single product
+    of those run in ``seconds`` (on a shared machine other processes only ever slow a product down, so the fastest is
+    the closest to what the cores can do)."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return matmul_rate("cpu", torch.float32, n=2048, seconds=2.0, fastest=True)[1]
+        return matmul_rate("cpu", torch.float32, n=n, seconds=seconds, fastest=True)[1]
     finally:
         torch.set_num_threads(before)

@@ -79,8 +79,8 @@ writes) and its per-module forward profile.
 
 Usage: python -m bench.real_size [--shape NAME] [--store DIR] [--smoke]
 ``--smoke``: the same four architectures shrunk (4 layers, heads of 8, vocabulary 2,048 or 4,096), 4 windows of 32
-tokens or 24 sentences, two heads per grid layer; seconds per shape, figures meaningless
-(tests/project/test_bench_smoke.py).
+tokens or 24 sentences, two heads per grid layer, R from 256 x 256 products; seconds per shape, figures meaningless
+(tests/project/test_bench_smoke_real_size.py).
 """
 
 from __future__ import annotations
@@ -147,6 +147,8 @@ class Sizes:
     repeats: int = 3
     profile_windows: int = 2  # windows per timed forward of the per-layer profile
     smoke_heads: int | None = None  # heads per grid layer in smoke mode
+    mm_n: int = 2048  # the matrix-product rate R's matrices
+    mm_seconds: float = 2.0  # and how long it is measured
 
 
 SIZES = Sizes()
@@ -157,8 +159,14 @@ def use_smoke() -> None:
     """Tiny shapes and data (seconds per shape)."""
     global SIZES, SPECS
     SIZES = Sizes(windows=4, window=32, lm_batch=4, sentences=24, max_length=32, efficiency_batches=(1,),
-                  efficiency_batches_classifier=(1,), warmup=0, repeats=1, profile_windows=2, smoke_heads=2)
+                  efficiency_batches_classifier=(1,), warmup=0, repeats=1, profile_windows=2, smoke_heads=2,
+                  mm_n=256, mm_seconds=0.0)  # R measured 10 times a run: 2 s or more each at full size
     SPECS = {name: replace(s, shape=tiny_shape(s.shape), grid_heads=2) for name, s in SPECS.items()}
+
+
+def mm_rate() -> float:
+    """R's measurement now (module docstring), at this run's sizes."""
+    return cpu_matmul_rate(n=SIZES.mm_n, seconds=SIZES.mm_seconds)
 
 
 def tiny_shape(shape: Shape) -> Shape:
@@ -609,7 +617,7 @@ def check_shape(spec: Spec, rates: list[float], store_root: Path, watch: WorkerW
     store = str(store_root / spec.name)
 
     reuse_run, plain_run = runs["reuse"], runs["plain"]
-    rates.append(cpu_matmul_rate())
+    rates.append(mm_rate())
     rate = max(rates)
     log(f"{spec.name}: mm rate {rates[-1] / 1e9:.1f} GFLOP/s after the sweeps; R = the best so far, {rate / 1e9:.1f}")
     evaluated = [m for m in plain_run.evaluations if m["experiment"] == "custom"]
@@ -742,9 +750,10 @@ def main() -> None:
     hf_logging.disable_progress_bar()  # save_pretrained's and from_pretrained's bars
     torch.set_num_threads(1)
     load = os.getloadavg()
-    rates = [cpu_matmul_rate()]
+    rates = [mm_rate()]
     log(f"real_size: torch {torch.__version__}, {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} "
-        f"{load[2]:.2f}; float32 torch.mm 2048 x 2048 on 1 thread (fastest product of 2 s): {rates[0] / 1e9:.1f} "
+        f"{load[2]:.2f}; float32 torch.mm {SIZES.mm_n} x {SIZES.mm_n} on 1 thread (fastest product of "
+        f"{SIZES.mm_seconds:g} s): {rates[0] / 1e9:.1f} "
         f"GFLOP/s (x 2 workers = {2 * rates[0] / 1e9:.1f})")
     names = [args.shape] if args.shape else list(SPECS)
     watch = WorkerWatch()
@@ -754,14 +763,14 @@ def main() -> None:
         root.mkdir(parents=True, exist_ok=True)
         for name in names:
             shape_start = time.perf_counter()
-            rates.append(cpu_matmul_rate())
+            rates.append(mm_rate())
             log(f"{name}: mm rate {rates[-1] / 1e9:.1f} GFLOP/s now; the best so far, {max(rates) / 1e9:.1f}, is R; "
                 f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
             check_shape(SPECS[name], rates, root, watch)
             log(f"{name}: {time.perf_counter() - shape_start:.0f} s in all")
     watch.stop()
     load = os.getloadavg()
-    log(f"real_size: {time.perf_counter() - start:.0f} s; mm rate now {cpu_matmul_rate() / 1e9:.1f} GFLOP/s; "
+    log(f"real_size: {time.perf_counter() - start:.0f} s; mm rate now {mm_rate() / 1e9:.1f} GFLOP/s; "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {datetime.now().isoformat(timespec='seconds')}")
 
 
