@@ -18,13 +18,16 @@ from headsweep.results.store import ResultStore
 from headsweep.sweep.demo.sentiment import generate, write_tsv
 
 N_UNITS = 17  # baseline + 8 single-head + 8 all-but-one of the tiny 2x4 BERT
+# Sentences per evaluation: after a kill at the third stored row, the rows left take worker-0 alone longer than Ray
+# takes to restart the killed worker (model loaded), so that the restart lands mid-run.
+SENTENCES = 2000
 
 
-def start_sweep(tmp_path, model_dir, ray_address, sections: dict | None = None,
+def start_sweep(tmp_path, model_dir, ray_address, sections: dict | None = None, sentences: int = SENTENCES,
                 **sweep) -> tuple[subprocess.Popen, list[str], list[str]]:
-    """Start `headsweep run` on 2000 sentences (slow enough to interrupt), with more config ``sections`` if given;
-    returns the process and its argv."""
-    data = write_tsv(generate(2000, seed=3), tmp_path / "dev.tsv")
+    """Start `headsweep run` on ``sentences`` sentences (slow enough to interrupt), with more config ``sections`` if
+    given; returns the process and its argv."""
+    data = write_tsv(generate(sentences, seed=3), tmp_path / "dev.tsv")
     cfg = {
         "model": {"kind": "hf_classifier", "path": str(model_dir)},
         "data": {"path": str(data)},
@@ -90,7 +93,7 @@ def test_killed_worker_is_restarted_and_its_masks_rerun(tmp_path, tiny_bert_dir,
     evals = store.read("evaluations").to_pylist()
     ids = [e["eval_id"] for e in evals]
     assert len(ids) == len(set(ids)) == N_UNITS
-    assert store.read("examples").num_rows == N_UNITS * 2000
+    assert store.read("examples").num_rows == N_UNITS * SENTENCES
     [run] = store.read("runs").to_pylist()
     assert run["status"] == "complete" and run["n_done"] == N_UNITS and run["run_id"] == out.strip()
 
@@ -120,7 +123,8 @@ def test_a_restarted_worker_gets_the_optimal_constants_back(tmp_path, tiny_bert_
 
 
 def test_retries_are_bounded_then_the_run_fails_naming_the_masks_and_resumes(tmp_path, tiny_bert_dir, ray_address):
-    proc, lines, argv = start_sweep(tmp_path, tiny_bert_dir, ray_address, workers=1, max_retries=0)
+    # No restart to wait for (max_retries 0): 600 sentences, the run still long enough to be killed after 3 rows of 17
+    proc, lines, argv = start_sweep(tmp_path, tiny_bert_dir, ray_address, sentences=600, workers=1, max_retries=0)
     pids = worker_pids(lines)
     store = ResultStore(str(tmp_path / "store"))
     wait_for_evaluations(store, 3)
