@@ -16,8 +16,8 @@ token auth off and ``HOME`` in the cluster's scratch folder (design notes: a tok
 
 Protocol (one line each way): the child prints ``ADDRESS <gcs address>`` (then, with a dashboard, ``DASHBOARD
 <job API url>`` once the job API answers), then answers ``remove <pid>`` (take away, without a graceful shutdown,
-the node whose raylet started process ``pid``) with ``REMOVED <node id>`` or ``ERROR <why>``; end of input shuts
-the cluster down.
+the node whose raylet started process ``pid``) with ``REMOVED <node id>`` or ``ERROR <why>``; end of input shuts the
+cluster down.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pathlib import Path
 
 START_TIMEOUT_S = 180  # three nodes on a busy machine
 REMOVE_TIMEOUT_S = 60
+JOB_API_TIMEOUT_S = 120  # within START_TIMEOUT_S: the child's error, with the dashboard's logs, reaches the test
 
 
 def parent(pid: int) -> int:
@@ -84,16 +85,19 @@ def free_ports(n: int) -> list[int]:
             sock.close()
 
 
-def wait_for_job_api(url: str) -> None:
+def wait_for_job_api(url: str, temp_dir: str) -> None:
+    """Until the head's job API answers; else an error ending with the dashboard's own log lines."""
     import requests
 
-    deadline = time.monotonic() + START_TIMEOUT_S
+    deadline = time.monotonic() + JOB_API_TIMEOUT_S
     while time.monotonic() < deadline:
         with contextlib.suppress(requests.RequestException):
             if requests.get(f"{url}/api/jobs/", timeout=2).ok:
                 return
         time.sleep(0.5)
-    raise RuntimeError(f"the job API at {url} did not answer within {START_TIMEOUT_S} s")
+    logs = sorted(Path(temp_dir).glob("session_latest/logs/dashboard*"))
+    tails = "".join(f"--- {log.name}\n{log.read_text(errors='replace')[-1500:]}" for log in logs)
+    raise RuntimeError(f"the job API at {url} did not answer within {JOB_API_TIMEOUT_S} s\n{tails}")
 
 
 def serve(worker_nodes: int, cpus: int, dashboard: bool = False, resources: dict | None = None) -> None:
@@ -113,7 +117,8 @@ def serve(worker_nodes: int, cpus: int, dashboard: bool = False, resources: dict
     head: dict = {"num_cpus": 0, "include_dashboard": dashboard, "temp_dir": temp_dir, "_system_config": fast_health}
     if dashboard:
         # Free ports: the agent's default (52365) may be taken by another Ray on this machine.
-        dashboard_port, agent_port = free_ports(2)
+        dashboard_port, agent_port, metrics_port = free_ports(3)
+        os.environ["DASHBOARD_METRIC_PORT"] = str(metrics_port)  # read by the dashboard process; default 44227
         head.update(dashboard_host="127.0.0.1", dashboard_port=dashboard_port, dashboard_agent_listen_port=agent_port)
     cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args=head)
     try:
@@ -125,7 +130,7 @@ def serve(worker_nodes: int, cpus: int, dashboard: bool = False, resources: dict
         print(f"ADDRESS {cluster.address}", flush=True)
         if dashboard:
             url = f"http://127.0.0.1:{head['dashboard_port']}"
-            wait_for_job_api(url)
+            wait_for_job_api(url, temp_dir)
             print(f"DASHBOARD {url}", flush=True)
         for line in sys.stdin:
             command, _, arg = line.strip().partition(" ")

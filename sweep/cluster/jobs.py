@@ -378,10 +378,13 @@ def _follow(client: Any, url: str, job_id: str, timeout_s: float | None) -> None
     final = _wait_for(client, url, job_id, timeout_s)
     if final == "SUCCEEDED":
         return
-    # The job's last line is the one that says why (`headsweep: error: ...`, a traceback's last line).
     with _api_errors(url, job_id):
-        tail = [line for line in client.get_job_logs(job_id).splitlines() if line.strip()]
-    detail = f": {tail[-1].strip()[:300]}" if tail else ""
+        why = _why(final, client.get_job_info(job_id))
+        # A lost driver printed no last line; else the job's last line is the one that says why (`headsweep: error:
+        # ...`, a traceback's last line).
+        lost = why is not None and why.startswith("the job's driver was lost")
+        tail = [] if lost else [line for line in client.get_job_logs(job_id).splitlines() if line.strip()]
+    detail = f": {why}" if lost else f": {tail[-1].strip()[:300]}" if tail else ""
     raise HeadsweepError(
         f"job {job_id} ended {final}{detail} (headsweep jobs logs {job_id} --address {url} shows its output)"
     )

@@ -24,7 +24,9 @@ import yaml
 from conftest import run_cli
 from local_cluster import LocalCluster
 
+from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
+from headsweep.sweep.cluster import jobs
 from headsweep.sweep.demo.sentiment import generate, write_tsv
 
 N_UNITS = 9  # baseline + 8 single heads of the tiny 2x4 BERT
@@ -53,6 +55,14 @@ def running_driver(store: ResultStore) -> tuple[str, int] | None:
     return run["run_id"], int(json.loads(run["facts"])["driver"].rpartition(":")[2])
 
 
+# Slow, and not reliable on this machine: in about half the runs under load a job's worker actor fails to start
+# with Ray's RuntimeEnvSetupError ("Failed to download runtime_env file package gcs://_ray_pkg_... from the GCS"),
+# the job's uploaded folder gone though its driver (on the same node) had just set it up, and none of the cluster's
+# runtime-env agents logs the attempt; not understood yet (neither a per-node temp dir nor a per-submission package
+# id helps). When the workers start it passes (once in full here, 78 s). The suite keeps the rule a resubmitted driver
+# follows (its Ray-job check, on the session's real Ray instance) in the test below, and submit, jobs status and
+# logs through the real job API in tests/cluster/test_jobs.py.
+@pytest.mark.slow
 def test_a_lost_driver_node_fails_the_job_in_one_line_and_the_same_submit_resumes(tmp_path, tiny_bert_dir):
     data = write_tsv(generate(N_EXAMPLES, seed=3), tmp_path / "dev.tsv")
     config = tmp_path / "sweep.yaml"
@@ -85,6 +95,9 @@ def test_a_lost_driver_node_fails_the_job_in_one_line_and_the_same_submit_resume
         assert why.startswith("the job's driver was lost with the process or node that ran it (Ray: Job supervisor "
                               "actor died"), why
         assert why.endswith("submit the same config again to continue the run from the store"), why
+        # What `submit --wait` (and `jobs wait` callers through follow) says of it: the same line, no log tail.
+        with pytest.raises(HeadsweepError, match=f"^job {job} ended FAILED: the job's driver was lost with the "):
+            jobs.follow(cluster.dashboard, job)
         [listed] = [line for line in cli("jobs", "list", "--address", cluster.dashboard).stdout.splitlines()
                     if line.startswith(job)]
         assert listed.split()[1] == "FAILED"
@@ -118,7 +131,6 @@ def test_a_driver_the_ray_cluster_has_ended_is_gone_and_one_it_runs_is_alive(ray
     another cluster, whose job ids say nothing here (the heartbeat decides)."""
     import ray
 
-    from headsweep.errors import HeadsweepError
     from headsweep.sweep.run.runs import STALE_AFTER_S, refuse_if_live
 
     exited = subprocess.run([sys.executable, "-c", (
@@ -147,7 +159,6 @@ def test_a_driver_the_ray_cluster_has_ended_is_gone_and_one_it_runs_is_alive(ray
 
 
 def _refused(run: dict) -> bool:
-    from headsweep.errors import HeadsweepError
     from headsweep.sweep.run.runs import refuse_if_live
 
     try:
