@@ -55,13 +55,14 @@ def running_driver(store: ResultStore) -> tuple[str, int] | None:
     return run["run_id"], int(json.loads(run["facts"])["driver"].rpartition(":")[2])
 
 
-# Slow, and not reliable on this machine: in about half the runs under load a job's worker actor fails to start
-# with Ray's RuntimeEnvSetupError ("Failed to download runtime_env file package gcs://_ray_pkg_... from the GCS"),
-# the job's uploaded folder gone though its driver (on the same node) had just set it up, and none of the cluster's
-# runtime-env agents logs the attempt; not understood yet (neither a per-node temp dir nor a per-submission package
-# id helps). When the workers start it passes (once in full here, 78 s). The suite keeps the rule a resubmitted driver
-# follows (its Ray-job check, on the session's real Ray instance) in the test below, and submit, jobs status and
-# logs through the real job API in tests/cluster/test_jobs.py.
+# Slow, and not reliable on this machine: a job's worker actor often fails to start with Ray's RuntimeEnvSetupError
+# ("Failed to download runtime_env file package gcs://_ray_pkg_... from the GCS"), though its driver had just set the
+# same uploaded folder up, and none of the cluster's runtime-env agents logs the attempt. In 8 runs here: passed in
+# full once (78 s); the first job's worker failed twice; in the last four runs everything up to the resubmission
+# held (jobs status's line, follow, list, `status` stale) and the resubmitted job's worker failed. Not understood
+# yet: a temp dir per node did not help, nor did a per-submission id in the uploaded folder. The suite keeps the rule
+# the resubmitted driver follows (its Ray-job check, on the session's real Ray instance) in the test below, and
+# submit, jobs status and logs through the real job API in tests/cluster/test_jobs.py.
 @pytest.mark.slow
 def test_a_lost_driver_node_fails_the_job_in_one_line_and_the_same_submit_resumes(tmp_path, tiny_bert_dir):
     data = write_tsv(generate(N_EXAMPLES, seed=3), tmp_path / "dev.tsv")
