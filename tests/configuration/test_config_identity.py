@@ -69,7 +69,7 @@ def test_every_case_is_pinned():
 
 # Keys added since the pins, at their defaults in every case: the stored config JSON gains them, and the rest of
 # it (and the hash, which leaves defaults out) must stay as pinned.
-ADDED = {"sweep": {"ablation": "zero", "memory_limit_gib": None}, "prune": {"uniform": None},
+ADDED = {"sweep": {"ablation": "zero", "memory_limit_gib": None, "context_cache": False}, "prune": {"uniform": None},
          "roles": {"sink_threshold": 0.5},
          "efficiency": {"stock": "auto", "prefill_batch_sizes": [1, 16], "decode_batch_sizes": [1],
                         "prompt_tokens": 128, "new_tokens": 32},
