@@ -37,7 +37,8 @@ another order than HFLM's batches, the context cache multiplies matrices of othe
 Prints ``RESULT lm_eval_grid vs_lm_eval_loop=<x> context_in_process=<x> reuse_over_plain=<x> reuse_over_bound=<x>
 equal=<true|false>``.
 
-Usage: python -m bench.lm_eval_grid [--questions N] [--layers L] [--hidden H] [--threads T] [--smoke]
+Usage: python -m bench.lm_eval_grid [--questions N] [--layers L] [--hidden H] [--heads Q] [--kv-heads K]
+[--threads T] [--smoke]
 """
 
 from __future__ import annotations
@@ -259,10 +260,12 @@ def main() -> None:
     parser.add_argument("--questions", type=int)
     parser.add_argument("--layers", type=int)
     parser.add_argument("--hidden", type=int)
+    parser.add_argument("--heads", type=int, help="query heads per layer")
+    parser.add_argument("--kv-heads", type=int, help="key/value heads per layer")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     common.enable_smoke(args)
-    for key in ("questions", "layers", "hidden"):
+    for key in ("questions", "layers", "hidden", "heads", "kv_heads"):
         if getattr(args, key):
             SIZES[key] = getattr(args, key)
     common.quiet_logging()
