@@ -5,13 +5,16 @@ A request row (:class:`~.lm_eval_requests.TokenRow`: ``inputs``, of which the la
 predict the ``targets``) splits into its **context**, ``inputs[:len(inputs) - c + 1]`` (up to and including the
 position that predicts the first target), and its **continuation**, the ``c - 1`` tokens after it. The rows of one
 question share the context token for token (lm-eval encodes the context once per choice, the same way), so per
-batch of contexts and per chunk of masks two forward passes run:
+batch of contexts (all of one length: no padding, so no attention mask and the attention's causal kernel) and per
+chunk of masks two forward passes run:
 
-1. the contexts, left-padded to one width (position ids counted from each context's first real token, as
-   ``generate`` counts them), the batch repeated once per mask, keeping the key/value cache and the logits of
-   the last position only (they predict every choice's first target);
-2. the continuations, right-padded, each row with its context's cache (the cache's rows selected per choice),
-   its position ids following its context, an attention mask hiding the context's padding.
+1. the contexts, the batch repeated once per mask, keeping the key/value cache and the logits of the last position
+   only (they predict every choice's first target). With a decoder layout prefix reuse knows
+   (:func:`.reuse.decoder_layout`), the pass starts at the chunk's first gated layer from the batch's unmasked
+   states kept once (:class:`ContextStates`: that layer's input, and the keys and values of the layers below it,
+   put into the cache afterwards), as prefix reuse starts a window's pass;
+2. the continuations, right-padded (the padding follows every real token, so a causal model never reads it), each
+   row with its context's cache (the cache's rows selected per choice) and its position ids following its context.
 
 Each row's log-likelihood and greedy match are then taken as ``HFLM._loglikelihood_tokens`` takes them
 (:func:`~.model.row_sums`). A 4-choice question with a context of n tokens and choices of m costs
@@ -19,10 +22,10 @@ Each row's log-likelihood and greedy match are then taken as ``HFLM._loglikeliho
 
 Not bit for bit: the continuation's matrix products have fewer rows than the whole row's (a few tokens against
 the context and the choice), and the CPU's kernels sum other blockings then; the log-likelihoods equal the plain
-path's within the float32 rounding bound (tests/tolerances.py), measured at a few 1e-5 nats on the benchmark's
-model. So it is off by default (``sweep.context_cache: false``): the plain and prefix-reuse paths give lm-eval's
-floats exactly. The first batch is checked against the plain path (:meth:`ContextCache.verify`); a model that
-ignores the cache or the position ids gives differences of whole nats, not rounding, and is refused.
+path's within the rounding bound (tests/tolerances.py), measured at a few 1e-5 nats on the benchmark's model. So
+it is off by default (``sweep.context_cache: false``): the plain and prefix-reuse paths give lm-eval's floats
+exactly. The first batch is checked against the plain path (:meth:`ContextCache.start`); a model that ignores the
+cache or the position ids gives differences of whole nats, not rounding, and the run falls back to the plain path.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from headsweep.workers.families.hf_causal_lm.config import CausalLMRuntime
 from headsweep.workers.families.hf_causal_lm.lm_eval_requests import TokenRow
 from headsweep.workers.families.hf_causal_lm.model import activation_bytes_per_row, row_sums
 from headsweep.workers.families.hf_causal_lm.reuse import DecoderLayout, decoder_layout
-from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, start_at_layer
+from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, repeat_rows, start_at_layer
 from headsweep.workers.memory.batch_budget import cache_budget, masks_per_forward
 from headsweep.workers.memory.replay import (
     RecordedBaselines,
@@ -124,10 +127,6 @@ def _batch(key: int, rows: Sequence[TokenRow], groups: list[tuple[tuple[int, ...
         targets=targets.to(device), lengths=[len(rows[i].targets) for _, i in members])
 
 
-def _repeat(t: torch.Tensor, k: int) -> torch.Tensor:
-    return t if k == 1 else t.repeat(k, *([1] * (t.dim() - 1)))
-
-
 @dataclass
 class ContextStates:
     """One context batch's unmasked pass: what a mask first gated at layer l starts from (the output of layer
@@ -191,17 +190,17 @@ class ContextCache(RecordedBaselines[ContextStates]):
         layer = first_gated_layer(masks[0]) if self.layout is not None else None
         if not layer:  # the empty mask, layer 0, or no layout: the whole model
             with self.gates.packed(masks, batch.contexts):
-                out = self.model(input_ids=_repeat(batch.context_ids, k), use_cache=True, logits_to_keep=1)
+                out = self.model(input_ids=repeat_rows(batch.context_ids, k), use_cache=True, logits_to_keep=1)
             return out.logits, out.past_key_values
         lay = self.layout
         states = self.states(batch.key, batch)
         replacements = start_at_layer(lay.layers, layer, states.hidden, k, lay.embeddings, states.embedding_shape,
                                       states.embedding_dtype)
         with replaced_forwards(replacements), self.gates.packed(masks, batch.contexts):
-            out = self.model(input_ids=_repeat(batch.context_ids, k), use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=repeat_rows(batch.context_ids, k), use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
         for i in range(layer):  # the layers below the first gated one never ran: the unmasked keys and values
-            cache.update(_repeat(states.keys[i], k), _repeat(states.values[i], k), i)
+            cache.update(repeat_rows(states.keys[i], k), repeat_rows(states.values[i], k), i)
         return out.logits, cache
 
     def logprobs(self, batch: ContextBatch, masks: Sequence[Sequence[Head]]) -> torch.Tensor:
@@ -218,7 +217,7 @@ class ContextCache(RecordedBaselines[ContextStates]):
             cache.batch_select_indices(select)
             positions = batch.width + torch.arange(wk, device=select.device).unsqueeze(0).expand(k * r, wk)
             with self.gates.packed(masks, r):
-                rest = self.model(input_ids=_repeat(batch.continuation_ids, k), position_ids=positions,
+                rest = self.model(input_ids=repeat_rows(batch.continuation_ids, k), position_ids=positions,
                                   past_key_values=cache, use_cache=True).logits
             logits = torch.cat([first, rest], dim=1)  # (k*R, K, V): position j predicts target j
         else:
@@ -228,7 +227,7 @@ class ContextCache(RecordedBaselines[ContextStates]):
         c = torch.tensor(batch.lengths, device=logits.device).repeat(k).unsqueeze(1)
         column = (torch.arange(keep, device=logits.device).unsqueeze(0) - (keep - c)).clamp(min=0)
         logprobs = torch.log_softmax(torch.take_along_dim(logits, column.unsqueeze(-1), dim=1), dim=-1)
-        targets = _repeat(batch.targets, k)
+        targets = repeat_rows(batch.targets, k)
         greedy = logprobs.argmax(dim=-1) == targets
         picked = torch.gather(logprobs, 2, targets.unsqueeze(-1)).squeeze(-1)
         return torch.cat([picked, greedy.to(picked.dtype)], dim=1)
