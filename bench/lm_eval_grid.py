@@ -1,15 +1,17 @@
-"""Benchmark: a single-head grid on an lm-eval multiple-choice task: headsweep (plain and prefix reuse) against the
-loop a user writes with lm-eval itself.
+"""Benchmark: a single-head grid on an lm-eval multiple-choice task: headsweep (plain, prefix reuse, the context cache,
+and the grid through ``headsweep run``) against the loop a user writes with lm-eval itself.
 
 The model: a Llama-style decoder with grouped-query attention and q/k/v biases (Qwen2's architecture), random
-weights (speed and equality do not need trained ones), of a shape far smaller than Qwen2.5-0.5B so that the three
-routes finish on a CPU (``--layers``, ``--hidden``, ``--heads``, ``--kv-heads``, ``--vocab``; stated in the output).
+weights (speed and equality do not need trained ones), of a shape far smaller than Qwen2.5-0.5B so that the routes
+finish on a CPU in about 20 minutes: 4 layers, width 256, 8 query heads of 32 dimensions on 2 key/value heads,
+vocabulary 1,000 (``--layers``, ``--hidden``, ``--heads``, ``--kv-heads``; stated in the output).
 The task: ``--questions`` questions (default 200) with 4 choices each, contexts of 100-300 words and choices of 1-4
 words over a word-level vocabulary (one token per word), written as a local lm-eval task (JSON documents, a task
 YAML: ``output_type: multiple_choice``, ``acc`` and ``acc_norm``).
 
 The grid: the baseline and every head of two layers (the first and the last: the two ends of what reuse can skip),
-one after another in this process on ``--threads`` threads (no Ray: start-up is not counted):
+one route after another on ``--threads`` threads (in this process, no Ray, start-up not counted, except the
+driver's route):
 
 * **lm-eval loop** (what a user would otherwise do): per mask a forward pre-hook on each masked head's ``o_proj``
   zeroing its slice of the input, then ``lm_eval.simple_evaluate(model=HFLM(pretrained=model, batch_size=B))``
@@ -53,7 +55,7 @@ from unittest import mock
 
 from bench import common
 
-SIZES = {"questions": 200, "context": (100, 300), "layers": 4, "hidden": 128, "heads": 4, "kv_heads": 2,
+SIZES = {"questions": 200, "context": (100, 300), "layers": 4, "hidden": 256, "heads": 8, "kv_heads": 2,
          "vocab": 1000, "batch_size": 16}
 
 
