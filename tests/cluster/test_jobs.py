@@ -13,7 +13,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import pytest
 import requests
 import yaml
 from conftest import run_cli
+from local_cluster import free_ports
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.query import run_query
@@ -32,18 +32,6 @@ from headsweep.sweep.cluster import jobs
 
 HEAD_START_TIMEOUT_S = 90
 JOB_TIMEOUT_S = 150
-
-
-def _free_ports(n: int) -> list[int]:
-    # Held open together so that the n ports are distinct.
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -91,7 +79,7 @@ def ray_head():
     scratch = Path(tempfile.mkdtemp(prefix="hs-head-", dir="/tmp"))
     home = scratch / "home"
     home.mkdir()
-    gcs, dashboard, client, agent_http, agent_grpc, metrics, runtime_env = _free_ports(7)
+    gcs, dashboard, client, agent_http, agent_grpc, metrics, runtime_env = free_ports(7)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "HEADSWEEP_STORE")}
     env.update(
         HOME=str(home),  # nothing read from or written to the real ~/.ray (auth tokens)
@@ -251,7 +239,7 @@ def test_bad_input_is_refused_before_anything_is_submitted(ray_head, job_config,
 
 
 def test_unreachable_address_fails_fast():
-    (port,) = _free_ports(1)  # nothing listens there
+    (port,) = free_ports(1)  # nothing listens there
     start = time.monotonic()
     for call in (lambda a: jobs.list_jobs(a), lambda a: jobs.status(a, "x"), lambda a: jobs.logs(a, "x")):
         with pytest.raises(HeadsweepError, match=rf"^cannot reach the Ray job API at http://127.0.0.1:{port}: "):
@@ -262,7 +250,7 @@ def test_unreachable_address_fails_fast():
 
 
 def test_unreachable_address_is_reported_before_upload(tmp_path, job_config):
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     with pytest.raises(HeadsweepError, match=r"^cannot reach the Ray job API at http://127.0.0.1:\d+: "):
         jobs.submit(str(job_config), [], f"http://127.0.0.1:{port}", str(tmp_path / "s"), 1)
 
