@@ -44,7 +44,7 @@ from headsweep.workers.core.heads import Head
 from headsweep.workers.core.mask_grid import GridBatch, Out, Pass, grid_batches, mask_grid
 from headsweep.workers.families.hf_causal_lm.config import CausalLMRuntime
 from headsweep.workers.families.hf_causal_lm.lm_eval_requests import TokenRow
-from headsweep.workers.families.hf_causal_lm.model import activation_bytes_per_row, row_sums
+from headsweep.workers.families.hf_causal_lm.model import activation_bytes_per_row, row_sums, target_logprobs
 from headsweep.workers.families.hf_causal_lm.reuse import DecoderLayout, decoder_layout
 from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, repeat_rows, start_at_layer
 from headsweep.workers.memory.batch_budget import cache_budget, masks_per_forward
@@ -226,11 +226,7 @@ class ContextCache(RecordedBaselines[ContextStates]):
         keep = logits.shape[1]
         c = torch.tensor(batch.lengths, device=logits.device).repeat(k).unsqueeze(1)
         column = (torch.arange(keep, device=logits.device).unsqueeze(0) - (keep - c)).clamp(min=0)
-        logprobs = torch.log_softmax(torch.take_along_dim(logits, column.unsqueeze(-1), dim=1), dim=-1)
-        targets = repeat_rows(batch.targets, k)
-        greedy = logprobs.argmax(dim=-1) == targets
-        picked = torch.gather(logprobs, 2, targets.unsqueeze(-1)).squeeze(-1)
-        return torch.cat([picked, greedy.to(picked.dtype)], dim=1)
+        return target_logprobs(logits, column, repeat_rows(batch.targets, k))
 
     def start(self, batch: ContextBatch, plain: Callable[[Sequence[Head]], np.ndarray], dtype: torch.dtype,
               depth: int, width: int) -> Callable[[list[Sequence[Head]]], np.ndarray]:

@@ -48,6 +48,7 @@ from headsweep.workers.families.hf_causal_lm.model import (
     activation_bytes_per_row,
     model_facts,
     row_sums,
+    target_logprobs,
     target_nll,
 )
 from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
@@ -304,11 +305,7 @@ class LmEvalAdapter(GatedCausalLM, ContextCacheSwitch, BaselineOnce):
         extra: dict[str, Any] = {} if mask is None else {"attention_mask": mask}
         # every position's logits, as HFLM computes them: the vocabulary projection of fewer positions (logits_to_keep)
         # multiplies matrices of another shape, which rounds differently
-        full = self.model(input_ids=input_ids, use_cache=False, **extra).logits
-        logprobs = torch.log_softmax(torch.take_along_dim(full, positions.unsqueeze(-1), dim=1), dim=-1)
-        greedy = logprobs.argmax(dim=-1) == targets
-        picked = torch.gather(logprobs, 2, targets.unsqueeze(-1)).squeeze(-1)
-        return torch.cat([picked, greedy.to(picked.dtype)], dim=1)
+        return target_logprobs(self.model(input_ids=input_ids, use_cache=False, **extra).logits, positions, targets)
 
     def _logits(self, batch: RowBatch) -> torch.Tensor:
         """The logits at ``batch.positions`` (B, K, V) from one forward pass with the gates as they are set."""

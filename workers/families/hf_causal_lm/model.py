@@ -121,6 +121,16 @@ def model_facts(model: nn.Module, sites) -> dict:
             "num_key_value_heads": {k: len(v) for k, v in groups.items()}, "kv_groups": groups}
 
 
+def target_logprobs(logits: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """As ``HFLM._loglikelihood_tokens`` scores a row: the log-softmax of ``logits`` (B, W, V) at ``positions``
+    (B, K) in the logits' dtype, each ``targets`` (B, K) token's log-probability, and whether it is the argmax (as
+    0/1), side by side: shape (B, 2K) (what :func:`row_sums` sums)."""
+    logprobs = torch.log_softmax(torch.take_along_dim(logits, positions.unsqueeze(-1), dim=1), dim=-1)
+    greedy = logprobs.argmax(dim=-1) == targets
+    picked = torch.gather(logprobs, 2, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.cat([picked, greedy.to(picked.dtype)], dim=1)
+
+
 def row_sums(logprobs: torch.Tensor, greedy: torch.Tensor, lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """Each row's continuation log-likelihood and greedy match: the last ``lengths[b]`` entries of row b, summed in
     the log-probabilities' dtype over a contiguous one-row tensor (the sum HFLM takes, in its order), then widened
