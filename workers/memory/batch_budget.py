@@ -9,7 +9,14 @@ attention scores for classifiers; beams x layers x cached keys/values for beam s
 * CPU: ``CPU_ACTIVATION_BYTES``. Matrix products keep CPU cores busy from a few hundred rows
   on, so this only bounds memory; what packing buys on a CPU is mostly fewer passes through
   per-call and per-step Python overhead (beam search: measured about 1.2x for 8 masks of 64
-  sentences against one at a time, 6+6-layer model, d=128).
+  sentences against one at a time, 6+6-layer model, d=128). A dense forward pass (every
+  position of every row at once: the transformers families) is also kept within
+  ``CPU_PASS_BYTES`` on a CPU: past a few tens of MiB its tensors leave the caches and each
+  token costs more (one thread, per token: a 4-layer Llama of width 128, 37 us at 1k tokens a
+  pass and 43 at 16k; a 6-layer BERT of width 64, 11.4 us at 10 MiB and 20.2 at 160 MiB; prefix
+  reuse on the lm-eval grid, 8.0 s packed 23-26 masks a pass against 6.0 s one a pass). Beam
+  search's estimate is the state it keeps across steps, not one step's working set, so it is
+  not capped.
 
 Sizes are estimated per batch (its own padded length), so batches of short sentences carry
 more masks than batches of long ones.
@@ -30,6 +37,7 @@ if TYPE_CHECKING:  # the driver reads the budgets (sweep/run/memory.py): keep to
 
 MIB = 1 << 20
 CPU_ACTIVATION_BYTES = 1024 * MIB
+CPU_PASS_BYTES = 32 * MIB
 DEVICE_ACTIVATION_FRACTION = 0.5
 CACHE_FRACTION = 0.25
 CPU_CACHE_CAP_BYTES = 4096 * MIB
@@ -80,8 +88,17 @@ def rows_per_forward(bytes_per_row: int, device: torch.device) -> int:
     return max(1, activation_budget(device) // max(1, int(bytes_per_row)))
 
 
-def masks_per_forward(masks_per_batch: int, batch_size: int, bytes_per_row: int, device: torch.device) -> int:
-    """``masks_per_batch`` when set, else as many copies of a ``batch_size`` batch as the budget holds."""
+def masks_per_forward(masks_per_batch: int, batch_size: int, bytes_per_row: int, device: torch.device,
+                      dense: bool = True) -> int:
+    """``masks_per_batch`` when set, else as many copies of a ``batch_size`` batch as the budget holds.
+
+    ``dense``: ``bytes_per_row`` is what one pass works through at once, so on a CPU the pass is also kept
+    within ``CPU_PASS_BYTES`` (module docstring); False for an estimate of state kept across steps.
+    """
     if masks_per_batch > 0:
         return masks_per_batch
-    return max(1, rows_per_forward(bytes_per_row, device) // max(1, batch_size))
+    batch = max(1, batch_size)
+    per = rows_per_forward(bytes_per_row, device) // batch
+    if dense and device.type == "cpu":
+        per = min(per, CPU_PASS_BYTES // max(1, int(bytes_per_row) * batch))
+    return max(1, per)

@@ -20,7 +20,7 @@ from headsweep.workers.families.hf_classifier.adapter import load_classifier
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 from headsweep.workers.families.hf_classifier.reuse import PrefixReuse, classifier_layout
 from headsweep.workers.families.hf_shared.sites import find_sites
-from headsweep.workers.memory.batch_budget import CPU_ACTIVATION_BYTES, masks_per_forward
+from headsweep.workers.memory.batch_budget import CPU_ACTIVATION_BYTES, CPU_PASS_BYTES, masks_per_forward
 from headsweep.workers.memory.replay import ReuseUnsupported, first_gated_layer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -149,8 +149,13 @@ def test_automatic_masks_per_forward_follows_the_memory_budget(tiny_bert_dir, ti
     task = adapter(tiny_bert_dir, tiny_dev_tsv, masks_per_batch=0)
     per_row = task.bytes_per_row()
     assert per_row > 0
-    assert task.masks_per_forward() == max(1, CPU_ACTIVATION_BYTES // per_row // 16)
+    # a dense pass on a CPU: within CPU_PASS_BYTES, below the memory budget
+    assert task.masks_per_forward() == max(1, CPU_PASS_BYTES // (per_row * 16)) > 1
     assert adapter(tiny_bert_dir, tiny_dev_tsv, masks_per_batch=3).masks_per_forward() == 3
     cpu = torch.device("cpu")
-    assert masks_per_forward(0, 32, CPU_ACTIVATION_BYTES // 64, cpu) == 2
-    assert masks_per_forward(0, 32, CPU_ACTIVATION_BYTES, cpu) == 1
+    assert masks_per_forward(0, 32, CPU_PASS_BYTES // 64, cpu) == 2
+    assert masks_per_forward(0, 32, CPU_PASS_BYTES, cpu) == 1
+    # state kept across steps (beam search): the memory budget alone
+    assert masks_per_forward(0, 32, CPU_ACTIVATION_BYTES // 64, cpu, dense=False) == 2
+    unbounded = masks_per_forward(0, 32, CPU_PASS_BYTES // 64, cpu, dense=False)
+    assert unbounded == CPU_ACTIVATION_BYTES // CPU_PASS_BYTES * 2

@@ -308,7 +308,7 @@ class TranslationAdapter:
         sample = sample if sample is not None else max(self.batches, key=self.bytes_per_sentence)
         rows = len(sample["id"])
         per = budget_masks_per_forward(self.runtime.masks_per_batch, rows, self.bytes_per_sentence(sample),
-                                       self.device)
+                                       self.device, dense=False)
         if self.runtime.masks_per_batch > 0 or self.runtime.max_tokens <= 0:
             return per
         return max(1, min(per, self.runtime.max_tokens // batch_tokens(sample)))
