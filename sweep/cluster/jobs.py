@@ -1,17 +1,19 @@
 """Sweeps as Ray jobs on a running cluster: submit, list, status, logs, stop, wait.
 
 ``submit`` runs exactly ``headsweep run`` on the cluster: the job's entrypoint is
-``python -m headsweep run CONFIG [overrides] --address auto [--workers N] --store STORE``, run by
-the cluster's ``python`` (the one on the head's PATH, i.e. the image's interpreter; pass ``python=``
-to name another). ``--address auto`` because inside a Ray job ``RAY_ADDRESS`` points at the cluster
-and the driver must connect to it rather than start an embedded instance.
+``python -m headsweep.sweep.cluster.job_entry run CONFIG [overrides] --address auto [--workers N] --store STORE``
+(``headsweep run`` in a folder holding the config, :mod:`.job_entry`), run by the cluster's ``python`` (the one
+on the head's PATH, i.e. the image's interpreter; pass ``python=`` to name another). ``--address auto`` because
+inside a Ray job ``RAY_ADDRESS`` points at the cluster and the driver must connect to it rather than start an
+embedded instance.
 
-How the config travels. The config file is on the submitting machine, so it is uploaded with the
-job: a temporary folder holding the config and the configs it ``include``s (relative includes only,
-keeping their relative layout) becomes the job's runtime_env ``working_dir``. The config is checked
+How the config travels. The config file is on the submitting machine, so it is sent with the
+job: the config and the configs it ``include``s (relative includes only, keeping their relative layout) go in
+the job's runtime_env ``env_vars`` (:mod:`.job_entry` says why not as a ``working_dir``: Ray's GCS packages break
+the resubmission of an unchanged config), at most ``MAX_BUNDLE_BYTES``. The config is checked
 here first (unknown keys, bad overrides), so a typo fails in a second instead of in the job's logs.
 Everything else in the config is read on the cluster, by the cluster: model and data paths are not
-uploaded (a model is gigabytes). On the cluster the job's working directory is the uploaded folder,
+uploaded (a model is gigabytes). On the cluster the job's working directory is a folder holding the configs,
 so, by the config rule (docs/configuration.md: relative to the config file when the path exists there, otherwise to the
 working directory), a relative ``model.path`` or ``data.path`` resolves inside that folder and finds
 nothing: in a submitted config, name models and data by absolute paths on the cluster's shared
@@ -41,11 +43,10 @@ authentication (Ray 2.52+, KubeRay ``authOptions``) need ``RAY_AUTH_MODE=token``
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -53,12 +54,15 @@ from pathlib import Path
 from typing import Any
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.cluster.job_entry import BUNDLE_VAR
 from headsweep.sweep.configuration.yaml_text import read_yaml_file
 
 # Bounds for the reachability probe: (connect, read) seconds.
 PROBE_TIMEOUT_S = (5.0, 10.0)
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 MISSING_STORE = "set HEADSWEEP_STORE on the cluster or pass --store"
+# One environment string reaches the job's processes through exec, which takes at most 128 KiB (MAX_ARG_STRLEN).
+MAX_BUNDLE_BYTES = 96 * 1024
 
 
 # -- addresses and errors ---------------------------------------------------------------------------
@@ -173,19 +177,20 @@ def _config_files(config: Path) -> list[Path]:
     return found
 
 
-def bundle_config(config_path: str | os.PathLike, dest: str | os.PathLike) -> str:
-    """Copy the config and its relative includes into ``dest`` keeping their layout.
-
-    Returns the config's path relative to ``dest`` (what the job's entrypoint names).
-    """
+def bundle_config(config_path: str | os.PathLike) -> tuple[str, str]:
+    """The config and its relative includes as the job's :data:`~.job_entry.BUNDLE_VAR` value (JSON of their
+    texts by path relative to their common folder, keeping their layout), and the config's relative path (what the
+    job's entrypoint names)."""
     config = Path(os.path.abspath(config_path))
     files = _config_files(config)
     root = Path(os.path.commonpath([str(f.parent) for f in files]))
-    for f in files:
-        target = Path(dest) / f.relative_to(root)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(f, target)
-    return config.relative_to(root).as_posix()
+    text = json.dumps({"files": {f.relative_to(root).as_posix(): f.read_text(encoding="utf-8") for f in files}})
+    if len(text.encode()) > MAX_BUNDLE_BYTES:
+        raise HeadsweepError(
+            f"config {config_path} and its includes take {len(text.encode()):,} bytes, more than a job's environment "
+            f"carries ({MAX_BUNDLE_BYTES:,}): move large lists (masks, heads) into files on the cluster's shared "
+            "volume")
+    return text, config.relative_to(root).as_posix()
 
 
 def _check_store(store: str | None) -> None:
@@ -203,8 +208,8 @@ def _check_store(store: str | None) -> None:
 def build_entrypoint(
     config_rel: str, overrides: list[str], store: str | None, workers: int | None, python: str = "python"
 ) -> str:
-    """The shell command a submitted job runs: ``headsweep run`` through ``python -m headsweep``."""
-    parts = [python, "-m", "headsweep", "run", config_rel, *overrides, "--address", "auto"]
+    """The shell command a submitted job runs: ``headsweep run`` beside its configs (:mod:`.job_entry`)."""
+    parts = [python, "-m", "headsweep.sweep.cluster.job_entry", "run", config_rel, *overrides, "--address", "auto"]
     if workers is not None:
         parts += ["--workers", str(workers)]
     command = shlex.join(parts)
@@ -263,18 +268,18 @@ def submit(
     load_config(config_path, overrides + ([f"sweep.workers={workers}"] if workers is not None else []))
     env = dict(runtime_env or {})
     if "working_dir" in env:
-        raise HeadsweepError("runtime_env 'working_dir' is taken by the uploaded config; put code in the image instead")
+        raise HeadsweepError("runtime_env 'working_dir' is not used: the job runs from the headsweep installed on the "
+                             "cluster, with the config sent along; put code in the image instead")
+    bundle, config_rel = bundle_config(config_path)
+    env["env_vars"] = {**env.get("env_vars", {}), BUNDLE_VAR: bundle}
 
     client, url = _client(address)
-    with tempfile.TemporaryDirectory(prefix="headsweep-job-") as folder:
-        config_rel = bundle_config(config_path, folder)
-        env["working_dir"] = folder
-        entrypoint = build_entrypoint(config_rel, overrides, store, workers, python)
-        metadata = {"headsweep_config": Path(config_path).name, "headsweep_store": store or "$HEADSWEEP_STORE"}
-        with _api_errors(url):
-            job_id = client.submit_job(entrypoint=entrypoint, runtime_env=env, metadata=metadata,
-                                       entrypoint_num_cpus=entrypoint_num_cpus,
-                                       entrypoint_resources=entrypoint_resources or None)
+    entrypoint = build_entrypoint(config_rel, overrides, store, workers, python)
+    metadata = {"headsweep_config": Path(config_path).name, "headsweep_store": store or "$HEADSWEEP_STORE"}
+    with _api_errors(url):
+        job_id = client.submit_job(entrypoint=entrypoint, runtime_env=env, metadata=metadata,
+                                   entrypoint_num_cpus=entrypoint_num_cpus,
+                                   entrypoint_resources=entrypoint_resources or None)
     if wait:
         _follow(client, url, job_id, None)
     return job_id

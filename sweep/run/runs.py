@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -102,6 +103,8 @@ def ray_job_alive(facts: str | None) -> bool | None:
     knows it: False once its Ray job has ended (Ray ends a driver's job when its process exits or its node is lost),
     True while it runs, None when this process is on no Ray cluster or on another one than that driver was (job ids
     repeat between clusters: the driver's node must be one this cluster knows, dead or alive)."""
+    if "ray" not in sys.modules:  # a process that never imported Ray is on no cluster (and a reader stays fast)
+        return None
     import ray
 
     named = json.loads(facts or "{}")

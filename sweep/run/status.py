@@ -9,7 +9,7 @@ from headsweep.results.query import run_query
 from headsweep.results.schema import COMPLETE, RUNNING
 from headsweep.results.store import ResultStore
 from headsweep.sweep import experiments  # noqa: F401 - registers the kinds' tables and views read here
-from headsweep.sweep.run.runs import HEARTBEAT_S, STALE_AFTER_S, driver_alive, local_pid, run_driver
+from headsweep.sweep.run.runs import HEARTBEAT_S, STALE_AFTER_S, driver_alive, local_pid, ray_job_alive, run_driver
 
 # Timestamps as text and an age in seconds: DuckDB's TIMESTAMPTZ values need pytz in Python. The count of stored
 # evaluations is the evaluations table's, not the row's n_done (written with the row: behind a live run, and
@@ -37,7 +37,7 @@ def runs_listing(store: ResultStore, sql: str) -> pa.Table:
     if "status" not in table.column_names or "run_id" not in table.column_names:
         return table
     stale = {r["run_id"] for r in run_query(store, RUNNING_SQL).to_pylist()
-             if not driver_alive(run_driver(r["facts"]), max(r["age_s"] or 0.0, 0.0))}
+             if not driver_alive(run_driver(r["facts"]), max(r["age_s"] or 0.0, 0.0), ray_job_alive(r["facts"]))}
     if not stale:
         return table
     ids, statuses = table.column("run_id").to_pylist(), table.column("status").to_pylist()
@@ -51,9 +51,13 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-def stale_line(driver: str, updated: str, age_s: float) -> str:
-    """Why a ``running`` run's driver is taken for gone: its process is not there (a driver on this host), or its
-    heartbeat stopped longer ago than a live driver ever lets it (elsewhere, or a store read from another host)."""
+def stale_line(driver: str, updated: str, age_s: float, ray_job_ended: bool = False) -> str:
+    """Why a ``running`` run's driver is taken for gone: the Ray cluster this process is on has ended its job, its
+    process is not there (a driver on this host), or its heartbeat stopped longer ago than a live driver ever lets
+    it (elsewhere, or a store read from another host)."""
+    if ray_job_ended:
+        return (f"stale: its driver {driver}'s Ray job has ended on this cluster (last heartbeat {updated} UTC, "
+                f"{_clock(age_s)} ago)")
     if local_pid(driver) is not None:
         return f"stale: its driver {driver} is not running (last heartbeat {updated} UTC, {_clock(age_s)} ago)"
     return (f"stale: its driver {driver or '(not named)'} has written no heartbeat since {updated} UTC "
@@ -71,8 +75,9 @@ def status_lines(store: ResultStore, run_id: str) -> list[str]:
     r = rows[0]
     age = max(r["age_s"] or 0.0, 0.0)
     driver = run_driver(r["facts"])
-    stale = r["status"] == RUNNING and not driver_alive(driver, age)
-    state = stale_line(driver, r["updated"], age) if stale else r["status"]
+    on_ray = ray_job_alive(r["facts"]) if r["status"] == RUNNING else None
+    stale = r["status"] == RUNNING and not driver_alive(driver, age, on_ray)
+    state = stale_line(driver, r["updated"], age, ray_job_ended=on_ray is False) if stale else r["status"]
     stored, planned = r["n_stored"], r["n_planned"]
     if planned is None or planned < stored:
         counts = f"{stored} (how many were planned is not recorded)"

@@ -179,7 +179,8 @@ def test_submit_runs_the_sweep_on_the_cluster(ray_head, job_config, tmp_path):
     (listed,) = [j for j in jobs.list_jobs(ray_head) if j["job_id"] == job_id]
     assert listed["status"] == "SUCCEEDED" and listed["start_time"] and listed["end_time"]
     assert listed["metadata"] == {"headsweep_config": "sweep.yaml", "headsweep_store": str(store)}
-    assert shlex.split(listed["entrypoint"])[:5] == [sys.executable, "-m", "headsweep", "run", "jobs/sweep.yaml"]
+    assert shlex.split(listed["entrypoint"])[:5] == [sys.executable, "-m", "headsweep.sweep.cluster.job_entry", "run",
+                                                     "jobs/sweep.yaml"]
     assert job_id in jobs.format_jobs(jobs.list_jobs(ray_head))
     assert jobs.stop(ray_head, job_id) is False  # already over
 
@@ -258,15 +259,31 @@ def test_unreachable_address_is_reported_before_upload(tmp_path, job_config):
 def test_entrypoint_quotes_every_argument():
     overrides = ["sweep.masks=[[self:0:1, self:1:2]]", "name=it's $HOME; rm -rf /", "data.path=/a b/c.tsv"]
     entry = jobs.build_entrypoint("my conf/sweep.yaml", overrides, "s3://bucket/x y", 3, "/opt/py 3/python")
-    assert shlex.split(entry) == ["/opt/py 3/python", "-m", "headsweep", "run", "my conf/sweep.yaml", *overrides,
+    assert shlex.split(entry) == ["/opt/py 3/python", "-m", "headsweep.sweep.cluster.job_entry", "run",
+                                  "my conf/sweep.yaml", *overrides,
                                   "--address", "auto", "--workers", "3", "--store", "s3://bucket/x y"]
 
 
 def test_bundle_keeps_the_include_layout(job_config, tmp_path):
+    """The configs travel as text in the job's environment and are written back with their layout (job_entry)."""
+    from headsweep.sweep.cluster.job_entry import write_bundle
+
+    bundle, rel = jobs.bundle_config(job_config)
+    assert rel == "jobs/sweep.yaml"
     out = tmp_path / "bundle"
     out.mkdir()
-    assert jobs.bundle_config(job_config, out) == "jobs/sweep.yaml"
+    write_bundle(bundle, out)
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.yaml")) == ["base.yaml", "jobs/sweep.yaml"]
+    assert (out / rel).read_bytes() == job_config.read_bytes()
+    with pytest.raises(ValueError, match="leaves its folder"):
+        write_bundle('{"files": {"../escape.yaml": "x: 1"}}', out)
+
+
+def test_a_config_too_large_for_a_job_environment_is_refused(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("name: x\n# " + "y" * jobs.MAX_BUNDLE_BYTES + "\n")
+    with pytest.raises(HeadsweepError, match=r"more than a job's environment carries \(98,304\): move large"):
+        jobs.bundle_config(big)
 
 
 def _cli_has_submit() -> bool:

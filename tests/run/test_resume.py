@@ -19,6 +19,7 @@ from conftest import REPO, run_cli
 from headsweep.results.store import ResultStore
 from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.sweep.run.runs import STALE_AFTER_S
+from headsweep.sweep.run.status import runs_listing, status_lines
 
 
 def status_of(run_id: str, store) -> list[str]:
@@ -60,6 +61,14 @@ def check_status_of_a_killed_run(reader: ResultStore, killed: dict, stored: int)
                                f"{old:%Y-%m-%d %H:%M:%S} UTC (0:11:"), lines
     assert lines[0].endswith("a running driver writes one every 60 s and is taken for gone after 600 s without)")
     assert listed_status(run_id, store) == "stale"
+    # Read from a process on the run's Ray cluster (this one): the killed driver's Ray job has ended there, which
+    # decides at once, fresh heartbeat or not, as it does for a driver resuming the run (runs.refuse_if_live).
+    assert json.loads(killed["facts"])["ray_job"]
+    reader.write_rows("runs", run_id, [{**elsewhere, "updated_at": datetime.now(UTC) - timedelta(seconds=5)}], "run")
+    line = status_lines(reader, run_id)[0]
+    assert line.startswith(f"run {run_id} (sweep): stale: its driver elsewhere:1's Ray job has ended on this "
+                           "cluster (last heartbeat "), line
+    assert runs_listing(reader, "SELECT run_id, status FROM runs").column("status").to_pylist() == ["stale"]
 
 
 @pytest.mark.parametrize("signum, code, status", [(signal.SIGKILL, -signal.SIGKILL, "running"),
