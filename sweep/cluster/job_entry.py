@@ -1,7 +1,7 @@
 """What a submitted job runs on the cluster: its configs written out from the job's environment, then ``headsweep``.
 
 ``headsweep submit`` sends the config and its relative includes in the job's runtime_env ``env_vars``
-(:data:`BUNDLE_VAR`, JSON ``{"files": {relative path: text}}``), not as an uploaded ``working_dir``: an uploaded
+(:data:`~.jobs.BUNDLE_VAR`, JSON ``{"files": {relative path: text}}``), not as an uploaded ``working_dir``: an uploaded
 package lives in Ray's GCS under a name derived from its content, and Ray neither uploads an identical package
 again nor keeps an expired one (ray-project/ray#46625, #36703), so submitting the same config again, which is how a
 lost driver's run continues, could fail in Ray's job start with ``RuntimeEnvSetupError``. Environment variables
@@ -20,11 +20,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-BUNDLE_VAR = "HEADSWEEP_JOB_CONFIGS"
+from headsweep.sweep.cluster.jobs import BUNDLE_VAR
 
 
 def write_bundle(text: str, dest: Path) -> None:
-    """The files of a bundle (``text``: the JSON of :data:`BUNDLE_VAR`) written under ``dest``."""
+    """The files of a bundle (``text``: the JSON of :data:`~.jobs.BUNDLE_VAR`) written under ``dest``."""
     files = json.loads(text)["files"]
     for rel, content in files.items():
         target = (dest / rel).resolve()

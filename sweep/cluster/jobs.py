@@ -54,7 +54,6 @@ from pathlib import Path
 from typing import Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.cluster.job_entry import BUNDLE_VAR
 from headsweep.sweep.configuration.yaml_text import read_yaml_file
 
 # Bounds for the reachability probe: (connect, read) seconds.
@@ -63,6 +62,8 @@ TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 MISSING_STORE = "set HEADSWEEP_STORE on the cluster or pass --store"
 # One environment string reaches the job's processes through exec, which takes at most 128 KiB (MAX_ARG_STRLEN).
 MAX_BUNDLE_BYTES = 96 * 1024
+# The job's environment variable holding its configs (JSON ``{"files": {relative path: text}}``), read by job_entry.
+BUNDLE_VAR = "HEADSWEEP_JOB_CONFIGS"
 
 
 # -- addresses and errors ---------------------------------------------------------------------------
@@ -178,7 +179,7 @@ def _config_files(config: Path) -> list[Path]:
 
 
 def bundle_config(config_path: str | os.PathLike) -> tuple[str, str]:
-    """The config and its relative includes as the job's :data:`~.job_entry.BUNDLE_VAR` value (JSON of their
+    """The config and its relative includes as the job's :data:`BUNDLE_VAR` value (JSON of their
     texts by path relative to their common folder, keeping their layout), and the config's relative path (what the
     job's entrypoint names)."""
     config = Path(os.path.abspath(config_path))
