@@ -20,6 +20,14 @@ from typing import NoReturn
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 # stopping: a signal arrived, the command is cleaning up and further signals are ignored; signum: that signal
 _state: dict[str, int | bool] = {"stopping": False, "signum": 0}
+# While handlers_kept holds SIGTERM: processes forked meanwhile start with it unblocked (a blocked signal mask is
+# inherited across exec). Set once, read in every forked child.
+_held = {"active": False, "hooked": False}
+
+
+def _unblock_in_child() -> None:
+    if _held["active"]:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 class Terminated(KeyboardInterrupt):
@@ -79,12 +87,22 @@ def handlers_kept() -> Iterator[None]:
 
     SIGTERM is held (blocked) meanwhile, in this thread and the threads the block starts, and arrives once the
     handlers are back (Ctrl-C is not: it stops a connection that hangs). A SIGTERM that another thread took and
-    that ended the block through such a ``sys.exit`` comes out as :class:`Terminated` where SIGTERM raises that."""
+    that ended the block through such a ``sys.exit`` comes out as :class:`Terminated` where SIGTERM raises that.
+
+    The processes the block starts (an embedded Ray instance's GCS, raylet, dashboard and, through the raylet, its
+    workers) do not inherit the hold: each would otherwise ignore the SIGTERM that Ray's shutdown sends it first,
+    and every shutdown would wait out Ray's one-second grace per process before killing it (about 5 s at the end
+    of every local run). Ray starts them through ``subprocess`` with a ``preexec_fn``, so Python runs its at-fork
+    hooks in the child, where :func:`_unblock_in_child` lifts the hold."""
     if threading.current_thread() is not threading.main_thread():
         yield  # handlers are only set from the main thread, so nobody replaces them from here
         return
+    if not _held["hooked"]:
+        os.register_at_fork(after_in_child=_unblock_in_child)
+        _held["hooked"] = True
     before = {signum: signal.getsignal(signum) for signum in HANDLED}
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    _held["active"] = True
     try:
         yield
     except SystemExit as exc:
@@ -98,4 +116,5 @@ def handlers_kept() -> Iterator[None]:
             # None: a handler set from C, which cannot be put back from here; once stopping, signals stay ignored
             if handler is not None and not _state["stopping"]:
                 signal.signal(signum, handler)
+        _held["active"] = False
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a signal held meanwhile is delivered now
