@@ -55,11 +55,16 @@ def running_driver(store: ResultStore) -> tuple[str, int] | None:
     return run["run_id"], int(json.loads(run["facts"])["driver"].rpartition(":")[2])
 
 
-# Was unreliable here while submit sent the config as an uploaded working_dir: the resubmitted job (the same config,
-# so the same package name) often failed in Ray's job start with RuntimeEnvSetupError ("Failed to download
-# runtime_env file package gcs://_ray_pkg_... from the GCS"; ray-project/ray#46625: Ray does not upload an identical
-# package again). The config now travels in the job's env_vars (sweep/cluster/job_entry.py): 6 of 7 runs passed here
-# since (the one failure, in a run beside other tests, left no log to read).
+# Slow (50-60 s, and up to 180 s more when the local cluster's dashboard is slow to answer), so `-m slow`
+# (bench/slow_tests.py): the suite keeps the rule the resubmitted driver follows (its Ray-job check, on the session's
+# real Ray instance) in the test below, and submit, jobs status and logs through the real job API in
+# tests/cluster/test_jobs.py. It was unreliable while submit sent the config as an uploaded working_dir: the
+# resubmitted job (the same config, so the same package name) often failed in Ray's job start with
+# RuntimeEnvSetupError ("Failed to download runtime_env file package gcs://_ray_pkg_... from the GCS";
+# ray-project/ray#46625: Ray does not upload an identical package again). With the config in the job's env_vars
+# (sweep/cluster/job_entry.py): 7 of 9 runs passed here since, the two failures not of that kind (one left no log;
+# in one full-suite run the local cluster's job API did not answer within 180 s).
+@pytest.mark.slow
 def test_a_lost_driver_node_fails_the_job_in_one_line_and_the_same_submit_resumes(tmp_path, tiny_bert_dir):
     data = write_tsv(generate(N_EXAMPLES, seed=3), tmp_path / "dev.tsv")
     config = tmp_path / "sweep.yaml"
