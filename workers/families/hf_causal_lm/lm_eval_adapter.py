@@ -47,6 +47,7 @@ from headsweep.workers.families.hf_causal_lm.model import (
     GatedCausalLM,
     activation_bytes_per_row,
     model_facts,
+    right_padded,
     row_sums,
     target_logprobs,
     target_nll,
@@ -102,23 +103,8 @@ def unpack(input_ids: torch.Tensor, packed: torch.Tensor
 
 
 def row_batch(rows: Sequence[TokenRow], which: Sequence[int], device: torch.device) -> RowBatch:
-    """The rows ``which`` as one right-padded batch (padding id 0: masked out, never read by an earlier token of a
-    causal model)."""
-    width = max(len(rows[i].inputs) for i in which)
-    keep = max(len(rows[i].targets) for i in which)
-    n = len(which)
-    input_ids = torch.zeros(n, width, dtype=torch.long)
-    attention = torch.zeros(n, width, dtype=torch.long)
-    positions = torch.zeros(n, keep, dtype=torch.long)
-    targets = torch.zeros(n, keep, dtype=torch.long)
-    for b, i in enumerate(which):
-        row = rows[i]
-        length, c = len(row.inputs), len(row.targets)
-        input_ids[b, :length] = torch.tensor(row.inputs)
-        attention[b, :length] = 1
-        # position p predicts token p + 1: the last c positions predict the c continuation tokens
-        positions[b] = torch.arange(length - keep, length).clamp(min=0)
-        targets[b, keep - c:] = torch.tensor(row.targets)
+    """The rows ``which`` as one right-padded batch (:func:`~.model.right_padded`)."""
+    input_ids, attention, positions, targets, _ = right_padded([(rows[i].inputs, rows[i].targets) for i in which])
     padded = bool((attention == 0).any())
     return RowBatch(torch.tensor(list(which)), input_ids.to(device), attention.to(device) if padded else None,
                     positions.to(device), targets.to(device), [len(rows[i].targets) for i in which])

@@ -131,6 +131,30 @@ def target_logprobs(logits: torch.Tensor, positions: torch.Tensor, targets: torc
     return torch.cat([picked, greedy.to(picked.dtype)], dim=1)
 
 
+def right_padded(rows: Sequence[tuple[Sequence[int], Sequence[int]]]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of (input ids, continuation ids) as one right-padded batch (padding id 0: masked out, and never read
+    by a real token of a causal model): input ids and attention mask ``(n, width)``, then per row the positions whose
+    logits predict its continuation, the continuation's ids and which of them are real, ``(n, keep)`` each, a
+    shorter continuation right-aligned (position p predicts token p + 1: the last c positions predict c tokens)."""
+    width = max(len(inputs) for inputs, _ in rows)
+    keep = max(len(targets) for _, targets in rows)
+    n = len(rows)
+    input_ids = torch.zeros(n, width, dtype=torch.long)
+    attention = torch.zeros(n, width, dtype=torch.long)
+    positions = torch.zeros(n, keep, dtype=torch.long)
+    targets = torch.zeros(n, keep, dtype=torch.long)
+    scored = torch.zeros(n, keep, dtype=torch.bool)
+    for b, (inputs, continuation) in enumerate(rows):
+        length, c = len(inputs), len(continuation)
+        input_ids[b, :length] = torch.tensor(inputs)
+        attention[b, :length] = 1
+        positions[b] = torch.arange(length - keep, length).clamp(min=0)
+        targets[b, keep - c :] = torch.tensor(continuation)
+        scored[b, keep - c :] = True
+    return input_ids, attention, positions, targets, scored
+
+
 def row_sums(logprobs: torch.Tensor, greedy: torch.Tensor, lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """Each row's continuation log-likelihood and greedy match: the last ``lengths[b]`` entries of row b, summed in
     the log-probabilities' dtype over a contiguous one-row tensor (the sum HFLM takes, in its order), then widened

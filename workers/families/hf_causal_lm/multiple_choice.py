@@ -43,6 +43,7 @@ from headsweep.workers.families.hf_causal_lm.model import (
     GatedCausalLM,
     activation_bytes_per_row,
     model_facts,
+    right_padded,
     target_nll,
 )
 from headsweep.workers.families.hf_causal_lm.questions import (
@@ -130,25 +131,9 @@ def unpack(input_ids: torch.Tensor, packed: torch.Tensor) -> RowBatch:
 
 
 def row_batch(rows: Sequence[Row], which: Sequence[int], device: torch.device) -> RowBatch:
-    """The rows ``which`` as one right-padded batch (padding id 0: masked out, and never read by a real token of a
-    causal model)."""
-    width = max(len(rows[i].inputs) for i in which)
-    keep = max(len(rows[i].targets) for i in which)
-    n = len(which)
-    input_ids = torch.zeros(n, width, dtype=torch.long)
-    attention = torch.zeros(n, width, dtype=torch.long)
-    positions = torch.zeros(n, keep, dtype=torch.long)
-    targets = torch.zeros(n, keep, dtype=torch.long)
-    scored = torch.zeros(n, keep, dtype=torch.bool)
-    for b, i in enumerate(which):
-        row = rows[i]
-        length, c = len(row.inputs), len(row.targets)
-        input_ids[b, :length] = torch.tensor(row.inputs)
-        attention[b, :length] = 1
-        # position p predicts token p + 1: the last c positions predict the c continuation tokens
-        positions[b] = (torch.arange(length - keep, length)).clamp(min=0)
-        targets[b, keep - c :] = torch.tensor(row.targets)
-        scored[b, keep - c :] = True
+    """The rows ``which`` as one right-padded batch (:func:`~.model.right_padded`)."""
+    input_ids, attention, positions, targets, scored = right_padded([(rows[i].inputs, rows[i].targets)
+                                                                     for i in which])
     return RowBatch(torch.tensor(list(which)), input_ids.to(device), attention.to(device), positions.to(device),
                     targets.to(device), scored.to(device))
 
