@@ -6,7 +6,8 @@ package lives in Ray's GCS under a name derived from its content, and Ray neithe
 again nor keeps an expired one (ray-project/ray#46625, #36703), so submitting the same config again, which is how a
 lost driver's run continues, could fail in Ray's job start with ``RuntimeEnvSetupError``. Environment variables
 travel in the job's config itself. The files are written to a fresh temporary folder that becomes the working
-directory, as the unpacked ``working_dir`` was, and removed when the command ends.
+directory, as the unpacked ``working_dir`` was, and removed when the command returns (a command a signal stopped
+ends the process at once, leaving the folder's few kilobytes in the node's temporary directory).
 
 Run as ``python -m headsweep.sweep.cluster.job_entry run CONFIG ...`` (the arguments of ``headsweep``).
 """
