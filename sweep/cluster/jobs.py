@@ -186,9 +186,10 @@ def bundle_config(config_path: str | os.PathLike) -> tuple[str, str]:
     files = _config_files(config)
     root = Path(os.path.commonpath([str(f.parent) for f in files]))
     text = json.dumps({"files": {f.relative_to(root).as_posix(): f.read_text(encoding="utf-8") for f in files}})
-    if len(text.encode()) > MAX_BUNDLE_BYTES:
+    size = len(text.encode())
+    if size > MAX_BUNDLE_BYTES:
         raise HeadsweepError(
-            f"config {config_path} and its includes take {len(text.encode()):,} bytes, more than a job's environment "
+            f"config {config_path} and its includes take {size:,} bytes, more than a job's environment "
             f"carries ({MAX_BUNDLE_BYTES:,}): move large lists (masks, heads) into files on the cluster's shared "
             "volume")
     return text, config.relative_to(root).as_posix()
