@@ -414,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
         first = (str(exc).splitlines() or [""])[0][:300]
         console.say(f"headsweep: error: unexpected {type(exc).__name__}: {first} (traceback in {con.log_path})")
         return 1
+    session = sys.modules.get("headsweep.sweep.cluster.ray_session")  # imported by the commands that use Ray
+    if session is not None:
+        session.end_ray()
     console.finish()
     return code
 
