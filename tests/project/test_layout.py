@@ -169,22 +169,55 @@ def test_python_dash_m_headsweep():
 
 
 def test_the_driver_imports_neither_torch_nor_scipy_stats():
-    """Every ``headsweep`` command starts a driver: torch (2 s) and scipy.stats (1 s) load in the workers and the
-    significance tasks that use them, not in every CLI start."""
+    """Every ``headsweep`` command starts a driver: torch (2 s) loads in the workers, and scipy.stats (0.6 s) when a
+    run's significance is computed, not in every CLI start."""
     code = ("import sys; import headsweep.sweep.terminal.cli, headsweep.sweep.run.driver, headsweep.sweep.experiments; "
             "print(sorted(m for m in ('torch', 'scipy.stats', 'transformers', 'fairseq') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
-def test_static_tools_resolve_every_import():
+def import_statements(path: Path) -> str:
+    """Every import statement of ``path`` (top level, in functions, under ``if``/``try``), each as written with its
+    trailing comment (a ``# pyright: ignore`` stays on its line), one after another; ``__future__`` left out."""
+    source = path.read_text(encoding="utf-8")
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import | ast.ImportFrom) and getattr(node, "module", None) != "__future__":
+            statement = lines[node.lineno - 1 : node.end_lineno]
+            statement[0] = statement[0][node.col_offset :]
+            found.append("\n".join(statement))
+    return "\n".join(found) + "\n"
+
+
+def test_static_tools_resolve_every_import(tmp_path):
     """pyright (basedpyright, pyrightconfig.json) resolves every import of the package, the tests and the
-    benchmarks without running headsweep's install: no ``headsweep.*`` import is hidden behind an import hook."""
+    benchmarks without running headsweep's install: no ``headsweep.*`` import is hidden behind an import hook.
+
+    Asked of a copy of the repository's layout (pyrightconfig.json, the package's links) whose files hold only
+    their import statements: pyright resolves the same statements from the same places without type-checking the
+    code around them (13 s instead of 37 s; ``make lint`` checks the code). Two imports that cannot resolve, in
+    a file of the copy's tests, show that the check finds what it looks for."""
     tool = shutil.which("basedpyright")
     assert tool, "basedpyright is not installed: make install installs it with the dev extra"
-    proc = subprocess.run([tool, "--outputjson"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    copy = tmp_path / "repo"
+    for folder in ("headsweep", "sweep", "workers", "results", "tests", "bench"):
+        for path in (REPO / folder).rglob("*.py"):
+            relative = path.relative_to(REPO)
+            if "__pycache__" in relative.parts or (folder == "headsweep" and len(relative.parts) > 2):
+                continue  # headsweep/'s sub-folders are the links made below
+            (copy / relative).parent.mkdir(parents=True, exist_ok=True)
+            (copy / relative).write_text(import_statements(path), encoding="utf-8")
+    for folder in ("sweep", "workers", "results"):
+        (copy / "headsweep" / folder).symlink_to(Path("..") / folder)
+    shutil.copy(REPO / "pyrightconfig.json", copy)
+    (copy / "tests" / "unresolved_canary.py").write_text("import headsweep.no_such_module\nimport no_such_dist_xyz\n")
+    proc = subprocess.run([tool, "--outputjson"], cwd=copy, capture_output=True, text=True, timeout=600)
     report = json.loads(proc.stdout)
-    unresolved = [f"{d['file']}:{d['range']['start']['line'] + 1}: {d['message']}"
+    unresolved = [f"{Path(d['file']).relative_to(copy)}:{d['range']['start']['line'] + 1}: {d['message']}"
                   for d in report["generalDiagnostics"] if d.get("rule") == "reportMissingImports"]
     assert report["summary"]["filesAnalyzed"] > 100, report["summary"]
-    assert not unresolved, "\n".join(unresolved)
+    canary = [u for u in unresolved if u.startswith("tests/unresolved_canary.py:")]
+    assert [u.split(":")[1] for u in canary] == ["1", "2"], unresolved
+    assert unresolved == canary, "\n".join(unresolved)
