@@ -78,9 +78,9 @@ its phase breakdown (worker start and load, grid, importance, pruning, efficienc
 writes) and its per-module forward profile.
 
 Usage: python -m bench.real_size [--shape NAME] [--store DIR] [--smoke]
-``--smoke``: the same four architectures shrunk (4 layers, heads of 8, vocabulary 2,048 or 4,096), 4 windows of 32
-tokens or 24 sentences, two heads per grid layer, R from 256 x 256 products; seconds per shape, figures meaningless
-(tests/project/test_bench_smoke_real_size.py).
+``--smoke``: bert-base and llama-3.2-1b (or ``--shape``) shrunk (4 layers, heads of 8, vocabulary 2,048 or 4,096),
+4 windows of 32 tokens or 24 sentences, two heads per grid layer, R from 256 x 256 products; seconds per shape,
+figures meaningless (tests/project/test_bench_smoke_real_size.py).
 """
 
 from __future__ import annotations
@@ -130,6 +130,9 @@ class Spec:
 
 SPECS = {s.name: s for s in (Spec(BERT_BASE, "hf_classifier", None), Spec(GPT2_SMALL, "hf_causal_lm", None),
                               Spec(QWEN25_05B, "hf_causal_lm", 4), Spec(LLAMA32_1B, "hf_causal_lm", 4))}
+# The shapes a smoke run measures without --shape: one per family (the LM with grouped-query attention), since
+# every shape of a family takes the same code path here and each costs a smoke run 15 s.
+SMOKE_SHAPES = ("bert-base", "llama-3.2-1b")
 
 
 @dataclass(frozen=True)
@@ -755,7 +758,7 @@ def main() -> None:
         f"{load[2]:.2f}; float32 torch.mm {SIZES.mm_n} x {SIZES.mm_n} on 1 thread (fastest product of "
         f"{SIZES.mm_seconds:g} s): {rates[0] / 1e9:.1f} "
         f"GFLOP/s (x 2 workers = {2 * rates[0] / 1e9:.1f})")
-    names = [args.shape] if args.shape else list(SPECS)
+    names = [args.shape] if args.shape else list(SMOKE_SHAPES if common.SMOKE else SPECS)
     watch = WorkerWatch()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="real_size-") as tmp:

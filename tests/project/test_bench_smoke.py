@@ -42,7 +42,7 @@ SMOKE = {
     "multi30k_roles": ["roles"],
     "multi30k_translation": ["multi30k_grid"],
     "prune_speed": ["prune_speed", "prune_speed"],  # batch sizes 1 and 64
-    "real_size": ["real_size"] * 4,  # bert-base, gpt2, qwen2.5-0.5b, llama-3.2-1b
+    "real_size": ["real_size"] * 2,  # bert-base, llama-3.2-1b (one shape per family)
     "report_scale": ["report_scale"],  # a synthetic store's report opened in headless Chromium
     "screening": ["screening_classifier", "screening_rates_classifier", "screening"],
     "significance": ["significance"],

@@ -1,4 +1,4 @@
-"""``python -m bench.real_size --smoke`` (its four real shapes at smoke size), in a file of its own so that the
+"""``python -m bench.real_size --smoke`` (a real shape of each family at smoke size), in a file of its own so that the
 suite's two test processes run it beside the other smoke runs (test_bench_smoke.py) rather than after them."""
 
 from __future__ import annotations
