@@ -177,6 +177,15 @@ def test_the_driver_imports_neither_torch_nor_scipy_stats():
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
+def test_the_reading_commands_do_not_import_ray():
+    """``runs``, ``query``, ``status``, ``report`` and ``compare`` read a store: the experiment kinds they register
+    and the store's readers leave Ray (0.4 s of every such command) to the commands that run work."""
+    code = ("import sys; import headsweep.sweep.terminal.cli, headsweep.sweep.experiments, headsweep.sweep.run.status, "
+            "headsweep.results.query; print('ray' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stdout + proc.stderr
+
+
 def import_statements(path: Path) -> str:
     """Every import statement of ``path`` (top level, in functions, under ``if``/``try``), each as written with its
     trailing comment (a ``# pyright: ignore`` stays on its line), one after another; ``__future__`` left out."""
