@@ -1,5 +1,5 @@
 """``python -m headsweep``: the same as the ``headsweep`` command."""
 
-from headsweep.sweep.terminal.cli import main
+from headsweep.sweep.terminal.cli import console_main
 
-raise SystemExit(main())
+raise SystemExit(console_main())
