@@ -46,6 +46,7 @@ from headsweep.workers.families.hf_causal_lm.lm_eval_tasks import TaskDocs, load
 from headsweep.workers.families.hf_causal_lm.model import (
     GatedCausalLM,
     activation_bytes_per_row,
+    length_batches,
     model_facts,
     right_padded,
     row_sums,
@@ -175,9 +176,8 @@ class LmEvalAdapter(GatedCausalLM, ContextCacheSwitch, BaselineOnce):
 
     def _batches(self, which: Sequence[int], batch_size: int) -> list[RowBatch]:
         """Rows sorted by length (little padding), ``batch_size`` rows a batch."""
-        order = sorted(which, key=lambda i: len(self.rows[i].inputs))
-        return [row_batch(self.rows, order[i : i + batch_size], self.device)
-                for i in range(0, len(order), max(1, batch_size))]
+        lengths = [len(row.inputs) for row in self.rows]
+        return [row_batch(self.rows, rows, self.device) for rows in length_batches(which, lengths, batch_size)]
 
     # -- the adapter contract ------------------------------------------------------------------------------------
     def describe(self) -> DatasetInfo:

@@ -131,6 +131,12 @@ def target_logprobs(logits: torch.Tensor, positions: torch.Tensor, targets: torc
     return torch.cat([picked, greedy.to(picked.dtype)], dim=1)
 
 
+def length_batches(which: Sequence[int], lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """The rows ``which`` sorted by ``lengths[i]`` (little padding in each batch), ``batch_size`` rows a batch."""
+    order = sorted(which, key=lambda i: lengths[i])
+    return [order[i : i + batch_size] for i in range(0, len(order), max(1, batch_size))]
+
+
 def right_padded(rows: Sequence[tuple[Sequence[int], Sequence[int]]]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of (input ids, continuation ids) as one right-padded batch (padding id 0: masked out, and never read
