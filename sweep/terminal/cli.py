@@ -432,4 +432,4 @@ def console_main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())
