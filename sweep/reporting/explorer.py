@@ -18,7 +18,7 @@ import duckdb
 
 from headsweep.sweep.reporting import plots
 from headsweep.sweep.reporting.drill_scores import ChoiceScores, NotRecomputed, TokenLosses
-from headsweep.sweep.reporting.example_changes import changes, top_changed, value_name
+from headsweep.sweep.reporting.example_changes import Changes, changes, top_changed, value_name
 from headsweep.sweep.reporting.figures import harm, metric_name
 from headsweep.sweep.reporting.page import rows as query_rows
 from headsweep.sweep.reporting.page import same
@@ -27,7 +27,7 @@ from headsweep.workers.core.metrics import higher_is_better
 
 TOP_EXAMPLES = 5  # per direction, per head
 MAX_TEXT = 600  # characters of an input or output shown in a drill-down (the store keeps all of it)
-FAR_OFF_NAMED = 5
+NAMED_HEADS = 5  # heads named under the cheap-vs-exact scatter (and labelled on it)
 
 HEADS_SQL = f"""
 SELECT h.*, d.ci_low, d.ci_high, d.eval_id, r.confidence, r.top_offset, r.top_offset_share, r.rare_share,
@@ -130,13 +130,12 @@ class Explorer:
             for h in self.heads:
                 if h["delta"] is not None:
                     h["harm"] = harm(self.metric, h["delta"])
-            named = plots.far_off(self.heads, "importance", FAR_OFF_NAMED)
+            found = plots.disagreement(self.heads, "importance", NAMED_HEADS)
+            # where the two orders agree, the note (and the labels) name the most harmful of the compared heads
+            named = found.named or sorted(found.compared, key=lambda h: (h["rank_harm"], h["name"]))[:NAMED_HEADS]
             parts.append(self._figure("cheap-vs-exact", plots.cheap_vs_exact(self.heads, "importance", method,
                                                                              self.metric, named)))
-            listed = ", ".join(f"{html.escape(h['name'])} (#{h['rank_cheap']} by {html.escape(method)}, "
-                               f"#{h['rank_harm']} by harm)" for h in named)
-            parts.append(f'<p class="note">Heads where the cheap estimate and the exact answer disagree most: '
-                         f"{listed}.</p>")
+            parts.append(disagreement_note(found, named, method))
         return parts
 
     def interactions(self) -> list[str]:
@@ -157,6 +156,7 @@ class Explorer:
         its attention patterns from ``extras``, which may also add ``html``)."""
         found = changes(self.con, self.run["run_id"], self.checkpoint, self.metric)
         top = top_changed(found, TOP_EXAMPLES) if found is not None else {}
+        filled = filled_columns(found) if found is not None else set()
         out = {}
         for h in self.heads:
             parts = [f"<h3>Head {html.escape(h['name'])}</h3>", self._facts(h, pruned_at.get(h["name"]))]
@@ -167,8 +167,8 @@ class Explorer:
                 parts.append('<p class="note">This head was not ablated alone in this run: no examples.</p>')
             else:
                 worse, better = top.get(h["eval_id"], ((), ()))
-                parts.append(self._examples(found, worse, "Examples its removal makes worse", inputs))
-                parts.append(self._examples(found, better, "Examples its removal makes better", inputs))
+                parts.append(self._examples(found, worse, "Examples its removal makes worse", inputs, filled))
+                parts.append(self._examples(found, better, "Examples its removal makes better", inputs, filled))
             more = (extras or {}).get(h["name"], {})
             if more.get("html"):
                 parts.append(more["html"])
@@ -199,12 +199,15 @@ class Explorer:
                         for k, v in rows)
         return f'<table class="facts">{cells}</table>'
 
-    def _examples(self, found, indices: Sequence[int], title: str, inputs: dict[str, str] | None) -> str:
+    def _examples(self, found, indices: Sequence[int], title: str, inputs: dict[str, str] | None,
+                  filled: set[str]) -> str:
         if len(indices) == 0:
             return f"<h4>{html.escape(title)}</h4><p class=\"note\">None: no example changed that way.</p>"
         name = value_name(self.metric)
-        head = ["example", "input", "reference", "baseline output", "output with the head masked",
-                f"{name}, baseline", f"{name}, masked", "change"]
+        head = ["example", "input"]
+        head += ["reference"] if "reference" in filled else []
+        head += ["baseline output", "output with the head masked"] if "output" in filled else []
+        head += [f"{name}, baseline", f"{name}, masked", "change"]
         # a pair's two answers: its stored answer NLL and logit difference give both log-probabilities (one softmax)
         pair = self.metric == "logit_diff" and found.loss is not None and found.base_loss is not None
         if pair:
@@ -216,11 +219,14 @@ class Explorer:
         for i in indices:
             example = str(found.example_ids[i])
             text = inputs.get(example) if inputs is not None else None
-            flipped = found.output[i] != found.base_output[i]
-            cells = [example, _cut(text) if text is not None else "(not stored)", _cut(found.reference[i]),
-                     _cut(found.base_output[i]), _cut(found.output[i]) + (" (changed)" if flipped else ""),
-                     plots.num(float(found.base[i])), plots.num(float(found.value[i])),
-                     plots.num(float(found.value[i] - found.base[i]))]
+            cells = [example, _cut(text) if text is not None else "(not stored)"]
+            if "reference" in filled:
+                cells.append(_cut(found.reference[i]))
+            if "output" in filled:
+                flipped = found.output[i] != found.base_output[i]
+                cells += [_cut(found.base_output[i]), _cut(found.output[i]) + (" (changed)" if flipped else "")]
+            cells += [plots.num(float(found.base[i])), plots.num(float(found.value[i])),
+                      plots.num(float(found.value[i] - found.base[i]))]
             if pair:
                 answer = (-float(found.base_loss[i]), -float(found.loss[i]))
                 cells += [plots.num(answer[0]), plots.num(answer[1]), plots.num(answer[0] - float(found.base[i])),
@@ -231,6 +237,38 @@ class Explorer:
                         + "</tr>")
         header = "".join(f"<th>{html.escape(c)}</th>" for c in head)
         return f"<h4>{html.escape(title)}</h4><table class=\"examples\"><tr>{header}</tr>{''.join(body)}</table>"
+
+
+def filled_columns(found: Changes) -> set[str]:
+    """Which of the drill-downs' optional text columns the run's family fills anywhere: ``reference``, ``output``
+    (the baseline's and the masked model's; a causal LM's perplexity windows have none). A column empty for every
+    example of the run is left out of every drill-down, so each shows the same columns."""
+    def any_text(*columns) -> bool:
+        return any(v is not None and str(v) != "" for column in columns for v in column)
+
+    return ({"reference"} if any_text(found.reference) else set()) | (
+        {"output"} if any_text(found.output, found.base_output) else set())
+
+
+def disagreement_note(found: plots.Disagreement, named: Sequence[dict], method: str) -> str:
+    """The line under the cheap-vs-exact scatter: the heads whose two ranks differ most, or that the two orders
+    agree, or that no head's exact effect stands out from noise; ranks count among the compared heads only."""
+    listed = ", ".join(f"{html.escape(h['name'])} (#{h['rank_cheap']} by {html.escape(method)}, #{h['rank_harm']} by "
+                       "harm)" for h in named)
+    if found.named:
+        text = (f"Heads where the cheap estimate and the exact answer disagree most, ranked among the "
+                f"{len(found.compared)} heads whose exact effect is distinguishable from noise (significant, or a 95% "
+                f"interval excluding zero; the others' harms are ties within noise): {listed}.")
+    elif len(found.compared) == 1:
+        text = (f"Nothing disagrees: only one head's exact effect is distinguishable from noise ({listed}), so there "
+                "is no order for the cheap estimate to get wrong.")
+    elif found.compared:
+        text = (f"Nothing disagrees: the cheap estimate orders the {len(found.compared)} heads whose exact effect is "
+                f"distinguishable from noise as the exact answer does (most harmful: {listed}).")
+    else:
+        text = ("Nothing to compare: no head's exact effect is distinguishable from noise (none significant, no 95% "
+                "interval excluding zero), so no ranking by harm exists for the cheap estimate to disagree with.")
+    return f'<p class="note disagreement">{text}</p>'
 
 
 def attention_extras(patterns: Sequence, losses: Sequence) -> dict[str, dict]:

@@ -233,34 +233,162 @@ def interactions(rows: Sequence[dict], attention: str, metric: str | None) -> st
     return pio.to_json(fig, validate=False, engine="json")
 
 
-def far_off(heads: Sequence[dict], key: str, n: int) -> list[dict]:
-    """The ``n`` heads whose rank by ``key`` (cheap importance, most first) is farthest from their rank by exact
-    single-head harm (most harmful first): where pruning by the cheap estimate goes wrong."""
-    both = [h for h in heads if h.get(key) is not None and h.get("harm") is not None]
-    by_cheap = {h["name"]: r for r, h in enumerate(sorted(both, key=lambda h: (-h[key], h["name"])), start=1)}
-    by_harm = {h["name"]: r for r, h in enumerate(sorted(both, key=lambda h: (-h["harm"], h["name"])), start=1)}
-    for h in both:
+def distinguishable(h: dict) -> bool:
+    """Whether a head's exact single-head effect stands out from noise: significant (adjusted p), or its 95%
+    interval excludes zero."""
+    if h.get("significant"):
+        return True
+    low, high = h.get("ci_low"), h.get("ci_high")
+    return (low is not None and low > 0) or (high is not None and high < 0)
+
+
+def _ranks(heads: Sequence[dict], value: Callable[[dict], float]) -> dict[str, int]:
+    """Competition ranks, largest first: equal values share the best rank (1, 2, 2, 4), so a tie never reads as a
+    difference of ranks."""
+    values = sorted((value(h) for h in heads), reverse=True)
+    first = {}
+    for rank, v in enumerate(values, start=1):
+        first.setdefault(v, rank)
+    return {h["name"]: first[value(h)] for h in heads}
+
+
+@dataclass
+class Disagreement:
+    """The cheap estimate against the exact answer, on the heads whose exact effect is distinguishable from noise.
+
+    ``compared``: those heads (ranked among themselves: ``rank_cheap`` by the cheap estimate, most first;
+    ``rank_harm`` by exact harm, most harmful first; both set on each head's dict); ``named``: the up to ``n`` of
+    them whose two ranks differ most (most first, ties by name), none where both orders agree."""
+
+    compared: list[dict]
+    named: list[dict]
+
+
+def disagreement(heads: Sequence[dict], key: str, n: int) -> Disagreement:
+    """Where pruning by the cheap estimate (``key``) would go wrong: among the heads with both a cheap estimate and
+    an exact harm whose exact effect is :func:`distinguishable` from noise, the ``n`` whose rank by ``key`` is
+    farthest from their rank by harm. Heads within noise are left out: their harms are ties of zero, and the ranks
+    of ties say nothing."""
+    compared = [h for h in heads if h.get(key) is not None and h.get("harm") is not None and distinguishable(h)]
+    by_cheap, by_harm = _ranks(compared, lambda h: h[key]), _ranks(compared, lambda h: h["harm"])
+    for h in compared:
         h["rank_cheap"], h["rank_harm"] = by_cheap[h["name"]], by_harm[h["name"]]
-    return sorted(both, key=lambda h: (-abs(h["rank_cheap"] - h["rank_harm"]), h["name"]))[:n]
+    apart = [h for h in compared if h["rank_cheap"] != h["rank_harm"]]
+    return Disagreement(compared, sorted(apart, key=lambda h: (-abs(h["rank_cheap"] - h["rank_harm"]), h["name"]))[:n])
+
+
+# Labels on the scatter: one text line at LABEL_FONT px is about 14 px tall; LABEL_GAP px between label centres
+# keeps them apart on a plot area as short as PLOT_MIN_HEIGHT px (the figure is 440 px tall with 130 px of margins,
+# more where plotly's automatic margins grow; a taller plot only spreads them further).
+LABEL_FONT = 10
+LABEL_GAP = 22
+PLOT_MIN_HEIGHT = 260
+# Sideways, a label is about CHAR_WIDTH px per character; on a plot area PLOT_MIN_WIDTH px wide (narrower than the
+# page's at any desktop width) it is placed where it covers no point, trying these shifts (shares of the x range).
+CHAR_WIDTH = 6.2
+PLOT_MIN_WIDTH = 800
+LABEL_SHIFTS = (0.04, 0.1, 0.2, 0.35)
+
+
+def _padded(values: Sequence[float], share: float) -> tuple[float, float]:
+    lo, hi = min(values), max(values)
+    pad = (hi - lo) * share or abs(hi) * share or 1.0
+    return lo - pad, hi + pad
+
+
+def label_slots(ys: Sequence[float], lo: float, hi: float, gap: float) -> list[float]:
+    """Heights for labels of points at ``ys`` on an axis from ``lo`` to ``hi``: each as near its point as it can
+    be while every two are at least ``gap`` apart and all stay inside (``len(ys) * gap`` must fit in the range)."""
+    order = sorted(range(len(ys)), key=lambda i: -ys[i])  # top first
+    slots = [0.0] * len(ys)
+    ceiling = hi - gap / 2
+    for i in order:  # push each down below the one above it
+        slots[i] = min(ys[i], ceiling)
+        ceiling = slots[i] - gap
+    floor = lo + gap / 2
+    for i in reversed(order):  # then up, where the bottom ones fell out of the range
+        slots[i] = max(slots[i], floor)
+        floor = slots[i] + gap
+    return slots
+
+
+@dataclass
+class Frame:
+    """The data ranges of a plot area and its smallest expected size in pixels: where a label lands."""
+
+    x_lo: float
+    x_hi: float
+    y_lo: float
+    y_hi: float
+
+    def per_px(self) -> tuple[float, float]:
+        return (self.x_hi - self.x_lo) / PLOT_MIN_WIDTH, (self.y_hi - self.y_lo) / PLOT_MIN_HEIGHT
+
+
+def label_start(point: tuple[float, float], height: float, text: str, points: Sequence[tuple[float, float]],
+                frame: Frame) -> tuple[float, bool]:
+    """Where a label of ``text`` at ``height`` for ``point`` starts (x) and whether it runs rightwards from there:
+    the nearest shift, toward the middle first, whose box stays inside ``frame`` and covers none of ``points``
+    (markers, 7 px); where every one covers some, the one that covers fewest."""
+    dx, dy = frame.per_px()
+    width, half = len(text) * CHAR_WIDTH * dx, 9 * dy
+    toward_right = point[0] <= (frame.x_lo + frame.x_hi) / 2
+    tries = [(shift, rightwards) for shift in LABEL_SHIFTS for rightwards in (toward_right, not toward_right)]
+    best: tuple[int, float, bool] | None = None
+    for shift, rightwards in tries:
+        start = point[0] + (1 if rightwards else -1) * shift * (frame.x_hi - frame.x_lo)
+        left, right = (start, start + width) if rightwards else (start - width, start)
+        if not (frame.x_lo <= left and right <= frame.x_hi):
+            continue
+        covered = sum(left - 5 * dx <= x <= right + 5 * dx and abs(y - height) <= half + 5 * dy for x, y in points)
+        if best is None or covered < best[0]:
+            best = (covered, start, rightwards)
+        if covered == 0:
+            break
+    if best is None:  # wider than the plot at every shift: the nearest one, toward the middle
+        return point[0] + (1 if toward_right else -1) * LABEL_SHIFTS[0] * (frame.x_hi - frame.x_lo), toward_right
+    return best[1], best[2]
 
 
 def cheap_vs_exact(heads: Sequence[dict], key: str, method: str, metric: str | None, named: Sequence[dict]) -> str:
-    """Each head's cheap importance (gradient or LRP) against its exact single-head harm, the heads whose two ranks
-    differ most named on the plot."""
+    """Each head's cheap importance (gradient or LRP) against its exact single-head harm, in three groups
+    (significant; interval excluding zero; within noise). Only ``named`` heads carry labels, each at its own
+    height so that no two overlap (arrows point at their heads); the rest say who they are on hover."""
     both = [h for h in heads if h.get(key) is not None and h.get("harm") is not None]
-    fig = go.Figure(go.Scatter(
-        x=[h[key] for h in both], y=[h["harm"] for h in both], mode="markers", customdata=[h["name"] for h in both],
-        text=[f"{h['hover']}<br>rank by {method}: {h.get('rank_cheap')}, by harm: {h.get('rank_harm')}"
-              for h in both], hovertemplate="%{text}<extra></extra>",
-        marker={"color": ["#d62728" if h.get("significant") else "#1f77b4" for h in both], "size": 7}))
-    for h in named:
-        fig.add_annotation(x=h[key], y=h["harm"], text=f"{h['name']} (#{h['rank_cheap']} vs #{h['rank_harm']})",
-                           showarrow=True, arrowhead=1, font={"size": 10})
-    fig.update_layout(title={"text": f"Cheap estimate ({method}) against exact single-head harm; red = significant; "
-                             "named: ranks farthest apart", "x": 0, "xanchor": "left", "font": {"size": 13}},
-                      xaxis_title=f"{method} importance", height=440,
-                      yaxis_title=f"harm of masking the head alone ({metric_name(metric)}, positive = worse)",
-                      margin={"l": 60, "r": 20, "t": 50, "b": 50})
+    fig = go.Figure()
+    groups = [("significant (adjusted p)", "#d62728", lambda h: bool(h.get("significant"))),
+              ("95% interval excludes zero", "#1f77b4", lambda h: not h.get("significant") and distinguishable(h)),
+              ("within noise (not ranked)", "#a6a6a6", lambda h: not distinguishable(h))]
+    for label, colour, member in groups:
+        mine = [h for h in both if member(h)]
+        if not mine:
+            continue
+        fig.add_trace(go.Scatter(
+            x=[h[key] for h in mine], y=[h["harm"] for h in mine], mode="markers", name=label,
+            customdata=[h["name"] for h in mine], hovertemplate="%{text}<extra></extra>",
+            text=[h["hover"] + (f"<br>rank by {method}: {h['rank_cheap']}, by harm: {h['rank_harm']}"
+                                if h.get("rank_cheap") is not None else "<br>not ranked: exact effect within noise")
+                  for h in mine],
+            marker={"color": colour, "size": 7}))
+    xs, ys = [h[key] for h in both], [h["harm"] for h in both]
+    (x_lo, x_hi), (y_lo, y_hi) = _padded(xs, 0.05), _padded(ys, 0.08)
+    frame = Frame(x_lo, x_hi, y_lo, y_hi)
+    heights = label_slots([h["harm"] for h in named], y_lo, y_hi, (y_hi - y_lo) * LABEL_GAP / PLOT_MIN_HEIGHT)
+    points = list(zip(xs, ys, strict=True))
+    for h, height in zip(named, heights, strict=True):
+        text = f"{h['name']} (#{h['rank_cheap']} vs #{h['rank_harm']})"
+        start, rightwards = label_start((h[key], h["harm"]), height, text, points, frame)
+        fig.add_annotation(x=h[key], y=h["harm"], ax=start, ay=height, axref="x", ayref="y",
+                           xanchor="left" if rightwards else "right", showarrow=True, arrowhead=1, arrowcolor="#444",
+                           font={"size": LABEL_FONT}, bgcolor="rgba(255,255,255,0.8)", text=text)
+    fig.update_layout(title={"text": f"Cheap estimate ({method}) against exact single-head harm; labelled: the heads "
+                                     "named below (#rank by it vs #rank by harm); hover for the others",
+                             "x": 0, "xanchor": "left", "font": {"size": 13}},
+                      xaxis={"title": {"text": f"{method} importance"}, "range": [x_lo, x_hi]},
+                      yaxis={"title": {"text": f"harm of masking the head alone ({metric_name(metric)}, positive = "
+                                               "worse)"}, "range": [y_lo, y_hi]},
+                      height=440, legend={"orientation": "h", "x": 0, "y": 1.02, "yanchor": "bottom"},
+                      margin={"l": 60, "r": 20, "t": 80, "b": 50})
     return pio.to_json(fig, validate=False, engine="json")
 
 

@@ -1,12 +1,16 @@
 """What the explorer tests share: bench/browser.py and bench/synthetic_store.py loaded by their paths (the suite does
-not put the repository root on sys.path), and the SQL that names a head's most harmed example straight from the
-store (the independent route for the drill-downs and ``Store.head``)."""
+not put the repository root on sys.path), the SQL that names a head's most harmed example straight from the
+store (the independent route for the drill-downs and ``Store.head``), and a causal LM's perplexity run made once per
+test session (its drill-downs and recomputed token losses)."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 from types import ModuleType
+
+import yaml
+from conftest import run_cli
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -29,3 +33,26 @@ FROM examples m JOIN examples b ON b.run_id = m.run_id AND b.example_id = m.exam
 WHERE m.run_id = ? AND m.eval_id = ? AND b.eval_id = ? AND b.stats[1] - m.stats[1] > 0
 ORDER BY harm DESC, m.example_id
 """
+
+
+def mean_lm_store(tmp_path_factory, ray_address: str) -> tuple[Path, str]:
+    """A mean-ablation perplexity sweep of a tiny Llama-style model through the real CLI (baseline, single heads),
+    run once per test session (under pytest's session temporary folder): (store folder, run id)."""
+    tmp = tmp_path_factory.getbasetemp() / "mean-lm"
+    done = tmp / "run_id.txt"
+    if not done.is_file():
+        from tiny_models import lm_text, save_tiny_causal_lm  # torch: only when the store is built
+
+        tmp.mkdir(exist_ok=True)
+        model_dir = save_tiny_causal_lm(tmp / "llama", "llama_8q2kv")
+        corpus = tmp / "corpus.txt"
+        corpus.write_text(lm_text(160, seed=4))
+        config = tmp / "run.yaml"
+        config.write_text(yaml.safe_dump({
+            "model": {"kind": "hf_causal_lm", "path": str(model_dir), "attn_implementation": "eager"},
+            "data": {"path": str(corpus), "window": 16},
+            "sweep": {"experiments": ["baseline", "single_head"], "ablation": "mean", "batch_size": 8}}))
+        proc = run_cli("run", str(config), "--store", str(tmp / "store"), "--address", ray_address, "--quiet")
+        assert proc.returncode == 0, proc.stderr
+        done.write_text(proc.stdout.strip().splitlines()[-1])
+    return tmp / "store", done.read_text()

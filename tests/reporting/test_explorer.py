@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 from conftest import error_line, run_cli
-from explorer_support import WORST_EXAMPLES_SQL, bench_module
+from explorer_support import WORST_EXAMPLES_SQL, bench_module, mean_lm_store
 from small_store import small_store
 
 import headsweep
@@ -130,15 +130,41 @@ def test_run_without_example_rows_and_store_before_inputs(synth, tmp_path):
     assert all("stored no per-example rows" in entry["html"] for entry in heads.values())
 
 
-def test_far_off_names_the_heads_whose_two_ranks_differ_most():
-    """The cheap-vs-exact scatter's named heads: rank by importance (most first) against rank by harm."""
-    from headsweep.sweep.reporting.plots import far_off
+def test_disagreement_ranks_only_heads_distinguishable_from_noise():
+    """The cheap-vs-exact comparison: heads whose exact effect is within noise (not significant, interval across
+    zero) are left out however their ties would rank; ties share a rank; orders that agree name nobody."""
+    from headsweep.sweep.reporting.plots import disagreement
 
-    heads = [{"name": f"self:0:{i}", "importance": imp, "harm": harm}
-             for i, (imp, harm) in enumerate([(5.0, 0.5), (4.0, 0.4), (3.0, 0.3), (0.1, 0.9), (2.0, 0.2)])]
-    [first] = far_off(heads, "importance", 1)
-    # self:0:3 is last by importance (#5) and first by harm (#1): what pruning by importance keeps wrongly last
-    assert (first["name"], first["rank_cheap"], first["rank_harm"]) == ("self:0:3", 5, 1)
+    def head(i, importance, harm, significant=False, ci=(-1.0, 1.0)):
+        return {"name": f"self:0:{i}", "importance": importance, "harm": harm, "significant": significant,
+                "ci_low": ci[0], "ci_high": ci[1]}
+
+    heads = [head(0, 5.0, 0.5, True), head(1, 4.0, 0.4, ci=(0.1, 0.7)), head(2, 3.0, 0.3, True),
+             head(3, 0.1, 0.9, True), head(4, 2.0, 0.0), head(5, 9.0, 0.0), head(6, 0.05, -0.2, ci=(-0.3, -0.1))]
+    found = disagreement(heads, "importance", 2)
+    # self:0:4 and self:0:5 (zero harm, intervals across zero) are not compared: self:0:5's #1 by importance
+    # against a tie of zeros would have been the "largest disagreement"
+    assert [h["name"] for h in found.compared] == ["self:0:0", "self:0:1", "self:0:2", "self:0:3", "self:0:6"]
+    ranks = {h["name"]: (h["rank_cheap"], h["rank_harm"]) for h in found.compared}
+    assert ranks == {"self:0:0": (1, 2), "self:0:1": (2, 3), "self:0:2": (3, 4), "self:0:3": (4, 1),
+                     "self:0:6": (5, 5)}
+    assert [h["name"] for h in found.named] == ["self:0:3", "self:0:0"]  # 3 apart, then 1 (ties by name)
+    assert "rank_cheap" not in heads[5]
+    tied = disagreement([head(0, 2.0, 0.5, True), head(1, 1.0, 0.5, True)], "importance", 5)
+    assert [(h["rank_cheap"], h["rank_harm"]) for h in tied.compared] == [(1, 1), (2, 1)]
+    agree = disagreement([head(0, 2.0, 0.5, True), head(1, 1.0, 0.2, True), head(2, 3.0, 0.0)], "importance", 5)
+    assert len(agree.compared) == 2 and agree.named == []
+    assert disagreement([head(0, 2.0, 0.0), head(1, 1.0, 0.01)], "importance", 5).compared == []
+
+
+def test_label_slots_keep_labels_apart_inside_the_axis():
+    from headsweep.sweep.reporting.plots import label_slots
+
+    ys = [0.0, 0.01, 0.02, 0.0, 5.0, 10.0]
+    slots = label_slots(ys, -1.0, 10.0, 1.0)
+    assert all(-0.5 <= s <= 9.5 for s in slots)
+    assert all(abs(a - b) >= 1.0 - 1e-12 for i, a in enumerate(slots) for b in slots[i + 1:])
+    assert slots[4] == 5.0 and slots[5] == 9.5  # a label that can sit at its point does; the top one stays inside
 
 
 def test_token_losses_equal_the_weight_surgery_models(tmp_path, one_thread):
@@ -178,23 +204,8 @@ def test_token_losses_equal_the_weight_surgery_models(tmp_path, one_thread):
 
 @pytest.fixture(scope="module")
 def mean_lm_run(tmp_path_factory, ray_address):
-    """A mean-ablation perplexity sweep of a tiny Llama-style model through the real CLI (baseline, single heads)."""
-    import yaml
-    from tiny_models import lm_text, save_tiny_causal_lm
-
-    tmp = tmp_path_factory.mktemp("mean-lm")
-    model_dir = save_tiny_causal_lm(tmp / "llama", "llama_8q2kv")
-    corpus = tmp / "corpus.txt"
-    corpus.write_text(lm_text(160, seed=4))
-    config = tmp / "run.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"kind": "hf_causal_lm", "path": str(model_dir), "attn_implementation": "eager"},
-        "data": {"path": str(corpus), "window": 16},
-        "sweep": {"experiments": ["baseline", "single_head"], "ablation": "mean", "batch_size": 8}}))
-    store = tmp / "store"
-    proc = run_cli("run", str(config), "--store", str(store), "--address", ray_address, "--quiet")
-    assert proc.returncode == 0, proc.stderr
-    return store, proc.stdout.strip().splitlines()[-1]
+    """A mean-ablation perplexity sweep of a tiny Llama-style model (shared with the browser tests)."""
+    return mean_lm_store(tmp_path_factory, ray_address)
 
 
 def test_mean_ablation_token_losses_sum_to_the_stored_window_nll(mean_lm_run, tmp_path):
