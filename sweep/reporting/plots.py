@@ -287,7 +287,7 @@ PLOT_MIN_HEIGHT = 260
 # page's at any desktop width) it is placed where it covers no point, trying these shifts (shares of the x range).
 CHAR_WIDTH = 6.2
 PLOT_MIN_WIDTH = 800
-LABEL_SHIFTS = (0.04, 0.1, 0.2, 0.35)
+LABEL_SHIFTS = (0.04, 0.1, 0.2)  # farther, the arrow grows too long to read
 
 
 def _padded(values: Sequence[float], share: float) -> tuple[float, float]:
@@ -325,29 +325,45 @@ class Frame:
         return (self.x_hi - self.x_lo) / PLOT_MIN_WIDTH, (self.y_hi - self.y_lo) / PLOT_MIN_HEIGHT
 
 
-def label_start(point: tuple[float, float], height: float, text: str, points: Sequence[tuple[float, float]],
-                frame: Frame) -> tuple[float, bool]:
-    """Where a label of ``text`` at ``height`` for ``point`` starts (x) and whether it runs rightwards from there:
-    the nearest shift, toward the middle first, whose box stays inside ``frame`` and covers none of ``points``
-    (markers, 7 px); where every one covers some, the one that covers fewest."""
+def _near_segment(q: tuple[float, float], a: tuple[float, float], b: tuple[float, float], dx: float, dy: float
+                  ) -> bool:
+    """Whether point ``q`` is within 5 px of the segment from ``a`` to ``b`` (data coordinates; ``dx``, ``dy``: data
+    per pixel)."""
+    (qx, qy), (ax, ay), (bx, by) = ((x / dx, y / dy) for x, y in (q, a, b))
+    vx, vy = bx - ax, by - ay
+    t = max(0.0, min(1.0, ((qx - ax) * vx + (qy - ay) * vy) / ((vx * vx + vy * vy) or 1.0)))
+    return math.hypot(qx - ax - t * vx, qy - ay - t * vy) <= 5
+
+
+def label_place(point: tuple[float, float], heights: Sequence[float], text: str,
+                points: Sequence[tuple[float, float]], frame: Frame) -> tuple[float, float, bool]:
+    """Where a label of ``text`` for ``point`` goes: (x where it starts, its height, whether it runs rightwards from
+    there). Of ``heights`` (its own slot first) and sideways shifts (the nearest first, toward the middle first), the
+    first whose box stays inside ``frame``, covers none of ``points`` (markers, 7 px) and whose arrow runs over none;
+    where every one does, the one that does least."""
     dx, dy = frame.per_px()
     width, half = len(text) * CHAR_WIDTH * dx, 9 * dy
     toward_right = point[0] <= (frame.x_lo + frame.x_hi) / 2
-    tries = [(shift, rightwards) for shift in LABEL_SHIFTS for rightwards in (toward_right, not toward_right)]
-    best: tuple[int, float, bool] | None = None
-    for shift, rightwards in tries:
-        start = point[0] + (1 if rightwards else -1) * shift * (frame.x_hi - frame.x_lo)
-        left, right = (start, start + width) if rightwards else (start - width, start)
-        if not (frame.x_lo <= left and right <= frame.x_hi):
-            continue
-        covered = sum(left - 5 * dx <= x <= right + 5 * dx and abs(y - height) <= half + 5 * dy for x, y in points)
-        if best is None or covered < best[0]:
-            best = (covered, start, rightwards)
-        if covered == 0:
-            break
+    best: tuple[int, float, float, bool] | None = None
+    for height in heights:
+        for shift in LABEL_SHIFTS:
+            for rightwards in (toward_right, not toward_right):
+                start = point[0] + (1 if rightwards else -1) * shift * (frame.x_hi - frame.x_lo)
+                left, right = (start, start + width) if rightwards else (start - width, start)
+                if not (frame.x_lo <= left and right <= frame.x_hi):
+                    continue
+                # a point under the label is hidden (2); one the arrow runs over only looks labelled (1)
+                covered = sum(2 if left - 5 * dx <= x <= right + 5 * dx and abs(y - height) <= half + 5 * dy else
+                              _near_segment((x, y), point, (start, height), dx, dy)
+                              for x, y in points if (x, y) != point)
+                if best is None or covered < best[0]:
+                    best = (covered, start, height, rightwards)
+                if covered == 0:
+                    return start, height, rightwards
     if best is None:  # wider than the plot at every shift: the nearest one, toward the middle
-        return point[0] + (1 if toward_right else -1) * LABEL_SHIFTS[0] * (frame.x_hi - frame.x_lo), toward_right
-    return best[1], best[2]
+        start = point[0] + (1 if toward_right else -1) * LABEL_SHIFTS[0] * (frame.x_hi - frame.x_lo)
+        return start, heights[0], toward_right
+    return best[1], best[2], best[3]
 
 
 def cheap_vs_exact(heads: Sequence[dict], key: str, method: str, metric: str | None, named: Sequence[dict]) -> str:
@@ -373,11 +389,19 @@ def cheap_vs_exact(heads: Sequence[dict], key: str, method: str, metric: str | N
     xs, ys = [h[key] for h in both], [h["harm"] for h in both]
     (x_lo, x_hi), (y_lo, y_hi) = _padded(xs, 0.05), _padded(ys, 0.08)
     frame = Frame(x_lo, x_hi, y_lo, y_hi)
-    heights = label_slots([h["harm"] for h in named], y_lo, y_hi, (y_hi - y_lo) * LABEL_GAP / PLOT_MIN_HEIGHT)
+    gap = (y_hi - y_lo) * LABEL_GAP / PLOT_MIN_HEIGHT
+    slots = label_slots([h["harm"] for h in named], y_lo, y_hi, gap)
     points = list(zip(xs, ys, strict=True))
-    for h, height in zip(named, heights, strict=True):
+    placed: list[float] = []
+    for i, (h, slot) in enumerate(zip(named, slots, strict=True)):
         text = f"{h['name']} (#{h['rank_cheap']} vs #{h['rank_harm']})"
-        start, rightwards = label_start((h[key], h["harm"]), height, text, points, frame)
+        # its slot, or a step above or below where that stays clear of the other labels (placed ones where they
+        # went, the rest at their slots) and of the edges
+        others = placed + list(slots[i + 1:])
+        heights = [slot] + [y for y in (slot + gap, slot - gap) if y_lo + gap / 2 <= y <= y_hi - gap / 2
+                            and all(abs(y - o) >= gap for o in others)]
+        start, height, rightwards = label_place((h[key], h["harm"]), heights, text, points, frame)
+        placed.append(height)
         fig.add_annotation(x=h[key], y=h["harm"], ax=start, ay=height, axref="x", ayref="y",
                            xanchor="left" if rightwards else "right", showarrow=True, arrowhead=1, arrowcolor="#444",
                            font={"size": LABEL_FONT}, bgcolor="rgba(255,255,255,0.8)", text=text)
