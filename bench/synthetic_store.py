@@ -32,11 +32,10 @@ def _rows_table(table: str, columns: dict) -> pa.Table:
 
 
 def build_store(root: Path, layers: int, heads: int, examples: int, methods: tuple[str, ...] = ("zero", "mean"),
-                seed: int = 0, levels: list[float] | None = None, effect: float = 1.0) -> list[str]:
+                seed: int = 0, levels: list[float] | None = None) -> list[str]:
     """A synthetic store at ``root``: one complete accuracy run per ablation method in ``methods`` (same model, data
     and heads), each with baseline, single-head and pruning evaluations and their per-example rows, significance,
-    gradient importance and inputs. ``effect`` scales how many examples each head's removal flips (0: no head
-    matters, every delta is zero). Returns the run ids (the first is the zero-ablation run)."""
+    gradient importance and inputs. Returns the run ids (the first is the zero-ablation run)."""
     from headsweep.results.store import ResultStore
 
     store = ResultStore(str(root))
@@ -50,7 +49,6 @@ def build_store(root: Path, layers: int, heads: int, examples: int, methods: tup
     # heavy-tailed harm: most heads flip almost nothing, a few flip many examples
     flips = np.minimum(examples // 2, (rng.pareto(1.5, n_heads) * examples * 0.004).astype(int)
                        + (rng.random(n_heads) < 0.5))  # half the heads flip at least one example
-    flips = (flips * effect).astype(int)
     importance = flips + rng.random(n_heads) * examples * 0.01  # a cheap estimate that mostly agrees
     now = datetime.now(UTC)
     run_ids = []
