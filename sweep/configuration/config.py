@@ -34,6 +34,7 @@ from headsweep.sweep.experiments import (
 from headsweep.sweep.experiments.data_sections import DATA, FILE, marked_fields, typed_data
 from headsweep.sweep.run.screening import Screening
 from headsweep.workers.core.registry import builtin_families, model_family
+from headsweep.workers.core.setting_ranges import check_ranges
 
 
 def _merge(base: dict, update: dict) -> dict:
@@ -158,6 +159,7 @@ def build_config(data: dict) -> Config:
         **{key: from_dict(settings, data.get(key), key) for key, settings in SECTIONS.items() if key in known},
         checkpoints=coerce(data.get("checkpoints"), list[str] | None, "checkpoints"),
     )
+    check_ranges(cfg)  # the top-level keys (each section checked its own as it was read)
     validate(cfg)
     return cfg
 
@@ -219,6 +221,10 @@ def check_data_files(cfg: Config) -> None:
 
 def _check_sections(cfg: Config) -> None:
     check_seeds(cfg)
+    _check_checkpoints(cfg.checkpoints)
+    model_check = getattr(cfg.model, "check", None)  # a family's checks across its model keys, if it has any
+    if model_check is not None:
+        model_check()
     cfg.sweep.check()
     Screening.check_config(cfg)
     if cfg.sweep.max_tokens is not None and not model_family(cfg.model.kind).batches_by_tokens:
@@ -238,6 +244,19 @@ def _check_sections(cfg: Config) -> None:
     for kind in KINDS.values():  # each kind's settings this config has, whether or not the run has the kind
         if kind.section is None or hasattr(cfg, kind.section):
             kind.check_settings(cfg)
+
+
+def _check_checkpoints(checkpoints: list[str] | None) -> None:
+    """The same checkpoint twice would be swept twice while the run counts it once."""
+    if not checkpoints:
+        return
+    seen: dict[str, str] = {}
+    for checkpoint in checkpoints:
+        same = str(Path(checkpoint).resolve()) if "://" not in checkpoint else checkpoint
+        if same in seen:
+            also = "" if seen[same] == checkpoint else f" (as {seen[same]} and {checkpoint})"
+            raise HeadsweepError(f"checkpoints names {checkpoint} twice{also}: name each checkpoint once")
+        seen[same] = checkpoint
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:

@@ -24,7 +24,7 @@ from headsweep.results.store import ResultStore, StoreFull
 from headsweep.sweep import experiments
 from headsweep.sweep.ablation.fill import fetch_fill
 from headsweep.sweep.ablation.values import ablation_spec
-from headsweep.sweep.cluster.placement import WorkerAsk, alive_nodes, check_placement
+from headsweep.sweep.cluster.placement import WorkerAsk, alive_nodes, check_placement, check_threads
 from headsweep.sweep.cluster.ray_session import init_ray, resolve_device
 from headsweep.sweep.configuration.ablation import averaged_outcomes
 from headsweep.sweep.configuration.sections import Config
@@ -35,7 +35,7 @@ from headsweep.sweep.run.claim import store_claim
 from headsweep.sweep.run.context import Context
 from headsweep.sweep.run.dispatch import WorkerPool, log, unwrap
 from headsweep.sweep.run.inputs import write_inputs
-from headsweep.sweep.run.memory import check_memory
+from headsweep.sweep.run.memory import check_memory, machine_cpus
 from headsweep.sweep.run.runs import (
     RunRecord,
     StoredResults,
@@ -141,6 +141,8 @@ class Sweep:
         self.cfg, self.hub = pin_hub_models(self.cfg)
         # Before Ray starts: a model the workers cannot hold together is refused, not swapped or killed mid-load.
         check_memory(self.cfg, [model for _, model in self.model_variants()], self.address)
+        if not self.address:  # a cluster's nodes are checked once connected (check_placement)
+            check_threads(self.cfg, machine_cpus(), "this machine has")
         init_ray(self.address, self.cfg)
         variants = self.model_variants()
         pool, info = self.start_workers(variants[0][1])

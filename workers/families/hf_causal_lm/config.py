@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.family import RuntimeOptions
+from headsweep.workers.core.setting_ranges import SEED, ranged
 from headsweep.workers.data.text_files import check_encoding
 
 # data.window when unset: this many tokens, or the model's maximum positions if it has fewer.
@@ -85,10 +86,10 @@ class CausalLMData:
     format: str | None = None  # text | jsonl | parquet; None: from the suffix
     text_column: str = "text"
     name: str | None = None
-    window: int | None = None
-    stride: int | None = None
+    window: int | None = ranged(None, at_least=2, why=" tokens (one to condition on, one to score)")
+    stride: int | None = ranged(None, at_least=1)
     add_bos: bool = False
-    max_windows: int | None = None
+    max_windows: int | None = ranged(None, at_least=1)
     encoding: str = "utf-8"
     task: str = "perplexity"  # perplexity | multiple_choice
     context_field: str = "context"
@@ -96,13 +97,13 @@ class CausalLMData:
     gold_field: str = "gold"
     target_delimiter: str = " "
     choice_score: str = "acc"  # acc | acc_norm: which one is the run's metric
-    max_questions: int | None = None
-    max_pairs: int | None = None
+    max_questions: int | None = ranged(None, at_least=1)
+    max_pairs: int | None = ranged(None, at_least=1)
     tasks: list[str] | None = None
     include_path: str | None = None
-    num_fewshot: int | None = None
-    fewshot_seed: int = LM_EVAL_FEWSHOT_SEED
-    limit: int | None = None
+    num_fewshot: int | None = ranged(None, at_least=0)
+    fewshot_seed: int = ranged(LM_EVAL_FEWSHOT_SEED, within=SEED)
+    limit: int | None = ranged(None, at_least=1, why=" document per task")
     metric: str | None = None
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.core.setting_ranges import MAX_EXAMPLES, ranged
 from headsweep.workers.data.text_files import check_encoding
 
 # data.max_length when unset: this many tokens, or the model's maximum positions if it has fewer.
@@ -44,8 +45,8 @@ class ClassifierData:
     label_column: str = "label"
     id_column: str | None = None
     name: str | None = None
-    max_examples: int | None = None
-    max_length: int | None = None
+    max_examples: int | None = ranged(None, within=MAX_EXAMPLES)
+    max_length: int | None = ranged(None, at_least=1)
     encoding: str = "utf-8"
     task: str = "classification"  # classification | paired
 
