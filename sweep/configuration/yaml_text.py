@@ -86,10 +86,15 @@ def read_yaml_file(path: Path) -> Any:
 
 
 def parse_override(item: str, raw: str) -> Any:
-    """The value of override ``item`` (``key=raw``): YAML, or the text itself where it is not YAML."""
+    """The value of override ``item`` (``key=raw``): YAML, or the text itself where it is not YAML. A tag YAML's safe
+    loader does not know (``!!python/object/apply:...``, ``!function``) is refused, as it is in a file, rather than
+    read as text the user did not mean."""
     try:
         return parse_yaml(raw) if raw else ""
     except _Refused as exc:
         raise HeadsweepError(f"bad override {item!r}: {exc.problem}") from None
+    except yaml.constructor.ConstructorError as exc:
+        raise HeadsweepError(f"bad override {item!r}: {exc.problem} (configs take only YAML's standard tags, as in a "
+                             "config file); quote the value if you mean it as text") from None
     except yaml.YAMLError:
         return raw

@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from headsweep.results.store import ResultStore
-    from headsweep.sweep.configuration.config import check_data_files, load_config
+    from headsweep.sweep.configuration.config import check_data_files, load_config, workers_override
     from headsweep.sweep.run.driver import Sweep
 
     if args.resume and args.new:
@@ -170,7 +170,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                              "that run, --new starts another)")
     overrides = list(args.overrides)
     if args.workers is not None:
-        overrides.append(f"sweep.workers={args.workers}")
+        overrides.append(workers_override(args.workers, overrides))
     cfg = load_config(args.config, overrides)
     check_data_files(cfg)  # before Ray and the models start: a bad data file costs no worker
     sweep = Sweep(cfg, ResultStore(args.store), address=args.address, show_progress=not args.quiet,
