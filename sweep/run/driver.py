@@ -47,13 +47,14 @@ from headsweep.sweep.run.runs import (
 )
 from headsweep.sweep.run.screening import Screening
 from headsweep.sweep.run.worker_start import wait_for_workers
-from headsweep.sweep.statistics.significance_runner import tests_for
+from headsweep.sweep.statistics.significance_runner import check_resample_memory, tests_for
 from headsweep.workers.core.actor import EvalWorker
 from headsweep.workers.core.checks import model_heads_on_worker
 from headsweep.workers.core.family import DatasetInfo
 from headsweep.workers.core.heads import HeadInventory
 from headsweep.workers.core.registry import model_family
 from headsweep.workers.hub.pins import pin_hub_models
+from headsweep.workers.memory.batch_budget import host_available
 
 
 @dataclass
@@ -216,7 +217,10 @@ class Sweep:
 
         Every check against the model comes before the first write, so bad input leaves the store untouched.
         """
-        tests_for(self.cfg.significance, info.metric, averaged_outcomes(self.cfg))
+        tests = tests_for(self.cfg.significance, info.metric, averaged_outcomes(self.cfg))
+        # On a cluster the significance tasks may run on any node: this machine's memory is the one known here.
+        check_resample_memory(self.cfg.significance, tests, info.n_examples, host_available(),
+                              self.cfg.sweep.memory_limit_gib)
         ctx = Context(self.cfg, info, pool, self.store, self.run_id)
         screening = Screening.of(self.cfg)
         if screening is not None:

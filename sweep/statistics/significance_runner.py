@@ -49,6 +49,36 @@ TESTS_PER_TASK = 32
 INLINE_WORK = 200_000_000
 
 
+def bootstrap_bytes(n_resamples: int, n_examples: int, systems: int = TESTS_PER_TASK) -> int:
+    """What one paired-bootstrap batch holds at its peak (``paired_bootstrap``): the resample counts, int32
+    (resamples x examples), and four float64 (resamples x systems) arrays: the deltas, their absolute and centred
+    values, and the sorted copy the interval is read from."""
+    return n_resamples * (4 * n_examples + 4 * 8 * systems)
+
+
+def check_resample_memory(section: SignificanceSection, tests: list[str], n_examples: int,
+                          available: int | None, limit_gib: float | None = None) -> None:
+    """Refuse, before the first row, ``significance.n_resamples`` whose paired-bootstrap batch would take more than
+    half the memory available (``available`` bytes, capped by ``sweep.memory_limit_gib``): it would fail only once
+    every evaluation had been computed, with a MemoryError in the significance task."""
+    if not section.enabled or "paired_bootstrap" not in tests:
+        return
+    known = [x for x in (available, None if limit_gib is None else int(limit_gib * 2**30)) if x is not None]
+    if not known:
+        return
+    have = min(known)
+    need = bootstrap_bytes(section.n_resamples, n_examples)
+    if need <= have // 2:
+        return
+    fit = max(1, have // 2 // bootstrap_bytes(1, n_examples))
+    source = "sweep.memory_limit_gib" if limit_gib is not None and have == known[-1] else "MemAvailable"
+    raise HeadsweepError(
+        f"significance.n_resamples={section.n_resamples:,} paired-bootstrap resamples of {n_examples:,} examples take "
+        f"about {need / 2**30:.1f} GiB per batch of tests, more than half of the {have / 2**30:.1f} GiB available "
+        f"({source}): use significance.n_resamples={fit:,} or fewer (sacrebleu's default is 1,000)"
+    )
+
+
 def tests_for(section: SignificanceSection, metric: str, averaged: bool = False) -> list[str]:
     """The run's tests: ``significance.tests``, or the metric's defaults. ``averaged``: each example's statistics
     are a mean over resample draws (``ablation.resamples`` > 1), no longer 0/1 outcomes, so McNemar's test is left

@@ -388,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit status. A command that Ctrl-C or SIGTERM stopped ends the process itself
     (exit 130 or 143), once it has cleaned up."""
     args = parse(argv)
+    try:
+        if not args.verbose:  # --verbose writes no log file
+            console.check_log_dir()
+    except HeadsweepError as exc:  # before the console routes output: the terminal is still the terminal
+        print(f"headsweep: error: {exc}", file=sys.stderr)
+        return 2
     # Set up here, never at import: a program that imports headsweep keeps its own logging and streams.
     con = console.setup(args.command, args.verbose, getattr(args, "store", None),
                         announce=args.command in ANNOUNCE_LOG)
