@@ -83,7 +83,7 @@ class Range:
         return f"{subject} must be {self.text()}{self.why}, got {_number(value)}{fix}"
 
 
-SEED = Range(0, SEED_MAX, words=f"a whole number from 0 to {SEED_MAX} (2**63 - 1)")
+SEED = Range(0, SEED_MAX, words="a whole number from 0 to 2**63 - 1")
 SHARE = Range(0, 1, low_open=True, words="a share in (0, 1]")  # of something: more than none, at most all
 PROBABILITY = Range(0, 1, low_open=True, high_open=True)
 MAX_EXAMPLES = Range(1, words="a positive integer", why=" (how many examples to keep, from the start)",
