@@ -140,10 +140,10 @@ class Sweep:
         self.store.check_files()
         # Hub ids become id@<commit> before anything starts: the config hash names the commit, workers load it.
         self.cfg, self.hub = pin_hub_models(self.cfg)
-        # Before Ray starts: a model the workers cannot hold together is refused, not swapped or killed mid-load.
-        check_memory(self.cfg, [model for _, model in self.model_variants()], self.address)
         if not self.address:  # a cluster's nodes are checked once connected (check_placement)
             check_threads(self.cfg, machine_cpus(), "this machine has")
+        # Before Ray starts: a model the workers cannot hold together is refused, not swapped or killed mid-load.
+        check_memory(self.cfg, [model for _, model in self.model_variants()], self.address)
         init_ray(self.address, self.cfg)
         variants = self.model_variants()
         pool, info = self.start_workers(variants[0][1])

@@ -20,6 +20,8 @@ from headsweep.results.store import ResultStore
 from headsweep.results.views import shown_test
 from headsweep.sweep.configuration.sections import SignificanceSection
 from headsweep.sweep.statistics.significance import (
+    _DEFAULT_MAX_BYTES,
+    DRAW_BLOCK_BYTES,
     TestResult,
     mcnemar_exact,
     paired_bootstrap,
@@ -50,10 +52,13 @@ INLINE_WORK = 200_000_000
 
 
 def bootstrap_bytes(n_resamples: int, n_examples: int, systems: int = TESTS_PER_TASK) -> int:
-    """What one paired-bootstrap batch holds at its peak (``paired_bootstrap``): the resample counts, int32
-    (resamples x examples), and four float64 (resamples x systems) arrays: the deltas, their absolute and centred
-    values, and the sorted copy the interval is read from."""
-    return n_resamples * (4 * n_examples + 4 * 8 * systems)
+    """About what one paired-bootstrap batch holds at its peak (``paired_bootstrap``), with a quarter to spare: the
+    resample counts, int32 (resamples x examples); four float64 (resamples x systems) arrays (the deltas, their
+    absolute and centred values, the sorted copy the interval is read from); and the larger of the temporaries of
+    drawing the counts (three int64 blocks of indices) and of summing them (a float64 chunk of the counts)."""
+    indices = 8 * n_resamples * n_examples
+    temporaries = max(3 * min(DRAW_BLOCK_BYTES, indices), min(_DEFAULT_MAX_BYTES, indices))
+    return int(1.25 * (n_resamples * (4 * n_examples + 4 * 8 * systems) + temporaries))
 
 
 def check_resample_memory(section: SignificanceSection, tests: list[str], n_examples: int,
@@ -70,7 +75,11 @@ def check_resample_memory(section: SignificanceSection, tests: list[str], n_exam
     need = bootstrap_bytes(section.n_resamples, n_examples)
     if need <= have // 2:
         return
-    fit = max(1, have // 2 // bootstrap_bytes(1, n_examples))
+    low, high = 1, section.n_resamples  # the most resamples that fit: bootstrap_bytes grows with them
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if bootstrap_bytes(mid, n_examples) <= have // 2 else (low, mid - 1)
+    fit = low
     source = "sweep.memory_limit_gib" if limit_gib is not None and have == known[-1] else "MemAvailable"
     raise HeadsweepError(
         f"significance.n_resamples={section.n_resamples:,} paired-bootstrap resamples of {n_examples:,} examples take "

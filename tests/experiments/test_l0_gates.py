@@ -190,8 +190,8 @@ def test_resumed_trainer_matches_an_uninterrupted_one(adapter_factory):
 
 def test_bad_settings_are_refused(adapter_factory):
     adapter = adapter_factory()
-    for bad, words in [(settings(-1.0), "lambda must be >= 0"), (settings(0.1, steps=0), "l0.steps"),
-                       (settings(0.1, train="some"), "l0.train")]:
+    for bad, words in [(settings(-1.0), "each value of l0.lambdas must be at least 0"),
+                       (settings(0.1, steps=0), "l0.steps"), (settings(0.1, train="some"), "l0.train")]:
         with pytest.raises(HeadsweepError, match=words):
             L0Trainer(adapter, *bad)
 
@@ -472,7 +472,7 @@ def l0_cfg(dev, **l0):
 
 
 @pytest.mark.parametrize("l0, words", [
-    ({"lambdas": [0.1, -0.5]}, "penalty weight must be >= 0, got lambda=-0.5"),
+    ({"lambdas": [0.1, -0.5]}, "each value of l0.lambdas must be at least 0, got -0.5"),
     ({"steps": 0}, "l0.steps must be at least 1"),
     ({"data": None}, "l0 needs l0.data"),
     ({"data": {"path": "data/test.tsv"}}, "looks like a test split"),

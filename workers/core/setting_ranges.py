@@ -25,11 +25,12 @@ SEED_MAX = 2**63 - 1
 
 
 def _number(x: float) -> str:
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if x == SEED_MAX:
-        return "2**63 - 1"
-    return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
+    """A bound or value as configs write it: ``1``, ``0.5``, ``1e-05``, ``2**63 - 1``."""
+    if isinstance(x, int):
+        return "2**63 - 1" if x == SEED_MAX else str(x)
+    if math.isfinite(x) and x.is_integer() and abs(x) < 1e16:
+        return str(int(x))
+    return f"{x:g}"
 
 
 @dataclass(frozen=True)
