@@ -190,8 +190,8 @@ def test_resumed_trainer_matches_an_uninterrupted_one(adapter_factory):
 
 def test_bad_settings_are_refused(adapter_factory):
     adapter = adapter_factory()
-    for bad, words in [(settings(-1.0), "each value of l0.lambdas must be at least 0"),
-                       (settings(0.1, steps=0), "l0.steps"), (settings(0.1, train="some"), "l0.train")]:
+    for bad, words in [(settings(-1.0), "lambda must be >= 0"), (settings(0.1, steps=0), "l0.steps"),
+                       (settings(0.1, train="some"), "l0.train")]:
         with pytest.raises(HeadsweepError, match=words):
             L0Trainer(adapter, *bad)
 
