@@ -210,3 +210,20 @@ def test_range_wording():
     assert not Range(0, low_open=True).contains(float("nan"))
     assert Range(1).refusal("a.b", 0.0) == "a.b must be at least 1, got 0"
     assert json.dumps(Range(0, low_open=True).refusal("x", 1e-5)) == '"x must be positive, got 1e-05"'
+
+
+def test_threads_on_a_cluster_are_held_to_its_largest_node():
+    """With ``--address`` the driver's machine says nothing of the workers': the check waits for the cluster's nodes."""
+    from headsweep.sweep.cluster.placement import NodeResources, check_placement
+    from headsweep.sweep.configuration.config import build_config
+
+    def cfg(threads: int):
+        return build_config({"model": {"kind": "hf_classifier", "path": "m"}, "data": {"path": "d.tsv"},
+                             "sweep": {"threads_per_worker": threads}})
+
+    nodes = [NodeResources(cpus=4, gpus=0), NodeResources(cpus=8, gpus=0)]
+    check_placement(cfg(8), nodes)
+    with pytest.raises(HeadsweepError) as err:
+        check_placement(cfg(9), nodes)
+    assert str(err.value) == ("sweep.threads_per_worker=9 is more than the 8 CPUs of the Ray cluster's largest node: "
+                              "use at most 8 (or 0, the CPUs shared out among the workers)")
