@@ -21,16 +21,40 @@ import sys
 import tempfile
 from pathlib import Path
 
+from headsweep.errors import HeadsweepError
 from headsweep.sweep.cluster.jobs import BUNDLE_VAR
 
 
+def bundle_files(text: str) -> dict[str, str]:
+    """The files of a bundle (``text``: the JSON of :data:`~.jobs.BUNDLE_VAR`), by relative path; one line naming
+    what is wrong with a bundle that ``headsweep submit`` did not make."""
+    try:
+        bundle = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise HeadsweepError(f"${BUNDLE_VAR} is not the JSON `headsweep submit` writes ({exc}): submit the "
+                             "config again with headsweep submit") from None
+    files = bundle.get("files") if isinstance(bundle, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise HeadsweepError(f"${BUNDLE_VAR} must be a JSON object {{\"files\": {{relative path: text}}}}, as "
+                             "headsweep submit writes it: submit the config again with headsweep submit")
+    return files
+
+
 def write_bundle(text: str, dest: Path) -> None:
-    """The files of a bundle (``text``: the JSON of :data:`~.jobs.BUNDLE_VAR`) written under ``dest``."""
-    files = json.loads(text)["files"]
-    for rel, content in files.items():
-        target = (dest / rel).resolve()
-        if not target.is_relative_to(dest.resolve()):
-            raise ValueError(f"config bundle path {rel!r} leaves its folder")
+    """The files of a bundle (``text``: the JSON of :data:`~.jobs.BUNDLE_VAR`) written under ``dest``; a path that is
+    absolute or leaves ``dest`` is refused before anything is written."""
+    files = bundle_files(text)
+    root = dest.resolve()
+    targets = []
+    for rel in files:
+        if not rel or Path(rel).is_absolute() or "\0" in rel:
+            raise HeadsweepError(f"config bundle path {rel!r} is not a relative path: a bundle names its files "
+                                 "relative to its folder")
+        target = (root / rel).resolve()
+        if not target.is_relative_to(root) or target == root:
+            raise HeadsweepError(f"config bundle path {rel!r} leaves its folder")
+        targets.append(target)
+    for target, content in zip(targets, files.values(), strict=True):
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(content, encoding="utf-8")
 
@@ -44,7 +68,11 @@ def main(argv: list[str]) -> int:
         return 2
     folder = Path(tempfile.mkdtemp(prefix="headsweep-job-"))
     try:
-        write_bundle(text, folder)
+        try:
+            write_bundle(text, folder)
+        except (HeadsweepError, OSError, UnicodeError) as exc:
+            print(f"headsweep: error: {exc}", file=sys.stderr)
+            return 2
         os.chdir(folder)
         from headsweep.sweep.terminal.cli import main as headsweep
 

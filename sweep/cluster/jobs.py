@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shlex
@@ -195,6 +196,22 @@ def bundle_config(config_path: str | os.PathLike) -> tuple[str, str]:
     return text, config.relative_to(root).as_posix()
 
 
+def _warn_relative_paths(config_path: str | os.PathLike, overrides: list[str]) -> None:
+    """One warning naming the relative file paths of the config, its includes and the overrides: the job resolves
+    them inside its own folder on the cluster, which holds the configs alone."""
+    from headsweep.sweep.configuration.config import apply_overrides, relative_paths
+
+    found = []
+    for path in _config_files(Path(os.path.abspath(config_path))):
+        data = read_yaml_file(path)
+        found += relative_paths(data) if isinstance(data, dict) else []
+    found += relative_paths(apply_overrides({}, overrides))
+    if found:
+        logging.getLogger("headsweep").warning(
+            "%s: relative paths resolve inside the job's folder on the cluster, which holds only the config files; "
+            "use absolute paths (or URIs) that the cluster's nodes see", ", ".join(dict.fromkeys(found)))
+
+
 def _check_store(store: str | None) -> None:
     if store is None:
         return
@@ -255,7 +272,7 @@ def submit(
     Returns:
         The Ray job (submission) id.
     """
-    from headsweep.sweep.configuration.config import load_config
+    from headsweep.sweep.configuration.config import load_config, workers_override
 
     _check_store(store)
     if workers is not None and workers < 1:
@@ -267,12 +284,19 @@ def submit(
             raise HeadsweepError(f"--entrypoint-resources: resource {name!r} must be a number >= 0, got {amount!r}")
     overrides = list(overrides)
     # Validate here so that a typo fails now, not minutes later in the job's logs.
-    load_config(config_path, overrides + ([f"sweep.workers={workers}"] if workers is not None else []))
+    load_config(config_path, overrides + ([workers_override(workers, overrides)] if workers is not None else []))
+    if runtime_env is not None and not isinstance(runtime_env, dict):
+        raise HeadsweepError(f"--runtime-env-json must be a JSON object of runtime_env fields (e.g. "
+                             f"'{{\"env_vars\": {{\"HF_HOME\": \"/cache\"}}}}'), got {runtime_env!r}")
     env = dict(runtime_env or {})
+    if not isinstance(env.get("env_vars", {}), dict):
+        raise HeadsweepError(f"--runtime-env-json: env_vars must be a JSON object of variable names and values, got "
+                             f"{env['env_vars']!r}")
     if "working_dir" in env:
         raise HeadsweepError("runtime_env 'working_dir' is not used: the job runs from the headsweep installed on the "
                              "cluster, with the config sent along; put code in the image instead")
     bundle, config_rel = bundle_config(config_path)
+    _warn_relative_paths(config_path, overrides)
     env["env_vars"] = {**env.get("env_vars", {}), BUNDLE_VAR: bundle}
 
     client, url = _client(address)

@@ -14,6 +14,7 @@ from typing import Any
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.method import SETTINGS
 from headsweep.workers.ablation.registry import ablation_method
+from headsweep.workers.core.setting_ranges import SEED, ranged
 
 POSITIONS = ("all", "per_position")
 DIRECTIONS = ("noising", "denoising")
@@ -37,24 +38,19 @@ class AblationSection:
     reference: dict | None = field(default=None, metadata={"data": True})
     positions: str = "all"
     keep_first: bool = False
-    seed: int = 0
-    resamples: int = 1
+    seed: int = ranged(0, within=SEED)
+    resamples: int = ranged(1, at_least=1)
     allow_eval_data: bool = False
     direction: str = "noising"
-    steps: int = 100
-    lr: float = 0.01
+    # 0 steps would store optimal ablation with its untrained starting constants
+    steps: int = ranged(100, at_least=1)
+    lr: float = ranged(0.01, above=0)
 
     def check(self, method: str) -> None:
         """The section's own values, and those that mean nothing for ``method`` (``sweep.ablation``)."""
         declared = ablation_method(method)  # unknown names refused here, with the known ones
         if self.positions not in POSITIONS:
             raise HeadsweepError(f"unknown ablation.positions {self.positions!r} (known: {', '.join(POSITIONS)})")
-        if self.resamples < 1:
-            raise HeadsweepError(f"ablation.resamples must be at least 1, got {self.resamples}")
-        if self.steps < 0:
-            raise HeadsweepError(f"ablation.steps must be at least 0, got {self.steps}")
-        if not self.lr > 0:
-            raise HeadsweepError(f"ablation.lr must be positive, got {self.lr}")
         if self.direction not in DIRECTIONS:
             raise HeadsweepError(f"unknown ablation.direction {self.direction!r} (known: {', '.join(DIRECTIONS)})")
         defaults = AblationSection()

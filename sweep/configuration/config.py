@@ -34,6 +34,8 @@ from headsweep.sweep.experiments import (
 from headsweep.sweep.experiments.data_sections import DATA, FILE, marked_fields, typed_data
 from headsweep.sweep.run.screening import Screening
 from headsweep.workers.core.registry import builtin_families, model_family
+from headsweep.workers.core.setting_ranges import check_ranges
+from headsweep.workers.hub.cache import parse_hub_id
 
 
 def _merge(base: dict, update: dict) -> dict:
@@ -77,41 +79,65 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
 PATH_KEYS = ("path", "checkpoint", "data_bin", "source", "target", "bpe_codes", "sentencepiece_model", "include_path")
 
 
-def _resolve_paths(data: dict, base: Path) -> None:
-    sections = [data.get("model"), data.get("data")]
+def _path_slots(data: dict) -> list[tuple[str, dict | list, str | int]]:
+    """Where a raw config mapping names files: ``(config key, container, index)`` for each relative path in it
+    (``container[index]`` a non-empty string, neither absolute nor a URI): the model and data sections' file keys, the
+    kinds' and the ablation section's data sections and files, and ``checkpoints``."""
+    sections = [("model", data.get("model")), ("data", data.get("data"))]
+    slots: list[tuple[str, dict | list, str | int]] = []
     # The kinds' sections and the ablation section: their data sections and files.
     for key, settings in {**SECTIONS, "ablation": AblationSection}.items():
         own = data.get(key)
         if not isinstance(own, dict):
             continue
-        sections += [own.get(name) for name in marked_fields(settings, DATA)]
-        for name in marked_fields(settings, FILE):
-            value = own.get(name)
-            if isinstance(value, str) and value and not Path(value).is_absolute() and (base / value).exists():
-                own[name] = str((base / value).resolve())
-    for section in sections:
-        if not isinstance(section, dict):
-            continue
-        for key in PATH_KEYS:
-            value = section.get(key)
-            if isinstance(value, str) and value and "://" not in value and not Path(value).is_absolute():
-                candidate = base / value
-                if candidate.exists():
-                    section[key] = str(candidate.resolve())
+        sections += [(f"{key}.{name}", own.get(name)) for name in marked_fields(settings, DATA)]
+        slots += [(f"{key}.{name}", own, name) for name in marked_fields(settings, FILE)]
+    for where, section in sections:
+        if isinstance(section, dict):
+            slots += [(f"{where}.{key}", section, key) for key in PATH_KEYS]
     checkpoints = data.get("checkpoints")
     if isinstance(checkpoints, list):
-        data["checkpoints"] = [
-            str((base / c).resolve()) if isinstance(c, str) and (base / c).exists() else c for c in checkpoints
-        ]
+        slots += [(f"checkpoints[{i}]", checkpoints, i) for i in range(len(checkpoints))]
+    out = []
+    for key, container, index in slots:
+        value = container.get(index) if isinstance(container, dict) else container[index]  # type: ignore[index]
+        if isinstance(value, str) and value and "://" not in value and not Path(value).is_absolute():
+            out.append((key, container, index))
+    return out
+
+
+def _resolve_paths(data: dict, base: Path) -> None:
+    for _, container, index in _path_slots(data):
+        candidate = base / container[index]  # type: ignore[index]
+        if candidate.exists():
+            container[index] = str(candidate.resolve())  # type: ignore[index]
+
+
+def relative_paths(data: dict) -> list[str]:
+    """``key=value`` of each relative file path a raw config mapping names (a model key that reads as a hub id,
+    ``gpt2`` or ``org/name``, is not a path)."""
+    out = []
+    for key, container, index in _path_slots(data):
+        value = container[index]  # type: ignore[index]
+        if key in ("model.path", "model.tokenizer") and parse_hub_id(value) is not None:
+            continue
+        out.append(f"{key}={value}")
+    return out
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply ``a.b.c=value`` overrides; values are parsed as YAML (``x=3``, ``l=[a,b]``)."""
+    """Apply ``a.b.c=value`` overrides; values are parsed as YAML (``x=3``, ``l=[a,b]``). A key given twice is
+    refused, as it is in a config file: which one wins is not what a reader of the command line sees."""
     data = json.loads(json.dumps(data))
+    given: dict[str, str] = {}
     for item in overrides:
         if "=" not in item:
             raise HeadsweepError(f"bad override {item!r}: expected key=value (e.g. sweep.workers=2)")
         key, raw = item.split("=", 1)
+        name = ".".join(part.strip() for part in key.split("."))
+        if name in given:
+            raise HeadsweepError(f"override {name} is given twice ({given[name]} and {item}): give it once")
+        given[name] = item
         value = parse_override(item, raw)
         node = data
         parts = key.strip().split(".")
@@ -121,6 +147,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 raise HeadsweepError(f"bad override {item!r}: {part!r} is not a section")
         node[parts[-1]] = value
     return data
+
+
+def workers_override(workers: int, overrides: list[str]) -> str:
+    """``--workers N`` as the override it stands for, refused beside a ``sweep.workers=`` override of its own."""
+    for item in overrides:
+        if item.split("=", 1)[0].replace(" ", "") == "sweep.workers":
+            raise HeadsweepError(f"--workers {workers} and {item} both set the number of workers: give one")
+    return f"sweep.workers={workers}"
 
 
 def family_names() -> str:
@@ -158,6 +192,7 @@ def build_config(data: dict) -> Config:
         **{key: from_dict(settings, data.get(key), key) for key, settings in SECTIONS.items() if key in known},
         checkpoints=coerce(data.get("checkpoints"), list[str] | None, "checkpoints"),
     )
+    check_ranges(cfg)  # the top-level keys (each section checked its own as it was read)
     validate(cfg)
     return cfg
 
@@ -219,6 +254,10 @@ def check_data_files(cfg: Config) -> None:
 
 def _check_sections(cfg: Config) -> None:
     check_seeds(cfg)
+    _check_checkpoints(cfg.checkpoints)
+    model_check = getattr(cfg.model, "check", None)  # a family's checks across its model keys, if it has any
+    if model_check is not None:
+        model_check()
     cfg.sweep.check()
     Screening.check_config(cfg)
     if cfg.sweep.max_tokens is not None and not model_family(cfg.model.kind).batches_by_tokens:
@@ -238,6 +277,19 @@ def _check_sections(cfg: Config) -> None:
     for kind in KINDS.values():  # each kind's settings this config has, whether or not the run has the kind
         if kind.section is None or hasattr(cfg, kind.section):
             kind.check_settings(cfg)
+
+
+def _check_checkpoints(checkpoints: list[str] | None) -> None:
+    """The same checkpoint twice would be swept twice while the run counts it once."""
+    if not checkpoints:
+        return
+    seen: dict[str, str] = {}
+    for checkpoint in checkpoints:
+        same = str(Path(checkpoint).resolve()) if "://" not in checkpoint else checkpoint
+        if same in seen:
+            also = "" if seen[same] == checkpoint else f" (as {seen[same]} and {checkpoint})"
+            raise HeadsweepError(f"checkpoints names {checkpoint} twice{also}: name each checkpoint once")
+        seen[same] = checkpoint
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:

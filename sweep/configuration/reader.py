@@ -16,6 +16,7 @@ import typing
 from typing import Any
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.core.setting_ranges import check_ranges
 
 
 def settings_changed(section: Any) -> dict:
@@ -101,7 +102,8 @@ def _coerce_scalar(value: Any, tp: Any, where: str) -> Any:
 
 
 def from_dict(cls: type, data: Any, where: str = "") -> Any:
-    """Build dataclass ``cls`` from a mapping, rejecting unknown and missing keys."""
+    """Build dataclass ``cls`` from a mapping, rejecting unknown and missing keys and numbers outside the ranges its
+    fields declare (``headsweep.workers.core.setting_ranges``)."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -122,4 +124,6 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
             kwargs[name] = coerce(data[name], hints[name], key)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise HeadsweepError(f"config key {key!r} is required")
-    return cls(**kwargs)
+    section = cls(**kwargs)
+    check_ranges(section, where)
+    return section

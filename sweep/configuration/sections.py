@@ -17,11 +17,15 @@ from typing import Any
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.ablation import AblationSection
 from headsweep.sweep.configuration.reader import settings_changed
+from headsweep.workers.core.setting_ranges import PROBABILITY, SEED, check_ranges, ranged
 
 TESTS = ("paired_bootstrap", "paired_ttest", "mcnemar_exact")
 CORRECTIONS = ("bh", "holm", "bonferroni", "none")
 SWEEP_ORDERS = ("planned", "importance")
 BUDGETS = ("evaluations", "minutes")
+# Paired-bootstrap resamples: sacrebleu's default is 1000, papers use up to 10,000; a million already takes a million
+# times the examples in int32 resample counts (sweep/run/memory.py checks that against the machine's memory).
+MAX_RESAMPLES = 1_000_000
 # How a session runs, not what it computes: left out of the config hash, so a run resumes whatever they are
 # (a budgeted run is finished by the same command, or by one without the budget).
 SESSION_ONLY = {"sweep": ("budget", "order", "memory_limit_gib")}
@@ -34,26 +38,28 @@ class SweepSection:
     experiments: list[str] = field(default_factory=lambda: ["baseline", "single_head", "all_but_one"])
     attention: list[str] | None = None
     masks: list[list[str]] = field(default_factory=list)
-    workers: int = 1
-    num_cpus_per_worker: float = 1.0
-    num_gpus_per_worker: float = 0.0
+    workers: int = ranged(1, at_least=1)
+    num_cpus_per_worker: float = ranged(1.0, above=0)
+    num_gpus_per_worker: float = ranged(0.0, at_least=0)
     device: str = "auto"
-    threads_per_worker: int = 0
+    threads_per_worker: int = ranged(0, at_least=0)  # 0: the CPUs shared out; at most the machine's CPUs
     # GiB this run's workers may take on the machine (a share of a shared box); null: what it has available. The
     # driver refuses a run whose workers cannot hold the model in it (sweep/run/memory.py)
-    memory_limit_gib: float | None = None
-    batch_size: int | None = None  # examples per batch; null: 32 (translation: the token budget instead)
-    max_tokens: int | None = None  # translation: token budget per batch; null: 6000, or batch_size when set
-    masks_per_batch: int = 0
+    memory_limit_gib: float | None = ranged(None, above=0, words="a positive number of GiB")
+    # examples per batch; null: 32 (translation: the token budget instead)
+    batch_size: int | None = ranged(None, at_least=1)
+    # translation: token budget per batch; null: 6000, or batch_size when set
+    max_tokens: int | None = ranged(None, at_least=1)
+    masks_per_batch: int = ranged(0, at_least=0)
     reuse: bool = True
     context_cache: bool = False  # causal LMs, multiple-choice lm-eval tasks: choices continue from the context's cache
     loss: bool = False  # translation: the teacher-forced pass that fills examples.loss (else null)
     fused_attention: bool = True  # translation: fairseq's fused/beamable attention where no gate needs it off
-    flush_every: int = 64
-    flush_seconds: float = 10.0
-    max_retries: int = 2
-    worker_restarts: int = 3
-    placement_timeout_s: float = 600.0
+    flush_every: int = ranged(64, at_least=1)
+    flush_seconds: float = ranged(10.0, above=0)
+    max_retries: int = ranged(2, at_least=0)
+    worker_restarts: int = ranged(3, at_least=0)
+    placement_timeout_s: float = ranged(600.0, above=0)
     wait_for_resources: bool = False
     # What a gated-off head leaves behind (zero, mean, resample, optimal, patch); its settings: the ablation
     # section (sweep/configuration/ablation.py)
@@ -78,23 +84,14 @@ class SweepSection:
 
     def check(self) -> None:
         """Worker counts, resources and devices that cannot work (``screen``: ``Screening.check_config``)."""
-        if self.workers < 1:
-            raise HeadsweepError(f"sweep.workers must be at least 1, got {self.workers}")
-        if self.batch_size is not None and self.batch_size < 1:
-            raise HeadsweepError(f"sweep.batch_size must be at least 1, got {self.batch_size}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise HeadsweepError(f"sweep.max_tokens must be at least 1, got {self.max_tokens}")
+        check_ranges(self, "sweep")
         if self.batch_size is not None and self.max_tokens is not None:
             raise HeadsweepError(
                 "sweep.batch_size and sweep.max_tokens are both set: translation batches either by sentences "
                 "(batch_size) or by a token budget (max_tokens); set one"
             )
-        if self.num_cpus_per_worker <= 0:
-            raise HeadsweepError(f"sweep.num_cpus_per_worker must be positive, got {self.num_cpus_per_worker}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise HeadsweepError(f"sweep.device must be auto, cpu or cuda, got {self.device!r}")
-        if self.num_gpus_per_worker < 0:
-            raise HeadsweepError(f"sweep.num_gpus_per_worker must not be negative, got {self.num_gpus_per_worker}")
         if self.device == "cuda" and self.num_gpus_per_worker == 0:
             raise HeadsweepError(
                 "sweep.device=cuda needs sweep.num_gpus_per_worker > 0 "
@@ -105,11 +102,6 @@ class SweepSection:
                 f"sweep.device=cpu with sweep.num_gpus_per_worker={self.num_gpus_per_worker} would hold GPUs it never "
                 "uses; set sweep.num_gpus_per_worker=0"
             )
-        if self.memory_limit_gib is not None and not self.memory_limit_gib > 0:
-            raise HeadsweepError(f"sweep.memory_limit_gib must be a positive number of GiB, got "
-                                 f"{self.memory_limit_gib:g}")
-        if self.max_retries < 0 or self.worker_restarts < 0:
-            raise HeadsweepError("sweep.max_retries and sweep.worker_restarts must not be negative")
         if self.order not in SWEEP_ORDERS:
             raise HeadsweepError(f"unknown sweep.order {self.order!r} (known: {', '.join(SWEEP_ORDERS)})")
         if self.budget is not None:
@@ -129,12 +121,17 @@ class SignificanceSection:
 
     enabled: bool = True
     tests: list[str] | None = None
-    n_resamples: int = 1000
-    seed: int = 12345
-    alpha: float = 0.01
+    n_resamples: int = ranged(1000, at_least=1, at_most=MAX_RESAMPLES)
+    seed: int = ranged(12345, within=SEED)
+    alpha: float = ranged(0.01, within=PROBABILITY)
     correction: str = "bh"
 
     def check(self) -> None:
+        check_ranges(self, "significance")
+        if self.enabled and self.tests == []:
+            raise HeadsweepError("significance.tests is empty while significance is enabled, so no evaluation would "
+                                 "be tested: leave it out (the metric's own tests), name tests (e.g. "
+                                 "significance.tests=[paired_bootstrap]), or set significance.enabled=false")
         for test in self.tests or []:
             if test not in TESTS:
                 raise HeadsweepError(f"unknown test {test!r} in significance.tests (known: {', '.join(TESTS)})")
@@ -142,10 +139,6 @@ class SignificanceSection:
             raise HeadsweepError(
                 f"unknown significance.correction {self.correction!r} (known: {', '.join(CORRECTIONS)})"
             )
-        if not 0 < self.alpha < 1:
-            raise HeadsweepError(f"significance.alpha must be in (0, 1), got {self.alpha}")
-        if self.n_resamples < 1:
-            raise HeadsweepError(f"significance.n_resamples must be at least 1, got {self.n_resamples}")
 
 
 @dataclass
@@ -159,7 +152,7 @@ class Config:
     model: Any
     data: Any
     name: str = "sweep"
-    seed: int = 0
+    seed: int = ranged(0, within=SEED)
     sweep: SweepSection = field(default_factory=SweepSection)
     significance: SignificanceSection = field(default_factory=SignificanceSection)
     ablation: AblationSection = field(default_factory=AblationSection)

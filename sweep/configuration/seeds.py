@@ -12,8 +12,7 @@ import dataclasses
 from typing import Any
 
 from headsweep.errors import HeadsweepError
-
-SEED_MAX = 2**63 - 1
+from headsweep.workers.core.setting_ranges import SEED, SEED_MAX
 
 
 def seed_keys(cfg: Any) -> list[tuple[str, int]]:
@@ -33,4 +32,4 @@ def check_seeds(cfg: Any) -> None:
     """One line naming the first seed of ``cfg`` outside 0 .. 2**63 - 1, and the range."""
     for key, value in seed_keys(cfg):
         if value is not None and not 0 <= value <= SEED_MAX:
-            raise HeadsweepError(f"{key} must be a whole number from 0 to {SEED_MAX} (2**63 - 1), got {value}")
+            raise HeadsweepError(SEED.refusal(key, value))

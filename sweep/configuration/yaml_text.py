@@ -17,6 +17,9 @@ import yaml
 from headsweep.errors import HeadsweepError
 
 MAX_CONFIG_BYTES = 1024 * 1024
+# Collections inside collections: a config needs a handful (sweep.masks is a list of lists in a mapping). Python's
+# recursion, in the YAML composer and in the reader after it, ends a few hundred levels down.
+MAX_NESTING = 32
 
 
 class _Refused(yaml.YAMLError):
@@ -29,7 +32,19 @@ class _Refused(yaml.YAMLError):
 
 
 class _ConfigLoader(yaml.SafeLoader):
+    _depth = 0
+
     def compose_node(self, parent: Any, index: Any) -> Any:
+        if self._depth >= MAX_NESTING:
+            raise _Refused(self.peek_event().start_mark,
+                           f"values nest more than {MAX_NESTING} levels deep (a config needs a handful)")
+        self._depth += 1
+        try:
+            return self._compose_one(parent, index)
+        finally:
+            self._depth -= 1
+
+    def _compose_one(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise _Refused(
@@ -86,10 +101,15 @@ def read_yaml_file(path: Path) -> Any:
 
 
 def parse_override(item: str, raw: str) -> Any:
-    """The value of override ``item`` (``key=raw``): YAML, or the text itself where it is not YAML."""
+    """The value of override ``item`` (``key=raw``): YAML, or the text itself where it is not YAML. A tag YAML's safe
+    loader does not know (``!!python/object/apply:...``, ``!function``) is refused, as it is in a file, rather than
+    read as text the user did not mean."""
     try:
         return parse_yaml(raw) if raw else ""
     except _Refused as exc:
         raise HeadsweepError(f"bad override {item!r}: {exc.problem}") from None
+    except yaml.constructor.ConstructorError as exc:
+        raise HeadsweepError(f"bad override {item!r}: {exc.problem} (configs take only YAML's standard tags, as in a "
+                             "config file); quote the value if you mean it as text") from None
     except yaml.YAMLError:
         return raw

@@ -17,7 +17,7 @@ why in a warning where the run's own levels are ``prune.uniform``).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,7 @@ from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.pruning.masks import efficiency_mask, explicit_mask
 from headsweep.sweep.terminal.progress import step
 from headsweep.workers.core.heads import Head
+from headsweep.workers.core.setting_ranges import check_ranges, ranged
 
 if TYPE_CHECKING:
     from headsweep.sweep.run.context import Context
@@ -45,33 +46,25 @@ class EfficiencySection:
 
     mask: list[str] | None = None
     from_run: str | None = None
-    level: float | None = None
+    level: float | None = ranged(None, at_least=0, at_most=1)
     eval_id: str | None = None
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
-    warmup: int = 3
-    repeats: int = 10
+    batch_sizes: list[int] = ranged(default_factory=lambda: [1, 4, 16, 64], at_least=1)
+    warmup: int = ranged(3, at_least=0)
+    repeats: int = ranged(10, at_least=1)
     stock: str = "auto"
-    prefill_batch_sizes: list[int] = field(default_factory=lambda: [1, 16])
-    decode_batch_sizes: list[int] = field(default_factory=lambda: [1])
-    prompt_tokens: int = 128
-    new_tokens: int = 32
+    prefill_batch_sizes: list[int] = ranged(default_factory=lambda: [1, 16], at_least=1)
+    decode_batch_sizes: list[int] = ranged(default_factory=lambda: [1], at_least=1)
+    prompt_tokens: int = ranged(128, at_least=1)
+    # decoding speed is timed past the first new token
+    new_tokens: int = ranged(32, at_least=2, why=" (decoding is timed past the first new token)")
 
     def check(self) -> None:
         if self.stock not in ("auto", "off"):
             raise HeadsweepError(f"efficiency.stock must be auto or off, got {self.stock!r}")
-        for key in ("prefill_batch_sizes", "decode_batch_sizes"):
-            sizes = getattr(self, key)
-            if not sizes or any(b < 1 for b in sizes):
-                raise HeadsweepError(f"efficiency.{key} must be positive integers, got {sizes}")
-        if self.prompt_tokens < 1 or self.new_tokens < 2:
-            raise HeadsweepError(f"efficiency needs prompt_tokens >= 1 and new_tokens >= 2 (decoding speed is timed "
-                                 f"past the first new token), got {self.prompt_tokens} and {self.new_tokens}")
-        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
-            raise HeadsweepError(f"efficiency.batch_sizes must be positive integers, got {self.batch_sizes}")
-        if self.warmup < 0 or self.repeats < 1:
-            raise HeadsweepError(
-                f"efficiency needs warmup >= 0 and repeats >= 1, got {self.warmup} and {self.repeats}"
-            )
+        check_ranges(self, "efficiency")
+        for key in ("batch_sizes", "prefill_batch_sizes", "decode_batch_sizes"):
+            if not getattr(self, key):
+                raise HeadsweepError(f"efficiency.{key} is empty: list at least one batch size (e.g. [1, 16])")
 
 
 # The mask a row measures (both tables start with it).

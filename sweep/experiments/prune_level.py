@@ -11,7 +11,7 @@ in place of ``global`` when ``prune.attention`` is set).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
@@ -24,6 +24,7 @@ from headsweep.sweep.pruning.uniform import UNIFORM_UNITS, layers_in_scope, remo
 from headsweep.sweep.run.plan import check_attention_types
 from headsweep.sweep.terminal.progress import step
 from headsweep.workers.core.heads import Head, HeadInventory
+from headsweep.workers.core.setting_ranges import check_ranges, ranged
 from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:
@@ -37,9 +38,9 @@ DEFAULT_LEVELS = [round(0.1 * i, 1) for i in range(11)]
 class PruneSection:
     """Pruning levels (Michel et al. sec. 4.2): mask the ceil(p * N) least important heads."""
 
-    levels: list[float] = field(default_factory=lambda: list(DEFAULT_LEVELS))
+    levels: list[float] = ranged(default_factory=lambda: list(DEFAULT_LEVELS), at_least=0, at_most=1)
     attention: list[str] | None = None
-    min_heads_per_layer: int = 0
+    min_heads_per_layer: int = ranged(0, at_least=0)
     reestimate: bool = False
     uniform: str | None = None
 
@@ -47,11 +48,7 @@ class PruneSection:
         if self.uniform is not None and self.uniform not in UNIFORM_UNITS:
             raise HeadsweepError(f"unknown prune.uniform {self.uniform!r} (known: {', '.join(UNIFORM_UNITS)}, or "
                                  "null for global levels)")
-        for p in self.levels:
-            if not 0.0 <= p <= 1.0:
-                raise HeadsweepError(f"prune.levels must lie in [0, 1], got {p}")
-        if self.min_heads_per_layer < 0:
-            raise HeadsweepError(f"prune.min_heads_per_layer must be >= 0, got {self.min_heads_per_layer}")
+        check_ranges(self, "prune")
 
 
 def prune_scope_name(attention: list[str] | None, uniform: str | None = None) -> str:
@@ -91,6 +88,12 @@ class PruneLevel(Experiment):
         cfg.prune.check()
         if cfg.prune.reestimate and cfg.importance.method != "gradient":
             raise HeadsweepError("prune.reestimate needs importance.method gradient")
+
+    def check_config(self, cfg: Config) -> None:
+        if not cfg.prune.levels:
+            raise HeadsweepError("prune.levels is empty, so prune_level would evaluate nothing: list the shares of "
+                                 "heads to prune (e.g. prune.levels=[0.1,0.5]), or leave prune_level out of "
+                                 "sweep.experiments")
 
     def needs(self, cfg: Config) -> tuple[str, ...]:
         return ("importance",)

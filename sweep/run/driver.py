@@ -24,7 +24,7 @@ from headsweep.results.store import ResultStore, StoreFull
 from headsweep.sweep import experiments
 from headsweep.sweep.ablation.fill import fetch_fill
 from headsweep.sweep.ablation.values import ablation_spec
-from headsweep.sweep.cluster.placement import WorkerAsk, alive_nodes, check_placement
+from headsweep.sweep.cluster.placement import WorkerAsk, alive_nodes, check_placement, check_threads
 from headsweep.sweep.cluster.ray_session import init_ray, resolve_device
 from headsweep.sweep.configuration.ablation import averaged_outcomes
 from headsweep.sweep.configuration.sections import Config
@@ -35,7 +35,7 @@ from headsweep.sweep.run.claim import store_claim
 from headsweep.sweep.run.context import Context
 from headsweep.sweep.run.dispatch import WorkerPool, log, unwrap
 from headsweep.sweep.run.inputs import write_inputs
-from headsweep.sweep.run.memory import check_memory
+from headsweep.sweep.run.memory import check_memory, machine_cpus
 from headsweep.sweep.run.runs import (
     RunRecord,
     StoredResults,
@@ -47,13 +47,14 @@ from headsweep.sweep.run.runs import (
 )
 from headsweep.sweep.run.screening import Screening
 from headsweep.sweep.run.worker_start import wait_for_workers
-from headsweep.sweep.statistics.significance_runner import tests_for
+from headsweep.sweep.statistics.significance_runner import check_resample_memory, tests_for
 from headsweep.workers.core.actor import EvalWorker
 from headsweep.workers.core.checks import model_heads_on_worker
 from headsweep.workers.core.family import DatasetInfo
 from headsweep.workers.core.heads import HeadInventory
 from headsweep.workers.core.registry import model_family
 from headsweep.workers.hub.pins import pin_hub_models
+from headsweep.workers.memory.batch_budget import host_available
 
 
 @dataclass
@@ -139,6 +140,8 @@ class Sweep:
         self.store.check_files()
         # Hub ids become id@<commit> before anything starts: the config hash names the commit, workers load it.
         self.cfg, self.hub = pin_hub_models(self.cfg)
+        if not self.address:  # a cluster's nodes are checked once connected (check_placement)
+            check_threads(self.cfg, machine_cpus(), "this machine has")
         # Before Ray starts: a model the workers cannot hold together is refused, not swapped or killed mid-load.
         check_memory(self.cfg, [model for _, model in self.model_variants()], self.address)
         init_ray(self.address, self.cfg)
@@ -214,7 +217,10 @@ class Sweep:
 
         Every check against the model comes before the first write, so bad input leaves the store untouched.
         """
-        tests_for(self.cfg.significance, info.metric, averaged_outcomes(self.cfg))
+        tests = tests_for(self.cfg.significance, info.metric, averaged_outcomes(self.cfg))
+        # On a cluster the significance tasks may run on any node: this machine's memory is the one known here.
+        check_resample_memory(self.cfg.significance, tests, info.n_examples, host_available(),
+                              self.cfg.sweep.memory_limit_gib)
         ctx = Context(self.cfg, info, pool, self.store, self.run_id)
         screening = Screening.of(self.cfg)
         if screening is not None:

@@ -52,6 +52,8 @@ examples that were summed; returns scores of shape (...)."""
 # Keeps the per-chunk temporaries (summed statistics of R resamples x C systems
 # x k statistics and the score arithmetic on them) around this size.
 _DEFAULT_MAX_BYTES = 256 * 2**20
+# Resample indices are drawn this many bytes (of int64 indices) at a time.
+DRAW_BLOCK_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def resample_counts(n_examples: int, n_resamples: int, seed: int) -> np.ndarray:
         raise ValueError("n_examples and n_resamples must be positive")
     rng = np.random.default_rng(seed)
     counts = np.empty((n_resamples, n_examples), dtype=np.int32)
-    rows_per_block = max(1, (32 * 2**20) // (8 * n_examples))
+    rows_per_block = max(1, DRAW_BLOCK_BYTES // (8 * n_examples))
     for r0 in range(0, n_resamples, rows_per_block):
         r1 = min(n_resamples, r0 + rows_per_block)
         idx = rng.choice(n_examples, size=(r1 - r0, n_examples), replace=True)

@@ -20,6 +20,8 @@ from headsweep.results.store import ResultStore
 from headsweep.results.views import shown_test
 from headsweep.sweep.configuration.sections import SignificanceSection
 from headsweep.sweep.statistics.significance import (
+    _DEFAULT_MAX_BYTES,
+    DRAW_BLOCK_BYTES,
     TestResult,
     mcnemar_exact,
     paired_bootstrap,
@@ -47,6 +49,43 @@ TESTS_PER_TASK = 32
 # A batch is tested in the driver up to this many systems x examples x statistics x resamples: about 0.1 s of
 # numpy on one core (32 systems of 1,000 BLEU sentences, 10 statistics each, 1,000 resamples: 32 ms).
 INLINE_WORK = 200_000_000
+
+
+def bootstrap_bytes(n_resamples: int, n_examples: int, systems: int = TESTS_PER_TASK) -> int:
+    """About what one paired-bootstrap batch holds at its peak (``paired_bootstrap``), with a quarter to spare: the
+    resample counts, int32 (resamples x examples); four float64 (resamples x systems) arrays (the deltas, their
+    absolute and centred values, the sorted copy the interval is read from); and the larger of the temporaries of
+    drawing the counts (three int64 blocks of indices) and of summing them (a float64 chunk of the counts)."""
+    indices = 8 * n_resamples * n_examples
+    temporaries = max(3 * min(DRAW_BLOCK_BYTES, indices), min(_DEFAULT_MAX_BYTES, indices))
+    return int(1.25 * (n_resamples * (4 * n_examples + 4 * 8 * systems) + temporaries))
+
+
+def check_resample_memory(section: SignificanceSection, tests: list[str], n_examples: int,
+                          available: int | None, limit_gib: float | None = None) -> None:
+    """Refuse, before the first row, ``significance.n_resamples`` whose paired-bootstrap batch would take more than
+    half the memory available (``available`` bytes, capped by ``sweep.memory_limit_gib``): it would fail only once
+    every evaluation had been computed, with a MemoryError in the significance task."""
+    if not section.enabled or "paired_bootstrap" not in tests:
+        return
+    known = [x for x in (available, None if limit_gib is None else int(limit_gib * 2**30)) if x is not None]
+    if not known:
+        return
+    have = min(known)
+    need = bootstrap_bytes(section.n_resamples, n_examples)
+    if need <= have // 2:
+        return
+    low, high = 1, section.n_resamples  # the most resamples that fit: bootstrap_bytes grows with them
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if bootstrap_bytes(mid, n_examples) <= have // 2 else (low, mid - 1)
+    fit = low
+    source = "sweep.memory_limit_gib" if limit_gib is not None and have == known[-1] else "MemAvailable"
+    raise HeadsweepError(
+        f"significance.n_resamples={section.n_resamples:,} paired-bootstrap resamples of {n_examples:,} examples take "
+        f"about {need / 2**30:.1f} GiB per batch of tests, more than half of the {have / 2**30:.1f} GiB available "
+        f"({source}): use significance.n_resamples={fit:,} or fewer (sacrebleu's default is 1,000)"
+    )
 
 
 def tests_for(section: SignificanceSection, metric: str, averaged: bool = False) -> list[str]:

@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from headsweep.results.store import ResultStore
-    from headsweep.sweep.configuration.config import check_data_files, load_config
+    from headsweep.sweep.configuration.config import check_data_files, load_config, workers_override
     from headsweep.sweep.run.driver import Sweep
 
     if args.resume and args.new:
@@ -170,7 +170,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                              "that run, --new starts another)")
     overrides = list(args.overrides)
     if args.workers is not None:
-        overrides.append(f"sweep.workers={args.workers}")
+        overrides.append(workers_override(args.workers, overrides))
     cfg = load_config(args.config, overrides)
     check_data_files(cfg)  # before Ray and the models start: a bad data file costs no worker
     sweep = Sweep(cfg, ResultStore(args.store), address=args.address, show_progress=not args.quiet,
@@ -388,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit status. A command that Ctrl-C or SIGTERM stopped ends the process itself
     (exit 130 or 143), once it has cleaned up."""
     args = parse(argv)
+    try:
+        if not args.verbose:  # --verbose writes no log file
+            console.check_log_dir()
+    except HeadsweepError as exc:  # before the console routes output: the terminal is still the terminal
+        print(f"headsweep: error: {exc}", file=sys.stderr)
+        return 2
     # Set up here, never at import: a program that imports headsweep keeps its own logging and streams.
     con = console.setup(args.command, args.verbose, getattr(args, "store", None),
                         announce=args.command in ANNOUNCE_LOG)

@@ -37,6 +37,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
+from headsweep.errors import HeadsweepError
+
 # A folder for every command's log file, instead of the default (see ``log_dir``).
 LOG_DIR_ENV = "HEADSWEEP_LOG_DIR"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -154,6 +156,25 @@ def log_dir(store: str | None) -> Path:
         return Path(store).expanduser().resolve().parent / "headsweep-logs"
     cache = os.environ.get("HEADSWEEP_CACHE") or Path.home() / ".cache" / "headsweep"
     return Path(cache) / "logs"
+
+
+def check_log_dir() -> None:
+    """Refuse a ``$HEADSWEEP_LOG_DIR`` that cannot hold log files (a file, or a folder that cannot be made or written):
+    the log would otherwise go to the temporary folder, not where the user looks for it."""
+    named = os.environ.get(LOG_DIR_ENV)
+    if not named:
+        return
+    folder = Path(named).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise HeadsweepError(f"{LOG_DIR_ENV}={named} is a file, not a folder: point it at a folder for the log files "
+                             "(made if missing), or unset it")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise HeadsweepError(f"{LOG_DIR_ENV}={named}: cannot make the folder ({exc.strerror or exc}): point it at a "
+                             "folder you can write, or unset it") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise HeadsweepError(f"{LOG_DIR_ENV}={named} is not writable: point it at a folder you can write, or unset it")
 
 
 def _open_log(command: str, store: str | None) -> tuple[Path, int]:

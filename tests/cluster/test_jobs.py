@@ -275,7 +275,7 @@ def test_bundle_keeps_the_include_layout(job_config, tmp_path):
     write_bundle(bundle, out)
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.yaml")) == ["base.yaml", "jobs/sweep.yaml"]
     assert (out / rel).read_bytes() == job_config.read_bytes()
-    with pytest.raises(ValueError, match="leaves its folder"):
+    with pytest.raises(HeadsweepError, match="leaves its folder"):
         write_bundle('{"files": {"../escape.yaml": "x: 1"}}', out)
 
 

@@ -50,7 +50,7 @@ def test_workers_never_take_every_cpu(tmp_path):
     [
         ({"device": "cuda"}, "sweep.device=cuda needs sweep.num_gpus_per_worker > 0"),
         ({"device": "cpu", "num_gpus_per_worker": 1}, "would hold GPUs it never uses"),
-        ({"num_gpus_per_worker": -1}, "must not be negative"),
+        ({"num_gpus_per_worker": -1}, "sweep.num_gpus_per_worker must be at least 0, got -1"),
     ],
 )
 def test_contradictory_device_settings(tmp_path, sweep, message):

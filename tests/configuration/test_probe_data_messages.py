@@ -24,7 +24,7 @@ from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_classifier.config import ClassifierData
 from headsweep.workers.families.hf_classifier.data import label_ids, read_examples
 
-SEED_RANGE = "must be a whole number from 0 to 9223372036854775807 (2**63 - 1)"
+SEED_RANGE = "must be a whole number from 0 to 2**63 - 1"
 
 
 def truncated_jsonl(path: Path) -> Path:

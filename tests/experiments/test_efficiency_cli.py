@@ -95,8 +95,8 @@ def test_export_of_the_timed_level(efficiency_run, tmp_path, tiny_bert_dir, tiny
     ({"level": 0.5}, "efficiency.level needs prune_level in sweep.experiments"),
     ({"mask": ["self:0:1"], "from_run": "r"}, "not with a mask"),
     ({"mask": ["selff:0:1"]}, "bad head name 'selff:0:1'"),
-    ({"eval_id": "baseline", "batch_sizes": [0]}, "batch_sizes must be positive"),
-    ({"eval_id": "baseline", "repeats": 0}, "repeats >= 1"),
+    ({"eval_id": "baseline", "batch_sizes": [0]}, "each value of efficiency.batch_sizes must be at least 1, got 0"),
+    ({"eval_id": "baseline", "repeats": 0}, "efficiency.repeats must be at least 1, got 0"),
 ])
 def test_efficiency_config_errors(section, message):
     cfg = {"model": {"kind": "hf_classifier", "path": "m"}, "sweep": {"experiments": ["baseline", "efficiency"]},

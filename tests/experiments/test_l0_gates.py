@@ -472,7 +472,7 @@ def l0_cfg(dev, **l0):
 
 
 @pytest.mark.parametrize("l0, words", [
-    ({"lambdas": [0.1, -0.5]}, "penalty weight must be >= 0, got lambda=-0.5"),
+    ({"lambdas": [0.1, -0.5]}, "each value of l0.lambdas must be at least 0, got -0.5"),
     ({"steps": 0}, "l0.steps must be at least 1"),
     ({"data": None}, "l0 needs l0.data"),
     ({"data": {"path": "data/test.tsv"}}, "looks like a test split"),

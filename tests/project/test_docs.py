@@ -23,6 +23,7 @@ from headsweep.sweep.configuration.sections import config_class
 from headsweep.sweep.experiments import BUILTIN_KINDS, KINDS  # importing the kinds registers their config sections
 from headsweep.sweep.run.screening import DEFAULTS as SCREEN_DEFAULTS
 from headsweep.workers.core.registry import builtin_families
+from headsweep.workers.core.setting_ranges import Range, range_of
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGURATION = REPO / "docs" / "configuration.md"
@@ -285,3 +286,86 @@ def test_the_link_check_sees_a_broken_link(tmp_path):
                     "```\n[example](nowhere.md)\n```\n")
     assert broken_links(page, tmp_path) == ["page.md: missing.md (no such file)",
                                             "page.md: other.md#nothing (no heading with that anchor in other.md)"]
+
+
+# -- the ranges of numeric settings ---------------------------------------------------------------------------
+def _numeric(tp: Any) -> bool:
+    """Whether a field of type ``tp`` holds a number or a list of numbers (``int``, ``float | None``, ...)."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is list:
+        return bool(args) and _numeric(args[0])
+    if args:
+        return any(_numeric(a) for a in args)
+    return tp in (int, float)
+
+
+def _ranged_fields(cls: type, prefix: str, section: tuple[str, ...], out: dict) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            _ranged_fields(hints[f.name], key, (key,), out)
+        elif _numeric(hints[f.name]):
+            out[(section, key)] = range_of(f)
+
+
+def code_ranges() -> dict[tuple[tuple[str, ...], str], Range | None]:
+    """Every numeric config key, by documentation section, with the range its field declares (None: none)."""
+    out: dict = {}
+    config = config_class()
+    hints = typing.get_type_hints(config)
+    for f in dataclasses.fields(config):
+        if f.name in ("model", "data"):
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            _ranged_fields(hints[f.name], f.name, (f.name,), out)
+        elif _numeric(hints[f.name]):
+            out[((), f.name)] = range_of(f)
+    for family in builtin_families():
+        _ranged_fields(family.model_config, "model", ("model", family.name), out)
+        _ranged_fields(family.data_config, "data", ("data", family.name), out)
+    return out
+
+
+def documented_meanings(text: str) -> dict[tuple[tuple[str, ...], str], str]:
+    """The meaning cell of each documented key, by section (the tables :func:`documented_keys` reads)."""
+    out = {}
+    section: tuple[str, ...] = ()
+    for line in text.splitlines():
+        heading = re.match(r"#{2,6} (.*)", line)
+        if heading:
+            section = tuple(re.findall(r"`([^`]+)`", heading.group(1)))
+            continue
+        cells = _cells(line) if line.startswith("|") else []
+        key = re.fullmatch(r"`([^`]+)`", cells[0]) if len(cells) == 3 else None
+        if key:
+            out[(section, key.group(1))] = cells[2]
+    return out
+
+
+def range_problems(documented: dict[tuple[tuple[str, ...], str], str],
+                   ranges: dict[tuple[tuple[str, ...], str], Range | None]) -> list[str]:
+    """Numeric keys without a declared range, and documented rows that do not state their key's range."""
+    problems = []
+    for (section, key), bounds in sorted(ranges.items(), key=lambda item: (item[0][0], item[0][1])):
+        if bounds is None:
+            problems.append(f"{key}: a numeric setting without a declared range (setting_ranges.ranged)")
+        elif (section, key) in documented and bounds.text() not in documented[(section, key)]:
+            problems.append(f"{key}: docs/configuration.md does not state its range ({bounds.text()!r})")
+    return problems
+
+
+def test_every_numeric_setting_has_a_range_and_the_reference_states_it():
+    ranges = code_ranges()
+    assert len(ranges) >= 65 and ranges[(("sweep",), "sweep.flush_every")] == Range(low=1)
+    problems = range_problems(documented_meanings(CONFIGURATION.read_text()), ranges)
+    assert not problems, "numeric settings and their ranges:\n" + "\n".join(problems)
+
+
+def test_the_range_check_sees_a_missing_range_and_an_unstated_one():
+    """The check above can fail: a numeric key without a range, and a row that does not state the range."""
+    page = "## `sweep`\n\n| key | default | meaning |\n| --- | --- | --- |\n| `sweep.workers` | `1` | worker actors |\n"
+    ranges = {(("sweep",), "sweep.workers"): Range(low=1), (("sweep",), "sweep.colour"): None}
+    assert range_problems(documented_meanings(page), ranges) == [
+        "sweep.colour: a numeric setting without a declared range (setting_ranges.ranged)",
+        "sweep.workers: docs/configuration.md does not state its range ('at least 1')"]

@@ -14,6 +14,7 @@ import zlib
 from pathlib import Path
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.core.setting_ranges import MAX_EXAMPLES
 
 DEFAULT_ENCODING = "utf-8"
 
@@ -68,9 +69,8 @@ def data_file(key: str) -> str:
 
 def check_max_examples(value: int | None, key: str) -> None:
     """``<section>.max_examples`` (keep the first N examples) is unset or a positive integer."""
-    if value is not None and value < 1:
-        raise HeadsweepError(f"{key} must be a positive integer (how many examples to keep, from the start), "
-                             f"got {value}; leave it out to keep every example")
+    if value is not None and not MAX_EXAMPLES.contains(value):
+        raise HeadsweepError(MAX_EXAMPLES.refusal(key, value))
 
 
 def read_bytes(path: str | Path) -> tuple[bytes, str]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.experiments.data_sections import DATA
+from headsweep.workers.core.setting_ranges import SEED, check_ranges, ranged
 
 
 @dataclass
@@ -24,43 +25,32 @@ class L0Section:
     (``training.L0Trainer``, with the trial's lambda).
     """
 
-    lambdas: list[float] = field(default_factory=lambda: [0.0, 0.01, 0.05, 0.1])
+    lambdas: list[float] = ranged(default_factory=lambda: [0.0, 0.01, 0.05, 0.1], at_least=0)
     data: dict | None = field(default=None, metadata={DATA: True})
-    steps: int = 500
-    lr: float = 0.05
-    model_lr: float | None = None  # train: all, the model's own weights (null: lr); a converged model wants less
+    steps: int = ranged(500, at_least=1)
+    lr: float = ranged(0.05, above=0)
+    # train: all, the model's own weights (null: lr); a converged model wants less
+    model_lr: float | None = ranged(None, above=0)
     train: str = "gates"
-    beta: float = 0.33
-    init_log_alpha: float = 3.0
-    seed: int = 0
+    beta: float = ranged(0.33, above=0)
+    init_log_alpha: float = ranged(3.0)  # a logit: any real number
+    seed: int = ranged(0, within=SEED)
     closing: str = "test_gate"
     attention: list[str] | None = None
-    label_smoothing: float | None = None
-    checkpoint_every: int = 100
+    label_smoothing: float | None = ranged(None, at_least=0, below=1)
+    checkpoint_every: int = ranged(100, at_least=0, why=" (0: at the end only)")
     allow_eval_data: bool = False
 
     def check(self) -> None:
         if not self.lambdas:
             raise HeadsweepError("l0.lambdas must list at least one penalty weight")
-        for lam in self.lambdas:
-            if not lam >= 0:
-                raise HeadsweepError(f"l0.lambdas: a penalty weight must be >= 0, got lambda={lam}")
+        check_ranges(self, "l0")
         if len(set(self.lambdas)) != len(self.lambdas):
             raise HeadsweepError(f"l0.lambdas lists a penalty weight twice: {self.lambdas}")
-        if self.steps < 1:
-            raise HeadsweepError(f"l0.steps must be at least 1, got {self.steps}")
-        if not self.lr > 0:
-            raise HeadsweepError(f"l0.lr must be positive, got {self.lr}")
-        if self.model_lr is not None and not self.model_lr > 0:
-            raise HeadsweepError(f"l0.model_lr must be positive, got {self.model_lr}")
         if self.model_lr is not None and self.train != "all":
             raise HeadsweepError("l0.model_lr is the learning rate of the model's weights under l0.train: all; "
                                  "with l0.train: gates the model is frozen: remove it or set l0.train: all")
         if self.train not in ("gates", "all"):
             raise HeadsweepError(f"l0.train must be gates or all, got {self.train!r}")
-        if not self.beta > 0:
-            raise HeadsweepError(f"l0.beta must be positive, got {self.beta}")
         if self.closing not in ("test_gate", "larger_probability"):
             raise HeadsweepError(f"l0.closing must be test_gate or larger_probability, got {self.closing!r}")
-        if self.checkpoint_every < 0:
-            raise HeadsweepError(f"l0.checkpoint_every must be >= 0 (0: at the end only), got {self.checkpoint_every}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.core.setting_ranges import check_ranges, ranged
 
 PAIR_SELECTS = ("all", "importance", "single_head", "list")
 PAIR_SCOPES = ("all", "layer")
@@ -21,21 +22,18 @@ class PairsSection:
     """
 
     select: str = "all"
-    top_k: int = 10
+    top_k: int = ranged(10, at_least=2, why=" (a pair needs two heads)")
     scope: str = "all"
     heads: list[str] | None = None
     from_run: str | None = None
-    max_pairs: int = 500
+    max_pairs: int = ranged(500, at_least=1)
 
     def check(self) -> None:
         if self.select not in PAIR_SELECTS:
             raise HeadsweepError(f"unknown pairs.select {self.select!r} (known: {', '.join(PAIR_SELECTS)})")
         if self.scope not in PAIR_SCOPES:
             raise HeadsweepError(f"unknown pairs.scope {self.scope!r} (known: {', '.join(PAIR_SCOPES)})")
-        if self.top_k < 2:
-            raise HeadsweepError(f"pairs.top_k must be at least 2 (a pair needs two heads), got {self.top_k}")
-        if self.max_pairs < 1:
-            raise HeadsweepError(f"pairs.max_pairs must be at least 1, got {self.max_pairs}")
+        check_ranges(self, "pairs")
         if self.select == "list" and len(set(self.heads or [])) < 2:
             raise HeadsweepError("pairs.select list needs pairs.heads: at least two head names (attention:layer:head)")
         if self.select != "list" and self.heads:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.experiments.data_sections import DATA, FILE
 from headsweep.workers.analyses.syntax import ALIASES, RELATIONS
+from headsweep.workers.core.setting_ranges import SHARE, check_ranges, ranged
 
 
 @dataclass
@@ -30,22 +31,22 @@ class RolesSection:
 
     data: dict | None = field(default=None, metadata={DATA: True})
     frequencies: str | None = field(default=None, metadata={FILE: True})
-    offsets: list[int] = field(default_factory=lambda: [-1, 1])
-    positional_threshold: float = 0.9
-    rare_top: int = 500
-    rare_threshold: float = 0.5
-    rare_min_sentences: int = 10
+    offsets: list[int] = ranged(default_factory=lambda: [-1, 1], words="any whole number but 0")
+    positional_threshold: float = ranged(0.9, within=SHARE)
+    rare_top: int = ranged(500, at_least=1)
+    rare_threshold: float = ranged(0.5, within=SHARE)
+    rare_min_sentences: int = ranged(10, at_least=1)
     # Syntactic heads (headsweep.workers.analyses.syntax): a CoNLL-U file aligned with the evaluation text, or parser:
     # spacy.
     parses: str | None = field(default=None, metadata={FILE: True})
     parser: str | None = None
     spacy_model: str = "en_core_web_sm"
     relations: list[str] = field(default_factory=lambda: list(RELATIONS))
-    syntactic_margin: float = 0.1
-    syntactic_min_instances: int = 10
+    syntactic_margin: float = ranged(0.1, within=SHARE)
+    syntactic_min_instances: int = ranged(10, at_least=1)
     # Attention sinks (causal attention): role attention_sink when this share of a head's attention goes to the
     # first position.
-    sink_threshold: float = 0.5
+    sink_threshold: float = ranged(0.5, within=SHARE)
 
     @property
     def syntax(self) -> bool:
@@ -60,21 +61,9 @@ class RolesSection:
             raise HeadsweepError(f"roles.relations: unknown relation {unknown[0] if unknown else '(none given)'!r}"
                                  f" (known: {', '.join(RELATIONS)}; dobj counts as obj)")
         self.relations = list(dict.fromkeys(ALIASES.get(r, r) for r in self.relations))
-        if not 0 < self.syntactic_margin <= 1:
-            raise HeadsweepError(f"roles.syntactic_margin must be a share in (0, 1], got {self.syntactic_margin}")
-        if self.syntactic_min_instances < 1:
-            raise HeadsweepError(f"roles.syntactic_min_instances must be at least 1, got "
-                                 f"{self.syntactic_min_instances}")
+        check_ranges(self, "roles")
         if not self.offsets:
             raise HeadsweepError("roles.offsets must name at least one relative offset (e.g. [-1, 1])")
         if 0 in self.offsets or len(set(self.offsets)) != len(self.offsets):
             raise HeadsweepError(f"roles.offsets must be distinct non-zero relative offsets (e.g. [-1, 1]: the "
                                  f"previous and the next token), got {self.offsets}")
-        for key in ("positional_threshold", "rare_threshold", "sink_threshold"):
-            value = getattr(self, key)
-            if not 0 < value <= 1:
-                raise HeadsweepError(f"roles.{key} must be a share in (0, 1], got {value}")
-        if self.rare_top < 1:
-            raise HeadsweepError(f"roles.rare_top must be at least 1, got {self.rare_top}")
-        if self.rare_min_sentences < 1:
-            raise HeadsweepError(f"roles.rare_min_sentences must be at least 1, got {self.rare_min_sentences}")

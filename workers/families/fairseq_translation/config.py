@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from headsweep.errors import HeadsweepError
 from headsweep.workers.core.family import RuntimeOptions
+from headsweep.workers.core.setting_ranges import MAX_EXAMPLES, ranged
 from headsweep.workers.data.text_files import check_encoding
 
 # fairseq-generate's usual --max-tokens for evaluation (see docs/families.md, "fairseq translation").
@@ -35,15 +37,25 @@ class TranslationModel:
     name: str | None = None
     source_lang: str | None = None
     target_lang: str | None = None
-    beam: int = 5
-    lenpen: float = 1.0
-    max_len_a: float = 0.0
-    max_len_b: int = 200
-    min_len: int = 1
-    unkpen: float = 0.0
-    no_repeat_ngram_size: int = 0
+    beam: int = ranged(5, at_least=1)
+    lenpen: float = ranged(1.0)  # fairseq takes any: below 1 favours short hypotheses, above 1 long ones
+    max_len_a: float = ranged(0.0, at_least=0)
+    max_len_b: int = ranged(200, at_least=1)
+    min_len: int = ranged(1, at_least=0)
+    unkpen: float = ranged(0.0)
+    no_repeat_ngram_size: int = ranged(0, at_least=0, why=" (0: n-grams may repeat)")
     remove_bpe: str | None = None
     detokenize: str = "none"
+
+    def check(self) -> None:
+        """Decoding settings that fairseq would only refuse mid-run, with an assertion, on a worker."""
+        shortest = int(self.max_len_a * 1 + self.max_len_b)  # a one-token source (its end-of-sentence)
+        if self.min_len > shortest:
+            raise HeadsweepError(
+                f"model.min_len={self.min_len} is longer than the longest output a one-token source may have "
+                f"(model.max_len_a * source length + model.max_len_b = {shortest}): lower model.min_len or raise "
+                "model.max_len_b"
+            )
 
 
 @dataclass
@@ -65,7 +77,7 @@ class TranslationData:
     sentencepiece_model: str | None = None
     data_bin: str | None = None
     split: str = "test"
-    max_examples: int | None = None
+    max_examples: int | None = ranged(None, within=MAX_EXAMPLES)
     name: str | None = None
     encoding: str = "utf-8"
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.family import RuntimeOptions
+from headsweep.workers.core.setting_ranges import SEED, check_ranges, ranged
 from headsweep.workers.data.text_files import check_encoding
 
 # data.window when unset: this many tokens, or the model's maximum positions if it has fewer.
@@ -85,10 +86,10 @@ class CausalLMData:
     format: str | None = None  # text | jsonl | parquet; None: from the suffix
     text_column: str = "text"
     name: str | None = None
-    window: int | None = None
-    stride: int | None = None
+    window: int | None = ranged(None, at_least=2, why=" tokens (one to condition on, one to score)")
+    stride: int | None = ranged(None, at_least=1)
     add_bos: bool = False
-    max_windows: int | None = None
+    max_windows: int | None = ranged(None, at_least=1)
     encoding: str = "utf-8"
     task: str = "perplexity"  # perplexity | multiple_choice
     context_field: str = "context"
@@ -96,13 +97,13 @@ class CausalLMData:
     gold_field: str = "gold"
     target_delimiter: str = " "
     choice_score: str = "acc"  # acc | acc_norm: which one is the run's metric
-    max_questions: int | None = None
-    max_pairs: int | None = None
+    max_questions: int | None = ranged(None, at_least=1)
+    max_pairs: int | None = ranged(None, at_least=1)
     tasks: list[str] | None = None
     include_path: str | None = None
-    num_fewshot: int | None = None
-    fewshot_seed: int = LM_EVAL_FEWSHOT_SEED
-    limit: int | None = None
+    num_fewshot: int | None = ranged(None, at_least=0)
+    fewshot_seed: int = ranged(LM_EVAL_FEWSHOT_SEED, within=SEED)
+    limit: int | None = ranged(None, at_least=1, why=" document per task")
     metric: str | None = None
 
     @property
@@ -113,6 +114,7 @@ class CausalLMData:
     def check(self) -> None:
         """What can be checked without the model or the file (the worker checks the rest)."""
         check_encoding(self.encoding)
+        check_ranges(self, "data")
         if self.task not in TASKS:
             raise HeadsweepError(f"data.task must be perplexity, multiple_choice, paired or lm_eval, got {self.task!r}")
         if self.task == "lm_eval":
@@ -132,13 +134,6 @@ class CausalLMData:
             raise HeadsweepError("config key 'data.path' is required (a text, JSONL or Parquet file)")
         if self.format not in (None, "text", "jsonl", "parquet"):
             raise HeadsweepError(f"data.format must be text, jsonl or parquet, got {self.format!r}")
-        if self.window is not None and self.window < 2:
-            raise HeadsweepError(f"data.window must be at least 2 tokens (one to condition on, one to score), "
-                                 f"got {self.window}")
-        if self.stride is not None and self.stride < 1:
-            raise HeadsweepError(f"data.stride must be at least 1, got {self.stride}")
-        if self.max_windows is not None and self.max_windows < 1:
-            raise HeadsweepError(f"data.max_windows must be at least 1, got {self.max_windows}")
 
     def _perplexity_keys(self) -> list[str]:
         defaults = CausalLMData()
@@ -167,10 +162,6 @@ class CausalLMData:
                                  "e.g. data.tasks: [arc_easy] (tasks in your own YAML files: data.include_path)")
         if len(set(self.tasks)) < len(self.tasks):
             raise HeadsweepError(f"data.tasks names a task twice: {self.tasks}")
-        if self.limit is not None and self.limit < 1:
-            raise HeadsweepError(f"data.limit must be at least 1 document per task, got {self.limit}")
-        if self.num_fewshot is not None and self.num_fewshot < 0:
-            raise HeadsweepError(f"data.num_fewshot must be 0 or more, got {self.num_fewshot}")
         if self.metric is not None and self.metric not in LM_EVAL_METRICS:
             raise HeadsweepError(f"data.metric must be one of lm-eval's {', '.join(LM_EVAL_METRICS)}, got "
                                  f"{self.metric!r}")
@@ -189,8 +180,6 @@ class CausalLMData:
         if not self.path:
             raise HeadsweepError("config key 'data.path' is required (a JSONL file of prompt pairs for data.task "
                                  "paired)")
-        if self.max_pairs is not None and self.max_pairs < 1:
-            raise HeadsweepError(f"data.max_pairs must be at least 1, got {self.max_pairs}")
 
     def _check_multiple_choice(self) -> None:
         self._refuse_keys_of("perplexity", self._perplexity_keys())
@@ -210,5 +199,3 @@ class CausalLMData:
         if len(set(fields.values())) < len(fields):
             raise HeadsweepError(f"data.context_field, data.choices_field and data.gold_field must name three "
                                  f"different JSONL fields, got {', '.join(repr(v) for v in fields.values())}")
-        if self.max_questions is not None and self.max_questions < 1:
-            raise HeadsweepError(f"data.max_questions must be at least 1, got {self.max_questions}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.core.setting_ranges import MAX_EXAMPLES, check_ranges, ranged
 from headsweep.workers.data.text_files import check_encoding
 
 # data.max_length when unset: this many tokens, or the model's maximum positions if it has fewer.
@@ -44,8 +45,8 @@ class ClassifierData:
     label_column: str = "label"
     id_column: str | None = None
     name: str | None = None
-    max_examples: int | None = None
-    max_length: int | None = None
+    max_examples: int | None = ranged(None, within=MAX_EXAMPLES)
+    max_length: int | None = ranged(None, at_least=1)
     encoding: str = "utf-8"
     task: str = "classification"  # classification | paired
 
@@ -57,6 +58,7 @@ class ClassifierData:
     def check(self, key: str = "data") -> None:
         """What can be checked without the model or the file (the worker checks the rest)."""
         check_encoding(self.encoding, f"{key}.encoding")
+        check_ranges(self, key)
         if self.task not in TASKS:
             raise HeadsweepError(f"{key}.task must be {' or '.join(TASKS)}, got {self.task!r}")
         if self.paired:
@@ -68,5 +70,3 @@ class ClassifierData:
                 if getattr(self, name) != getattr(defaults, name):
                     raise HeadsweepError(f"{key}.{name} applies to {key}.task classification, not paired (pairs "
                                          "have the fields clean, corrupted, answer and wrong_answer): remove it")
-        if self.max_length is not None and self.max_length < 1:
-            raise HeadsweepError(f"{key}.max_length must be at least 1, got {self.max_length}")

@@ -97,6 +97,7 @@ def _read(path: Path, fmt: str, cfg: ClassifierData, columns: list[str], key: st
             table = pq.read_table(path)
         except (pa.ArrowInvalid, OSError) as exc:
             raise HeadsweepError(f"cannot read data file {path} as parquet: {str(exc).splitlines()[0]}") from None
+        _check_column_names(path, table.column_names, columns)
         table = _decoded_binary(table, columns, cfg.encoding, path)
         return _Read(table.column_names, table.num_rows, _columns(table, columns), None)
     data, where = read_bytes(path)
@@ -115,6 +116,7 @@ def _read(path: Path, fmt: str, cfg: ClassifierData, columns: list[str], key: st
         if bad is not None:
             raise HeadsweepError(_invalid_row_message(path, fmt, text, bad)) from None
         raise HeadsweepError(f"cannot read data file {path} as {fmt}: {str(exc).splitlines()[0]}") from None
+    _check_column_names(path, table.column_names, columns)
     if any(c not in table.column_names for c in columns):
         _check_separator(path, fmt, text, cfg, key)
     return _Read(table.column_names, table.num_rows, _columns(table, columns), _row_lines(text, fmt))
@@ -160,6 +162,14 @@ def _invalid_row_message(path: Path, fmt: str, text: str, bad: pacsv.InvalidRow)
         why = "tsv has no quoting: a value cannot hold a tab (or use data.format=csv with quoted values)"
     return (f"cannot read data file {path} as {fmt}: row {where} has {bad.actual_columns} field(s) where the header "
             f"has {bad.expected_columns} ({shown!r}); {why}")
+
+
+def _check_column_names(path: Path, names: list[str], columns: list[str]) -> None:
+    """A column the config reads named twice in the file: which of the two holds the labels (or texts) is a guess."""
+    twice = next((c for c in columns if names.count(c) > 1), None)
+    if twice is not None:
+        raise HeadsweepError(f"data file {path} names column {twice!r} {names.count(twice)} times (columns: "
+                             f"{', '.join(names)}): give each column its own name")
 
 
 def _columns(table: pa.Table, columns: list[str]) -> dict[str, list]:
