@@ -37,10 +37,6 @@ if TYPE_CHECKING:  # the context brings Ray and the worker pool; reading a confi
 
 # Every registered kind by name, in registration order (which breaks ties in the run order).
 KINDS: dict[str, Experiment] = {}
-# The kind every run evaluates first: the reference of every delta and significance test.
-REFERENCE = "baseline"
-# The kind ``sweep.order: importance`` runs before every grid (its scores order the masks).
-ORDERING = "importance"
 
 
 def register(kind: Experiment, replace: bool = False) -> Experiment:
@@ -66,6 +62,9 @@ def register(kind: Experiment, replace: bool = False) -> Experiment:
         raise HeadsweepError(f"experiment kind {kind.name!r} writes table {kind.table!r}, which is not a results table "
                              "(a kind that writes a table of its own declares it in tables)")
     _check_parts(kind)
+    if kind.reference and any(k.reference and k.name != kind.name for k in KINDS.values()):
+        raise HeadsweepError(f"experiment kind {kind.name!r} declares itself the reference, and "
+                             f"{reference_kind().name!r} is already")
     if kind.settings is not None:
         add_section(kind.section, kind.settings)
     for table in kind.tables:
@@ -117,6 +116,22 @@ def experiment_kind(name: str) -> Experiment:
     return register(plugin)
 
 
+def reference_kind() -> Experiment:
+    """The kind every run evaluates first: the reference of every delta and significance test."""
+    return next(k for k in KINDS.values() if k.reference)
+
+
+def ordering_kind(cfg: Config) -> Experiment | None:
+    """The kind whose scores order every grid's masks under ``cfg``'s ``sweep.order`` (None: planned order)."""
+    kind = KINDS.get(cfg.sweep.order)
+    return kind if kind is not None and kind.orders_masks else None
+
+
+def declaring(declaration: str) -> tuple[str, ...]:
+    """The names of the registered kinds whose ``declaration`` (an :class:`Experiment` flag) is true."""
+    return tuple(k.name for k in KINDS.values() if getattr(k, declaration))
+
+
 def is_plugin_name(name: object) -> bool:
     """Whether ``name`` is a kind the registry does not hold yet: an entry point's name, or a module path (which
     :func:`experiment_kind` refuses)."""
@@ -159,10 +174,11 @@ def register_stored_kinds(store: ResultStore) -> None:
 
 def _dependencies(kind: Experiment, cfg: Config) -> list[Experiment]:
     needed = [experiment_kind(n) for n in kind.needs(cfg)]
-    if cfg.sweep.order == "importance" and kind.plans_masks and kind.name not in (REFERENCE, ORDERING):
+    ordering = ordering_kind(cfg)
+    if ordering is not None and kind.plans_masks and not kind.reference and kind is not ordering:
         # Masks go out most important heads first, so the scores come before every grid.
-        needed.append(KINDS[ORDERING])
-    return needed if kind.name == REFERENCE else [KINDS[REFERENCE], *needed]
+        needed.append(ordering)
+    return needed if kind.reference else [reference_kind(), *needed]
 
 
 def experiments_of(cfg: Config) -> list[Experiment]:
@@ -176,7 +192,7 @@ def experiments_of(cfg: Config) -> list[Experiment]:
             cfg.sweep.experiments.append(kind.name)
             listed.append(kind)
     members: dict[str, Experiment] = {}
-    todo = [KINDS[REFERENCE], *listed]
+    todo = [reference_kind(), *listed]
     while todo:
         kind = todo.pop()
         if kind.name not in members:

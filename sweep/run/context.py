@@ -18,6 +18,7 @@ import numpy as np
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.ablation import averaged_outcomes
 from headsweep.sweep.configuration.sections import Config
+from headsweep.sweep.experiments.registry import declaring, ordering_kind, reference_kind
 from headsweep.sweep.run.budget import BudgetReached, SessionBudget
 from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.dispatch import WorkerPool, units_per_call
@@ -37,7 +38,7 @@ class Context:
 
     ``done``: eval id -> (score, per-example statistics) of what a resumed run already stored
     (those units are not computed again). ``shared``: results one kind leaves for the kinds that
-    need it (``importance`` leaves its scores under ``"importance"``). ``writer`` and ``record``
+    need it (a kind leaves them under its name: ``importance`` its scores). ``writer`` and ``record``
     are None while kinds validate (nothing may be written then).
     """
 
@@ -101,8 +102,9 @@ class Context:
         units = unique(with_prefix(units, self.prefix))
         record.plan(len(units))
         todo = [u for u in units if u.eval_id not in self.done]
-        if self.cfg.sweep.order == "importance" and "importance" in self.shared:
-            todo = by_importance(todo, self.shared["importance"])
+        ordering = ordering_kind(self.cfg)
+        if ordering is not None and ordering.name in self.shared:
+            todo = by_importance(todo, self.shared[ordering.name])
         if self.screening is not None and todo:
             todo = self._screen(todo, self.screening.family_size(units))
         if self.budget is not None and self.budget.reached() and (todo or reference is not None):
@@ -194,7 +196,7 @@ class Context:
         if self.cfg.significance.enabled:
             self.tracker = SignificanceTracker(
                 self.cfg.significance, self.store, self.run_id, self.info.metric, stats, family_prefix=self.prefix,
-                averaged=averaged_outcomes(self.cfg),
+                averaged=averaged_outcomes(self.cfg), reference=reference_kind().name, counted=declaring("screened"),
             )
 
     def _expect(self, units: Sequence[WorkUnit]) -> None:

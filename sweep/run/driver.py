@@ -28,7 +28,6 @@ from headsweep.sweep.cluster.placement import WorkerAsk, alive_nodes, check_plac
 from headsweep.sweep.cluster.ray_session import init_ray, resolve_device
 from headsweep.sweep.configuration.ablation import averaged_outcomes
 from headsweep.sweep.configuration.sections import Config
-from headsweep.sweep.experiments.single_head import SINGLE_HEAD
 from headsweep.sweep.run.budget import BudgetReached, SessionBudget
 from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.claim import store_claim
@@ -166,7 +165,8 @@ class Sweep:
                     self.cfg, info, pool, self.store, self.run_id,
                     prefix=f"ckpt{index}/" if checkpoint is not None else "", checkpoint=checkpoint,
                     done=self.done, writer=record.writer, record=record, show_progress=self.show_progress,
-                    budget=budget, screening=Screening.of(self.cfg, self.screened),
+                    budget=budget,
+                    screening=Screening.of(self.cfg, frozenset(experiments.declaring("screened")), self.screened),
                 )
                 if first is None:
                     first = ctx
@@ -216,9 +216,10 @@ class Sweep:
         """
         tests_for(self.cfg.significance, info.metric, averaged_outcomes(self.cfg))
         ctx = Context(self.cfg, info, pool, self.store, self.run_id)
-        screening = Screening.of(self.cfg)
+        screening = Screening.of(self.cfg, frozenset(experiments.declaring("screened")))
         if screening is not None:
-            screening.check_model(info.n_examples, len(SINGLE_HEAD.plan(ctx)))
+            screened = [k for k in experiments.experiments_of(self.cfg) if k.screened]
+            screening.check_model(info.n_examples, sum(len(k.plan(ctx)) for k in screened))
         experiments.validate(ctx)
         self.check_checkpoints(pool, info)
         previous = resumable(self.store, self.cfg, self.resume, self.auto_resume)
