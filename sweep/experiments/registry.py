@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
-from headsweep.plugins import KINDS_GROUP, installed, load_plugin
+from headsweep.plugins import KINDS_GROUP, installed
+from headsweep.registry import Registry
 from headsweep.results.schema import RENAMED, TABLES, register_table
 from headsweep.results.store import ResultStore
 from headsweep.results.views import PRUNING_CURVES, VIEWS, register_pruning_curve, register_view
@@ -35,19 +36,12 @@ from headsweep.sweep.run.plan import attention_types
 if TYPE_CHECKING:  # the context brings Ray and the worker pool; reading a config needs neither
     from headsweep.sweep.run.context import Context
 
-# Every registered kind by name, in registration order (which breaks ties in the run order).
-KINDS: dict[str, Experiment] = {}
-
-
-def register(kind: Experiment, replace: bool = False) -> Experiment:
-    """Add ``kind`` and its parts under ``kind.name`` (refused if the name is taken, unless ``replace``).
-
-    Everything is checked before anything is added, so a refused kind leaves the registries as they were.
-    """
+def _check_kind(kind: Experiment) -> None:
+    """Refuse a kind that breaks the contract (``headsweep.sweep.experiments.base``) or whose parts clash with those
+    registered; everything is checked before anything is added, so a refused kind leaves the registries as they
+    were."""
     if not isinstance(kind, Experiment) or not kind.name:
         raise HeadsweepError(f"{kind!r} is not a named headsweep.sweep.experiments.Experiment")
-    if kind.name in KINDS and KINDS[kind.name] is not kind and not replace:
-        raise HeadsweepError(f"experiment kind {kind.name!r} is registered already")
     overrides = (type(kind).plan is not Experiment.plan, type(kind).run is not Experiment.run)
     if sum(overrides) != 1:
         raise HeadsweepError(f"experiment kind {kind.name!r} must implement exactly one of plan() and run()")
@@ -65,7 +59,11 @@ def register(kind: Experiment, replace: bool = False) -> Experiment:
     if kind.reference and any(k.reference and k.name != kind.name for k in KINDS.values()):
         raise HeadsweepError(f"experiment kind {kind.name!r} declares itself the reference, and "
                              f"{reference_kind().name!r} is already")
-    if kind.settings is not None:
+
+
+def _add_parts(kind: Experiment) -> None:
+    """What registering ``kind`` adds besides the kind: its config section, results tables, views, pruning curve."""
+    if kind.settings is not None and kind.section is not None:
         add_section(kind.section, kind.settings)
     for table in kind.tables:
         register_table(table)
@@ -73,8 +71,22 @@ def register(kind: Experiment, replace: bool = False) -> Experiment:
         register_view(view)
     if kind.pruning_curve is not None:
         register_pruning_curve(kind.pruning_curve)
-    KINDS[kind.name] = kind
-    return kind
+
+
+def _unknown(name: str, known: list[str]) -> str:
+    return (f"unknown experiment kind {name!r} in sweep.experiments (known: {', '.join(known)}, or the name of an "
+            f"installed {KINDS_GROUP!r} entry point)")
+
+
+# Every registered kind by name, in registration order (which breaks ties in the run order).
+KINDS: Registry[Experiment] = Registry("experiment kind", "experiment kind", KINDS_GROUP, Experiment,
+                                       check=_check_kind, added=_add_parts, unknown=_unknown)
+
+
+def register(kind: Experiment, replace: bool = False) -> Experiment:
+    """Add ``kind`` and its parts under ``kind.name`` (refused if the name is taken, unless ``replace``, and while a
+    run is going)."""
+    return KINDS.register(kind, replace)
 
 
 def _check_parts(kind: Experiment) -> None:
@@ -101,19 +113,7 @@ def _check_parts(kind: Experiment) -> None:
 def experiment_kind(name: str) -> Experiment:
     """The kind called ``name``: a registered one, or one installed as a ``headsweep.kinds`` entry point (imported and
     registered now); or a clear error."""
-    if name in KINDS:
-        return KINDS[name]
-    plugin = load_plugin(name, KINDS_GROUP, Experiment, "experiment kind")
-    if plugin is None:
-        others = installed(KINDS_GROUP)
-        raise HeadsweepError(
-            f"unknown experiment kind {name!r} in sweep.experiments (known: {', '.join([*KINDS, *others])}, or the "
-            f"name of an installed {KINDS_GROUP!r} entry point)"
-        )
-    if plugin.name != name:
-        raise HeadsweepError(f"experiment kind entry point {name!r} names a kind called {plugin.name!r}: the two "
-                             "names must be the same")
-    return register(plugin)
+    return KINDS.lookup(name)
 
 
 def reference_kind() -> Experiment:

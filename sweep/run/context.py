@@ -18,7 +18,6 @@ import numpy as np
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.ablation import averaged_outcomes
 from headsweep.sweep.configuration.sections import Config
-from headsweep.sweep.experiments.registry import declaring, ordering_kind, reference_kind
 from headsweep.sweep.run.budget import BudgetReached, SessionBudget
 from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.dispatch import WorkerPool, units_per_call
@@ -30,6 +29,18 @@ from headsweep.sweep.terminal.progress import Progress
 from headsweep.workers.core.family import DatasetInfo
 from headsweep.workers.core.heads import HeadInventory
 from headsweep.workers.core.work import WorkUnit
+
+
+@dataclass(frozen=True)
+class KindRoles:
+    """What the context asks of the run's kinds, by their declarations (``headsweep.sweep.experiments.base``; the
+    driver reads them from the registry): the reference kind (its unit is the baseline of every test, not tested
+    itself), the kind whose scores, left under its name in ``shared``, order the masks (None: planned order), and
+    the kinds whose significant evaluations ``headsweep status`` counts while the run goes."""
+
+    reference: str | None = None
+    ordering: str | None = None
+    counted: tuple[str, ...] = ()
 
 
 @dataclass
@@ -58,6 +69,7 @@ class Context:
     tracker: SignificanceTracker | None = None
     budget: SessionBudget | None = None  # sweep.budget, shared by the contexts of one session
     screening: Screening | None = None  # sweep.screen: the policy this model's passes consult (None: no screening)
+    kinds: KindRoles = field(default_factory=lambda: KindRoles())  # what the run's kinds declare (the driver's)
     _reference: WorkUnit | None = field(default=None, repr=False)  # planned, not yet evaluated
 
     @property
@@ -102,9 +114,8 @@ class Context:
         units = unique(with_prefix(units, self.prefix))
         record.plan(len(units))
         todo = [u for u in units if u.eval_id not in self.done]
-        ordering = ordering_kind(self.cfg)
-        if ordering is not None and ordering.name in self.shared:
-            todo = by_importance(todo, self.shared[ordering.name])
+        if self.kinds.ordering is not None and self.kinds.ordering in self.shared:
+            todo = by_importance(todo, self.shared[self.kinds.ordering])
         if self.screening is not None and todo:
             todo = self._screen(todo, self.screening.family_size(units))
         if self.budget is not None and self.budget.reached() and (todo or reference is not None):
@@ -196,7 +207,7 @@ class Context:
         if self.cfg.significance.enabled:
             self.tracker = SignificanceTracker(
                 self.cfg.significance, self.store, self.run_id, self.info.metric, stats, family_prefix=self.prefix,
-                averaged=averaged_outcomes(self.cfg), reference=reference_kind().name, counted=declaring("screened"),
+                averaged=averaged_outcomes(self.cfg), reference=self.kinds.reference, counted=self.kinds.counted,
             )
 
     def _expect(self, units: Sequence[WorkUnit]) -> None:
