@@ -161,11 +161,15 @@ WHERE position = 1
 class PruningCurve:
     """Evaluations of ``experiment`` (eval ids ``<experiment>/<scope>/<point>``) are points of a pruning curve:
     ``method`` names the curve in the ``pruning`` view; ``parameter``, when set, is a column of that view holding
-    the ``<point>`` part of the eval id as a number (null on other curves' rows)."""
+    the ``<point>`` part of the eval id as a number (null on other curves' rows); ``levels``, whether its points
+    are pruning levels (the ``level`` column: the masks a pruning level names, as ``headsweep export --level``
+    and ``efficiency.level`` do); ``label``, when set, what the report calls its curves (before their scope)."""
 
     experiment: str
     method: str
     parameter: str | None = None
+    levels: bool = False
+    label: str | None = None
 
 
 # The curves the pruning view is made of, in registration order (register_pruning_curve).

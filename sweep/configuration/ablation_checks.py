@@ -10,6 +10,7 @@ data sections, which are typed by the config.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from headsweep.errors import HeadsweepError
@@ -28,15 +29,15 @@ def ablation_settings(cfg: Any) -> tuple[AblationMethod, AblationSection]:
     return ablation_method(cfg.sweep.ablation), cfg.ablation
 
 
-def check_paired(method: str, sections: list[tuple[str, Any]]) -> None:
+def check_paired(method: str, sections: list[tuple[str, Any]], unfilled: Collection[str] = ()) -> None:
     """Under a method that ``needs_pairs`` (patch), every data set evaluated or differentiated under the fill is
     paired: the evaluation data, importance's and L0's (``sections``: the run's typed data sections by config key;
-    roles reads attention, which no fill changes)."""
+    ``unfilled``: config sections whose data no fill changes, such as roles', which reads attention)."""
     declared = ablation_method(method)
     if not declared.needs_pairs:
         return
     for key, section in sections:
-        if key != "roles.data" and not getattr(section, "paired", False):
+        if key.split(".")[0] not in unfilled and not getattr(section, "paired", False):
             raise HeadsweepError(PATCH_NEEDS_PAIRS if key == "data" else
                                  f"{key} is not paired data, and sweep.ablation {method} fills every head from the "
                                  f"other input of its pair: give {key} paired data (data.task: paired) too")

@@ -27,6 +27,7 @@ from headsweep.sweep.experiments import (
     BUILTIN_KINDS,
     KINDS,
     Experiment,
+    declaring,
     experiment_kind,
     experiments_of,
     is_plugin_name,
@@ -249,7 +250,7 @@ def check_data_files(cfg: Config) -> None:
     sections = data_sections(cfg)
     for key, section in sections:
         family.check_data(section, key)
-    check_paired(cfg.sweep.ablation, sections)
+    check_paired(cfg.sweep.ablation, sections, {KINDS[n].section for n in declaring("reads_attention")})
 
 
 def _check_sections(cfg: Config) -> None:
@@ -259,7 +260,7 @@ def _check_sections(cfg: Config) -> None:
     if model_check is not None:
         model_check()
     cfg.sweep.check()
-    Screening.check_config(cfg)
+    Screening.check_config(cfg, declaring("screened"), declaring("whole_set"))
     if cfg.sweep.max_tokens is not None and not model_family(cfg.model.kind).batches_by_tokens:
         raise HeadsweepError(
             f"sweep.max_tokens applies to model families that batch by tokens (fairseq_translation), "

@@ -21,10 +21,13 @@ from headsweep.sweep.experiments.prune_level import PRUNE_LEVEL
 from headsweep.sweep.experiments.registry import (
     KINDS,
     Phase,
+    declaring,
     experiment_kind,
     experiments_of,
     is_plugin_name,
+    ordering_kind,
     plugin_kinds,
+    reference_kind,
     register,
     register_stored_kinds,
     schedule,
@@ -33,8 +36,9 @@ from headsweep.sweep.experiments.registry import (
 from headsweep.sweep.experiments.roles import ROLES
 from headsweep.sweep.experiments.single_head import SINGLE_HEAD
 
-__all__ = ["BUILTIN_KINDS", "KINDS", "Experiment", "Phase", "experiment_kind", "experiments_of", "is_plugin_name",
-           "plugin_kinds", "register", "register_stored_kinds", "schedule", "validate"]
+__all__ = ["BUILTIN_KINDS", "KINDS", "Experiment", "Phase", "declaring", "experiment_kind", "experiments_of",
+           "is_plugin_name", "ordering_kind", "plugin_kinds", "reference_kind", "register", "register_stored_kinds",
+           "schedule", "validate"]
 
 for _kind in (BASELINE, SINGLE_HEAD, ALL_BUT_ONE, CUSTOM, IMPORTANCE, PRUNE_LEVEL, EFFICIENCY, KV_GROUP, ROLES, PAIRS,
               L0):

@@ -29,6 +29,17 @@ A kind with more than one module is a folder (``roles/``, ``importance/``, ``pai
 (``kind.py``), its settings, its tables and views, its report part, and worker-side code that imports only
 ``headsweep.workers`` and ``headsweep.results``. docs/development.md, "Adding an experiment kind", shows one.
 
+A kind declares, too, what the run loop and the readers ask of it (code outside ``sweep/experiments/`` reads these
+declarations, never a kind's name): ``reference`` (the unmasked model every delta and test is against: ``baseline``),
+``screened`` (``sweep.screen`` screens its masks on a subset first: ``single_head``), ``whole_set`` (it needs every
+mask evaluated on the whole set, so ``sweep.screen`` cannot join it: ``pairs``), ``orders_masks`` (its scores,
+left under its name in ``ctx.shared``, order every grid's masks under ``sweep.order: <name>``: ``importance``),
+``pruned_copy`` (a worker holds one more copy of the weights: ``efficiency``) and ``reads_attention`` (its data is
+read for attention maps alone, which no ablation fill changes, so a fill that needs paired inputs does not ask it
+to be paired: ``roles``). A pruning curve whose points are
+pruning levels says so (``PruningCurve.levels``: ``prune_level``'s, the masks ``efficiency.level`` and
+``headsweep export --level`` name).
+
 Everything else has a default: ``needs(cfg)`` (kinds whose results it reads: they run first and
 join the run when it does not list them), ``implied(cfg)`` (other config keys ask for it),
 ``check_config(cfg)`` (config checks at load time, for a run of this kind), ``validate(ctx)`` (checks against the
@@ -81,6 +92,14 @@ class Experiment:
     tables: ClassVar[tuple[Table, ...]] = ()
     views: ClassVar[tuple[View, ...]] = ()
     pruning_curve: PruningCurve | None = None
+    # What the run loop and the readers ask of a kind (the module docstring); at most one registered kind is the
+    # reference.
+    reference: ClassVar[bool] = False
+    screened: ClassVar[bool] = False
+    whole_set: ClassVar[bool] = False
+    orders_masks: ClassVar[bool] = False
+    pruned_copy: ClassVar[bool] = False
+    reads_attention: ClassVar[bool] = False
 
     def needs(self, cfg: Config) -> tuple[str, ...]:
         """Kinds whose results this one reads (they run before it; one the run does not list joins it)."""

@@ -18,6 +18,7 @@ class Baseline(Experiment):
     and its per-example statistics the baseline of every significance test."""
 
     name = "baseline"
+    reference = True
 
     def run(self, ctx: Context) -> None:
         ctx.evaluate_reference(UNIT)

@@ -128,6 +128,7 @@ class Efficiency(Experiment):
     """Speed and memory gained by removing the heads of one mask."""
 
     name = "efficiency"
+    pruned_copy = True  # the worker that times the pruned model holds it beside the run's model
     section = "efficiency"
     settings = EfficiencySection
     table = "efficiency"

@@ -82,7 +82,7 @@ class PruneLevel(Experiment):
     name = "prune_level"
     section = "prune"
     settings = PruneSection
-    pruning_curve = PruningCurve("prune_level", "importance")
+    pruning_curve = PruningCurve("prune_level", "importance", levels=True)
 
     def check_settings(self, cfg: Config) -> None:
         cfg.prune.check()

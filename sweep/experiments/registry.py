@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
-from headsweep.plugins import KINDS_GROUP, installed, load_plugin
+from headsweep.plugins import KINDS_GROUP, installed
+from headsweep.registry import Registry
 from headsweep.results.schema import RENAMED, TABLES, register_table
 from headsweep.results.store import ResultStore
 from headsweep.results.views import PRUNING_CURVES, VIEWS, register_pruning_curve, register_view
@@ -35,23 +36,12 @@ from headsweep.sweep.run.plan import attention_types
 if TYPE_CHECKING:  # the context brings Ray and the worker pool; reading a config needs neither
     from headsweep.sweep.run.context import Context
 
-# Every registered kind by name, in registration order (which breaks ties in the run order).
-KINDS: dict[str, Experiment] = {}
-# The kind every run evaluates first: the reference of every delta and significance test.
-REFERENCE = "baseline"
-# The kind ``sweep.order: importance`` runs before every grid (its scores order the masks).
-ORDERING = "importance"
-
-
-def register(kind: Experiment, replace: bool = False) -> Experiment:
-    """Add ``kind`` and its parts under ``kind.name`` (refused if the name is taken, unless ``replace``).
-
-    Everything is checked before anything is added, so a refused kind leaves the registries as they were.
-    """
+def _check_kind(kind: Experiment) -> None:
+    """Refuse a kind that breaks the contract (``headsweep.sweep.experiments.base``) or whose parts clash with those
+    registered; everything is checked before anything is added, so a refused kind leaves the registries as they
+    were."""
     if not isinstance(kind, Experiment) or not kind.name:
         raise HeadsweepError(f"{kind!r} is not a named headsweep.sweep.experiments.Experiment")
-    if kind.name in KINDS and KINDS[kind.name] is not kind and not replace:
-        raise HeadsweepError(f"experiment kind {kind.name!r} is registered already")
     overrides = (type(kind).plan is not Experiment.plan, type(kind).run is not Experiment.run)
     if sum(overrides) != 1:
         raise HeadsweepError(f"experiment kind {kind.name!r} must implement exactly one of plan() and run()")
@@ -66,7 +56,14 @@ def register(kind: Experiment, replace: bool = False) -> Experiment:
         raise HeadsweepError(f"experiment kind {kind.name!r} writes table {kind.table!r}, which is not a results table "
                              "(a kind that writes a table of its own declares it in tables)")
     _check_parts(kind)
-    if kind.settings is not None:
+    if kind.reference and any(k.reference and k.name != kind.name for k in KINDS.values()):
+        raise HeadsweepError(f"experiment kind {kind.name!r} declares itself the reference, and "
+                             f"{reference_kind().name!r} is already")
+
+
+def _add_parts(kind: Experiment) -> None:
+    """What registering ``kind`` adds besides the kind: its config section, results tables, views, pruning curve."""
+    if kind.settings is not None and kind.section is not None:
         add_section(kind.section, kind.settings)
     for table in kind.tables:
         register_table(table)
@@ -74,8 +71,22 @@ def register(kind: Experiment, replace: bool = False) -> Experiment:
         register_view(view)
     if kind.pruning_curve is not None:
         register_pruning_curve(kind.pruning_curve)
-    KINDS[kind.name] = kind
-    return kind
+
+
+def _unknown(name: str, known: list[str]) -> str:
+    return (f"unknown experiment kind {name!r} in sweep.experiments (known: {', '.join(known)}, or the name of an "
+            f"installed {KINDS_GROUP!r} entry point)")
+
+
+# Every registered kind by name, in registration order (which breaks ties in the run order).
+KINDS: Registry[Experiment] = Registry("experiment kind", "experiment kind", KINDS_GROUP, Experiment,
+                                       check=_check_kind, added=_add_parts, unknown=_unknown)
+
+
+def register(kind: Experiment, replace: bool = False) -> Experiment:
+    """Add ``kind`` and its parts under ``kind.name`` (refused if the name is taken, unless ``replace``, and while a
+    run is going)."""
+    return KINDS.register(kind, replace)
 
 
 def _check_parts(kind: Experiment) -> None:
@@ -102,19 +113,23 @@ def _check_parts(kind: Experiment) -> None:
 def experiment_kind(name: str) -> Experiment:
     """The kind called ``name``: a registered one, or one installed as a ``headsweep.kinds`` entry point (imported and
     registered now); or a clear error."""
-    if name in KINDS:
-        return KINDS[name]
-    plugin = load_plugin(name, KINDS_GROUP, Experiment, "experiment kind")
-    if plugin is None:
-        others = installed(KINDS_GROUP)
-        raise HeadsweepError(
-            f"unknown experiment kind {name!r} in sweep.experiments (known: {', '.join([*KINDS, *others])}, or the "
-            f"name of an installed {KINDS_GROUP!r} entry point)"
-        )
-    if plugin.name != name:
-        raise HeadsweepError(f"experiment kind entry point {name!r} names a kind called {plugin.name!r}: the two "
-                             "names must be the same")
-    return register(plugin)
+    return KINDS.lookup(name)
+
+
+def reference_kind() -> Experiment:
+    """The kind every run evaluates first: the reference of every delta and significance test."""
+    return next(k for k in KINDS.values() if k.reference)
+
+
+def ordering_kind(cfg: Config) -> Experiment | None:
+    """The kind whose scores order every grid's masks under ``cfg``'s ``sweep.order`` (None: planned order)."""
+    kind = KINDS.get(cfg.sweep.order)
+    return kind if kind is not None and kind.orders_masks else None
+
+
+def declaring(declaration: str) -> tuple[str, ...]:
+    """The names of the registered kinds whose ``declaration`` (an :class:`Experiment` flag) is true."""
+    return tuple(k.name for k in KINDS.values() if getattr(k, declaration))
 
 
 def is_plugin_name(name: object) -> bool:
@@ -159,10 +174,11 @@ def register_stored_kinds(store: ResultStore) -> None:
 
 def _dependencies(kind: Experiment, cfg: Config) -> list[Experiment]:
     needed = [experiment_kind(n) for n in kind.needs(cfg)]
-    if cfg.sweep.order == "importance" and kind.plans_masks and kind.name not in (REFERENCE, ORDERING):
+    ordering = ordering_kind(cfg)
+    if ordering is not None and kind.plans_masks and not kind.reference and kind is not ordering:
         # Masks go out most important heads first, so the scores come before every grid.
-        needed.append(KINDS[ORDERING])
-    return needed if kind.name == REFERENCE else [KINDS[REFERENCE], *needed]
+        needed.append(ordering)
+    return needed if kind.reference else [reference_kind(), *needed]
 
 
 def experiments_of(cfg: Config) -> list[Experiment]:
@@ -176,7 +192,7 @@ def experiments_of(cfg: Config) -> list[Experiment]:
             cfg.sweep.experiments.append(kind.name)
             listed.append(kind)
     members: dict[str, Experiment] = {}
-    todo = [KINDS[REFERENCE], *listed]
+    todo = [reference_kind(), *listed]
     while todo:
         kind = todo.pop()
         if kind.name not in members:

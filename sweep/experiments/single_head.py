@@ -23,6 +23,7 @@ class SingleHead(Experiment):
     """One evaluation per head, reported under that head; eval id ``single_head/<head>``."""
 
     name = "single_head"
+    screened = True
     section = "sweep"  # sweep.attention
 
     def plan(self, ctx: Context) -> list[WorkUnit]:

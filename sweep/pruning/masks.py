@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
+from headsweep.results.views import PRUNING_CURVES
 from headsweep.workers.core.heads import Head, HeadInventory
 
 if TYPE_CHECKING:  # reading a config (which names the efficiency kind) needs no store
@@ -66,10 +67,11 @@ def stored_mask(
     if not rows:
         raise HeadsweepError(f"run {run_id} has no evaluations in store {store.uri}")
     if level is not None:
-        what = f"prune_level evaluation at level {level}"
-        found = [r for r in rows if r["experiment"] == "prune_level" and abs(r["level"] - level) < 1e-9]
+        curves = [c.experiment for c in PRUNING_CURVES.values() if c.levels]
+        what = f"{' or '.join(curves)} evaluation at level {level}"
+        found = [r for r in rows if r["experiment"] in curves and abs(r["level"] - level) < 1e-9]
         if not found:
-            levels = sorted({r["level"] for r in rows if r["experiment"] == "prune_level"})
+            levels = sorted({r["level"] for r in rows if r["experiment"] in curves})
             raise HeadsweepError(f"run {run_id} has no {what} (its levels: {levels or 'none'})")
     else:
         what = f"evaluation {eval_id!r}"

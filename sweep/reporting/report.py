@@ -25,6 +25,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.query import connect, scan_error
 from headsweep.results.schema import SCHEMA_VERSION
 from headsweep.results.store import ResultStore
+from headsweep.results.views import PRUNING_CURVES
 from headsweep.sweep.experiments import KINDS, register_stored_kinds
 from headsweep.sweep.reporting import figures, plots
 from headsweep.sweep.reporting.example_changes import fetch
@@ -96,9 +97,10 @@ def _pruning_curves(con: duckdb.DuckDBPyConnection, run: dict, checkpoints: list
             ORDER BY r.created_at DESC, p.run_id, p.scope, p.level""",
                        [run_id, checkpoint, run["model"], run["dataset"], run["metric"],
                         baseline[0]["score"] if baseline else None]) if own else []
-        for r in own + others:  # L0 gates (Voita et al.) beside the importance curve of the same scope
-            if r.get("method") == "l0":
-                r["scope"] = f"L0 gates, {r['scope']}"
+        labels = {c.method: c.label for c in PRUNING_CURVES.values() if c.label}
+        for r in own + others:  # e.g. L0 gates (Voita et al.) beside the importance curve of the same scope
+            if r.get("method") in labels:
+                r["scope"] = f"{labels[r['method']]}, {r['scope']}"
         by_curve: dict[tuple[str, str], list[dict]] = {}
         for r in own:
             by_curve.setdefault((r["scope"], run_id), []).append(r)

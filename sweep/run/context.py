@@ -31,13 +31,25 @@ from headsweep.workers.core.heads import HeadInventory
 from headsweep.workers.core.work import WorkUnit
 
 
+@dataclass(frozen=True)
+class KindRoles:
+    """What the context asks of the run's kinds, by their declarations (``headsweep.sweep.experiments.base``; the
+    driver reads them from the registry): the reference kind (its unit is the baseline of every test, not tested
+    itself), the kind whose scores, left under its name in ``shared``, order the masks (None: planned order), and
+    the kinds whose significant evaluations ``headsweep status`` counts while the run goes."""
+
+    reference: str | None = None
+    ordering: str | None = None
+    counted: tuple[str, ...] = ()
+
+
 @dataclass
 class Context:
     """One model of a run, as the experiment kinds see it.
 
     ``done``: eval id -> (score, per-example statistics) of what a resumed run already stored
     (those units are not computed again). ``shared``: results one kind leaves for the kinds that
-    need it (``importance`` leaves its scores under ``"importance"``). ``writer`` and ``record``
+    need it (a kind leaves them under its name: ``importance`` its scores). ``writer`` and ``record``
     are None while kinds validate (nothing may be written then).
     """
 
@@ -57,6 +69,7 @@ class Context:
     tracker: SignificanceTracker | None = None
     budget: SessionBudget | None = None  # sweep.budget, shared by the contexts of one session
     screening: Screening | None = None  # sweep.screen: the policy this model's passes consult (None: no screening)
+    kinds: KindRoles = field(default_factory=lambda: KindRoles())  # what the run's kinds declare (the driver's)
     _reference: WorkUnit | None = field(default=None, repr=False)  # planned, not yet evaluated
 
     @property
@@ -101,8 +114,8 @@ class Context:
         units = unique(with_prefix(units, self.prefix))
         record.plan(len(units))
         todo = [u for u in units if u.eval_id not in self.done]
-        if self.cfg.sweep.order == "importance" and "importance" in self.shared:
-            todo = by_importance(todo, self.shared["importance"])
+        if self.kinds.ordering is not None and self.kinds.ordering in self.shared:
+            todo = by_importance(todo, self.shared[self.kinds.ordering])
         if self.screening is not None and todo:
             todo = self._screen(todo, self.screening.family_size(units))
         if self.budget is not None and self.budget.reached() and (todo or reference is not None):
@@ -194,7 +207,7 @@ class Context:
         if self.cfg.significance.enabled:
             self.tracker = SignificanceTracker(
                 self.cfg.significance, self.store, self.run_id, self.info.metric, stats, family_prefix=self.prefix,
-                averaged=averaged_outcomes(self.cfg),
+                averaged=averaged_outcomes(self.cfg), reference=self.kinds.reference, counted=self.kinds.counted,
             )
 
     def _expect(self, units: Sequence[WorkUnit]) -> None:

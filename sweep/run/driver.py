@@ -28,11 +28,10 @@ from headsweep.sweep.cluster.placement import WorkerAsk, alive_nodes, check_plac
 from headsweep.sweep.cluster.ray_session import init_ray, resolve_device
 from headsweep.sweep.configuration.ablation import averaged_outcomes
 from headsweep.sweep.configuration.sections import Config
-from headsweep.sweep.experiments.single_head import SINGLE_HEAD
 from headsweep.sweep.run.budget import BudgetReached, SessionBudget
 from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.claim import store_claim
-from headsweep.sweep.run.context import Context
+from headsweep.sweep.run.context import Context, KindRoles
 from headsweep.sweep.run.dispatch import WorkerPool, log, unwrap
 from headsweep.sweep.run.inputs import write_inputs
 from headsweep.sweep.run.memory import check_memory, machine_cpus
@@ -48,11 +47,12 @@ from headsweep.sweep.run.runs import (
 from headsweep.sweep.run.screening import Screening
 from headsweep.sweep.run.worker_start import wait_for_workers
 from headsweep.sweep.statistics.significance_runner import check_resample_memory, tests_for
+from headsweep.workers.ablation.registry import METHODS
 from headsweep.workers.core.actor import EvalWorker
 from headsweep.workers.core.checks import model_heads_on_worker
 from headsweep.workers.core.family import DatasetInfo
 from headsweep.workers.core.heads import HeadInventory
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.core.registry import FAMILIES, model_family
 from headsweep.workers.hub.pins import pin_hub_models
 from headsweep.workers.memory.batch_budget import host_available
 
@@ -131,7 +131,13 @@ class Sweep:
         return pool, infos[0]
 
     def execute(self) -> str:
-        """Run the sweep; returns the run id. The run row says how it ended.
+        """Run the sweep; returns the run id. The run row says how it ended. While it runs, no kind, family or
+        method may be registered but the entry points its config names (the registries are frozen)."""
+        with experiments.KINDS.frozen(), FAMILIES.frozen(), METHODS.frozen():
+            return self._execute()
+
+    def _execute(self) -> str:
+        """The run (:meth:`execute`).
 
         The store is checked first and written only from the run's first row on (``open_run``): a run refused
         before that leaves it as it was, not even an empty folder.
@@ -169,7 +175,8 @@ class Sweep:
                     self.cfg, info, pool, self.store, self.run_id,
                     prefix=f"ckpt{index}/" if checkpoint is not None else "", checkpoint=checkpoint,
                     done=self.done, writer=record.writer, record=record, show_progress=self.show_progress,
-                    budget=budget, screening=Screening.of(self.cfg, self.screened),
+                    budget=budget, kinds=kind_roles(self.cfg),
+                    screening=Screening.of(self.cfg, frozenset(experiments.declaring("screened")), self.screened),
                 )
                 if first is None:
                     first = ctx
@@ -222,9 +229,10 @@ class Sweep:
         check_resample_memory(self.cfg.significance, tests, info.n_examples, host_available(),
                               self.cfg.sweep.memory_limit_gib)
         ctx = Context(self.cfg, info, pool, self.store, self.run_id)
-        screening = Screening.of(self.cfg)
+        screening = Screening.of(self.cfg, frozenset(experiments.declaring("screened")))
         if screening is not None:
-            screening.check_model(info.n_examples, len(SINGLE_HEAD.plan(ctx)))
+            screened = [k for k in experiments.experiments_of(self.cfg) if k.screened]
+            screening.check_model(info.n_examples, sum(len(k.plan(ctx)) for k in screened))
         experiments.validate(ctx)
         self.check_checkpoints(pool, info)
         previous = resumable(self.store, self.cfg, self.resume, self.auto_resume)
@@ -282,6 +290,13 @@ class Sweep:
                     kind.run(ctx)
         ctx.ensure_reference()  # a run of the baseline alone
         ctx.flush()
+
+
+def kind_roles(cfg: Config) -> KindRoles:
+    """What the context asks of ``cfg``'s kinds, from their declarations."""
+    ordering = experiments.ordering_kind(cfg)
+    return KindRoles(experiments.reference_kind().name, None if ordering is None else ordering.name,
+                     experiments.declaring("screened"))
 
 
 def _baseline(first: Context | None) -> float | None:

@@ -57,6 +57,7 @@ from typing import Any
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.cluster.ray_session import resolve_device
 from headsweep.sweep.configuration.sections import Config
+from headsweep.sweep.experiments.registry import declaring
 from headsweep.workers.core.registry import model_family
 from headsweep.workers.memory.batch_budget import CPU_ACTIVATION_BYTES, host_available
 
@@ -104,8 +105,8 @@ def check_memory(cfg: Config, models: Sequence[Any], address: str | None) -> Non
     half = None
     if getattr(model, "dtype", None) in WIDE_DTYPES:
         half = family.weight_bytes(dataclasses.replace(model, dtype="bfloat16"))
-    efficiency = "efficiency" in cfg.sweep.experiments
-    check_host(cfg, Need(weights, CPU_ACTIVATION_BYTES if device == "cpu" else 0, half, efficiency), model)
+    pruned_copy = any(k in cfg.sweep.experiments for k in declaring("pruned_copy"))
+    check_host(cfg, Need(weights, CPU_ACTIVATION_BYTES if device == "cpu" else 0, half, pruned_copy), model)
     if device == "cuda":
         check_gpus(cfg, weights, model, gpu_free_bytes())
 

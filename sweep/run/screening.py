@@ -60,7 +60,6 @@ from headsweep.workers.core.family import MaskOutput
 from headsweep.workers.core.metrics import metric_by_name
 from headsweep.workers.core.work import WorkUnit
 
-SCREENED_EXPERIMENTS = ("single_head",)
 SCREENED_OUT, COMPLETED = "screened_out", "completed"
 MIN_EXAMPLES = 20  # fewer examples than this make a bootstrap interval meaningless
 RULES = ("equivalence", "futility")
@@ -293,29 +292,35 @@ class Screening:
     significance family counts a screened-out mask with p = 1 (:meth:`is_screened`).
     """
 
-    def __init__(self, settings: ScreenSettings, screened: set[str] | None = None):
+    def __init__(self, settings: ScreenSettings, kinds: frozenset[str], screened: set[str] | None = None):
         self.settings = settings
+        self.kinds = kinds  # the experiment kinds whose masks are screened (a kind's ``screened`` declaration)
         self.screened: set[str] = set(screened or ())  # eval ids screened out (this session's and a resumed run's)
         self.notes: dict[str, dict] = {}  # completed masks' screening columns, for their whole-set rows
         # completed masks' subset outputs, with the subset's and the rest's positions, until the rest lands
         self.parts: dict[str, tuple[MaskOutput, tuple[int, ...], tuple[int, ...]]] = {}
 
     @classmethod
-    def of(cls, cfg: Config, screened: set[str] | None = None) -> Screening | None:
-        """The policy of ``cfg`` (None when it does not screen), with a resumed run's screened-out eval ids."""
+    def of(cls, cfg: Config, kinds: frozenset[str], screened: set[str] | None = None) -> Screening | None:
+        """The policy of ``cfg`` (None when it does not screen) over the masks of ``kinds``, with a resumed run's
+        screened-out eval ids."""
         settings = ScreenSettings.from_config(cfg.sweep.screen, cfg.significance.seed, cfg.significance.alpha)
-        return None if settings is None else cls(settings, screened)
+        return None if settings is None else cls(settings, kinds, screened)
 
     @staticmethod
-    def check_config(cfg: Config) -> None:
-        """The ``sweep.screen`` mapping (:func:`check_screen`), and what it asks of the rest of the config."""
+    def check_config(cfg: Config, kinds: Sequence[str], whole_set: Sequence[str]) -> None:
+        """The ``sweep.screen`` mapping (:func:`check_screen`), and what it asks of the rest of the config: a kind it
+        screens (one of ``kinds``), and none that needs every mask on the whole set (``whole_set``)."""
         check_screen(cfg.sweep.screen)
-        if cfg.sweep.screen is not None and "single_head" not in cfg.sweep.experiments:
-            raise HeadsweepError("sweep.screen screens single_head masks, and this run has no single_head "
+        if cfg.sweep.screen is None:
+            return
+        if not any(k in cfg.sweep.experiments for k in kinds):
+            named = " or ".join(kinds)
+            raise HeadsweepError(f"sweep.screen screens {named} masks, and this run has no {named} "
                                  "experiment: add it to sweep.experiments or remove sweep.screen")
-        if cfg.sweep.screen is not None and "pairs" in cfg.sweep.experiments:
-            raise HeadsweepError("sweep.screen cannot be combined with pairs: interactions need every head's "
-                                 "single-head evaluation on the whole set; run the pairs in a run of their own")
+        for kind in (k for k in whole_set if k in cfg.sweep.experiments):
+            raise HeadsweepError(f"sweep.screen cannot be combined with {kind}: interactions need every head's "
+                                 f"single-head evaluation on the whole set; run the {kind} in a run of their own")
 
     def check_model(self, n_examples: int, n_masks: int) -> None:
         """Refuse a subset the evaluation set cannot give, or a rule that could screen out nothing (before anything
@@ -332,24 +337,23 @@ class Screening:
     def subset_units(self, units: Sequence[WorkUnit], n_examples: int) -> list[WorkUnit]:
         """The screening pass of ``units``: the unmasked model and each screened kind's mask on the subset (empty
         when no unit is screened)."""
-        candidates = [u for u in units if u.experiment in SCREENED_EXPERIMENTS]
+        candidates = [u for u in units if u.experiment in self.kinds]
         if not candidates:
             return []
         positions = self.settings.positions(n_examples)
         return [WorkUnit(SUBSET_BASELINE, "screen", (), examples=positions),
                 *(dataclasses.replace(u, examples=positions) for u in candidates)]
 
-    @staticmethod
-    def family_size(units: Sequence[WorkUnit]) -> int:
+    def family_size(self, units: Sequence[WorkUnit]) -> int:
         """The screened masks of a significance family (stored ones included): the futility rule's m."""
-        return sum(u.experiment in SCREENED_EXPERIMENTS for u in units)
+        return sum(u.experiment in self.kinds for u in units)
 
     def judge(self, metric: str, units: Sequence[WorkUnit], outputs: dict[str, tuple[MaskOutput, str]],
               n_examples: int, family: int) -> Judged:
         """The rule on the subset ``outputs`` (eval id -> output, worker; the unmasked model's under
         ``SUBSET_BASELINE``) of ``units``' screened masks: which are screened out (recorded here, and returned
         to be stored), and ``units`` as they go on (completed masks on the rest of the set)."""
-        candidates = [u for u in units if u.experiment in SCREENED_EXPERIMENTS]
+        candidates = [u for u in units if u.experiment in self.kinds]
         positions = self.settings.positions(n_examples)
         rest = complement(positions, n_examples)
         base = outputs[SUBSET_BASELINE][0]

@@ -158,7 +158,8 @@ class SignificanceTracker:
 
     def __init__(
         self, section: SignificanceSection, store: ResultStore, run_id: str, metric: str,
-        baseline_stats: np.ndarray, family_prefix: str = "", averaged: bool = False,
+        baseline_stats: np.ndarray, family_prefix: str = "", averaged: bool = False, reference: str | None = None,
+        counted: tuple[str, ...] = (),
     ):
         self.section = section
         self.store = store
@@ -175,13 +176,15 @@ class SignificanceTracker:
         self.tested: Counter = Counter()
         self.family_prefix = family_prefix
         self.screened: set[str] = set()
+        self.reference = reference  # the kind of the unmasked model's unit: the baseline of every test, not tested
+        self.counted = counted  # the kinds whose significant evaluations significant_so_far counts
 
     def expect(self, units: list[WorkUnit]) -> None:
         """Announce units to come; a family is complete once all its announced units are tested."""
-        self.expected.update(u.experiment for u in units if u.experiment != "baseline")
+        self.expected.update(u.experiment for u in units if u.experiment != self.reference)
 
     def add(self, unit: WorkUnit, stats: np.ndarray) -> None:
-        if unit.experiment == "baseline":
+        if unit.experiment == self.reference:
             return
         self.buffer[unit.experiment].append((unit.eval_id, stats))
         buffered = len(self.buffer[unit.experiment])
@@ -238,14 +241,12 @@ class SignificanceTracker:
             if wait:
                 break
 
-    def significant_so_far(self, experiment: str = "single_head") -> int:
-        """Evaluations of ``experiment`` significant among those tested so far, the correction applied over them
-        only (provisional: the written family is corrected over all of its evaluations)."""
-        if not self.done.get(experiment):
-            return 0
-        rows = self._family_rows(experiment)
+    def significant_so_far(self) -> int:
+        """Evaluations of the counted kinds significant among those tested so far, the correction applied over each
+        kind's family so far only (provisional: the written family is corrected over all of its evaluations)."""
         shown = shown_test(self.metric, self.tests)  # the test the views, status and report show
-        return sum(r["significant"] for r in rows if r["test"] == shown)
+        return sum(r["significant"] for experiment in self.counted if self.done.get(experiment)
+                   for r in self._family_rows(experiment) if r["test"] == shown)
 
     def finish(self) -> None:
         """Submit what is buffered, wait for every task, write every complete family."""

@@ -27,7 +27,7 @@ A method defined outside headsweep is an :class:`AblationMethod` instance instal
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 from headsweep.errors import HeadsweepError
 
@@ -37,9 +37,14 @@ if TYPE_CHECKING:
     from headsweep.workers.ablation.means import MeanValues
     from headsweep.workers.ablation.spec import AblationSpec, HeadFill
 
-FILLS = ("none", "constant", "per_example")
-REFERENCES = ("none", "optional", "training")
-FOLDS = ("nothing", "constants", "refused")
+# The declarations' values, as types (static tools check every method's class attributes against them) and as the
+# tuples ``check_method`` checks a plugin's against.
+Fill = Literal["none", "constant", "per_example"]
+Reference = Literal["none", "optional", "training"]
+Fold = Literal["nothing", "constants", "refused"]
+FILLS: tuple[Fill, ...] = get_args(Fill)
+REFERENCES: tuple[Reference, ...] = get_args(Reference)
+FOLDS: tuple[Fold, ...] = get_args(Fold)
 # The keys of the ``ablation`` section a method may read besides ``keep_first`` (which every method honours).
 SETTINGS = ("reference", "positions", "seed", "resamples", "allow_eval_data", "direction", "steps", "lr")
 
@@ -48,13 +53,13 @@ class AblationMethod:
     """One ablation method. Subclass it, set the class attributes, override the hooks its fill needs."""
 
     name: str = ""
-    fill: str = "none"
+    fill: Fill = "none"
     settings: ClassVar[tuple[str, ...]] = ()
-    reference: str = "none"
+    reference: Reference = "none"
     needs_pairs: bool = False
     needs_whole_set: bool = False
     trained: bool = False
-    fold: str = "refused"
+    fold: Fold = "refused"
     fold_refusal: str = "its fill is not one constant per head"
 
     def check_settings(self, section: Any) -> None:

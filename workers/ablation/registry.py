@@ -8,8 +8,8 @@ imports no torch: the driver reads it when it reads a config.
 
 from __future__ import annotations
 
-from headsweep.errors import HeadsweepError
-from headsweep.plugins import ABLATIONS_GROUP, installed, load_plugin
+from headsweep.plugins import ABLATIONS_GROUP
+from headsweep.registry import Registry
 from headsweep.workers.ablation.mean import MEAN
 from headsweep.workers.ablation.method import AblationMethod, check_method
 from headsweep.workers.ablation.optimal import OPTIMAL
@@ -22,17 +22,9 @@ from headsweep.workers.ablation.zero import ZERO
 DEFAULT_METHOD = ZERO.name
 
 # Every registered method by name, in registration order (the order messages list them in).
-METHODS: dict[str, AblationMethod] = {}
-
-
-def register(method: AblationMethod, replace: bool = False) -> AblationMethod:
-    """Add ``method`` under its name (refused if the name is taken by another, unless ``replace``)."""
-    check_method(method)
-    if method.name in METHODS and METHODS[method.name] is not method and not replace:
-        raise HeadsweepError(f"ablation method {method.name!r} is registered already")
-    METHODS[method.name] = method
-    return method
-
+METHODS: Registry[AblationMethod] = Registry("ablation method", "sweep.ablation", ABLATIONS_GROUP, AblationMethod,
+                                             check=check_method)
+register = METHODS.register
 
 for _builtin in (ZERO, MEAN, RESAMPLE, OPTIMAL, PATCH):
     register(_builtin)
@@ -46,16 +38,7 @@ def method_names() -> list[str]:
 def ablation_method(name: str) -> AblationMethod:
     """The method called ``name``: a registered one, or one installed as a ``headsweep.ablations`` entry point
     (imported and registered now); or a clear error listing the known ones."""
-    if name in METHODS:
-        return METHODS[name]
-    plugin = load_plugin(name, ABLATIONS_GROUP, AblationMethod, "sweep.ablation")
-    if plugin is None:
-        known = [*METHODS, *(n for n in installed(ABLATIONS_GROUP) if n not in METHODS)]
-        raise HeadsweepError(f"unknown sweep.ablation {name!r} (known: {', '.join(known)})")
-    if plugin.name != name:
-        raise HeadsweepError(f"ablation method entry point {name!r} names a method called {plugin.name!r}: the two "
-                             "names must be the same")
-    return register(plugin)
+    return METHODS.lookup(name)
 
 
 def method_of(spec: AblationSpec) -> AblationMethod:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
-from headsweep.plugins import FAMILIES_GROUP, installed, load_plugin
+from headsweep.plugins import FAMILIES_GROUP
+from headsweep.registry import Registry
 from headsweep.workers.core.family import ModelFamily
 from headsweep.workers.families.fairseq_translation.family import FAIRSEQ_TRANSLATION
 from headsweep.workers.families.hf_causal_lm.family import HF_CAUSAL_LM
@@ -27,6 +28,18 @@ if TYPE_CHECKING:
 BUILTIN: tuple[ModelFamily, ...] = (HF_CLASSIFIER, FAIRSEQ_TRANSLATION, HF_CAUSAL_LM)
 
 
+def _unknown(name: str, known: list[str]) -> str:
+    return (f"unknown model.kind {name!r} (known: {', '.join(sorted(known))}, or the name of an installed "
+            f"{FAMILIES_GROUP!r} entry point)")
+
+
+# Every family by name: the built-in ones, then plugins as configs name them (imported once, on first use).
+FAMILIES: Registry[ModelFamily] = Registry("model family", "model.kind", FAMILIES_GROUP, ModelFamily,
+                                           unknown=_unknown)
+for _builtin in BUILTIN:
+    FAMILIES.register(_builtin)
+
+
 def builtin_families() -> list[ModelFamily]:
     """The families that ship with headsweep (a bare model is asked of them in this order)."""
     return list(BUILTIN)
@@ -35,17 +48,7 @@ def builtin_families() -> list[ModelFamily]:
 def model_family(name: str) -> ModelFamily:
     """The model family called ``name``: a built-in one, or one installed as a ``headsweep.families`` entry point
     (importable on the driver and on every worker); or a clear error listing the known ones."""
-    families = {f.name: f for f in BUILTIN}
-    if name in families:
-        return families[name]
-    plugin = load_plugin(name, FAMILIES_GROUP, ModelFamily, "model.kind")
-    if plugin is None:
-        known = sorted([*families, *installed(FAMILIES_GROUP)])
-        raise HeadsweepError(
-            f"unknown model.kind {name!r} (known: {', '.join(known)}, or the name of an installed "
-            f"{FAMILIES_GROUP!r} entry point)"
-        )
-    return plugin
+    return FAMILIES.lookup(name)
 
 
 def family_of_model(model: nn.Module) -> ModelFamily:

@@ -40,6 +40,7 @@ class Importance(Experiment):
     """Head importance, estimated once per model (a resumed run reuses the scores it stored)."""
 
     name = "importance"
+    orders_masks = True
     section = "importance"
     settings = ImportanceSection
     table = "importance"

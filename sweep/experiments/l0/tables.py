@@ -26,4 +26,4 @@ GATES = Table("gates", pa.schema([
     ("checkpoint", pa.string()),
 ]), renamed={"l0_lambda": "lambda"})
 
-L0_CURVE = PruningCurve("l0_gates", "l0", parameter="l0_lambda")
+L0_CURVE = PruningCurve("l0_gates", "l0", parameter="l0_lambda", label="L0 gates")

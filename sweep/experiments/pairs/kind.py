@@ -58,6 +58,7 @@ class Pairs(Experiment):
     """Pair evaluations (and the single-head ones they need), then one interaction row per pair."""
 
     name = "pairs"
+    whole_set = True  # interactions need every head's single-head evaluation on the whole set
     section = "pairs"
     settings = PairsSection
     table = "interactions"

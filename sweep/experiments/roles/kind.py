@@ -54,6 +54,7 @@ class Roles(Experiment):
     """Head statistics and roles, once per model (a resumed run keeps the rows it stored)."""
 
     name = "roles"
+    reads_attention = True  # head statistics and roles: no fill changes them
     section = "roles"
     settings = RolesSection
     table = "head_roles"
