@@ -58,10 +58,13 @@ def check_schema_version(con: duckdb.DuckDBPyConnection, uri: str) -> None:
 # DuckDB's own memory (its default is 80% of the machine's): sorts, joins and aggregates past it spill to a scratch
 # folder, and results leave in batches of BATCH_ROWS, so a query's memory is bounded whatever it reads.
 QUERY_MEMORY = "1GB"
-BATCH_ROWS = 65_536
+BATCH_ROWS = 8192
 # The most rows an aligned table holds (it is measured whole before the first line): more go to a file (--out) or
 # as CSV / JSON lines, which stream.
 TABLE_ROWS = 10_000
+# A Parquet result's row groups: batches are gathered up to this size (each batch its own group makes files twice as
+# large and slow to read).
+ROW_GROUP_BYTES = 64 * 2**20
 
 
 def _scratch() -> str:
@@ -293,9 +296,7 @@ def write_result(reader: pa.RecordBatchReader, fmt: str, out: Output | None,
     try:
         with written_file(out) as tmp:
             if fmt == "parquet":
-                with pq.ParquetWriter(tmp, reader.schema, compression="zstd") as writer:
-                    for batch in reader:
-                        writer.write_batch(batch)
+                _write_parquet(reader, tmp)
                 return
             with open(tmp, "w", encoding="utf-8") as f:
                 if fmt == "table":
@@ -311,6 +312,21 @@ def write_result(reader: pa.RecordBatchReader, fmt: str, out: Output | None,
                     f.write("\n".join(text_lines(reader.schema.empty_table(), fmt, True)) + "\n")
     except OSError as exc:
         raise HeadsweepError(f"cannot write {out.named}: {exc.strerror or one_line(exc)}") from None
+
+
+def _write_parquet(reader: pa.RecordBatchReader, path: Path) -> None:
+    """The batches as one Parquet file, in row groups of about ``ROW_GROUP_BYTES`` (not one per batch)."""
+    with pq.ParquetWriter(path, reader.schema, compression="zstd") as writer:
+        pending: list[pa.RecordBatch] = []
+        size = 0
+        for batch in reader:
+            pending.append(batch)
+            size += batch.nbytes
+            if size >= ROW_GROUP_BYTES:
+                writer.write_table(pa.Table.from_batches(pending), row_group_size=sum(b.num_rows for b in pending))
+                pending, size = [], 0
+        if pending:
+            writer.write_table(pa.Table.from_batches(pending), row_group_size=sum(b.num_rows for b in pending))
 
 
 def _table_rows(reader: pa.RecordBatchReader) -> pa.Table:

@@ -138,15 +138,16 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
 
     ``stock``: True writes the stock architecture or refuses the mask; False the ``pruned_heads`` format; None
     (default) the stock architecture where the mask and the family allow it. ``out_dir`` follows the rule of every
-    output (:mod:`headsweep.results.outputs`): a folder holding files headsweep did not write is refused unless
-    ``force``, which writes beside them, and the model's own files are never replaced. The folder is written beside
+    output (:mod:`headsweep.results.outputs`): a folder that is not empty is refused unless ``force``, which
+    replaces an earlier export there and writes beside files headsweep did not write (never over them), and the
+    model's own files are never replaced. The folder is written beside
     ``out_dir`` and put in place once complete, so a refusal or a failure leaves ``out_dir`` as it was.
     """
     from headsweep.workers.core.gates import site_inventory
     from headsweep.workers.pruning.removal import count_parameters
 
     # before the model is loaded: a wrong folder fails fast
-    output = check_output(out_dir, "folder", force=force, store=store, protected=read_paths(cfg))
+    output = check_output(out_dir, "folder", force=force, store=store, protected=read_paths(cfg), replace_own=False)
     if from_run and store is not None:
         check_run_model(store, from_run, cfg)
     family = model_family(cfg.model.kind)

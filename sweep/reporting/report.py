@@ -344,7 +344,7 @@ def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path, at
     except duckdb.Error as exc:  # a damaged file of the run's: the line naming it, as every reading command says
         raise scan_error(store, exc) from None
     except OSError as exc:
-        raise HeadsweepError(f"cannot write report folder {output.named}: {exc.strerror or exc}") from None
+        raise HeadsweepError(f"cannot create report folder {output.named}: {exc.strerror or exc}") from None
     finally:
         con.close()
     return out / "index.html"
