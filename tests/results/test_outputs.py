@@ -70,34 +70,36 @@ def test_report_never_replaces_a_users_files(store, tmp_path):
     (clash / "index.html").write_text("my page\n")
     before = snapshot(tmp_path)
     for out in (mine, clash):
-        refused(run_cli("report", CLASSIFIER, "--store", str(store), "--out", str(out)),
+        refused(run_cli("report", GLOBAL, "--store", str(store), "--out", str(out)),
                 f"--out {out} holds 1 file headsweep did not write", "add --force to write beside them")
     assert snapshot(tmp_path) == before
     # --force: written beside the user's file, which stays; one of theirs by the name of one of headsweep's stays too
-    assert ok(run_cli("report", CLASSIFIER, "--store", str(store), "--out", str(mine), "--force")).strip() == \
+    assert ok(run_cli("report", GLOBAL, "--store", str(store), "--out", str(mine), "--force")).strip() == \
         str(mine / "index.html")
     assert (mine / "notes.txt").read_text() == "my notes\n"
     listed = json.loads((mine / MARKER).read_text())["files"]
-    assert "index.html" in listed and f"{CLASSIFIER}-config.yaml" in listed and "notes.txt" not in listed
-    refused(run_cli("report", CLASSIFIER, "--store", str(store), "--out", str(clash), "--force"),
+    assert "index.html" in listed and f"{GLOBAL}-config.yaml" in listed and "notes.txt" not in listed
+    refused(run_cli("report", GLOBAL, "--store", str(store), "--out", str(clash), "--force"),
             f"--out {clash} holds index.html, which headsweep did not write and would replace")
     assert snapshot(clash) == {"index.html": b"my page\n"}
-    # another run's report over the first, --force: the first one's files go, the user's stay
-    ok(run_cli("report", TRANSLATION, "--store", str(store), "--out", str(mine), "--force"))
-    names = sorted(p.name for p in mine.iterdir())
-    assert "notes.txt" in names and not any(n.startswith(CLASSIFIER) for n in names)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clash", "mine", "store"]  # nothing left beside them
 
 
 def test_a_report_replaces_its_own_and_keeps_one_run_reports_in_its_folder(store, tmp_path):
-    """The default folders: ./headsweep-report/RUN for one run, ./headsweep-report for several."""
+    """The default folders: ./headsweep-report/RUN for one run, ./headsweep-report for several. An earlier report
+    (its marker lists its files) is replaced without --force; the one-run report in a sub-folder stays."""
     reports = tmp_path / "headsweep-report"
-    ok(run_cli("report", CLASSIFIER, "--store", str(store), "--out", str(reports / CLASSIFIER)))
-    one = snapshot(reports / CLASSIFIER)
-    for _ in range(2):  # the second time over its own earlier report, without --force
-        ok(run_cli("report", CLASSIFIER, TRANSLATION, "--store", str(store), "--out", str(reports)))
-        assert snapshot(reports / CLASSIFIER) == one
-        assert f"{TRANSLATION}-config.yaml" in json.loads((reports / MARKER).read_text())["files"]
+    one = reports / CLASSIFIER
+    one.mkdir(parents=True)
+    (one / "index.html").write_text("the classifier's report\n")
+    (one / MARKER).write_text(json.dumps({"written_by": "headsweep report", "files": ["index.html"]}))
+    (reports / "old-figure.png").write_bytes(b"png")
+    (reports / MARKER).write_text(json.dumps({"written_by": "headsweep report", "files": ["old-figure.png"]}))
+    kept = snapshot(one)
+    ok(run_cli("report", TRANSLATION, GLOBAL, "--store", str(store), "--out", str(reports)))
+    assert snapshot(one) == kept and not (reports / "old-figure.png").exists()
+    assert f"{GLOBAL}-config.yaml" in json.loads((reports / MARKER).read_text())["files"]
+    assert (reports / f"{GLOBAL}-config.yaml").is_file()
 
 
 def test_query_and_runs_out_refuse_an_existing_file_unless_force(store, tmp_path):
@@ -128,7 +130,6 @@ def test_export_never_writes_over_the_model_it_reads_or_a_users_files(tmp_path, 
     for out in (model, model.parent):
         refused(run_cli(*export, "--out", str(out), "--force"), f"--out {out} is (or holds) {model}, which this "
                 "command reads", "--force never replaces what a command reads")
-    refused(run_cli(*export, "--out", str(mine)), "holds 1 file headsweep did not write (config.json)")
     refused(run_cli(*export, "--out", str(mine), "--force"), "holds config.json, which headsweep did not write")
     assert snapshot(tmp_path) == before
     (mine / "config.json").rename(mine / "notes.json")
