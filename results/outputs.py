@@ -47,13 +47,14 @@ class Output:
 
 
 def check_output(out: str | Path, kind: str, *, force: bool = False, store=None, protected: Sequence[str | Path] = (),
-                 option: str = "--out", replace_own: bool = True) -> Output:
+                 option: str = "--out", replace_own: bool = True, can_force: bool = True) -> Output:
     """Check ``out`` before anything is computed or written; returns where to write, or raises one line.
 
     ``store``: a results store (``ResultStore``) that ``out`` must lie outside of. ``protected``: paths the command
     reads (the model being exported) that ``out`` must neither be nor hold, ``--force`` or not. ``replace_own``
     False: a folder holding an earlier output of headsweep's is replaced only with ``force`` too (an exported model,
-    which may be in use; a report is replaced without asking)."""
+    which may be in use; a report is replaced without asking). ``can_force`` False: the command has no ``--force``
+    (``demo --report``), so a refusal does not offer it."""
     named = str(out)
     if not named.strip():
         raise HeadsweepError(f"{option} is empty: give a {kind} path")
@@ -71,7 +72,7 @@ def check_output(out: str | Path, kind: str, *, force: bool = False, store=None,
     _check_parent(path, named, kind, option)
     if kind == "file":
         return _check_file(path, named, force, option)
-    return _check_folder(path, named, force, option, replace_own)
+    return _check_folder(path, named, force, option, replace_own, can_force)
 
 
 def _check_parent(path: Path, named: str, kind: str, option: str) -> None:
@@ -97,7 +98,7 @@ def _check_file(path: Path, named: str, force: bool, option: str) -> Output:
     return Output(path, "file", force, option, named=named)
 
 
-def _check_folder(path: Path, named: str, force: bool, option: str, replace_own: bool) -> Output:
+def _check_folder(path: Path, named: str, force: bool, option: str, replace_own: bool, can_force: bool) -> Output:
     if path.exists() and not path.is_dir():
         raise HeadsweepError(f"{option} {named} is a file: give a new or empty folder")
     if not path.exists():
@@ -108,8 +109,9 @@ def _check_folder(path: Path, named: str, force: bool, option: str, replace_own:
         example = sorted(theirs)[0]
         raise HeadsweepError(
             f"{option} {named} holds {len(theirs)} file{'s' if len(theirs) > 1 else ''} headsweep did not write "
-            f"({example}{', ...' if len(theirs) > 1 else ''}): choose a new or empty folder, or add --force to write "
-            "beside them (--force replaces only what headsweep wrote there)")
+            f"({example}{', ...' if len(theirs) > 1 else ''}): choose a new or empty folder"
+            + (", or add --force to write beside them (--force replaces only what headsweep wrote there)"
+               if can_force else ""))
     if not force and not replace_own and listed & _files(path):
         raise HeadsweepError(f"{option} {named} exists and is not empty: choose a new folder, or add --force to "
                              "replace what headsweep wrote there")

@@ -200,7 +200,7 @@ def run_demo(store_uri: str, workers: int = 2, show_progress: bool = True, repor
     store = ResultStore(store_uri)
     store.check_writable()
     report = report or report_dir(store_uri)
-    check_output(report, "folder", store=store, option="--report")  # before the sweeps, not after them
+    check_output(report, "folder", store=store, option="--report", can_force=False)  # before the sweeps, not after
     run_ids = []
     for title, make in DEMOS:
         cfg = build_config(make(workers, show_progress))
