@@ -82,10 +82,29 @@ def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
         raise HeadsweepError(f"cannot open store {uri}: {str(exc).splitlines()[0]}") from None
 
 
+def schema_problem(table: str, schema: pa.Schema) -> str | None:
+    """Why a file with ``schema`` is not one of ``table``'s files (None if it is): a column the table does not have,
+    or has with another type (``run_id`` too: that is the folder's name, never a column of a file), or the table's
+    first column (written since the table's first version) missing."""
+    expected = file_schema(table)
+    wrong = [f.name for f in schema if f.name == "run_id" or expected.get_field_index(f.name) < 0
+             or not f.type.equals(expected.field(f.name).type)]
+    if wrong:
+        return (f"its column{'s' if len(wrong) > 1 else ''} {', '.join(wrong[:5])} {'are' if len(wrong) > 1 else 'is'} "
+                "not the table's")
+    first = TABLES[table].names[0]
+    if first not in schema.names and RENAMED.get(table, {}).get(first) not in schema.names:
+        return f"it has no column {first}"
+    return None
+
+
 class ResultStore:
     """Reads and writes the results tables under one URI (local path, ``s3://``, ...)."""
 
     def __init__(self, uri: str):
+        if not uri.strip():
+            raise HeadsweepError("--store is empty: give the store's folder or URI (default: $HEADSWEEP_STORE, else "
+                                 "./headsweep-store)")
         self.uri = uri
         self.fs, self.root = _filesystem(uri)
 
@@ -109,7 +128,8 @@ class ResultStore:
             raise HeadsweepError(f"{failure}: {str(exc).splitlines()[0]}") from None
 
     def check_exists(self) -> None:
-        """Refuse a store URI where nothing is (a typo) or a file is: a reader would show nothing and say nothing."""
+        """Refuse a store URI where nothing is (a typo), a file is, or a folder that holds things but no table folder
+        (a folder of data files): a reader would show nothing and say nothing. An empty folder is an empty store."""
         kind = self._info(self.root, f"cannot read store {self.uri}").type
         if kind == pafs.FileType.NotFound:
             raise HeadsweepError(f"no store at {self.uri}: nothing is there; give --store the folder a run wrote into "
@@ -117,6 +137,20 @@ class ResultStore:
         if kind != pafs.FileType.Directory:
             raise HeadsweepError(f"no store at {self.uri}: it is a file, not a store folder; give --store the folder "
                                  "a run wrote into")
+        entries = self._info_list(self.root)
+        visible = [i for i in entries if not i.base_name.startswith(".")]
+        if visible and not any(i.type == pafs.FileType.Directory and i.base_name in TABLES for i in visible):
+            names = sorted(i.base_name for i in visible)
+            shown = names[0] + (", ..." if len(names) > 1 else "")
+            raise HeadsweepError(f"no store at {self.uri}: the folder holds {len(names)} "
+                                 f"{'entries' if len(names) > 1 else 'entry'} ({shown}) but none of a store's table "
+                                 "folders (runs/, evaluations/, ...); give --store the folder a run wrote into")
+
+    def _info_list(self, folder: str) -> list[pafs.FileInfo]:
+        try:
+            return self.fs.get_file_info(pafs.FileSelector(folder))
+        except (OSError, pa.ArrowException) as exc:
+            raise HeadsweepError(f"cannot read store {self.uri}: {str(exc).splitlines()[0]}") from None
 
     def check_writable(self) -> None:
         """Fail with a one-line error now rather than after hours of compute, creating nothing: the store's folder
@@ -183,15 +217,18 @@ class ResultStore:
         return self.write(table, run_id, pa.Table.from_pylist(rows, schema=schema), name)
 
     # -- reading ------------------------------------------------------------------------
-    def files(self, table: str) -> list[str]:
-        """The table's committed Parquet files: ``<table>/run_id=<id>/<name>.parquet``, hidden names excluded.
+    def files(self, table: str, run_id: str | None = None) -> list[str]:
+        """The table's committed Parquet files (of one run's partition, or all): ``<table>/run_id=<id>/<name>.parquet``,
+        hidden names excluded.
 
-        Anything else under the table's folder (a ``NOTES.txt``, a stray folder) is not the store's
-        own: it is skipped with one warning per file, never read as data.
+        Anything else under the table's folder (a ``NOTES.txt``, a stray folder) is not the store's own: it is
+        skipped with one warning per file, never read as data. (:meth:`dataset` also skips a Parquet file there
+        whose columns are not the table's.)
         """
         directory = self.table_dir(table)
+        where = directory if run_id is None else self.partition_dir(table, run_id)
         try:
-            infos = self.fs.get_file_info(pafs.FileSelector(directory, recursive=True, allow_not_found=True))
+            infos = self.fs.get_file_info(pafs.FileSelector(where, recursive=True, allow_not_found=True))
         except (OSError, pa.ArrowException) as exc:
             raise HeadsweepError(f"cannot read store {self.uri}: {str(exc).splitlines()[0]}") from None
         own = []
@@ -205,21 +242,42 @@ class ResultStore:
                 _warn_once(f"store {self.uri}: skipping {table}/{relative} (not a results file of this store)")
         return sorted(own)
 
-    def dataset(self, table: str) -> ds.Dataset:
-        """The table's files as a pyarrow dataset (with ``run_id``), empty if nothing is written yet.
+    def dataset(self, table: str, run_id: str | None = None) -> ds.Dataset:
+        """The table's files (of one run's partition, or all) as a pyarrow dataset (with ``run_id``), empty if
+        nothing is written yet.
 
         Its schema is ``file_schema``: a renamed column comes with its old name beside it (older files fill
-        that one); :meth:`read` and the query views merge the two.
+        that one); :meth:`read` and the query views merge the two. A Parquet file whose columns are not the
+        table's (another tool's, a query's export) is skipped with one warning naming it, never read as rows of
+        nulls. Each footer is read once here and kept by the dataset for its scan; a file whose footer cannot be
+        read stays, so that reading it fails with the line naming it (:meth:`unreadable`).
         """
         schema = file_schema(table)
-        files = self.files(table)
+        files = self.files(table, run_id)
         if not files:
             return ds.dataset(schema.empty_table())
+        dataset = self._dataset(table, files)
+        foreign = set()
+        for fragment in dataset.get_fragments():
+            try:
+                problem = schema_problem(table, fragment.physical_schema)
+            except (OSError, pa.ArrowException):
+                continue
+            if problem is not None:
+                foreign.add(fragment.path)
+                relative = fragment.path[len(self.table_dir(table)) + 1:]
+                _warn_once(f"store {self.uri}: skipping {table}/{relative} (not a file of table {table}: {problem})")
+        if not foreign:
+            return dataset
+        kept = [f for f in files if f not in foreign]
+        return self._dataset(table, kept) if kept else ds.dataset(schema.empty_table())
+
+    def _dataset(self, table: str, files: list[str]) -> ds.Dataset:
         return ds.dataset(
             files,
             filesystem=self.fs,
             format="parquet",
-            schema=schema,
+            schema=file_schema(table),
             partitioning=ds.partitioning(pa.schema([("run_id", pa.string())]), flavor="hive"),
             partition_base_dir=self.table_dir(table),
         )
@@ -234,7 +292,7 @@ class ResultStore:
         flt = ds.field("run_id") == run_id if run_id is not None else None
         for attempt in range(_READ_TRIES):
             try:
-                data = self.dataset(table).to_table(columns=columns, filter=flt)
+                data = self.dataset(table, run_id).to_table(columns=columns, filter=flt)
                 break
             except (OSError, pa.ArrowException) as exc:
                 # Other drivers write the store meanwhile: a run's row file is replaced, a resumed run's crash
@@ -308,13 +366,10 @@ class ResultStore:
             schema = pq.read_schema(path, filesystem=self.fs)
         except (OSError, pa.ArrowException) as exc:
             return self._damaged(path, exc)
-        expected = file_schema(table)  # and no run_id: that is the folder's name, never a column of a file
-        wrong = [f.name for f in schema if f.name == "run_id" or expected.get_field_index(f.name) < 0
-                 or not f.type.equals(expected.field(f.name).type)]
-        if wrong:
-            return (f"store {self.uri}: {path} is not a file of table {table} (its column"
-                    f"{'s' if len(wrong) > 1 else ''} {', '.join(wrong[:5])} {'are' if len(wrong) > 1 else 'is'} not "
-                    f"the table's); it was not written by headsweep: move it out of the store")
+        problem = schema_problem(table, schema)
+        if problem is not None:
+            return f"store {self.uri}: {path} is not a file of table {table} ({problem}); it was not written by " \
+                   "headsweep: move it out of the store"
         return None
 
     def run(self, run_id: str) -> dict | None:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from headsweep.results.outputs import check_output
 from headsweep.results.query import format_table, run_query
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import build_config
@@ -198,6 +199,8 @@ def run_demo(store_uri: str, workers: int = 2, show_progress: bool = True, repor
     start = time.perf_counter()
     store = ResultStore(store_uri)
     store.check_writable()
+    report = report or report_dir(store_uri)
+    check_output(report, "folder", store=store, option="--report", can_force=False)  # before the sweeps, not after
     run_ids = []
     for title, make in DEMOS:
         cfg = build_config(make(workers, show_progress))
@@ -209,7 +212,7 @@ def run_demo(store_uri: str, workers: int = 2, show_progress: bool = True, repor
     console.out(f"\nresults store: {store.uri}  (try: headsweep runs --store {store_uri}, or "
           f"headsweep query \"SELECT * FROM heads\" --store {store_uri})")
     written = time.perf_counter()
-    page = write_report(store, run_ids, report or report_dir(store_uri))
+    page = write_report(store, run_ids, report, option="--report")
     console.out(f"report of the runs ({time.perf_counter() - written:.1f} s): {page}")
     console.out(f"demo finished in {time.perf_counter() - start:.1f} s")
     return 0

@@ -18,13 +18,14 @@ after.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 from headsweep.errors import HeadsweepError
+from headsweep.results.outputs import check_output, written_folder
 from headsweep.results.store import ResultStore
 from headsweep.sweep.ablation.fold import constants_to_fold, fold
 from headsweep.sweep.configuration.sections import Config
@@ -102,14 +103,19 @@ def _checkpoint_of(store: ResultStore | None, run_id: str | None, cfg: Config) -
     return next((c for c in checkpoints if _same_file(c, mine)), None)
 
 
-def _check_out(out_dir: str | Path, force: bool = False) -> Path:
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise HeadsweepError(f"--out {out} is a file: give a new or empty folder")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise HeadsweepError(f"--out {out} exists and is not empty: choose a new folder, or add --force to replace "
-                             "what it holds")
-    return out
+def read_paths(cfg: Config) -> list[str]:
+    """The files and folders an export reads its model from (every path its ``model`` section names that exists; a
+    hub id's cached snapshot): ``--out`` may neither be nor hold one of them."""
+    paths = []
+    for value in vars(cfg.model).values():
+        if not isinstance(value, str) or not value:
+            continue
+        if is_hub_id(value):
+            with contextlib.suppress(HeadsweepError):
+                paths.append(str(resolve_snapshot(value).folder))
+        elif Path(value).expanduser().exists():
+            paths.append(value)
+    return paths
 
 
 def _stock_sizes(family, model, heads, stock: bool | None) -> dict[str, int] | None:
@@ -131,14 +137,17 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
     """Write the config's model without the chosen heads to ``out_dir``; returns the folder.
 
     ``stock``: True writes the stock architecture or refuses the mask; False the ``pruned_heads`` format; None
-    (default) the stock architecture where the mask and the family allow it. ``force`` replaces what a non-empty
-    ``out_dir`` holds. The folder is written beside ``out_dir`` and renamed into place once complete, so a refusal
-    or a failure leaves ``out_dir`` as it was.
+    (default) the stock architecture where the mask and the family allow it. ``out_dir`` follows the rule of every
+    output (:mod:`headsweep.results.outputs`): a folder that is not empty is refused unless ``force``, which
+    replaces an earlier export there and writes beside files headsweep did not write (never over them), and the
+    model's own files are never replaced. The folder is written beside
+    ``out_dir`` and put in place once complete, so a refusal or a failure leaves ``out_dir`` as it was.
     """
     from headsweep.workers.core.gates import site_inventory
     from headsweep.workers.pruning.removal import count_parameters
 
-    out = _check_out(out_dir, force)  # before the model is loaded: a wrong folder should fail fast
+    # before the model is loaded: a wrong folder fails fast
+    output = check_output(out_dir, "folder", force=force, store=store, protected=read_paths(cfg), replace_own=False)
     if from_run and store is not None:
         check_run_model(store, from_run, cfg)
     family = model_family(cfg.model.kind)
@@ -154,11 +163,7 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
                                                                                     family.checkpoint_key)))
     n_full = count_parameters(model)
     slices = family.prune(model, choice.heads)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.headsweep-export-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
+    with written_folder(output, "headsweep export") as staging:
         sizes = _save(family, cfg, loaded, choice.heads, sizes, stock, staging)
         manifest = {
             "model": str(getattr(cfg.model, family.checkpoint_key)),
@@ -180,12 +185,7 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
             "n_params_pruned": count_parameters(model),
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+    return output.path
 
 
 def _save(family, cfg: Config, loaded, heads, sizes: dict[str, int] | None, stock: bool | None,

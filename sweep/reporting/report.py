@@ -14,7 +14,6 @@ from __future__ import annotations
 import html
 import json
 import shutil
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import duckdb
 import yaml
 
 from headsweep.errors import HeadsweepError
+from headsweep.results.outputs import check_output, written_folder
 from headsweep.results.query import connect, scan_error
 from headsweep.results.schema import SCHEMA_VERSION
 from headsweep.results.store import ResultStore
@@ -314,31 +314,21 @@ def _bundle() -> Path:
 GLUE = Path(__file__).with_name("explorer.js")
 
 
-def _check_out(out: Path) -> None:
-    """Refuse a report folder that cannot be one: a file, or a folder whose parent cannot be written."""
-    if out.exists() and not out.is_dir():
-        raise HeadsweepError(f"report folder {out} is a file: give --out a folder (or a path that does not exist)")
-    parent = out.parent if out.parent != Path("") else Path(".")
-    for above in (parent, *parent.parents):
-        if above.exists():
-            if not above.is_dir():
-                raise HeadsweepError(f"cannot create report folder {out}: {above} is a file")
-            break
-
-
-def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path, attention: bool = False) -> Path:
+def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path, attention: bool = False,
+                 force: bool = False, option: str = "--out") -> Path:
     """Write ``index.html``, its figures and the plotly.js bundle for ``run_ids`` under ``out``; returns the page's
     path.
 
-    Everything is written into a temporary folder beside ``out`` and renamed into place, so a failure leaves no
-    half-written report (and an earlier report in ``out`` stays until the new one replaces it). Kinds defined outside
+    ``out`` follows the rule of every output (:mod:`headsweep.results.outputs`): a folder holding files headsweep did
+    not write is refused unless ``force``, which writes beside them. Everything is written into a temporary folder
+    beside ``out`` and put in place when complete, so a failure leaves no half-written report (and an earlier report
+    in ``out`` stays until the new one replaces it). Kinds defined outside
     headsweep that the store's runs ran are registered first (their parts and views). ``attention``: load each
     run's model again for the drill-downs' attention patterns (:mod:`headsweep.sweep.reporting.attention_maps`)."""
-    out = Path(out)
-    _check_out(out)
+    output = check_output(out, "folder", force=force, store=store, option=option)
+    out = output.path
     register_stored_kinds(store)
     con = connect(store)
-    work: Path | None = None
     try:
         runs = []
         for run_id in run_ids:
@@ -351,50 +341,35 @@ def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path, at
                 hint = f" (newest: {', '.join(known)})" if known else " (the store has no runs)"
                 raise HeadsweepError(f"no run {run_id!r} in store {store.uri}{hint}")
             runs.append(rows[0])
-        work = out.parent / f".{out.name}.writing-{uuid.uuid4().hex[:8]}"
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            work.mkdir()
-        except OSError as exc:
-            work = None
-            raise HeadsweepError(f"cannot create report folder {out}: {exc.strerror or exc}") from None
-        page = Page(work)
-        title = "headsweep report: " + ", ".join(f"{r['name'] or ''} ({r['run_id']})" for r in runs)
-        page.add(f"<h1>{html.escape(title)}</h1>")
-        page.add(f'<p class="note">Store: {html.escape(store.uri)}, read with results schema version '
-                 f"{SCHEMA_VERSION}. Delta = score with the heads masked minus the baseline score; negative "
-                 "means the heads were needed where higher is better (accuracy, BLEU), positive where lower is "
-                 "(perplexity). Hover a cell for its numbers; click it for the examples the head changes.</p>")
-        for run in runs:
-            _run_section(page, con, run, attention)
-        shutil.copyfile(_bundle(), work / "plotly.min.js")
-        index = work / "index.html"
-        index.write_text(
-            f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{STYLE}</style><script src=\"plotly.min.js\"></script></head><body>\n"
-            + "\n".join(page.parts) + "\n" + "\n".join(page.scripts)
-            # the figures are drawn before the browser has parsed the drill-downs (read on the first click)
-            + f"\n<script>{GLUE.read_text(encoding='utf-8')}</script>\n" + "\n".join(page.late)
-            + "\n</body></html>\n", encoding="utf-8")
-        _replace(work, out)
-        work = None
+        with written_folder(output, "headsweep report") as work:
+            _write_page(store, con, runs, work, attention)
     except duckdb.Error as exc:  # a damaged file of the run's: the line naming it, as every reading command says
         raise scan_error(store, exc) from None
     except OSError as exc:
-        raise HeadsweepError(f"cannot write report folder {out}: {exc.strerror or exc}") from None
+        raise HeadsweepError(f"cannot create report folder {output.named}: {exc.strerror or exc}") from None
     finally:
         con.close()
-        if work is not None:
-            shutil.rmtree(work, ignore_errors=True)
     return out / "index.html"
 
 
-def _replace(work: Path, out: Path) -> None:
-    """Put the finished folder ``work`` at ``out`` (an earlier report there is moved aside, then removed)."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        out.rename(old)
-    work.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _write_page(store: ResultStore, con: duckdb.DuckDBPyConnection, runs: list[dict], work: Path,
+                attention: bool) -> None:
+    """The page of ``runs`` and its files, written into the folder ``work``."""
+    page = Page(work)
+    title = "headsweep report: " + ", ".join(f"{r['name'] or ''} ({r['run_id']})" for r in runs)
+    page.add(f"<h1>{html.escape(title)}</h1>")
+    page.add(f'<p class="note">Store: {html.escape(store.uri)}, read with results schema version '
+             f"{SCHEMA_VERSION}. Delta = score with the heads masked minus the baseline score; negative "
+             "means the heads were needed where higher is better (accuracy, BLEU), positive where lower is "
+             "(perplexity). Hover a cell for its numbers; click it for the examples the head changes.</p>")
+    for run in runs:
+        _run_section(page, con, run, attention)
+    shutil.copyfile(_bundle(), work / "plotly.min.js")
+    index = work / "index.html"
+    index.write_text(
+        f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+        f"<style>{STYLE}</style><script src=\"plotly.min.js\"></script></head><body>\n"
+        + "\n".join(page.parts) + "\n" + "\n".join(page.scripts)
+        # the figures are drawn before the browser has parsed the drill-downs (read on the first click)
+        + f"\n<script>{GLUE.read_text(encoding='utf-8')}</script>\n" + "\n".join(page.late)
+        + "\n</body></html>\n", encoding="utf-8")

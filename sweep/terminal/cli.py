@@ -38,6 +38,13 @@ def _job_address_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _force_arg(p: argparse.ArgumentParser, what: str) -> None:
+    help_text = ("replace an existing --out FILE" if what == "FILE" else
+                 "write into an --out folder that holds files headsweep did not write (they are kept: only what "
+                 "headsweep wrote there is replaced)")
+    p.add_argument("--force", action="store_true", help=help_text)
+
+
 VERBOSE_HELP = ("also show other libraries' messages (Ray, torch, transformers, fairseq, hydra, matplotlib) on "
                 "stderr; by default they go to a log file whose path is printed")
 
@@ -82,11 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     _store_arg(query)
     query.add_argument("--format", default="table", choices=["table", "csv", "json", "parquet"])
     query.add_argument("--out", metavar="FILE", help="write the result to FILE (needed for --format parquet)")
+    _force_arg(query, "FILE")
 
     runs = sub.add_parser("runs", help="list the runs of a store: status, model, data, metric, baseline, counts")
     _store_arg(runs)
     runs.add_argument("--format", default="table", choices=["table", "csv", "json", "parquet"])
     runs.add_argument("--out", metavar="FILE", help="write the list to FILE (needed for --format parquet)")
+    _force_arg(runs, "FILE")
 
     status = sub.add_parser("status", help="where one run stands: stored, significant so far, ETA")
     status.add_argument("run_id", metavar="RUN_ID")
@@ -98,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     _store_arg(report)
     report.add_argument("--out", metavar="DIR", help="folder for index.html, plotly.min.js and its PNG files "
                         "(default: ./headsweep-report/RUN_ID for one run, ./headsweep-report otherwise)")
+    _force_arg(report, "DIR")
     report.add_argument("--attention", action="store_true", help="load each run's model again for the attention "
                         "patterns of the 8 most harmful heads on the examples they change most (and a language "
                         "model's per-token losses) in their drill-downs")
@@ -147,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--stock: the model's own architecture with the pruned head counts in config.json "
                              "(from_pretrained loads it), or refuse the mask; --no-stock: config.pruned_heads "
                              "(headsweep.load_pruned loads it); default: stock where the mask fits")
-    export.add_argument("--force", action="store_true", help="replace what a non-empty --out folder holds")
+    _force_arg(export, "DIR")
     _store_arg(export)
 
     demo = sub.add_parser("demo", help="the embedded default, end to end, offline")
@@ -206,14 +216,21 @@ def _existing_store(uri: str) -> ResultStore:
 
 def _query_out(args: argparse.Namespace, sql: str, listing=None) -> int:
     """Run ``sql`` on the store (through ``listing(store, sql)`` where given); print the result, or write it to
-    ``--out`` (never into the store)."""
-    from headsweep.results.query import check_out, run_query, write_result
+    ``--out`` (never into the store, never over a file without ``--force``), batch by batch."""
+    from headsweep.results.outputs import check_output
+    from headsweep.results.query import check_format, consume_query, write_result
 
     store = _existing_store(args.store)
-    check_out(args.out, store)
-    text = write_result((listing or run_query)(store, sql), args.format, args.out)
-    if text is not None:
-        console.out(text)
+    out = check_output(args.out, "file", force=args.force, store=store) if args.out is not None else None
+    check_format(args.format, out)
+
+    def write(reader) -> None:
+        write_result(reader, args.format, out, show=console.out)
+
+    if listing is None:
+        consume_query(store, sql, write)
+    else:
+        write(listing(store, sql).to_reader())
     return 0
 
 
@@ -236,13 +253,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from headsweep.results.query import check_out
     from headsweep.sweep.reporting.report import default_report_dir, write_report
 
     store = _existing_store(args.store)
     out = args.out or default_report_dir(args.run_ids)
-    check_out(out, store, "folder")
-    console.out(write_report(store, args.run_ids, out, attention=args.attention))
+    console.out(write_report(store, args.run_ids, out, attention=args.attention, force=args.force))
     return 0
 
 
@@ -304,13 +319,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from headsweep.results.query import check_out
     from headsweep.results.store import ResultStore
     from headsweep.sweep.configuration.config import load_config
     from headsweep.sweep.pruning.export import export_pruned
 
-    store = ResultStore(args.store)
-    check_out(args.out, store, "folder")
+    store = _existing_store(args.store) if args.from_run else ResultStore(args.store)
     cfg = load_config(args.config, list(args.overrides))
     mask = args.mask.replace(",", " ").split() if args.mask is not None else None
     console.out(export_pruned(cfg, args.out, store, args.from_run, args.level, args.eval_id, mask, stock=args.stock,
@@ -361,6 +374,26 @@ def _interrupted(exc: KeyboardInterrupt, what: str = "") -> NoReturn:
     signals.exit_now(code)
 
 
+# Arguments that reach DuckDB, pyarrow or the store's file names, which take Unicode text only.
+TEXT_ARGS = {"sql": "the SQL", "store": "--store", "out": "--out", "run_id": "RUN_ID", "run_ids": "RUN_ID",
+             "run_a": "RUN_A", "run_b": "RUN_B", "from_run": "--from-run", "eval_id": "--eval-id", "mask": "--mask"}
+
+
+def _check_text(args: argparse.Namespace) -> None:
+    """Refuse an argument that is not valid UTF-8 (Python keeps such bytes as lone surrogates, which DuckDB and
+    pyarrow cannot take): one line naming it, rather than an internal error."""
+    for name, label in TEXT_ARGS.items():
+        values = getattr(args, name, None)
+        for value in values if isinstance(values, list) else [values]:
+            if not isinstance(value, str):
+                continue
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                raise HeadsweepError(f"{label} is not valid UTF-8 text ({shown[:80]}): give it in UTF-8") from None
+
+
 COMMANDS = {"run": cmd_run, "submit": cmd_submit, "jobs": cmd_jobs, "query": cmd_query, "runs": cmd_runs,
             "status": cmd_status, "report": cmd_report, "compare": cmd_compare, "export": cmd_export,
             "demo": cmd_demo, "fetch": cmd_fetch}
@@ -395,10 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"headsweep: error: {exc}", file=sys.stderr)
         return 2
     # Set up here, never at import: a program that imports headsweep keeps its own logging and streams.
-    con = console.setup(args.command, args.verbose, getattr(args, "store", None),
-                        announce=args.command in ANNOUNCE_LOG)
+    # submit's --store is a path on the cluster: no folder of this machine's is made beside it for the log
+    local_store = getattr(args, "store", None) if args.command != "submit" else None
+    con = console.setup(args.command, args.verbose, local_store, announce=args.command in ANNOUNCE_LOG)
     signals.install()  # SIGTERM (a scheduler's stop) ends a command as Ctrl-C does
     try:
+        _check_text(args)
         code = COMMANDS[args.command](args)
     except HeadsweepError as exc:
         _stop_ray()
