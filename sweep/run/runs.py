@@ -182,6 +182,21 @@ def resumable(store: ResultStore, cfg: Config, resume: str | None, auto_resume: 
     return {**newest, "driver_gone": gone} if gone else newest
 
 
+def complete_run(store: ResultStore, cfg: Config, prints: list[dict]) -> dict | None:
+    """The newest complete run of this very config (and, where both have a fingerprint, these weights) when no run
+    of it is unfinished: running the config again would only store the same results a second time (queries that name
+    no run would count them twice), so the driver says so and writes nothing (``--new`` for a second run)."""
+    from headsweep.sweep.run.weights import same_run_weights
+
+    if store.local and not os.path.isdir(store.root):
+        return None
+    runs = [r for r in store.read("runs").to_pylist() if r["config_hash"] == cfg.hash()]
+    if any(r["status"] != COMPLETE for r in runs):
+        return None  # one to resume
+    same = [r for r in runs if same_run_weights(r["facts"], prints)]
+    return max(same, key=lambda r: r["created_at"]) if same else None
+
+
 def check_still_resumable(store: ResultStore, cfg: Config, resume: str | None, auto_resume: bool,
                           before: dict | None) -> None:
     """Under the store's claim on the config, just before the run's first row: the run to continue is still
