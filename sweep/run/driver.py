@@ -43,6 +43,7 @@ from headsweep.sweep.run.runs import (
     new_run_id,
     now,
     resumable,
+    run_to_continue,
     stored_results,
 )
 from headsweep.sweep.run.screening import Screening
@@ -142,7 +143,11 @@ class Sweep:
         self.cfg, self.hub = pin_hub_models(self.cfg)
         # What the weights are: a later use of the run with other weights (changed in place) is refused.
         self.weights = run_fingerprints([model for _, model in self.model_variants()])
-        if self.resume is None and self.auto_resume:
+        # Before Ray starts: a run to continue must be of these weights, and a complete run is not run again.
+        previous = run_to_continue(self.store, self.cfg, self.resume, self.auto_resume)
+        if previous is not None:
+            check_resumed_weights(previous, self.weights)
+        elif self.resume is None and self.auto_resume:
             complete = complete_run(self.store, self.cfg, self.weights)
             if complete is not None:
                 self.run_id = complete["run_id"]
@@ -250,7 +255,7 @@ class Sweep:
         # Another driver of this config may have chosen the same run (or none) since: checked again under a
         # claim that one driver of a config holds at a time, until its row says it is running.
         with store_claim(self.store, self.cfg.hash()):
-            check_still_resumable(self.store, self.cfg, self.resume, self.auto_resume, previous)
+            check_still_resumable(self.store, self.cfg, self.resume, self.auto_resume, previous, self.weights)
             record.write(RUNNING, n_done=0)
         if fill is not None:
             fill.write()
