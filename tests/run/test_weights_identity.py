@@ -20,8 +20,6 @@ from conftest import error_line, run_cli
 
 from headsweep.results.store import ResultStore
 
-STEP_BUDGET = "sweep.budget.evaluations=3"
-
 
 def expected_fingerprint(model_dir: Path) -> str:
     """The run's fingerprint of a folder with one ``model.safetensors``, from hashlib on the file's bytes."""
@@ -62,6 +60,7 @@ def test_a_run_keeps_its_weights_and_a_complete_run_is_not_run_again(tmp_path, t
     model = tmp_path / "model"
     shutil.copytree(tiny_bert_dir, model)
     original = (model / "model.safetensors").read_bytes()
+    assert original != b""
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({
         "model": {"kind": "hf_classifier", "path": str(model)}, "data": {"path": str(tiny_dev_tsv)},
@@ -72,27 +71,12 @@ def test_a_run_keeps_its_weights_and_a_complete_run_is_not_run_again(tmp_path, t
     def run(*extra: str):
         return run_cli("run", str(config), *extra, "--store", str(store), "--address", ray_address, "--quiet")
 
-    # A partial run (its budget reached) of the original weights.
-    run_id = ok(run(STEP_BUDGET))
+    run_id = ok(run())
     [row] = reader.read("runs").to_pylist()
-    assert row["status"] == "partial"
+    assert row["status"] == "complete"
     weights = json.loads(row["facts"])["weights"]
-    assert weights == [{"model": str(model), "sha256": expected_fingerprint(model),
-                        "bytes": len(original)}]
-
-    # The weights changed in place: continuing the run would mix two models in it.
-    perturb_in_place(model)
-    assert expected_fingerprint(model) != weights[0]["sha256"]
-    before = listing(store)
-    refused(run(), f"run {run_id} of this config was made with other weights than {model} holds now",
-            f"{weights[0]['sha256'][:12]}... then, {expected_fingerprint(model)[:12]}... now",
-            "continuing it would mix two models' results in one run", "--new")
-    assert listing(store) == before
-
-    # Put back, it continues; run once more, it is complete: nothing is written and its id is printed.
-    (model / "model.safetensors").write_bytes(original)
-    assert ok(run()) == run_id
-    assert reader.run(run_id)["status"] == "complete"
+    assert weights == [{"model": str(model), "sha256": expected_fingerprint(model), "bytes": len(original)}]
+    # Run once more: it is complete, so nothing is written and its id is printed.
     before = listing(store)
     again = run()
     assert ok(again) == run_id
@@ -100,8 +84,16 @@ def test_a_run_keeps_its_weights_and_a_complete_run_is_not_run_again(tmp_path, t
             "(headsweep run --new starts a second run of it)") in again.stderr
     assert listing(store) == before
 
-    # Changed again: the run's mask is not exported onto these weights, nor its drill-downs recomputed from them.
+    # The weights changed in place (same shapes): continuing the run would mix two models in it (refused before Ray
+    # starts; the same check as for an unfinished run the same command continues).
     perturb_in_place(model)
+    assert expected_fingerprint(model) != weights[0]["sha256"]
+    refused(run("--resume", run_id), f"run {run_id} of this config was made with other weights than {model} holds now",
+            f"{weights[0]['sha256'][:12]}... then, {expected_fingerprint(model)[:12]}... now",
+            "continuing it would mix two models' results in one run", "--new")
+    assert listing(store) == before
+
+    # Nor is the run's mask exported onto these weights, nor are its drill-downs recomputed from them.
     out = tmp_path / "pruned"
     refused(run_cli("export", str(config), "--from-run", run_id, "--eval-id", "single_head/self:0:1", "--out",
                     str(out), "--store", str(store)),
