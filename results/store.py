@@ -386,6 +386,9 @@ class ResultStore:
                 stale_tmp = base.startswith(".") and base.endswith(".tmp")
                 orphan = table == "examples" and base.startswith("chunk-") and base not in committed
                 if stale_tmp or orphan:
-                    self.fs.delete_file(info.path)
+                    try:
+                        self.fs.delete_file(info.path)
+                    except OSError as exc:
+                        raise StoreUnwritable(self.uri, os.path.dirname(info.path), exc) from None
                     removed += 1
         return removed

@@ -19,7 +19,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.schema import COMPLETE, FAILED, INTERRUPTED, PARTIAL, RUNNING
-from headsweep.results.store import ResultStore, StoreFull
+from headsweep.results.store import ResultStore, StoreFull, StoreUnwritable
 from headsweep.sweep import experiments
 from headsweep.sweep.ablation.fill import fetch_fill
 from headsweep.sweep.ablation.values import ablation_spec
@@ -217,8 +217,10 @@ class Sweep:
 
     def _stopped(self, record: RunRecord, exc: BaseException, first: Context | None) -> None:
         """Write the row of a run that Ctrl-C or SIGTERM (a ``KeyboardInterrupt``: interrupted) or an error
-        (failed) stopped, with what it stored."""
-        record.writer.flush()
+        (failed) stopped, with what it stored. Where the store refuses the buffered rows (the write that stopped the
+        run), they are left for the rerun to compute and the row is still tried: it says how the run ended."""
+        with contextlib.suppress(StoreUnwritable):
+            record.writer.flush()
         record.baseline_score = _baseline(first)
         status = INTERRUPTED if isinstance(exc, KeyboardInterrupt) else FAILED
         error = None if status == INTERRUPTED else str(unwrap(exc)).splitlines()[0][:500]

@@ -57,6 +57,7 @@ def _read_cache() -> dict[str, Any]:
 def _write_cache(cache: dict[str, Any]) -> None:
     """Best effort: a cache that cannot be written costs the next command one more hash, nothing else."""
     path = _cache_path()
+    cache = {f: entry for f, entry in cache.items() if os.path.exists(f)}  # files since deleted: forgotten
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{CACHE_NAME}.", dir=path.parent)
