@@ -179,7 +179,10 @@ def test_resume_refuses_another_config(tmp_path, tiny_bert_dir, tiny_dev_tsv, ra
                     "--address", ray_address, "--quiet")
     assert other.returncode == 2 and "made with another config" in other.stderr
     again = run_cli("run", str(tmp_path / "c.yaml"), "--store", store, "--address", ray_address, "--quiet")
-    assert again.returncode == 0 and again.stdout.strip() != run_id  # a complete run is not resumed
+    assert again.returncode == 0 and again.stdout.strip() == run_id and "is complete in store" in again.stderr
+    assert ResultStore(store).read("runs").num_rows == 1  # a complete run is neither resumed nor run again
+    second = run_cli("run", str(tmp_path / "c.yaml"), "--new", "--store", store, "--address", ray_address, "--quiet")
+    assert second.returncode == 0 and second.stdout.strip() != run_id  # --new: a deliberate second run
     assert ResultStore(store).read("runs").num_rows == 2
 
 
