@@ -327,6 +327,19 @@ def _check_out(out: Path) -> None:
             break
 
 
+def _check_weights(run: dict) -> None:
+    """``--attention`` loads the run's model again: refused where its files hold other weights than the run's. A
+    config that no longer loads here is left to the attention step, which says so on the page."""
+    from headsweep.sweep.configuration.config import build_config
+
+    try:
+        cfg = build_config(json.loads(run["config"] or "{}"))
+    except (HeadsweepError, ValueError):
+        return
+    check_run_weights(run, cfg, "--attention would recompute its drill-downs from weights that are not the run's "
+                                "(leave out --attention for the page of what is stored)")
+
+
 def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path, attention: bool = False) -> Path:
     """Write ``index.html``, its figures and the plotly.js bundle for ``run_ids`` under ``out``; returns the page's
     path.
@@ -354,8 +367,7 @@ def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path, at
                 hint = f" (newest: {', '.join(known)})" if known else " (the store has no runs)"
                 raise HeadsweepError(f"no run {run_id!r} in store {store.uri}{hint}")
             if attention:  # drill-downs recomputed from weights that are not the run's would be wrong, not late
-                check_run_weights(rows[0], "--attention would recompute its drill-downs from weights that are not "
-                                           "the run's (leave out --attention for the page of what is stored)")
+                _check_weights(rows[0])
             runs.append(rows[0])
         work = out.parent / f".{out.name}.writing-{uuid.uuid4().hex[:8]}"
         try:

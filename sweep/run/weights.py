@@ -177,17 +177,8 @@ def check_resumed_weights(run: dict, prints: Sequence[dict[str, Any]]) -> None:
         "run; put the run's weights back to continue it, or add --new for a run of these weights")
 
 
-def check_run_weights(run: dict, use: str) -> None:
-    """Refuse ``use`` of ``run`` (a runs row: its config names its models) where any of its models' files hold
-    other weights now than when it ran; a run without fingerprints, or whose config no longer loads here (the use
-    itself then says why), is let through."""
-    if not stored_fingerprints(run.get("facts")):
-        return
-    from headsweep.sweep.configuration.config import build_config
-
-    try:
-        cfg = build_config(json.loads(run["config"] or "{}"))
-    except (HeadsweepError, ValueError):
-        return
+def check_run_weights(run: dict, cfg: Any, use: str) -> None:
+    """Refuse ``use`` of ``run`` (a runs row; ``cfg``: its config, read back) where any of its models' files hold
+    other weights now than when it ran; a run without fingerprints is let through."""
     for index, (_, model_cfg) in enumerate(run_models(cfg)):
         check_same_weights(run, model_cfg, use, index)
