@@ -7,9 +7,9 @@ weight files (``facts.weights``: ``[{model, sha256, bytes}]``, one entry per tra
 compares it with the files as they are now (:func:`check_same_weights`). A run written before fingerprints were kept
 has none and is used as before.
 
-Hashing reads every byte (0.8 to 3.6 s per 500 MB on a shared 2-core machine), so a file's digest is cached under headsweep's cache keyed by
-its path, size, inode and modification and change times: a file written since (whatever its mtime says: writing it
-moves its ctime) is hashed again, an unchanged one costs a ``stat``.
+Hashing reads every byte (0.8 to 3.6 s per 500 MB on a shared 2-core machine), so a file's digest is cached under
+headsweep's cache keyed by its path, size, inode and modification and change times: a file written since (whatever
+its mtime says: writing it moves its ctime) is hashed again, an unchanged one costs a ``stat``.
 """
 
 from __future__ import annotations
