@@ -104,10 +104,12 @@ def load_pruned(path: str):
 
 
 def run(config: str, overrides: Sequence[str] = (), store: str = "headsweep-store", address: str | None = None,
-        show_progress: bool = True) -> str:
+        show_progress: bool = True, new: bool = False) -> str:
     """Run the sweep of the YAML ``config`` (with ``key=value`` overrides) into ``store``; returns the run id.
 
-    With no ``address`` the sweep runs on an embedded local Ray instance, as ``headsweep run`` does.
+    With no ``address`` the sweep runs on an embedded local Ray instance, as ``headsweep run`` does. As there, an
+    unfinished run of the config is continued, and a complete one is not run again (its id is returned) unless
+    ``new`` (``--new``).
     """
     from headsweep.results.store import ResultStore
     from headsweep.sweep.configuration.config import check_data_files, load_config
@@ -115,4 +117,5 @@ def run(config: str, overrides: Sequence[str] = (), store: str = "headsweep-stor
 
     cfg = load_config(config, list(overrides))
     check_data_files(cfg)
-    return Sweep(cfg, ResultStore(store), address=address, show_progress=show_progress).execute()
+    return Sweep(cfg, ResultStore(store), address=address, show_progress=show_progress,
+                 auto_resume=not new).execute()

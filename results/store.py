@@ -61,6 +61,23 @@ class StoreFull(HeadsweepError):
         return StoreFull(self.uri, max(self.needed_bytes, needed_bytes))
 
 
+def os_reason(exc: OSError) -> str:
+    """An OS error's reason in a few words (``Operation not permitted``); pyarrow's own text where it has no
+    errno."""
+    if exc.errno:
+        return os.strerror(exc.errno)
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+class StoreUnwritable(HeadsweepError):
+    """A write the store refused (not for want of space): one line naming the folder and the reason."""
+
+    def __init__(self, uri: str, directory: str, exc: OSError):
+        reason = os_reason(exc)
+        super().__init__(f"store {uri}: cannot write into {directory} ({reason}); what was stored before stays: make "
+                         "the store writable and run the same command again to continue the run")
+
+
 def mib(n_bytes: int) -> int:
     """``n_bytes`` in whole MiB, rounded up: what to free is never understated."""
     return max(1, math.ceil(n_bytes / 2**20))
@@ -168,8 +185,24 @@ class ResultStore:
             raise HeadsweepError(f"store {self.uri} is not writable: {str(exc).splitlines()[0]}") from None
 
     def _probe(self) -> None:
-        """Write and delete a hidden file in the store (object stores need no folder for it)."""
-        probe = f"{self.root}/.write-probe-{uuid.uuid4().hex}"
+        """Write and delete a hidden file in the store (object stores need no folder for it), and in each table
+        folder a local store has: a run writes into all of them (one it cannot write, an immutable ``evaluations/``
+        say, would fail the run after its first rows)."""
+        self._probe_in(self.root)
+        if not self.local:
+            return
+        for table in TABLES:
+            directory = self.table_dir(table)
+            if os.path.isdir(directory):
+                try:
+                    self._probe_in(directory)
+                except OSError as exc:
+                    raise HeadsweepError(f"store {self.uri} is not writable: its folder {table}/ takes no files "
+                                         f"({os_reason(exc)}): make it writable (chmod, chattr -i) or run with "
+                                         "another --store") from None
+
+    def _probe_in(self, folder: str) -> None:
+        probe = f"{folder}/.write-probe-{uuid.uuid4().hex}"
         try:
             with self.fs.open_output_stream(probe) as out:
                 out.write(b"ok")
@@ -205,7 +238,11 @@ class ResultStore:
             self.fs.move(tmp, final)
         except OSError as exc:
             if exc.errno not in FULL_ERRNOS:
-                raise
+                # Permissions taken away mid-run, an immutable folder, a store gone read-only: the run stops here
+                # with what it committed so far, resumable once the store takes files again.
+                with contextlib.suppress(OSError):
+                    self.fs.delete_file(tmp)
+                raise StoreUnwritable(self.uri, directory, exc) from None
             # The partial file goes at once: it holds space the user is about to free, and nothing reads it.
             with contextlib.suppress(OSError):
                 self.fs.delete_file(tmp)
@@ -404,6 +441,9 @@ class ResultStore:
                 stale_tmp = base.startswith(".") and base.endswith(".tmp")
                 orphan = table == "examples" and base.startswith("chunk-") and base not in committed
                 if stale_tmp or orphan:
-                    self.fs.delete_file(info.path)
+                    try:
+                        self.fs.delete_file(info.path)
+                    except OSError as exc:
+                        raise StoreUnwritable(self.uri, os.path.dirname(info.path), exc) from None
                     removed += 1
         return removed

@@ -201,12 +201,15 @@ FROM deltas WHERE experiment IN ({experiments})
 # run goes, `significant_so_far` (corrected over the heads tested so far) and `eta_s` (of the pass in
 # progress) come from the live row's facts.progress (null once it has ended). `baseline_score` is the run
 # row's, else (a run that stopped before its row had it, written by an older release) its first model's
-# baseline evaluation (`baseline` or `ckpt0/baseline`, the smallest eval id).
+# baseline evaluation (`baseline` or `ckpt0/baseline`, the smallest eval id). `n_done` counts the evaluations stored
+# (what `headsweep status` and the report show too), not the row's own count: that one is written with the row, so it
+# lags behind a live run and is never updated by a driver that was killed.
 SUMMARY = """
 CREATE VIEW summary AS
 SELECT r.run_id, r.name, r.status, r.created_at, r.model, r.dataset, r.metric,
        coalesce(r.baseline_score, b.score) AS baseline_score, r.n_examples,
-       r.n_planned, r.n_done, coalesce(c.n_checkpoints, 0) AS n_checkpoints, coalesce(h.n_heads, 0) AS n_heads,
+       r.n_planned, coalesce(c.n_stored, 0) AS n_done, coalesce(c.n_checkpoints, 0) AS n_checkpoints,
+       coalesce(h.n_heads, 0) AS n_heads,
        coalesce(h.n_significant, 0) AS n_significant,
        CAST(json_extract(r.facts, '$.progress.significant_so_far') AS INTEGER) AS significant_so_far,
        CAST(json_extract(r.facts, '$.progress.eta_s') AS DOUBLE) AS eta_s, r.updated_at
@@ -214,7 +217,8 @@ FROM runs r
 LEFT JOIN (SELECT run_id, count(DISTINCT name) AS n_heads, count(DISTINCT name) FILTER (WHERE significant)
                   AS n_significant
            FROM heads GROUP BY run_id) h USING (run_id)
-LEFT JOIN (SELECT run_id, count(DISTINCT coalesce(checkpoint, '')) AS n_checkpoints FROM evaluations GROUP BY run_id) c
+LEFT JOIN (SELECT run_id, count(DISTINCT coalesce(checkpoint, '')) AS n_checkpoints, count(DISTINCT eval_id) AS n_stored
+           FROM evaluations GROUP BY run_id) c
   USING (run_id)
 LEFT JOIN (SELECT run_id, arg_min(score, eval_id) AS score FROM evaluations WHERE experiment = 'baseline'
            GROUP BY run_id) b USING (run_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -122,6 +123,23 @@ def run_refused(config: Path, store: Path, ray_address: str, *parts: str) -> str
         assert part in line, line
     assert not store.exists()
     return line
+
+
+@contextlib.contextmanager
+def folder_taking_no_files(folder: Path):
+    """``folder`` made immutable (``chattr +i``: root too is refused) or, where that is not allowed (no
+    CAP_LINUX_IMMUTABLE), read-only, inside the block; as it was after."""
+    immutable = os.geteuid() == 0 and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+    mode = folder.stat().st_mode
+    if not immutable:
+        folder.chmod(0o555)
+    try:
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        else:
+            folder.chmod(mode)
 
 
 def error_line(stderr: str | list[str]) -> str:

@@ -30,6 +30,7 @@ from headsweep.results.store import ResultStore
 from headsweep.sweep.ablation.fold import constants_to_fold, fold
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.pruning.masks import MaskChoice, explicit_mask, stored_mask
+from headsweep.sweep.run.weights import check_same_weights
 from headsweep.workers.core.heads import HeadInventory
 from headsweep.workers.core.registry import model_family
 from headsweep.workers.hub.cache import is_hub_id, resolve_snapshot
@@ -71,6 +72,19 @@ def check_run_model(store: ResultStore, run_id: str, cfg: Config) -> None:
             f"({cfg.model.kind}): a stored mask fits only the model it was found on; export with that run's config, "
             "or name a run of this model"
         )
+
+
+def check_export_weights(store: ResultStore, run_id: str, cfg: Config) -> None:
+    """Refuse a stored run made with other weights than the config's model holds now (the files were changed in
+    place since): its mask would prune weights it was not found on, and the manifest would name the run as source."""
+    run = store.run(run_id)
+    if run is None:
+        return
+    checkpoints = json.loads(run["config"] or "{}").get("checkpoints") or []
+    mine = _checkpoint_of(store, run_id, cfg)
+    index = checkpoints.index(mine) if mine in checkpoints else None
+    check_same_weights(run, cfg.model, f"export --from-run {run_id} would prune these weights with a mask found on "
+                                       "the run's", index)
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -150,6 +164,7 @@ def export_pruned(cfg: Config, out_dir: str | Path, store: ResultStore | None = 
     output = check_output(out_dir, "folder", force=force, store=store, protected=read_paths(cfg), replace_own=False)
     if from_run and store is not None:
         check_run_model(store, from_run, cfg)
+        check_export_weights(store, from_run, cfg)
     family = model_family(cfg.model.kind)
     loaded = family.load_model(cfg.model)
     model = loaded.model

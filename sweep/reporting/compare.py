@@ -13,6 +13,7 @@ run b only; ``heads_lost``: in run a only).
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pyarrow as pa
@@ -22,6 +23,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.query import run_query
 from headsweep.results.store import ResultStore
 from headsweep.sweep import experiments  # noqa: F401 - registers the kinds' tables and views read here
+from headsweep.sweep.run.weights import stored_fingerprints
 from headsweep.workers.ablation.registry import DEFAULT_METHOD
 from headsweep.workers.core.metrics import higher_is_better
 
@@ -62,6 +64,20 @@ def _names(heads: set[tuple]) -> str:
     return ", ".join(f"{a}:{layer}:{h}" for a, layer, h in sorted(heads))
 
 
+def other_model(ra: dict, rb: dict) -> str | None:
+    """Why two run rows are of two models (other weights by their fingerprints; without fingerprints, other model
+    names), or None."""
+    a, b = stored_fingerprints(ra["facts"]), stored_fingerprints(rb["facts"])
+    if a and b:
+        if [w["sha256"] for w in a] != [w["sha256"] for w in b]:
+            return (f"weights sha256 {', '.join(w['sha256'][:12] for w in a)}... and "
+                    f"{', '.join(w['sha256'][:12] for w in b)}...")
+        return None
+    if ra["model"] != rb["model"]:
+        return f"models {ra['model']} and {rb['model']}"
+    return None
+
+
 def compare_runs(store: ResultStore, run_a: str, run_b: str) -> tuple[pa.Table, pa.Table]:
     """Correlations of deltas and importances, and the overlap of significant heads."""
     if run_a == run_b:
@@ -69,6 +85,11 @@ def compare_runs(store: ResultStore, run_a: str, run_b: str) -> tuple[pa.Table, 
     ra, rb = _run(store, run_a), _run(store, run_b)
     if json.loads(ra["heads"]) != json.loads(rb["heads"]):
         raise HeadsweepError(f"runs {run_a} and {run_b} are not of the same model (their heads differ)")
+    other = other_model(ra, rb)
+    if other:
+        logging.getLogger("headsweep").warning(
+            "runs %s and %s are of two models with the same heads (%s): compare is meant for two runs of one model; "
+            "the numbers below compare two models' heads", run_a, run_b, other)
     deltas, importance, significant = {}, {}, {}
     for run_id, run in ((run_a, ra), (run_b, rb)):
         # As harm (positive: the head was needed), so that runs of metrics of opposite directions (accuracy

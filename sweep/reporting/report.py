@@ -47,6 +47,8 @@ from headsweep.sweep.reporting.page import (
     score_column,
 )
 from headsweep.sweep.reporting.page import rows as query_rows
+from headsweep.sweep.run.status import shown_status
+from headsweep.sweep.run.weights import check_run_weights
 
 # Baselines of two runs closer than this are the same model on the same data.
 SAME_BASELINE = 1e-9
@@ -140,7 +142,8 @@ def _run_section(page: Page, con: duckdb.DuckDBPyConnection, run: dict, attentio
     metric = run["metric"]
     page.add(f'<h2 id="{html.escape(run_id)}">Run {html.escape(run_id)}: {html.escape(run["name"] or "")}</h2>')
     page.add(facts_table([
-        ("status", run["status"]), ("model", run["model"]), ("data", run["dataset"]),
+        ("status", shown_status(run["status"], run["facts"], run.get("age_s"))),
+        ("model", run["model"]), ("data", run["dataset"]),
         ("metric", figures.metric_label(metric)),
         ("direction", "higher is better" if figures.higher_is_better(metric) else "lower is better"),
         ("ablation", _ablation_fact(run, facts)),
@@ -314,6 +317,19 @@ def _bundle() -> Path:
 GLUE = Path(__file__).with_name("explorer.js")
 
 
+def _check_weights(run: dict) -> None:
+    """``--attention`` loads the run's model again: refused where its files hold other weights than the run's. A
+    config that no longer loads here is left to the attention step, which says so on the page."""
+    from headsweep.sweep.configuration.config import build_config
+
+    try:
+        cfg = build_config(json.loads(run["config"] or "{}"))
+    except (HeadsweepError, ValueError):
+        return
+    check_run_weights(run, cfg, "--attention would recompute its drill-downs from weights that are not the run's "
+                                "(leave out --attention for the page of what is stored)")
+
+
 def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path, attention: bool = False,
                  force: bool = False, option: str = "--out") -> Path:
     """Write ``index.html``, its figures and the plotly.js bundle for ``run_ids`` under ``out``; returns the page's
@@ -333,13 +349,17 @@ def write_report(store: ResultStore, run_ids: Sequence[str], out: str | Path, at
         runs = []
         for run_id in run_ids:
             # the baseline as `summary` gives it: the run row's, else its stored baseline evaluation's
-            rows = query_rows(con, "SELECT r.* REPLACE (s.baseline_score AS baseline_score) FROM runs r "
+            # and the status and count of stored evaluations as `runs` and `status` show them (one rule for all)
+            rows = query_rows(con, "SELECT r.* REPLACE (s.baseline_score AS baseline_score, s.n_done AS n_done), "
+                                   "epoch(now()) - epoch(r.updated_at) AS age_s FROM runs r "
                                    "JOIN summary s ON s.run_id = r.run_id WHERE r.run_id = ?", [run_id])
             if not rows:
                 newest = query_rows(con, "SELECT run_id FROM runs ORDER BY created_at DESC LIMIT 5")
                 known = [r["run_id"] for r in newest]
                 hint = f" (newest: {', '.join(known)})" if known else " (the store has no runs)"
                 raise HeadsweepError(f"no run {run_id!r} in store {store.uri}{hint}")
+            if attention:  # drill-downs recomputed from weights that are not the run's would be wrong, not late
+                _check_weights(rows[0])
             runs.append(rows[0])
         with written_folder(output, "headsweep report") as work:
             _write_page(store, con, runs, work, attention)

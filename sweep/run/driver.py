@@ -9,7 +9,6 @@ for significance, and the run's row in ``runs`` says how far it got (``headsweep
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.schema import COMPLETE, FAILED, INTERRUPTED, PARTIAL, RUNNING
-from headsweep.results.store import ResultStore, StoreFull
+from headsweep.results.store import ResultStore, StoreFull, StoreUnwritable
 from headsweep.sweep import experiments
 from headsweep.sweep.ablation.fill import fetch_fill
 from headsweep.sweep.ablation.values import ablation_spec
@@ -39,12 +38,15 @@ from headsweep.sweep.run.runs import (
     RunRecord,
     StoredResults,
     check_still_resumable,
+    complete_run,
     new_run_id,
     now,
     resumable,
+    run_to_continue,
     stored_results,
 )
 from headsweep.sweep.run.screening import Screening
+from headsweep.sweep.run.weights import check_resumed_weights, run_fingerprints, run_models
 from headsweep.sweep.run.worker_start import wait_for_workers
 from headsweep.sweep.statistics.significance_runner import check_resample_memory, tests_for
 from headsweep.workers.ablation.registry import METHODS
@@ -72,14 +74,12 @@ class Sweep:
     screened: set[str] = field(default_factory=set)  # of a resumed run: eval ids screened out (sweep.screen)
     warned: set[str] = field(default_factory=set)  # data warnings already shown
     hub: dict = field(default_factory=dict)  # runs.facts "hub": each hub id loaded, its commit and cache folder
+    weights: list = field(default_factory=list)  # runs.facts "weights": each model's content fingerprint
     record: RunRecord | None = None  # the run's row, once the run is opened (``record.written``: in the store)
 
     def model_variants(self) -> list[tuple[str | None, Any]]:
         """``(checkpoint, model config)`` for each model of the run: one, or one per training checkpoint."""
-        if not self.cfg.checkpoints:
-            return [(None, self.cfg.model)]
-        key = model_family(self.cfg.model.kind).checkpoint_key
-        return [(c, dataclasses.replace(self.cfg.model, **{key: c})) for c in self.cfg.checkpoints]
+        return run_models(self.cfg)
 
     def start_workers(self, model_cfg: Any) -> tuple[WorkerPool, DatasetInfo]:
         """One actor per worker, placed as the config asks, each holding the model; Ray restarts lost ones."""
@@ -124,6 +124,8 @@ class Sweep:
         log(f"{len(actors)} workers ready: {', '.join(pool.names)}")
         if self.hub:
             infos[0].facts = {**infos[0].facts, "hub": self.hub}
+        if self.weights:
+            infos[0].facts = {**infos[0].facts, "weights": self.weights}
         for text in dict.fromkeys(w for info in infos for w in info.facts.get("warnings", [])):
             if text not in self.warned:  # once per run, whatever the number of workers and checkpoints
                 self.warned.add(text)
@@ -148,6 +150,19 @@ class Sweep:
         self.cfg, self.hub = pin_hub_models(self.cfg)
         if not self.address:  # a cluster's nodes are checked once connected (check_placement)
             check_threads(self.cfg, machine_cpus(), "this machine has")
+        # What the weights are: a later use of the run with other weights (changed in place) is refused.
+        self.weights = run_fingerprints([model for _, model in self.model_variants()])
+        # Before Ray starts: a run to continue must be of these weights, and a complete run is not run again.
+        previous = run_to_continue(self.store, self.cfg, self.resume, self.auto_resume)
+        if previous is not None:
+            check_resumed_weights(previous, self.weights)
+        elif self.resume is None and self.auto_resume:
+            complete = complete_run(self.store, self.cfg, self.weights)
+            if complete is not None:
+                self.run_id = complete["run_id"]
+                log(f"run {self.run_id} of this config is complete in store {self.store.uri}: nothing to do, nothing "
+                    "written (headsweep run --new starts a second run of it)")
+                return self.run_id
         # Before Ray starts: a model the workers cannot hold together is refused, not swapped or killed mid-load.
         check_memory(self.cfg, [model for _, model in self.model_variants()], self.address)
         init_ray(self.address, self.cfg)
@@ -212,8 +227,10 @@ class Sweep:
 
     def _stopped(self, record: RunRecord, exc: BaseException, first: Context | None) -> None:
         """Write the row of a run that Ctrl-C or SIGTERM (a ``KeyboardInterrupt``: interrupted) or an error
-        (failed) stopped, with what it stored."""
-        record.writer.flush()
+        (failed) stopped, with what it stored. Where the store refuses the buffered rows (the write that stopped the
+        run), they are left for the rerun to compute and the row is still tried: it says how the run ended."""
+        with contextlib.suppress(StoreUnwritable):
+            record.writer.flush()
         record.baseline_score = _baseline(first)
         status = INTERRUPTED if isinstance(exc, KeyboardInterrupt) else FAILED
         error = None if status == INTERRUPTED else str(unwrap(exc)).splitlines()[0][:500]
@@ -238,6 +255,7 @@ class Sweep:
         previous = resumable(self.store, self.cfg, self.resume, self.auto_resume)
         created_at = now()
         if previous is not None:
+            check_resumed_weights(previous, self.weights)
             self.run_id, created_at = previous["run_id"], previous["created_at"]
             if previous.get("driver_gone"):  # a run whose row says running: its driver died without a word
                 log(f"run {self.run_id} was left running by a driver that is gone ({previous['driver_gone']})")
@@ -253,7 +271,7 @@ class Sweep:
         # Another driver of this config may have chosen the same run (or none) since: checked again under a
         # claim that one driver of a config holds at a time, until its row says it is running.
         with store_claim(self.store, self.cfg.hash()):
-            check_still_resumable(self.store, self.cfg, self.resume, self.auto_resume, previous)
+            check_still_resumable(self.store, self.cfg, self.resume, self.auto_resume, previous, self.weights)
             record.write(RUNNING, n_done=0)
         if fill is not None:
             fill.write()

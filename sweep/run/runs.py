@@ -152,8 +152,9 @@ def refuse_if_live(run: dict) -> str | None:
     return f"its driver {driver or '(not named)'} has written no heartbeat for {age:.0f} s"
 
 
-def resumable(store: ResultStore, cfg: Config, resume: str | None, auto_resume: bool) -> dict | None:
-    """The earlier run of this very config to continue: ``--resume RUN_ID``, or the newest unfinished one."""
+def run_to_continue(store: ResultStore, cfg: Config, resume: str | None, auto_resume: bool) -> dict | None:
+    """The earlier run of this very config that a driver would continue: ``--resume RUN_ID``, or the newest
+    unfinished one (whether its driver still lives is :func:`resumable`'s question)."""
     runs = store.read("runs").to_pylist()
     if resume:
         run = next((r for r in runs if r["run_id"] == resume), None)
@@ -170,29 +171,54 @@ def resumable(store: ResultStore, cfg: Config, resume: str | None, auto_resume: 
                 f"--resume {resume}: that run was made with another config (hash {run['config_hash']}, "
                 f"this one {cfg.hash()}); results of different configs are never mixed: start a new run"
             )
-        gone = refuse_if_live(run)
-        return {**run, "driver_gone": gone} if gone else run
+        return run
     if not auto_resume:
         return None
     unfinished = [r for r in runs if r["config_hash"] == cfg.hash() and r["status"] != COMPLETE]
-    if not unfinished:
+    return max(unfinished, key=lambda r: r["created_at"]) if unfinished else None
+
+
+def resumable(store: ResultStore, cfg: Config, resume: str | None, auto_resume: bool) -> dict | None:
+    """The earlier run of this very config to continue (:func:`run_to_continue`), refused while its driver lives."""
+    run = run_to_continue(store, cfg, resume, auto_resume)
+    if run is None:
         return None
-    newest = max(unfinished, key=lambda r: r["created_at"])
-    gone = refuse_if_live(newest)
-    return {**newest, "driver_gone": gone} if gone else newest
+    gone = refuse_if_live(run)
+    return {**run, "driver_gone": gone} if gone else run
+
+
+def complete_run(store: ResultStore, cfg: Config, prints: list[dict]) -> dict | None:
+    """The newest complete run of this very config (and, where both have a fingerprint, these weights) when no run
+    of it is unfinished: running the config again would only store the same results a second time (queries that name
+    no run would count them twice), so the driver says so and writes nothing (``--new`` for a second run)."""
+    from headsweep.sweep.run.weights import same_run_weights
+
+    if store.local and not os.path.isdir(store.root):
+        return None
+    runs = [r for r in store.read("runs").to_pylist() if r["config_hash"] == cfg.hash()]
+    if any(r["status"] != COMPLETE for r in runs):
+        return None  # one to resume
+    same = [r for r in runs if same_run_weights(r["facts"], prints)]
+    return max(same, key=lambda r: r["created_at"]) if same else None
 
 
 def check_still_resumable(store: ResultStore, cfg: Config, resume: str | None, auto_resume: bool,
-                          before: dict | None) -> None:
+                          before: dict | None, prints: list[dict] | None = None) -> None:
     """Under the store's claim on the config, just before the run's first row: the run to continue is still
     the one chosen before (``before``), so that two drivers of one config that started together never both
-    start or continue a run. A driver that opened a run of this config since is refused by ``resumable``."""
+    start or continue a run. A driver that opened a run of this config since is refused by ``resumable``; one that
+    completed a run of it (of the weights ``prints`` name, where given) since, here."""
     after = resumable(store, cfg, resume, auto_resume)
     if (after or {}).get("run_id") != (before or {}).get("run_id"):
         raise HeadsweepError(
             f"another driver started or stopped a run of this config in store {store.uri} while this one was "
             "starting: run the same command again"
         )
+    if before is None and after is None and auto_resume and not resume and prints is not None:
+        done = complete_run(store, cfg, prints)
+        if done is not None:
+            raise HeadsweepError(f"another driver completed run {done['run_id']} of this config in store {store.uri} "
+                                 "while this one was starting: nothing written (--new for a second run)")
 
 
 def stored_results(store: ResultStore, run_id: str, info: DatasetInfo) -> StoredResults:

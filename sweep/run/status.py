@@ -12,12 +12,12 @@ from headsweep.sweep import experiments  # noqa: F401 - registers the kinds' tab
 from headsweep.sweep.run.runs import HEARTBEAT_S, STALE_AFTER_S, driver_alive, local_pid, ray_job_alive, run_driver
 
 # Timestamps as text and an age in seconds: DuckDB's TIMESTAMPTZ values need pytz in Python. The count of stored
-# evaluations is the evaluations table's, not the row's n_done (written with the row: behind a live run, and
-# never updated by a driver that died).
+# evaluations is the summary view's n_done: the evaluations table's count, as `headsweep runs` and the report show it
+# (not the row's own n_done, written with the row: behind a live run, and never updated by a driver that died).
 STATUS_SQL = """
 SELECT s.run_id, s.name, s.status, s.model, s.dataset, s.metric, s.baseline_score, s.n_planned, s.n_significant,
        s.n_heads, s.significant_so_far, s.eta_s, r.facts,
-       (SELECT count(DISTINCT e.eval_id) FROM evaluations e WHERE e.run_id = s.run_id) AS n_stored,
+       s.n_done AS n_stored,
        strftime(s.updated_at AT TIME ZONE 'UTC', '%Y-%m-%d %H:%M:%S') AS updated,
        epoch(now()) - epoch(s.updated_at) AS age_s
 FROM summary s JOIN runs r USING (run_id) WHERE s.run_id = ?
@@ -30,18 +30,31 @@ SELECT run_id, facts, epoch(now()) - epoch(updated_at) AS age_s FROM runs WHERE 
 """
 
 
+STALE = "stale"
+
+
+def shown_status(status: str | None, facts: str | None, age_s: float | None) -> str | None:
+    """The status every reading command shows (``runs``, ``status``, ``report``): the row's, except ``stale`` for a
+    run whose row says running but whose driver is gone (:func:`driver_alive`; ``age_s``: since the row's
+    ``updated_at``, its heartbeat)."""
+    if status != RUNNING:
+        return status
+    alive = driver_alive(run_driver(facts), max(age_s or 0.0, 0.0), ray_job_alive(facts))
+    return status if alive else STALE
+
+
 def runs_listing(store: ResultStore, sql: str) -> pa.Table:
-    """``sql`` (the ``runs`` command's listing of the summary view) with ``status`` ``stale`` for a run whose row
-    says running but whose driver is gone, by the rule ``headsweep status`` follows (:func:`driver_alive`)."""
+    """``sql`` (the ``runs`` command's listing of the summary view) with ``status`` as :func:`shown_status` gives
+    it."""
     table = run_query(store, sql)
     if "status" not in table.column_names or "run_id" not in table.column_names:
         return table
     stale = {r["run_id"] for r in run_query(store, RUNNING_SQL).to_pylist()
-             if not driver_alive(run_driver(r["facts"]), max(r["age_s"] or 0.0, 0.0), ray_job_alive(r["facts"]))}
+             if shown_status(RUNNING, r["facts"], r["age_s"]) == STALE}
     if not stale:
         return table
     ids, statuses = table.column("run_id").to_pylist(), table.column("status").to_pylist()
-    statuses = ["stale" if run_id in stale else status for run_id, status in zip(ids, statuses, strict=True)]
+    statuses = [STALE if run_id in stale else status for run_id, status in zip(ids, statuses, strict=True)]
     i = table.column_names.index("status")
     return table.set_column(i, "status", pa.array(statuses, pa.string()))
 
@@ -76,7 +89,7 @@ def status_lines(store: ResultStore, run_id: str) -> list[str]:
     age = max(r["age_s"] or 0.0, 0.0)
     driver = run_driver(r["facts"])
     on_ray = ray_job_alive(r["facts"]) if r["status"] == RUNNING else None
-    stale = r["status"] == RUNNING and not driver_alive(driver, age, on_ray)
+    stale = shown_status(r["status"], r["facts"], age) == STALE
     state = stale_line(driver, r["updated"], age, ray_job_ended=on_ray is False) if stale else r["status"]
     stored, planned = r["n_stored"], r["n_planned"]
     if planned is None or planned < stored:

@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress lines")
     run.add_argument("--resume", metavar="RUN_ID", help="continue this run (same config); default: the newest "
                      "unfinished run of the same config in the store, if any")
-    run.add_argument("--new", action="store_true", help="always start a new run, even if one could be resumed")
+    run.add_argument("--new", action="store_true", help="always start a new run, even if one could be resumed or "
+                     "one of this config is complete (without it, a complete run is not run again)")
 
     query = sub.add_parser("query", help="SQL over the results tables (DuckDB)")
     query.add_argument("sql", help="SQL; the tables runs, evaluations, examples, significance, importance are views, "

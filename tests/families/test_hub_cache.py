@@ -168,6 +168,10 @@ def check_two_runs(runs: dict[str, dict], repo_id: str, a: str, b: str) -> None:
         assert json.loads(row["config"])["model"]["path"] == f"{repo_id}@{commit}"
         assert row["model"] == f"{repo_id}@{commit[:7]}"  # the whole commit is in facts.hub
         assert row["status"] == "complete"
+        # The weights' fingerprint is of the files the id resolved to: the cache names each blob by its SHA-256.
+        [weights] = json.loads(row["facts"])["weights"]
+        blob = os.path.basename(os.readlink(snapshot(repo_id, commit) / "model.safetensors"))
+        assert weights["sha256"] == hashlib.sha256(f"model.safetensors\0{blob}\n".encode()).hexdigest()
     assert runs[a]["baseline_score"] != runs[b]["baseline_score"]  # each loaded its own revision's weights
 
 

@@ -32,6 +32,7 @@ def test_compare_two_domains(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv)
         runs.append(proc.stdout.strip())
     proc = run_cli("compare", *runs, "--store", str(store), "--format", "json")
     assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr  # one model's weights (fingerprints equal): no two-models warning
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     by_quantity = {r["quantity"]: r for r in lines if "quantity" in r}
     [overlap] = [r for r in lines if "jaccard" in r]

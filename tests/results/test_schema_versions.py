@@ -89,6 +89,9 @@ def test_runs_query_and_report_commands_on_the_v1_store(tmp_path):
     assert set(rows) == {CLASSIFIER, TRANSLATION, TRANSLATION_GLOBAL}
     assert (rows[CLASSIFIER]["n_checkpoints"], rows[CLASSIFIER]["n_heads"]) == (2, 8)
     assert rows[TRANSLATION]["metric"] == "bleu" and rows[TRANSLATION]["n_heads"] == 24
+    # Runs written before weights were fingerprinted: compared as before (one model by its name), no warning.
+    compared = run_cli("compare", TRANSLATION, TRANSLATION_GLOBAL, "--store", str(STORE_V1), "--format", "csv")
+    assert compared.returncode == 0 and "warning" not in compared.stderr, compared.stderr
     query = run_cli("query", "SELECT count(*) AS n FROM efficiency", "--store", str(STORE_V1), "--format", "csv")
     assert query.returncode == 0 and query.stdout.split() == ["n", "0"], query.stderr
     out = tmp_path / "report"

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import REPO, default_sigint, error_line, run_cli
+from conftest import REPO, default_sigint, error_line, folder_taking_no_files, run_cli
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.schema import COMPLETE, RUNNING, TABLES
@@ -255,6 +255,22 @@ def test_a_run_refuses_a_store_with_foreign_or_damaged_files(sig_store, tmp_path
         line = refused(run_cli("run", str(cfg), "--store", str(store)), str(store / relative), message)
         assert "move it out of the store" in line, (case, line)
         assert snapshot(store) == before, case
+
+
+def test_a_run_refuses_a_store_with_a_table_folder_that_takes_no_files(sig_store, tmp_path, tiny_bert_dir,
+                                                                     tiny_dev_tsv):
+    """Was: ``unexpected PermissionError`` after runs, inputs and two examples chunks were written. Every table
+    folder is tried before anything is written (and before Ray starts)."""
+    store = tmp_path / "store"
+    shutil.copytree(sig_store[0], store)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(config(tiny_bert_dir, tiny_dev_tsv)))
+    before = snapshot(store)
+    with folder_taking_no_files(store / "evaluations"):
+        line = refused(run_cli("run", str(cfg), "--store", str(store)),
+                       f"store {store} is not writable: its folder evaluations/ takes no files (")
+    assert line.endswith("): make it writable (chmod, chattr -i) or run with another --store"), line
+    assert snapshot(store) == before
 
 
 def test_ctrl_c_stops_a_query_inside_duckdb_every_time(tmp_path):

@@ -11,10 +11,11 @@ import subprocess
 import sys
 import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, run_cli
+from conftest import REPO, error_line, folder_taking_no_files, run_cli
 
 from headsweep.results.store import ResultStore
 from headsweep.sweep.demo.sentiment import generate, write_tsv
@@ -28,12 +29,24 @@ def status_of(run_id: str, store) -> list[str]:
     return proc.stdout.splitlines()
 
 
-def listed_status(run_id: str, store) -> str:
-    """The run's status as ``headsweep runs`` lists it."""
+def listed(run_id: str, store) -> dict:
+    """The run's line as ``headsweep runs`` lists it."""
     proc = run_cli("runs", "--store", str(store), "--format", "json")
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     [row] = [r for r in map(json.loads, proc.stdout.splitlines()) if r["run_id"] == run_id]
-    return row["status"]
+    return row
+
+
+def listed_status(run_id: str, store) -> str:
+    return listed(run_id, store)["status"]
+
+
+def report_facts(run_id: str, store, out) -> str:
+    """The facts table of the run's report page, as ``headsweep report`` writes it."""
+    proc = run_cli("report", run_id, "--store", str(store), "--out", str(out))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    page = (out / "index.html").read_text()
+    return page[page.index("<table><tr><th>status</th>"):][:2000]
 
 
 def check_status_of_a_killed_run(reader: ResultStore, killed: dict, stored: int) -> None:
@@ -47,13 +60,19 @@ def check_status_of_a_killed_run(reader: ResultStore, killed: dict, stored: int)
     assert stored < killed["n_planned"]  # the plan was in the row before the first evaluation landed
     assert f"run the same command again to continue it (or headsweep run CONFIG --resume {run_id})" in lines
     assert not any(line.startswith("ETA") for line in lines)
-    assert listed_status(run_id, store) == "stale"  # runs says what status says; the row itself still says running
+    # runs and the report say what status says (the row itself still says running), and count what is stored (the
+    # row's own n_done is 0: written when the run started, never again by the killed driver)
+    row = listed(run_id, store)
+    assert (row["status"], row["n_done"], killed["n_done"]) == ("stale", stored, 0)
+    facts = report_facts(run_id, store, Path(store).parent / "report")
+    assert '<tr><th>status</th><td class="text">stale</td></tr>' in facts, facts
+    assert f'<tr><th>evaluations done / planned</th><td class="text">{stored} / {killed["n_planned"]}</td>' in facts
     assert reader.read("runs").column("status").to_pylist() == ["running"]
     elsewhere = {**killed, "facts": json.dumps({**json.loads(killed["facts"]), "driver": "elsewhere:1"})}
     reader.write_rows("runs", run_id, [{**elsewhere, "updated_at": datetime.now(UTC) - timedelta(seconds=5)}], "run")
     lines = status_of(run_id, store)
     assert lines[0] == f"run {run_id} (sweep): running" and any(x.startswith("ETA of the pass") for x in lines), lines
-    assert listed_status(run_id, store) == "running"
+    assert (listed(run_id, store)["n_done"], listed_status(run_id, store)) == (stored, "running")  # live: as stored
     old = datetime.now(UTC) - timedelta(seconds=STALE_AFTER_S + 60)
     reader.write_rows("runs", run_id, [{**elsewhere, "updated_at": old}], "run")
     lines = status_of(run_id, store)
@@ -111,6 +130,20 @@ def test_killed_or_stopped_then_rerun_computes_only_the_missing(tmp_path, wide_b
         assert lines[0] == f"run {killed['run_id']} (sweep): interrupted"
         assert f"evaluations stored: {len(before)} of {killed['n_planned']} planned so far" in lines
 
+    if signum == signal.SIGKILL:  # the store refuses the rerun's first write: one line, and still resumable
+        partition = store / "evaluations" / f"run_id={killed['run_id']}"
+        with folder_taking_no_files(partition):
+            refused = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address,
+                              "--quiet")
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+        line = error_line(refused.stderr)  # the reason: not permitted (immutable), or permission denied
+        assert line.startswith(f"headsweep: error: store {store}: cannot write into {partition} ("), line
+        assert line.endswith("); what was stored before stays: make the store writable and run the same command "
+                             "again to continue the run"), line
+        failed = reader.run(killed["run_id"])
+        assert failed["status"] == "failed" and "cannot write into" in failed["error"]
+        assert set(reader.read("evaluations").column("eval_id").to_pylist()) == before
+
     started = datetime.now(UTC)
     rerun = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet")
     assert rerun.returncode == 0, rerun.stderr
@@ -126,6 +159,12 @@ def test_killed_or_stopped_then_rerun_computes_only_the_missing(tmp_path, wide_b
     assert run["status"] == "complete" and run["n_done"] == 33
     sig = reader.read("significance").to_pylist()
     assert sorted(s["eval_id"] for s in sig if s["test"] == "paired_ttest") == sorted(set(ids) - {"baseline"})
+    # Complete: the same command again says so and writes nothing (a second run would double every query's counts).
+    files = sorted(p for p in store.rglob("*") if p.is_file())
+    again = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet")
+    assert again.returncode == 0 and again.stdout.strip() == killed["run_id"], again.stderr
+    assert f"run {killed['run_id']} of this config is complete in store {store}: nothing to do" in again.stderr
+    assert sorted(p for p in store.rglob("*") if p.is_file()) == files
 
 
 def test_resume_refuses_another_config(tmp_path, tiny_bert_dir, tiny_dev_tsv, ray_address):
@@ -140,7 +179,10 @@ def test_resume_refuses_another_config(tmp_path, tiny_bert_dir, tiny_dev_tsv, ra
                     "--address", ray_address, "--quiet")
     assert other.returncode == 2 and "made with another config" in other.stderr
     again = run_cli("run", str(tmp_path / "c.yaml"), "--store", store, "--address", ray_address, "--quiet")
-    assert again.returncode == 0 and again.stdout.strip() != run_id  # a complete run is not resumed
+    assert again.returncode == 0 and again.stdout.strip() == run_id and "is complete in store" in again.stderr
+    assert ResultStore(store).read("runs").num_rows == 1  # a complete run is neither resumed nor run again
+    second = run_cli("run", str(tmp_path / "c.yaml"), "--new", "--store", store, "--address", ray_address, "--quiet")
+    assert second.returncode == 0 and second.stdout.strip() != run_id  # --new: a deliberate second run
     assert ResultStore(store).read("runs").num_rows == 2
 
 

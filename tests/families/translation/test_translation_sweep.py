@@ -124,3 +124,31 @@ def test_restricting_attention_types(tmp_path, tiny, ray_address):
     evals = ResultStore(str(tmp_path / "s")).read("evaluations").to_pylist()
     assert {e["attention"] for e in evals if e["experiment"] == "single_head"} == {"enc_dec"}
     assert len(evals) == 1 + 8
+
+
+def test_the_run_keeps_the_checkpoints_fingerprint_and_export_refuses_other_weights(sweep_run, tiny, tmp_path):
+    """``facts.weights``: the SHA-256 of the checkpoint file (hashlib here); once the file holds other bytes,
+    ``export --from-run`` of the run is refused in one line and writes nothing (the file is put back after)."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from conftest import error_line
+
+    store, run_id = sweep_run
+    [weights] = json.loads(store.run(run_id)["facts"])["weights"]
+    original = tiny.checkpoint.read_bytes()
+    file_hash = hashlib.sha256(original).hexdigest()
+    assert weights == {"model": str(tiny.checkpoint), "bytes": len(original),
+                       "sha256": hashlib.sha256(f"{tiny.checkpoint.name}\0{file_hash}\n".encode()).hexdigest()}
+    out = tmp_path / "pruned"
+    try:
+        tiny.checkpoint.write_bytes(original + b"\0")  # another file under the run's checkpoint name
+        proc = run_cli("export", str(Path(store.root).parent / "c.yaml"), "--from-run", run_id, "--eval-id",
+                       "single_head/enc_self:0:1", "--out", str(out), "--store", store.root)
+    finally:
+        tiny.checkpoint.write_bytes(original)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr[-2000:]
+    assert error_line(proc.stderr).startswith(f"headsweep: error: run {run_id} was made with other weights than "
+                                              f"{tiny.checkpoint} holds now (weights sha256 {weights['sha256'][:12]}")
+    assert not out.exists()

@@ -79,6 +79,11 @@ class TranslationFamily(ModelFamily):
         checkpoint = Path(model_cfg.checkpoint)
         return checkpoint.stat().st_size if checkpoint.is_file() else None
 
+    def weight_files(self, model_cfg: TranslationModel) -> list[Path] | None:
+        """The checkpoint file (the model, its options and whatever else it was saved with)."""
+        checkpoint = Path(model_cfg.checkpoint)
+        return [checkpoint] if checkpoint.is_file() else None
+
     def training_label_smoothing(self, model_cfg: TranslationModel) -> float | None:
         """The label smoothing stored with the checkpoint's criterion options."""
         from headsweep.workers.families.fairseq_translation.checkpoint import trained_label_smoothing

@@ -91,6 +91,12 @@ class TransformersFamily(ModelFamily):
             return None
         return weight_bytes(model_dir, model_cfg.dtype)
 
+    def weight_files(self, model_cfg: Any) -> list[Path] | None:
+        """The weight files ``from_pretrained`` loads from the folder (a hub id's cached snapshot)."""
+        from headsweep.workers.families.hf_shared.model_files import resolve_model_dir, weight_files
+
+        return weight_files(resolve_model_dir(model_cfg.path)) or None
+
     def attention_weights(self, model: nn.Module, sites: Sequence[AttentionSite],
                           consume: Consumer) -> AbstractContextManager[None]:
         """On the eager attention path (put back as it was afterwards): the weights each module returns."""
