@@ -139,7 +139,10 @@ class Sweep:
         self.store.check_files()
         # Hub ids become id@<commit> before anything starts: the config hash names the commit, workers load it.
         self.cfg, self.hub = pin_hub_models(self.cfg)
-        # Before Ray starts: a model the workers cannot hold together is refused, not swapped or killed mid-load.
+        # Before Ray starts: what the model folders' files show (a tokenizer without its vocabulary), and a model
+        # the workers cannot hold together, are refused, not found by every worker or swapped mid-load.
+        for _, model in self.model_variants():
+            model_family(model.kind).check_model(model)
         check_memory(self.cfg, [model for _, model in self.model_variants()], self.address)
         init_ray(self.address, self.cfg)
         variants = self.model_variants()

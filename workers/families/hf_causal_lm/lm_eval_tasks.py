@@ -19,18 +19,23 @@ import difflib
 import logging
 import os
 import re
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.data.text_files import describe_kind
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
+from headsweep.workers.families.hf_causal_lm.lm_eval_code import refuse_task_code
 
 # The output types whose requests are log-likelihoods: what a grid of masks can score.
 SUPPORTED = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
 # lm-eval's full task index by include_path, built once per process (tens of seconds: thousands of YAML files)
 _MANAGERS: dict[str | None, Any] = {}
+# data.include_path naming one task file: the folder lm-eval indexes for it, by the file's real path
+_FILE_FOLDERS: dict[Path, tempfile.TemporaryDirectory] = {}
 DATASETS_COMMAND = "python -c \"import datasets; datasets.load_dataset({args})\""
 
 
@@ -80,6 +85,8 @@ def load_tasks(cfg: CausalLMData, key: str = "data") -> list[TaskDocs]:
     offline()
     quiet()
     manager = task_manager(cfg, key)
+    if cfg.include_path is not None and not cfg.trust_task_code:
+        refuse_task_code(manager, list(cfg.tasks or []), key)  # before lm-eval builds a task: that runs its code
     loaded = _load(manager, list(cfg.tasks or []), key)
     out = []
     for name, task in loaded.items():
@@ -100,7 +107,8 @@ def task_manager(cfg: CausalLMData, key: str = "data") -> Any:
         local = TaskManager(include_path=include, include_defaults=False)
         if all(n in local.all_tasks for n in names):
             return local
-        broken = _unparsed_yaml(include)  # the missing task may be in it: say so before indexing lm-eval's own
+        # the missing task may be in a file that does not parse: say so before indexing lm-eval's own
+        broken = _unparsed_yaml(str(Path(cfg.include_path or "").expanduser()))
         if broken:
             missing = next(n for n in names if n not in local.all_tasks)
             raise HeadsweepError(f"unknown lm-eval task {missing!r} in {key}.include_path: {broken}")
@@ -109,18 +117,41 @@ def task_manager(cfg: CausalLMData, key: str = "data") -> Any:
     manager = _MANAGERS[include]
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
-        raise HeadsweepError(_unknown(unknown[0], manager.all_tasks, include, key))
+        raise HeadsweepError(_unknown(unknown[0], manager.all_tasks, cfg.include_path, key))
     return manager
 
 
 def _include_path(cfg: CausalLMData, key: str) -> str | None:
+    """The folder lm-eval indexes for ``include_path``: the folder itself, or for one task file a folder holding
+    only that file (lm-eval indexes folders alone: it finds no task in a file's path)."""
     if cfg.include_path is None:
         return None
     path = Path(cfg.include_path).expanduser()
     if not path.exists():
         raise HeadsweepError(f"{key}.include_path not found: {cfg.include_path} (a folder of lm-eval task YAML files, "
                              "or one such file)")
+    if path.is_file():
+        return _folder_of(path)
+    if not path.is_dir():
+        raise HeadsweepError(f"{key}.include_path {cfg.include_path} is {describe_kind(path)}, not a regular file or "
+                             "folder: name a folder of lm-eval task YAML files, or one such file")
+    for file in path.rglob("*.yaml"):  # lm-eval's index opens each one: a FIFO among them would block it forever
+        if file.exists() and not file.is_file() and not file.is_dir():
+            raise HeadsweepError(f"{key}.include_path holds {file}, which is {describe_kind(file)}, not a regular "
+                                 "file: remove it from the task folder")
     return str(path)
+
+
+def _folder_of(file: Path) -> str:
+    """A folder (this process's, removed at exit) whose one entry links to the task file ``file``, under a
+    ``.yaml`` name (lm-eval indexes no other suffix). lm-eval resolves the link before it reads the file, so its
+    ``include:`` and ``!function`` entries are found beside the real file."""
+    real = file.resolve()
+    if real not in _FILE_FOLDERS:
+        folder = tempfile.TemporaryDirectory(prefix="headsweep-lm-eval-task-")
+        (Path(folder.name) / f"{real.stem}.yaml").symlink_to(real)
+        _FILE_FOLDERS[real] = folder
+    return _FILE_FOLDERS[real].name
 
 
 def _unknown(name: str, known: list[str], include: str | None, key: str) -> str:

@@ -137,6 +137,19 @@ def check_torch_file(file: Path) -> None:
                              "them): wrong format, or another file under this name?")
 
 
+def pickled_weights(model_dir: Path) -> str:
+    """The line for PyTorch weights that torch refuses to load with ``weights_only=True`` (they hold pickled Python
+    objects beside the tensors): headsweep never unpickles them, so it says how to convert them to safetensors."""
+    files = weight_files(model_dir)
+    file = next((f for f in files if f.suffix == ".bin"), model_dir / "pytorch_model.bin")
+    script = (f"import torch; from safetensors.torch import save_file; s = torch.load('{file}', weights_only=False); "
+              "save_file({k: v.clone().contiguous() for k, v in s.items() if isinstance(v, torch.Tensor)}, "
+              f"'{model_dir / 'model.safetensors'}')")
+    return (f"{file} holds pickled Python objects beside its tensors, which headsweep does not load (unpickling runs "
+            "code from the file): convert it to safetensors once, on a machine where you trust the file, e.g. "
+            f'python -c "{script}" (for a file holding a state dict), then move {file.name} out of the folder')
+
+
 def weight_files(model_dir: Path) -> list[Path]:
     """The weight files transformers loads from ``model_dir``, in its order of preference: safetensors (the shards
     its index names, or ``model.safetensors``), else PyTorch's (``pytorch_model.bin`` or its shards)."""
