@@ -7,6 +7,11 @@ files hold either is refused, in one line naming the file, its line and the entr
 ``data.trust_task_code: true``. lm-eval's own tasks (files inside its installed package) carry code the installed
 package already is, and are read as they are.
 
+Templates are code too: lm-eval renders ``doc_to_text``, ``doc_to_choice`` and the like with a plain Jinja
+environment, where ``{{ cycler.__init__.__globals__.os.system(...) }}`` runs a shell command. Untrusted, they are
+rendered in Jinja's sandbox instead (:func:`sandbox_templates`), which renders every ordinary template alike and
+refuses such an expression; :func:`template_refusal` turns the refusal into the line the user reads.
+
 The files looked at are those lm-eval reads to build the tasks named: each task's, group's or tag's file, its
 members' and every file they ``include:``. They are composed (parsed to nodes) here, never constructed, so this
 check itself runs nothing; any tag other than YAML's own standard ones counts, since lm-eval's only other reading
@@ -25,6 +30,8 @@ from headsweep.errors import HeadsweepError
 STANDARD_TAG = "tag:yaml.org,2002:"
 # Top-level keys whose value lm-eval calls as code (a Python task class).
 CODE_KEYS = ("class",)
+# lm-eval's own Jinja environment, kept while the sandbox stands in for it (sandbox_templates)
+_LM_EVAL_ENV: Any = None
 
 
 def refuse_task_code(manager: Any, names: list[str], key: str = "data") -> None:
@@ -38,6 +45,39 @@ def refuse_task_code(manager: Any, names: list[str], key: str = "data") -> None:
                 f"lm-eval task file {where}: {entry} makes lm-eval import and run Python from the task folder; "
                 f"headsweep runs no code from a config unless you trust it: set {key}.trust_task_code: true "
                 "(only for task files you trust), or remove the entry")
+
+
+def sandbox_templates(on: bool) -> None:
+    """Render lm-eval's task templates in Jinja's sandbox (``on``: task code not trusted) or in lm-eval's own
+    environment, in this process (lm-eval reads its module-level environment at every rendering)."""
+    from jinja2.sandbox import SandboxedEnvironment
+    from lm_eval import utils
+
+    global _LM_EVAL_ENV
+    if _LM_EVAL_ENV is None:
+        _LM_EVAL_ENV = utils.env
+    if not on:
+        utils.env = _LM_EVAL_ENV
+        return
+    if isinstance(utils.env, SandboxedEnvironment):
+        return
+    sandbox = SandboxedEnvironment(loader=_LM_EVAL_ENV.loader, undefined=_LM_EVAL_ENV.undefined,
+                                   keep_trailing_newline=_LM_EVAL_ENV.keep_trailing_newline)
+    sandbox.filters.update(_LM_EVAL_ENV.filters)
+    utils.env = sandbox
+
+
+def template_refusal(exc: BaseException, task: str, key: str = "data") -> HeadsweepError | None:
+    """The line for a template the sandbox refused (``jinja2.exceptions.SecurityError``); None for another error."""
+    from jinja2.exceptions import SecurityError
+
+    if not isinstance(exc, SecurityError):
+        return None
+    cause = str(exc).rstrip(".")
+    return HeadsweepError(
+        f"lm-eval task {task!r}: a template of its task file reaches into Python ({cause}), which would run code; "
+        f"headsweep renders task templates in Jinja's sandbox unless you trust them: set {key}.trust_task_code: true "
+        "(only for task files you trust), or fix the template")
 
 
 def task_files(manager: Any, names: list[str]) -> list[Path]:

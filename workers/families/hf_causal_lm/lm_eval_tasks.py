@@ -28,7 +28,7 @@ from typing import Any
 from headsweep.errors import HeadsweepError
 from headsweep.workers.data.text_files import describe_kind
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
-from headsweep.workers.families.hf_causal_lm.lm_eval_code import refuse_task_code
+from headsweep.workers.families.hf_causal_lm.lm_eval_code import refuse_task_code, sandbox_templates, template_refusal
 
 # The output types whose requests are log-likelihoods: what a grid of masks can score.
 SUPPORTED = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
@@ -85,6 +85,7 @@ def load_tasks(cfg: CausalLMData, key: str = "data") -> list[TaskDocs]:
     offline()
     quiet()
     manager = task_manager(cfg, key)
+    sandbox_templates(not cfg.trust_task_code)
     if cfg.include_path is not None and not cfg.trust_task_code:
         refuse_task_code(manager, list(cfg.tasks or []), key)  # before lm-eval builds a task: that runs its code
     loaded = _load(manager, list(cfg.tasks or []), key)
@@ -191,6 +192,9 @@ def _load(manager: Any, names: list[str], key: str) -> dict[str, Any]:
     except (ConnectionError, OSError) as exc:
         raise HeadsweepError(_dataset_message(exc, names, key)) from None
     except Exception as exc:  # lm-eval raises what its YAML and datasets raise: say which task and what
+        refused = template_refusal(exc, ", ".join(names), key)
+        if refused is not None:
+            raise refused from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise HeadsweepError(f"lm-eval cannot load {key}.tasks {names}: {type(exc).__name__}: {first}") from None
     return dict(loaded["tasks"])
@@ -236,7 +240,12 @@ def _requests(name: str, task: Any, cfg: CausalLMData, key: str) -> TaskDocs:
     limit = get_sample_size(task, cfg.limit)
     try:
         task.build_all_requests(limit=limit, rank=0, world_size=1)
-    except ValueError as exc:
+    except Exception as exc:
+        refused = template_refusal(exc, name, key)
+        if refused is not None:
+            raise refused from None
+        if not isinstance(exc, ValueError):
+            raise
         if "larger than population" in str(exc):
             raise HeadsweepError(f"{key}.num_fewshot {shots}: task {name!r} has too few documents for "
                                  f"{shots} few-shot examples besides the one evaluated: lower data.num_fewshot"
