@@ -15,12 +15,14 @@ again to build their requests.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import os
 import re
 import tempfile
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +36,6 @@ from headsweep.workers.families.hf_causal_lm.lm_eval_code import refuse_task_cod
 SUPPORTED = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
 # lm-eval's full task index by include_path, built once per process (tens of seconds: thousands of YAML files)
 _MANAGERS: dict[str | None, Any] = {}
-# data.include_path naming one task file: the folder lm-eval indexes for it, by the file's real path
-_FILE_FOLDERS: dict[Path, tempfile.TemporaryDirectory] = {}
 DATASETS_COMMAND = "python -c \"import datasets; datasets.load_dataset({args})\""
 
 
@@ -84,11 +84,13 @@ def load_tasks(cfg: CausalLMData, key: str = "data") -> list[TaskDocs]:
     line on what stops them."""
     offline()
     quiet()
-    manager = task_manager(cfg, key)
     sandbox_templates(not cfg.trust_task_code)
-    if cfg.include_path is not None and not cfg.trust_task_code:
-        refuse_task_code(manager, list(cfg.tasks or []), key)  # before lm-eval builds a task: that runs its code
-    loaded = _load(manager, list(cfg.tasks or []), key)
+    names = list(cfg.tasks or [])
+    with _index_path(cfg, key) as include:
+        manager = task_manager(cfg, key, include)
+        if include is not None and not cfg.trust_task_code:
+            refuse_task_code(manager, names, key)  # before lm-eval builds a task: building it runs its code
+        loaded = _load(manager, names, key)
     out = []
     for name, task in loaded.items():
         out.append(_requests(name, task, cfg, key))
@@ -97,13 +99,13 @@ def load_tasks(cfg: CausalLMData, key: str = "data") -> list[TaskDocs]:
     return out
 
 
-def task_manager(cfg: CausalLMData, key: str = "data") -> Any:
-    """lm-eval's task index: the YAML files under ``include_path`` alone when they hold every task named (indexing
-    lm-eval's own thousands of tasks takes tens of seconds), else those and lm-eval's."""
+def task_manager(cfg: CausalLMData, key: str = "data", include: str | None = None) -> Any:
+    """lm-eval's task index: the YAML files under ``include`` (the folder :func:`_index_path` gives for
+    ``include_path``) alone when they hold every task named (indexing lm-eval's own thousands of tasks takes tens of
+    seconds), else those and lm-eval's."""
     from lm_eval.tasks import TaskManager
 
     names = list(cfg.tasks or [])
-    include = _include_path(cfg, key)
     if include is not None:
         local = TaskManager(include_path=include, include_defaults=False)
         if all(n in local.all_tasks for n in names):
@@ -113,26 +115,36 @@ def task_manager(cfg: CausalLMData, key: str = "data") -> Any:
         if broken:
             missing = next(n for n in names if n not in local.all_tasks)
             raise HeadsweepError(f"unknown lm-eval task {missing!r} in {key}.include_path: {broken}")
-    if include not in _MANAGERS:
-        _MANAGERS[include] = TaskManager(include_path=include)
-    manager = _MANAGERS[include]
+    if include in _MANAGERS:
+        manager = _MANAGERS[include]
+    else:
+        manager = TaskManager(include_path=include)
+        if include is None or not Path(cfg.include_path or "").expanduser().is_file():  # not a passing folder
+            _MANAGERS[include] = manager
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
         raise HeadsweepError(_unknown(unknown[0], manager.all_tasks, cfg.include_path, key))
     return manager
 
 
-def _include_path(cfg: CausalLMData, key: str) -> str | None:
-    """The folder lm-eval indexes for ``include_path``: the folder itself, or for one task file a folder holding
-    only that file (lm-eval indexes folders alone: it finds no task in a file's path)."""
+@contextlib.contextmanager
+def _index_path(cfg: CausalLMData, key: str) -> Iterator[str | None]:
+    """The folder lm-eval indexes for ``include_path``: the folder itself, or for one task file a temporary folder
+    holding only a link to it (lm-eval indexes folders alone: it finds no task in a file's path), removed once the
+    tasks are built. lm-eval resolves the link before reading the file, so the file's ``include:`` and ``!function``
+    entries are found beside the real file."""
     if cfg.include_path is None:
-        return None
+        yield None
+        return
     path = Path(cfg.include_path).expanduser()
     if not path.exists():
         raise HeadsweepError(f"{key}.include_path not found: {cfg.include_path} (a folder of lm-eval task YAML files, "
                              "or one such file)")
     if path.is_file():
-        return _folder_of(path)
+        with tempfile.TemporaryDirectory(prefix="headsweep-lm-eval-task-") as folder:
+            (Path(folder) / f"{path.stem}.yaml").symlink_to(path.resolve())  # lm-eval indexes no other suffix
+            yield folder
+        return
     if not path.is_dir():
         raise HeadsweepError(f"{key}.include_path {cfg.include_path} is {describe_kind(path)}, not a regular file or "
                              "folder: name a folder of lm-eval task YAML files, or one such file")
@@ -140,19 +152,7 @@ def _include_path(cfg: CausalLMData, key: str) -> str | None:
         if file.exists() and not file.is_file() and not file.is_dir():
             raise HeadsweepError(f"{key}.include_path holds {file}, which is {describe_kind(file)}, not a regular "
                                  "file: remove it from the task folder")
-    return str(path)
-
-
-def _folder_of(file: Path) -> str:
-    """A folder (this process's, removed at exit) whose one entry links to the task file ``file``, under a
-    ``.yaml`` name (lm-eval indexes no other suffix). lm-eval resolves the link before it reads the file, so its
-    ``include:`` and ``!function`` entries are found beside the real file."""
-    real = file.resolve()
-    if real not in _FILE_FOLDERS:
-        folder = tempfile.TemporaryDirectory(prefix="headsweep-lm-eval-task-")
-        (Path(folder.name) / f"{real.stem}.yaml").symlink_to(real)
-        _FILE_FOLDERS[real] = folder
-    return _FILE_FOLDERS[real].name
+    yield str(path)
 
 
 def _unknown(name: str, known: list[str], include: str | None, key: str) -> str:

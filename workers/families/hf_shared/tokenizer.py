@@ -47,8 +47,8 @@ def check_tokenizer_files(folder: str | Path, hint: str = "") -> Path:
         # transformers would fail with "Couldn't instantiate the backend tokenizer from one of: ;", or build a
         # tokenizer of its special tokens alone
         found = ", ".join(name for name in present if name.startswith(("tokenizer", "special_tokens", "added_tokens")))
-        raise HeadsweepError(f"no tokenizer vocabulary in {path}: tokenizer.json is missing (the folder has only "
-                             f"{found}; tokenizer.save_pretrained writes tokenizer.json){hint}")
+        raise HeadsweepError(f"no tokenizer vocabulary in {path}: tokenizer.json is missing (of a tokenizer's files "
+                             f"the folder has only {found}){hint}")
     return path
 
 
