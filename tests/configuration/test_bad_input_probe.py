@@ -97,10 +97,20 @@ def test_config_and_data_problems_are_refused_before_any_worker(tmp_path, tiny_b
     refused_before_any_worker(driver_cases(tmp_path, tiny_bert_dir, data), tmp_path / "store")
 
 
-def test_files_that_are_not_regular_files_and_a_tokenizer_without_vocabulary(tmp_path, tiny_bert_dir):
+def test_unclear_messages_of_files_are_named_before_any_worker(tmp_path, tiny_bert_dir):
     """Was: "not found" for a FIFO or a device that exists (and a FIFO must never be opened: reading it blocks until
     someone writes); a model folder without tokenizer.json: transformers' "Couldn't instantiate the backend tokenizer
-    from one of: ;", from the workers once Ray had started."""
+    from one of: ;" from the workers once Ray had started; a pickled pytorch_model.bin: torch's advice to load it
+    with weights_only=False, which no setting here does. The conversion the last line names, run as given, gives a
+    folder whose safetensors hold the same weights and that passes the checks."""
+    import argparse
+
+    import torch
+    from safetensors.torch import load_file
+
+    from headsweep.workers.core.registry import model_family
+    from headsweep.workers.families.hf_classifier.config import ClassifierModel
+
     data = write_rows(ROWS, tmp_path / "dev.tsv")
     config = str(classifier_config(tmp_path, tiny_bert_dir, {"path": str(data)}))
     fifo = tmp_path / "pipe.yaml"
@@ -108,6 +118,14 @@ def test_files_that_are_not_regular_files_and_a_tokenizer_without_vocabulary(tmp
     no_vocabulary = shutil.copytree(tiny_bert_dir, tmp_path / "no-tokenizer-json")
     (no_vocabulary / "tokenizer.json").unlink()
     assert (no_vocabulary / "tokenizer_config.json").is_file()
+    pickled = shutil.copytree(tiny_bert_dir, tmp_path / "pickled")
+    weights = load_file(pickled / "model.safetensors")
+    (pickled / "model.safetensors").unlink()
+    binary = pickled / "pytorch_model.bin"
+    torch.save({**weights, "args": argparse.Namespace(lr=0.1)}, binary)
+    script = (f"import torch; from safetensors.torch import save_file; s = torch.load('{binary}', weights_only=False); "
+              "save_file({k: v.clone().contiguous() for k, v in s.items() if isinstance(v, torch.Tensor)}, "
+              f"'{pickled / 'model.safetensors'}')")
     not_regular = "not a regular file: data.path must name a file on disk"
     refused_before_any_worker([
         ("config is a FIFO", [str(fifo)],
@@ -121,7 +139,17 @@ def test_files_that_are_not_regular_files_and_a_tokenizer_without_vocabulary(tmp
         ("no tokenizer.json", [config, f"model.path={no_vocabulary}"],
          f"no tokenizer vocabulary in {no_vocabulary}: tokenizer.json is missing (of a tokenizer's files the folder "
          "has only tokenizer_config.json); save the model's tokenizer into that folder (tokenizer.save_pretrained)"),
+        ("pickled pytorch_model.bin", [config, f"model.path={pickled}"],
+         f"{binary} holds pickled Python objects beside its tensors (argparse.Namespace), which headsweep does not "
+         "load (unpickling runs code from the file): convert it to safetensors once, on a machine where you trust "
+         f'the file, e.g. python -c "{script}" (for a file holding a state dict), then move pytorch_model.bin out of '
+         "the folder"),
     ], tmp_path / "store")
+    exec(script, {})  # noqa: S102 - the command the line gives, on the file this test wrote
+    binary.rename(tmp_path / "pytorch_model.bin")
+    converted = load_file(pickled / "model.safetensors")
+    assert converted.keys() == weights.keys() and all(torch.equal(converted[k], v) for k, v in weights.items())
+    model_family("hf_classifier").check_model(ClassifierModel(path=str(pickled)))
 
 
 def refused_before_any_worker(cases: list[tuple[str, list[str], str]], store: Path, side_by_side: int = 4) -> None:
@@ -195,37 +223,6 @@ def test_min_heads_per_layer_above_the_heads_of_a_layer(tmp_path, store, tiny_be
                 ["sweep.experiments=[prune_level]", f"importance.data.path={train}", "prune.min_heads_per_layer=5"],
                 "prune.min_heads_per_layer 5 is more than the 4 heads of self layer 0: a layer cannot keep more heads "
                 "than it has; set it to 4 or less")
-
-
-def test_pickled_pytorch_weights_say_how_to_convert(tmp_path, store, tiny_bert_dir, ray_address):
-    """Was: torch's advice to load with weights_only=False relayed, which no setting here does. The line names the
-    file and a conversion to safetensors; that command, run as given, gives a folder that loads the same weights."""
-    import argparse
-
-    import torch
-    from safetensors.torch import load_file
-
-    from headsweep.workers.families.hf_classifier.config import ClassifierModel
-    from headsweep.workers.families.hf_classifier.model import load_classifier_model
-
-    folder = shutil.copytree(tiny_bert_dir, tmp_path / "pickled")
-    weights = load_file(folder / "model.safetensors")
-    (folder / "model.safetensors").unlink()
-    torch.save({**weights, "args": argparse.Namespace(lr=0.1)}, folder / "pytorch_model.bin")
-    config = classifier_config(tmp_path, folder, {"path": str(write_rows(ROWS, tmp_path / "dev.tsv"))})
-    binary = folder / "pytorch_model.bin"
-    script = (f"import torch; from safetensors.torch import save_file; s = torch.load('{binary}', weights_only=False); "
-              "save_file({k: v.clone().contiguous() for k, v in s.items() if isinstance(v, torch.Tensor)}, "
-              f"'{folder / 'model.safetensors'}')")
-    refused_run(store, config, ray_address, [],
-                f"{binary} holds pickled Python objects beside its tensors, which headsweep does not load (unpickling "
-                "runs code from the file): convert it to safetensors once, on a machine where you trust the file, "
-                f'e.g. python -c "{script}" (for a file holding a state dict), then move pytorch_model.bin out of the '
-                "folder")
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
-    binary.rename(tmp_path / "pytorch_model.bin")
-    state = load_classifier_model(ClassifierModel(path=str(folder)), "cpu").model.state_dict()
-    assert all(torch.equal(state[k], v) for k, v in weights.items())
 
 
 def test_export_from_a_run_of_another_model(tmp_path, store, tiny_bert_dir):

@@ -28,6 +28,7 @@ from headsweep.workers.families.hf_shared.model_files import (
     dtype_bytes,
     pickled_weights,
     resolve_model_dir,
+    weight_files,
 )
 from headsweep.workers.families.hf_shared.pruning import PRUNED_HEADS_KEY, Pruner, load_pruned
 from headsweep.workers.families.hf_shared.weights_fit import check_weights_fit
@@ -123,7 +124,8 @@ def load_folder(cfg: Any, device: str, family: str, auto_class: str, tokenizer: 
     # SafetensorError): one line, with the cause's first line.
     except Exception as exc:  # noqa: BLE001
         if WEIGHTS_ONLY_REFUSED in str(exc):  # torch's advice, weights_only=False, is not an option here
-            raise HeadsweepError(pickled_weights(model_dir)) from None
+            binary = next((f for f in weight_files(model_dir) if f.suffix == ".bin"), model_dir / "pytorch_model.bin")
+            raise HeadsweepError(pickled_weights(binary)) from None
         raise HeadsweepError(f"{cannot_load(model_dir)}: {first_line(exc)}") from None
     check_loaded_weights(model_dir, model, loading, family)
     check_weights_fit(model_dir, config, model, loading)
