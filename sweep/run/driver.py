@@ -141,8 +141,7 @@ class Sweep:
         self.cfg, self.hub = pin_hub_models(self.cfg)
         # Before Ray starts: what the model folders' files show (a tokenizer without its vocabulary), and a model
         # the workers cannot hold together, are refused, not found by every worker or swapped mid-load.
-        for _, model in self.model_variants():
-            model_family(model.kind).check_model(model)
+        self.check_model_files()
         check_memory(self.cfg, [model for _, model in self.model_variants()], self.address)
         init_ray(self.address, self.cfg)
         variants = self.model_variants()
@@ -248,6 +247,17 @@ class Sweep:
             fill.write()
         write_inputs(self.store, self.run_id, info)  # once per run: the texts the drill-downs show
         return record
+
+    def check_model_files(self) -> None:
+        """What each model's files show without loading it (``ModelFamily.check_model``), before Ray starts; a
+        training checkpoint's line says which entry of ``checkpoints`` it is."""
+        for index, (checkpoint, model_cfg) in enumerate(self.model_variants(), start=1):
+            try:
+                model_family(model_cfg.kind).check_model(model_cfg)
+            except HeadsweepError as exc:
+                if checkpoint is None:
+                    raise
+                raise HeadsweepError(f"checkpoints entry {index} ({checkpoint}): {exc}") from None
 
     def check_checkpoints(self, pool: WorkerPool, info: DatasetInfo) -> None:
         """Every later training checkpoint exists, loads, and has the first one's heads, before anything is written.
