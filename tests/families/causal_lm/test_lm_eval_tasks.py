@@ -493,12 +493,9 @@ def test_include_path_may_name_one_task_file(setup):
         [r.arguments for r in reqs] for reqs in folder.requests]
 
 
-def test_task_code_through_the_cli(setup, tmp_path, ray_address):
-    """Refused before Ray starts (no --address: a run that reached the workers would start Ray and say so), exit 2,
-    nothing written, the module not imported; with data.trust_task_code and include_path naming the one task file,
-    the run completes and the module ran (in the driver's check and the worker)."""
-    import duckdb
-
+def code_run_config(tmp_path: Path, setup) -> tuple[Path, Path]:
+    """A run of task ``code_fn`` (its ``process_docs`` a ``!function`` of ``tasks/evilmod.py``) on the tiny GPT-2;
+    returns the config and the task file."""
     _, tasks, models = setup
     evil = code_task(tmp_path / "tasks", tasks, "code_fn", process_docs="!function evilmod.process_docs")
     config = tmp_path / "run.yaml"
@@ -506,6 +503,13 @@ def test_task_code_through_the_cli(setup, tmp_path, ray_address):
         "model": {"kind": "hf_causal_lm", "path": str(models["gpt2"])},
         "data": {"task": "lm_eval", "tasks": ["code_fn"], "include_path": "tasks"},
         "sweep": {"experiments": ["baseline"], "workers": 1}}))
+    return config, evil
+
+
+def test_task_code_is_refused_through_the_cli(setup, tmp_path):
+    """Refused before Ray starts (no --address: a run that reached the workers would start Ray and say so), exit 2,
+    nothing written, the module not imported."""
+    config, evil = code_run_config(tmp_path, setup)
     store = tmp_path / "store"
     proc = run_cli("run", str(config), "--store", str(store), "--quiet")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "workers ready" not in proc.stderr, proc.stderr
@@ -514,6 +518,16 @@ def test_task_code_through_the_cli(setup, tmp_path, ray_address):
         f"evilmod.process_docs` makes lm-eval import and run Python from the task folder; {TRUST}you trust), or "
         "remove the entry")
     assert not store.exists() and not (tmp_path / "tasks" / "RAN").exists()
+
+
+@pytest.mark.slow  # the trusted path end to end; test_task_code_is_refused_unless_trusted runs it on the driver
+def test_trusted_task_code_runs_through_the_cli(setup, tmp_path, ray_address):
+    """With data.trust_task_code and include_path naming the one task file, the run completes and the module ran
+    (in the driver's check and the worker)."""
+    import duckdb
+
+    config, evil = code_run_config(tmp_path, setup)
+    store = tmp_path / "store"
     proc = run_cli("run", str(config), "data.trust_task_code=true", f"data.include_path={evil}",
                    "--store", str(store), "--address", ray_address, "--quiet")
     assert proc.returncode == 0, proc.stderr
