@@ -36,6 +36,7 @@ from headsweep.sweep.experiments.data_sections import DATA, FILE, marked_fields,
 from headsweep.sweep.run.screening import Screening
 from headsweep.workers.core.registry import builtin_families, model_family
 from headsweep.workers.core.setting_ranges import check_ranges
+from headsweep.workers.data.text_files import describe_kind
 from headsweep.workers.hub.cache import parse_hub_id
 
 
@@ -55,6 +56,9 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if path.is_dir():
         raise HeadsweepError(f"config file {path} is a directory, not a file: name the YAML config file")
     if not path.is_file():
+        if path.exists():  # a FIFO or a device (/dev/zero): never opened, so never read forever
+            raise HeadsweepError(f"config file {path} is {describe_kind(path)}, not a regular file: name the YAML "
+                                 "config file")
         raise HeadsweepError(f"config file not found: {path}")
     if path.resolve() in seen:
         raise HeadsweepError(f"config include cycle at {path}")

@@ -150,6 +150,9 @@ class Sweep:
         self.cfg, self.hub = pin_hub_models(self.cfg)
         if not self.address:  # a cluster's nodes are checked once connected (check_placement)
             check_threads(self.cfg, machine_cpus(), "this machine has")
+        # Before Ray starts: what the model folders' files show (a tokenizer without its vocabulary) is refused, not
+        # found by every worker.
+        self.check_model_files()
         # What the weights are: a later use of the run with other weights (changed in place) is refused.
         self.weights = run_fingerprints([model for _, model in self.model_variants()])
         # Before Ray starts: a run to continue must be of these weights, and a complete run is not run again.
@@ -277,6 +280,17 @@ class Sweep:
             fill.write()
         write_inputs(self.store, self.run_id, info)  # once per run: the texts the drill-downs show
         return record
+
+    def check_model_files(self) -> None:
+        """What each model's files show without loading it (``ModelFamily.check_model``), before Ray starts; a
+        training checkpoint's line says which entry of ``checkpoints`` it is."""
+        for index, (checkpoint, model_cfg) in enumerate(self.model_variants(), start=1):
+            try:
+                model_family(model_cfg.kind).check_model(model_cfg)
+            except HeadsweepError as exc:
+                if checkpoint is None:
+                    raise
+                raise HeadsweepError(f"checkpoints entry {index} ({checkpoint}): {exc}") from None
 
     def check_checkpoints(self, pool: WorkerPool, info: DatasetInfo) -> None:
         """Every later training checkpoint exists, loads, and has the first one's heads, before anything is written.

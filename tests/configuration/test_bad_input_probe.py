@@ -8,6 +8,7 @@ label set, heads per layer) are found by the workers before the first row, again
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -94,6 +95,61 @@ def test_config_and_data_problems_are_refused_before_any_worker(tmp_path, tiny_b
     """Each case costs one CLI start and nothing more: no Ray, no worker, no model (run side by side)."""
     data = write_rows(ROWS, tmp_path / "dev.tsv")
     refused_before_any_worker(driver_cases(tmp_path, tiny_bert_dir, data), tmp_path / "store")
+
+
+def test_unclear_messages_of_files_are_named_before_any_worker(tmp_path, tiny_bert_dir):
+    """Was: "not found" for a FIFO or a device that exists (and a FIFO must never be opened: reading it blocks until
+    someone writes); a model folder without tokenizer.json: transformers' "Couldn't instantiate the backend tokenizer
+    from one of: ;" from the workers once Ray had started; a pickled pytorch_model.bin: torch's advice to load it
+    with weights_only=False, which no setting here does. The conversion the last line names, run as given, gives a
+    folder whose safetensors hold the same weights and that passes the checks."""
+    import argparse
+
+    import torch
+    from safetensors.torch import load_file
+
+    from headsweep.workers.core.registry import model_family
+    from headsweep.workers.families.hf_classifier.config import ClassifierModel
+
+    data = write_rows(ROWS, tmp_path / "dev.tsv")
+    config = str(classifier_config(tmp_path, tiny_bert_dir, {"path": str(data)}))
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)
+    no_vocabulary = shutil.copytree(tiny_bert_dir, tmp_path / "no-tokenizer-json")
+    (no_vocabulary / "tokenizer.json").unlink()
+    assert (no_vocabulary / "tokenizer_config.json").is_file()
+    pickled = shutil.copytree(tiny_bert_dir, tmp_path / "pickled")
+    weights = load_file(pickled / "model.safetensors")
+    (pickled / "model.safetensors").unlink()
+    binary = pickled / "pytorch_model.bin"
+    torch.save({**weights, "args": argparse.Namespace(lr=0.1)}, binary)
+    script = (f"import torch; from safetensors.torch import save_file; s = torch.load('{binary}', weights_only=False); "
+              "save_file({k: v.clone().contiguous() for k, v in s.items() if isinstance(v, torch.Tensor)}, "
+              f"'{pickled / 'model.safetensors'}')")
+    not_regular = "not a regular file: data.path must name a file on disk"
+    refused_before_any_worker([
+        ("config is a FIFO", [str(fifo)],
+         f"config file {fifo} is a FIFO (named pipe), not a regular file: name the YAML config file"),
+        ("config is /dev/zero", ["/dev/zero"],
+         "config file /dev/zero is a character device, not a regular file: name the YAML config file"),
+        ("data.path is a FIFO", [config, f"data.path={fifo}"],
+         f"data file {fifo} is a FIFO (named pipe), {not_regular}"),
+        ("data.path is /dev/urandom", [config, "data.path=/dev/urandom"],
+         f"data file /dev/urandom is a character device, {not_regular}"),
+        ("no tokenizer.json", [config, f"model.path={no_vocabulary}"],
+         f"no tokenizer vocabulary in {no_vocabulary}: tokenizer.json is missing (of a tokenizer's files the folder "
+         "has only tokenizer_config.json); save the model's tokenizer into that folder (tokenizer.save_pretrained)"),
+        ("pickled pytorch_model.bin", [config, f"model.path={pickled}"],
+         f"{binary} holds pickled Python objects beside its tensors (argparse.Namespace), which headsweep does not "
+         "load (unpickling runs code from the file): convert it to safetensors once, on a machine where you trust "
+         f'the file, e.g. python -c "{script}" (for a file holding a state dict), then move pytorch_model.bin out of '
+         "the folder"),
+    ], tmp_path / "store")
+    exec(script, {})  # noqa: S102 - the command the line gives, on the file this test wrote
+    binary.rename(tmp_path / "pytorch_model.bin")
+    converted = load_file(pickled / "model.safetensors")
+    assert converted.keys() == weights.keys() and all(torch.equal(converted[k], v) for k, v in weights.items())
+    model_family("hf_classifier").check_model(ClassifierModel(path=str(pickled)))
 
 
 def refused_before_any_worker(cases: list[tuple[str, list[str], str]], store: Path, side_by_side: int = 4) -> None:

@@ -136,6 +136,12 @@ def test_tokenizer_without_vocabulary(tmp_path):
     folder = tmp_path / "tokenizer"
     folder.mkdir()
     (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": GPT2Tokenizer.__name__}))
+    with pytest.raises(HeadsweepError) as caught:  # named from the files alone (the driver's check, before Ray)
+        load_tokenizer(str(folder), given=True)
+    assert str(caught.value) == (f"no tokenizer vocabulary in {folder}: tokenizer.json is missing (of a tokenizer's "
+                                 "files the folder has only tokenizer_config.json) (model.tokenizer)")
+    (folder / "vocab.json").write_text("{}")  # vocabulary files that hold nothing: found once loaded
+    (folder / "merges.txt").write_text("")
     with pytest.raises(HeadsweepError) as caught:
         load_tokenizer(str(folder), given=True)
     assert str(caught.value) == (f"the tokenizer in {folder} has no vocabulary (1 tokens, all special: <|endoftext|>): "

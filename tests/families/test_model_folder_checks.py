@@ -185,3 +185,31 @@ def test_numeric_label_names_that_read_one_way():
     with pytest.raises(HeadsweepError, match=r"label '4' in row 1 is ambiguous: as a label id it is 4, as a label "
                                              r"name id 3"):
         label_ids(["4", "1", "3"], stars, "f")  # every label could be an id
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol 4")  # torch's, about the file this test writes
+def test_pickled_weights_the_driver_cannot_read_are_refused_by_torch(tmp_path):
+    """A pickle of protocol 4 names its classes with STACK_GLOBAL, which the driver's reading of the file does not
+    follow: torch's weights_only load refuses it in the worker, and the line is the same advice to convert."""
+    import argparse
+
+    import torch
+    from safetensors.torch import load_file
+    from tiny_models import save_tiny_classifier
+
+    from headsweep.workers.families.hf_classifier.config import ClassifierModel
+    from headsweep.workers.families.hf_classifier.model import load_classifier_model
+    from headsweep.workers.families.hf_shared.model_files import check_model_files, foreign_objects
+
+    folder = save_tiny_classifier(tmp_path / "pickled4")
+    weights = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    binary = folder / "pytorch_model.bin"
+    torch.save({**weights, "args": argparse.Namespace(lr=0.1)}, binary, pickle_protocol=4)
+    assert foreign_objects(binary) == []
+    check_model_files(folder)
+    with pytest.raises(HeadsweepError) as caught:
+        load_classifier_model(ClassifierModel(path=str(folder)), "cpu")
+    assert str(caught.value).startswith(f"{binary} holds pickled Python objects beside its tensors, which headsweep "
+                                        "does not load (unpickling runs code from the file): convert it to "
+                                        "safetensors once")

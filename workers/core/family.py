@@ -259,6 +259,10 @@ class ModelFamily:
         if check is not None:
             check(key)
 
+    def check_model(self, model_cfg: Any) -> None:
+        """What can be checked of the model of ``model_cfg`` from its files without loading it (no torch), on the
+        driver before Ray starts; by default nothing (the workers refuse what they cannot load)."""
+
     def load_model(self, model_cfg: Any) -> LoadedModel:
         """The model of ``model_cfg`` alone (on the CPU, in eval mode, no gates)."""
         raise self._unsupported("loading a model without its data (headsweep export)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import codecs
 import gzip
 import json
+import stat
 import zlib
 from pathlib import Path
 
@@ -52,14 +53,30 @@ def decode(data: bytes, encoding: str, path: str | Path, key: str = "data.encodi
 
 
 def check_file(path: str | Path, what: str, key: str) -> Path:
-    """``path`` when it names a file; else one line saying it does not exist, or that it is a directory
-    where config key ``key`` wants a file. ``what`` names the file in the message (``data file``)."""
+    """``path`` when it names a regular file; else one line saying it does not exist, or that it is a directory
+    or another kind of file (a FIFO, a device: never opened, so never read forever) where config key ``key`` wants
+    a file. ``what`` names the file in the message (``data file``)."""
     p = Path(path)
     if p.is_dir():
         raise HeadsweepError(f"{what} {path} is a directory, not a file: {key} must name a file")
     if not p.is_file():
+        if p.exists():
+            raise HeadsweepError(f"{what} {path} is {describe_kind(p)}, not a regular file: {key} must name a "
+                                 "file on disk")
         raise HeadsweepError(f"{what} not found: {path}")
     return p
+
+
+def describe_kind(path: str | Path) -> str:
+    """What ``path`` is, for a line refusing it where a regular file is wanted (``a FIFO (named pipe)``,
+    ``a character device``...)."""
+    try:
+        mode = Path(path).stat().st_mode
+    except OSError:
+        return "not readable"
+    kinds = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def data_file(key: str) -> str:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 from conftest import run_cli
-from tiny_models import lm_text, save_tiny_causal_lm
+from tiny_models import build_lm_tokenizer, lm_text, save_tiny_causal_lm
 from tolerances import assert_routes_agree
 
 WINDOW = 16
@@ -212,6 +212,7 @@ def test_bad_input_is_one_line(tmp_path, lm_files, ray_address):
     t5 = tmp_path / "t5"
     T5ForConditionalGeneration(T5Config(vocab_size=30, d_model=16, d_kv=4, num_heads=4, d_ff=32,
                                         num_layers=1)).save_pretrained(t5)
+    build_lm_tokenizer().save_pretrained(t5)  # refused for what it is, not for a missing tokenizer
     fail(tmp_path, ray_address, write_config(tmp_path / "e.yaml", t5, corpus),
          "holds an encoder-decoder model (T5ForConditionalGeneration): model.kind hf_causal_lm takes")
 

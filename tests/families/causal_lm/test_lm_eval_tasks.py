@@ -412,6 +412,130 @@ def test_bad_input_is_one_line(setup):
         adapter(models["llama_8q2kv"], data(empty, ["tiny_empty"]))
 
 
+# -- Python in task files: run only with data.trust_task_code ---------------------------------------------------
+EVIL_MODULE = """from pathlib import Path
+Path(__file__).with_name("RAN").write_text("task code ran")
+def process_docs(dataset):
+    return dataset
+class EvilTask:
+    pass
+"""
+TRUST = "headsweep runs no code from a config unless you trust it: set data.trust_task_code: true (only for task files "
+
+
+def code_task(folder: Path, tasks: Path, name: str, **entries: str) -> Path:
+    """``folder`` holding ``evilmod.py`` (it writes ``RAN`` beside itself when imported) and task ``name``: the
+    tiny_mc task with ``entries`` added as written (YAML text: tags included)."""
+    folder.mkdir(exist_ok=True)
+    (folder / "evilmod.py").write_text(EVIL_MODULE)
+    body = yaml.safe_load((tasks / "tiny_mc.yaml").read_text()) | {"task": name}
+    text = yaml.safe_dump(body) + "".join(f"{key}: {value}\n" for key, value in entries.items())
+    (folder / f"{name}.yaml").write_text(text)
+    return folder / f"{name}.yaml"
+
+
+def test_task_code_is_refused_unless_trusted(setup, tmp_path):
+    """Each way an lm-eval task file makes lm-eval run Python: refused on the driver, one line naming the file, its
+    line and the entry; the module never imported (``RAN`` not written). lm-eval's own tasks are not scanned."""
+    _, tasks, _ = setup
+    ran = tmp_path / "RAN"
+    function = code_task(tmp_path, tasks, "code_fn", process_docs="!function evilmod.process_docs")
+    line = len(function.read_text().splitlines())
+    cases = {
+        "code_fn": f"lm-eval task file {function}: line {line}: `!function evilmod.process_docs` makes lm-eval "
+                   f"import and run Python from the task folder; {TRUST}you trust), or remove the entry",
+        "code_class": "`!function evilmod.EvilTask`",
+        "code_class_name": "`class:` (a Python task class)",
+    }
+    code_task(tmp_path, tasks, "code_class", **{"class": "!function evilmod.EvilTask"})
+    code_task(tmp_path, tasks, "code_class_name", **{"class": "evilmod.EvilTask"})
+    # a task that includes a file carrying code, and a group whose member carries it
+    (tmp_path / "base.yaml").write_text("process_docs: !function evilmod.process_docs\n")
+    code_task(tmp_path, tasks, "code_include", include="base.yaml")
+    cases["code_include"] = f"lm-eval task file {tmp_path / 'base.yaml'}: line 1: `!function"
+    (tmp_path / "group.yaml").write_text(yaml.safe_dump({"group": "code_group", "task": ["code_fn"]}))
+    cases["code_group"] = f"lm-eval task file {function}: line {line}: `!function"
+    for name, expected in cases.items():
+        with pytest.raises(HeadsweepError) as info:
+            check_data(data(tmp_path, [name]))
+        assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)
+        assert not ran.exists(), name
+    # a template that reaches Python: rendered in Jinja's sandbox, which refuses it
+    code_task(tmp_path, tasks, "code_jinja")
+    body = yaml.safe_load((tmp_path / "code_jinja.yaml").read_text())
+    body["doc_to_text"] = "{{ cycler.__init__.__globals__.os.system('touch " + str(ran) + "') }}{{q}}"
+    (tmp_path / "code_jinja.yaml").write_text(yaml.safe_dump(body))
+    with pytest.raises(HeadsweepError) as info:
+        check_data(data(tmp_path, ["code_jinja"]))
+    assert str(info.value) == (
+        "lm-eval task 'code_jinja': a template of its task file reaches into Python (access to attribute '__init__' "
+        "of 'type' object is unsafe), which would run code; headsweep renders task templates in Jinja's sandbox "
+        "unless you trust them: set data.trust_task_code: true (only for task files you trust), or fix the template")
+    assert not ran.exists()
+    # trusted: lm-eval runs it (the module and the template)
+    check_data(data(tmp_path, ["code_jinja"], trust_task_code=True))
+    assert ran.exists()
+    # tasks without code in the same folder run untrusted, with ordinary templates rendered as lm-eval renders them
+    ran.unlink()
+    plain = load_tasks(data(tasks, ["tiny_mc"]))[0]
+    assert [[r.arguments for r in reqs] for reqs in plain.requests] == [
+        [r.arguments for r in reqs] for reqs in load_tasks(data(tasks, ["tiny_mc"], trust_task_code=True))[0].requests]
+
+
+def test_include_path_may_name_one_task_file(setup):
+    """Documented: a folder of task files, or one such file (lm-eval itself indexes folders only); the file's
+    ``include:`` entries are found beside it."""
+    _, tasks, _ = setup
+    folder = load_tasks(data(tasks, ["tiny_mc"], num_fewshot=2))[0]
+    single = load_tasks(data(tasks / "tiny_mc.yaml", ["tiny_mc"], num_fewshot=2))[0]
+    assert single.docs == folder.docs and len(single.docs) == len(QUESTIONS)
+    assert [[r.arguments for r in reqs] for reqs in single.requests] == [
+        [r.arguments for r in reqs] for reqs in folder.requests]
+
+
+def code_run_config(tmp_path: Path, setup) -> tuple[Path, Path]:
+    """A run of task ``code_fn`` (its ``process_docs`` a ``!function`` of ``tasks/evilmod.py``) on the tiny GPT-2;
+    returns the config and the task file."""
+    _, tasks, models = setup
+    evil = code_task(tmp_path / "tasks", tasks, "code_fn", process_docs="!function evilmod.process_docs")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"kind": "hf_causal_lm", "path": str(models["gpt2"])},
+        "data": {"task": "lm_eval", "tasks": ["code_fn"], "include_path": "tasks"},
+        "sweep": {"experiments": ["baseline"], "workers": 1}}))
+    return config, evil
+
+
+def test_task_code_is_refused_through_the_cli(setup, tmp_path):
+    """Refused before Ray starts (no --address: a run that reached the workers would start Ray and say so), exit 2,
+    nothing written, the module not imported."""
+    config, evil = code_run_config(tmp_path, setup)
+    store = tmp_path / "store"
+    proc = run_cli("run", str(config), "--store", str(store), "--quiet")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "workers ready" not in proc.stderr, proc.stderr
+    assert error_line(proc.stderr) == (
+        f"headsweep: error: lm-eval task file {evil}: line {len(evil.read_text().splitlines())}: `!function "
+        f"evilmod.process_docs` makes lm-eval import and run Python from the task folder; {TRUST}you trust), or "
+        "remove the entry")
+    assert not store.exists() and not (tmp_path / "tasks" / "RAN").exists()
+
+
+@pytest.mark.slow  # the trusted path end to end; test_task_code_is_refused_unless_trusted runs it on the driver
+def test_trusted_task_code_runs_through_the_cli(setup, tmp_path, ray_address):
+    """With data.trust_task_code and include_path naming the one task file, the run completes and the module ran
+    (in the driver's check and the worker)."""
+    import duckdb
+
+    config, evil = code_run_config(tmp_path, setup)
+    store = tmp_path / "store"
+    proc = run_cli("run", str(config), "data.trust_task_code=true", f"data.include_path={evil}",
+                   "--store", str(store), "--address", ray_address, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "tasks" / "RAN").exists()
+    (n_examples,), = duckdb.sql(f"SELECT n_examples FROM {duck(store, 'evaluations')}").fetchall()
+    assert n_examples == len(QUESTIONS)
+
+
 def duck(store: Path, table: str) -> str:
     return (f"read_parquet('{store}/{table}/*/*.parquet', hive_partitioning=true, "
             "hive_types={'run_id': VARCHAR}, union_by_name=true)")

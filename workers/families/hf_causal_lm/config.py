@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.family import RuntimeOptions
@@ -45,6 +46,21 @@ class CausalLMModel:
     dtype: str = "float32"
 
 
+def tokenizer_folder(folder: str, given: bool) -> tuple[Path, str]:
+    """The folder of the model's tokenizer (``folder``: ``model.tokenizer`` when ``given``, else the model's folder;
+    a hub id's cached snapshot) and what an error about it ends with (what to do)."""
+    from headsweep.workers.hub.cache import is_hub_id, resolve_snapshot
+
+    path = Path(folder).expanduser()
+    if given and is_hub_id(folder):  # a hub id: its snapshot in the local Hugging Face cache
+        path = resolve_snapshot(folder, require=None).folder
+    if not path.is_dir():
+        raise HeadsweepError(f"tokenizer directory not found: {folder} (model.tokenizer)")
+    hint = (" (model.tokenizer)" if given else
+            "; save the tokenizer there or set model.tokenizer to the folder it was saved to")
+    return path, hint
+
+
 @dataclass
 class CausalLMData:
     """A text corpus scored by perplexity (``task: perplexity``, the default): plain text (``.txt``, or
@@ -79,7 +95,9 @@ class CausalLMData:
     in YAML files under ``include_path``), ``num_fewshot`` overrides their few-shot count as lm-eval's
     ``--num_fewshot`` does (None: the task's own), ``fewshot_seed`` is lm-eval's few-shot seed, ``limit`` keeps
     the first documents of each task, and ``metric`` names the run's metric among lm-eval's (None: the first
-    task's first one this family scores). Several tasks pool their documents (docs/lm-eval-tasks.md).
+    task's first one this family scores). Several tasks pool their documents (docs/lm-eval-tasks.md). Task files
+    outside lm-eval's package that import Python (``!function``, ``class:``) are refused unless
+    ``trust_task_code`` (:mod:`~headsweep.workers.families.hf_causal_lm.lm_eval_code`).
     """
 
     path: str = ""
@@ -105,6 +123,8 @@ class CausalLMData:
     fewshot_seed: int = ranged(LM_EVAL_FEWSHOT_SEED, within=SEED)
     limit: int | None = ranged(None, at_least=1, why=" document per task")
     metric: str | None = None
+    # Task files outside lm-eval's package may import Python (``!function``, ``class:``): run only when trusted.
+    trust_task_code: bool = False
 
     @property
     def paired(self) -> bool:
@@ -147,7 +167,7 @@ class CausalLMData:
 
     def _lm_eval_keys(self) -> list[str]:
         defaults = CausalLMData()
-        keys = ["tasks", "include_path", "num_fewshot", "fewshot_seed", "limit", "metric"]
+        keys = ["tasks", "include_path", "num_fewshot", "fewshot_seed", "limit", "metric", "trust_task_code"]
         return [k for k in keys if getattr(self, k) != getattr(defaults, k)]
 
     def _check_lm_eval(self) -> None:

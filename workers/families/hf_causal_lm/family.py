@@ -13,7 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.heads import Head, SiteKey
-from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel, CausalLMRuntime
+from headsweep.workers.families.hf_causal_lm.config import (
+    CausalLMData,
+    CausalLMModel,
+    CausalLMRuntime,
+    tokenizer_folder,
+)
 from headsweep.workers.families.hf_shared.family import TransformersFamily
 
 if TYPE_CHECKING:
@@ -36,6 +41,11 @@ class CausalLMFamily(TransformersFamily):
         from headsweep.workers.families.hf_causal_lm.data import check_data
 
         check_data(data_cfg, key)
+
+    def tokenizer_folder(self, model_cfg: CausalLMModel, model_dir: Path) -> tuple[Path, str]:
+        """``model.tokenizer``, else the model's folder."""
+        given = model_cfg.tokenizer is not None
+        return tokenizer_folder(model_cfg.tokenizer if given else str(model_dir), given)
 
     def load_model(self, model_cfg: CausalLMModel) -> LoadedTransformers:
         from headsweep.workers.families.hf_causal_lm.model import load_causal_lm

@@ -15,17 +15,22 @@ again to build their requests.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import os
 import re
+import tempfile
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.data.text_files import describe_kind
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
+from headsweep.workers.families.hf_causal_lm.lm_eval_code import refuse_task_code, sandbox_templates, template_refusal
 
 # The output types whose requests are log-likelihoods: what a grid of masks can score.
 SUPPORTED = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
@@ -79,8 +84,13 @@ def load_tasks(cfg: CausalLMData, key: str = "data") -> list[TaskDocs]:
     line on what stops them."""
     offline()
     quiet()
-    manager = task_manager(cfg, key)
-    loaded = _load(manager, list(cfg.tasks or []), key)
+    sandbox_templates(not cfg.trust_task_code)
+    names = list(cfg.tasks or [])
+    with _index_path(cfg, key) as include:
+        manager = task_manager(cfg, key, include)
+        if include is not None and not cfg.trust_task_code:
+            refuse_task_code(manager, names, key)  # before lm-eval builds a task: building it runs its code
+        loaded = _load(manager, names, key)
     out = []
     for name, task in loaded.items():
         out.append(_requests(name, task, cfg, key))
@@ -89,38 +99,60 @@ def load_tasks(cfg: CausalLMData, key: str = "data") -> list[TaskDocs]:
     return out
 
 
-def task_manager(cfg: CausalLMData, key: str = "data") -> Any:
-    """lm-eval's task index: the YAML files under ``include_path`` alone when they hold every task named (indexing
-    lm-eval's own thousands of tasks takes tens of seconds), else those and lm-eval's."""
+def task_manager(cfg: CausalLMData, key: str = "data", include: str | None = None) -> Any:
+    """lm-eval's task index: the YAML files under ``include`` (the folder :func:`_index_path` gives for
+    ``include_path``) alone when they hold every task named (indexing lm-eval's own thousands of tasks takes tens of
+    seconds), else those and lm-eval's."""
     from lm_eval.tasks import TaskManager
 
     names = list(cfg.tasks or [])
-    include = _include_path(cfg, key)
     if include is not None:
         local = TaskManager(include_path=include, include_defaults=False)
         if all(n in local.all_tasks for n in names):
             return local
-        broken = _unparsed_yaml(include)  # the missing task may be in it: say so before indexing lm-eval's own
+        # the missing task may be in a file that does not parse: say so before indexing lm-eval's own
+        broken = _unparsed_yaml(str(Path(cfg.include_path or "").expanduser()))
         if broken:
             missing = next(n for n in names if n not in local.all_tasks)
             raise HeadsweepError(f"unknown lm-eval task {missing!r} in {key}.include_path: {broken}")
-    if include not in _MANAGERS:
-        _MANAGERS[include] = TaskManager(include_path=include)
-    manager = _MANAGERS[include]
+    if include in _MANAGERS:
+        manager = _MANAGERS[include]
+    else:
+        manager = TaskManager(include_path=include)
+        if include is None or not Path(cfg.include_path or "").expanduser().is_file():  # not a passing folder
+            _MANAGERS[include] = manager
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
-        raise HeadsweepError(_unknown(unknown[0], manager.all_tasks, include, key))
+        raise HeadsweepError(_unknown(unknown[0], manager.all_tasks, cfg.include_path, key))
     return manager
 
 
-def _include_path(cfg: CausalLMData, key: str) -> str | None:
+@contextlib.contextmanager
+def _index_path(cfg: CausalLMData, key: str) -> Iterator[str | None]:
+    """The folder lm-eval indexes for ``include_path``: the folder itself, or for one task file a temporary folder
+    holding only a link to it (lm-eval indexes folders alone: it finds no task in a file's path), removed once the
+    tasks are built. lm-eval resolves the link before reading the file, so the file's ``include:`` and ``!function``
+    entries are found beside the real file."""
     if cfg.include_path is None:
-        return None
+        yield None
+        return
     path = Path(cfg.include_path).expanduser()
     if not path.exists():
         raise HeadsweepError(f"{key}.include_path not found: {cfg.include_path} (a folder of lm-eval task YAML files, "
                              "or one such file)")
-    return str(path)
+    if path.is_file():
+        with tempfile.TemporaryDirectory(prefix="headsweep-lm-eval-task-") as folder:
+            (Path(folder) / f"{path.stem}.yaml").symlink_to(path.resolve())  # lm-eval indexes no other suffix
+            yield folder
+        return
+    if not path.is_dir():
+        raise HeadsweepError(f"{key}.include_path {cfg.include_path} is {describe_kind(path)}, not a regular file or "
+                             "folder: name a folder of lm-eval task YAML files, or one such file")
+    for file in path.rglob("*.yaml"):  # lm-eval's index opens each one: a FIFO among them would block it forever
+        if file.exists() and not file.is_file() and not file.is_dir():
+            raise HeadsweepError(f"{key}.include_path holds {file}, which is {describe_kind(file)}, not a regular "
+                                 "file: remove it from the task folder")
+    yield str(path)
 
 
 def _unknown(name: str, known: list[str], include: str | None, key: str) -> str:
@@ -160,6 +192,9 @@ def _load(manager: Any, names: list[str], key: str) -> dict[str, Any]:
     except (ConnectionError, OSError) as exc:
         raise HeadsweepError(_dataset_message(exc, names, key)) from None
     except Exception as exc:  # lm-eval raises what its YAML and datasets raise: say which task and what
+        refused = template_refusal(exc, ", ".join(names), key)
+        if refused is not None:
+            raise refused from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise HeadsweepError(f"lm-eval cannot load {key}.tasks {names}: {type(exc).__name__}: {first}") from None
     return dict(loaded["tasks"])
@@ -205,7 +240,12 @@ def _requests(name: str, task: Any, cfg: CausalLMData, key: str) -> TaskDocs:
     limit = get_sample_size(task, cfg.limit)
     try:
         task.build_all_requests(limit=limit, rank=0, world_size=1)
-    except ValueError as exc:
+    except Exception as exc:
+        refused = template_refusal(exc, name, key)
+        if refused is not None:
+            raise refused from None
+        if not isinstance(exc, ValueError):
+            raise
         if "larger than population" in str(exc):
             raise HeadsweepError(f"{key}.num_fewshot {shots}: task {name!r} has too few documents for "
                                  f"{shots} few-shot examples besides the one evaluated: lower data.num_fewshot"

@@ -12,16 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headsweep.errors import HeadsweepError
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.gates import HeadGates
-from headsweep.workers.families.hf_causal_lm.config import CausalLMModel
+from headsweep.workers.families.hf_causal_lm.config import CausalLMModel, tokenizer_folder
 from headsweep.workers.families.hf_causal_lm.pruning import prune_causal_lm_heads
 from headsweep.workers.families.hf_causal_lm.sites import SUPPORTED, kv_groups, sites_or_error
 from headsweep.workers.families.hf_shared.architecture import CAUSAL_LM
 from headsweep.workers.families.hf_shared.loading import LoadedTransformers, load_folder
 from headsweep.workers.families.hf_shared.tokenizer import load_tokenizer as load_tokenizer_from
-from headsweep.workers.hub.cache import is_hub_id, resolve_snapshot
 
 
 def load_causal_lm(cfg: CausalLMModel, device: str) -> LoadedTransformers:
@@ -58,14 +56,7 @@ def _cannot_load(model_dir: Path) -> str:
 
 def load_tokenizer(folder: str, given: bool):
     """The tokenizer in ``folder`` (``model.tokenizer`` when ``given``, else the model's folder)."""
-    path = Path(folder).expanduser()
-    if given and is_hub_id(folder):  # a hub id: its snapshot in the local Hugging Face cache
-        path = resolve_snapshot(folder, require=None).folder
-    if not path.is_dir():
-        raise HeadsweepError(f"tokenizer directory not found: {folder} (model.tokenizer)")
-    hint = (" (model.tokenizer)" if given else
-            "; save the tokenizer there or set model.tokenizer to the folder it was saved to")
-    return load_tokenizer_from(path, hint)
+    return load_tokenizer_from(*tokenizer_folder(folder, given))
 
 
 # -- shared by the perplexity and multiple-choice adapters ------------------------------------------------

@@ -24,10 +24,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.data.text_files import decode, json_lines, read_bytes
+from headsweep.workers.data.text_files import check_file, decode, json_lines, read_bytes
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
 
 
@@ -45,9 +44,7 @@ def read_questions(cfg: CausalLMData) -> list[Question]:
     """Every question of the JSONL file ``cfg.path`` (blank lines skipped), or one clear line naming the file and
     line of the first that is not a question: not JSON, not an object, a missing field, a context that is not
     text, no choices, a choice that is not text, a gold index that is not an integer or not one of the choices."""
-    path = Path(cfg.path)
-    if not path.is_file():
-        raise HeadsweepError(f"data file not found: {cfg.path}")
+    path = check_file(cfg.path, "data file", "data.path")
     data, where = read_bytes(path)
     text = decode(data, cfg.encoding, f"data file {path}", where=where)
     questions = [_question(row, number, cfg, f"data file {path}: line {number}")

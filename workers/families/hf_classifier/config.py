@@ -10,6 +10,8 @@ from headsweep.workers.data.text_files import check_encoding
 
 # data.max_length when unset: this many tokens, or the model's maximum positions if it has fewer.
 DEFAULT_MAX_LENGTH = 128
+# What to do about a model folder without a usable tokenizer (the classifier's tokenizer lives in its folder).
+TOKENIZER_HINT = "; save the model's tokenizer into that folder (tokenizer.save_pretrained)"
 TASKS = ("classification", "paired")
 
 

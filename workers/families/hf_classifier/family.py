@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headsweep.workers.core.heads import Head, SiteKey
-from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
+from headsweep.workers.families.hf_classifier.config import TOKENIZER_HINT, ClassifierData, ClassifierModel
 from headsweep.workers.families.hf_shared.family import TransformersFamily
 
 if TYPE_CHECKING:
@@ -33,6 +33,10 @@ class ClassifierFamily(TransformersFamily):
         from headsweep.workers.families.hf_classifier.data import read_examples
 
         read_examples(data_cfg, key)
+
+    def tokenizer_folder(self, model_cfg: ClassifierModel, model_dir: Path) -> tuple[Path, str]:
+        """The classifier's tokenizer lives in its folder."""
+        return model_dir, TOKENIZER_HINT
 
     def load_model(self, model_cfg: ClassifierModel) -> LoadedTransformers:
         from headsweep.workers.families.hf_classifier.model import load_classifier_model

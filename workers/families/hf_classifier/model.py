@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from headsweep.workers.families.hf_classifier.config import DEFAULT_MAX_LENGTH, ClassifierModel
+from headsweep.workers.families.hf_classifier.config import DEFAULT_MAX_LENGTH, TOKENIZER_HINT, ClassifierModel
 from headsweep.workers.families.hf_classifier.pruning import prune_hf_heads
 from headsweep.workers.families.hf_shared.architecture import CLASSIFIER
 from headsweep.workers.families.hf_shared.loading import (
@@ -19,9 +19,6 @@ from headsweep.workers.families.hf_shared.loading import (
     weight_files_note,
 )
 from headsweep.workers.families.hf_shared.tokenizer import load_tokenizer
-
-# What to do about a model folder without a usable tokenizer (the classifier's tokenizer lives in its folder).
-TOKENIZER_HINT = "; save the model's tokenizer into that folder (tokenizer.save_pretrained)"
 
 
 def load_classifier_model(cfg: ClassifierModel, device: str) -> LoadedTransformers:

@@ -78,6 +78,21 @@ class TransformersFamily(ModelFamily):
         family's."""
         return False
 
+    def check_model(self, model_cfg: Any) -> None:
+        """The model folder's files as the workers check them (``model_files.check_model_files``: JSON, safetensors
+        headers, PyTorch files' ends) and its tokenizer's (a folder without a vocabulary is named here, not by every
+        worker once Ray started)."""
+        from headsweep.workers.families.hf_shared.model_files import check_model_files, resolve_model_dir
+        from headsweep.workers.families.hf_shared.tokenizer import check_tokenizer_files
+
+        model_dir = resolve_model_dir(model_cfg.path)
+        check_model_files(model_dir)
+        check_tokenizer_files(*self.tokenizer_folder(model_cfg, model_dir))
+
+    def tokenizer_folder(self, model_cfg: Any, model_dir: Path) -> tuple[Path, str]:
+        """The folder of the model's tokenizer and what an error about it ends with (what to do)."""
+        return model_dir, ""
+
     def weight_bytes(self, model_cfg: Any) -> int | None:
         """The weight files' tensors at ``model.dtype`` (``model_files.weight_bytes``); a hub id is read from its
         cached snapshot. None where the folder cannot be read: loading it says why."""

@@ -23,7 +23,13 @@ from torch import nn
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_shared.architecture import check_architecture, check_loaded_weights
-from headsweep.workers.families.hf_shared.model_files import check_model_files, dtype_bytes, resolve_model_dir
+from headsweep.workers.families.hf_shared.model_files import (
+    check_model_files,
+    dtype_bytes,
+    pickled_weights,
+    resolve_model_dir,
+    weight_files,
+)
 from headsweep.workers.families.hf_shared.pruning import PRUNED_HEADS_KEY, Pruner, load_pruned
 from headsweep.workers.families.hf_shared.weights_fit import check_weights_fit
 from headsweep.workers.memory.model_sharing import offered_models
@@ -33,6 +39,8 @@ from headsweep.workers.memory.model_sharing import offered_models
 OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "data2vec-text", "xmod", "ibert",
                     "mpnet", "longformer"}
 ATTENTION_IMPLEMENTATIONS = (None, "eager", "sdpa")
+# How torch's UnpicklingError begins when weights_only=True meets pickled objects (torch 2.6 to 2.13).
+WEIGHTS_ONLY_REFUSED = "Weights only load failed"
 
 
 @dataclass
@@ -115,6 +123,9 @@ def load_folder(cfg: Any, device: str, family: str, auto_class: str, tokenizer: 
     # Whatever a damaged, foreign or unsupported folder makes transformers raise (safetensors raises its own
     # SafetensorError): one line, with the cause's first line.
     except Exception as exc:  # noqa: BLE001
+        if WEIGHTS_ONLY_REFUSED in str(exc):  # torch's advice, weights_only=False, is not an option here
+            binary = next((f for f in weight_files(model_dir) if f.suffix == ".bin"), model_dir / "pytorch_model.bin")
+            raise HeadsweepError(pickled_weights(binary)) from None
         raise HeadsweepError(f"{cannot_load(model_dir)}: {first_line(exc)}") from None
     check_loaded_weights(model_dir, model, loading, family)
     check_weights_fit(model_dir, config, model, loading)

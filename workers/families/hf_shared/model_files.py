@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickletools
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -126,15 +127,49 @@ def check_safetensors(file: Path) -> dict[str, Any]:
 
 
 def check_torch_file(file: Path) -> None:
-    """One-line error when a ``torch.save`` weights file is cut short or is not one."""
+    """One-line error when a ``torch.save`` weights file is cut short or is not one, or names Python objects besides
+    tensors and their containers (:func:`foreign_objects`)."""
     with open(file, "rb") as f:
         head = f.read(4)
     if head.startswith(ZIP_MAGIC):
         if not zipfile.is_zipfile(file):
             raise HeadsweepError(f"{file} is truncated: a zip archive without its end ({REFETCH})")
+        foreign = foreign_objects(file)
+        if foreign:
+            raise HeadsweepError(pickled_weights(file, foreign))
     elif not head.startswith(PICKLE_MAGIC):
         raise HeadsweepError(f"{file} is not a PyTorch weights file (it does not start as torch.save writes "
                              "them): wrong format, or another file under this name?")
+
+
+def foreign_objects(file: Path) -> list[str]:
+    """``module.name`` of what the pickle of the zip-format ``torch.save`` file ``file`` names beyond torch's own
+    classes and functions and Python's containers (an ``argparse.Namespace``, a pickled model's class), read with
+    ``pickletools`` (nothing is unpickled, torch is not imported). Empty for a plain state dict, and where the pickle
+    names its classes in a way this does not read (protocol 4's ``STACK_GLOBAL``: torch.save writes protocol 2), as
+    torch's ``weights_only`` load still refuses them then (:data:`loading.WEIGHTS_ONLY_REFUSED`)."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            name = next((n for n in archive.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"), None)
+            data = archive.read(name) if name is not None else b""
+        found = [str(arg).replace(" ", ".", 1) for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"]
+    except (zipfile.BadZipFile, ValueError, OSError):
+        return []
+    plain = ("torch.", "collections.", "builtins.", "__builtin__.", "_codecs.")  # protocol 2 writes __builtin__
+    return sorted({name for name in found if not name.startswith(plain)})
+
+
+def pickled_weights(file: Path, objects: list[str] | None = None) -> str:
+    """The line for PyTorch weights that torch refuses to load with ``weights_only=True`` (they hold pickled Python
+    ``objects`` beside the tensors): headsweep never unpickles them, so it says how to convert them to safetensors."""
+    script = (f"import torch; from safetensors.torch import save_file; s = torch.load('{file}', weights_only=False); "
+              "save_file({k: v.clone().contiguous() for k, v in s.items() if isinstance(v, torch.Tensor)}, "
+              f"'{file.parent / 'model.safetensors'}')")
+    named = f" ({', '.join(objects[:3])}{' and more' if len(objects) > 3 else ''})" if objects else ""
+    return (f"{file} holds pickled Python objects beside its tensors{named}, which headsweep does not load "
+            "(unpickling runs code from the file): convert it to safetensors once, on a machine where you trust the "
+            f'file, e.g. python -c "{script}" (for a file holding a state dict), then move {file.name} out of the '
+            "folder")
 
 
 def weight_files(model_dir: Path) -> list[Path]:

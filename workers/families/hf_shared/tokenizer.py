@@ -33,16 +33,38 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+def check_tokenizer_files(folder: str | Path, hint: str = "") -> Path:
+    """``folder`` as a path when it holds a tokenizer's vocabulary (``tokenizer.json``, or a slow tokenizer's
+    vocabulary files); else a one-line error naming what is missing and ending in ``hint``. Reads no file and imports
+    no transformers: the driver checks every model folder so before Ray starts."""
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise HeadsweepError(f"tokenizer directory not found: {folder}{hint}")
+    present = sorted(p.name for p in path.iterdir() if p.is_file())
+    if not any(name in TOKENIZER_FILES for name in present) and not any(name.endswith(".model") for name in present):
+        raise HeadsweepError(f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)}){hint}")
+    if not any(_is_vocabulary(name) for name in present):
+        # transformers would fail with "Couldn't instantiate the backend tokenizer from one of: ;", or build a
+        # tokenizer of its special tokens alone
+        found = ", ".join(name for name in present if name.startswith(("tokenizer", "special_tokens", "added_tokens")))
+        raise HeadsweepError(f"no tokenizer vocabulary in {path}: tokenizer.json is missing (of a tokenizer's files "
+                             f"the folder has only {found}){hint}")
+    return path
+
+
+def _is_vocabulary(name: str) -> bool:
+    """Whether a file of this name holds a tokenizer's vocabulary: the fast tokenizer's ``tokenizer.json``, a slow
+    one's ``vocab.*`` / ``merges.txt`` / ``bpe.codes``, or a SentencePiece model (``*.model``, ``*.spm``)."""
+    return (name in ("tokenizer.json", "merges.txt", "bpe.codes") or name.startswith("vocab")
+            or name.endswith((".model", ".spm")))
+
+
 def load_tokenizer(folder: str | Path, hint: str = ""):
     """The tokenizer saved in ``folder``, or a one-line error ending in ``hint`` (what to do, e.g. which
     config key names the tokenizer's folder)."""
     from transformers import AutoTokenizer
 
-    path = Path(folder).expanduser()
-    if not path.is_dir():
-        raise HeadsweepError(f"tokenizer directory not found: {folder}{hint}")
-    if not any((path / name).is_file() for name in TOKENIZER_FILES) and not any(path.glob("*.model")):
-        raise HeadsweepError(f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)}){hint}")
+    path = check_tokenizer_files(folder, hint)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     # Whatever incomplete or foreign files make transformers raise: one line with the cause.
