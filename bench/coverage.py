@@ -274,9 +274,10 @@ def pruning_and_stock(model: nn.Module, task: str, sites) -> tuple[str, str]:
         got = logits(pruned, batch)
         diff = (got - want).abs().max().item() / (want.abs().max().item() or 1.0)
         pruning = "exact" if diff <= TOLERANCE else f"WRONG ({diff:.1e})"
-    except HeadsweepError as exc:
+    except HeadsweepError:
         pruning = "refused"
-        del exc
+    except Exception as exc:  # noqa: BLE001 - a pruned model that cannot run is a wrong pruning, shown
+        pruning = f"WRONG ({type(exc).__name__})"
     try:
         family.stock_sizes(model, heads)
         stock = "yes"

@@ -140,6 +140,13 @@ def _prunable_layout(site: AttentionSite) -> AttentionLayout:
     if layout.name == "llama" and (layout.query is layout.key or not isinstance(layout.key, nn.Linear)):
         raise HeadsweepError(f"{site.module_name} ({name}): physical pruning of a fused qkv_proj (Phi-3) is not "
                              "supported; Llama-style models with separate q_proj, k_proj, v_proj are")
+    if layout.name == "llama":
+        sliced = {id(m) for m in (layout.query, layout.key, layout.value, layout.out_proj)}
+        extra = [n for n, m in site.module.named_children() if isinstance(m, nn.Linear) and id(m) not in sliced]
+        if extra:
+            raise HeadsweepError(f"{site.module_name} ({name}): physical pruning does not slice its further "
+                                 f"projection{'s' if len(extra) > 1 else ''} {', '.join(extra)} (a gated or "
+                                 "otherwise extended attention); gate its heads without pruning")
     if layout.name == "gpt2" and getattr(site.module, "q_attn", None) is not None:
         raise HeadsweepError(f"{site.module_name} ({name}): physical pruning of cross-attention is not supported")
     if getattr(site.module, KV_INDEX_ATTR, None) is not None:
