@@ -93,6 +93,13 @@ def tiny_kwargs(base) -> dict:
         for key, value in table.items():
             if key in fields and value is not None and fields[key] is not None:
                 kwargs[key] = value
+    if "qk_rope_head_dim" in fields and "head_dim" in fields:  # latent attention: rotary size is head_dim
+        kwargs["head_dim"] = kwargs.get("qk_rope_head_dim", fields["qk_rope_head_dim"])
+    if "kv_lora_rank" in fields and "num_key_value_heads" in kwargs:  # latent attention expands keys per head
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)
+    for key in ("rotary_dim", "rotary_emb_base_dim"):
+        if isinstance(fields.get(key), int):
+            kwargs[key] = 8
     if "vocab_size" in fields:
         kwargs["vocab_size"] = VOCAB
     for key in TOKEN_KEYS:
@@ -261,8 +268,17 @@ def pruning_and_stock(model: nn.Module, task: str, sites) -> tuple[str, str]:
     from headsweep.workers.core.heads import Head
     from headsweep.workers.core.registry import model_family
 
+    from headsweep.workers.families.hf_causal_lm.sites import kv_groups
+
     family = model_family("hf_causal_lm" if task == "causal_lm" else "hf_classifier")
-    heads = [Head("self", s.layer, 0) for s in sites]
+    # Half the heads of every layer, the same in every key/value group (a mask a stock config can state): the first
+    # half of each group, or of the groups where a group is one head.
+    heads = []
+    for site in sites:
+        groups = kv_groups([site])[f"self:{site.layer}"]
+        size = len(groups[0])
+        chosen = [g[: size // 2] for g in groups] if size > 1 else groups[: max(1, len(groups) // 2)]
+        heads += [Head("self", site.layer, h) for g in chosen for h in g]
     batch = inputs(model, task)
     pruned = copy.deepcopy(model)
     gated_model = copy.deepcopy(model)
@@ -278,6 +294,8 @@ def pruning_and_stock(model: nn.Module, task: str, sites) -> tuple[str, str]:
         pruning = "refused"
     except Exception as exc:  # noqa: BLE001 - a pruned model that cannot run is a wrong pruning, shown
         pruning = f"WRONG ({type(exc).__name__})"
+    if pruning != "exact":
+        return pruning, "-"
     try:
         family.stock_sizes(model, heads)
         stock = "yes"
@@ -373,7 +391,7 @@ def first_line(exc: BaseException) -> str:
     return (text[0] if text else type(exc).__name__)[:300]
 
 
-class _Timeout(Exception):
+class _Timeout(BaseException):  # not an Exception: the checks' own handlers must let it through
     pass
 
 
