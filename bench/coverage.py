@@ -34,8 +34,7 @@ from torch import nn
 
 from bench import common
 
-SMOKE_TYPES = ("causal_lm:gpt_neox", "causal_lm:opt", "causal_lm:bloom", "causal_lm:mamba",
-               "classifier:modernbert")
+SMOKE_TYPES = ("causal_lm:gpt_neox", "causal_lm:mamba", "classifier:modernbert")
 TYPE_SECONDS = 60  # a type whose build and proof take longer is untested (timeout)
 TOLERANCE = 1e-5  # max |gate - surgery| over the logits, relative to max |logits|
 MIN_EFFECT = 1e-7  # a gated head must move the logits by more than this (relative)
@@ -267,7 +266,6 @@ def pruning_and_stock(model: nn.Module, task: str, sites) -> tuple[str, str]:
     from headsweep.workers.core.gates import HeadGates
     from headsweep.workers.core.heads import Head
     from headsweep.workers.core.registry import model_family
-
     from headsweep.workers.families.hf_causal_lm.sites import kv_groups
 
     family = model_family("hf_causal_lm" if task == "causal_lm" else "hf_classifier")

@@ -75,7 +75,8 @@ SITE_SPECS: tuple[SiteSpec, ...] = (
     SiteSpec("opt", r"(OPT|BioGpt|XGLM|GPTNeoSelf|Mpt|Dbrx|Lfm2(Moe)?)Attention", "out_proj", ("head_dim",),
              cross_attention="is_cross_attention", example="opt, biogpt, xglm, gpt_neo"),
     SiteSpec("phi", r"(Phi|Persimmon)Attention", "dense", ("head_dim",), example="phi, persimmon"),
-    SiteSpec("mla", r"(DeepseekV[23]|DeepseekV32|LongcatFlash|KimiLinear|Glm4MoeLite|GlmMoeDsa|Axk[12])\w*Attention", "o_proj", ("v_head_dim",),
+    SiteSpec("mla", r"(DeepseekV[23]|DeepseekV32|LongcatFlash|KimiLinear|Glm4MoeLite|GlmMoeDsa|Axk[12])\w*"
+             r"Attention", "o_proj", ("v_head_dim",),
              query=None, key=None, value=None, features=("mla",), example="deepseek_v3"),
     SiteSpec("modernbert", r"ModernBert(Decoder)?Attention", "Wo", ("head_dim",), None, None, None, fused="Wqkv",
              fused_layout="stacked", example="modernbert"),
