@@ -397,10 +397,12 @@ def _alarm(*_args) -> None:
     raise _Timeout
 
 
-def run(selected: list[str] | None) -> list[Row]:
+def run(selected: list[str] | None, tasks: list[str]) -> list[Row]:
     rows = []
     signal.signal(signal.SIGALRM, _alarm)
     for task, model_type, class_name in model_types(selected):
+        if task not in tasks:
+            continue
         start = time.perf_counter()
         signal.alarm(TYPE_SECONDS)
         try:
@@ -425,12 +427,13 @@ def main() -> None:
     parser = common.command_line(__doc__)
     parser.add_argument("--types", default="", help="comma-separated model types (or task:type) to check")
     parser.add_argument("--table", type=Path, help="write the Markdown table here")
+    parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated tasks to walk (default: all)")
     args = parser.parse_args()
     smoke = common.enable_smoke(args)
     common.quiet_logging()
     torch.set_num_threads(1)
     selected = [t for t in args.types.split(",") if t] or (list(SMOKE_TYPES) if smoke else None)
-    rows = run(selected)
+    rows = run(selected, args.tasks.split(","))
     if args.table:
         args.table.write_text(table(rows) + "\n")
     count = {o: sum(r.outcome == o for r in rows) for o in ("refused", "wrong", "untested", "skipped")}
