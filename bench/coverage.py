@@ -39,6 +39,7 @@ TYPE_SECONDS = 60  # a type whose build and proof take longer is untested (timeo
 TOLERANCE = 1e-5  # max |gate - surgery| over the logits, relative to max |logits|
 MIN_EFFECT = 1e-7  # a gated head must move the logits by more than this (relative)
 TASKS = ("causal_lm", "classifier", "seq2seq")
+UNPROVED = "unproved: "  # a problem that is no wrong gate: the head changes nothing by either route
 # Model types whose names say they are not text-only, and types that need inputs besides token ids.
 NOT_TEXT = ("vision", "audio", "speech", "image", "video", "vl", "omni", "clip", "wav", "whisper", "visual",
             "pix", "layoutlm", "lilt", "markuplm", "udop", "perceiver", "tapas", "pop2piano", "musicgen", "bark")
@@ -236,8 +237,9 @@ def prove(model: nn.Module, task: str, sites_of) -> tuple[int, float, str]:
             effect = (gated - base).abs().max().item() / scale
             if diff > TOLERANCE:
                 return heads, diff, f"{head}: gate differs from zeroed columns by {diff:.1e}"
-            if effect <= MIN_EFFECT:
-                return heads, diff, f"{head}: gating it changes nothing (a gate that never acts?)"
+            if effect <= MIN_EFFECT:  # and the surgery agrees (diff): the head outputs nothing here
+                return heads, diff, (f"{UNPROVED}{head}: neither its gate nor zeroing its columns changes the tiny "
+                                     "model's logits: nothing proved")
             gates.set_fill(HeadFill({site.key: mean}))
             with gates.masked([head]):
                 filled = logits(model, batch)
@@ -373,7 +375,8 @@ def check(task: str, model_type: str, class_name: str) -> Row:
         return row
     row.heads, row.max_diff = heads, diff
     if problem:
-        row.outcome, row.why = "wrong", problem
+        unproved = problem.startswith(UNPROVED)
+        row.outcome, row.why = ("untested" if unproved else "wrong"), problem.removeprefix(UNPROVED)
         return row
     row.outcome = "exact"
     from headsweep.workers.families.hf_shared.sites import headless_layers
