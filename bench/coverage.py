@@ -60,9 +60,8 @@ class Row:
     stock: str = "-"
 
     def markdown(self) -> str:
-        what = self.why if self.outcome != "exact" else f"{self.heads} heads, max rel. diff {self.max_diff:.1e}"
-        return (f"| {self.model_type} | {self.task} | {self.family} | {self.outcome} | {what.replace('|', '/')} | "
-                f"{self.pruning} | {self.stock} |")
+        return (f"| {self.model_type} | {self.task} | {self.family} | {self.outcome} | {self.pruning} | "
+                f"{self.stock} | {self.why.replace('|', '/')} |")
 
 
 # -- tiny configs -------------------------------------------------------------------------------------------------
@@ -415,13 +414,14 @@ def run(selected: list[str] | None, tasks: list[str]) -> list[Row]:
         finally:
             signal.alarm(0)
         rows.append(row)
+        detail = f"{row.heads} heads, max rel. diff {row.max_diff:.1e}" if row.outcome == "exact" else ""
         common.log(f"{row.task:10} {row.model_type:28} {row.family:13} {row.outcome:8} {row.pruning:8} {row.stock:8} "
-                   f"{time.perf_counter() - start:5.1f}s {row.why}")
+                   f"{time.perf_counter() - start:5.1f}s {row.why or detail}")
     return rows
 
 
 def table(rows: list[Row]) -> str:
-    head = ("| model type | task | family | outcome | heads / why | physical pruning | stock export |\n"
+    head = ("| model type | task | family | outcome | physical pruning | stock export | why |\n"
             "| --- | --- | --- | --- | --- | --- | --- |")
     return "\n".join([head, *(r.markdown() for r in rows)])
 
