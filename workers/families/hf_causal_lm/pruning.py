@@ -159,6 +159,11 @@ def _unsliced_parts(module: nn.Module, layout: AttentionLayout) -> list[str]:
     head's features (Qwen3's ``q_norm``/``k_norm``, shared by every head)."""
     sliced = {id(m) for m in (layout.query, layout.key, layout.value, layout.out_proj)}
     extra = [n for n, _ in module.named_parameters(recurse=False)]
+    widths = {"q_proj": (layout.query, layout.num_heads), "k_proj": (layout.key, layout.num_kv_heads),
+              "v_proj": (layout.value, layout.num_kv_heads)}
+    # A projection wider than its heads packs something else with them (Qwen3-Next's output gate in q_proj).
+    extra += [f"{n} (wider than its heads)" for n, (proj, count) in widths.items()
+              if isinstance(proj, nn.Linear) and proj.out_features != count * layout.head_dim]
     for child_name, child in module.named_children():
         if id(child) in sliced or not any(True for _ in child.parameters()):
             continue
