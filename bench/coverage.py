@@ -80,6 +80,10 @@ HEAD_SIZE = {"head_dim": 16, "d_kv": 16, "qk_rope_head_dim": 8, "qk_nope_head_di
 EXPERTS = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
            "moe_num_experts": 4, "n_shared_experts": 1, "num_shared_experts": 1, "topk_group": 1, "n_group": 1}
 VOCAB = 256
+# Hybrids whose default layer pattern puts no attention layer in a 2-layer model: one of each kind.
+OVERRIDES = {"jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+                       "expert_layer_offset": 1, "use_mamba_kernels": False},
+             "bamba": {"attn_layer_indices": [1]}}
 TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
               "cls_token_id", "mask_token_id", "unk_token_id")
 
@@ -134,7 +138,7 @@ def tiny_model(task: str, model_type: str, class_name: str) -> nn.Module:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    config = config_class(**tiny_kwargs(config_class()))
+    config = config_class(**{**tiny_kwargs(config_class()), **OVERRIDES.get(model_type, {})})
     if task == "classifier":
         config.num_labels = 3
         if getattr(config, "pad_token_id", None) is None:

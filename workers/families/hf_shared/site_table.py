@@ -89,7 +89,8 @@ SITE_SPECS: tuple[SiteSpec, ...] = (
 
 #: Layers that mix tokens without attention heads, by class name: an architecture of only these is refused.
 NO_HEADS: tuple[tuple[str, str], ...] = (
-    (r"\w*Mamba2?\w*Mixer|\w*MambaLayer|\w*Mamba2?Block", "state-space (Mamba) layers"),
+    (r"\w*Mamba2?\w*Mixer|\w*MambaLayer|\w*Mamba2?Block|(Bamba|NemotronH|GraniteMoeHybrid|FalconH1|Zamba2?)\w*Mixer",
+     "state-space (Mamba) layers"),
     (r"Rwkv\w*(Attention|Feedforward|Block)", "recurrent (RWKV) layers"),
     (r"xLSTM\w*", "recurrent (xLSTM) layers"),
     (r"\w*(GatedDeltaNet|ShortConv|LinearAttention|Lightning\w*Attention)\w*", "linear-attention or convolution "
@@ -98,6 +99,8 @@ NO_HEADS: tuple[tuple[str, str], ...] = (
 
 #: Attention modules headsweep does not gate, and why (checked before :data:`SITE_SPECS`).
 REFUSED_ATTENTION: tuple[tuple[str, str], ...] = (
+    (r"AlbertAttention", "one attention module shared by every layer, whose heads would need a gate per call: not "
+     "supported yet"),
     (r"\w*(Lightning|Linear)\w*Attention", "linear attention, whose heads are normalised together before the output "
      "projection"),
 )
