@@ -94,6 +94,9 @@ def check_sites(model: nn.Module, sites: list[AttentionSite], family: str, suppo
     for name, module in model.named_modules():
         if not name or any(name == c or name.startswith(f"{c}.") or c.startswith(f"{name}.") for c in claimed):
             continue
+        if attention_layout(module) is not None:  # a known layout without heads left (pruned away): no site
+            claimed.append(name)
+            continue
         kind = mixer_kind(module)
         if kind:
             mixers.add(kind)
