@@ -33,6 +33,7 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 # Script -> the RESULT names its smoke run prints, in order.
 SMOKE = {
     "ablation_methods": ["ablation_methods"] * 3,  # classifier, lm, multi30k (the last needs ../shared/data)
+    "coverage": ["coverage"],  # three model types: one proved exact, one refused (Mamba), one classifier
     "dispatch": ["dispatch", "dispatch_balance"],
     "grid_speed": ["grid_classifier", "grid_translation"],
     "lm_grid": ["lm_grid"],  # TransformerLens is not a dependency: its line is not expected
@@ -128,6 +129,12 @@ def test_smoke(script: str, bench_cache: Path) -> None:
         # The kill landed, and the faulted run stored every evaluation once, each number as the uninterrupted run's.
         assert {k: found[0][1][k] for k in ("masks", "kills", "lost", "duplicated", "equal")} == {
             "masks": "64", "kills": "1", "lost": "0", "duplicated": "0", "equal": "true"}, proc.stdout[-3000:]
+    if script == "coverage":
+        # Every gate proved against weight surgery or refused in one line; none wrong, none left untested.
+        assert {k: found[0][1][k] for k in ("causal_lm_exact", "classifier_exact", "refused", "wrong", "untested")} \
+            == {"causal_lm_exact": "1", "classifier_exact": "1", "refused": "1", "wrong": "0", "untested": "0"}, \
+            proc.stdout[-3000:]
+        assert re.search(r"^causal_lm +mamba +hf_causal_lm +refused .*state-space", proc.stdout, re.M), proc.stdout
     if script == "ablation_methods":
         # The LM's hook loop (mean ablation on hook_z, written in the script) gave headsweep's deltas.
         assert found[1][1]["model"] == "lm" and found[1][1]["hook_loop_equal"] == "true", proc.stdout[-3000:]

@@ -110,7 +110,15 @@ class HeadInventory:
             )
         shape = self._by_key.get((head.attention, head.layer))
         if shape is None:
-            n = sum(1 for s in self.layers if s.attention == head.attention)
+            numbers = [s.layer for s in self.layers if s.attention == head.attention]
+            n = len(numbers)
+            if numbers != list(range(n)):
+                # A hybrid model (state-space or recurrent layers between attention layers), or one pruned to no
+                # heads in some layer: say which layers have heads.
+                raise HeadsweepError(
+                    f"head {head}: layer {head.layer} has no {head.attention} attention heads (this model's "
+                    f"{head.attention} attention is in layers {_numbers(numbers)})"
+                )
             raise HeadsweepError(
                 f"head {head}: layer {head.layer} out of range ({head.attention} has {n} layers, 0..{n - 1})"
             )
@@ -141,3 +149,8 @@ def heads_by_site(heads: Iterable[Head], inventory: HeadInventory | None = None)
             inventory.check(head)
         grouped.setdefault(head.site, set()).add(head.head)
     return {key: sorted(numbers) for key, numbers in grouped.items()}
+
+
+def _numbers(numbers: list[int], shown: int = 12) -> str:
+    text = ", ".join(map(str, numbers[:shown]))
+    return text + (f" (+{len(numbers) - shown} more)" if len(numbers) > shown else "")

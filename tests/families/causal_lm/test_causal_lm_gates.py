@@ -89,5 +89,6 @@ def test_model_without_recognisable_attention_is_refused():
 
     model = MambaForCausalLM(MambaConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, state_size=4))
     assert find_sites(model) == []
-    with pytest.raises(HeadsweepError, match="no attention modules recognised in MambaForCausalLM .*GPT-2"):
+    with pytest.raises(HeadsweepError,
+                       match="no attention modules recognised in MambaForCausalLM: its layers are state-space .*GPT-2"):
         sites_or_error(model)

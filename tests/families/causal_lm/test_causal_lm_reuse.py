@@ -156,15 +156,19 @@ def save_tiny_jamba(out_dir):
     return out_dir
 
 
-def test_a_hybrid_stack_falls_back_to_the_plain_path_and_says_why(tmp_path, corpus):
+def test_a_hybrid_stack_keeps_its_layer_numbers_and_reuses_prefixes(tmp_path, corpus):
+    """Jamba's attention layers are layers 1 and 3 of its stack (Mamba in 0 and 2): its heads are named so, and a
+    mask starts at its first gated attention layer, the Mamba layers after it run per mask."""
     model_dir = save_tiny_jamba(tmp_path / "jamba")
     a = adapter(model_dir, corpus)
-    reason = a.describe().facts["reuse"]
-    assert reason.startswith("plain path: prefix reuse does not support this model (")
-    assert "model.layers.1.self_attn is in decoder layer 1, not layer 0" in reason
-    masks = [[], [Head("self", 0, 1)], [Head("self", 1, 2)]]
-    # exact: both adapters run the plain path
-    np.testing.assert_array_equal(a.nll(masks), adapter(model_dir, corpus, reuse=False).nll(masks))
+    assert [(s.layer, s.module_name) for s in a.gates.sites] == [(1, "model.layers.1.self_attn"),
+                                                                 (3, "model.layers.3.self_attn")]
+    assert a.describe().facts["reuse"].startswith("prefix: "), a.describe().facts["reuse"]
+    masks = [[], [Head("self", 1, 1)], [Head("self", 3, 2)], [Head("self", 1, 0), Head("self", 3, 3)]]
+    got = a.nll(masks)
+    assert a._reuse is not None and a._reuse.verified  # the replay was compared with the whole gated model
+    # exact: the replay from a cached layer output computes what the whole model computes
+    np.testing.assert_array_equal(got, adapter(model_dir, corpus, reuse=False).nll(masks))
 
 
 def test_a_replay_that_differs_from_the_whole_model_is_refused(model_dirs, corpus):

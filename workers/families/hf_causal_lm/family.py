@@ -34,7 +34,7 @@ class CausalLMFamily(TransformersFamily):
     ``self:LAYER:HEAD``; grouped-query and multi-query attention). Physical pruning: Llama-style models with
     separate q/k/v projections, GPT-2 and GPTBigCode."""
 
-    layouts = frozenset({"llama", "gpt2"})
+    layouts = frozenset({"llama", "gpt2", "gpt_neox", "bloom", "falcon", "gptj", "opt", "phi", "mla"})
 
     def check_data(self, data_cfg: CausalLMData, key: str = "data") -> None:
         """The settings and the file; for perplexity also the corpus text itself (decoded, its rows read)."""

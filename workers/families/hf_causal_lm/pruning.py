@@ -140,11 +140,39 @@ def _prunable_layout(site: AttentionSite) -> AttentionLayout:
     if layout.name == "llama" and (layout.query is layout.key or not isinstance(layout.key, nn.Linear)):
         raise HeadsweepError(f"{site.module_name} ({name}): physical pruning of a fused qkv_proj (Phi-3) is not "
                              "supported; Llama-style models with separate q_proj, k_proj, v_proj are")
+    if layout.name == "llama":
+        extra = _unsliced_parts(site.module, layout)
+        if extra:
+            raise HeadsweepError(f"{site.module_name} ({name}): physical pruning does not slice its "
+                                 f"{', '.join(extra)} (weights across or per heads besides q/k/v/o_proj: gated, "
+                                 "normalised or sink attention); gate its heads without pruning")
     if layout.name == "gpt2" and getattr(site.module, "q_attn", None) is not None:
         raise HeadsweepError(f"{site.module_name} ({name}): physical pruning of cross-attention is not supported")
     if getattr(site.module, KV_INDEX_ATTR, None) is not None:
         raise HeadsweepError(f"{site.module_name} was already pruned: prune the original model")
     return layout
+
+
+def _unsliced_parts(module: nn.Module, layout: AttentionLayout) -> list[str]:
+    """Weights of a Llama-style attention module that pruning would have to slice but does not: parameters of the
+    module itself (gpt-oss's sinks), and children with weights besides the q/k/v/o projections, except norms over one
+    head's features (Qwen3's ``q_norm``/``k_norm``, shared by every head)."""
+    sliced = {id(m) for m in (layout.query, layout.key, layout.value, layout.out_proj)}
+    extra = [n for n, _ in module.named_parameters(recurse=False)]
+    widths = {"q_proj": (layout.query, layout.num_heads), "k_proj": (layout.key, layout.num_kv_heads),
+              "v_proj": (layout.value, layout.num_kv_heads)}
+    # A projection wider than its heads packs something else with them (Qwen3-Next's output gate in q_proj).
+    extra += [f"{n} (wider than its heads)" for n, (proj, count) in widths.items()
+              if isinstance(proj, nn.Linear) and proj.out_features != count * layout.head_dim]
+    for child_name, child in module.named_children():
+        if id(child) in sliced or not any(True for _ in child.parameters()):
+            continue
+        weight = getattr(child, "weight", None)
+        per_head = (not isinstance(child, nn.Linear) and isinstance(weight, torch.Tensor) and weight.dim() == 1
+                    and weight.numel() == layout.head_dim and len(list(child.parameters())) <= 2)
+        if not per_head:
+            extra.append(child_name)
+    return extra
 
 
 def _apply_llama(model: nn.Module, site: AttentionSite, layout: AttentionLayout, plan: HeadSlice) -> None:

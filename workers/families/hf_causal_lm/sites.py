@@ -12,10 +12,11 @@ from torch import nn
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.gates import AttentionSite
 from headsweep.workers.families.hf_shared.layout import attention_layout
+from headsweep.workers.families.hf_shared.sites import check_sites
 from headsweep.workers.families.hf_shared.sites import find_sites as find_transformers_sites
 
 SUPPORTED = ("decoder-only causal LMs with Llama-style attention (Llama, Mistral, Qwen2, Qwen3, Phi-3, ...), "
-             "GPT-2 and GPTBigCode")
+             "GPT-2, GPTBigCode, GPT-NeoX, GPT-J, OPT, Falcon, Bloom and the other layouts of docs/families.md")
 
 
 def find_sites(model: nn.Module) -> list[AttentionSite]:
@@ -24,11 +25,10 @@ def find_sites(model: nn.Module) -> list[AttentionSite]:
 
 
 def sites_or_error(model: nn.Module) -> list[AttentionSite]:
-    """:func:`find_sites`, or the one-line error naming the supported families."""
+    """:func:`find_sites`, or the one-line error naming what is missing (no heads, an unknown attention layout)
+    and the supported families."""
     sites = find_sites(model)
-    if not sites:
-        raise HeadsweepError(f"no attention modules recognised in {type(model).__name__} "
-                             f"(model.kind hf_causal_lm takes {SUPPORTED})")
+    check_sites(model, sites, "hf_causal_lm", SUPPORTED)
     return sites
 
 

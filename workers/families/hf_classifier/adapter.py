@@ -38,7 +38,7 @@ from headsweep.workers.families.hf_classifier.training_loss import classifier_lo
 from headsweep.workers.families.hf_shared.loading import max_positions
 from headsweep.workers.families.hf_shared.paired import paired_sides
 from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, repeat_rows
-from headsweep.workers.families.hf_shared.sites import find_sites
+from headsweep.workers.families.hf_shared.sites import check_sites, find_sites
 from headsweep.workers.families.hf_shared.tokenizer import count_unknown
 from headsweep.workers.hub.cache import model_label
 from headsweep.workers.memory.backward_memory import backward_rows
@@ -326,13 +326,12 @@ class ClassifierAdapter(PrefixReuseSwitch):
         return results
 
 
+SUPPORTED = "BERT, RoBERTa, ELECTRA, MiniLM, DistilBERT, ModernBERT and the other layouts of docs/families.md"
+
+
 def _sites_or_error(model):
     sites = find_sites(model)
-    if not sites:
-        raise HeadsweepError(
-            f"no attention modules recognised in {type(model).__name__} "
-            "(supported: BERT, RoBERTa, ELECTRA, MiniLM, DistilBERT and Llama-style layouts)"
-        )
+    check_sites(model, sites, "hf_classifier", SUPPORTED)
     return sites
 
 

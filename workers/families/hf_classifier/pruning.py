@@ -75,7 +75,26 @@ def _prunable_layout(site: AttentionSite) -> AttentionLayout:
             f"{site.module_name} ({type(site.module).__name__}): physical pruning supports BERT-family and "
             "DistilBERT attention; decoder-only models (grouped-query attention) are pruned by model.kind hf_causal_lm"
         )
+    extra = _unsliced_parts(layout)
+    if extra:
+        raise HeadsweepError(
+            f"{site.module_name} ({type(layout.core).__name__}): physical pruning slices query, key, value and the "
+            f"output projection, and this attention has further weights ({', '.join(extra)}: relative-position or "
+            "approximate attention, DeBERTa, Nystromformer, ...); gate its heads without pruning"
+        )
     return layout
+
+
+def _unsliced_parts(layout: AttentionLayout) -> list[str]:
+    """What the BERT/DistilBERT slicing would leave unsliced in a module it recognised: missing q/k/v projections,
+    or other children with weights (a core that computes its contexts in ways the slicing does not know)."""
+    parts = {"query": layout.query, "key": layout.key, "value": layout.value}
+    missing = [name for name, proj in parts.items() if not isinstance(proj, nn.Linear)]
+    known = {id(p) for p in (*parts.values(), layout.out_proj)}
+    extra = [name for name, child in layout.core.named_children()
+             if id(child) not in known and any(True for _ in child.parameters())]
+    return [f"no {m} projection" for m in missing] + extra + [
+        name for name, _ in layout.core.named_parameters(recurse=False)]
 
 
 def _apply(model: nn.Module, site: AttentionSite, layout: AttentionLayout, plan: HeadSlice) -> None:

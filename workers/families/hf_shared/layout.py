@@ -17,6 +17,9 @@ are read from the modules themselves, never from user input.
   (GPTBigCode: ``kv_heads``, 1 with multi-query attention). GPT-2's projections are ``Conv1D``
   layers whose weight is transposed against ``nn.Linear`` (``(in, out)``): head h is still input
   features ``h*d .. (h+1)*d-1`` of ``c_proj``, which is where the gates act.
+
+Every other layout (GPT-NeoX, Bloom, Falcon, GPT-J, OPT, Phi, DeepSeek's latent attention, ModernBERT, ...) is a
+row of data in :mod:`.site_table`, read by one recogniser.
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from headsweep.errors import HeadsweepError
+from headsweep.workers.families.hf_shared.site_table import (
+    HEAD_COUNT_ATTRS,
+    KV_COUNT_ATTRS,
+    SiteSpec,
+    declared_count,
+    spec_of,
+)
 
 if TYPE_CHECKING:
     from headsweep.workers.core.gates import AttentionSite
@@ -43,7 +55,7 @@ class AttentionLayout:
     W_O runs after it (BERT).
     """
 
-    name: str  # one of LAYOUTS
+    name: str  # one of LAYOUTS, or a site_table row's layout
     module: nn.Module
     core: nn.Module
     core_projects: bool
@@ -147,13 +159,53 @@ def _gpt2(module: nn.Module) -> AttentionLayout | None:
     return AttentionLayout("gpt2", module, module, True, fused, fused, fused, out, n, head_dim, kv)
 
 
+def _described(module: nn.Module) -> AttentionLayout | None:
+    """A module one of :data:`.site_table.SITE_SPECS` describes; a described module whose numbers do not fit its
+    row is refused in one line (never guessed)."""
+    spec = spec_of(module)
+    if spec is None:
+        return None
+    if spec.cross_attention and getattr(module, spec.cross_attention, False):
+        return None
+    out = getattr(module, spec.out_proj, None)
+    width = projection_inputs(out) if isinstance(out, nn.Module) else None
+    head_dim = declared_count(module, spec.head_size)
+    name = type(module).__name__
+    if width is None or head_dim is None:
+        what = f"no output projection {spec.out_proj!r}" if width is None else \
+            f"no head size ({' / '.join(spec.head_size)})"
+        raise HeadsweepError(f"{name} has {what}: it does not fit the {spec.layout} attention layout headsweep "
+                             "describes, so its heads cannot be gated")
+    n, rest = divmod(width, head_dim)
+    stated = declared_count(module, HEAD_COUNT_ATTRS) or declared_count(getattr(module, "config", None),
+                                                                         ("num_attention_heads",))
+    pruned = getattr(module, "headsweep_kv_index", None) is not None
+    if rest or (stated is not None and stated != n and not pruned):
+        raise HeadsweepError(f"{name}: its {spec.out_proj} takes {width} features, not a whole number of its "
+                             f"{stated or '?'} heads of {head_dim}: an attention layout headsweep does not know, "
+                             "refused rather than guessed")
+    kv = declared_count(module, KV_COUNT_ATTRS) or declared_count(getattr(module, "config", None), KV_COUNT_ATTRS)
+    if kv is None or pruned:
+        kv = n
+    fused = getattr(module, spec.fused, None) if spec.fused else None
+    parts = [fused if fused is not None else getattr(module, a, None) if a else None
+             for a in (spec.query, spec.key, spec.value)]
+    return AttentionLayout(spec.layout, module, module, True, parts[0], parts[1], parts[2], out, n, head_dim,
+                           min(kv, n) if n else 0)
+
+
 def attention_layout(module: nn.Module) -> AttentionLayout | None:
     """The layout of ``module`` if it is a self-attention module of a known layout, else None."""
-    for recognise in (_bert, _distilbert, _llama, _gpt2):
+    for recognise in (_bert, _distilbert, _llama, _gpt2, _described):
         found = recognise(module)
         if found is not None:
             return found
     return None
+
+
+def layout_spec(layout: AttentionLayout) -> SiteSpec | None:
+    """The :data:`.site_table.SITE_SPECS` row of a described layout (None for the hand-written ones)."""
+    return spec_of(layout.module) if layout.name not in LAYOUTS else None
 
 
 def only_layouts(sites: Sequence[AttentionSite], names: set[str]) -> bool:
