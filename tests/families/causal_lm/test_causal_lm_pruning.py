@@ -317,3 +317,26 @@ def test_bare_models_find_their_family(shape, tmp_path):
     prune_heads(bert, [Head("self", 0, 1)])
     save_classifier(bert, tmp_path / "bert")
     assert type(headsweep.load_pruned(str(tmp_path / "bert"))).__name__ == type(bert).__name__
+
+
+def test_a_module_that_reshapes_by_its_stored_head_count_is_pruned_exactly():
+    """StableLM's attention reshapes by the ``num_heads`` it stores: pruning sets the pruned counts, so the pruned
+    model computes the model whose removed heads' W_O columns are zeroed (an independent route); its config derives
+    the head size from ``hidden_size / num_attention_heads``, so a stock export is refused in one line."""
+    from tiny_models import zeroed_copy
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    torch.manual_seed(0)
+    model = StableLmForCausalLM(StableLmConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4,
+                                               num_key_value_heads=4)).eval()
+    mask = [Head("self", layer, h) for layer in (0, 1) for h in (0, 1)]
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    with torch.no_grad():
+        want = zeroed_copy(model, mask)(input_ids=ids).logits
+        pruned = copy.deepcopy(model)
+        model_family("hf_causal_lm").prune(pruned, mask)
+        got = pruned(input_ids=ids).logits
+    assert_routes_agree(got, want, depth=2, width=32, what="pruned StableLM against zeroed W_O columns")
+    with pytest.raises(HeadsweepError, match="StableLmConfig does not state the pruned head size"):
+        model_family("hf_causal_lm").stock_sizes(model, mask)

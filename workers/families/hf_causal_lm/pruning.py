@@ -188,10 +188,16 @@ def _apply_llama(model: nn.Module, site: AttentionSite, layout: AttentionLayout,
     sizes = {index.count(kv) for kv in range(len(plan.kept_kv))}
     if len(sizes) == 1:  # even groups: the stock forward repeats each key/value head this many times
         module.num_key_value_groups = sizes.pop()
+        kv_heads = len(plan.kept_kv)
     else:
         module.k_proj = GroupedKVProjection(layout.key, index, plan.head_dim)
         module.v_proj = GroupedKVProjection(layout.value, index, plan.head_dim)
         module.num_key_value_groups = 1
+        kv_heads = len(plan.kept)
+    # Modules that reshape by the head counts they store (StableLM's num_heads) read the pruned counts.
+    for attribute, count in (("num_heads", len(plan.kept)), ("num_key_value_heads", kv_heads)):
+        if isinstance(getattr(module, attribute, None), int):
+            setattr(module, attribute, count)
     setattr(module, KV_INDEX_ATTR, index)
 
 

@@ -17,6 +17,7 @@ mean smaller heads there, so no mask of theirs has a stock config.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
@@ -70,7 +71,35 @@ def stock_sizes(model: nn.Module, heads: Sequence[Head]) -> dict[str, int]:
         raise HeadsweepError(f"{name}'s layers have heads of sizes {sorted(head_dims)}: a stock config states one")
     sizes = {"num_attention_heads": query, "num_key_value_heads": kv, "head_dim": head_dims.pop()}
     check_stock_config(model, sizes)
+    _check_rebuilt_attention(model, sites[0], sizes)
     return sizes
+
+
+def _check_rebuilt_attention(model: nn.Module, site: Any, sizes: dict[str, int]) -> None:
+    """Refuse ``sizes`` where the model's own attention class, built from the pruned config (on the meta device: no
+    memory), would not have the pruned shapes: a config class that derives the head size from ``hidden_size /
+    num_attention_heads`` and ignores ``head_dim`` (StableLM) would load the stock folder with other shapes. A class
+    that cannot be built so is left to ``from_pretrained``'s own shape checks."""
+    import copy
+
+    import torch
+
+    config: Any = copy.deepcopy(model.config)
+    for key, value in sizes.items():
+        setattr(config, key, value)
+    try:
+        with torch.device("meta"):
+            rebuilt = type(site.module)(config, layer_idx=site.layer)
+    except Exception:  # noqa: BLE001 - another constructor: nothing to compare here
+        return
+    query = getattr(rebuilt, "q_proj", None)
+    want = sizes["num_attention_heads"] * sizes["head_dim"]
+    if isinstance(query, nn.Linear) and query.out_features != want:
+        raise HeadsweepError(
+            f"{type(model.config).__name__} does not state the pruned head size: built from the pruned config "
+            f"({sizes}), {type(site.module).__name__} has {query.out_features // sizes['num_attention_heads']}-wide "
+            f"heads, not {sizes['head_dim']} (the config derives them from hidden_size / num_attention_heads); export "
+            "without --stock (headsweep.load_pruned loads it)")
 
 
 def _fitting_unit(sites, layouts, grouped) -> str:
