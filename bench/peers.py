@@ -281,7 +281,8 @@ def nnsight_route(work: Workload, model, invokes: int) -> list[float]:
                         with tracer.invoke(ids):
                             if mask is not None:
                                 layer, h = mask
-                                output_projection(lm, model.config.model_type, layer).input[..., h * d : (h + 1) * d] = 0
+                                site = output_projection(lm, model.config.model_type, layer)
+                                site.input[..., h * d : (h + 1) * d] = 0
                             saved.append(lm.output.logits.save())
                 for i, logits in enumerate(saved):
                     s, n = perplexity(logits, ids, keep)
@@ -366,10 +367,11 @@ def run_peers(work: Workload, args) -> None:
             continue
         # A fresh model for each peer: the TransformerLens bridge switches the model it wraps to eager attention.
         model, work.load_s[name] = load_model(work)
+        invokes = 1 if name == "nnsight_loop" else args.invokes
         if name == "transformerlens":
             timed(work, name, lambda m=model: transformerlens_route(work, m))
         else:
-            timed(work, name, lambda m=model, k=1 if name == "nnsight_loop" else args.invokes: nnsight_route(work, m, k))
+            timed(work, name, lambda m=model, k=invokes: nnsight_route(work, m, k))
         del model
 
 
@@ -544,7 +546,8 @@ def measure_grid(grid: Grid, folder: Path, args, root: Path) -> tuple[Workload, 
     if stamps:
         startup_phases(stamps, grid.name)
     fastest = fastest_peer(work, with_load=False)
-    log(f"  {grid.name}: bound {bound(work):.2f}; default over plain {ratio(work.seconds['plain'], work.seconds['default'])}"
+    speedup = ratio(work.seconds["plain"], work.seconds["default"])
+    log(f"  {grid.name}: bound {bound(work):.2f}; default over plain {speedup}"
         + (f"; the fastest peer ({fastest[0]}) over default {ratio(fastest[1], work.seconds['default'])}"
            if fastest else ""))
     return work, stamps
