@@ -394,13 +394,14 @@ def run_headsweep(work: Workload) -> None:
 STARTUP_MARKS = (("Ray started", r"Ray|ray"), ("workers ready", r"\d+ workers ready"))
 
 
-def run_end_to_end(work: Workload, root: Path) -> dict[str, float] | None:
-    """``python -m headsweep run`` on the grid; its wall time and the stamps of its phases, or None (a line says
-    why) when it fails."""
-    cfg = {"name": f"peers-{work.grid.name}", "seed": 0,
-           "model": {"kind": "hf_causal_lm", "path": str(work.folder), "tokenizer": str(work.folder / "tokenizer"),
-                     "attn_implementation": "sdpa", "dtype": "float32"},
-           "data": {"path": str(work.folder / "text.txt"), "window": SIZES.window, "max_windows": work.grid.windows},
+def run_end_to_end(work: Workload, root: Path, model: dict | None = None, data: dict | None = None
+                   ) -> dict[str, float] | None:
+    """``python -m headsweep run`` on the grid (the causal LM's ``model`` and ``data`` sections unless given); its wall
+    time and the stamps of its phases, or None (a line says why) when it fails."""
+    model = model or {"kind": "hf_causal_lm", "path": str(work.folder), "tokenizer": str(work.folder / "tokenizer"),
+                      "attn_implementation": "sdpa", "dtype": "float32"}
+    data = data or {"path": str(work.folder / "text.txt"), "window": SIZES.window, "max_windows": work.grid.windows}
+    cfg = {"name": f"peers-{work.grid.name}", "seed": 0, "model": model, "data": data,
            "sweep": {"experiments": ["baseline", "custom"], "workers": 1, "threads_per_worker": work.threads,
                      "batch_size": work.batch_size, "masks": [[f"self:{lay}:{h}"] for lay, h in work.masks]}}
     root.mkdir(parents=True, exist_ok=True)
@@ -553,8 +554,9 @@ def measure_grid(grid: Grid, folder: Path, args, root: Path) -> tuple[Workload, 
     return work, stamps
 
 
-def reexec_with_peers() -> None:
-    """Run this script with ``.venv-peers``' python when the peers do not import here and that venv exists."""
+def reexec_with_peers(module: str = "bench.peers") -> None:
+    """Run the benchmark ``module`` with ``.venv-peers``' python when the peers do not import here and that venv
+    exists (the same arguments; this process exits with its status)."""
     python = VENV / "bin" / "python"
     if os.environ.get("HEADSWEEP_PEERS_REEXEC") or not python.exists() or Path(sys.prefix) == VENV:
         return
@@ -563,7 +565,7 @@ def reexec_with_peers() -> None:
     log(f"peers: the peers do not import here; running with {python}")
     env = {**os.environ, "HEADSWEEP_PEERS_REEXEC": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(common.ROOT), os.environ.get("PYTHONPATH")]))}
-    sys.exit(subprocess.call([str(python), "-m", "bench.peers", *sys.argv[1:]], cwd=common.ROOT, env=env))
+    sys.exit(subprocess.call([str(python), "-m", module, *sys.argv[1:]], cwd=common.ROOT, env=env))
 
 
 def parse_args():

@@ -42,6 +42,7 @@ SMOKE = {
     "multi30k_roles": ["roles"],
     "multi30k_translation": ["multi30k_grid"],
     "peers": ["peers"],  # with this python, whose peers are absent: headsweep's routes and `headsweep run` alone
+    "peers_classifier": ["peers_classifier"],  # the same for BERT, without `headsweep run` (peers' smoke runs it)
     "prune_speed": ["prune_speed", "prune_speed"],  # batch sizes 1 and 64
     "real_size": ["real_size"] * 2,  # bert-base, llama-3.2-1b (one shape per family)
     "report_scale": ["report_scale"],  # a synthetic store's report opened in headless Chromium
@@ -74,7 +75,7 @@ NOT_SMOKED = {
 }
 # Arguments a smoke run adds: bench/peers.py would switch to .venv-peers' python where that exists; the suite's run
 # is of this python, without the peers (test_peers_smoke_in_the_peers_venv runs them).
-SMOKE_ARGS = {"peers": ["--no-reexec"]}
+SMOKE_ARGS = {"peers": ["--no-reexec"], "peers_classifier": ["--no-reexec", "--skip-run"]}
 PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
 RESULT_LINE = re.compile(r"^RESULT ([a-z0-9_]+)((?: [a-z0-9_]+=\S+)+)$")
 
