@@ -37,9 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import common, peers
+from bench import common, peers, real_size
 from bench.common import log
-from bench.real_size import SIZES, SPECS, build  # imported before --smoke is read: its sizes shrink with it
 
 
 def classifier_workload(folder: Path, args, heads: int | None):
@@ -61,8 +60,8 @@ def adapter_for(folder: Path, args, reuse: bool):
 
     runtime = RuntimeOptions(device="cpu", batch_size=32, masks_per_batch=0 if reuse else 1, reuse=reuse,
                              threads=args.threads)
-    return load_classifier(ClassifierModel(path=str(folder), attn_implementation="sdpa"),
-                           ClassifierData(path=str(folder / "eval.tsv"), max_length=SIZES.max_length), runtime)
+    data = ClassifierData(path=str(folder / "eval.tsv"), max_length=real_size.SIZES.max_length)
+    return load_classifier(ClassifierModel(path=str(folder), attn_implementation="sdpa"), data, runtime)
 
 
 def scores(work, logits_of) -> list[tuple[float, float]]:
@@ -199,7 +198,7 @@ def main() -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
-    folder = build(SPECS["bert-base"])
+    folder = real_size.build(real_size.SPECS["bert-base"])  # shrunk by --smoke (real_size.use_smoke)
     work = classifier_workload(folder, args, 2 if common.SMOKE else None)
     log(f"peers_classifier: bert-base, {len(work.masks)} single heads + baseline over {len(work.scored)} sentences "
         f"in {len(work.inputs)} batches, {args.threads} thread(s); load average "
@@ -228,7 +227,7 @@ def main() -> None:
             stamps = peers.run_end_to_end(
                 work, Path(tmp), {"kind": "hf_classifier", "path": str(folder), "attn_implementation": "sdpa",
                                   "dtype": "float32"},
-                {"path": str(folder / "eval.tsv"), "max_length": SIZES.max_length})
+                {"path": str(folder / "eval.tsv"), "max_length": real_size.SIZES.max_length})
         if stamps:
             peers.startup_phases(stamps, "classifier")
     equal = equality(work)
