@@ -17,7 +17,7 @@ CHECK_PYTHON = import sys; f = sys.argv[1]; want = open(f).readline().split()[-1
 	sys.exit(0 if want == have else f"{f} holds the versions tested on Python {want}, this is Python {have}: " \
 	"install unconstrained with make install CONSTRAINTS=")
 
-.PHONY: install constraints demo test lint bench
+.PHONY: install constraints demo test lint bench bench-peers
 
 install:
 ifneq ($(CONSTRAINTS),)
@@ -59,3 +59,22 @@ test: install
 lint:
 	ruff check .
 	basedpyright
+
+# The peers bench/peers.py measures headsweep against, in a venv of their own that sees this environment's packages
+# (--system-site-packages): never a dependency of headsweep or its tests. Installed with the constraints and the torch
+# pin, so that no pinned package can move; CHECK_PINS then proves it (every pin of constraints.txt is still the
+# version the venv's python imports) and the peers must import. bench/README.md, "The peers".
+PEERS_VENV ?= .venv-peers
+PEERS_SPEC ?= transformer-lens==4.3.0 nnsight==0.8.1
+CHECK_PINS = import sys, re, importlib.metadata as m; key = lambda n: re.sub(r"[-_.]+", "-", n).lower(); \
+	have = {key(d.metadata["Name"]): d.version for d in m.distributions()}; \
+	pins = [line.split()[0].split("==") for line in open(sys.argv[1]) if "==" in line and line[0].isalnum()]; \
+	moved = [f"{n} {v} -> {have.get(key(n), None)}" for n, v in pins if have.get(key(n)) != v]; \
+	sys.exit(f"bench-peers: pinned versions moved: {moved}" if moved else 0)
+
+bench-peers:
+	@$(PYTHON) -c '$(CHECK_PYTHON)' constraints.txt
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q -c constraints.txt "$(TORCH_SPEC)" $(PEERS_SPEC)
+	$(PEERS_VENV)/bin/python -c '$(CHECK_PINS)' constraints.txt
+	$(PEERS_VENV)/bin/python -c "import transformer_lens, nnsight; print('bench-peers: transformer_lens and nnsight import in $(PEERS_VENV); every pin of constraints.txt unchanged')"

@@ -67,6 +67,15 @@ Figures (per shape; the 12 single-head masks over all windows, each route timed 
   keys: QK^T and AV, 4 n_heads d t), and the LM head; norms, activations, softmax and the loss are left out
   (under 1%). Plain computes K = T logits per window (every position after the first is scored).
 
+**The peers** (bench/peers.py's loops, where they import; the device machine has no network, so a peer absent there
+is skipped with a line saying so): TransformerLens 4's ``TransformerBridge.boot_transformers(..., hf_model=model)``
+with one ``run_with_hooks`` per mask zeroing ``blocks.L.attn.hook_z[:, :, h]``, and nnsight 0.8's
+``LanguageModel(model)`` zeroing head h's slice of ``o_proj``'s input, one trace per mask and ``--masks-per-batch``
+``invoke``s per trace; each over the 12 grid masks, compared with the hook loop within tau (a failure otherwise),
+timed as the others, and printed as ``RESULT gpu_check_peers shape=<name> vs_transformerlens=<x>
+vs_nnsight_loop=<x> vs_nnsight_batched=<x>`` (the peer's seconds / headsweep reuse's; ``n/a`` for one that did
+not run) when at least one ran. They need neither Ray nor the rest of this repository.
+
 Ends with one line per shape: ``RESULT gpu_check shape=<name> vs_hook_loop=<x> reuse_over_plain=<x> mfu=<x>
 equal=<true|false>``; exit status 1 if any check fails.
 
@@ -104,6 +113,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_FOLDERS = {"headsweep": "headsweep", "headsweep.sweep": "sweep", "headsweep.workers": "workers",
                    "headsweep.results": "results"}
 NOT_NEEDED = ("ray", "duckdb", "pyarrow", "fairseq")
+PEERS_LOADED: set[str] = set()  # modules of NOT_NEEDED first imported by a peer's route (TransformerLens, nnsight)
 
 
 class CheckoutFinder(importlib.abc.MetaPathFinder):
@@ -306,6 +316,114 @@ def surgery(model: nn.Module, masks: list, inputs: torch.Tensor, scored: torch.T
                 for weight, cols, old in saved:
                     weight[:, cols] = old
     return np.stack(rows)
+
+
+def nll_from_logits(logits: torch.Tensor, ids: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """Each window's summed NLL of its scored tokens from ``logits`` (float64), as :func:`window_nll` computes it."""
+    import torch.nn.functional as F
+
+    nll = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                          reduction="none").view(ids.shape[0], -1)
+    return (nll.double() * scored).sum(dim=1)
+
+
+def transformerlens_loop(bridge: object, masks: list, inputs: torch.Tensor, scored: torch.Tensor, batch_size: int
+                         ) -> np.ndarray:
+    """TransformerLens 4's loop: one ``run_with_hooks`` per mask, each hook zeroing its head in ``blocks.L.attn.hook_z``
+    (z: batch, position, head, d_head) of the bridge ``TransformerBridge.boot_transformers(..., hf_model=model)``."""
+    import numpy as np
+    import torch
+
+    rows = []
+    with torch.inference_mode():
+        for mask in masks:
+            hooks = []
+            for head in mask:
+                def zero(z, hook, h=head.head):
+                    z[:, :, h, :] = 0.0
+                    return z
+                hooks.append((f"blocks.{head.layer}.attn.hook_z", zero))
+            sums = [nll_from_logits(bridge.run_with_hooks(inputs[i : i + batch_size], fwd_hooks=hooks,
+                                                          return_type="logits"),
+                                    inputs[i : i + batch_size], scored[i : i + batch_size])
+                    for i in range(0, inputs.shape[0], batch_size)]
+            rows.append(torch.cat(sums).cpu().numpy())
+    return np.stack(rows)
+
+
+def nnsight_loop(lm: object, config: object, masks: list, inputs: torch.Tensor, scored: torch.Tensor,
+                 batch_size: int, invokes: int) -> np.ndarray:
+    """nnsight 0.8 (``LanguageModel(model)``): each mask zeroes its heads' slices of ``o_proj``'s input in a trace;
+    ``invokes`` masks per trace, one ``invoke`` each (1: one trace per mask)."""
+    import numpy as np
+    import torch
+
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rows = [[] for _ in masks]
+    with torch.inference_mode():
+        for i in range(0, inputs.shape[0], batch_size):
+            ids, keep = inputs[i : i + batch_size], scored[i : i + batch_size]
+            for start in range(0, len(masks), invokes):
+                saved = []
+                with lm.trace() as tracer:
+                    for mask in masks[start : start + invokes]:
+                        with tracer.invoke(ids):
+                            for head in mask:
+                                site = lm.model.layers[head.layer].self_attn.o_proj
+                                site.input[..., head.head * d : (head.head + 1) * d] = 0
+                            saved.append(lm.output.logits.save())
+                for k, logits in enumerate(saved):
+                    rows[start + k].append(nll_from_logits(logits, ids, keep))
+    return np.stack([torch.cat(r).cpu().numpy() for r in rows])
+
+
+def peer_routes(folder: Path, grid: list, inputs: torch.Tensor, scored: torch.Tensor, args: argparse.Namespace,
+                tol: Tolerance, hooked: np.ndarray) -> dict[str, float]:
+    """TransformerLens's and nnsight's loops over the grid where they import (a line says why where not), each
+    compared with the hook loop within tau and timed (best of ``--repeats``); their seconds by route."""
+    import torch
+
+    seconds = {}
+    dtype = getattr(torch, args.dtype)
+    for name in ("transformerlens", "nnsight_loop", "nnsight_batched"):
+        module = "transformer_lens" if name == "transformerlens" else "nnsight"
+        before = set(sys.modules)
+        try:
+            __import__(module)
+            if module == "transformer_lens":
+                __import__("transformer_lens.model_bridge")
+        except Exception as exc:  # noqa: BLE001  absent (the device machine has no network), or broken
+            print(f"  {name}: skipped: {module} does not import here ({type(exc).__name__}); make bench-peers "
+                  "installs it", flush=True)
+            continue
+        try:
+            # A fresh model for each: the TransformerLens bridge switches the model it wraps to eager attention.
+            from transformers import AutoTokenizer
+
+            model = load_user_model(folder, args.device, dtype)
+            tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+            if name == "transformerlens":
+                from transformer_lens.model_bridge import TransformerBridge  # pyright: ignore[reportMissingImports]
+
+                bridge = TransformerBridge.boot_transformers(str(folder), device=args.device, dtype=dtype,
+                                                             hf_model=model, tokenizer=tokenizer)
+                run = partial(transformerlens_loop, bridge, grid, inputs, scored, args.batch_size)
+            else:
+                from nnsight import LanguageModel  # pyright: ignore[reportMissingImports]
+
+                lm = LanguageModel(model, tokenizer=tokenizer)
+                run = partial(nnsight_loop, lm, model.config, grid, inputs, scored, args.batch_size,
+                              1 if name == "nnsight_loop" else args.masks_per_batch)
+            run()  # warm-up
+            values, seconds[name] = best_time(run, args.device, args.repeats)
+        except Exception as exc:  # noqa: BLE001  a peer's API change must not cost headsweep's figures
+            print(f"  {name}: failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}", flush=True)
+            continue
+        finally:
+            release(args.device)
+            PEERS_LOADED.update(set(NOT_NEEDED) & (set(sys.modules) - before))
+        tol.compare(f"{name} == hook loop ({len(grid)} masks)", values, hooked)
+    return seconds
 
 
 def reference_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -541,6 +659,8 @@ def check_shape(shape: Shape, args: argparse.Namespace, rate: float, workdir: Pa
         tol.failures.append(f"reuse did not run: {reuse.reuse_note}")
     del reuse
     release(args.device)
+    # after every headsweep route, so that what a peer imports cannot hide what headsweep imported (import_report)
+    peer_s = peer_routes(folder, grid, inputs, scored, args, tol, hooked)
 
     flops = len(grid) * args.windows * window_flops(config, args.window, args.window)
     peak = f"; peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else ""
@@ -548,6 +668,10 @@ def check_shape(shape: Shape, args: argparse.Namespace, rate: float, workdir: Pa
           f"{args.repeats}): hook loop {hook_s:.3f}, headsweep plain {plain_s:.3f}, reuse {reuse_s:.3f} (hook loop / "
           f"reuse {hook_s / reuse_s:.2f}); plain computes {flops / 1e12:.3f} TFLOP, {flops / plain_s / 1e12:.2f} "
           f"TFLOP/s{peak}", flush=True)
+    if peer_s:
+        print("RESULT gpu_check_peers shape=" + shape.name + "".join(
+            f" vs_{name}={peer_s[name] / reuse_s:.2f}" if name in peer_s else f" vs_{name}=n/a"
+            for name in ("transformerlens", "nnsight_loop", "nnsight_batched")), flush=True)
     for failure in tol.failures:
         print(f"  FAILED: {failure}", flush=True)
     return Outcome(shape.name, hook_s / plain_s, plain_s / reuse_s, flops / plain_s / rate, tol.failures)
@@ -558,10 +682,12 @@ def import_report() -> tuple[str, bool]:
     modules = {name: m for name, m in sys.modules.items() if name == "headsweep" or name.startswith("headsweep.")}
     outside = sorted(name for name, m in modules.items()
                      if getattr(m, "__file__", None) and not Path(m.__file__).resolve().is_relative_to(ROOT))
-    loaded = [name for name in NOT_NEEDED if name in sys.modules]
+    loaded = [name for name in NOT_NEEDED if name in sys.modules and name not in PEERS_LOADED]
     found = "this checkout" if not outside else f"elsewhere for {', '.join(outside)}"
+    state = {name: "loaded" if name in loaded else "absent" for name in NOT_NEEDED}
+    state.update({name: "loaded-by-the-peers" for name in PEERS_LOADED})
     line = (f"imports: headsweep from {Path(sys.modules['headsweep'].__file__).parent} ({len(modules)} modules, "
-            f"{found}); " + " ".join(f"{name}={'loaded' if name in loaded else 'absent'}" for name in NOT_NEEDED))
+            f"{found}); " + " ".join(f"{name}={state[name]}" for name in NOT_NEEDED))
     return line, not outside and not loaded
 
 

@@ -42,6 +42,8 @@ SMOKE = {
     "multi30k_pruning": ["multi30k_pruning"],
     "multi30k_roles": ["roles"],
     "multi30k_translation": ["multi30k_grid"],
+    "peers": ["peers"],  # with this python, whose peers are absent: headsweep's routes and `headsweep run` alone
+    "peers_classifier": ["peers_classifier"],  # the same for BERT, without `headsweep run` (peers' smoke runs it)
     "prune_speed": ["prune_speed", "prune_speed"],  # batch sizes 1 and 64
     "real_size": ["real_size"] * 2,  # bert-base, llama-3.2-1b (one shape per family)
     "report_scale": ["report_scale"],  # a synthetic store's report opened in headless Chromium
@@ -72,6 +74,10 @@ NOT_SMOKED = {
     "multi30k": "the Multi30k data and models of the Multi30k benchmarks, exercised by their smoke runs",
     "sweeps": "sweeps run and watched for real_size and ablation_methods, exercised by their smoke runs",
 }
+# Arguments a smoke run adds: bench/peers.py would switch to .venv-peers' python where that exists; the suite's run
+# is of this python, without the peers (test_peers_smoke_in_the_peers_venv runs them).
+SMOKE_ARGS = {"peers": ["--no-reexec"], "peers_classifier": ["--no-reexec", "--skip-run"]}
+PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
 RESULT_LINE = re.compile(r"^RESULT ([a-z0-9_]+)((?: [a-z0-9_]+=\S+)+)$")
 
 
@@ -80,9 +86,10 @@ def bench_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("bench-cache")
 
 
-def run_smoke(script: str, cache: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", f"bench.{script}", "--smoke"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "HEADSWEEP_BENCH_CACHE": str(cache)})
+def run_smoke(script: str, cache: Path, python: str = sys.executable, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([python, "-m", f"bench.{script}", "--smoke", *SMOKE_ARGS.get(script, []), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HEADSWEEP_BENCH_CACHE": str(cache)})
 
 
 def results(stdout: str) -> list[tuple[str, dict[str, str]]]:
@@ -135,9 +142,36 @@ def test_smoke(script: str, bench_cache: Path) -> None:
             == {"causal_lm_exact": "1", "classifier_exact": "1", "refused": "1", "wrong": "0", "untested": "0"}, \
             proc.stdout[-3000:]
         assert re.search(r"^causal_lm +mamba +hf_causal_lm +refused .*state-space", proc.stdout, re.M), proc.stdout
+    if script == "peers":
+        peers_absent = all(f"peers: {route} not run:" in proc.stdout for route in ("transformerlens", "nnsight_loop",
+                                                                                     "nnsight_batched"))
+        fields = found[0][1]
+        if peers_absent:  # each peer says why in one line, and headsweep's figures still print
+            assert {k: fields[k] for k in ("vs_transformerlens", "vs_nnsight_loop", "vs_nnsight_batched")} == {
+                "vs_transformerlens": "n/a", "vs_nnsight_loop": "n/a", "vs_nnsight_batched": "n/a"}, proc.stdout
+        assert fields["equal"] == "true" and float(fields["bound"]) > 1, proc.stdout[-3000:]
+        # `headsweep run` ran and said when its worker was ready, or the bench said in one line why it could not (a
+        # Ray that does not start on an overloaded machine is not the benchmark's to hide)
+        assert (fields["startup_s"] != "n/a" and float(fields["startup_s"]) > 0) or re.search(
+            r"^peers: run not measured: headsweep run exited \d+: \S", proc.stdout, re.M), proc.stdout[-3000:]
     if script == "ablation_methods":
         # The LM's hook loop (mean ablation on hook_z, written in the script) gave headsweep's deltas.
         assert found[1][1]["model"] == "lm" and found[1][1]["hook_loop_equal"] == "true", proc.stdout[-3000:]
+
+
+@pytest.mark.skipif(not PEERS_PYTHON.exists(), reason="no .venv-peers here (make bench-peers makes it)")
+def test_peers_smoke_in_the_peers_venv(bench_cache: Path) -> None:
+    """bench/peers.py's smoke run with TransformerLens and nnsight present: every peer route runs and agrees with
+    headsweep's plain path (``headsweep run`` left out: test_smoke runs it)."""
+    proc = run_smoke("peers", bench_cache, str(PEERS_PYTHON), "--skip-run")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "not run" not in proc.stdout, proc.stdout[-3000:]
+    (name, fields), = results(proc.stdout)
+    assert name == "peers" and fields["equal"] == "true", proc.stdout[-3000:]
+    for route in ("vs_transformerlens", "vs_nnsight_loop", "vs_nnsight_batched"):
+        assert float(fields[route]) > 0, (route, proc.stdout[-3000:])
+    assert re.search(r"equal: largest \|log perplexity - plain's\| default \S+, transformerlens \S+, nnsight_loop "
+                     r"\S+, nnsight_batched \S+; bound", proc.stdout), proc.stdout[-3000:]
 
 
 def test_every_benchmark_has_a_smoke_case() -> None:
