@@ -194,7 +194,7 @@ class Context:
         if self.cfg.significance.enabled:
             self.tracker = SignificanceTracker(
                 self.cfg.significance, self.store, self.run_id, self.info.metric, stats, family_prefix=self.prefix,
-                averaged=averaged_outcomes(self.cfg),
+                averaged=averaged_outcomes(self.cfg), before_write=self.flush,
             )
 
     def _expect(self, units: Sequence[WorkUnit]) -> None:
