@@ -272,6 +272,9 @@ def main() -> None:
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray's memory monitor kills a worker when the machine's memory is nearly full, as it is at times on a shared
+    # machine; such a kill is not one of the trial's (a worker lost while it loads ends the run): off here.
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     address = ray.get_runtime_context().gcs_address
     totals: Counter = Counter()
