@@ -222,13 +222,14 @@ def clean_run(config: Path, store: Path, address: str) -> Clean:
 
 
 def trial(number: int, kind: str, rng: random.Random, config: Path, folder: Path, address: str,
-          clean: Clean, totals: Counter, during_writing: bool | None = None) -> None:
+          clean: Clean, totals: Counter, during_writing: bool | None = None, reach: float = 1.0) -> None:
     """One trial: a run stopped by ``kind`` at a random moment (``during_writing``: in the writing, else in the
-    start-up; None: drawn), its store checked, resumed, checked, compared."""
+    start-up; None: drawn; within the first ``reach`` of the clean run's time for it), its store checked,
+    resumed, checked, compared."""
     store = folder / f"trial-{number}"
     if during_writing is None:
         during_writing = rng.random() < 0.5
-    delay = rng.uniform(0, clean.writing_s if during_writing else clean.startup_s)
+    delay = rng.uniform(0, reach * (clean.writing_s if during_writing else clean.startup_s))
     driver = Driver(config, store, address)
     while driver.proc.poll() is None and during_writing and not driver.stored_any():
         time.sleep(0.02)
@@ -288,7 +289,7 @@ def main() -> None:
         trials = len(kinds) if smoke else args.trials
         for number in range(trials):
             trial(number, kinds[number % len(kinds)], rng, config, folder, address, clean, totals,
-                  during_writing=True if smoke else None)
+                  during_writing=True if smoke else None, reach=0.5 if smoke else 1.0)
         print(f"{trials} trials in {time.monotonic() - start:.0f} s", flush=True)
     ray.shutdown()
     common.result("interrupt_stress", trials=totals["trials"], violations=totals["violations"],

@@ -35,6 +35,7 @@ SMOKE = {
     "ablation_methods": ["ablation_methods"] * 3,  # classifier, lm, multi30k (the last needs ../shared/data)
     "dispatch": ["dispatch", "dispatch_balance"],
     "grid_speed": ["grid_classifier", "grid_translation"],
+    "interrupt_stress": ["interrupt_stress"],  # a clean run, then Ctrl-C and a SIGKILL of the driver in the writing
     "lm_grid": ["lm_grid"],  # TransformerLens is not a dependency: its line is not expected
     "lm_eval_grid": ["lm_eval_grid"],  # six questions on a 2-layer model: lm-eval loop, plain, reuse
     "multi30k_l0": ["l0"],
@@ -128,6 +129,12 @@ def test_smoke(script: str, bench_cache: Path) -> None:
         # The kill landed, and the faulted run stored every evaluation once, each number as the uninterrupted run's.
         assert {k: found[0][1][k] for k in ("masks", "kills", "lost", "duplicated", "equal")} == {
             "masks": "64", "kills": "1", "lost": "0", "duplicated": "0", "equal": "true"}, proc.stdout[-3000:]
+    if script == "interrupt_stress":
+        # The stops left stores that hold the invariant, each equal to the clean run's once resumed (a stop that
+        # came after the run had ended, which a fast run may let happen, is checked all the same).
+        fields = found[0][1]
+        assert (fields["trials"], fields["violations"], fields["equal"]) == ("2", "0", "2"), proc.stdout[-3000:]
+        assert int(fields["resumed"]) >= 1, proc.stdout[-3000:]
     if script == "ablation_methods":
         # The LM's hook loop (mean ablation on hook_z, written in the script) gave headsweep's deltas.
         assert found[1][1]["model"] == "lm" and found[1][1]["hook_loop_equal"] == "true", proc.stdout[-3000:]
