@@ -276,7 +276,15 @@ def main() -> None:
     # Ray's memory monitor kills a worker when the machine's memory is nearly full, as it is at times on a shared
     # machine; such a kill is not one of the trial's (a worker lost while it loads ends the run): off here.
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    for attempt in range(3):  # Ray gives its raylet 30 s to register: not always enough on an overloaded machine
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            break
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for it
+            ray.shutdown()
+            if attempt == 2:
+                sys.exit(f"Ray did not start: {exc}")
+            print(f"Ray did not start ({exc}); trying again", flush=True)
     address = ray.get_runtime_context().gcs_address
     totals: Counter = Counter()
     with tempfile.TemporaryDirectory(prefix="interrupt-stress-") as tmp:
