@@ -270,6 +270,9 @@ def main() -> None:
     smoke = common.enable_smoke(args)
     kinds = SMOKE_KINDS if smoke else KINDS
     rng = random.Random(args.seed)
+    # A shell without job control starts a background job with SIGINT ignored, and the drivers would inherit that
+    # (headsweep keeps a signal ignored that it was started ignoring): their Ctrl-C must be a Ctrl-C.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
