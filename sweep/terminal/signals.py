@@ -101,15 +101,10 @@ def handlers_kept() -> Iterator[None]:
         os.register_at_fork(after_in_child=_unblock_in_child)
         _held["hooked"] = True
     before = {signum: signal.getsignal(signum) for signum in HANDLED}
-    stopping = _state["stopping"]
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     _held["active"] = True
     try:
         yield
-        if _state["stopping"] and not stopping and before[signal.SIGINT] is _stop:
-            # A signal whose KeyboardInterrupt the block caught and dropped (Ray's start-up waits in loops that
-            # catch every exception): the command stops all the same, as it would have with the block's end.
-            raise Terminated() if _state["signum"] == signal.SIGTERM else KeyboardInterrupt()
     except SystemExit as exc:
         if exc.code == signal.SIGTERM and before[signal.SIGTERM] is _stop:
             ignore_further()
