@@ -34,6 +34,7 @@ MARK = "HEADSWEEP_EMBEDDED_RAY"
 TERM_GRACE_S = 1.0
 REAP_FOR_S = 60.0
 POLL_S = 0.1
+QUIET_S = 3.0
 
 
 class Watchdog:
@@ -92,14 +93,24 @@ def marked(token: str) -> set[int]:
 
 
 def reap(token: str) -> None:
-    """End every marked process: SIGTERM first, SIGKILL ``TERM_GRACE_S`` later, until none is left."""
+    """End every marked process: SIGTERM first, SIGKILL ``TERM_GRACE_S`` later, until none is seen for
+    ``QUIET_S`` (or ``REAP_FOR_S`` have passed)."""
     termed: dict[int, float] = {}
     deadline = time.monotonic() + REAP_FOR_S
+    quiet_since = None
     while time.monotonic() < deadline:
         pids = marked(token) - {os.getpid()}
-        if not pids:
-            return
         now = time.monotonic()
+        if not pids:
+            # Done once none is seen for QUIET_S, not at the first scan that sees none: once, a SIGTERM during Ray's
+            # start-up left one process of the instance running after such a scan (one being started then, whose
+            # environment could not be read yet, or started just after it).
+            quiet_since = now if quiet_since is None else quiet_since
+            if now - quiet_since >= QUIET_S:
+                return
+            time.sleep(POLL_S)
+            continue
+        quiet_since = None
         for pid in pids:
             first = termed.setdefault(pid, now)
             with contextlib.suppress(ProcessLookupError, PermissionError):
