@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import ray
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.cluster import reaper
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.terminal import console, signals
 
 # Whether init_ray connected this process (rather than finding Ray already initialized by its caller).
 _connected_here = False
+# The embedded instance's watchdog (headsweep.sweep.cluster.reaper): its processes end with this one.
+_watchdog: reaper.Watchdog | None = None
 
 
 def init_ray(address: str | None, cfg: Config) -> None:
@@ -21,18 +25,23 @@ def init_ray(address: str | None, cfg: Config) -> None:
     command's log file (or onto the terminal with ``--verbose``); the console shows a worker's own
     ``headsweep:`` lines (``console.relay_ray_workers``).
     """
-    global _connected_here
+    global _connected_here, _watchdog
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    if not address and _watchdog is None:
+        _watchdog = reaper.start()  # before the instance's first process: see headsweep.sweep.cluster.reaper
     try:
         # Ray replaces the SIGTERM handler (its core worker's aborts the process): a scheduler's SIGTERM must stop
         # a run as Ctrl-C does, its row marked interrupted (headsweep.sweep.terminal.signals).
-        with signals.handlers_kept():
+        with signals.handlers_kept(), _watchdog.marking() if _watchdog is not None else contextlib.nullcontext():
             _init(address, cfg)
-    except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
-        where = address or "a local instance"
-        raise HeadsweepError(f"cannot reach the Ray cluster at {where}: {str(exc).splitlines()[0]}") from None
+    except BaseException as exc:
+        _let_go()  # a start cut short may have left some of the instance's processes
+        if isinstance(exc, (ConnectionError, TimeoutError, ValueError, RuntimeError)):
+            where = address or "a local instance"
+            raise HeadsweepError(f"cannot reach the Ray cluster at {where}: {str(exc).splitlines()[0]}") from None
+        raise
     _connected_here = True
     console.relay_ray_workers()
 
@@ -48,6 +57,15 @@ def end_ray() -> None:
     if _connected_here and ray.is_initialized():
         ray.shutdown()
     _connected_here = False
+    _let_go()
+
+
+def _let_go() -> None:
+    """The embedded instance is shut down, or failed to start: its watchdog ends whatever is left of it."""
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.release()
+        _watchdog = None
 
 
 def _init(address: str | None, cfg: Config) -> None:

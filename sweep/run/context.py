@@ -208,6 +208,7 @@ class Context:
             self.tracker = SignificanceTracker(
                 self.cfg.significance, self.store, self.run_id, self.info.metric, stats, family_prefix=self.prefix,
                 averaged=averaged_outcomes(self.cfg), reference=self.kinds.reference, counted=self.kinds.counted,
+                before_write=self.flush,
             )
 
     def _expect(self, units: Sequence[WorkUnit]) -> None:

@@ -11,6 +11,7 @@ experiment, written atomically.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Callable
 
 import numpy as np
 import ray
@@ -160,6 +161,7 @@ class SignificanceTracker:
         self, section: SignificanceSection, store: ResultStore, run_id: str, metric: str,
         baseline_stats: np.ndarray, family_prefix: str = "", averaged: bool = False, reference: str | None = None,
         counted: tuple[str, ...] = (),
+        before_write: Callable[[], None] | None = None,
     ):
         self.section = section
         self.store = store
@@ -178,6 +180,9 @@ class SignificanceTracker:
         self.screened: set[str] = set()
         self.reference = reference  # the kind of the unmasked model's unit: the baseline of every test, not tested
         self.counted = counted  # the kinds whose significant evaluations significant_so_far counts
+        # Stores the evaluations buffered so far (the run's chunk writer): a family's rows never land before the
+        # evaluations they test, so a run killed in between holds no significance row of an evaluation it lacks.
+        self.before_write = before_write
 
     def expect(self, units: list[WorkUnit]) -> None:
         """Announce units to come; a family is complete once all its announced units are tested."""
@@ -263,6 +268,8 @@ class SignificanceTracker:
         return [r for r in rows if r["eval_id"] not in self.screened]
 
     def _write(self, experiment: str) -> None:
+        if self.before_write is not None:
+            self.before_write()
         rows = self._family_rows(experiment)
         name = (self.family_prefix + experiment).replace("/", "-")
         self.store.write_rows("significance", self.run_id, rows, name=name)
