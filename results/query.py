@@ -18,7 +18,7 @@ import os
 import tempfile
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -281,17 +281,8 @@ def write_result(reader: pa.RecordBatchReader, fmt: str, out: Output | None,
     check_format(fmt, out)
     if out is None:
         assert show is not None
-        if fmt == "table":
-            show(format_table(_table_rows(reader)))
-            return
-        header = fmt == "csv"
-        for batch in reader:
-            lines = text_lines(batch, fmt, header)
-            header = False
-            if lines:
-                show("\n".join(lines))
-        if header:  # no batch at all: the header alone, as for an empty table
-            show("\n".join(text_lines(reader.schema.empty_table(), fmt, True)))
+        for text in _text_chunks(reader, fmt):
+            show(text)
         return
     try:
         with written_file(out) as tmp:
@@ -299,19 +290,26 @@ def write_result(reader: pa.RecordBatchReader, fmt: str, out: Output | None,
                 _write_parquet(reader, tmp)
                 return
             with open(tmp, "w", encoding="utf-8") as f:
-                if fmt == "table":
-                    f.write(format_table(_table_rows(reader)) + "\n")
-                    return
-                header = fmt == "csv"
-                for batch in reader:
-                    lines = text_lines(batch, fmt, header)
-                    header = False
-                    if lines:
-                        f.write("\n".join(lines) + "\n")
-                if header:
-                    f.write("\n".join(text_lines(reader.schema.empty_table(), fmt, True)) + "\n")
+                for text in _text_chunks(reader, fmt):
+                    f.write(text + "\n")
     except OSError as exc:
         raise HeadsweepError(f"cannot write {out.named}: {exc.strerror or one_line(exc)}") from None
+
+
+def _text_chunks(reader: pa.RecordBatchReader, fmt: str) -> Iterator[str]:
+    """The result as text, a chunk per batch (CSV with its header first, JSON lines), or one aligned table; a result
+    of no batch at all is its header alone, as for an empty table."""
+    if fmt == "table":
+        yield format_table(_table_rows(reader))
+        return
+    header = fmt == "csv"
+    for batch in reader:
+        lines = text_lines(batch, fmt, header)
+        header = False
+        if lines:
+            yield "\n".join(lines)
+    if header:
+        yield "\n".join(text_lines(reader.schema.empty_table(), fmt, True))
 
 
 def _write_parquet(reader: pa.RecordBatchReader, path: Path) -> None:
