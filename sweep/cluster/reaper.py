@@ -34,7 +34,7 @@ MARK = "HEADSWEEP_EMBEDDED_RAY"
 TERM_GRACE_S = 1.0
 REAP_FOR_S = 60.0
 POLL_S = 0.1
-QUIET_S = 3.0
+QUIET_S = 6.0
 
 
 class Watchdog:

@@ -89,9 +89,9 @@ def test_config_identity_is_unchanged(name, config_hash, json_hash):
     if stored["model"]["kind"] == "hf_causal_lm":  # data.task paired's and lm_eval's keys, at their defaults
         assert stored["data"].pop("max_pairs") is None
         lm_eval = {k: stored["data"].pop(k) for k in ("tasks", "include_path", "num_fewshot", "fewshot_seed", "limit",
-                                                      "metric")}
+                                                      "metric", "trust_task_code")}
         assert lm_eval == {"tasks": None, "include_path": None, "num_fewshot": None, "fewshot_seed": 1234,
-                           "limit": None, "metric": None}
+                           "limit": None, "metric": None, "trust_task_code": False}
     if stored["model"]["kind"] == "hf_classifier":  # data.task (paired inputs), at its default
         assert stored["data"].pop("task") == "classification"
     pinned_json = json.dumps(stored, sort_keys=True, separators=(",", ":"))

@@ -89,4 +89,5 @@ def test_an_interrupt_anywhere_stores_whole_evaluations_once(tmp_path: Path):
         if not interrupted:
             break
         cases += 1
-    assert evals == [u.eval_id for u in units(3)] and cases > 50  # every line of the sequence was a case
+    # every line of the sequence was a case; the files of a table are read in no set order
+    assert sorted(evals) == sorted(u.eval_id for u in units(3)) and cases > 50
