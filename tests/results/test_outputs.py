@@ -26,29 +26,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import REPO, error_line, run_cli
+from conftest import REPO, run_cli
+from test_store_probe import refused, snapshot
 
 from headsweep.results.outputs import MARKER
 from headsweep.results.store import ResultStore
 
 STORE_V1 = Path(__file__).resolve().parents[1] / "data" / "store_v1"
 CLASSIFIER, TRANSLATION, GLOBAL = "20261122-180235-883e36", "20261122-180259-b00d8e", "20261122-180323-e73df3"
-
-
-def snapshot(root: Path) -> dict[str, bytes | None]:
-    """Every file (its bytes) and folder (None) under ``root``."""
-    if not root.exists():
-        return {}
-    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
-
-
-def refused(proc: subprocess.CompletedProcess, *fragments: str) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr[-2000:]
-    line = error_line(proc.stderr)
-    for fragment in fragments:
-        assert fragment in line, line
-    return line
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:
