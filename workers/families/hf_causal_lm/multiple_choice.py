@@ -11,60 +11,30 @@ makes the numbers comparable with its ``acc`` and ``acc_norm``):
    choice (``numpy.argmax``).
 
 Every question stores ``[correct, correct_norm]``; ``data.choice_score`` picks the run's metric (``accuracy``
-or ``accuracy_norm``, :mod:`headsweep.workers.core.metrics`). Rows are (question, choice) pairs, right-padded in
-batches with an attention mask, and the logits are computed only at the positions that predict continuation
-tokens. Several masks share one forward pass, and with ``sweep.reuse`` a mask starts at its first gated layer from the
-batch's cached baseline states, as for perplexity (:mod:`headsweep.workers.families.hf_causal_lm.reuse`).
+or ``accuracy_norm``, :mod:`headsweep.workers.core.metrics`). Rows are (question, choice) pairs, scored by
+:mod:`.continuations` (convention ``kept_logits``: right-padded batches with an attention mask, the logits computed
+only at the positions that predict continuation tokens; packed masks, prefix reuse, the context cache).
 """
 
 from __future__ import annotations
 
-import inspect
-import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from headsweep.workers.ablation.donors import refuse_per_example
-from headsweep.workers.core.baseline_once import BaselineOnce
-from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
-from headsweep.workers.core.heads import Head
-from headsweep.workers.core.mask_grid import GridBatch, grid_batches, mask_grid
+from headsweep.workers.core.family import DatasetInfo, MaskOutput, RuntimeOptions
 from headsweep.workers.core.metrics import MC_ACCURACY, MC_ACCURACY_NORM, Metric
-from headsweep.workers.core.workload import median_batch, take_rows
 from headsweep.workers.data.data_report import Finding, merge, report, unknown_tokens
 from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-from headsweep.workers.families.hf_causal_lm.context_cache import ContextBatch, ContextCacheSwitch, context_width
-from headsweep.workers.families.hf_causal_lm.model import (
-    GatedCausalLM,
-    activation_bytes_per_row,
-    length_batches,
-    model_facts,
-    right_padded,
-    target_nll,
-)
-from headsweep.workers.families.hf_causal_lm.questions import (
-    Row,
-    encode_requests,
-    plan_rows,
-    read_questions,
-    request_tokens,
-)
-from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
+from headsweep.workers.families.hf_causal_lm.continuations import ContinuationAdapter, Convention
+from headsweep.workers.families.hf_causal_lm.model import model_facts
+from headsweep.workers.families.hf_causal_lm.questions import encode_requests, plan_rows, read_questions, request_tokens
 from headsweep.workers.families.hf_shared.loading import max_positions
-from headsweep.workers.families.hf_shared.reuse import repeat_rows
 from headsweep.workers.families.hf_shared.tokenizer import count_unknown
 from headsweep.workers.hub.cache import model_label
-from headsweep.workers.memory.batch_budget import cache_budget
-from headsweep.workers.memory.batch_budget import masks_per_forward as budget_masks_per_forward
 
-logger = logging.getLogger(__name__)
-
-LOSS_NAME = "token cross-entropy of the gold continuations"
 # lm-eval's HFLM.max_length when neither the model nor the tokenizer says (and the tokenizers' "no limit").
 DEFAULT_MAX_LENGTH = 2048
 TOKENIZER_INFINITY = 1000000000000000019884624838656
@@ -94,53 +64,10 @@ def predictions(lls: np.ndarray, index: np.ndarray, lengths: np.ndarray) -> tupl
     return per_question.argmax(axis=-1), normalised.argmax(axis=-1)
 
 
-@dataclass
-class RowBatch:
-    """Rows right-padded to one width, on the device: ``positions[b, k]`` are the input positions whose logits
-    are kept (the last ``K`` of each row, K the batch's longest continuation), ``targets[b, k]`` the tokens they
-    predict, ``scored[b, k]`` whether it is a continuation token of the row (shorter continuations leave the
-    first ``K - len`` unscored)."""
-
-    rows: torch.Tensor  # indices into the adapter's rows (CPU)
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    positions: torch.Tensor
-    targets: torch.Tensor
-    scored: torch.Tensor
-
-    def repeat(self, n: int) -> RowBatch:
-        """The batch stacked ``n`` times (one copy per mask)."""
-        if n == 1:
-            return self
-        return RowBatch(self.rows, *(t.repeat(n, 1) for t in (self.input_ids, self.attention_mask, self.positions,
-                                                               self.targets, self.scored)))
-
-    @property
-    def packed(self) -> torch.Tensor:
-        """Everything but the input ids, one row per row: ``[attention mask (W) | positions (K) | targets (K) |
-        scored (K)]`` (:func:`unpack` reads it)."""
-        return torch.cat([self.attention_mask, self.positions, self.targets, self.scored.long()], dim=1)
-
-
-def unpack(input_ids: torch.Tensor, packed: torch.Tensor) -> RowBatch:
-    """A batch from its input ids and :attr:`RowBatch.packed` (``rows`` left empty: the rows are not needed)."""
-    width = input_ids.shape[1]
-    keep = (packed.shape[1] - width) // 3
-    parts = [packed[:, width + i * keep : width + (i + 1) * keep] for i in range(3)]
-    return RowBatch(torch.empty(0, dtype=torch.long), input_ids, packed[:, :width], parts[0], parts[1],
-                    parts[2].bool())
-
-
-def row_batch(rows: Sequence[Row], which: Sequence[int], device: torch.device) -> RowBatch:
-    """The rows ``which`` as one right-padded batch (:func:`~.model.right_padded`)."""
-    input_ids, attention, positions, targets, scored = right_padded([(rows[i].inputs, rows[i].targets)
-                                                                     for i in which])
-    return RowBatch(torch.tensor(list(which)), input_ids.to(device), attention.to(device), positions.to(device),
-                    targets.to(device), scored.to(device))
-
-
-class MultipleChoiceAdapter(GatedCausalLM, ContextCacheSwitch, BaselineOnce):
+class MultipleChoiceAdapter(ContinuationAdapter):
     """A gated causal LM with a multiple-choice question set (an ``EvalAdapter``)."""
+
+    convention: Convention = "kept_logits"
 
     def __init__(self, model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions):
         data_cfg.check()
@@ -156,25 +83,18 @@ class MultipleChoiceAdapter(GatedCausalLM, ContextCacheSwitch, BaselineOnce):
         self.questions = questions
         self.delimiter = data_cfg.target_delimiter
         encoded = encode_requests(self.tokenizer, questions, self.delimiter)
-        self.rows, truncated = plan_rows(questions, encoded, self.max_length, data_cfg.path, self.delimiter)
+        rows, truncated = plan_rows(questions, encoded, self.max_length, data_cfg.path, self.delimiter)
         n_choices = max(len(q.choices) for q in questions)
         self.index = np.full((len(questions), n_choices), -1, dtype=np.int64)
         self.lengths = np.ones((len(questions), n_choices), dtype=np.float64)
-        for r, row in enumerate(self.rows):
+        for r, row in enumerate(rows):
             self.index[row.question, row.choice] = r
             self.lengths[row.question, row.choice] = float(len(questions[row.question].choices[row.choice]))
         self.gold = np.array([q.gold for q in questions], dtype=np.int64)
         self.gold_rows = self.index[np.arange(len(questions)), self.gold]
-        self.batches = self._batches(range(len(self.rows)), runtime.batch_size)
-        self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.model_name = model_label(model_cfg.path)
         self.dataset_name = data_cfg.name or Path(Path(data_cfg.path).name.removesuffix(".gz")).stem
-        self.start_context_or_prefix(
-            self.rows, runtime, True,
-            lambda: PrefixReuse(self.model, self.gates, decoder_layout(self.model, self.gates.sites), self.packed_nll,
-                                cache_budget(self.device)),
-            "prefix: masks start at their first gated layer from cached baseline states (layer outputs and per-head "
-            "contexts per batch of choices)")
+        self.start_scoring(rows, runtime, True, "choices")
         ids = [f"q{i}" for i in range(len(questions))]
         counts: dict[str, int] = {}
         for q in questions:
@@ -204,11 +124,6 @@ class MultipleChoiceAdapter(GatedCausalLM, ContextCacheSwitch, BaselineOnce):
             return n, "tokenizer (model_max_length)"
         return DEFAULT_MAX_LENGTH, "lm-evaluation-harness's default"
 
-    def _batches(self, which: Sequence[int], batch_size: int) -> list[RowBatch]:
-        """Rows sorted by length (little padding), ``batch_size`` rows a batch."""
-        lengths = [len(row.inputs) for row in self.rows]
-        return [row_batch(self.rows, rows, self.device) for rows in length_batches(which, lengths, batch_size)]
-
     # -- the adapter contract ------------------------------------------------------------------------------------
     def describe(self) -> DatasetInfo:
         refuse_per_example(self.runtime.ablation, "multiple-choice questions",
@@ -230,9 +145,6 @@ class MultipleChoiceAdapter(GatedCausalLM, ContextCacheSwitch, BaselineOnce):
                    "baseline_acc": acc, "baseline_acc_norm": acc_norm},
         )
 
-    def values(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
-        return self.loglikelihoods(masks)
-
     def output(self, values: np.ndarray, seconds: float) -> MaskOutput:
         pred, pred_norm = predictions(values, self.index, self.lengths)
         stats = np.stack([pred == self.gold, pred_norm == self.gold], axis=1).astype(np.float64)
@@ -241,118 +153,6 @@ class MultipleChoiceAdapter(GatedCausalLM, ContextCacheSwitch, BaselineOnce):
         return MaskOutput(stats=stats, loss=-values[self.gold_rows], outputs=[str(p) for p in picked],
                           score=self.metric.score(stats), seconds=seconds)
 
-    @torch.inference_mode()
-    def loglikelihoods(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
-        """Each row's log-likelihood (nats, summed over its continuation tokens) under each mask: shape
-        (n_masks, n_rows), float64; ``masks_per_forward`` masks share a pass
-        (:func:`~headsweep.workers.core.mask_grid.mask_grid`). With prefix reuse (``sweep.reuse``) masks start at
-        their first gated layer from the batch's baseline states; else every mask runs the whole model."""
-        out = np.empty((len(masks), len(self.rows)), dtype=np.float64)
-
-        def grid(start, groups: list[list[int]] | None = None) -> np.ndarray:
-            return mask_grid(masks, grid_batches(self.batches, lambda b: b.rows), start, out, groups=groups,
-                             masks_per_forward=lambda b: self.masks_per_forward(b.inputs))
-
-        return self.reused_grid(masks, out, self._context_pass,
-                                lambda: grid(self._reused_pass, self._reuse.groups(masks)),
-                                lambda: grid(self._plain_pass))
-
-    def _context_pass(self, batch: GridBatch[ContextBatch]):
-        """The context-cache path's pass (:meth:`.context_cache.ContextCache.start`): per row, its continuation's
-        log-likelihood summed as lm-eval sums it; checked once against :meth:`_plain_pass` on the first batch."""
-        def plain(mask: Sequence[Head]) -> np.ndarray:
-            rows = row_batch(self.rows, batch.inputs.rows.tolist(), self.device)
-            return self._plain_pass(GridBatch(batch.key, rows, rows.rows))([mask]).cpu().numpy()
-
-        forward = self._reuse.start(batch.inputs, plain, self.model.dtype, len(self.gates.sites) + 1,
-                                    context_width(self.model.config, batch.inputs))
-        return lambda chunk: forward(chunk)[:, 0]
-
-    def _plain_pass(self, batch: GridBatch[RowBatch]):
-        """The batch's packed forward pass: per row of the stacked batch, its continuation's log-likelihood."""
-        def forward(chunk: list[Sequence[Head]]) -> torch.Tensor:
-            stacked = batch.inputs.repeat(len(chunk))
-            with self.gates.packed(chunk, batch.rows):
-                nll = self.continuation_nll(stacked)
-            return -(nll.double() * stacked.scored).sum(dim=1)
-
-        return forward
-
-    def _reused_pass(self, batch: GridBatch[RowBatch]):
-        """The reuse path's pass (:meth:`~.reuse.PrefixReuse.start`): the batch's baseline recorded once, masks of one
-        first gated layer started there; the same sums as :meth:`_plain_pass`."""
-        packed = batch.inputs.packed
-        forward = self._reuse.start(batch.key, batch.inputs.input_ids, packed)
-
-        def sums(chunk: list[Sequence[Head]]) -> torch.Tensor:
-            scored = unpack(batch.inputs.input_ids, repeat_rows(packed, len(chunk))).scored
-            return -(forward(chunk).double() * scored).sum(dim=1)
-
-        return sums
-
-    def packed_nll(self, input_ids: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        """:meth:`continuation_nll` of the batch ``input_ids`` with the rest of it in :attr:`RowBatch.packed` (what
-        prefix reuse repeats once per mask)."""
-        return self.continuation_nll(unpack(input_ids, packed))
-
-    def continuation_nll(self, batch: RowBatch, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Per-position NLL of ``batch.targets`` at ``batch.positions`` (shape (B, K); unscored places hold
-        whatever the padding gives), from one forward pass with the gates as they are set; the loss is taken in
-        ``dtype`` when given (at least float32 otherwise).
-
-        Where the model takes ``logits_to_keep`` as positions per row, only those logits are computed; otherwise
-        (or if the model gives another shape) the full logits are computed and the positions taken from them.
-        """
-        logits = None
-        if self._keep_logits:
-            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
-                                logits_to_keep=batch.positions).logits
-            if logits.shape[:2] != batch.positions.shape:
-                self._keep_logits = False
-                logger.warning("%s: logits_to_keep per row is not supported; computing every position's logits",
-                               self.model_name)
-                logits = None
-        if logits is None:
-            full = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-            logits = torch.take_along_dim(full, batch.positions.unsqueeze(-1), dim=1)
-        if dtype is not None:
-            logits = logits.to(dtype)
-        return target_nll(logits, batch.targets)
-
-    def bytes_per_row(self, batch: RowBatch) -> int:
-        """Activation bytes of one row of ``batch`` (see :func:`~.model.activation_bytes_per_row`)."""
-        width, keep = batch.input_ids.shape[1], batch.positions.shape[1]
-        return activation_bytes_per_row(self.model.config, self.model.dtype, width,
-                                        keep if self._keep_logits else width)
-
-    def masks_per_forward(self, batch: RowBatch) -> int:
-        """``sweep.masks_per_batch``, or (0: automatic) as many copies of ``batch`` as the activation budget holds."""
-        rows = batch.rows.numel()
-        return budget_masks_per_forward(self.runtime.masks_per_batch, max(1, rows), self.bytes_per_row(batch),
-                                        self.device)
-
-    def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
-        """The questions as the summed NLL of their gold continuations (``label_smoothing`` does not apply: a
-        causal LM's training loss is plain token cross-entropy); the real tokens are the unpadded ones."""
-        batches = self._batches([int(r) for r in self.gold_rows], self.runtime.batch_size)
-        return LossBatches([self._loss_batch(b, dtype) for b in batches], LOSS_NAME)
-
-    def _loss_batch(self, batch: RowBatch, dtype: torch.dtype) -> LossBatch:
-        real = batch.attention_mask.bool()
-
-        def loss() -> torch.Tensor:
-            return (self.continuation_nll(batch, dtype) * batch.scored).sum()
-
-        return LossBatch({site.key: real for site in self.gates.sites}, int(batch.rows.numel()), loss)
-
-    def workload(self, batch_size: int, max_length: int) -> Workload:
-        """``batch_size`` rows around the median length (cycled if there are fewer), cut to ``max_length`` tokens
-        when given."""
-        batch = median_batch(self.batches, lambda b: int(b.rows.numel()))
-        n = int(batch.rows.numel())
-        input_ids = take_rows(batch.input_ids, n, batch_size)
-        attention = take_rows(batch.attention_mask, n, batch_size)
-        if max_length:
-            input_ids, attention = input_ids[:, :max_length], attention[:, :max_length]
-        return Workload(batch_size, int(attention.sum()),
-                        lambda model: model(input_ids=input_ids, attention_mask=attention, use_cache=False))
+    def loss_rows(self) -> list[int]:
+        """Each question's gold choice's row."""
+        return [int(r) for r in self.gold_rows]
