@@ -271,7 +271,7 @@ def pruning_and_stock(model: nn.Module, task: str, sites) -> tuple[str, str]:
     from headsweep.workers.core.gates import HeadGates
     from headsweep.workers.core.heads import Head
     from headsweep.workers.core.registry import model_family
-    from headsweep.workers.families.hf_causal_lm.sites import kv_groups
+    from headsweep.workers.families.hf_causal_lm.model.sites import kv_groups
 
     family = model_family("hf_causal_lm" if task == "causal_lm" else "hf_classifier")
     # Half the heads of every layer, the same in every key/value group (a mask a stock config can state): the first
@@ -358,7 +358,7 @@ def check(task: str, model_type: str, class_name: str) -> Row:
         row.why = "no sequence-to-sequence family yet (hf_seq2seq, issue 47 part 3)"
         return row
     if task == "causal_lm":
-        from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
+        from headsweep.workers.families.hf_causal_lm.model.sites import sites_or_error
         row.family = "hf_causal_lm"
     else:
         from headsweep.workers.families.hf_classifier.adapter import _sites_or_error as sites_or_error

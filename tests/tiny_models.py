@@ -189,7 +189,7 @@ def zeroed_output_columns(model, heads):
     features zeroed by weight surgery (``o_proj`` columns; rows of GPT-2's transposed ``Conv1D`` ``c_proj``)."""
     from torch import nn
 
-    from headsweep.workers.families.hf_causal_lm.sites import find_sites
+    from headsweep.workers.families.hf_causal_lm.model.sites import find_sites
 
     ref = copy.deepcopy(model)
     sites = {s.key: s for s in find_sites(ref)}

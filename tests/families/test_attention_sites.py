@@ -20,7 +20,7 @@ from torch import nn
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
-from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
+from headsweep.workers.families.hf_causal_lm.model.sites import sites_or_error
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -197,7 +197,7 @@ def test_models_without_heads_or_with_undescribed_attention_are_refused():
 
 
 def test_pruning_a_described_layout_is_refused_in_one_line():
-    from headsweep.workers.families.hf_causal_lm.pruning import prune_causal_lm_heads
+    from headsweep.workers.families.hf_causal_lm.model.pruning import prune_causal_lm_heads
 
     model, _, _ = _build("gpt_neox")
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -2,7 +2,7 @@
 and exported ``save_pretrained`` folders.
 
 Which rows and columns go, and how a module keeps working with fewer heads, is each family's
-(``hf_classifier.pruning``: BERT-family encoders and DistilBERT; ``hf_causal_lm.pruning``: Llama-style decoders,
+(``hf_classifier.pruning``: BERT-family encoders and DistilBERT; ``hf_causal_lm.model.pruning``: Llama-style decoders,
 GPT-2 and GPTBigCode). Both record the removed heads in ``config.pruned_heads`` (``{"layer": [head, ...]}``,
 original head numbers, the format transformers 4 used), which ``save_pretrained`` writes into ``config.json``;
 :func:`load_pruned` rebuilds such a folder with stock transformers 5: the architecture ``config.architectures``

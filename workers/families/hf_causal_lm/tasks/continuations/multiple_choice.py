@@ -4,7 +4,7 @@ The convention (lm-eval's ``output_type: multiple_choice`` with a Hugging Face c
 makes the numbers comparable with its ``acc`` and ``acc_norm``):
 
 1. the questions are read and each choice encoded as a request, a row the model reads, as lm-eval does
-   (:mod:`headsweep.workers.families.hf_causal_lm.questions`);
+   (:mod:`headsweep.workers.families.hf_causal_lm.tasks.continuations.questions`);
 2. the choice's log-likelihood is the sum of the log-probabilities of its continuation tokens;
 3. ``acc`` is 1 when the argmax of the log-likelihoods is the gold index, ``acc_norm`` when the argmax of
    log-likelihood / ``len(choice)`` (characters of the choice, without the delimiter) is; ties go to the first
@@ -12,7 +12,7 @@ makes the numbers comparable with its ``acc`` and ``acc_norm``):
 
 Every question stores ``[correct, correct_norm]``; ``data.choice_score`` picks the run's metric (``accuracy``
 or ``accuracy_norm``, :mod:`headsweep.workers.core.metrics`). Rows are (question, choice) pairs, scored by
-:mod:`.continuations` (convention ``kept_logits``: right-padded batches with an attention mask, the logits computed
+:mod:`.scorer` (convention ``kept_logits``: right-padded batches with an attention mask, the logits computed
 only at the positions that predict continuation tokens; packed masks, prefix reuse, the context cache).
 """
 
@@ -28,9 +28,14 @@ from headsweep.workers.core.metrics import MC_ACCURACY, MC_ACCURACY_NORM, Metric
 from headsweep.workers.data.data_report import Finding, merge, report, unknown_tokens
 from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-from headsweep.workers.families.hf_causal_lm.continuations import ContinuationAdapter, Convention
-from headsweep.workers.families.hf_causal_lm.model import model_facts
-from headsweep.workers.families.hf_causal_lm.questions import encode_requests, plan_rows, read_questions, request_tokens
+from headsweep.workers.families.hf_causal_lm.model.loading import model_facts
+from headsweep.workers.families.hf_causal_lm.tasks.continuations.questions import (
+    encode_requests,
+    plan_rows,
+    read_questions,
+    request_tokens,
+)
+from headsweep.workers.families.hf_causal_lm.tasks.continuations.scorer import ContinuationAdapter, Convention
 from headsweep.workers.families.hf_shared.loading import max_positions
 from headsweep.workers.families.hf_shared.tokenizer import count_unknown
 from headsweep.workers.hub.cache import model_label

@@ -3,14 +3,14 @@
 1. lm-eval finds the tasks and builds each document's requests (:mod:`.lm_eval_tasks`), before the model loads;
 2. lm-eval's ``HFLM`` around the loaded model encodes them into token rows (:mod:`.lm_eval_requests`);
 3. per mask, every row's log-likelihood and greedy match are computed as ``HFLM._loglikelihood_tokens`` computes
-   them (:mod:`.continuations`, convention ``hflm``): log-softmax of the model's float logits at the positions
+   them (:mod:`.scorer`, convention ``hflm``): log-softmax of the model's float logits at the positions
    predicting the continuation, the continuation tokens' log-probabilities summed in the logits' dtype (one row at
    a time, the order lm-eval sums in), and ``is_greedy`` when the argmax is the continuation at every position; a
    rolling request sums its windows;
 4. each document is scored by the task's ``process_results`` and the evaluation by its aggregation
    (:mod:`.lm_eval_scoring`).
 
-Batching, packed masks, prefix reuse and the context cache are :mod:`.continuations`'.
+Batching, packed masks, prefix reuse and the context cache are :mod:`.scorer`'.
 
 The per-document loss (``examples.loss``, importance) is the negative log-likelihood of
 the gold continuation: the gold choice (multiple choice), the continuation (loglikelihood), the whole text
@@ -29,12 +29,16 @@ from headsweep.workers.core.family import DatasetInfo, MaskOutput, RuntimeOption
 from headsweep.workers.data.data_report import Finding, report
 from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-from headsweep.workers.families.hf_causal_lm.continuations import ContinuationAdapter, Convention
-from headsweep.workers.families.hf_causal_lm.lm_eval_documents import document_inputs, document_references, gold_choice
-from headsweep.workers.families.hf_causal_lm.lm_eval_requests import EncodedTasks, encode_tasks
-from headsweep.workers.families.hf_causal_lm.lm_eval_scoring import DocumentScorer, choose_metric
-from headsweep.workers.families.hf_causal_lm.lm_eval_tasks import TaskDocs, load_tasks
-from headsweep.workers.families.hf_causal_lm.model import model_facts
+from headsweep.workers.families.hf_causal_lm.model.loading import model_facts
+from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_documents import (
+    document_inputs,
+    document_references,
+    gold_choice,
+)
+from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_requests import EncodedTasks, encode_tasks
+from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_scoring import DocumentScorer, choose_metric
+from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_tasks import TaskDocs, load_tasks
+from headsweep.workers.families.hf_causal_lm.tasks.continuations.scorer import ContinuationAdapter, Convention
 from headsweep.workers.hub.cache import model_label
 
 CONVENTION = (

@@ -6,19 +6,19 @@ A source gives token rows (``inputs``, of which the last ``len(targets)`` positi
 log-likelihood (its continuation tokens' log-probabilities, summed). Rows are sorted by length and right-padded in
 batches of ``sweep.batch_size``, and several masks share one forward pass (the batch repeated once per mask). With
 ``sweep.reuse`` (the default) a mask starts at its first gated layer from the batch's cached baseline states
-(:mod:`.reuse`: one mask per pass is the plain path bit for bit); with ``sweep.context_cache`` a question's choices
-continue from its context's key/value cache (:mod:`.context_cache`).
+(:mod:`...reuse.prefix`: one mask per pass is the plain path bit for bit); with ``sweep.context_cache`` a
+question's choices continue from its context's key/value cache (:mod:`...reuse.context_cache`).
 
 Each source keeps its own convention (:data:`Convention`), so that its numbers are what they always were:
 
 - ``"hflm"`` (lm-eval): as ``HFLM._loglikelihood_tokens`` scores a row: every position's logits (the vocabulary
   projection of fewer positions multiplies matrices of another shape, which rounds differently), log-softmax in
   the logits' dtype, the continuation's log-probabilities summed in that dtype one row at a time (the order lm-eval
-  sums in; :func:`~.model.row_sums`), and the greedy match beside it (the argmax is the continuation at every
+  sums in; :func:`~...model.scoring.row_sums`), and the greedy match beside it (the argmax is the continuation at every
   position); an attention mask only where a batch is padded, as HFLM passes it. Scores: (log-likelihood, greedy).
 - ``"kept_logits"`` (multiple choice): only the continuation positions' logits (``logits_to_keep`` per row where the
-  model takes it), the NLL in at least float32 (:func:`~.model.target_nll`) summed in float64; an attention mask
-  on every batch. Scores: the log-likelihood.
+  model takes it), the NLL in at least float32 (:func:`~...model.scoring.target_nll`) summed in float64; an
+  attention mask on every batch. Scores: the log-likelihood.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import inspect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 import numpy as np
 import torch
@@ -37,9 +37,9 @@ from headsweep.workers.core.family import LossBatch, LossBatches, RuntimeOptions
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.mask_grid import GridBatch, Pass, grid_batches, mask_grid
 from headsweep.workers.core.workload import median_batch, take_rows
-from headsweep.workers.families.hf_causal_lm.context_cache import ContextBatch, ContextCacheSwitch, context_width
-from headsweep.workers.families.hf_causal_lm.model import (
-    GatedCausalLM,
+from headsweep.workers.families.hf_causal_lm.model.loading import GatedCausalLM
+from headsweep.workers.families.hf_causal_lm.model.scoring import (
+    TokenRow,
     activation_bytes_per_row,
     length_batches,
     right_padded,
@@ -47,7 +47,8 @@ from headsweep.workers.families.hf_causal_lm.model import (
     target_logprobs,
     target_nll,
 )
-from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
+from headsweep.workers.families.hf_causal_lm.reuse.context_cache import ContextBatch, ContextCacheSwitch, context_width
+from headsweep.workers.families.hf_causal_lm.reuse.prefix import PrefixReuse, decoder_layout
 from headsweep.workers.families.hf_shared.reuse import repeat_rows
 from headsweep.workers.memory.batch_budget import cache_budget
 from headsweep.workers.memory.batch_budget import masks_per_forward as budget_masks_per_forward
@@ -58,18 +59,6 @@ logger = logging.getLogger(__name__)
 Convention = Literal["hflm", "kept_logits"]
 
 LOSS_NAME = "token cross-entropy of the gold continuations"
-
-
-class TokenRow(Protocol):
-    """What a source's row gives: ``inputs`` (at most the model's positions), of which the last ``len(targets)``
-    positions predict the continuation ``targets`` (:class:`~.lm_eval_requests.TokenRow`,
-    :class:`~.questions.Row`)."""
-
-    @property
-    def inputs(self) -> tuple[int, ...]: ...
-
-    @property
-    def targets(self) -> tuple[int, ...]: ...
 
 
 @dataclass
@@ -118,7 +107,7 @@ def unpack(input_ids: torch.Tensor, packed: torch.Tensor, convention: Convention
 
 def row_batch(rows: Sequence[TokenRow], which: Sequence[int], device: torch.device,
               convention: Convention) -> RowBatch:
-    """The rows ``which`` as one right-padded batch (:func:`~.model.right_padded`)."""
+    """The rows ``which`` as one right-padded batch (:func:`~...model.scoring.right_padded`)."""
     input_ids, attention, positions, targets, _ = right_padded([(rows[i].inputs, rows[i].targets) for i in which])
     masked = convention != "hflm" or bool((attention == 0).any())
     lengths = torch.tensor([len(rows[i].targets) for i in which], dtype=torch.long)
@@ -197,14 +186,14 @@ class ContinuationAdapter(GatedCausalLM, ContextCacheSwitch, BaselineOnce):
         return forward
 
     def _start_reused(self, batch: GridBatch[RowBatch]) -> Pass:
-        """The reuse path's pass (:meth:`~.reuse.PrefixReuse.start`): the batch's baseline recorded once, masks of
-        one first gated layer started there; the same scores as :meth:`_start`."""
+        """The reuse path's pass (:meth:`~...reuse.prefix.PrefixReuse.start`): the batch's baseline recorded once,
+        masks of one first gated layer started there; the same scores as :meth:`_start`."""
         input_ids, packed = batch.inputs.input_ids, batch.inputs.packed
         forward = self._reuse.start(batch.key, input_ids, packed)
         return lambda chunk: self._row_scores(forward(chunk), repeat_rows(packed, len(chunk)))
 
     def _start_context(self, batch: GridBatch[ContextBatch]) -> Pass:
-        """The context-cache path's pass (:meth:`.context_cache.ContextCache.start`: log-likelihoods summed as
+        """The context-cache path's pass (:meth:`...reuse.context_cache.ContextCache.start`: log-likelihoods summed as
         HFLM sums them, whatever the convention), checked once against the plain path on the first batch."""
         def plain(mask: Sequence[Head]) -> np.ndarray:
             rows = self._row_batch(batch.inputs.rows.tolist())
@@ -258,7 +247,7 @@ class ContinuationAdapter(GatedCausalLM, ContextCacheSwitch, BaselineOnce):
 
     # -- memory, importance and efficiency -----------------------------------------------------------------------
     def bytes_per_row(self, batch: RowBatch) -> int:
-        """Activation bytes of one row of ``batch`` (see :func:`~.model.activation_bytes_per_row`): the kept
+        """Activation bytes of one row of ``batch`` (see :func:`~...model.scoring.activation_bytes_per_row`): the kept
         positions' logits, or every position's."""
         width, keep = batch.input_ids.shape[1], batch.positions.shape[1]
         return activation_bytes_per_row(self.model.config, self.model.dtype, width,
