@@ -122,6 +122,7 @@ class ContinuationAdapter(GatedCausalLM, ContextCacheSwitch, BaselineOnce):
 
     convention: Convention
     rows: Sequence[TokenRow]
+    model_name: str
 
     def start_scoring(self, rows: Sequence[TokenRow], runtime: RuntimeOptions, shares_contexts: bool,
                       what: str) -> None:
@@ -241,7 +242,7 @@ class ContinuationAdapter(GatedCausalLM, ContextCacheSwitch, BaselineOnce):
                 return logits
             self._keep_logits = False
             logger.warning("%s: logits_to_keep per row is not supported; computing every position's logits",
-                           getattr(self, "model_name", type(self.model).__name__))
+                           self.model_name)
         full = self.model(input_ids=batch.input_ids, use_cache=False, **extra).logits
         return torch.take_along_dim(full, batch.positions.unsqueeze(-1), dim=1)
 
