@@ -41,12 +41,16 @@ def _build(name: str) -> tuple[nn.Module, str, int]:
     elif name == "gptj":
         cfg, cls, proj = tf.GPTJConfig(vocab_size=96, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
                                        n_positions=64), tf.GPTJForCausalLM, "transformer.h.{}.attn.out_proj"
-    elif name in ("falcon_mqa", "falcon_grouped"):
-        grouped = name == "falcon_grouped"
+    elif name in ("falcon_mqa", "falcon_grouped", "falcon_alibi"):
+        grouped, alibi = name == "falcon_grouped", name == "falcon_alibi"
         cfg, cls, proj = tf.FalconConfig(**small, num_hidden_layers=2, num_attention_heads=4,
                                          new_decoder_architecture=grouped, num_kv_heads=2 if grouped else None,
-                                         multi_query=not grouped, bias=True), tf.FalconForCausalLM, \
-            "transformer.h.{}.self_attention.dense"
+                                         multi_query=name == "falcon_mqa", alibi=alibi, bias=True), \
+            tf.FalconForCausalLM, "transformer.h.{}.self_attention.dense"
+    elif name == "phi3":
+        cfg, cls, proj = tf.Phi3Config(**small, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=64, pad_token_id=0), tf.Phi3ForCausalLM, \
+            "model.layers.{}.self_attn.o_proj"
     elif name == "bloom":
         cfg, cls, proj = tf.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=4), tf.BloomForCausalLM, \
             "transformer.h.{}.self_attention.dense"
@@ -205,3 +209,35 @@ def test_pruning_a_described_layout_is_refused_in_one_line():
                                              r"prune"):
         prune_causal_lm_heads(model, [Head("self", 0, 1)])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing changed
+
+
+# Physical pruning of the fused and latent layouts (workers/families/hf_causal_lm/fused_pruning.py): one mask leaves
+# uneven key/value groups in layer 0 and empties layer 1, the other removes two heads of layer 0 and one of layer 1.
+PRUNED = ["gpt_neox", "falcon_mqa", "falcon_grouped", "falcon_alibi", "bloom", "deepseek_v3", "phi3", "opt", "gptj"]
+PRUNE_MASKS = [[Head("self", 0, 0), *(Head("self", 1, h) for h in range(4))],
+               [Head("self", 0, 1), Head("self", 0, 2), Head("self", 1, 3)]]
+
+
+@pytest.mark.parametrize("name", PRUNED)
+def test_pruned_fused_and_latent_layouts_equal_the_gated_model(name, tmp_path):
+    from tolerances import assert_routes_agree
+
+    from headsweep.workers.families.hf_causal_lm.pruning import load_pruned, prune_causal_lm_heads
+    from headsweep.workers.families.hf_shared.pruning import save_pruned
+
+    model, _, _ = _build(name)
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(2))
+    gates = HeadGates(sites_or_error(model))
+    full = sum(p.numel() for p in model.parameters())
+    for i, mask in enumerate(PRUNE_MASKS):
+        with gates.masked(mask):
+            gated = _logits(model, ids)
+        pruned, _, _ = _build(name)  # the same seeded weights, without gates
+        prune_causal_lm_heads(pruned, mask)
+        got = _logits(pruned, ids)
+        # summation order: the pruned projections are narrower; 2 layers and the LM head, width 64 at most
+        assert_routes_agree(got, gated, depth=3, width=64, what=f"{name} mask {i}")
+        assert sum(p.numel() for p in pruned.parameters()) < full
+        save_pruned(pruned, tmp_path / f"m{i}")
+        reloaded = load_pruned(tmp_path / f"m{i}", attn_implementation="eager")
+        torch.testing.assert_close(_logits(reloaded, ids), got, rtol=0, atol=0)  # exact: the same model rebuilt
