@@ -3,7 +3,9 @@ Falcon (multi-query and grouped), Bloom (ALiBi), DeepSeek-V3 (latent attention, 
 ModernBERT, each built tiny from its own config class, gated by the family's own sites and hooks, against weight
 surgery on the output projection that the test names itself (``...attention.dense`` and so on: an independent route,
 no headsweep code finds it); hybrid layer numbers and the refusals (state-space models, a mask naming a Mamba layer,
-an attention module no row describes, pruning a layout headsweep does not slice).
+an attention module no row describes, pruning a layout headsweep does not slice). Physical pruning of the fused and
+latent layouts equals the gated model and reloads through load_pruned; stock export is refused with the reason, or
+(DeepSeek-V3, Phi-3) loads with stock from_pretrained and computes the gated model.
 
 bench/coverage.py walks every model type of transformers' auto mappings the same way (``--smoke`` runs in
 tests/project/test_bench_smoke.py).
@@ -201,12 +203,17 @@ def test_models_without_heads_or_with_undescribed_attention_are_refused():
 
 
 def test_pruning_a_described_layout_is_refused_in_one_line():
+    """CodeGen's qkv_proj interleaves its heads in blocks of model-parallel shards: no slicing rule describes it."""
+    from transformers import CodeGenConfig, CodeGenForCausalLM
+
     from headsweep.workers.families.hf_causal_lm.pruning import prune_causal_lm_heads
 
-    model, _, _ = _build("gpt_neox")
+    torch.manual_seed(0)
+    model = CodeGenForCausalLM(CodeGenConfig(vocab_size=96, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                                             n_positions=64)).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(HeadsweepError, match=r"GPTNeoXAttention\): not a decoder attention layout headsweep can "
-                                             r"prune"):
+    with pytest.raises(HeadsweepError, match=r"^transformer.h.0.attn \(CodeGenAttention\): no separate q_proj, "
+                                             r"k_proj and v_proj; gate its heads without pruning$"):
         prune_causal_lm_heads(model, [Head("self", 0, 1)])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing changed
 
@@ -241,3 +248,51 @@ def test_pruned_fused_and_latent_layouts_equal_the_gated_model(name, tmp_path):
         save_pruned(pruned, tmp_path / f"m{i}")
         reloaded = load_pruned(tmp_path / f"m{i}", attn_implementation="eager")
         torch.testing.assert_close(_logits(reloaded, ids), got, rtol=0, atol=0)  # exact: the same model rebuilt
+
+
+@pytest.mark.parametrize(("name", "reason"), [
+    ("gpt_neox", r"GPTNeoXForCausalLM's config derives the head size from the hidden size \(hidden_size / "
+                 r"num_attention_heads\)"),
+    ("falcon_grouped", r"FalconForCausalLM's config derives the head size from the hidden size \(hidden_size / "
+                       r"num_attention_heads\)"),
+    ("bloom", r"BloomForCausalLM's config derives the head size from hidden_size / num_attention_heads and its ALiBi "
+              r"slopes from num_attention_heads: a stock config with fewer heads would give the kept heads other "
+              r"slopes"),
+])
+def test_stock_export_of_a_fused_layout_is_refused_with_the_reason(name, reason):
+    from headsweep.workers.families.hf_causal_lm.stock import stock_sizes
+
+    model, _, _ = _build(name)
+    with pytest.raises(HeadsweepError, match=f"^{reason}.*export without --stock"):
+        stock_sizes(model, [Head("self", 0, 0), Head("self", 1, 0)])
+
+
+@pytest.mark.parametrize(("name", "sizes"), [("deepseek_v3", {"num_attention_heads": 2, "num_key_value_heads": 2}),
+                                           ("phi3", {"num_attention_heads": 2, "num_key_value_heads": 2,
+                                                     "head_dim": 8})])
+def test_latent_attention_and_phi3_export_a_stock_model(name, sizes, tmp_path):
+    """DeepSeek-V3 states its head count apart from its head sizes, Phi-3 its head_dim: the pruned model, saved
+    with the pruned counts in config.json, is what stock from_pretrained builds and loads, and it computes the gated
+    model's logits."""
+    from tolerances import assert_routes_agree
+    from transformers import AutoModelForCausalLM
+
+    from headsweep.workers.families.hf_causal_lm.pruning import prune_causal_lm_heads
+    from headsweep.workers.families.hf_causal_lm.stock import stock_sizes
+    from headsweep.workers.families.hf_shared.pruning import save_pruned
+    from headsweep.workers.families.hf_shared.stock import stock_config
+
+    model, _, _ = _build(name)
+    mask = [Head("self", 0, 0), Head("self", 0, 2), Head("self", 1, 0), Head("self", 1, 2)]  # one per kv group
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(2))
+    with HeadGates(sites_or_error(model)).masked(mask):
+        gated = _logits(model, ids)
+    pruned, _, _ = _build(name)
+    assert stock_sizes(pruned, mask) == sizes
+    prune_causal_lm_heads(pruned, mask)
+    stock_config(pruned, sizes)
+    save_pruned(pruned, tmp_path / "stock")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "stock", attn_implementation="eager").eval()
+    assert loaded.config.num_attention_heads == 2
+    # summation order: the stock model's narrower projections against the gated full model
+    assert_routes_agree(_logits(loaded, ids), gated, depth=3, width=64, what=f"stock {name}")

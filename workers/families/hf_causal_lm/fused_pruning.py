@@ -114,6 +114,8 @@ def apply_described(model: nn.Module, site: AttentionSite, layout: AttentionLayo
     if layout.name in ("phi", "gptj", "opt") and layout.num_kv_heads < layout.num_heads:
         kv_heads = _kv_groups(module, layout, plan)
     _set_counts(module, len(plan.kept), kv_heads)
+    if layout.name in ("phi", "gptj", "opt") and getattr(module, "embed_dim", None) == layout.num_heads * d:
+        module.embed_dim = len(plan.kept) * d  # the attention's width, where XGLM reshapes its output
     if alibi:
         module.register_forward_pre_hook(KeptAlibiRows(alibi, plan.kept), with_kwargs=True)
     setattr(module, KV_INDEX_ATTR, plan.kv_index)
