@@ -255,9 +255,8 @@ def test_pruned_fused_and_latent_layouts_equal_the_gated_model(name, tmp_path):
                  r"num_attention_heads\)"),
     ("falcon_grouped", r"FalconForCausalLM's config derives the head size from the hidden size \(hidden_size / "
                        r"num_attention_heads\)"),
-    ("bloom", r"BloomForCausalLM's config derives the head size from hidden_size / num_attention_heads and its ALiBi "
-              r"slopes from num_attention_heads: a stock config with fewer heads would give the kept heads other "
-              r"slopes"),
+    ("bloom", r"BloomForCausalLM's config derives the head size from hidden_size / n_head and its ALiBi slopes from "
+              r"n_head: a stock config with fewer heads would give the kept heads other slopes"),
 ])
 def test_stock_export_of_a_fused_layout_is_refused_with_the_reason(name, reason):
     from headsweep.workers.families.hf_causal_lm.stock import stock_sizes

@@ -82,9 +82,11 @@ def stock_sizes(model: nn.Module, heads: Sequence[Head]) -> dict[str, int]:
 def _no_stock_config(model: nn.Module, layouts: list) -> str:
     """Why no stock config states a pruned model of a layout other than Llama's and latent attention's."""
     name, config = type(model).__name__, getattr(model, "config", None)
-    width = next((k for k in ("hidden_size", "n_embd", "d_model") if hasattr(config, k)), "hidden_size")
-    count = next((k for k in ("num_attention_heads", "n_head", "num_heads") if hasattr(config, k)),
-                 "num_attention_heads")
+    aliases = getattr(config, "attribute_map", {}) or {}  # GPT-2's hidden_size is an alias of n_embd: name n_embd
+    width = next((k for k in ("hidden_size", "n_embd", "d_model") if hasattr(config, k) and k not in aliases),
+                 "hidden_size")
+    count = next((k for k in ("num_attention_heads", "n_head", "num_heads") if hasattr(config, k)
+                  and k not in aliases), "num_attention_heads")
     names = {getattr(lay, "name", None) for lay in layouts}
     if names & {"bloom"} or ("falcon" in names and getattr(config, "alibi", False)):
         return (f"{name}'s config derives the head size from {width} / {count} and its ALiBi slopes from {count}: "
