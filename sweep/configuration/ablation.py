@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from headsweep.errors import HeadsweepError
+from headsweep.plugins import ABLATIONS_GROUP, installed
 from headsweep.sweep.configuration.reader import from_dict
 from headsweep.workers.ablation.method import COMMON_SETTINGS, AblationMethod, check_choices
 from headsweep.workers.ablation.registry import BUILTIN_METHODS, METHODS, ablation_method
@@ -116,14 +117,29 @@ def section_for(method: Any) -> type:
     return section_class((*BUILTIN_METHODS, ablation_method(method)))
 
 
+def _load_installed() -> None:
+    """Register every installed ``headsweep.ablations`` method not registered yet (one that cannot be loaded is left
+    out: only a config naming it needs it), so that their settings have owners."""
+    for name in installed(ABLATIONS_GROUP):
+        if name not in METHODS:
+            try:
+                ablation_method(name)
+            except HeadsweepError:
+                continue
+
+
 def read_section(data: Any, sweep: Any) -> Any:
-    """The ``ablation`` section of a raw config (``data``), whose raw ``sweep`` section names the method; a key of a
-    registered method the config does not name is refused naming that method (not as an unknown key)."""
+    """The ``ablation`` section of a raw config (``data``), whose raw ``sweep`` section names the method; a key of
+    another method (a registered or an installed one) than the config names is refused naming that method, not as
+    an unknown key."""
     method = sweep.get("ablation") if isinstance(sweep, dict) else None
     cls = section_for(method)
     if isinstance(data, dict):
         known = {f.name for f in dataclasses.fields(cls)}
-        foreign = next((k for k in data if k not in known and owners(k)), None)
+        unknown = [k for k in data if k not in known]
+        if unknown and not any(owners(k) for k in unknown):
+            _load_installed()
+        foreign = next((k for k in unknown if owners(k)), None)
         if foreign is not None:
             raise HeadsweepError(refuse_foreign(foreign, method if isinstance(method, str) else "zero"))
     return from_dict(cls, data, "ablation")

@@ -1,12 +1,15 @@
 """An ablation method is one object registered by name: a method defined in this test alone ("scaled": a gated-off
-head's output times 0.5), installed as a ``headsweep.ablations`` entry point, runs through the real CLI, and its
-stored per-example losses equal weight surgery on the stock model (the head's output-projection input columns
-scaled by 0.5, no hooks), as the contract suite checks the built-in methods."""
+head's output times ``ablation.factor``, a setting of its own), installed as a ``headsweep.ablations`` entry point,
+runs through the real CLI, and its stored per-example losses equal weight surgery on the stock model (the head's
+output-projection input columns scaled by the factor, no hooks), as the contract suite checks the built-in methods.
+Its setting is read, range-checked and refused like a built-in one's, is part of the config hash, and the
+configuration reference's check lists it."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,44 +18,62 @@ import torch
 import yaml
 from conftest import error_line, install_entry_point, run_cli
 
+from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
+from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.configuration.reader import from_dict
 from headsweep.workers.ablation.method import AblationMethod
+from headsweep.workers.ablation.registry import METHODS
 from headsweep.workers.ablation.spec import AblationSpec, HeadFill
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head, SiteKey
 from headsweep.workers.core.registry import model_family
+from headsweep.workers.core.setting_ranges import ranged
 
 HERE = Path(__file__).parent  # this module (the method) must import in the CLI's process and its workers
-FACTOR = 0.5
+DEFAULT_FACTOR = 0.5
+FACTOR = 0.25  # what the run sets: not the default, so a setting that never reached the workers fails the route
 BATCH = 16
 
 
+@dataclass(frozen=True)
+class ScaledSettings:
+    """``ablation.factor``: what share of its output a gated-off head keeps (1 would keep all of it)."""
+
+    factor: float = ranged(DEFAULT_FACTOR, at_least=0, below=1)
+
+
+@dataclass
 class ScaledFill(HeadFill):
-    """``c_h = FACTOR * z_h``: the fill is the head's own output, scaled (a power of two: exact in floating point)."""
+    """``c_h = factor * z_h``: the fill is the head's own output, scaled (a power of two here: exact in floating
+    point)."""
+
+    factor: float = DEFAULT_FACTOR
 
     def at(self, key: SiteKey, heads: torch.Tensor, batch_dim: int) -> torch.Tensor | None:
-        return heads * FACTOR
+        return heads * self.factor
 
 
 class Scaled(AblationMethod):
     name = "scaled"
+    settings = ScaledSettings
     fold_refusal = "the fill is a share of each input's own output"
 
     def worker_fill(self, spec: AblationSpec) -> HeadFill | None:
-        return ScaledFill(keep_first=spec.keep_first)
+        settings: ScaledSettings = self.settings_in(spec)
+        return ScaledFill(keep_first=spec.keep_first, factor=settings.factor)
 
 
 SCALED = Scaled()
 
 
-def write_config(folder: Path, model_dir: Path, data_file: Path, **sweep) -> Path:
+def write_config(folder: Path, model_dir: Path, data_file: Path, settings: dict | None = None, **sweep) -> Path:
     path = folder / "c.yaml"
     path.write_text(yaml.safe_dump({
         "model": {"kind": "hf_classifier", "path": str(model_dir)}, "data": {"path": str(data_file)},
         "sweep": {"experiments": ["baseline", "single_head"], "batch_size": BATCH, "workers": 1, "reuse": False,
                   "masks_per_batch": 1, **sweep},
-        "significance": {"n_resamples": 50}}))
+        "significance": {"n_resamples": 50}, **({"ablation": settings} if settings else {})}))
     return path
 
 
@@ -89,7 +110,7 @@ def surgery_losses(model_dir: Path, data_file: Path, heads: list[Head], factor: 
 def test_a_method_installed_as_an_entry_point_runs_through_the_cli(tmp_path, tiny_bert_dir, tiny_dev_tsv):
     plugins = install_entry_point(tmp_path / "site", "headsweep.ablations", "scaled", "test_ablation_plugin:SCALED")
     env = {"PYTHONPATH": os.pathsep.join([str(plugins), str(HERE), str(HERE.parent)])}
-    config = write_config(tmp_path, tiny_bert_dir, tiny_dev_tsv, ablation="scaled")
+    config = write_config(tmp_path, tiny_bert_dir, tiny_dev_tsv, {"factor": FACTOR}, ablation="scaled")
     # no --address: the embedded Ray instance's workers inherit PYTHONPATH, where the plugin is installed
     proc = run_cli("run", str(config), "--store", str(tmp_path / "store"), "--quiet", env=env)
     assert proc.returncode == 0, proc.stderr
@@ -97,6 +118,7 @@ def test_a_method_installed_as_an_entry_point_runs_through_the_cli(tmp_path, tin
     store = ResultStore(str(tmp_path / "store"))
     [run] = store.read("runs", run_id).to_pylist()
     assert run["ablation"] == "scaled"
+    assert json.loads(run["config"])["ablation"]["factor"] == FACTOR  # the stored config holds the method's setting
     assert json.loads(run["facts"])["ablation"] == {"method": "scaled", "keep_first": False}  # what it records
     evals = store.read("evaluations", run_id).to_pylist()
     assert {e["ablation"] for e in evals} == {"scaled"}
@@ -126,13 +148,75 @@ def test_a_method_installed_as_an_entry_point_runs_through_the_cli(tmp_path, tin
 
 
 def test_without_its_entry_point_the_name_is_refused(tmp_path, tiny_bert_dir, tiny_dev_tsv):
-    config = write_config(tmp_path, tiny_bert_dir, tiny_dev_tsv, ablation="scaled")
+    config = write_config(tmp_path, tiny_bert_dir, tiny_dev_tsv, {"factor": FACTOR}, ablation="scaled")
     proc = run_cli("run", str(config), "--store", str(tmp_path / "store"),
                    env={"PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert error_line(proc.stderr).startswith("headsweep: error: unknown sweep.ablation 'scaled' (known: zero, mean, "
                                               "resample, optimal, patch")
     assert not (tmp_path / "store").exists()
+
+
+def test_a_bad_value_of_its_setting_is_refused_in_one_line(tmp_path, tiny_bert_dir, tiny_dev_tsv):
+    """Refused by the CLI in one line (exit 2, no traceback) before Ray starts, nothing written, as a built-in
+    method's setting out of its range is."""
+    plugins = install_entry_point(tmp_path / "site", "headsweep.ablations", "scaled", "test_ablation_plugin:SCALED")
+    config = write_config(tmp_path, tiny_bert_dir, tiny_dev_tsv, {"factor": 1.5}, ablation="scaled")
+    proc = run_cli("run", str(config), "--store", str(tmp_path / "store"),
+                   env={"PYTHONPATH": os.pathsep.join([str(plugins), str(HERE), str(HERE.parent)])})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert error_line(proc.stderr) == "headsweep: error: ablation.factor must be in [0, 1), got 1.5"
+    assert "workers ready" not in proc.stderr
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.fixture
+def installed(tmp_path, monkeypatch):
+    """The method installed as an entry point on this process's path (as pip installs it), not registered yet;
+    taken out of the registry again after the test."""
+    monkeypatch.syspath_prepend(str(install_entry_point(tmp_path / "site", "headsweep.ablations", "scaled",
+                                                        "test_ablation_plugin:SCALED")))
+    assert SCALED.name not in METHODS
+    try:
+        yield
+    finally:
+        METHODS.pop(SCALED.name, None)
+
+
+def test_its_setting_is_part_of_the_config_hash_and_of_the_reference(installed, tmp_path):
+    """Its setting under another method is refused naming it (found among the installed methods), and another
+    method's setting under it likewise; ``ablation.factor`` away from its default changes the config's identity (at
+    it, the identity is that of the config without it); the built-in methods' configs keep theirs; the configuration
+    reference's check (the keys, defaults and ranges tests/project/test_docs.py compares docs/configuration.md with)
+    lists the setting for a config naming the method, and a page without its row fails that check."""
+    from project.test_docs import CONFIGURATION, code_keys, code_ranges, compare, documented_keys
+
+    def config(method: str, **ablation) -> dict:
+        return {"model": {"kind": "hf_classifier", "path": str(tmp_path)}, "data": {"path": str(tmp_path / "d.tsv")},
+                "sweep": {"ablation": method}, **({"ablation": ablation} if ablation else {})}
+
+    mean = build_config(config("mean"))
+    for method, key, owner in (("mean", "factor", "scaled"), ("scaled", "resamples", "resample")):
+        with pytest.raises(HeadsweepError) as refused:
+            build_config(config(method, **{key: 4 if key == "resamples" else FACTOR}))
+        assert str(refused.value) == (f"ablation.{key} is set but sweep.ablation is {method}, which does not read it: "
+                                      f"it is a setting of {owner}; remove it, or set sweep.ablation: {owner}")
+    assert SCALED.name in METHODS  # registered from its entry point by the first refusal
+
+    default = build_config(config("scaled"))
+    assert build_config(config("scaled", factor=DEFAULT_FACTOR)).hash() == default.hash()
+    hashes = {build_config(config("scaled", factor=f)).hash() for f in (FACTOR, 0.125)}
+    assert len(hashes | {default.hash()}) == 3
+    assert json.loads(default.to_json())["ablation"]["factor"] == DEFAULT_FACTOR
+    after = build_config(config("mean"))  # a built-in method's config is as it was before the method came
+    assert after.hash() == mean.hash() and after.to_json() == mean.to_json()
+
+    keys = code_keys("scaled")
+    assert keys[("ablation",)]["ablation.factor"] == DEFAULT_FACTOR
+    assert code_ranges("scaled")[(("ablation",), "ablation.factor")].text() == "in [0, 1)"
+    documented, _ = documented_keys(CONFIGURATION.read_text())
+    assert compare(documented, keys) == [
+        "ablation: keys the code reads but docs/configuration.md does not document: ablation.factor"]
 
 
 # name -> (fill kind, with ablation.positions: per_position, reference, pairs, trained, fold): docs/ablation-methods.md
