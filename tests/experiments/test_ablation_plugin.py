@@ -219,6 +219,54 @@ def test_its_setting_is_part_of_the_config_hash_and_of_the_reference(installed, 
         "ablation: keys the code reads but docs/configuration.md does not document: ablation.factor"]
 
 
+@dataclass(frozen=True)
+class Undefaulted:
+    factor: float
+
+
+@dataclass(frozen=True)
+class KeepsFirst:
+    keep_first: bool = True
+
+
+@dataclass(frozen=True)
+class OtherSeed:
+    seed: int = 7  # resample's and optimal's seed defaults to 0
+
+
+def method(name: str, **declarations) -> AblationMethod:
+    return type(name.title(), (AblationMethod,), {"name": name, **declarations})()
+
+
+@pytest.mark.parametrize(("declarations", "message"), [
+    ({"settings": {"factor": 0.5}}, "ablation method 'odd': settings {'factor': 0.5} is not a dataclass"),
+    ({"settings": Undefaulted}, "ablation method 'odd': its setting ablation.factor has no default"),
+    ({"settings": KeepsFirst}, "ablation method 'odd' declares ablation.keep_first, which every method honours"),
+    ({"reference": "optional"}, "ablation method 'odd' reads ablation.reference (optional) but its settings do not "
+                                "declare ablation.reference"),
+])
+def test_a_method_whose_settings_break_the_contract_is_refused(declarations, message):
+    with pytest.raises(HeadsweepError) as refused:
+        METHODS.register(method("odd", **declarations))
+    assert str(refused.value).startswith(message)
+    assert "odd" not in METHODS
+
+
+def test_a_key_two_methods_read_means_one_thing():
+    """A method reading ``ablation.seed`` with another default than the built-in methods' is refused when a config
+    names it, in one line; the registry is left as it was after the test."""
+    from headsweep.sweep.configuration.ablation import section_for
+
+    METHODS.register(method("seeded", settings=OtherSeed))
+    try:
+        with pytest.raises(HeadsweepError) as refused:
+            section_for("seeded")
+    finally:
+        METHODS.pop("seeded")
+    assert str(refused.value) == ("ablation method 'seeded' declares ablation.seed unlike resample does (type, default "
+                                  "or range): one key means one thing in a config; name the setting otherwise")
+
+
 # name -> (fill kind, with ablation.positions: per_position, reference, pairs, trained, fold): docs/ablation-methods.md
 DECLARED = {"zero": ("none", "none", "none", False, False, "nothing"),
             "mean": ("constant", "per_position", "optional", False, False, "constants"),

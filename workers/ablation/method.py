@@ -210,6 +210,11 @@ def check_method(method: AblationMethod) -> None:
     if settings is not None and not (isinstance(settings, type) and dataclasses.is_dataclass(settings)):
         raise HeadsweepError(f"ablation method {method.name!r}: settings {settings!r} is not a dataclass (the fields "
                              "it reads from the ablation section, with their defaults)")
+    try:  # the section reads each field's type, so it must resolve (a string annotation naming an unknown class)
+        typing.get_type_hints(settings) if settings is not None else None
+    except Exception as exc:  # any failure to resolve them is the plugin's: said in one line
+        raise HeadsweepError(f"ablation method {method.name!r}: the types of its settings cannot be resolved "
+                             f"({exc})") from None
     fields = dataclasses.fields(settings) if settings is not None else ()
     names = [f.name for f in fields]
     for f in fields:
