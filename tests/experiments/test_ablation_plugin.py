@@ -1,9 +1,9 @@
-"""An ablation method is one object registered by name: a method defined in this test alone ("scaled": a gated-off
-head's output times ``ablation.factor``, a setting of its own), installed as a ``headsweep.ablations`` entry point,
-runs through the real CLI, and its stored per-example losses equal weight surgery on the stock model (the head's
-output-projection input columns scaled by the factor, no hooks), as the contract suite checks the built-in methods.
-Its setting is read, range-checked and refused like a built-in one's, is part of the config hash, and the
-configuration reference's check lists it."""
+"""An ablation method is one object registered by name: a method defined for this test alone
+(tests/experiments/scaled_plugin.py, "scaled": a gated-off head's output times ``ablation.factor``, a setting of its
+own), installed as a ``headsweep.ablations`` entry point, runs through the real CLI, and its stored per-example
+losses equal weight surgery on the stock model (the head's output-projection input columns scaled by the factor, no
+hooks), as the contract suite checks the built-in methods. Its setting is read, range-checked and refused like a
+built-in one's, is part of the config hash, and the configuration reference's check lists it."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 from conftest import error_line, install_entry_point, run_cli
+from scaled_plugin import DEFAULT_FACTOR, SCALED
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
@@ -24,47 +25,15 @@ from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.configuration.reader import from_dict
 from headsweep.workers.ablation.method import AblationMethod
 from headsweep.workers.ablation.registry import METHODS
-from headsweep.workers.ablation.spec import AblationSpec, HeadFill
+from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.core.family import RuntimeOptions
-from headsweep.workers.core.heads import Head, SiteKey
+from headsweep.workers.core.heads import Head
 from headsweep.workers.core.registry import model_family
-from headsweep.workers.core.setting_ranges import ranged
 
-HERE = Path(__file__).parent  # this module (the method) must import in the CLI's process and its workers
-DEFAULT_FACTOR = 0.5
+HERE = Path(__file__).parent  # the plugin's module must import in the CLI's process and its workers
+ENTRY_POINT = "scaled_plugin:SCALED"
 FACTOR = 0.25  # what the run sets: not the default, so a setting that never reached the workers fails the route
 BATCH = 16
-
-
-@dataclass(frozen=True)
-class ScaledSettings:
-    """``ablation.factor``: what share of its output a gated-off head keeps (1 would keep all of it)."""
-
-    factor: float = ranged(DEFAULT_FACTOR, at_least=0, below=1)
-
-
-@dataclass
-class ScaledFill(HeadFill):
-    """``c_h = factor * z_h``: the fill is the head's own output, scaled (a power of two here: exact in floating
-    point)."""
-
-    factor: float = DEFAULT_FACTOR
-
-    def at(self, key: SiteKey, heads: torch.Tensor, batch_dim: int) -> torch.Tensor | None:
-        return heads * self.factor
-
-
-class Scaled(AblationMethod):
-    name = "scaled"
-    settings = ScaledSettings
-    fold_refusal = "the fill is a share of each input's own output"
-
-    def worker_fill(self, spec: AblationSpec) -> HeadFill | None:
-        settings: ScaledSettings = self.settings_in(spec)
-        return ScaledFill(keep_first=spec.keep_first, factor=settings.factor)
-
-
-SCALED = Scaled()
 
 
 def write_config(folder: Path, model_dir: Path, data_file: Path, settings: dict | None = None, **sweep) -> Path:
@@ -108,7 +77,7 @@ def surgery_losses(model_dir: Path, data_file: Path, heads: list[Head], factor: 
 
 
 def test_a_method_installed_as_an_entry_point_runs_through_the_cli(tmp_path, tiny_bert_dir, tiny_dev_tsv):
-    plugins = install_entry_point(tmp_path / "site", "headsweep.ablations", "scaled", "test_ablation_plugin:SCALED")
+    plugins = install_entry_point(tmp_path / "site", "headsweep.ablations", "scaled", ENTRY_POINT)
     env = {"PYTHONPATH": os.pathsep.join([str(plugins), str(HERE), str(HERE.parent)])}
     config = write_config(tmp_path, tiny_bert_dir, tiny_dev_tsv, {"factor": FACTOR}, ablation="scaled")
     # no --address: the embedded Ray instance's workers inherit PYTHONPATH, where the plugin is installed
@@ -160,7 +129,7 @@ def test_without_its_entry_point_the_name_is_refused(tmp_path, tiny_bert_dir, ti
 def test_a_bad_value_of_its_setting_is_refused_in_one_line(tmp_path, tiny_bert_dir, tiny_dev_tsv):
     """Refused by the CLI in one line (exit 2, no traceback) before Ray starts, nothing written, as a built-in
     method's setting out of its range is."""
-    plugins = install_entry_point(tmp_path / "site", "headsweep.ablations", "scaled", "test_ablation_plugin:SCALED")
+    plugins = install_entry_point(tmp_path / "site", "headsweep.ablations", "scaled", ENTRY_POINT)
     config = write_config(tmp_path, tiny_bert_dir, tiny_dev_tsv, {"factor": 1.5}, ablation="scaled")
     proc = run_cli("run", str(config), "--store", str(tmp_path / "store"),
                    env={"PYTHONPATH": os.pathsep.join([str(plugins), str(HERE), str(HERE.parent)])})
@@ -175,7 +144,7 @@ def installed(tmp_path, monkeypatch):
     """The method installed as an entry point on this process's path (as pip installs it), not registered yet;
     taken out of the registry again after the test."""
     monkeypatch.syspath_prepend(str(install_entry_point(tmp_path / "site", "headsweep.ablations", "scaled",
-                                                        "test_ablation_plugin:SCALED")))
+                                                        ENTRY_POINT)))
     assert SCALED.name not in METHODS
     try:
         yield
