@@ -15,7 +15,8 @@ A method is an :class:`AblationMethod` registered under its ``name`` (:mod:`head
   ``constant`` (one vector per head, or per head and position: known before any batch runs), ``per_example``
   (another input's activations, set per batch by the adapters' :class:`~headsweep.workers.ablation.donors.Donors`);
 * ``reference``: whether it reads ``ablation.reference`` (``none``; ``optional``: the evaluation data when unset;
-  ``training``: required, and kept apart from the evaluation set); ``needs_pairs`` (clean / corrupted inputs);
+  ``training``: required, and kept apart from the evaluation set; its settings then declare ``reference``, and
+  ``allow_eval_data`` for ``training``: :data:`REFERENCE_SETTINGS`); ``needs_pairs`` (clean / corrupted inputs);
   ``needs_whole_set`` (donors drawn over the whole evaluation set, which screening subsets do not hold);
 * on a worker: ``worker_fill(spec)`` (the fill every adapter gets when it loads), ``compute(worker, spec)``
   (values each worker computes once, on its first load, and again after Ray restarts it), ``draw_donors(...)``
