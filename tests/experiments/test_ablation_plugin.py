@@ -108,12 +108,12 @@ def test_a_method_installed_as_an_entry_point_runs_through_the_cli(tmp_path, tin
         got = np.array([stored[head][i] for i in ids])
         want = np.array([scaled[head][i] for i in ids])
         zero = np.array([zeroed[head][i] for i in ids])
-        # summation order at most: both routes multiply the same exact products (x * 0.5 w == 0.5 x * w in binary
-        # floating point) in projections of the same shapes; float32 rounding carried through two layers
+        # summation order at most: both routes multiply the same exact products (x * f w == f x * w for f a power of
+        # two, in binary floating point) in projections of the same shapes; float32 rounding carried through two layers
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=str(head))
-        # other: the route can fail: scaling the head by 0.5 is not removing it
+        # other: the route can fail: scaling the head by FACTOR is not removing it
         moved += int(not np.allclose(got, zero, rtol=1e-5, atol=1e-6))
-    assert moved >= len(heads) // 2, "scaling by 0.5 hardly differs from zero ablation"
+    assert moved >= len(heads) // 2, f"scaling by {FACTOR} hardly differs from zero ablation"
 
 
 def test_without_its_entry_point_the_name_is_refused(tmp_path, tiny_bert_dir, tiny_dev_tsv):
