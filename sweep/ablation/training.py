@@ -25,6 +25,7 @@ from headsweep.results.store import ResultStore
 from headsweep.sweep.ablation.values import StoredFill, stored_values
 from headsweep.sweep.run.dispatch import WorkerPool, log
 from headsweep.workers.ablation.optimal import heads_on_worker, install_on_worker, train_units
+from headsweep.workers.ablation.registry import method_of
 from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.work import WorkUnit
@@ -79,7 +80,7 @@ def trained_fill(spec: AblationSpec, pool: WorkerPool, store: ResultStore, run_i
         heads = pool.call(heads_on_worker)
         start = time.perf_counter()
         log(f"{spec.method} ablation: training {len(heads)} head constants on {len(pool.live())} workers "
-            f"(Adam lr={spec.lr:g}, at most {spec.steps} steps each)")
+            f"({method_of(spec).training_summary(spec)})")
         trained = train(pool, heads)
         by_site: dict[str, dict[int, np.ndarray]] = {}
         for (attention, layer, head), constant in trained["constants"].items():

@@ -18,6 +18,7 @@ import numpy as np
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
+from headsweep.sweep.configuration.ablation import method_settings
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.data_sections import typed_data
 from headsweep.workers.ablation.spec import AblationSpec
@@ -28,15 +29,15 @@ from headsweep.workers.core.heads import Head
 RTOL = 1e-4
 
 
-def ablation_spec(cfg: Config) -> AblationSpec:
-    """The workers' ``RuntimeOptions.ablation`` from ``sweep.ablation`` and the ``ablation`` section."""
-    section = cfg.ablation
-    reference = (None if section.reference is None
-                 else typed_data(cfg, section.reference, "ablation.reference"))
-    return AblationSpec(method=cfg.sweep.ablation, reference=reference,
-                        per_position=section.positions == "per_position", keep_first=section.keep_first,
-                        seed=section.seed, resamples=section.resamples, direction=section.direction,
-                        lr=section.lr, steps=section.steps)
+def ablation_spec(cfg: Config, reference: bool = True) -> AblationSpec:
+    """The workers' ``RuntimeOptions.ablation`` from ``sweep.ablation`` and the ``ablation`` section: the method's
+    settings object, the reference data typed (unless not ``reference``: a fill rebuilt from stored values reads no
+    data), and the fill's shape the settings ask for."""
+    method, settings = method_settings(cfg)
+    raw = getattr(settings, "reference", None) if method.reference != "none" else None
+    typed = None if raw is None or not reference else typed_data(cfg, raw, "ablation.reference")
+    return AblationSpec(method=method.name, reference=typed, per_position=method.per_position(settings) is not None,
+                        keep_first=cfg.ablation.keep_first, settings=settings)
 
 
 @dataclass

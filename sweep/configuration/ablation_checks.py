@@ -14,19 +14,13 @@ from collections.abc import Collection
 from typing import Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.configuration.ablation import AblationSection
+from headsweep.sweep.configuration.ablation import method_settings
 from headsweep.sweep.experiments import experiments_of
 from headsweep.sweep.experiments.data_sections import refuse_eval_data, typed_data
 from headsweep.workers.ablation.method import AblationMethod
 from headsweep.workers.ablation.registry import ablation_method
-from headsweep.workers.ablation.spec import PATCH_NEEDS_PAIRS, patch_unavailable, resample_unavailable
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.registry import model_family
-
-
-def ablation_settings(cfg: Any) -> tuple[AblationMethod, AblationSection]:
-    """The run's method and its settings."""
-    return ablation_method(cfg.sweep.ablation), cfg.ablation
 
 
 def check_paired(method: str, sections: list[tuple[str, Any]], unfilled: Collection[str] = ()) -> None:
@@ -38,7 +32,7 @@ def check_paired(method: str, sections: list[tuple[str, Any]], unfilled: Collect
         return
     for key, section in sections:
         if key.split(".")[0] not in unfilled and not getattr(section, "paired", False):
-            raise HeadsweepError(PATCH_NEEDS_PAIRS if key == "data" else
+            raise HeadsweepError(declared.unpaired_refusal() if key == "data" else
                                  f"{key} is not paired data, and sweep.ablation {method} fills every head from the "
                                  f"other input of its pair: give {key} paired data (data.task: paired) too")
 
@@ -52,25 +46,25 @@ def _check_per_example(cfg: Any, family: Any, method: AblationMethod) -> None:
     if method.fill != "per_example":
         return
     if method.needs_pairs and not hasattr(family.data_config, "paired"):
-        raise HeadsweepError(patch_unavailable(family.name))
+        raise HeadsweepError(method.family_refusal(family.name))
     if method.needs_pairs and not getattr(cfg.data, "paired", False):
-        raise HeadsweepError(PATCH_NEEDS_PAIRS)
+        raise HeadsweepError(method.unpaired_refusal())
     if method.needs_whole_set and cfg.sweep.screen is not None:
         raise HeadsweepError(f"sweep.screen evaluates a subset of the examples first, and sweep.ablation {method.name} "
                              "draws each example's donor from the whole evaluation set: remove sweep.screen, or use "
                              "sweep.ablation mean")
     if family.resample_attention is not None:
-        _check_scope(cfg, family.name, tuple(family.resample_attention))
+        _check_scope(cfg, method, family.name, tuple(family.resample_attention))
 
 
-def _check_scope(cfg: Any, family: str, allowed: tuple[str, ...]) -> None:
+def _check_scope(cfg: Any, method: AblationMethod, family: str, allowed: tuple[str, ...]) -> None:
     """Every head any kind of the run would gate (or score against its donor) is of the ``allowed`` attention
     types, refused in one line before anything runs otherwise: ``sweep.attention`` (the grids that read it: required,
     since unset means every type), then what each kind declares it gates beyond it (``Experiment.gated_attention``:
     attention types by a key, heads named one by one, or every head of the model). A kind gating heads some other way
     is stopped by the adapter's own check when its first mask arrives."""
     def refuse(what: str, fix: str) -> None:
-        raise HeadsweepError(resample_unavailable(family, allowed, what, fix))
+        raise HeadsweepError(method.attention_refusal(family, allowed, what, fix))
 
     scope = f"[{', '.join(allowed)}]"
 
@@ -95,17 +89,18 @@ def _check_scope(cfg: Any, family: str, allowed: tuple[str, ...]) -> None:
                 within(gated.key, gated.attention)
 
 
-def _check_training_reference(cfg: Any, section: AblationSection, method: str) -> None:
-    """A method that trains its constants on ``ablation.reference`` (optimal): required, and not the evaluation set
-    (its deltas would be fitted to the data they are measured on) unless ``ablation.allow_eval_data``."""
-    if section.reference is None:
+def _check_training_reference(cfg: Any, settings: Any, method: str) -> None:
+    """A method that trains its constants on ``ablation.reference`` (optimal; its settings declare ``reference`` and
+    ``allow_eval_data``, ``REFERENCE_SETTINGS``): required, and not the evaluation set (its deltas would be fitted to
+    the data they are measured on) unless ``ablation.allow_eval_data``."""
+    if settings.reference is None:
         raise HeadsweepError(f"sweep.ablation {method} trains each head's constant on ablation.reference: set it to "
                              "training or validation data (a data section like data, kept apart from the evaluation "
                              "set)")
-    if not section.allow_eval_data:
+    if not settings.allow_eval_data:
         advice = f"train {method} ablation's constants on training or validation data"
-        refuse_eval_data("ablation", section.reference, cfg, advice, advice,
-                         resolved=typed_data(cfg, section.reference, "ablation.reference"), name="reference")
+        refuse_eval_data("ablation", settings.reference, cfg, advice, advice,
+                         resolved=typed_data(cfg, settings.reference, "ablation.reference"), name="reference")
 
 
 def check_for_model(cfg: Any) -> None:
@@ -115,16 +110,15 @@ def check_for_model(cfg: Any) -> None:
     fills or ``keep_first`` where the family's evaluation does not run whole sequences
     (``ModelFamily.fills_by_position``: fairseq translation's beam search runs decoder attention one position per
     step, and its sources are left-padded)."""
-    method, section = ablation_settings(cfg)
+    method, settings = method_settings(cfg)
     if method.reference == "training":
-        _check_training_reference(cfg, section, method.name)
+        _check_training_reference(cfg, settings, method.name)
     family = model_family(cfg.model.kind)
     _check_per_example(cfg, family, method)
     if family.fills_by_position:
         return
-    for setting, on in (("ablation.positions: per_position", section.positions == "per_position"),
-                        ("ablation.keep_first", section.keep_first)):
-        if on:
+    for setting in (method.per_position(settings), "ablation.keep_first" if cfg.ablation.keep_first else None):
+        if setting is not None:
             raise HeadsweepError(
                 f"{setting} is not available for {family.name} models: beam search runs decoder attention one "
                 "position per step and sources are padded on the left, so a position of the input is not a position "

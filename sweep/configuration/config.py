@@ -17,7 +17,7 @@ from typing import Any
 
 from headsweep.errors import HeadsweepError
 from headsweep.plugins import FAMILIES_GROUP
-from headsweep.sweep.configuration.ablation import AblationSection
+from headsweep.sweep.configuration.ablation import AblationSection, read_section
 from headsweep.sweep.configuration.ablation_checks import check_for_model, check_paired
 from headsweep.sweep.configuration.reader import coerce, from_dict
 from headsweep.sweep.configuration.sections import SECTIONS, Config, SignificanceSection, SweepSection, config_class
@@ -193,7 +193,7 @@ def build_config(data: dict) -> Config:
         seed=coerce(data.get("seed", 0), int, "seed"),
         sweep=from_dict(SweepSection, data.get("sweep"), "sweep"),
         significance=from_dict(SignificanceSection, data.get("significance"), "significance"),
-        ablation=from_dict(AblationSection, data.get("ablation"), "ablation"),
+        ablation=read_section(data.get("ablation"), data.get("sweep")),
         **{key: from_dict(settings, data.get(key), key) for key, settings in SECTIONS.items() if key in known},
         checkpoints=coerce(data.get("checkpoints"), list[str] | None, "checkpoints"),
     )

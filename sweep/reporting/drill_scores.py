@@ -70,18 +70,16 @@ class NotRecomputed:
 
 def run_fill(con: duckdb.DuckDBPyConnection, run: dict, checkpoint: str | None) -> RunFill:
     """What the run's gated-off heads left behind, for model ``checkpoint``, as the report's adapter takes it."""
-    from headsweep.sweep.ablation.values import values_from_rows
+    from headsweep.sweep.ablation.values import ablation_spec, values_from_rows
     from headsweep.sweep.configuration.config import build_config
     from headsweep.workers.ablation.registry import ablation_method
-    from headsweep.workers.ablation.spec import AblationSpec
     from headsweep.workers.ablation.worker_fill import fill_of
 
     name = run.get("ablation") or DEFAULT_METHOD
     try:
         cfg = build_config(json.loads(run["config"]))
         # the settings the fill is built from (the reference data itself is not read again)
-        spec = AblationSpec(method=cfg.sweep.ablation, per_position=cfg.ablation.positions == "per_position",
-                            keep_first=cfg.ablation.keep_first)
+        spec = ablation_spec(cfg, reference=False)
         method = ablation_method(spec.method)
     except HeadsweepError as exc:
         return RunFill(note=f"Not recomputed: the run's {name} ablation cannot be set up here ({exc}).")

@@ -28,7 +28,7 @@ from headsweep.sweep.configuration.reader import from_dict
 from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.sweep.pruning.export import MANIFEST, export_pruned
 from headsweep.workers.ablation.means import reference_means
-from headsweep.workers.ablation.optimal import train_head
+from headsweep.workers.ablation.optimal import OptimalSettings, train_head
 from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.ablation.worker_fill import WorkerFill, fill_of
 from headsweep.workers.core.heads import Head
@@ -64,7 +64,7 @@ def check_trained(adapter, evaluation, heads: list[Head], depth: int, width: int
     """For each head: the constant's claimed loss is the surgery route's, at most the mean's (strictly below for at
     least one head), training again gives the same constant; installed on ``evaluation`` (from values, as a worker
     installs them) its evaluation equals the surgery's."""
-    spec = AblationSpec("optimal", steps=STEPS, lr=0.05)
+    spec = AblationSpec("optimal", settings=OptimalSettings(steps=STEPS, lr=0.05))
     means = reference_means(adapter, AblationSpec("mean"), "reference").fill
     gains = []
     for head in heads:
@@ -204,7 +204,7 @@ def test_optimal_run_stores_constants_and_resume_reads_them_back(tmp_path, tiny_
 
     # The workers trained what this process trains (deterministic; another process and thread count only).
     adapter = load(cfg["model"], {"path": str(reference)}, batch_size=16)
-    spec = AblationSpec("optimal", steps=STEPS, lr=0.05)
+    spec = AblationSpec("optimal", settings=OptimalSettings(steps=STEPS, lr=0.05))
     means = reference_means(adapter, AblationSpec("mean"), "reference").fill
     for head in (Head("self", 0, 1), Head("self", 1, 3)):
         here, _ = train_head(adapter, spec, means, head)

@@ -30,7 +30,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.demo.sentiment import generate, write_tsv
-from headsweep.workers.ablation.resample import same_length_donors
+from headsweep.workers.ablation.patch import PatchSettings
+from headsweep.workers.ablation.resample import ResampleSettings, same_length_donors
 from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
@@ -115,9 +116,9 @@ def classifier_data(tmp_path_factory, bert_dir):
     return write_tsv(kept, tmp_path_factory.mktemp("data") / "pairable.tsv"), tokenizer
 
 
-def classifier(model_dir, data, reuse=True, masks_per_batch=1, **spec) -> ClassifierAdapter:
+def classifier(model_dir, data, reuse=True, masks_per_batch=1, **settings) -> ClassifierAdapter:
     runtime = RuntimeOptions(batch_size=8, reuse=reuse, masks_per_batch=masks_per_batch,
-                             ablation=AblationSpec(method="resample", **spec))
+                             ablation=AblationSpec(method="resample", settings=ResampleSettings(**settings)))
     return ClassifierAdapter(ClassifierModel(path=str(model_dir)), ClassifierData(path=str(data)), runtime)
 
 
@@ -185,7 +186,7 @@ def test_classifier_patch_equals_a_hook_loop(bert_dir, direction, tmp_path):
     assert (np.abs(reference - unpatched[evaluated]).max(axis=1) > 1e-3).all()
     for reuse, per in PATHS:
         runtime = RuntimeOptions(batch_size=4, reuse=reuse, masks_per_batch=per,
-                                 ablation=AblationSpec(method="patch", direction=direction))
+                                 ablation=AblationSpec(method="patch", settings=PatchSettings(direction)))
         a = ClassifierAdapter(ClassifierModel(path=str(bert_dir)), ClassifierData(path=str(data), task="paired"),
                               runtime)
         info = a.describe()
@@ -246,7 +247,8 @@ def test_perplexity_resample_equals_a_hook_loop_and_averages_its_draws(lm_files)
 
     def adapter(reuse, per, resamples=1):
         runtime = RuntimeOptions(batch_size=3, reuse=reuse, masks_per_batch=per,
-                                 ablation=AblationSpec(method="resample", seed=2, resamples=resamples))
+                                 ablation=AblationSpec(method="resample",
+                                                       settings=ResampleSettings(seed=2, resamples=resamples)))
         return load_causal_lm_adapter(CausalLMModel(path=str(lm_files["llama"])),
                                       CausalLMData(path=str(lm_files["corpus"]), window=WINDOW), runtime)
 
@@ -315,7 +317,8 @@ def test_paired_prompts_equal_a_hook_loop(lm_files, method, direction, keep_firs
     reference = None
     for reuse, per in PATHS:
         runtime = RuntimeOptions(batch_size=4, reuse=reuse, masks_per_batch=per,
-                                 ablation=AblationSpec(method=method, direction=direction, keep_first=keep_first))
+                                 ablation=AblationSpec(method=method, keep_first=keep_first, settings=PatchSettings(
+                                     direction) if method == "patch" else None))
         a = load_causal_lm_adapter(CausalLMModel(path=str(lm_files["gpt2"])),
                                    CausalLMData(path=str(data), task="paired"), runtime)
         info = a.describe()

@@ -19,9 +19,11 @@ from typing import Any
 
 import yaml
 
+from headsweep.sweep.configuration.ablation import methods_reading, section_for
 from headsweep.sweep.configuration.sections import config_class
 from headsweep.sweep.experiments import BUILTIN_KINDS, KINDS  # importing the kinds registers their config sections
 from headsweep.sweep.run.screening import DEFAULTS as SCREEN_DEFAULTS
+from headsweep.workers.ablation.method import COMMON_SETTINGS
 from headsweep.workers.core.registry import builtin_families
 from headsweep.workers.core.setting_ranges import Range, range_of
 
@@ -53,22 +55,32 @@ def _flatten(cls: type, prefix: str, section: tuple[str, ...], out: dict) -> Non
             keys[key] = _default(f)
 
 
-def code_keys() -> dict[tuple[str, ...], dict[str, Any]]:
+def _sections(ablation: str) -> dict[str, Any]:
+    """The config's fields by name, typed: a section's dataclass (the ``ablation`` section that of a config whose
+    ``sweep.ablation`` is ``ablation``: built from the methods' settings), or a top-level key's type."""
+    config = config_class()
+    hints = typing.get_type_hints(config)
+    return {f.name: section_for(ablation) if f.name == "ablation" else hints[f.name]
+            for f in dataclasses.fields(config) if f.name not in ("model", "data")}
+
+
+def code_keys(ablation: str = "zero") -> dict[tuple[str, ...], dict[str, Any]]:
     """Every config key the code reads, by documentation section, with its default.
 
-    The sections every config has and those the experiment kinds register (the whole :func:`config_class`),
-    the keys of ``sweep.screen`` (a mapping the screening policy reads), and each built-in model family's
-    ``model`` and ``data`` sections.
+    The sections every config has and those the experiment kinds register (the whole :func:`config_class`; the
+    ``ablation`` section of a config naming method ``ablation``, the built-in methods' by default), the keys of
+    ``sweep.screen`` (a mapping the screening policy reads), and each built-in model family's ``model`` and ``data``
+    sections.
     """
     out: dict[tuple[str, ...], dict[str, Any]] = {}
     config = config_class()
-    hints = typing.get_type_hints(config)
     top = out.setdefault((), {})
+    sections = _sections(ablation)
     for f in dataclasses.fields(config):
         if f.name in ("model", "data"):
             continue
-        if dataclasses.is_dataclass(hints[f.name]):
-            _flatten(hints[f.name], f.name, (f.name,), out)
+        if dataclasses.is_dataclass(sections[f.name]):
+            _flatten(sections[f.name], f.name, (f.name,), out)
         else:
             top[f.name] = _default(f)
     out[("sweep.screen",)] = {f"sweep.screen.{k}": v for k, v in SCREEN_DEFAULTS.items()}
@@ -309,17 +321,17 @@ def _ranged_fields(cls: type, prefix: str, section: tuple[str, ...], out: dict) 
             out[(section, key)] = range_of(f)
 
 
-def code_ranges() -> dict[tuple[tuple[str, ...], str], Range | None]:
+def code_ranges(ablation: str = "zero") -> dict[tuple[tuple[str, ...], str], Range | None]:
     """Every numeric config key, by documentation section, with the range its field declares (None: none)."""
     out: dict = {}
     config = config_class()
-    hints = typing.get_type_hints(config)
+    sections = _sections(ablation)
     for f in dataclasses.fields(config):
         if f.name in ("model", "data"):
             continue
-        if dataclasses.is_dataclass(hints[f.name]):
-            _ranged_fields(hints[f.name], f.name, (f.name,), out)
-        elif _numeric(hints[f.name]):
+        if dataclasses.is_dataclass(sections[f.name]):
+            _ranged_fields(sections[f.name], f.name, (f.name,), out)
+        elif _numeric(sections[f.name]):
             out[((), f.name)] = range_of(f)
     for family in builtin_families():
         _ranged_fields(family.model_config, "model", ("model", family.name), out)
@@ -369,3 +381,30 @@ def test_the_range_check_sees_a_missing_range_and_an_unstated_one():
     assert range_problems(documented_meanings(page), ranges) == [
         "sweep.colour: a numeric setting without a declared range (setting_ranges.ranged)",
         "sweep.workers: docs/configuration.md does not state its range ('at least 1')"]
+
+
+# -- which ablation methods read each key ------------------------------------------------------------------------
+def reader_problems(documented: dict[tuple[tuple[str, ...], str], str], keys: list[str]) -> list[str]:
+    """``ablation`` rows that do not name (as `` `name` ``) every method that reads their key (its ``settings``);
+    ``keep_first``, which every method reads, is exempt."""
+    problems = []
+    for key, readers in methods_reading(k.split(".", 1)[1] for k in keys).items():
+        if key in COMMON_SETTINGS:
+            continue
+        meaning = documented.get((("ablation",), f"ablation.{key}"))
+        missing = [m for m in readers if meaning is not None and f"`{m}`" not in meaning]
+        if missing:
+            problems.append(f"ablation.{key}: docs/configuration.md does not name the method(s) that read it: "
+                            f"{', '.join(missing)}")
+    return problems
+
+
+def test_each_ablation_key_names_the_methods_that_read_it():
+    """The ablation section is the methods' settings: each row says which method reads its key, as they declare it,
+    and the check can fail (a row naming the wrong method)."""
+    documented = documented_meanings(CONFIGURATION.read_text())
+    keys = list(code_keys()[("ablation",)])
+    assert not reader_problems(documented, keys)
+    wrong = {**documented, (("ablation",), "ablation.resamples"): "`mean`: the number of draws"}
+    assert reader_problems(wrong, keys) == [
+        "ablation.resamples: docs/configuration.md does not name the method(s) that read it: resample"]

@@ -215,6 +215,6 @@ def donors_for(spec: AblationSpec, gates: HeadGates, lengths: Sequence[int], pai
 
 def refuse_per_example(spec: AblationSpec, what: str, why: str) -> None:
     """An adapter that cannot fill heads per example (``what``, e.g. "multiple-choice questions", ``why`` the
-    reason) refuses resample with one line, and patch with :data:`PATCH_NEEDS_PAIRS` (it holds no pairs); called
+    reason) refuses resample with one line, and patch with its ``unpaired_refusal`` (it holds no pairs); called
     where the adapter on the evaluation data is described (an adapter loaded for its loss alone never refuses)."""
     method_of(spec).refuse_per_example(what, why)

@@ -9,18 +9,32 @@ projections' biases.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from headsweep.workers.ablation.means import MeanValues, describe_reference, reference_means
-from headsweep.workers.ablation.method import AblationMethod
+from headsweep.workers.ablation.method import AblationMethod, reference_setting
+
+
+@dataclass(frozen=True)
+class MeanSettings:
+    """``ablation.reference``: the data whose head outputs give the means (a data section typed like ``data``; None:
+    the evaluation data). ``ablation.positions``: ``all`` (one mean per head over every non-padding token) or
+    ``per_position`` (one per absolute position; positions the reference never reaches take the pooled mean)."""
+
+    reference: dict | None = reference_setting()
+    positions: Literal["all", "per_position"] = "all"
 
 
 class Mean(AblationMethod):
     name = "mean"
     fill = "constant"
-    settings = ("reference", "positions")
+    settings = MeanSettings
     reference = "optional"
     fold = "constants"
+
+    def per_position(self, settings: MeanSettings) -> str | None:
+        return "ablation.positions: per_position" if settings.positions == "per_position" else None
 
     def compute(self, worker: Any, spec: Any) -> MeanValues:
         # worker.adapter(None): the main adapter (a variant holds a screening subset, not the evaluation data)

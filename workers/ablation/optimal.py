@@ -27,15 +27,17 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.means import _loss_batches, describe_reference, reference_means, site_name
-from headsweep.workers.ablation.method import AblationMethod
+from headsweep.workers.ablation.method import AblationMethod, reference_setting
 from headsweep.workers.ablation.spec import AblationSpec, HeadFill
 from headsweep.workers.core.heads import Head, SiteKey
+from headsweep.workers.core.setting_ranges import SEED, ranged
 from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:
@@ -46,6 +48,20 @@ if TYPE_CHECKING:
 # Early stop: the best loss improved by less than this share of itself over the last PATIENCE steps.
 TOLERANCE = 1e-4
 PATIENCE = 10
+
+
+@dataclass(frozen=True)
+class OptimalSettings:
+    """``ablation.reference``: the data the constants are trained on (required; a data section typed like ``data``,
+    kept apart from the evaluation set unless ``ablation.allow_eval_data``). ``ablation.seed`` seeds torch before
+    each head's training; ``ablation.steps`` and ``ablation.lr``: Adam's most updates per head and learning rate."""
+
+    reference: dict | None = reference_setting()
+    allow_eval_data: bool = False
+    seed: int = ranged(0, within=SEED)
+    # 0 steps would store optimal ablation with its untrained starting constants
+    steps: int = ranged(100, at_least=1)
+    lr: float = ranged(0.01, above=0)
 
 
 class UntrainedFill(HeadFill):
@@ -81,13 +97,14 @@ def train_head(adapter: EvalAdapter, spec: AblationSpec, means: HeadFill, head: 
     import torch
 
     start = time.perf_counter()
+    settings: OptimalSettings = OPTIMAL.settings_in(spec)
     key = (head.attention, head.layer)
     init = means.values[key]
     gates = adapter.gates
     saved = gates.fill
-    torch.manual_seed(spec.seed)
+    torch.manual_seed(settings.seed)
     constant = init[head.head].detach().clone().requires_grad_(True)
-    optimiser = torch.optim.Adam([constant], lr=spec.lr)
+    optimiser = torch.optim.Adam([constant], lr=settings.lr)
     losses: list[float] = []
     best, best_loss = constant.detach().clone(), float("inf")
     # fairseq runs unmasked attention in a fused kernel; gated it does not, but the mean pass turns it off too.
@@ -95,7 +112,7 @@ def train_head(adapter: EvalAdapter, spec: AblationSpec, means: HeadFill, head: 
     try:
         gates.set_mask([head])
         with torch.enable_grad(), (unfused() if callable(unfused) else nullcontext()):
-            for step in range(spec.steps + 1):
+            for step in range(settings.steps + 1):
                 values = torch.cat([init[:head.head], constant.unsqueeze(0), init[head.head + 1:]])
                 gates.set_fill(HeadFill({key: values}, keep_first=spec.keep_first))
                 loss, grad = _mean_loss(adapter, constant)
@@ -105,7 +122,7 @@ def train_head(adapter: EvalAdapter, spec: AblationSpec, means: HeadFill, head: 
                 losses.append(loss)
                 if loss < best_loss:
                     best, best_loss = constant.detach().clone(), loss
-                if step == spec.steps:
+                if step == settings.steps:
                     break
                 if step >= PATIENCE:
                     before = min(losses[:-PATIENCE])
@@ -171,7 +188,7 @@ class Optimal(AblationMethod):
 
     name = "optimal"
     fill = "constant"
-    settings = ("reference", "allow_eval_data", "seed", "steps", "lr")
+    settings = OptimalSettings
     reference = "training"
     trained = True
     fold = "constants"
@@ -179,12 +196,17 @@ class Optimal(AblationMethod):
     def worker_fill(self, spec: AblationSpec) -> HeadFill | None:
         return UntrainedFill(keep_first=spec.keep_first)
 
+    def training_summary(self, spec: AblationSpec) -> str:
+        settings: OptimalSettings = self.settings_in(spec)
+        return f"Adam lr={settings.lr:g}, at most {settings.steps} steps each"
+
     def facts(self, spec: AblationSpec, means: Any) -> dict[str, Any]:
+        settings: OptimalSettings = self.settings_in(spec)
         return {**super().facts(spec, means), "reference": describe_reference(spec.reference),
                 "start": "the head's mean over the reference",
-                "optimiser": f"Adam lr={spec.lr:g}, full-batch gradients over the reference",
-                "steps": spec.steps, "seed": spec.seed,
-                "stopping": f"at most {spec.steps} updates, or the best loss improved by less than a relative "
+                "optimiser": f"Adam lr={settings.lr:g}, full-batch gradients over the reference",
+                "steps": settings.steps, "seed": settings.seed,
+                "stopping": f"at most {settings.steps} updates, or the best loss improved by less than a relative "
                             f"{TOLERANCE:g} over {PATIENCE} steps; the best constant seen kept",
                 "masks": "each removed head replaced by its own single-head constant (not trained per mask)"}
 

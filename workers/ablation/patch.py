@@ -10,19 +10,28 @@ evaluated). Needs paired data (``data.task: paired``); the per-batch step is
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.method import AblationMethod
-from headsweep.workers.ablation.spec import PATCH_NEEDS_PAIRS
+
+
+@dataclass(frozen=True)
+class PatchSettings:
+    """``ablation.direction``: ``noising`` (the corrupted prompt's activations patched into the clean run, whose
+    unpatched score is the baseline: is the head necessary?) or ``denoising`` (the clean prompt's into the corrupted
+    run, the baseline: is it sufficient?)."""
+
+    direction: Literal["noising", "denoising"] = "noising"
 
 
 class Patch(AblationMethod):
     name = "patch"
     fill = "per_example"
-    settings = ("direction",)
+    settings = PatchSettings
     needs_pairs = True
     fold_refusal = "each example's heads take another input's activations"
 
@@ -31,7 +40,7 @@ class Patch(AblationMethod):
 
         def pairs() -> np.ndarray:
             if not paired:
-                raise HeadsweepError(PATCH_NEEDS_PAIRS)
+                raise HeadsweepError(self.unpaired_refusal())
             return np.arange(n, dtype=np.int64)[None, :]  # example i's donor: its own other prompt
 
         return pairs
@@ -40,16 +49,26 @@ class Patch(AblationMethod):
         return True
 
     def evaluates_corrupted(self, spec: Any) -> bool:
-        return spec.direction == "denoising"
+        return self.settings_in(spec).direction == "denoising"
 
     def data_facts(self, spec: Any) -> dict[str, Any]:
-        return {"direction": spec.direction}
+        return {"direction": self.settings_in(spec).direction}
 
     def facts(self, spec: Any, means: Any) -> dict[str, Any]:
-        return {**super().facts(spec, means), "direction": spec.direction}
+        return {**super().facts(spec, means), "direction": self.settings_in(spec).direction}
 
     def refuse_per_example(self, what: str, why: str) -> None:
-        raise HeadsweepError(PATCH_NEEDS_PAIRS)  # an adapter that cannot fill per example holds no pairs
+        raise HeadsweepError(self.unpaired_refusal())  # an adapter that cannot fill per example holds no pairs
+
+    def unpaired_refusal(self) -> str:
+        return ("sweep.ablation patch needs paired data (clean and corrupted inputs): set data.task: paired "
+                "(hf_causal_lm or hf_classifier: JSONL rows clean, corrupted, answer, wrong_answer), or use another "
+                "sweep.ablation")
+
+    def family_refusal(self, family: str) -> str:
+        return (f"sweep.ablation patch is not available for {family} models: it patches activations between paired "
+                f"clean and corrupted inputs, and {family} has no paired data format (data.task: paired); use "
+                "sweep.ablation resample or mean")
 
 
 PATCH = Patch()

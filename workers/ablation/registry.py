@@ -20,13 +20,15 @@ from headsweep.workers.ablation.zero import ZERO
 
 # What a run that does not set sweep.ablation, and a stored row written before methods existed, use.
 DEFAULT_METHOD = ZERO.name
+# The methods headsweep brings, in registration order: the ``ablation`` section every config reads is theirs.
+BUILTIN_METHODS: tuple[AblationMethod, ...] = (ZERO, MEAN, RESAMPLE, OPTIMAL, PATCH)
 
 # Every registered method by name, in registration order (the order messages list them in).
 METHODS: Registry[AblationMethod] = Registry("ablation method", "sweep.ablation", ABLATIONS_GROUP, AblationMethod,
                                              check=check_method)
 register = METHODS.register
 
-for _builtin in (ZERO, MEAN, RESAMPLE, OPTIMAL, PATCH):
+for _builtin in BUILTIN_METHODS:
     register(_builtin)
 
 

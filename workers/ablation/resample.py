@@ -9,12 +9,14 @@ statistics over them. Donors come from the whole evaluation set (screening subse
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.method import AblationMethod
+from headsweep.workers.core.setting_ranges import SEED, ranged
 
 #: How many example lengths an error message names before it says how many more there are.
 SHOWN = 5
@@ -59,24 +61,40 @@ def same_length_donors(lengths: Sequence[int], seed: int, draws: int = 1, what: 
     return donors
 
 
+@dataclass(frozen=True)
+class ResampleSettings:
+    """``ablation.seed``: the donor draws' seed. ``ablation.resamples`` (K): K donor draws, each example's statistics
+    the mean over the K."""
+
+    seed: int = ranged(0, within=SEED)
+    resamples: int = ranged(1, at_least=1)
+
+
 class Resample(AblationMethod):
     name = "resample"
     fill = "per_example"
-    settings = ("seed", "resamples")
+    settings = ResampleSettings
     needs_whole_set = True
     fold_refusal = "each example's heads take another input's activations"
 
-    def draws(self, section: Any) -> int:
-        return section.resamples
+    def draws(self, settings: ResampleSettings) -> int:
+        return settings.resamples
 
     def draw_donors(self, spec: Any, lengths: Sequence[int], paired: bool, what: str, where: str, more: str):
+        settings: ResampleSettings = self.settings_in(spec)
         # drawn now: data they cannot pair are refused when the adapter loads
-        drawn = same_length_donors(list(lengths), spec.seed, spec.resamples, what, where, more)
+        drawn = same_length_donors(list(lengths), settings.seed, settings.resamples, what, where, more)
         return lambda: drawn
 
     def facts(self, spec: Any, means: Any) -> dict[str, Any]:
-        return {**super().facts(spec, means), "seed": spec.seed, "resamples": spec.resamples,
+        settings: ResampleSettings = self.settings_in(spec)
+        return {**super().facts(spec, means), "seed": settings.seed, "resamples": settings.resamples,
                 "donors": "a seeded derangement among examples of the same token length, per draw"}
+
+    def attention_refusal(self, family: str, allowed: tuple[str, ...], what: str, fix: str) -> str:
+        return (f"sweep.ablation resample is available for {family} models on {', '.join(allowed)} heads only, and "
+                f"{what}: a donor's decoder states follow its own hypotheses in beam search, so decoder attention "
+                f"cannot take another sentence's states; {fix}, or use sweep.ablation mean")
 
 
 RESAMPLE = Resample()

@@ -35,53 +35,24 @@ from headsweep.workers.core.heads import SiteKey
 if TYPE_CHECKING:  # the driver reads AblationSpec: torch stays out of its import time
     import torch
 
-# The one line that refuses activation patching on data without clean / corrupted pairs (driver and workers).
-PATCH_NEEDS_PAIRS = ("sweep.ablation patch needs paired data (clean and corrupted inputs): set data.task: paired "
-                     "(hf_causal_lm or hf_classifier: JSONL rows clean, corrupted, answer, wrong_answer), or use "
-                     "another sweep.ablation")
-
-
-def patch_unavailable(family: str) -> str:
-    """The one line that refuses activation patching for a model family with no paired data format (fairseq
-    translation: no clean / corrupted source pairs), on the driver and on the workers."""
-    return (f"sweep.ablation patch is not available for {family} models: it patches activations between paired clean "
-            f"and corrupted inputs, and {family} has no paired data format (data.task: paired); use sweep.ablation "
-            "resample or mean")
-
-
-def resample_unavailable(family: str, allowed: tuple[str, ...], what: str, fix: str) -> str:
-    """The one line that refuses resample ablation where a run would gate heads of an attention type the family
-    cannot fill from a donor (``allowed``; fairseq translation: ``enc_self``), on the driver and on the workers:
-    ``what`` says what would gate them (``sweep.attention (unset: every attention type) takes in enc_dec, dec_self
-    heads``), ``fix`` what to change (``set sweep.attention: [enc_self]``)."""
-    return (f"sweep.ablation resample is available for {family} models on {', '.join(allowed)} heads only, and {what}: "
-            "a donor's decoder states follow its own hypotheses in beam search, so decoder attention cannot take "
-            f"another sentence's states; {fix}, or use sweep.ablation mean")
-
 
 @dataclass(frozen=True)
 class AblationSpec:
     """The run's ablation as a worker reads it (``RuntimeOptions.ablation``, built by the driver from
     ``sweep.ablation`` and the ``ablation`` section).
 
-    ``reference``: the data section (typed as the family's ``data``) the means are taken over; None: the evaluation
-    data. ``per_position``: one mean per absolute position (``ablation.positions: per_position``). ``keep_first``:
-    position 0 is never replaced (and not counted in the means). ``seed`` and ``resamples``: resample ablation's
-    donor draws. ``direction``: activation patching's (``noising``: the corrupted prompt's activations patched into
-    the clean run; ``denoising``: the clean prompt's into the corrupted run). ``lr`` and ``steps``: optimal ablation's
-    Adam learning rate and most updates per head (:mod:`headsweep.workers.ablation.optimal`). The default, ``zero``,
-    changes nothing.
+    ``reference``: the data section (typed as the family's ``data``) the means are taken over or the constants
+    trained on; None: the evaluation data. ``per_position``: a constant fill holds one value per absolute position
+    (what the method's settings ask: ``AblationMethod.per_position``). ``keep_first``: position 0 is never replaced
+    (and not counted in the means). ``settings``: the method's own settings object (its ``settings`` dataclass, read
+    with ``AblationMethod.settings_in``; None: its defaults). The default, ``zero``, changes nothing.
     """
 
     method: str = "zero"
     reference: Any = None
     per_position: bool = False
     keep_first: bool = False
-    seed: int = 0
-    resamples: int = 1
-    direction: str = "noising"
-    lr: float = 0.01
-    steps: int = 100
+    settings: Any = None
 
 
 @dataclass

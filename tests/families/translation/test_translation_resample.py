@@ -34,6 +34,7 @@ from tiny_fairseq import BOUND_SHAPE, fairseq_load, train_tiny
 from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.ablation.resample import ResampleSettings
 from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.core.heads import Head
 from headsweep.workers.families.fairseq_translation.adapter import TranslationAdapter, load_translation
@@ -67,8 +68,9 @@ def adapter(tiny, reuse: bool = False, per: int = 1, loss: bool = False, method:
     model = TranslationModel(checkpoint=str(tiny.checkpoint), data_bin=str(tiny.data.data_bin), beam=BEAM,
                              max_len_b=MAX_LEN_B)
     data = TranslationData(source=str(source or tiny.data.test_source), target=str(tiny.data.test_target))
+    settings = ResampleSettings(seed=SEED, resamples=resamples) if method == "resample" else None
     runtime = RuntimeOptions(reuse=reuse, masks_per_batch=per, loss=loss,
-                             ablation=AblationSpec(method=method, seed=SEED, resamples=resamples),
+                             ablation=AblationSpec(method=method, settings=settings),
                              **(batching or {"batch_size": 8, "max_tokens": 0}))
     return load_translation(model, data, runtime)
 

@@ -53,7 +53,6 @@ from sacrebleu.metrics import BLEU as SacreBLEU
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.donors import donors_for, with_donors
 from headsweep.workers.ablation.registry import method_of
-from headsweep.workers.ablation.spec import patch_unavailable, resample_unavailable
 from headsweep.workers.core.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.mask_grid import GridBatch, mask_grid
@@ -163,8 +162,9 @@ class TranslationAdapter:
 
     # -- EvalAdapter ---------------------------------------------------------------------
     def describe(self) -> DatasetInfo:
-        if method_of(self.runtime.ablation).needs_pairs:  # no paired translation data: refused before anything runs
-            raise HeadsweepError(patch_unavailable("fairseq_translation"))
+        method = method_of(self.runtime.ablation)
+        if method.needs_pairs:  # no paired translation data: refused before anything runs
+            raise HeadsweepError(method.family_refusal("fairseq_translation"))
         ex = self.examples
         return DatasetInfo(
             model=self.model_name,
@@ -245,9 +245,10 @@ class TranslationAdapter:
             return
         other = next((h for mask in masks for h in mask if h.attention not in RESAMPLE_ATTENTION), None)
         if other is not None:
-            raise HeadsweepError(resample_unavailable("fairseq_translation", RESAMPLE_ATTENTION,
-                                                      f"a mask of this run gates {other}",
-                                                      "gate only enc_self heads"))
+            method = method_of(self.runtime.ablation)
+            raise HeadsweepError(method.attention_refusal("fairseq_translation", RESAMPLE_ATTENTION,
+                                                          f"a mask of this run gates {other}",
+                                                          "gate only enc_self heads"))
 
     def run_donors(self, donors: np.ndarray) -> None:
         """The per-batch donor pass of :class:`~headsweep.workers.ablation.donors.Donors`: the sources of sentences
