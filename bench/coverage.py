@@ -206,8 +206,8 @@ def surgery(model: nn.Module, module_name: str, proj_name: str, columns: slice, 
 
 def prove(model: nn.Module, task: str, sites_of) -> tuple[int, float, str]:
     """Every head: gate == surgery, mean ablation == bias fold. Returns (heads, max relative difference, problem)."""
-    from headsweep.workers.ablation.spec import HeadFill
     from headsweep.workers.core.gates import HeadGates
+    from headsweep.workers.core.head_fill import HeadFill
     from headsweep.workers.core.heads import Head
 
     batch = inputs(model, task)

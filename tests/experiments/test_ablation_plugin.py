@@ -18,8 +18,9 @@ from conftest import error_line, install_entry_point, run_cli
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.reader import from_dict
 from headsweep.workers.ablation.method import AblationMethod
-from headsweep.workers.ablation.spec import AblationSpec, HeadFill
+from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.core.family import RuntimeOptions
+from headsweep.workers.core.head_fill import HeadFill
 from headsweep.workers.core.heads import Head, SiteKey
 from headsweep.workers.core.registry import model_family
 

@@ -2,7 +2,7 @@
 
 A method is an :class:`AblationMethod` registered under its ``name`` (:mod:`headsweep.workers.ablation.registry`);
 ``sweep.ablation`` names the run's. The gate is always ``z'_h = xi_h z_h + (1 - xi_h) c_h``
-(:func:`headsweep.workers.ablation.spec.apply_gates`); a method says what ``c_h`` is through its declarations:
+(:func:`headsweep.workers.core.head_fill.apply_gates`); a method says what ``c_h`` is through its declarations:
 
 * ``settings``: the keys of the ``ablation`` section it reads (any other key set away from its default is refused);
   ``check_settings(section)``: its own checks of their values;
@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from headsweep.workers.ablation.means import MeanValues
-    from headsweep.workers.ablation.spec import AblationSpec, HeadFill
+    from headsweep.workers.ablation.spec import AblationSpec
+    from headsweep.workers.core.head_fill import HeadFill
 
 # The declarations' values, as types (static tools check every method's class attributes against them) and as the
 # tuples ``check_method`` checks a plugin's against.

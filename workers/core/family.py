@@ -49,7 +49,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.core.heads import Head, HeadInventory, SiteKey
 from headsweep.workers.core.metrics import Metric
 
@@ -57,11 +56,20 @@ if TYPE_CHECKING:  # the driver imports this module: keep torch out of its impor
     import torch
     from torch import nn
 
+    from headsweep.workers.ablation.spec import AblationSpec
     from headsweep.workers.analyses.attention import AttentionReader, Consumer
     from headsweep.workers.core.gates import AttentionSite, HeadGates
     from headsweep.workers.pruning.head_slicing import HeadSlice
 
 R = TypeVar("R", bound="RuntimeOptions")
+
+
+def _zero_ablation() -> AblationSpec:
+    """The default ablation, ``zero`` (nothing changes). The methods build on this contract, so the contract reads
+    their spec when a runtime is made rather than when it is imported."""
+    from headsweep.workers.ablation.spec import AblationSpec
+
+    return AblationSpec()
 
 
 @dataclass
@@ -80,7 +88,7 @@ class RuntimeOptions:
     # sequential screening evaluates first (sweep.screen); None: every example. See workers/data/example_subset.py.
     examples: tuple[int, ...] | None = None
     # What a gated-off head leaves behind (sweep.ablation and its settings); default zero: nothing changes.
-    ablation: AblationSpec = field(default_factory=AblationSpec)
+    ablation: AblationSpec = field(default_factory=_zero_ablation)
 
     @classmethod
     def of(cls: type[R], runtime: RuntimeOptions) -> R:
