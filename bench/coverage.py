@@ -270,8 +270,8 @@ def pruning_and_stock(model: nn.Module, task: str, sites) -> tuple[str, str]:
     from headsweep.errors import HeadsweepError
     from headsweep.workers.core.gates import HeadGates
     from headsweep.workers.core.heads import Head
-    from headsweep.workers.core.registry import model_family
     from headsweep.workers.families.hf_causal_lm.sites import kv_groups
+    from headsweep.workers.families.registry import model_family
 
     family = model_family("hf_causal_lm" if task == "causal_lm" else "hf_classifier")
     # Half the heads of every layer, the same in every key/value group (a mask a stock config can state): the first

@@ -343,7 +343,7 @@ def runtime_fields() -> set[str]:
 
 def translation_runtime() -> type:
     """The translation family's RuntimeOptions (its own class where this headsweep has one)."""
-    from headsweep.workers.core.registry import model_family
+    from headsweep.workers.families.registry import model_family
 
     return getattr(model_family("fairseq_translation"), "runtime_options", None) or _plain_runtime()
 

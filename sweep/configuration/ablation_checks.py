@@ -21,7 +21,7 @@ from headsweep.workers.ablation.method import AblationMethod
 from headsweep.workers.ablation.registry import ablation_method
 from headsweep.workers.ablation.spec import PATCH_NEEDS_PAIRS, patch_unavailable, resample_unavailable
 from headsweep.workers.core.heads import Head
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 
 
 def ablation_settings(cfg: Any) -> tuple[AblationMethod, AblationSection]:

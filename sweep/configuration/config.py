@@ -34,9 +34,9 @@ from headsweep.sweep.experiments import (
 )
 from headsweep.sweep.experiments.data_sections import DATA, FILE, marked_fields, typed_data
 from headsweep.sweep.run.screening import Screening
-from headsweep.workers.core.registry import builtin_families, model_family
 from headsweep.workers.core.setting_ranges import check_ranges
 from headsweep.workers.data.text_files import describe_kind
+from headsweep.workers.families.registry import builtin_families, model_family
 from headsweep.workers.hub.cache import parse_hub_id
 
 

@@ -32,6 +32,7 @@ from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.claim import store_claim
 from headsweep.sweep.run.context import Context, KindRoles
 from headsweep.sweep.run.dispatch import WorkerPool, log, unwrap
+from headsweep.sweep.run.hub_pins import pin_hub_models
 from headsweep.sweep.run.inputs import write_inputs
 from headsweep.sweep.run.memory import check_memory, machine_cpus
 from headsweep.sweep.run.runs import (
@@ -54,8 +55,7 @@ from headsweep.workers.core.actor import EvalWorker
 from headsweep.workers.core.checks import model_heads_on_worker
 from headsweep.workers.core.family import DatasetInfo
 from headsweep.workers.core.heads import HeadInventory
-from headsweep.workers.core.registry import FAMILIES, model_family
-from headsweep.workers.hub.pins import pin_hub_models
+from headsweep.workers.families.registry import FAMILIES, model_family
 from headsweep.workers.memory.batch_budget import host_available
 
 

@@ -22,7 +22,7 @@ from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.head_fill import HeadFill
 from headsweep.workers.core.heads import Head, SiteKey
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 
 HERE = Path(__file__).parent  # this module (the method) must import in the CLI's process and its workers
 FACTOR = 0.5

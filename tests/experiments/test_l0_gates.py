@@ -23,9 +23,9 @@ from headsweep.sweep.experiments.l0.settings import L0Section
 from headsweep.sweep.experiments.l0.training import L0Trainer
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
-from headsweep.workers.core.registry import model_family
 from headsweep.workers.families.fairseq_translation.config import TranslationRuntime
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
+from headsweep.workers.families.registry import model_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

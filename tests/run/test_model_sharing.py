@@ -15,9 +15,9 @@ import torch
 from headsweep.workers.analyses.importance import gradient_importance, importance_on_worker
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
-from headsweep.workers.core.registry import model_family
 from headsweep.workers.core.work import WorkUnit
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
+from headsweep.workers.families.registry import model_family
 
 
 def holds_one_copy(worker, data_cfg) -> tuple[bool, int]:

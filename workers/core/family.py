@@ -18,7 +18,7 @@ A model family (transformers classifiers, fairseq translation models, a user's p
   folder back (``headsweep.load_pruned``).
 * ``attention_weights(model, sites, consume)``: every head's **attention weights** as the modules
   compute them (relevance propagation); ``attention_reader(adapter)``: what **roles** reads of an
-  adapter (:class:`headsweep.workers.analyses.attention.AttentionReader`); ``syntax_attention``: the attention
+  adapter (:class:`headsweep.workers.attention.reader.AttentionReader`); ``syntax_attention``: the attention
   type scored against parses (None: no syntactic heads).
 * ``training_label_smoothing(model_cfg)``: the label smoothing the model was **trained** with, if it
   says (the L0 gates' loss).
@@ -30,7 +30,7 @@ A model family (transformers classifiers, fairseq translation models, a user's p
 This module is the contract alone: the built-in families (``headsweep.workers.families.<name>/``,
 ``family.py`` declaring the ``ModelFamily``; heavy modules imported only when a method needs them, so
 the driver never imports fairseq or transformers models it does not use) import it, and
-:mod:`headsweep.workers.core.registry` lists them and finds a family by name. A plugin is a
+:mod:`headsweep.workers.families.registry` lists them and finds a family by name. A plugin is a
 ``ModelFamily`` defined elsewhere and named in a config as ``model.kind: package.module:NAME``;
 constructed plainly (``ModelFamily(name, model_config, data_config, loader)``) it evaluates masks
 and refuses what it does not implement with a clear error; a subclass overrides the methods it
@@ -57,9 +57,9 @@ if TYPE_CHECKING:  # the driver imports this module: keep torch out of its impor
     from torch import nn
 
     from headsweep.workers.ablation.spec import AblationSpec
-    from headsweep.workers.analyses.attention import AttentionReader, Consumer
+    from headsweep.workers.attention.reader import AttentionReader, Consumer
     from headsweep.workers.core.gates import AttentionSite, HeadGates
-    from headsweep.workers.pruning.head_slicing import HeadSlice
+    from headsweep.workers.core.head_slicing import HeadSlice
 
 R = TypeVar("R", bound="RuntimeOptions")
 
@@ -318,7 +318,7 @@ class ModelFamily:
 
     def attention_reader(self, adapter: Any) -> AttentionReader:
         """What roles reads of ``adapter``: its heads' attention maps on its evaluation data, its tokenisation of
-        a corpus, its text as the model's pieces (:class:`~headsweep.workers.analyses.attention.AttentionReader`).
+        a corpus, its text as the model's pieces (:class:`~headsweep.workers.attention.reader.AttentionReader`).
 
         By default the adapter's own ``attention_maps(sink)`` (how a plugin takes part); an adapter the family
         cannot read is refused with a clear error.
@@ -326,7 +326,7 @@ class ModelFamily:
         if not callable(getattr(adapter, "attention_maps", None)):
             raise HeadsweepError(f"model family {self.name!r} gives no attention maps (its adapter has no "
                                  "attention_maps()): roles cannot run on it")
-        from headsweep.workers.analyses.attention import AdapterReader
+        from headsweep.workers.attention.reader import AdapterReader
 
         return AdapterReader(adapter)
 

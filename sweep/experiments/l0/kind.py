@@ -41,8 +41,8 @@ from headsweep.sweep.experiments.prune_level import prune_scope_name
 from headsweep.sweep.run.plan import check_attention_types
 from headsweep.sweep.terminal.console import say as log
 from headsweep.workers.core.heads import Head
-from headsweep.workers.core.registry import model_family
 from headsweep.workers.core.work import WorkUnit
+from headsweep.workers.families.registry import model_family
 
 if TYPE_CHECKING:
     from headsweep.sweep.run.context import Context
