@@ -174,7 +174,7 @@ def pool_case(workers: int, n: int, sleep: float, log_dir: Path) -> dict:
     import ray
 
     from headsweep.sweep.run.dispatch import WorkerPool, units_per_call
-    from headsweep.workers.core.actor import EvalWorker
+    from headsweep.workers.actor.eval_worker import EvalWorker
     from headsweep.workers.core.work import WorkUnit
 
     model, data = TrivialModel(kind="dispatch_sleep", heads=n), SleepData(seconds=sleep, log=str(log_dir))

@@ -51,8 +51,8 @@ from headsweep.sweep.run.weights import check_resumed_weights, run_fingerprints,
 from headsweep.sweep.run.worker_start import wait_for_workers
 from headsweep.sweep.statistics.significance_runner import check_resample_memory, tests_for
 from headsweep.workers.ablation.registry import METHODS
-from headsweep.workers.core.actor import EvalWorker
-from headsweep.workers.core.checks import model_heads_on_worker
+from headsweep.workers.actor.checks import model_heads_on_worker
+from headsweep.workers.actor.eval_worker import EvalWorker
 from headsweep.workers.core.family import DatasetInfo
 from headsweep.workers.core.heads import HeadInventory
 from headsweep.workers.families.registry import FAMILIES, model_family

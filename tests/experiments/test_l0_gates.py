@@ -357,7 +357,7 @@ def test_a_unit_with_weights_evaluates_a_model_holding_them(tmp_path, ray_addres
     import numpy as np
     import ray
 
-    from headsweep.workers.core.actor import EvalWorker
+    from headsweep.workers.actor.eval_worker import EvalWorker
     from headsweep.workers.core.work import WorkUnit
 
     model_cfg = ClassifierModel(path=str(tiny_bert_dir), attn_implementation="eager")

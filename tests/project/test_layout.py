@@ -158,8 +158,8 @@ def test_installed_distribution_has_one_top_level_name(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"headsweep"}, tops
-    for module in ("headsweep/sweep/run/driver.py", "headsweep/workers/core/actor.py", "headsweep/results/store.py",
-                   "headsweep/errors.py"):
+    for module in ("headsweep/sweep/run/driver.py", "headsweep/workers/actor/eval_worker.py",
+                   "headsweep/results/store.py", "headsweep/errors.py"):
         assert module in names
 
 

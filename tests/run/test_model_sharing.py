@@ -33,7 +33,7 @@ def test_the_adapter_on_other_data_shares_the_workers_model(ray_address, tiny_be
     import ray
     from ray import cloudpickle
 
-    from headsweep.workers.core.actor import EvalWorker
+    from headsweep.workers.actor.eval_worker import EvalWorker
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # holds_one_copy runs in the worker
 
