@@ -21,7 +21,7 @@ from headsweep.sweep.experiments.importance.settings import ImportanceSection
 from headsweep.sweep.experiments.importance.tables import IMPORTANCE_TABLE
 from headsweep.sweep.experiments.importance.worker import load_data_on_worker
 from headsweep.sweep.experiments.registry import experiment_kind
-from headsweep.sweep.terminal.progress import step
+from headsweep.sweep.output.progress import step
 from headsweep.workers.core.heads import Head, HeadInventory
 
 if TYPE_CHECKING:

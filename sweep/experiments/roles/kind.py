@@ -21,7 +21,7 @@ from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.experiments.data_sections import typed_data
 from headsweep.sweep.experiments.roles.settings import RolesSection
 from headsweep.sweep.experiments.roles.tables import HEAD_ROLES, ROLES_VIEW
-from headsweep.sweep.terminal.progress import step
+from headsweep.sweep.output.progress import step
 from headsweep.workers.families.registry import syntax_families
 
 if TYPE_CHECKING:
