@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 
 from headsweep.results.store import ResultStore
+from headsweep.sweep.cluster.dispatch import WorkerPool, units_per_call
 from headsweep.sweep.configuration.ablation import averaged_outcomes
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.output.progress import Progress
 from headsweep.sweep.run.budget import BudgetReached, SessionBudget
 from headsweep.sweep.run.chunks import ChunkWriter
-from headsweep.sweep.run.dispatch import WorkerPool, units_per_call
 from headsweep.sweep.run.plan import by_importance, unique, with_prefix
 from headsweep.sweep.run.runs import RunRecord
 from headsweep.sweep.run.screening import Screening
