@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.run.plan import attention_types
+from headsweep.sweep.experiments.plan import attention_types
 from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:

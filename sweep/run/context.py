@@ -19,10 +19,10 @@ from headsweep.results.store import ResultStore
 from headsweep.sweep.cluster.dispatch import WorkerPool, units_per_call
 from headsweep.sweep.configuration.ablation import averaged_outcomes
 from headsweep.sweep.configuration.sections import Config
+from headsweep.sweep.experiments.plan import by_importance, unique, with_prefix
 from headsweep.sweep.output.progress import Progress
 from headsweep.sweep.run.budget import BudgetReached, SessionBudget
 from headsweep.sweep.run.chunks import ChunkWriter
-from headsweep.sweep.run.plan import by_importance, unique, with_prefix
 from headsweep.sweep.run.runs import RunRecord
 from headsweep.sweep.run.screening import Screening
 from headsweep.sweep.statistics.significance_runner import SignificanceTracker

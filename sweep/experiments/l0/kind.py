@@ -37,9 +37,9 @@ from headsweep.sweep.experiments.base import Experiment, GatedHeads
 from headsweep.sweep.experiments.data_sections import refuse_eval_data, typed_data
 from headsweep.sweep.experiments.l0.settings import L0Section
 from headsweep.sweep.experiments.l0.tables import GATES, L0_CURVE
+from headsweep.sweep.experiments.plan import check_attention_types
 from headsweep.sweep.experiments.prune_level import prune_scope_name
 from headsweep.sweep.output.console import say as log
-from headsweep.sweep.run.plan import check_attention_types
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.work import WorkUnit
 from headsweep.workers.families.registry import model_family

@@ -27,10 +27,10 @@ from headsweep.sweep.experiments.base import Experiment, GatedHeads
 from headsweep.sweep.experiments.pairs.interactions import interaction_bootstrap
 from headsweep.sweep.experiments.pairs.settings import PairsSection
 from headsweep.sweep.experiments.pairs.tables import INTERACTIONS
+from headsweep.sweep.experiments.plan import attention_types
 from headsweep.sweep.experiments.registry import experiments_of
 from headsweep.sweep.experiments.single_head import SINGLE_HEAD, single_head_unit
 from headsweep.sweep.output.console import say as log
-from headsweep.sweep.run.plan import attention_types
 from headsweep.sweep.statistics.significance import adjust_pvalues
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.metrics import metric_by_name
