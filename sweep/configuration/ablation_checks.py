@@ -15,8 +15,7 @@ from typing import Any
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.ablation import AblationSection
-from headsweep.sweep.experiments import experiments_of
-from headsweep.sweep.experiments.data_sections import refuse_eval_data, typed_data
+from headsweep.sweep.configuration.data_sections import refuse_eval_data, typed_data
 from headsweep.workers.ablation.method import AblationMethod
 from headsweep.workers.ablation.registry import ablation_method
 from headsweep.workers.ablation.spec import PATCH_NEEDS_PAIRS, patch_unavailable, resample_unavailable
@@ -81,6 +80,8 @@ def _check_scope(cfg: Any, family: str, allowed: tuple[str, ...]) -> None:
         bad = [a for a in types or () if a not in allowed]
         if bad:
             refuse(f"{key} takes in {', '.join(bad)} heads", f"set {key}: {scope}")
+
+    from headsweep.sweep.experiments import experiments_of  # the kinds build on configuration/: asked when checked
 
     within("sweep.attention", cfg.sweep.attention)
     for kind in experiments_of(cfg):

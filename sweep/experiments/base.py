@@ -54,8 +54,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from headsweep.results.schema import Table
 from headsweep.results.views import PruningCurve, View
+from headsweep.sweep.configuration.data_sections import DATA, marked_fields, typed_data
 from headsweep.sweep.configuration.sections import Config
-from headsweep.sweep.experiments.data_sections import DATA, marked_fields, typed_data
 from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:

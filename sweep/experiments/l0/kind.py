@@ -32,9 +32,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.configuration.data_sections import refuse_eval_data, typed_data
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment, GatedHeads
-from headsweep.sweep.experiments.data_sections import refuse_eval_data, typed_data
 from headsweep.sweep.experiments.l0.settings import L0Section
 from headsweep.sweep.experiments.l0.tables import GATES, L0_CURVE
 from headsweep.sweep.experiments.plan import check_attention_types

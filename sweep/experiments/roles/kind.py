@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.configuration.data_sections import typed_data
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.experiments.data_sections import typed_data
 from headsweep.sweep.experiments.roles.settings import RolesSection
 from headsweep.sweep.experiments.roles.tables import HEAD_ROLES, ROLES_VIEW
 from headsweep.sweep.output.progress import step

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.experiments.data_sections import DATA, FILE
+from headsweep.sweep.configuration.data_sections import DATA, FILE
 from headsweep.workers.attention.syntax import ALIASES, RELATIONS
 from headsweep.workers.core.setting_ranges import SHARE, check_ranges, ranged
 
