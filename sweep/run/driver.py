@@ -28,11 +28,12 @@ from headsweep.sweep.cluster.placement import WorkerAsk, alive_nodes, check_plac
 from headsweep.sweep.cluster.ray_session import init_ray, resolve_device
 from headsweep.sweep.configuration.ablation import averaged_outcomes
 from headsweep.sweep.configuration.sections import Config
+from headsweep.sweep.models.hub_pins import pin_hub_models
+from headsweep.sweep.models.weights import check_resumed_weights, run_fingerprints, run_models
 from headsweep.sweep.run.budget import BudgetReached, SessionBudget
 from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.claim import store_claim
 from headsweep.sweep.run.context import Context, KindRoles
-from headsweep.sweep.run.hub_pins import pin_hub_models
 from headsweep.sweep.run.inputs import write_inputs
 from headsweep.sweep.run.memory import check_memory, machine_cpus
 from headsweep.sweep.run.runs import (
@@ -47,7 +48,6 @@ from headsweep.sweep.run.runs import (
     stored_results,
 )
 from headsweep.sweep.run.screening import Screening
-from headsweep.sweep.run.weights import check_resumed_weights, run_fingerprints, run_models
 from headsweep.sweep.run.worker_start import wait_for_workers
 from headsweep.sweep.statistics.significance_runner import check_resample_memory, tests_for
 from headsweep.workers.ablation.registry import METHODS

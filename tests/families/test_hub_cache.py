@@ -21,7 +21,7 @@ from tiny_models import build_lm_tokenizer, lm_text, save_tiny_causal_lm, save_t
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import build_config
-from headsweep.sweep.run.hub_pins import pin_hub_models
+from headsweep.sweep.models.hub_pins import pin_hub_models
 from headsweep.workers.hub.cache import resolve_snapshot
 
 BERT_A = "1a2b3c4d" + "0" * 32  # org/tiny-bert main

@@ -25,7 +25,7 @@ A model family (transformers classifiers, fairseq translation models, a user's p
 * ``weight_bytes(model_cfg)``: the **memory** its weights take once a worker loads them, read from the files
   (the driver refuses a run whose workers cannot hold them, before any loads: ``sweep/run/memory.py``).
 * ``weight_files(model_cfg)``: the **files** its weights are read from, whose content fingerprint a run keeps
-  (a later use of the run with other weights is refused: ``sweep/run/weights.py``).
+  (a later use of the run with other weights is refused: ``sweep/models/weights.py``).
 
 This module is the contract alone: the built-in families (``headsweep.workers.families.<name>/``,
 ``family.py`` declaring the ``ModelFamily``; heavy modules imported only when a method needs them, so
@@ -342,7 +342,7 @@ class ModelFamily:
 
     def weight_files(self, model_cfg: Any) -> list[Path] | None:
         """The files holding the weights of ``model_cfg``'s model, whose content a run's fingerprint hashes
-        (``facts.weights``, :mod:`headsweep.sweep.run.weights`); None where unknown (nothing is fingerprinted)."""
+        (``facts.weights``, :mod:`headsweep.sweep.models.weights`); None where unknown (nothing is fingerprinted)."""
         return None
 
     def _unsupported(self, what: str) -> HeadsweepError:

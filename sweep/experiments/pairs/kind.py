@@ -37,7 +37,7 @@ from headsweep.workers.core.metrics import metric_by_name
 from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:
-    from headsweep.sweep.reporting.page import ReportPart
+    from headsweep.sweep.report_parts.page import ReportPart
     from headsweep.sweep.run.context import Context
 
 RANKED = ("importance", "single_head")

@@ -25,7 +25,7 @@ from headsweep.sweep.output.progress import step
 from headsweep.workers.families.registry import syntax_families
 
 if TYPE_CHECKING:
-    from headsweep.sweep.reporting.page import ReportPart
+    from headsweep.sweep.report_parts.page import ReportPart
     from headsweep.sweep.run.context import Context
 
 FACT = "roles"
