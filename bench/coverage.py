@@ -206,8 +206,8 @@ def surgery(model: nn.Module, module_name: str, proj_name: str, columns: slice, 
 
 def prove(model: nn.Module, task: str, sites_of) -> tuple[int, float, str]:
     """Every head: gate == surgery, mean ablation == bias fold. Returns (heads, max relative difference, problem)."""
-    from headsweep.workers.ablation.spec import HeadFill
     from headsweep.workers.core.gates import HeadGates
+    from headsweep.workers.core.head_fill import HeadFill
     from headsweep.workers.core.heads import Head
 
     batch = inputs(model, task)
@@ -270,8 +270,8 @@ def pruning_and_stock(model: nn.Module, task: str, sites) -> tuple[str, str]:
     from headsweep.errors import HeadsweepError
     from headsweep.workers.core.gates import HeadGates
     from headsweep.workers.core.heads import Head
-    from headsweep.workers.core.registry import model_family
     from headsweep.workers.families.hf_causal_lm.model.sites import kv_groups
+    from headsweep.workers.families.registry import model_family
 
     family = model_family("hf_causal_lm" if task == "causal_lm" else "hf_classifier")
     # Half the heads of every layer, the same in every key/value group (a mask a stock config can state): the first

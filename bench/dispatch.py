@@ -173,8 +173,8 @@ def pool_case(workers: int, n: int, sleep: float, log_dir: Path) -> dict:
     """``n`` units straight through ``WorkerPool.stream``: the dispatch rule alone."""
     import ray
 
-    from headsweep.sweep.run.dispatch import WorkerPool, units_per_call
-    from headsweep.workers.core.actor import EvalWorker
+    from headsweep.sweep.cluster.dispatch import WorkerPool, units_per_call
+    from headsweep.workers.actor.eval_worker import EvalWorker
     from headsweep.workers.core.work import WorkUnit
 
     model, data = TrivialModel(kind="dispatch_sleep", heads=n), SleepData(seconds=sleep, log=str(log_dir))

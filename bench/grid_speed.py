@@ -52,7 +52,7 @@ from pathlib import Path
 
 from bench import classifier, common, multi30k
 from bench.measure import PeakRSS, mib, run_grid, spread
-from headsweep.sweep.run.dispatch import units_per_call  # the driver's masks per call
+from headsweep.sweep.cluster.dispatch import units_per_call  # the driver's masks per call
 
 N_TRANSLATION = 500
 N_SYNTHETIC_TRAIN = 3000  # training pairs of the synthetic translation task (without Multi30k)

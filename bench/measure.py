@@ -8,7 +8,7 @@ import os
 import threading
 import time
 
-from headsweep.sweep.run.dispatch import units_per_call
+from headsweep.sweep.cluster.dispatch import units_per_call
 
 try:
     TRIM = ctypes.CDLL("libc.so.6")

@@ -36,7 +36,7 @@ from bench import common, multi30k
 def spacy_available(model: str) -> str | None:
     """None when spaCy can parse with ``model`` here, else why not."""
     from headsweep.errors import HeadsweepError
-    from headsweep.workers.analyses.syntax import spacy_pipeline
+    from headsweep.workers.attention.syntax import spacy_pipeline
 
     try:
         spacy_pipeline(model)
@@ -109,7 +109,7 @@ def roles_of(flickr, encoder: list, spacy_model: str):
     print(f"roles of {len(roles.heads)} heads on {roles.n_sentences} sentences in {seconds:.1f}s "
           f"(frequencies: {roles.frequencies})", flush=True)
     if roles.syntax is not None:
-        from headsweep.workers.analyses.syntax import DIRECTIONS, RELATIONS
+        from headsweep.workers.attention.syntax import DIRECTIONS, RELATIONS
 
         print(f"parses: {json.dumps(roles.syntax, default=str)[:600]}")
         for rel in RELATIONS:

@@ -343,7 +343,7 @@ def runtime_fields() -> set[str]:
 
 def translation_runtime() -> type:
     """The translation family's RuntimeOptions (its own class where this headsweep has one)."""
-    from headsweep.workers.core.registry import model_family
+    from headsweep.workers.families.registry import model_family
 
     return getattr(model_family("fairseq_translation"), "runtime_options", None) or _plain_runtime()
 
@@ -614,7 +614,7 @@ def load_routes(args: argparse.Namespace, checkpoint: Path, spm_model: Path, dat
 
 def describe(routes: Routes, info, masks: list, record: dict, args: argparse.Namespace) -> None:
     """The model, the data and how each route runs."""
-    from headsweep.sweep.run.dispatch import units_per_call
+    from headsweep.sweep.cluster.dispatch import units_per_call
 
     default_opts = routes.options["hs_default"]
     n_total = len(common.read_gz(multi30k.pair(TEST)[0]))
@@ -644,7 +644,7 @@ class Timings:
 def time_rounds(routes: Routes, masks: list, args: argparse.Namespace, peak: PeakRSS) -> Timings:
     """Every route on ``masks``, round by round (a round: the driver's call size, one call per (d) worker), so that
     a change in the machine's load hits all of them."""
-    from headsweep.sweep.run.dispatch import units_per_call
+    from headsweep.sweep.cluster.dispatch import units_per_call
 
     call = units_per_call(routes.options["hs_default"].masks_per_batch)
     captured = capture_hypotheses(routes.tasks["hs_default"])

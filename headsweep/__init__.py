@@ -98,7 +98,7 @@ def load_pruned(path: str):
     Classifiers and causal LMs alike: each built-in model family is asked whether the folder is one it
     exports (``config.json`` names the architecture), and that family rebuilds it.
     """
-    from headsweep.workers.core.registry import family_of_export
+    from headsweep.workers.families.registry import family_of_export
 
     return family_of_export(path).load_exported(path)
 

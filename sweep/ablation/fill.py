@@ -8,8 +8,8 @@ from __future__ import annotations
 from headsweep.results.store import ResultStore
 from headsweep.sweep.ablation.training import trained_fill
 from headsweep.sweep.ablation.values import StoredFill, ablation_spec
+from headsweep.sweep.cluster.dispatch import WorkerPool
 from headsweep.sweep.configuration.sections import Config
-from headsweep.sweep.run.dispatch import WorkerPool
 from headsweep.workers.ablation.registry import method_of
 from headsweep.workers.ablation.worker_fill import fill_values_on_worker
 

@@ -23,7 +23,7 @@ import ray
 
 from headsweep.results.store import ResultStore
 from headsweep.sweep.ablation.values import StoredFill, stored_values
-from headsweep.sweep.run.dispatch import WorkerPool, log
+from headsweep.sweep.cluster.dispatch import WorkerPool, log
 from headsweep.workers.ablation.optimal import heads_on_worker, install_on_worker, train_units
 from headsweep.workers.ablation.registry import method_of
 from headsweep.workers.ablation.spec import AblationSpec

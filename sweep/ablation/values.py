@@ -19,8 +19,8 @@ import numpy as np
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.ablation import method_settings
+from headsweep.sweep.configuration.data_sections import typed_data
 from headsweep.sweep.configuration.sections import Config
-from headsweep.sweep.experiments.data_sections import typed_data
 from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.core.heads import Head
 

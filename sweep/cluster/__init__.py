@@ -1,1 +1,2 @@
-"""The cluster: the Ray session, worker placement, and cluster jobs."""
+"""The cluster: the Ray session, the pool of worker actors work is dispatched to, worker placement, and cluster
+jobs."""

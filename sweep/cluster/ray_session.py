@@ -10,7 +10,7 @@ import ray
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.cluster import reaper
 from headsweep.sweep.configuration.sections import Config
-from headsweep.sweep.terminal import console, signals
+from headsweep.sweep.output import console, signals
 
 # Whether init_ray connected this process (rather than finding Ray already initialized by its caller).
 _connected_here = False
@@ -33,7 +33,7 @@ def init_ray(address: str | None, cfg: Config) -> None:
         _watchdog = reaper.start()  # before the instance's first process: see headsweep.sweep.cluster.reaper
     try:
         # Ray replaces the SIGTERM handler (its core worker's aborts the process): a scheduler's SIGTERM must stop
-        # a run as Ctrl-C does, its row marked interrupted (headsweep.sweep.terminal.signals).
+        # a run as Ctrl-C does, its row marked interrupted (headsweep.sweep.output.signals).
         with signals.handlers_kept(), _watchdog.marking() if _watchdog is not None else contextlib.nullcontext():
             _init(address, cfg)
     except BaseException as exc:

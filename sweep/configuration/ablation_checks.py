@@ -15,12 +15,11 @@ from typing import Any
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.ablation import method_settings
-from headsweep.sweep.experiments import experiments_of
-from headsweep.sweep.experiments.data_sections import refuse_eval_data, typed_data
+from headsweep.sweep.configuration.data_sections import refuse_eval_data, typed_data
 from headsweep.workers.ablation.method import AblationMethod
 from headsweep.workers.ablation.registry import ablation_method
 from headsweep.workers.core.heads import Head
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 
 
 def check_paired(method: str, sections: list[tuple[str, Any]], unfilled: Collection[str] = ()) -> None:
@@ -75,6 +74,8 @@ def _check_scope(cfg: Any, method: AblationMethod, family: str, allowed: tuple[s
         bad = [a for a in types or () if a not in allowed]
         if bad:
             refuse(f"{key} takes in {', '.join(bad)} heads", f"set {key}: {scope}")
+
+    from headsweep.sweep.experiments import experiments_of  # the kinds build on configuration/: asked when checked
 
     within("sweep.attention", cfg.sweep.attention)
     for kind in experiments_of(cfg):

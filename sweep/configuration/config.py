@@ -13,31 +13,28 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
 from headsweep.plugins import FAMILIES_GROUP
 from headsweep.sweep.configuration.ablation import AblationSection, read_section
 from headsweep.sweep.configuration.ablation_checks import check_for_model, check_paired
+from headsweep.sweep.configuration.data_sections import DATA, FILE, marked_fields, typed_data
 from headsweep.sweep.configuration.reader import coerce, from_dict
 from headsweep.sweep.configuration.sections import SECTIONS, Config, SignificanceSection, SweepSection, config_class
 from headsweep.sweep.configuration.seeds import check_seeds
 from headsweep.sweep.configuration.yaml_text import parse_override, read_yaml_file
-from headsweep.sweep.experiments import (
-    BUILTIN_KINDS,
-    KINDS,
-    Experiment,
-    declaring,
-    experiment_kind,
-    experiments_of,
-    is_plugin_name,
-)
-from headsweep.sweep.experiments.data_sections import DATA, FILE, marked_fields, typed_data
-from headsweep.sweep.run.screening import Screening
-from headsweep.workers.core.registry import builtin_families, model_family
 from headsweep.workers.core.setting_ranges import check_ranges
 from headsweep.workers.data.text_files import describe_kind
+from headsweep.workers.families.registry import builtin_families, model_family
 from headsweep.workers.hub.cache import parse_hub_id
+
+if TYPE_CHECKING:
+    from headsweep.sweep.experiments import Experiment
+
+# configuration/ is the ground floor of the driver: the experiment kinds declare their sections with its types, and
+# the screening policy (run/) reads its own. A config is assembled from the registered kinds and checked against them
+# and the policy when one is built, so those imports stand in the functions that build one.
 
 
 def _merge(base: dict, update: dict) -> dict:
@@ -179,6 +176,8 @@ def build_config(data: dict) -> Config:
                              f"files, got {model!r}")
     if "kind" not in model:
         raise HeadsweepError(f"config key 'model.kind' is required ({kinds})")
+    from headsweep.sweep.experiments import BUILTIN_KINDS, KINDS
+
     family = model_family(model["kind"])
     named = [KINDS[name] for name in BUILTIN_KINDS] + _named_kinds(data.get("sweep"))
     config = config_class([k.section for k in named if k.settings is not None and k.section is not None])
@@ -205,6 +204,8 @@ def build_config(data: dict) -> Config:
 def _named_kinds(sweep: Any) -> list[Experiment]:
     """The registered kinds the raw ``sweep`` section names in ``experiments``, one installed as an entry point
     imported and registered now: their config sections are part of this config. Other names are checked later."""
+    from headsweep.sweep.experiments import KINDS, experiment_kind, is_plugin_name
+
     names = sweep.get("experiments") if isinstance(sweep, dict) else None
     if isinstance(names, str):
         names = names.replace(",", " ").split()
@@ -219,6 +220,8 @@ def validate(cfg: Config) -> None:
     ``sweep.experiments`` may grow here: a kind implied by other keys joins it (``sweep.masks``
     adds ``custom``), so that the config's hash says what the run computes.
     """
+    from headsweep.sweep.experiments import KINDS, experiments_of
+
     _check_sections(cfg)
     kinds = experiments_of(cfg)
     if not cfg.sweep.experiments:
@@ -233,6 +236,8 @@ def data_sections(cfg: Config) -> list[tuple[str, Any]]:
     run read (``importance.data``, ``l0.data``, ``roles.data``: ``Experiment.data_sections``) and
     ``ablation.reference``. A section equal to
     an earlier one is left out."""
+    from headsweep.sweep.experiments import experiments_of
+
     sections = [("data", cfg.data)]
     for kind in experiments_of(cfg):
         sections += kind.data_sections(cfg)
@@ -250,6 +255,8 @@ def check_data_files(cfg: Config) -> None:
     its files, and what can be read of them without the model (the family's ``check_data(section, key)``; a
     plugin's section without checks is checked by its workers). The workers check the rest (labels against the
     model's, lengths against its positions) before anything is written."""
+    from headsweep.sweep.experiments import KINDS, declaring
+
     family = model_family(cfg.model.kind)
     sections = data_sections(cfg)
     for key, section in sections:
@@ -258,6 +265,9 @@ def check_data_files(cfg: Config) -> None:
 
 
 def _check_sections(cfg: Config) -> None:
+    from headsweep.sweep.experiments import KINDS, declaring
+    from headsweep.sweep.run.screening import Screening
+
     check_seeds(cfg)
     _check_checkpoints(cfg.checkpoints)
     model_check = getattr(cfg.model, "check", None)  # a family's checks across its model keys, if it has any

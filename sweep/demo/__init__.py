@@ -16,12 +16,12 @@ from pathlib import Path
 from headsweep.results.outputs import check_output
 from headsweep.results.query import format_table, run_query
 from headsweep.results.store import ResultStore
+from headsweep.sweep.cluster.dispatch import log
 from headsweep.sweep.configuration.config import build_config
+from headsweep.sweep.output import console
+from headsweep.sweep.output.progress import Progress
 from headsweep.sweep.reporting.report import write_report
-from headsweep.sweep.run.dispatch import log
 from headsweep.sweep.run.driver import Sweep
-from headsweep.sweep.terminal import console
-from headsweep.sweep.terminal.progress import Progress
 
 DEMO_VERSION = "v1"
 

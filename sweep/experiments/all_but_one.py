@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.run.plan import attention_types
+from headsweep.sweep.experiments.plan import attention_types
 from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:
-    from headsweep.sweep.reporting.page import ReportPart
+    from headsweep.sweep.report_parts.page import ReportPart
     from headsweep.sweep.run.context import Context
 
 
@@ -37,8 +37,8 @@ class AllButOne(Experiment):
         """Per layer, the best head to keep alone (the ``layers`` view)."""
         import html
 
-        from headsweep.sweep.reporting import figures
-        from headsweep.sweep.reporting.page import score_column
+        from headsweep.sweep.report_parts import figures
+        from headsweep.sweep.report_parts.page import score_column
 
         order, metric = part.order, part.metric
         layers = part.of_model("layers")

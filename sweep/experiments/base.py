@@ -54,12 +54,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from headsweep.results.schema import Table
 from headsweep.results.views import PruningCurve, View
+from headsweep.sweep.configuration.data_sections import DATA, marked_fields, typed_data
 from headsweep.sweep.configuration.sections import Config
-from headsweep.sweep.experiments.data_sections import DATA, marked_fields, typed_data
 from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:
-    from headsweep.sweep.reporting.page import ReportPart
+    from headsweep.sweep.report_parts.page import ReportPart
     from headsweep.sweep.run.context import Context
 
 

@@ -27,8 +27,8 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.schema import Table
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
+from headsweep.sweep.output.progress import step
 from headsweep.sweep.pruning.masks import efficiency_mask, explicit_mask
-from headsweep.sweep.terminal.progress import step
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.setting_ranges import check_ranges, ranged
 

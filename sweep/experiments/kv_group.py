@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.run.plan import attention_types
+from headsweep.sweep.experiments.plan import attention_types
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.work import WorkUnit
 

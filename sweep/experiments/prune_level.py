@@ -19,10 +19,10 @@ from headsweep.results.views import PruningCurve
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment, GatedHeads
 from headsweep.sweep.experiments.importance.kind import SHARED_KEY, importance_data
+from headsweep.sweep.experiments.plan import check_attention_types
+from headsweep.sweep.output.progress import step
 from headsweep.sweep.pruning.levels import iterative_level_masks, level_masks
 from headsweep.sweep.pruning.uniform import UNIFORM_UNITS, layers_in_scope, removable, uniform_level_masks
-from headsweep.sweep.run.plan import check_attention_types
-from headsweep.sweep.terminal.progress import step
 from headsweep.workers.core.heads import Head, HeadInventory
 from headsweep.workers.core.setting_ranges import check_ranges, ranged
 from headsweep.workers.core.work import WorkUnit

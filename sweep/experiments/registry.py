@@ -31,7 +31,7 @@ from headsweep.results.store import ResultStore
 from headsweep.results.views import PRUNING_CURVES, VIEWS, register_pruning_curve, register_view
 from headsweep.sweep.configuration.sections import SECTIONS, Config, add_section, config_class
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.run.plan import attention_types
+from headsweep.sweep.experiments.plan import attention_types
 
 if TYPE_CHECKING:  # the context brings Ray and the worker pool; reading a config needs neither
     from headsweep.sweep.run.context import Context

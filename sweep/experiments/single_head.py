@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.run.plan import attention_types
+from headsweep.sweep.experiments.plan import attention_types
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:
-    from headsweep.sweep.reporting.page import ReportPart
+    from headsweep.sweep.report_parts.page import ReportPart
     from headsweep.sweep.run.context import Context
 
 
@@ -34,8 +34,8 @@ class SingleHead(Experiment):
         """A layer x head heat map of the deltas per attention type, and the heads whose removal hurts most."""
         import html
 
-        from headsweep.sweep.reporting import figures
-        from headsweep.sweep.reporting.page import TOP_HEADS, fmt, score_column
+        from headsweep.sweep.report_parts import figures
+        from headsweep.sweep.report_parts.page import TOP_HEADS, fmt, score_column
 
         heads, metric, sig = part.heads, part.metric, part.significance
         evaluated = [h for h in heads if h["delta"] is not None]

@@ -29,10 +29,10 @@ from headsweep.results.outputs import check_output, written_folder
 from headsweep.results.store import ResultStore
 from headsweep.sweep.ablation.fold import constants_to_fold, fold
 from headsweep.sweep.configuration.sections import Config
+from headsweep.sweep.models.weights import check_same_weights
 from headsweep.sweep.pruning.masks import MaskChoice, explicit_mask, stored_mask
-from headsweep.sweep.run.weights import check_same_weights
 from headsweep.workers.core.heads import HeadInventory
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 from headsweep.workers.hub.cache import is_hub_id, resolve_snapshot
 
 MANIFEST = "headsweep-export.json"

@@ -1,1 +1,1 @@
-"""Reporting: the HTML report, its figures, and run comparisons."""
+"""Reporting: the HTML report assembled from the kinds' parts, its plots and the explorer, and run comparisons."""

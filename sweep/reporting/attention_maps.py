@@ -59,7 +59,7 @@ def _model_path(cfg: Any) -> str | None:
 def load_adapter(config_json: str, positions: list[int]) -> Any:
     """The run's model and data (from its stored config) on the evaluation examples at ``positions``."""
     from headsweep.sweep.configuration.config import build_config
-    from headsweep.workers.core.registry import model_family
+    from headsweep.workers.families.registry import model_family
 
     try:
         cfg = build_config(json.loads(config_json))
@@ -93,7 +93,7 @@ def _tokens(adapter: Any, vocab: str, ids: list[int]) -> list[str]:
 def read_patterns(adapter: Any, kind: str, wanted: dict[int, list[tuple[str, int, int, str]]]) -> list[Pattern]:
     """The maps of ``wanted[row]`` = [(head name, site layer, head index, example id)] for each row (example) of
     ``adapter``'s data, read in one pass of its unmasked model."""
-    from headsweep.workers.core.registry import model_family
+    from headsweep.workers.families.registry import model_family
 
     reader = model_family(kind).attention_reader(adapter)
     found: list[Pattern] = []
@@ -160,7 +160,7 @@ def run_patterns(con: duckdb.DuckDBPyConnection, run: dict, checkpoint: str | No
     config = run["config"]
     if checkpoint is not None:  # the model of this checkpoint
         from headsweep.sweep.configuration.config import build_config
-        from headsweep.workers.core.registry import model_family
+        from headsweep.workers.families.registry import model_family
 
         data = json.loads(config)
         key = model_family(build_config(data).model.kind).checkpoint_key
@@ -182,7 +182,7 @@ def run_patterns(con: duckdb.DuckDBPyConnection, run: dict, checkpoint: str | No
     shown = [(n, e, row_of[positions[e]]) for n, e in scored_picks if e in positions]
     if recomputes(adapter):
         losses += drill_scores(adapter, run_fill(con, run, checkpoint), shown)
-    from headsweep.workers.core.registry import model_family
+    from headsweep.workers.families.registry import model_family
 
     try:
         model_family(kind).attention_reader(adapter)

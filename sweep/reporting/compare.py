@@ -23,7 +23,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.query import run_query
 from headsweep.results.store import ResultStore
 from headsweep.sweep import experiments  # noqa: F401 - registers the kinds' tables and views read here
-from headsweep.sweep.run.weights import stored_fingerprints
+from headsweep.sweep.models.weights import stored_fingerprints
 from headsweep.workers.ablation.registry import DEFAULT_METHOD
 from headsweep.workers.core.metrics import higher_is_better
 

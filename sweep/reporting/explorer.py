@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import duckdb
 
+from headsweep.sweep.report_parts.figures import harm, metric_name
+from headsweep.sweep.report_parts.page import rows as query_rows
+from headsweep.sweep.report_parts.page import same
 from headsweep.sweep.reporting import plots
 from headsweep.sweep.reporting.drill_scores import ChoiceScores, NotRecomputed, TokenLosses
 from headsweep.sweep.reporting.example_changes import Changes, changes, top_changed, value_name
-from headsweep.sweep.reporting.figures import harm, metric_name
-from headsweep.sweep.reporting.page import rows as query_rows
-from headsweep.sweep.reporting.page import same
 from headsweep.workers.ablation.registry import DEFAULT_METHOD
 from headsweep.workers.core.metrics import higher_is_better
 

@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
-from headsweep.sweep.reporting.figures import metric_label, metric_name
+from headsweep.sweep.report_parts.figures import metric_label, metric_name
 from headsweep.workers.core.metrics import higher_is_better
 
 SIGNIFICANT_SYMBOL = "x-thin"

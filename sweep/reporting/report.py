@@ -27,7 +27,19 @@ from headsweep.results.schema import SCHEMA_VERSION
 from headsweep.results.store import ResultStore
 from headsweep.results.views import PRUNING_CURVES
 from headsweep.sweep.experiments import KINDS, register_stored_kinds
-from headsweep.sweep.reporting import figures, plots
+from headsweep.sweep.models.weights import check_run_weights
+from headsweep.sweep.report_parts import figures
+from headsweep.sweep.report_parts.page import (
+    Page,
+    ReportPart,
+    ablation_label,
+    facts_table,
+    html_table,
+    same,
+    score_column,
+)
+from headsweep.sweep.report_parts.page import rows as query_rows
+from headsweep.sweep.reporting import plots
 from headsweep.sweep.reporting.example_changes import fetch
 from headsweep.sweep.reporting.explorer import (
     TOP_EXAMPLES,
@@ -37,18 +49,7 @@ from headsweep.sweep.reporting.explorer import (
     figure_scripts,
     plot_div,
 )
-from headsweep.sweep.reporting.page import (
-    Page,
-    ReportPart,
-    ablation_label,
-    facts_table,
-    html_table,
-    same,
-    score_column,
-)
-from headsweep.sweep.reporting.page import rows as query_rows
 from headsweep.sweep.run.status import shown_status
-from headsweep.sweep.run.weights import check_run_weights
 
 # Baselines of two runs closer than this are the same model on the same data.
 SAME_BASELINE = 1e-9

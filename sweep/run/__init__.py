@@ -1,2 +1,2 @@
-"""A run's bookkeeping: the driver, the context the experiment kinds see, dispatch to the workers, the chunks
-written, run records, budgets, status, planning helpers and the screening policy."""
+"""A run's bookkeeping: the driver, the context the experiment kinds see, the chunks written, run records, budgets,
+status and the screening policy."""

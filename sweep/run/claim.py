@@ -31,8 +31,8 @@ import pyarrow.fs as pafs
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import FULL_ERRNOS, ResultStore, StoreFull
+from headsweep.sweep.output.console import say
 from headsweep.sweep.run.runs import STALE_AFTER_S, driver_id, process_exists
-from headsweep.sweep.terminal.console import say
 
 PREFIX = ".claim-"
 WAIT_NOTE_S = 10.0  # a wait longer than this is said on the console

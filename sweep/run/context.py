@@ -16,16 +16,16 @@ from typing import Any
 import numpy as np
 
 from headsweep.results.store import ResultStore
+from headsweep.sweep.cluster.dispatch import WorkerPool, units_per_call
 from headsweep.sweep.configuration.ablation import averaged_outcomes
 from headsweep.sweep.configuration.sections import Config
+from headsweep.sweep.experiments.plan import by_importance, unique, with_prefix
+from headsweep.sweep.output.progress import Progress
 from headsweep.sweep.run.budget import BudgetReached, SessionBudget
 from headsweep.sweep.run.chunks import ChunkWriter
-from headsweep.sweep.run.dispatch import WorkerPool, units_per_call
-from headsweep.sweep.run.plan import by_importance, unique, with_prefix
 from headsweep.sweep.run.runs import RunRecord
 from headsweep.sweep.run.screening import Screening
 from headsweep.sweep.statistics.significance_runner import SignificanceTracker
-from headsweep.sweep.terminal.progress import Progress
 from headsweep.workers.core.family import DatasetInfo
 from headsweep.workers.core.heads import HeadInventory
 from headsweep.workers.core.work import WorkUnit
@@ -175,7 +175,7 @@ class Context:
         ones are stored on the subset, the others come back to be evaluated on the rest of the set. ``family``: the
         screened masks of the significance family, stored ones included. What is screened, and how, is the
         policy's (``self.screening``)."""
-        from headsweep.sweep.terminal.console import say
+        from headsweep.sweep.output.console import say
 
         subset = self.screening.subset_units(units, self.info.n_examples)
         if not subset:

@@ -1,7 +1,7 @@
 """The sweep driver: starts workers, runs the experiment kinds of the config, records the run.
 
 What is evaluated comes from the experiment kinds (``headsweep.sweep.experiments``), phase by
-phase; the worker pool (``headsweep.sweep.run.dispatch``) keeps a small window of calls in flight
+phase; the worker pool (``headsweep.sweep.cluster.dispatch``) keeps a small window of calls in flight
 per actor; results are written in chunks as they land (``headsweep.sweep.run.chunks``) and tested
 for significance, and the run's row in ``runs`` says how far it got (``headsweep.sweep.run.runs``).
 """
@@ -23,15 +23,17 @@ from headsweep.results.store import ResultStore, StoreFull, StoreUnwritable
 from headsweep.sweep import experiments
 from headsweep.sweep.ablation.fill import fetch_fill
 from headsweep.sweep.ablation.values import ablation_spec
+from headsweep.sweep.cluster.dispatch import WorkerPool, log, unwrap
 from headsweep.sweep.cluster.placement import WorkerAsk, alive_nodes, check_placement, check_threads
 from headsweep.sweep.cluster.ray_session import init_ray, resolve_device
 from headsweep.sweep.configuration.ablation import averaged_outcomes
 from headsweep.sweep.configuration.sections import Config
+from headsweep.sweep.models.hub_pins import pin_hub_models
+from headsweep.sweep.models.weights import check_resumed_weights, run_fingerprints, run_models
 from headsweep.sweep.run.budget import BudgetReached, SessionBudget
 from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.claim import store_claim
 from headsweep.sweep.run.context import Context, KindRoles
-from headsweep.sweep.run.dispatch import WorkerPool, log, unwrap
 from headsweep.sweep.run.inputs import write_inputs
 from headsweep.sweep.run.memory import check_memory, machine_cpus
 from headsweep.sweep.run.runs import (
@@ -46,16 +48,14 @@ from headsweep.sweep.run.runs import (
     stored_results,
 )
 from headsweep.sweep.run.screening import Screening
-from headsweep.sweep.run.weights import check_resumed_weights, run_fingerprints, run_models
 from headsweep.sweep.run.worker_start import wait_for_workers
 from headsweep.sweep.statistics.significance_runner import check_resample_memory, tests_for
 from headsweep.workers.ablation.registry import METHODS
-from headsweep.workers.core.actor import EvalWorker
-from headsweep.workers.core.checks import model_heads_on_worker
+from headsweep.workers.actor.checks import model_heads_on_worker
+from headsweep.workers.actor.eval_worker import EvalWorker
 from headsweep.workers.core.family import DatasetInfo
 from headsweep.workers.core.heads import HeadInventory
-from headsweep.workers.core.registry import FAMILIES, model_family
-from headsweep.workers.hub.pins import pin_hub_models
+from headsweep.workers.families.registry import FAMILIES, model_family
 from headsweep.workers.memory.batch_budget import host_available
 
 

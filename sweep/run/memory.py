@@ -58,7 +58,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.sweep.cluster.ray_session import resolve_device
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.registry import declaring
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 from headsweep.workers.memory.batch_budget import CPU_ACTIVATION_BYTES, host_available
 
 GIB = 1 << 30

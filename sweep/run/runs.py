@@ -191,7 +191,7 @@ def complete_run(store: ResultStore, cfg: Config, prints: list[dict]) -> dict | 
     """The newest complete run of this very config (and, where both have a fingerprint, these weights) when no run
     of it is unfinished: running the config again would only store the same results a second time (queries that name
     no run would count them twice), so the driver says so and writes nothing (``--new`` for a second run)."""
-    from headsweep.sweep.run.weights import same_run_weights
+    from headsweep.sweep.models.weights import same_run_weights
 
     if store.local and not os.path.isdir(store.root):
         return None

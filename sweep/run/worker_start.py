@@ -14,8 +14,8 @@ import time
 import ray
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.cluster.dispatch import get, log
 from headsweep.sweep.cluster.placement import WorkerAsk
-from headsweep.sweep.run.dispatch import get, log
 
 # A tiny model loads in a few seconds: a longer wait has a cause the user should see.
 WAIT_NOTICE_S = 10.0

@@ -1,1 +1,1 @@
-"""The terminal: the CLI, its console lines and progress display."""
+"""The terminal: the CLI (what it prints and how it ends on a signal is ``headsweep.sweep.output``)."""

@@ -13,7 +13,7 @@ import traceback
 from typing import TYPE_CHECKING, NoReturn
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.terminal import console, signals
+from headsweep.sweep.output import console, signals
 
 if TYPE_CHECKING:
     from headsweep.results.store import ResultStore

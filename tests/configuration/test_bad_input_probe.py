@@ -108,8 +108,8 @@ def test_unclear_messages_of_files_are_named_before_any_worker(tmp_path, tiny_be
     import torch
     from safetensors.torch import load_file
 
-    from headsweep.workers.core.registry import model_family
     from headsweep.workers.families.hf_classifier.config import ClassifierModel
+    from headsweep.workers.families.registry import model_family
 
     data = write_rows(ROWS, tmp_path / "dev.tsv")
     config = str(classifier_config(tmp_path, tiny_bert_dir, {"path": str(data)}))

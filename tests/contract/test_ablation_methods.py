@@ -1,5 +1,5 @@
 """What a gated-off head leaves behind, on every family of the contract suite: the gate's fill
-(:class:`~headsweep.workers.ablation.spec.HeadFill`, installed with ``HeadGates.set_fill``) against independent routes
+(:class:`~headsweep.workers.core.head_fill.HeadFill`, installed with ``HeadGates.set_fill``) against independent routes
 written here and in tests/ablation_routes.py, with no headsweep gate or fill code on them.
 
 * constant fill (one vector ``c_h`` per head: mean and optimal ablation) == weight surgery (the head's ``W_O``
@@ -32,9 +32,9 @@ import pytest
 import torch
 from ablation_routes import Substitution, folded_fill, substituted
 
-from headsweep.workers.ablation.spec import HeadFill
 from headsweep.workers.core.family import EvalAdapter, LossBatch, MaskOutput
 from headsweep.workers.core.gates import AttentionSite
+from headsweep.workers.core.head_fill import HeadFill
 from headsweep.workers.core.heads import Head, SiteKey
 
 from .cases import LM_WINDOW, Built, FamilyCase, _exported_hf, _lm_builder

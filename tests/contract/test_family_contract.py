@@ -50,7 +50,7 @@ from headsweep.workers.analyses.importance import gradient_importance
 from headsweep.workers.core.family import EvalAdapter, MaskOutput
 from headsweep.workers.core.gates import AttentionSite
 from headsweep.workers.core.heads import Head, HeadInventory
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 from headsweep.workers.pruning.removal import count_parameters
 
 from .cases import Built, FamilyCase, HeadParams, removed_parameters

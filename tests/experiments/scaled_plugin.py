@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from headsweep.workers.ablation.method import AblationMethod
-from headsweep.workers.ablation.spec import AblationSpec, HeadFill
+from headsweep.workers.ablation.spec import AblationSpec
+from headsweep.workers.core.head_fill import HeadFill
 from headsweep.workers.core.heads import SiteKey
 from headsweep.workers.core.setting_ranges import ranged
 

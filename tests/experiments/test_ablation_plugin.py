@@ -28,7 +28,7 @@ from headsweep.workers.ablation.registry import METHODS
 from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 
 HERE = Path(__file__).parent  # the plugin's module must import in the CLI's process and its workers
 ENTRY_POINT = "scaled_plugin:SCALED"

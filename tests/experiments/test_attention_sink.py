@@ -9,7 +9,7 @@ import torch
 from tiny_models import lm_text, save_tiny_causal_lm
 
 from headsweep.sweep.experiments.roles.settings import RolesSection
-from headsweep.workers.analyses.head_roles import (
+from headsweep.workers.attention.head_roles import (
     ATTENTION_SINK,
     RoleTotals,
     SiteAttention,

@@ -17,7 +17,7 @@ from tiny_models import lm_text, save_tiny_causal_lm
 from tolerances import assert_routes_agree
 
 from headsweep.sweep.experiments.roles.settings import RolesSection
-from headsweep.workers.analyses.head_roles import (
+from headsweep.workers.attention.head_roles import (
     POSITIONAL,
     RARE_WORDS,
     FrequencyTable,

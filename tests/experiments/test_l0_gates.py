@@ -23,9 +23,9 @@ from headsweep.sweep.experiments.l0.settings import L0Section
 from headsweep.sweep.experiments.l0.training import L0Trainer
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
-from headsweep.workers.core.registry import model_family
 from headsweep.workers.families.fairseq_translation.config import TranslationRuntime
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
+from headsweep.workers.families.registry import model_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -357,7 +357,7 @@ def test_a_unit_with_weights_evaluates_a_model_holding_them(tmp_path, ray_addres
     import numpy as np
     import ray
 
-    from headsweep.workers.core.actor import EvalWorker
+    from headsweep.workers.actor.eval_worker import EvalWorker
     from headsweep.workers.core.work import WorkUnit
 
     model_cfg = ClassifierModel(path=str(tiny_bert_dir), attn_implementation="eager")

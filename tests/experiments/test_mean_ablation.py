@@ -31,7 +31,7 @@ from headsweep.sweep.run.runs import resumable
 from headsweep.workers.ablation.means import reference_means
 from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.ablation.worker_fill import fill_of
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -32,7 +32,7 @@ from headsweep.workers.ablation.optimal import OptimalSettings, train_head
 from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.ablation.worker_fill import WorkerFill, fill_of
 from headsweep.workers.core.heads import Head
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -20,7 +20,7 @@ from conftest import error_line, run_cli
 from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.analyses.syntax import (
+from headsweep.workers.attention.syntax import (
     Aligned,
     SyntaxSettings,
     SyntaxTotals,
@@ -346,7 +346,7 @@ needs_spacy = pytest.mark.skipif(spacy_pipeline() is None, reason="spaCy with an
 @needs_spacy
 def test_spacy_parses_of_the_captions():
     """spaCy's ClearNLP labels: dobj counts as obj, and its words spell the text (the check passes)."""
-    from headsweep.workers.analyses.syntax import spacy_parses
+    from headsweep.workers.attention.syntax import spacy_parses
 
     texts = ["Two big brown dogs are running.", "A man kicks a red ball quickly."]
     parses, made_by = spacy_parses(texts, "en_core_web_sm")
@@ -370,7 +370,7 @@ def test_spacy_route_on_the_constructed_head(noun_bert, one_thread):
 
     adapter = load_classifier(ClassifierModel(path=str(noun_bert)), ClassifierData(path=str(TSV)),
                               RuntimeOptions(batch_size=4))
-    from headsweep.workers.analyses.syntax import spacy_parses
+    from headsweep.workers.attention.syntax import spacy_parses
 
     result = head_roles(adapter, "hf_classifier", RolesSection(parser="spacy"))
     assert result.syntax["parses"].startswith("spaCy en_core_web_sm (spaCy 3.8.") and result.syntax["sentences"] == 11

@@ -136,7 +136,7 @@ def test_gate_equals_zeroed_output_columns(name):
     _logits(model, ids)
     for h in hooks:
         h.remove()
-    from headsweep.workers.ablation.spec import HeadFill
+    from headsweep.workers.core.head_fill import HeadFill
 
     means = {s.key: contexts[s.key].mean(dim=0) for s in sites}
     heads = [Head("self", 0, 1), Head("self", 1, 3)]

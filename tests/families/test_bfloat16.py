@@ -18,7 +18,7 @@ import headsweep
 from headsweep.sweep.configuration.reader import from_dict
 from headsweep.workers.analyses.importance import gate_gradients, loss_batches_of
 from headsweep.workers.core.family import RuntimeOptions
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from tiny_models import build_lm_tokenizer, lm_text, save_tiny_causal_lm, save_t
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import build_config
+from headsweep.sweep.models.hub_pins import pin_hub_models
 from headsweep.workers.hub.cache import resolve_snapshot
-from headsweep.workers.hub.pins import pin_hub_models
 
 BERT_A = "1a2b3c4d" + "0" * 32  # org/tiny-bert main
 BERT_B = "9f8e7d6c" + "1" * 32  # org/tiny-bert v2: other weights

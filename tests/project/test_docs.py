@@ -24,8 +24,8 @@ from headsweep.sweep.configuration.sections import config_class
 from headsweep.sweep.experiments import BUILTIN_KINDS, KINDS  # importing the kinds registers their config sections
 from headsweep.sweep.run.screening import DEFAULTS as SCREEN_DEFAULTS
 from headsweep.workers.ablation.method import COMMON_SETTINGS
-from headsweep.workers.core.registry import builtin_families
 from headsweep.workers.core.setting_ranges import Range, range_of
+from headsweep.workers.families.registry import builtin_families
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGURATION = REPO / "docs" / "configuration.md"

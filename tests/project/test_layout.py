@@ -78,6 +78,98 @@ def test_import_checker_sees_a_forbidden_import(tmp_path):
     assert "headsweep.sweep.plan" in imports_of("headsweep.workers.rel", rel, top_level_only=True)
 
 
+# The sub-packages of sweep/ and of workers/ in layers, lowest first: a module imports its own sub-package and those
+# below it, never one above it (docs/development.md, "Layers"). A new sub-package takes its place here.
+LAYERS = {
+    "headsweep.sweep": ("output", "configuration", "models", "statistics", "report_parts", "cluster", "ablation",
+                        "pruning", "experiments", "run", "reporting", "demo", "terminal"),
+    "headsweep.workers": ("core", "hub", "data", "attention", "ablation", "memory", "families", "pruning",
+                          "analyses", "actor"),
+}
+# The upward imports left, all inside functions or under TYPE_CHECKING (none at module level): (importer, imported).
+# Each one fixed comes off this list, and no other may join it.
+LATE_UPWARD = {
+    ("headsweep.sweep.cluster", "headsweep.sweep.terminal"),  # a cluster job's entry point runs the CLI
+    ("headsweep.sweep.configuration", "headsweep.sweep.experiments"),  # a config is assembled from the kinds'
+    ("headsweep.sweep.configuration", "headsweep.sweep.run"),  # sections and checked by the screening policy
+    ("headsweep.sweep.experiments", "headsweep.sweep.run"),  # the type of the Context a kind is handed
+    ("headsweep.workers.core", "headsweep.workers.ablation"),  # RuntimeOptions' default AblationSpec
+    ("headsweep.workers.core", "headsweep.workers.attention"),  # the family contract's AttentionReader
+}
+
+
+def subpackage_of(module: str) -> str | None:
+    """The sub-package of ``sweep`` or ``workers`` that ``module`` belongs to (its ``__init__`` included), else None."""
+    for root in LAYERS:
+        if module.startswith(root + "."):
+            return ".".join(module.split(".")[:3])
+    return None
+
+
+def subpackage_imports(top_level_only: bool) -> dict[tuple[str, str], list[str]]:
+    """(importing sub-package, imported sub-package) of the same root -> the imports behind it, ``a imports b``.
+    ``from headsweep.sweep.experiments import KINDS`` imports the sub-package ``experiments`` (its ``__init__``)."""
+    modules = module_files()
+    found: dict[tuple[str, str], list[str]] = {}
+    for module, path in modules.items():
+        for target in imports_of(module, path, top_level_only):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            importer, imported = subpackage_of(module), subpackage_of(target)
+            if importer and imported and importer != imported and importer.split(".")[1] == imported.split(".")[1]:
+                found.setdefault((importer, imported), []).append(f"{module} imports {target}")
+    return found
+
+
+def layer_breaches(imports: dict[tuple[str, str], list[str]], layers: dict[str, tuple[str, ...]]) -> list[str]:
+    """One line per pair of sub-packages in ``imports`` where one imports another in a layer above it (a pair that
+    imports each other always does), or one that ``layers`` does not place, with an import that shows it."""
+    breaches = []
+    for (importer, imported), shown in sorted(imports.items()):
+        root, _, low = importer.rpartition(".")
+        high = imported.rpartition(".")[2]
+        order = layers.get(root, ())
+        unplaced = [name for name in (low, high) if name not in order]
+        if unplaced:
+            breaches.append(f"{root}.{unplaced[0]} has no layer in LAYERS: place it ({shown[0]})")
+        elif order.index(low) < order.index(high):
+            back = " (and it imports back: a mutual pair)" if (imported, importer) in imports else ""
+            breaches.append(f"{importer} imports {imported}, a layer above it{back}: {shown[0]}")
+    return breaches
+
+
+def test_subpackages_import_in_layers():
+    """The sub-packages of sweep/ and of workers/ form the layered order of LAYERS at module level: no sub-package
+    imports one above it, so no two import each other; LAYERS places every sub-package there is."""
+    breaches = layer_breaches(subpackage_imports(top_level_only=True), LAYERS)
+    assert not breaches, "\n".join(breaches)
+    present = {name for name in map(subpackage_of, module_files()) if name}
+    placed = {f"{root}.{name}" for root, names in LAYERS.items() for name in names}
+    assert present == placed, (sorted(present - placed), sorted(placed - present))
+
+
+def test_upward_imports_in_functions_only_shrink():
+    """Counting imports inside functions and under TYPE_CHECKING too, the upward pairs are exactly LATE_UPWARD: a new
+    one is refused, and one fixed must come off the list."""
+    upward = {pair for pair in subpackage_imports(top_level_only=False)
+              if layer_breaches({pair: ["-"]}, LAYERS)}
+    assert upward == LATE_UPWARD, (f"new: {sorted(upward - LATE_UPWARD)}; "
+                                   f"fixed, take off LATE_UPWARD: {sorted(LATE_UPWARD - upward)}")
+
+
+def test_layer_checker_catches_a_mutual_pair():
+    """The canary: a synthetic graph whose sub-packages import each other, and one with an unplaced sub-package, fed
+    to the same checker, are reported."""
+    layers = {"pkg": ("low", "high")}
+    mutual = {("pkg.low", "pkg.high"): ["pkg.low.a imports pkg.high.b"],
+              ("pkg.high", "pkg.low"): ["pkg.high.b imports pkg.low.a"]}
+    assert layer_breaches(mutual, layers) == [
+        "pkg.low imports pkg.high, a layer above it (and it imports back: a mutual pair): pkg.low.a imports pkg.high.b"]
+    assert layer_breaches({("pkg.high", "pkg.low"): ["pkg.high.b imports pkg.low.a"]}, layers) == []
+    assert layer_breaches({("pkg.new", "pkg.low"): ["pkg.new.c imports pkg.low.a"]}, layers) == [
+        "pkg.new has no layer in LAYERS: place it (pkg.new.c imports pkg.low.a)"]
+
+
 def test_no_import_circles():
     """No cycle among the imports, counting every import statement wherever it stands (in a function, under
     ``TYPE_CHECKING``): a cycle hidden in a function still makes import order matter and hides layering bugs."""
@@ -158,8 +250,8 @@ def test_installed_distribution_has_one_top_level_name(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"headsweep"}, tops
-    for module in ("headsweep/sweep/run/driver.py", "headsweep/workers/core/actor.py", "headsweep/results/store.py",
-                   "headsweep/errors.py"):
+    for module in ("headsweep/sweep/run/driver.py", "headsweep/workers/actor/eval_worker.py",
+                   "headsweep/results/store.py", "headsweep/errors.py"):
         assert module in names
 
 

@@ -12,7 +12,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.registry import Registry
 from headsweep.sweep.experiments import KINDS
 from headsweep.workers.ablation.registry import METHODS
-from headsweep.workers.core.registry import FAMILIES
+from headsweep.workers.families.registry import FAMILIES
 
 GROUP = "headsweep.test_things"
 

@@ -16,7 +16,7 @@ from small_store import LEVELS, small_store
 from headsweep.results.query import run_query
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import load_config
-from headsweep.sweep.reporting import figures
+from headsweep.sweep.report_parts import figures
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.config import build_config
 from headsweep.sweep.demo.sentiment import generate, write_tsv
-from headsweep.sweep.run.plan import by_importance
+from headsweep.sweep.experiments.plan import by_importance
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.work import WorkUnit
 

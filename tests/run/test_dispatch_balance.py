@@ -9,7 +9,7 @@ import duckdb
 import yaml
 from conftest import run_cli
 
-from headsweep.sweep.run.dispatch import batch_size
+from headsweep.sweep.cluster.dispatch import batch_size
 
 
 def first_round(n: int, per_call: int, live: int, in_flight: int) -> list[int]:

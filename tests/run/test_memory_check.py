@@ -18,8 +18,8 @@ from tiny_models import lm_text, save_tiny_causal_lm
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.config import load_config
 from headsweep.sweep.run.memory import GIB, Need, check_gpus, check_memory, gpu_free_bytes, remedies
-from headsweep.workers.core.registry import model_family
 from headsweep.workers.families.hf_causal_lm.config import CausalLMModel
+from headsweep.workers.families.registry import model_family
 
 COMMIT = "c0ffee" + "0" * 34
 

@@ -15,9 +15,9 @@ import torch
 from headsweep.workers.analyses.importance import gradient_importance, importance_on_worker
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
-from headsweep.workers.core.registry import model_family
 from headsweep.workers.core.work import WorkUnit
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
+from headsweep.workers.families.registry import model_family
 
 
 def holds_one_copy(worker, data_cfg) -> tuple[bool, int]:
@@ -33,7 +33,7 @@ def test_the_adapter_on_other_data_shares_the_workers_model(ray_address, tiny_be
     import ray
     from ray import cloudpickle
 
-    from headsweep.workers.core.actor import EvalWorker
+    from headsweep.workers.actor.eval_worker import EvalWorker
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # holds_one_copy runs in the worker
 

@@ -12,7 +12,7 @@ import sys
 SCRIPT = """
 import json, os, signal
 import psutil, ray
-from headsweep.sweep.terminal import signals
+from headsweep.sweep.output import signals
 
 def blocked(pid):
     with open(f"/proc/{pid}/status") as f:

@@ -198,12 +198,12 @@ def test_importing_headsweep_leaves_logging_alone():
     code = """
 import logging, os, sys, warnings
 before = (os.fstat(1).st_ino, os.fstat(2).st_ino, warnings.showwarning)
-import headsweep.sweep.terminal.cli, headsweep.sweep.run.driver, headsweep.sweep.demo, headsweep.sweep.terminal.progress
-import headsweep.sweep.terminal.console, headsweep.sweep.cluster.ray_session
+import headsweep.sweep.terminal.cli, headsweep.sweep.run.driver, headsweep.sweep.demo, headsweep.sweep.output.progress
+import headsweep.sweep.output.console, headsweep.sweep.cluster.ray_session
 assert logging.getLogger().handlers == [], logging.getLogger().handlers
 assert logging.getLogger("headsweep").handlers == []
 assert (os.fstat(1).st_ino, os.fstat(2).st_ino, warnings.showwarning) == before
-assert headsweep.sweep.terminal.console.current() is None
+assert headsweep.sweep.output.console.current() is None
 print("ok")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
@@ -215,7 +215,7 @@ def test_warnings_go_to_the_log_even_when_they_point_into_headsweep(tmp_path):
     code); it still goes to the log file, while headsweep's own logger warnings reach the console."""
     code = f"""
 import logging, warnings
-from headsweep.sweep.terminal import console
+from headsweep.sweep.output import console
 console.setup("check", store={str(tmp_path / "store")!r})
 warnings.warn_explicit("a deprecated keyword", UserWarning, {str(REPO / "sweep" / "demo" / "translation.py")!r}, 118)
 print("a library's print")

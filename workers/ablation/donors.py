@@ -8,8 +8,8 @@ Every adapter does the same per-batch step before a batch's masked passes (:meth
    and padding), run once through the **ungated** model (no gates, no fill), with a pre-hook on every site's output
    projection recording its input;
 2. those inputs, per site ``(B, T, H, d)`` batch first, become the gates' per-example
-   :class:`~headsweep.workers.ablation.spec.HeadFill` while the batch's masked passes run (a pass that packs ``k`` masks
-   repeats it mask-major; prefix reuse's ``gated_projection`` reads the same fill);
+   :class:`~headsweep.workers.core.head_fill.HeadFill` while the batch's masked passes run (a pass that packs
+   ``k`` masks repeats it mask-major; prefix reuse's ``gated_projection`` reads the same fill);
 3. the fill the gates held before comes back afterwards.
 
 **Resample: donors of the same token length.** Example ``i``'s donor is drawn by a seeded derangement (no example is
@@ -45,9 +45,10 @@ import torch
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.registry import method_of
-from headsweep.workers.ablation.spec import AblationSpec, HeadFill
+from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.core.family import LossBatch, LossBatches
 from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.head_fill import HeadFill
 from headsweep.workers.core.heads import SiteKey
 
 

@@ -12,7 +12,7 @@ same inputs gradient importance differentiates) with a forward pre-hook on every
 * with ``ablation.keep_first`` position 0 of every sequence is left out: it is never replaced, so it has no say in
   what replaces the others (a decoder-only model's BOS attention sink would dominate the mean otherwise);
 * with ``ablation.positions: per_position`` one mean per absolute position ``0..P-1`` (``P`` the reference's longest
-  sequence) plus the pooled mean as row ``P`` (:class:`~headsweep.workers.ablation.spec.HeadFill`), used for positions
+  sequence) plus the pooled mean as row ``P`` (:class:`~headsweep.workers.core.head_fill.HeadFill`), used for positions
   the reference never reaches and for position 0 under ``keep_first``. Positions count from the start of the input
   tensor, which is where a sequence starts only when batches pad on the right: inputs padded on the left (a
   tokenizer whose ``padding_side`` is ``left``) are refused with per_position and keep_first alike (the fill, too,
@@ -33,7 +33,8 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.ablation.spec import AblationSpec, HeadFill
+from headsweep.workers.ablation.spec import AblationSpec
+from headsweep.workers.core.head_fill import HeadFill
 from headsweep.workers.core.heads import SiteKey
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 A method is an :class:`AblationMethod` registered under its ``name`` (:mod:`headsweep.workers.ablation.registry`);
 ``sweep.ablation`` names the run's. The gate is always ``z'_h = xi_h z_h + (1 - xi_h) c_h``
-(:func:`headsweep.workers.ablation.spec.apply_gates`); a method says what ``c_h`` is through its declarations:
+(:func:`headsweep.workers.core.head_fill.apply_gates`); a method says what ``c_h`` is through its declarations:
 
 * ``settings``: its settings, a dataclass whose fields are keys of the ``ablation`` section (numbers with declared
   ranges, :func:`headsweep.workers.core.setting_ranges.ranged`; choices typed ``Literal``, checked by
@@ -46,7 +46,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from headsweep.workers.ablation.means import MeanValues
-    from headsweep.workers.ablation.spec import AblationSpec, HeadFill
+    from headsweep.workers.ablation.spec import AblationSpec
+    from headsweep.workers.core.head_fill import HeadFill
 
 # The declarations' values, as types (static tools check every method's class attributes against them) and as the
 # tuples ``check_method`` checks a plugin's against.

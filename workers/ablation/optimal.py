@@ -35,7 +35,8 @@ import numpy as np
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.means import _loss_batches, describe_reference, reference_means, site_name
 from headsweep.workers.ablation.method import AblationMethod, reference_setting
-from headsweep.workers.ablation.spec import AblationSpec, HeadFill
+from headsweep.workers.ablation.spec import AblationSpec
+from headsweep.workers.core.head_fill import HeadFill
 from headsweep.workers.core.heads import Head, SiteKey
 from headsweep.workers.core.setting_ranges import SEED, ranged
 from headsweep.workers.core.work import WorkUnit

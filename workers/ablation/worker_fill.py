@@ -17,7 +17,8 @@ import numpy as np
 
 from headsweep.workers.ablation.means import MeanValues, check_right_padded, site_name
 from headsweep.workers.ablation.registry import method_of
-from headsweep.workers.ablation.spec import AblationSpec, HeadFill
+from headsweep.workers.ablation.spec import AblationSpec
+from headsweep.workers.core.head_fill import HeadFill
 
 if TYPE_CHECKING:
     from headsweep.workers.core.family import EvalAdapter

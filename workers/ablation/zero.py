@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from headsweep.workers.ablation.method import AblationMethod
-from headsweep.workers.ablation.spec import HeadFill
+from headsweep.workers.core.head_fill import HeadFill
 
 
 class Zero(AblationMethod):

@@ -1,2 +1,2 @@
-"""Per-head analyses beyond the mask grid: importance, LRP, roles and their inputs, syntax, attention maps,
-efficiency."""
+"""Per-head analyses beyond the mask grid: importance, LRP, role inputs, efficiency (attention patterns and head
+roles are ``headsweep.workers.attention``)."""

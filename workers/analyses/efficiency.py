@@ -31,7 +31,7 @@ from torch import nn
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.family import EvalAdapter, ModelFamily, Workload
 from headsweep.workers.core.heads import Head
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 from headsweep.workers.pruning.removal import as_stock, count_parameters, prune_heads, ungated_copy
 
 MB = 2**20

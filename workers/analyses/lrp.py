@@ -47,7 +47,7 @@ from headsweep.errors import HeadsweepError
 from headsweep.workers.analyses.importance import ImportanceResult, batch_gate_gradients, loss_batches_of
 from headsweep.workers.core.family import EvalAdapter, LossBatch
 from headsweep.workers.core.heads import Head, SiteKey
-from headsweep.workers.core.registry import family_of_model
+from headsweep.workers.families.registry import family_of_model
 
 LOSS_NAME = "sum of the top-1 logits of the explained predictions"
 

@@ -1,6 +1,6 @@
 """What roles reads besides the attention maps: token frequencies (rare-word statistics) and the parses of the
 evaluation text aligned with the model's pieces (syntactic heads). The family's
-:class:`~headsweep.workers.analyses.attention.AttentionReader` says how its model tokenises; the rest is the same for
+:class:`~headsweep.workers.attention.reader.AttentionReader` says how its model tokenises; the rest is the same for
 every family.
 """
 
@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.analyses.attention import AttentionReader
-from headsweep.workers.analyses.head_roles import FrequencyTable, SiteAttention
-from headsweep.workers.analyses.syntax import (
+from headsweep.workers.attention.head_roles import FrequencyTable, SiteAttention
+from headsweep.workers.attention.reader import AttentionReader
+from headsweep.workers.attention.syntax import (
     Aligned,
     SyntaxTotals,
     align,
@@ -26,8 +26,8 @@ from headsweep.workers.analyses.syntax import (
     word_spans,
 )
 from headsweep.workers.core.family import ModelFamily
-from headsweep.workers.core.registry import syntax_families
 from headsweep.workers.data.text_files import read_text, split_lines
+from headsweep.workers.families.registry import syntax_families
 
 DICTIONARY = "dictionary"
 

@@ -99,8 +99,8 @@ def export_stock(model: nn.Module, mask: Sequence[Head], folder: str | Path) -> 
     """Save ``model`` without ``mask``'s heads as the stock architecture into ``folder`` (a copy is pruned; the
     model is left as it is); returns the sizes written. Refuses, as ``headsweep export --stock`` does, a mask
     that has no stock config."""
-    from headsweep.workers.core.registry import model_family
     from headsweep.workers.families.hf_shared.stock import stock_config
+    from headsweep.workers.families.registry import model_family
 
     family = model_family("hf_causal_lm")
     sizes = family.stock_sizes(model, list(mask))
@@ -234,7 +234,7 @@ def serving_on_worker(worker, mask: Sequence[Head], settings) -> tuple[list[dict
     (:func:`stock_serving`, with the device), or no rows and the reason the mask has none (the family's
     ``stock_sizes`` refusal)."""
     from headsweep.errors import HeadsweepError
-    from headsweep.workers.core.registry import model_family
+    from headsweep.workers.families.registry import model_family
     from headsweep.workers.pruning.removal import as_stock
 
     adapter = worker.adapter()

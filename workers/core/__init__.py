@@ -1,2 +1,2 @@
-"""What every worker runs on: the actor, its work items, the model-family contract and registry, head names,
-gates and metrics."""
+"""What every worker runs on: its work items, the model-family contract, head names, gates and the gate arithmetic,
+head slicing and metrics."""

@@ -18,19 +18,19 @@ A model family (transformers classifiers, fairseq translation models, a user's p
   folder back (``headsweep.load_pruned``).
 * ``attention_weights(model, sites, consume)``: every head's **attention weights** as the modules
   compute them (relevance propagation); ``attention_reader(adapter)``: what **roles** reads of an
-  adapter (:class:`headsweep.workers.analyses.attention.AttentionReader`); ``syntax_attention``: the attention
+  adapter (:class:`headsweep.workers.attention.reader.AttentionReader`); ``syntax_attention``: the attention
   type scored against parses (None: no syntactic heads).
 * ``training_label_smoothing(model_cfg)``: the label smoothing the model was **trained** with, if it
   says (the L0 gates' loss).
 * ``weight_bytes(model_cfg)``: the **memory** its weights take once a worker loads them, read from the files
   (the driver refuses a run whose workers cannot hold them, before any loads: ``sweep/run/memory.py``).
 * ``weight_files(model_cfg)``: the **files** its weights are read from, whose content fingerprint a run keeps
-  (a later use of the run with other weights is refused: ``sweep/run/weights.py``).
+  (a later use of the run with other weights is refused: ``sweep/models/weights.py``).
 
 This module is the contract alone: the built-in families (``headsweep.workers.families.<name>/``,
 ``family.py`` declaring the ``ModelFamily``; heavy modules imported only when a method needs them, so
 the driver never imports fairseq or transformers models it does not use) import it, and
-:mod:`headsweep.workers.core.registry` lists them and finds a family by name. A plugin is a
+:mod:`headsweep.workers.families.registry` lists them and finds a family by name. A plugin is a
 ``ModelFamily`` defined elsewhere and named in a config as ``model.kind: package.module:NAME``;
 constructed plainly (``ModelFamily(name, model_config, data_config, loader)``) it evaluates masks
 and refuses what it does not implement with a clear error; a subclass overrides the methods it
@@ -49,7 +49,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.core.heads import Head, HeadInventory, SiteKey
 from headsweep.workers.core.metrics import Metric
 
@@ -57,11 +56,20 @@ if TYPE_CHECKING:  # the driver imports this module: keep torch out of its impor
     import torch
     from torch import nn
 
-    from headsweep.workers.analyses.attention import AttentionReader, Consumer
+    from headsweep.workers.ablation.spec import AblationSpec
+    from headsweep.workers.attention.reader import AttentionReader, Consumer
     from headsweep.workers.core.gates import AttentionSite, HeadGates
-    from headsweep.workers.pruning.head_slicing import HeadSlice
+    from headsweep.workers.core.head_slicing import HeadSlice
 
 R = TypeVar("R", bound="RuntimeOptions")
+
+
+def _zero_ablation() -> AblationSpec:
+    """The default ablation, ``zero`` (nothing changes). The methods build on this contract, so the contract reads
+    their spec when a runtime is made rather than when it is imported."""
+    from headsweep.workers.ablation.spec import AblationSpec
+
+    return AblationSpec()
 
 
 @dataclass
@@ -80,7 +88,7 @@ class RuntimeOptions:
     # sequential screening evaluates first (sweep.screen); None: every example. See workers/data/example_subset.py.
     examples: tuple[int, ...] | None = None
     # What a gated-off head leaves behind (sweep.ablation and its settings); default zero: nothing changes.
-    ablation: AblationSpec = field(default_factory=AblationSpec)
+    ablation: AblationSpec = field(default_factory=_zero_ablation)
 
     @classmethod
     def of(cls: type[R], runtime: RuntimeOptions) -> R:
@@ -310,7 +318,7 @@ class ModelFamily:
 
     def attention_reader(self, adapter: Any) -> AttentionReader:
         """What roles reads of ``adapter``: its heads' attention maps on its evaluation data, its tokenisation of
-        a corpus, its text as the model's pieces (:class:`~headsweep.workers.analyses.attention.AttentionReader`).
+        a corpus, its text as the model's pieces (:class:`~headsweep.workers.attention.reader.AttentionReader`).
 
         By default the adapter's own ``attention_maps(sink)`` (how a plugin takes part); an adapter the family
         cannot read is refused with a clear error.
@@ -318,7 +326,7 @@ class ModelFamily:
         if not callable(getattr(adapter, "attention_maps", None)):
             raise HeadsweepError(f"model family {self.name!r} gives no attention maps (its adapter has no "
                                  "attention_maps()): roles cannot run on it")
-        from headsweep.workers.analyses.attention import AdapterReader
+        from headsweep.workers.attention.reader import AdapterReader
 
         return AdapterReader(adapter)
 
@@ -334,7 +342,7 @@ class ModelFamily:
 
     def weight_files(self, model_cfg: Any) -> list[Path] | None:
         """The files holding the weights of ``model_cfg``'s model, whose content a run's fingerprint hashes
-        (``facts.weights``, :mod:`headsweep.sweep.run.weights`); None where unknown (nothing is fingerprinted)."""
+        (``facts.weights``, :mod:`headsweep.sweep.models.weights`); None where unknown (nothing is fingerprinted)."""
         return None
 
     def _unsupported(self, what: str) -> HeadsweepError:

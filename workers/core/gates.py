@@ -14,9 +14,9 @@ input's shape without its last axis (``(B, T, H)`` for batch-first models, ``(T,
 time-first ones), so ``dL/dxi`` is available per token (importance takes its absolute value
 per token before summing).
 
-What a gated-off head leaves behind is zero unless the gates hold a :class:`~headsweep.workers.ablation.spec.HeadFill`
+What a gated-off head leaves behind is zero unless the gates hold a :class:`~headsweep.workers.core.head_fill.HeadFill`
 (``set_fill``: mean, resample, optimal ablation and activation patching); the gate then mixes the head's slice
-with the fill (:func:`~headsweep.workers.ablation.spec.apply_gates`).
+with the fill (:func:`~headsweep.workers.core.head_fill.apply_gates`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.ablation.spec import HeadFill, apply_gates
+from headsweep.workers.core.head_fill import HeadFill, apply_gates
 from headsweep.workers.core.heads import Head, HeadInventory, LayerShape, SiteKey, heads_by_site
 
 

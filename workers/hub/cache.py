@@ -11,7 +11,7 @@ The revision is a branch or tag name with a file under ``refs/``, or a commit (i
 prefix of at least ``MIN_PREFIX`` that only one cached commit starts with); none given means ``main``.
 Resolving reads only the file system. :func:`fetch` (``headsweep fetch``) is the only code that downloads.
 
-A run pins what it resolved (:func:`headsweep.workers.hub.pins.pin_hub_models`): the config's id becomes
+A run pins what it resolved (:func:`headsweep.sweep.models.hub_pins.pin_hub_models`): the config's id becomes
 ``id@<commit>``, so the config hash (the run's identity) follows the commit (a run against another revision, or
 against ``main`` after it moved, is another run) and every worker loads that very commit from its own cache.
 """

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headsweep.workers.ablation.spec import HeadFill, apply_gates
 from headsweep.workers.core.gates import AttentionSite, gate_rows
+from headsweep.workers.core.head_fill import HeadFill, apply_gates
 from headsweep.workers.core.heads import Head, HeadInventory
 
 
@@ -170,8 +170,8 @@ def gated_projection(ctx: torch.Tensor, out_proj: nn.Linear, num_heads: int,
     masked heads' projected contexts, computed as the gate hook computes it (gate, then one
     ``F.linear`` over all masks' rows), so a mask's attention output is the same floating-point
     result as on the plain path. ``F.linear`` rather than ``out_proj(...)``: no hook sees it. With a ``fill``
-    (the gates' :class:`~headsweep.workers.ablation.spec.HeadFill`, ``site`` its key), gated-off heads take its values,
-    mixed in by the gate hook's own :func:`~headsweep.workers.ablation.spec.apply_gates`.
+    (the gates' :class:`~headsweep.workers.core.head_fill.HeadFill`, ``site`` its key), gated-off heads take its values,
+    mixed in by the gate hook's own :func:`~headsweep.workers.core.head_fill.apply_gates`.
     """
     k = len(masked)
     gates = gate_rows(masked, num_heads, ctx.device, ctx.dtype)

@@ -1,1 +1,2 @@
-"""Removing heads for real: the weight surgery behind export and the head slicing it uses."""
+"""Removing heads for real: the weight surgery behind export (the head slicing each family gives is
+``headsweep.workers.core.head_slicing``, part of the family contract)."""

@@ -6,11 +6,11 @@ projection's input is the only place a head meets the rest of the model), with f
 parameters and less work. A layer may lose every head: its attention then adds only the
 output projection's bias.
 
-Which rows and columns go is :mod:`headsweep.workers.pruning.head_slicing`; where they live in a
+Which rows and columns go is :mod:`headsweep.workers.core.head_slicing`; where they live in a
 module is each family's business (``ModelFamily.prune``: ``hf_classifier.pruning`` for BERT-family and
 DistilBERT encoders, ``hf_causal_lm.model.pruning`` for decoder-only LMs, ``fairseq_translation.pruning`` for
 fairseq encoder-decoders, under ``headsweep.workers.families``). :func:`prune_heads` takes a bare model and
-asks the built-in families which one it is (:func:`headsweep.workers.core.registry.family_of_model`).
+asks the built-in families which one it is (:func:`headsweep.workers.families.registry.family_of_model`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from torch import nn
 
 from headsweep.workers.core.family import ModelFamily
 from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.head_slicing import HeadSlice
 from headsweep.workers.core.heads import Head, SiteKey
-from headsweep.workers.core.registry import family_of_model
-from headsweep.workers.pruning.head_slicing import HeadSlice
+from headsweep.workers.families.registry import family_of_model
 
 
 def prune_heads(model: nn.Module, heads: Iterable[Head], family: ModelFamily | None = None) -> dict[SiteKey, HeadSlice]:

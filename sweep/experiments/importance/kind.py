@@ -14,18 +14,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.configuration.data_sections import refuse_eval_data, typed_data
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment, GatedHeads
-from headsweep.sweep.experiments.data_sections import refuse_eval_data, typed_data
 from headsweep.sweep.experiments.importance.settings import ImportanceSection
 from headsweep.sweep.experiments.importance.tables import IMPORTANCE_TABLE
 from headsweep.sweep.experiments.importance.worker import load_data_on_worker
 from headsweep.sweep.experiments.registry import experiment_kind
-from headsweep.sweep.terminal.progress import step
+from headsweep.sweep.output.progress import step
 from headsweep.workers.core.heads import Head, HeadInventory
 
 if TYPE_CHECKING:
-    from headsweep.sweep.reporting.page import ReportPart
+    from headsweep.sweep.report_parts.page import ReportPart
     from headsweep.sweep.run.context import Context
 
 SHARED_KEY = "importance"

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 
-from headsweep.sweep.reporting import figures
-from headsweep.sweep.reporting.page import ReportPart
+from headsweep.sweep.report_parts import figures
+from headsweep.sweep.report_parts.page import ReportPart
 
 
 def importance_heatmap(rows: Sequence[dict], attention_order: Sequence[str]) -> Figure:

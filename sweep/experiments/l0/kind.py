@@ -32,17 +32,17 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.configuration.data_sections import refuse_eval_data, typed_data
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment, GatedHeads
-from headsweep.sweep.experiments.data_sections import refuse_eval_data, typed_data
 from headsweep.sweep.experiments.l0.settings import L0Section
 from headsweep.sweep.experiments.l0.tables import GATES, L0_CURVE
+from headsweep.sweep.experiments.plan import check_attention_types
 from headsweep.sweep.experiments.prune_level import prune_scope_name
-from headsweep.sweep.run.plan import check_attention_types
-from headsweep.sweep.terminal.console import say as log
+from headsweep.sweep.output.console import say as log
 from headsweep.workers.core.heads import Head
-from headsweep.workers.core.registry import model_family
 from headsweep.workers.core.work import WorkUnit
+from headsweep.workers.families.registry import model_family
 
 if TYPE_CHECKING:
     from headsweep.sweep.run.context import Context

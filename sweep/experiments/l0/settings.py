@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.experiments.data_sections import DATA
+from headsweep.sweep.configuration.data_sections import DATA
 from headsweep.workers.core.setting_ranges import SEED, check_ranges, ranged
 
 

@@ -38,7 +38,7 @@ from headsweep.sweep.experiments.l0.hard_concrete import HardConcrete
 from headsweep.workers.ablation.worker_fill import fill_of
 from headsweep.workers.core.family import EvalAdapter, RuntimeOptions
 from headsweep.workers.core.heads import Head, SiteKey
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 from headsweep.workers.memory.backward_memory import by_group
 
 STATE_FILE = "l0_state.pt"

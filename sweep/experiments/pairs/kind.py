@@ -27,17 +27,17 @@ from headsweep.sweep.experiments.base import Experiment, GatedHeads
 from headsweep.sweep.experiments.pairs.interactions import interaction_bootstrap
 from headsweep.sweep.experiments.pairs.settings import PairsSection
 from headsweep.sweep.experiments.pairs.tables import INTERACTIONS
+from headsweep.sweep.experiments.plan import attention_types
 from headsweep.sweep.experiments.registry import experiments_of
 from headsweep.sweep.experiments.single_head import SINGLE_HEAD, single_head_unit
-from headsweep.sweep.run.plan import attention_types
+from headsweep.sweep.output.console import say as log
 from headsweep.sweep.statistics.significance import adjust_pvalues
-from headsweep.sweep.terminal.console import say as log
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.metrics import metric_by_name
 from headsweep.workers.core.work import WorkUnit
 
 if TYPE_CHECKING:
-    from headsweep.sweep.reporting.page import ReportPart
+    from headsweep.sweep.report_parts.page import ReportPart
     from headsweep.sweep.run.context import Context
 
 RANKED = ("importance", "single_head")

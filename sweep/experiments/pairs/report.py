@@ -10,8 +10,8 @@ from matplotlib import colormaps
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
-from headsweep.sweep.reporting import figures
-from headsweep.sweep.reporting.page import TOP_HEADS, ReportPart
+from headsweep.sweep.report_parts import figures
+from headsweep.sweep.report_parts.page import TOP_HEADS, ReportPart
 from headsweep.workers.core.metrics import higher_is_better
 
 

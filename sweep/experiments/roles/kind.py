@@ -2,12 +2,12 @@
 
 A worker reads every head's attention maps of the unmasked model on the evaluation set (or on
 ``roles.data``) and computes its confidence, entropy, offsets and rare-word share (the worker step,
-``worker.roles_on_worker``; the definitions are in ``headsweep.workers.analyses.head_roles``).
+``worker.roles_on_worker``; the definitions are in ``headsweep.workers.attention.head_roles``).
 One row per checkpoint and head; the ``roles`` view puts each row beside the head's single-head delta,
 test and importance. Where token frequencies come from is recorded in ``runs.facts["roles"]``, and with
 ``roles.parses`` (a CoNLL-U file) or ``roles.parser: spacy`` the parses' source, how many sentences aligned
 with the model's pieces and how many did not (``runs.facts["roles"]["syntax"]``; the statistics are in
-``headsweep.workers.analyses.syntax``).
+``headsweep.workers.attention.syntax``).
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
+from headsweep.sweep.configuration.data_sections import typed_data
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
-from headsweep.sweep.experiments.data_sections import typed_data
 from headsweep.sweep.experiments.roles.settings import RolesSection
 from headsweep.sweep.experiments.roles.tables import HEAD_ROLES, ROLES_VIEW
-from headsweep.sweep.terminal.progress import step
-from headsweep.workers.core.registry import syntax_families
+from headsweep.sweep.output.progress import step
+from headsweep.workers.families.registry import syntax_families
 
 if TYPE_CHECKING:
-    from headsweep.sweep.reporting.page import ReportPart
+    from headsweep.sweep.report_parts.page import ReportPart
     from headsweep.sweep.run.context import Context
 
 FACT = "roles"

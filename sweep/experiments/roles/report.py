@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from matplotlib.figure import Figure
 from scipy.stats import spearmanr
 
-from headsweep.sweep.reporting import figures
-from headsweep.sweep.reporting.page import ReportPart
+from headsweep.sweep.report_parts import figures
+from headsweep.sweep.report_parts.page import ReportPart
 
 # Short cell labels: positional heads by offset, rare-word heads, syntactic heads by relation.
 ROLE_CODES = {"rare_words": "R", "attention_sink": "B"}

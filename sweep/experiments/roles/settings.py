@@ -1,8 +1,8 @@
 """The ``roles`` config section (Voita et al. 2019): what each head attends to, and which role thresholds apply.
 
 One definition: the config reader builds it, and the workers take it as it is (``worker.py``,
-``headsweep.workers.analyses.head_roles``, ``headsweep.workers.analyses.role_inputs``). Imports only
-``headsweep.workers.analyses.syntax`` (no torch), so the driver reads a config without loading a model.
+``headsweep.workers.attention.head_roles``, ``headsweep.workers.analyses.role_inputs``). Imports only
+``headsweep.workers.attention.syntax`` (no torch), so the driver reads a config without loading a model.
 """
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from headsweep.errors import HeadsweepError
-from headsweep.sweep.experiments.data_sections import DATA, FILE
-from headsweep.workers.analyses.syntax import ALIASES, RELATIONS
+from headsweep.sweep.configuration.data_sections import DATA, FILE
+from headsweep.workers.attention.syntax import ALIASES, RELATIONS
 from headsweep.workers.core.setting_ranges import SHARE, check_ranges, ranged
 
 
 @dataclass
 class RolesSection:
     """The ``roles`` experiment (Voita et al. 2019): what each head attends to
-    (``headsweep.workers.analyses.head_roles``).
+    (``headsweep.workers.attention.head_roles``).
 
     ``data`` has the keys of the model kind's ``data`` section (default: the evaluation set).
     ``frequencies``: ``dictionary`` (a fairseq model's dictionary counts, the default for fairseq), a
@@ -36,7 +36,7 @@ class RolesSection:
     rare_top: int = ranged(500, at_least=1)
     rare_threshold: float = ranged(0.5, within=SHARE)
     rare_min_sentences: int = ranged(10, at_least=1)
-    # Syntactic heads (headsweep.workers.analyses.syntax): a CoNLL-U file aligned with the evaluation text, or parser:
+    # Syntactic heads (headsweep.workers.attention.syntax): a CoNLL-U file aligned with the evaluation text, or parser:
     # spacy.
     parses: str | None = field(default=None, metadata={FILE: True})
     parser: str | None = None

@@ -1,9 +1,9 @@
 """The ``head_roles`` table and the ``roles`` view of the ``roles`` kind.
 
 ``head_roles``: one row per checkpoint and head, statistics of its unmasked attention maps
-(``headsweep.workers.analyses.head_roles``), and per syntactic relation and direction (dep2gov: from the dependent to
+(``headsweep.workers.attention.head_roles``), and per syntactic relation and direction (dep2gov: from the dependent to
 its governor; gov2dep: back) the head's accuracy and the most-frequent-offset baseline, and the relation's instances
-(``headsweep.workers.analyses.syntax.syntax_columns``: null where no parses were given or the attention type is not
+(``headsweep.workers.attention.syntax.syntax_columns``: null where no parses were given or the attention type is not
 parsed). More statistics are added as nullable columns: older files then read them as null.
 """
 
@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from headsweep.results.schema import HEAD_COLUMNS, Table
 from headsweep.results.views import View, same_head_sql
-from headsweep.workers.analyses.syntax import syntax_columns
+from headsweep.workers.attention.syntax import syntax_columns
 
 SYNTAX_COLUMNS = [(name, pa.float64() if kind == "float" else pa.int64()) for name, kind in syntax_columns()]
 

@@ -3,10 +3,10 @@
 Worker-side code of the ``roles`` kind (run in an ``EvalWorker`` through ``ctx.pool.call``): it imports only
 ``headsweep.workers``, and takes the ``roles`` config section (``settings.RolesSection``) as the driver read it.
 
-The statistics are family-independent (:mod:`headsweep.workers.analyses.head_roles`,
-:mod:`headsweep.workers.analyses.syntax`);
+The statistics are family-independent (:mod:`headsweep.workers.attention.head_roles`,
+:mod:`headsweep.workers.attention.syntax`);
 what is per family comes from the family (``ModelFamily.attention_reader``: an
-:class:`~headsweep.workers.analyses.attention.AttentionReader` that runs the adapter's evaluation batches through the
+:class:`~headsweep.workers.attention.reader.AttentionReader` that runs the adapter's evaluation batches through the
 unmasked model, handing each site's maps on as its module returns them, so one layer's maps are held at a time).
 Token frequencies and parses are :mod:`headsweep.workers.analyses.role_inputs`.
 """
@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.analyses.attention import Sink
-from headsweep.workers.analyses.head_roles import HeadRole, RoleTotals, SiteAttention, sentence_statistics
 from headsweep.workers.analyses.role_inputs import add_syntax, frequency_tables, syntax_inputs
-from headsweep.workers.analyses.syntax import SyntaxSettings, SyntaxTotals
+from headsweep.workers.attention.head_roles import HeadRole, RoleTotals, SiteAttention, sentence_statistics
+from headsweep.workers.attention.reader import Sink
+from headsweep.workers.attention.syntax import SyntaxSettings, SyntaxTotals
 from headsweep.workers.core.family import ModelFamily
 from headsweep.workers.core.heads import SiteKey
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 
 AttentionBatch = dict[SiteKey, SiteAttention]
 

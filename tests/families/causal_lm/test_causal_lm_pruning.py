@@ -22,7 +22,6 @@ from tolerances import assert_routes_agree
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
-from headsweep.workers.core.registry import model_family
 from headsweep.workers.families.hf_causal_lm.model.pruning import (
     GroupedKVProjection,
     load_pruned,
@@ -30,6 +29,7 @@ from headsweep.workers.families.hf_causal_lm.model.pruning import (
 )
 from headsweep.workers.families.hf_causal_lm.model.sites import find_sites, kv_groups
 from headsweep.workers.families.hf_shared.pruning import save_pruned
+from headsweep.workers.families.registry import model_family
 from headsweep.workers.pruning.removal import count_parameters, prune_heads
 
 SHAPES = ["llama_8q2kv", "qwen2_14q2kv", "llama_mqa_4q1kv", "gpt2", "gpt_bigcode_mqa"]

@@ -265,10 +265,10 @@ def test_a_uniform_run_exports_a_stock_model_that_scores_what_the_run_stored(cas
 
     from headsweep.results.store import ResultStore
     from headsweep.workers.core.family import RuntimeOptions
-    from headsweep.workers.core.registry import model_family
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
     from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_adapter import LmEvalAdapter
     from headsweep.workers.families.hf_causal_lm.tasks.perplexity import CausalLMAdapter
+    from headsweep.workers.families.registry import model_family
 
     tmp, corpus, _, done, _ = cases
     model_dir = done["llama_8q2kv_heads"][0]

@@ -32,6 +32,7 @@ from headsweep.workers.analyses.efficiency import measure_task
 from headsweep.workers.analyses.importance import gradient_importance
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.head_slicing import plan_slice
 from headsweep.workers.core.heads import Head
 from headsweep.workers.families.fairseq_translation.adapter import load_translation
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
@@ -40,7 +41,6 @@ from headsweep.workers.families.hf_classifier.adapter import load_classifier
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
 from headsweep.workers.families.hf_classifier.pruning import EmptyDistilBertAttention, EmptySelfAttention
 from headsweep.workers.families.hf_shared.sites import find_sites
-from headsweep.workers.pruning.head_slicing import plan_slice
 from headsweep.workers.pruning.removal import as_stock, count_parameters, prune_heads, ungated_copy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -210,7 +210,7 @@ def test_refusals(classifier, tiny_bert_dir):
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2))
     # The classifier family refuses decoder layouts (the hf_causal_lm family prunes them: test_causal_lm_pruning).
-    from headsweep.workers.core.registry import model_family
+    from headsweep.workers.families.registry import model_family
 
     with pytest.raises(HeadsweepError, match="are pruned by model.kind hf_causal_lm"):
         prune_heads(llama, [Head("self", 0, 0)], family=model_family("hf_classifier"))

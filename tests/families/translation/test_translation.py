@@ -34,11 +34,11 @@ from headsweep.sweep.configuration.config import load_config
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.metrics import BLEU, bleu_from_stats
-from headsweep.workers.core.registry import model_family
 from headsweep.workers.families.fairseq_translation.adapter import load_translation
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 from headsweep.workers.families.fairseq_translation.config import TranslationRuntime as RuntimeOptions
 from headsweep.workers.families.fairseq_translation.sites import find_fairseq_sites, gate_fairseq_model
+from headsweep.workers.families.registry import model_family
 
 BEAM, MAX_LEN_B, N_TEST = 3, 24, 40
 

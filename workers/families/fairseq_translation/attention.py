@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.analyses.attention import AttentionReader, Consumer, PieceSpans, Sink, special_mask
-from headsweep.workers.analyses.head_roles import FrequencyTable, SiteAttention, TokenSide
-from headsweep.workers.analyses.syntax import piece_string_spans
+from headsweep.workers.attention.head_roles import FrequencyTable, SiteAttention, TokenSide
+from headsweep.workers.attention.reader import AttentionReader, Consumer, PieceSpans, Sink, special_mask
+from headsweep.workers.attention.syntax import piece_string_spans
 from headsweep.workers.core.gates import AttentionSite
 from headsweep.workers.core.heads import SiteKey
 

@@ -18,10 +18,10 @@ from headsweep.workers.families.fairseq_translation.config import TranslationDat
 if TYPE_CHECKING:
     from torch import nn
 
-    from headsweep.workers.analyses.attention import AttentionReader, Consumer
+    from headsweep.workers.attention.reader import AttentionReader, Consumer
     from headsweep.workers.core.gates import AttentionSite
+    from headsweep.workers.core.head_slicing import HeadSlice
     from headsweep.workers.families.fairseq_translation.model import LoadedTranslation
-    from headsweep.workers.pruning.head_slicing import HeadSlice
 
 
 class TranslationFamily(ModelFamily):

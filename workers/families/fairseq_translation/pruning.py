@@ -27,9 +27,9 @@ from torch import nn
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.gates import group_by_site
+from headsweep.workers.core.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
 from headsweep.workers.core.heads import Head, SiteKey
 from headsweep.workers.families.fairseq_translation.sites import find_fairseq_sites
-from headsweep.workers.pruning.head_slicing import HeadSlice, keep_columns, keep_rows, plan_slice
 
 PRUNED_KEY = "headsweep_pruned_heads"
 

@@ -24,9 +24,9 @@ from headsweep.workers.families.hf_shared.family import TransformersFamily
 if TYPE_CHECKING:
     from torch import nn
 
-    from headsweep.workers.analyses.attention import AttentionReader
+    from headsweep.workers.attention.reader import AttentionReader
+    from headsweep.workers.core.head_slicing import HeadSlice
     from headsweep.workers.families.hf_shared.loading import LoadedTransformers
-    from headsweep.workers.pruning.head_slicing import HeadSlice
 
 
 class CausalLMFamily(TransformersFamily):

@@ -8,9 +8,9 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.analyses.attention import PieceSpans, Sink, special_mask
-from headsweep.workers.analyses.head_roles import SiteAttention, TokenSide
-from headsweep.workers.analyses.syntax import offset_spans
+from headsweep.workers.attention.head_roles import SiteAttention, TokenSide
+from headsweep.workers.attention.reader import PieceSpans, Sink, special_mask
+from headsweep.workers.attention.syntax import offset_spans
 from headsweep.workers.families.hf_shared.attention import TransformersReader, transformers_attention
 
 

@@ -1,7 +1,7 @@
 """Physical head pruning of transformers encoders: BERT-family (BERT, RoBERTa, ELECTRA, MiniLM) and DistilBERT.
 
 In the layouts of :mod:`headsweep.workers.families.hf_shared.layout`: rows of W_Q, W_K, W_V and columns of
-W_O go (:mod:`headsweep.workers.pruning.head_slicing`), and a module that loses every head is replaced by one that
+W_O go (:mod:`headsweep.workers.core.head_slicing`), and a module that loses every head is replaced by one that
 computes no attention and adds only W_O's bias. Decoder-only models are pruned by ``hf_causal_lm``. What every
 transformers family's pruning shares (the checks before, ``config.pruned_heads`` after, exported folders) is
 :mod:`headsweep.workers.families.hf_shared.pruning`; the family-independent part (dispatch, parameter counts,
@@ -18,11 +18,11 @@ from torch import nn
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.gates import AttentionSite
+from headsweep.workers.core.head_slicing import HeadSlice, keep_columns, keep_rows
 from headsweep.workers.core.heads import Head, SiteKey
 from headsweep.workers.families.hf_shared.layout import AttentionLayout, attention_layout
 from headsweep.workers.families.hf_shared.pruning import load_pruned as load_transformers_pruned
 from headsweep.workers.families.hf_shared.pruning import prune_sites
-from headsweep.workers.pruning.head_slicing import HeadSlice, keep_columns, keep_rows
 
 
 class EmptySelfAttention(nn.Module):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.analyses.attention import AttentionReader, Consumer, tokenizer_counts
+from headsweep.workers.attention.reader import AttentionReader, Consumer, tokenizer_counts
 from headsweep.workers.core.gates import AttentionSite
 from headsweep.workers.core.heads import SiteKey
 

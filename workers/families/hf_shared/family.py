@@ -19,7 +19,7 @@ from headsweep.workers.core.heads import Head
 if TYPE_CHECKING:
     from torch import nn
 
-    from headsweep.workers.analyses.attention import Consumer
+    from headsweep.workers.attention.reader import Consumer
     from headsweep.workers.core.gates import AttentionSite
     from headsweep.workers.families.hf_shared.loading import LoadedTransformers
 

@@ -22,10 +22,10 @@ from torch import nn
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.gates import AttentionSite, group_by_site
+from headsweep.workers.core.head_slicing import HeadSlice, plan_slice
 from headsweep.workers.core.heads import Head, SiteKey
 from headsweep.workers.families.hf_shared.layout import AttentionLayout
 from headsweep.workers.families.hf_shared.sites import find_sites
-from headsweep.workers.pruning.head_slicing import HeadSlice, plan_slice
 
 PRUNED_HEADS_KEY = "pruned_heads"
 

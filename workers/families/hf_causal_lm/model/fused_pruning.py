@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from headsweep.workers.core.gates import AttentionSite
+from headsweep.workers.core.head_slicing import HeadSlice, keep_columns, keep_rows
 from headsweep.workers.families.hf_causal_lm.model.pruned_modules import (
     KV_INDEX_ATTR,
     EmptyAttention,
@@ -36,7 +37,6 @@ from headsweep.workers.families.hf_causal_lm.model.pruned_modules import (
     replace_module,
 )
 from headsweep.workers.families.hf_shared.layout import AttentionLayout
-from headsweep.workers.pruning.head_slicing import HeadSlice, keep_columns, keep_rows
 
 #: Described layouts whose physical pruning is implemented here.
 PRUNABLE = ("gpt_neox", "bloom", "falcon", "phi", "gptj", "opt", "mla")

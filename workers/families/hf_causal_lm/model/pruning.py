@@ -4,7 +4,7 @@ Supported layouts (:mod:`headsweep.workers.families.hf_shared.layout`): Llama-st
 ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3), GPT-2
 (one ``Conv1D`` ``c_attn`` holding q, k and v, and ``c_proj``; both keep their weight as ``(in, out)``) and
 GPTBigCode (an ``nn.Linear`` ``c_attn``; multi-query or not). The rule is
-:mod:`headsweep.workers.pruning.head_slicing`: a query head's rows of ``q_proj`` and columns of ``o_proj`` go; a
+:mod:`headsweep.workers.core.head_slicing`: a query head's rows of ``q_proj`` and columns of ``o_proj`` go; a
 key/value head's rows of ``k_proj`` and ``v_proj`` go only when every query head reading it is gone.
 
 After pruning, layers have their own head counts, which a stock config cannot state, so the pruned modules carry
@@ -44,6 +44,7 @@ from torch import nn
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.gates import AttentionSite
+from headsweep.workers.core.head_slicing import HeadSlice, keep_columns, keep_rows
 from headsweep.workers.core.heads import Head, SiteKey
 from headsweep.workers.families.hf_causal_lm.model.fused_pruning import (
     PRUNABLE,
@@ -60,7 +61,6 @@ from headsweep.workers.families.hf_causal_lm.model.pruned_modules import (
 from headsweep.workers.families.hf_shared.layout import AttentionLayout, attention_layout
 from headsweep.workers.families.hf_shared.pruning import load_pruned as load_transformers_pruned
 from headsweep.workers.families.hf_shared.pruning import prune_sites
-from headsweep.workers.pruning.head_slicing import HeadSlice, keep_columns, keep_rows
 
 
 def prune_causal_lm_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteKey, HeadSlice]:

@@ -23,11 +23,11 @@ from torch import nn
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.gates import group_by_site
+from headsweep.workers.core.head_slicing import plan_slice
 from headsweep.workers.core.heads import Head
 from headsweep.workers.families.hf_shared.layout import attention_layout
 from headsweep.workers.families.hf_shared.sites import find_sites
 from headsweep.workers.families.hf_shared.stock import TIED_HEAD_SIZE, check_stock_config
-from headsweep.workers.pruning.head_slicing import plan_slice
 
 
 def stock_sizes(model: nn.Module, heads: Sequence[Head]) -> dict[str, int]:

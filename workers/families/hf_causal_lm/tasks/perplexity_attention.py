@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import torch
 
-from headsweep.workers.analyses.attention import Sink, special_mask
-from headsweep.workers.analyses.head_roles import SiteAttention, TokenSide
+from headsweep.workers.attention.head_roles import SiteAttention, TokenSide
+from headsweep.workers.attention.reader import Sink, special_mask
 from headsweep.workers.families.hf_shared.attention import TransformersReader, transformers_attention
 
 

@@ -2,7 +2,7 @@
 
 On a terminal (the console's stderr is a TTY) a ``Progress`` is a single tqdm line, redrawn in
 place: the phase, count, bar, rate, elapsed time, ETA and each worker's state; headsweep's own
-lines pass above it (``headsweep.sweep.terminal.console``). tqdm rather than rich: tqdm is already
+lines pass above it (``headsweep.sweep.output.console``). tqdm rather than rich: tqdm is already
 installed with transformers, huggingface_hub and fairseq (no new dependency), draws exactly one
 line trimmed to the terminal's width and only writes to the stream it is given; rich arrives
 only through typer and its live display takes over ``sys.stdout``/``sys.stderr``, which the
@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
-from headsweep.sweep.terminal import console
+from headsweep.sweep.output import console
 
 # The live line: phase, count, bar, percent, rate, elapsed, ETA, then the postfix (worker state, last item).
 BAR_FORMAT = ("{desc} {n_fmt}/{total_fmt} {bar:16} {percentage:3.0f}% {speed} "

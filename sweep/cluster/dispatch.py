@@ -51,8 +51,8 @@ LOST = (RayActorError, ObjectLostError)
 
 def log(message: str) -> None:
     """One of the driver's status lines on stderr (above the live progress line; see
-    ``headsweep.sweep.terminal.console``)."""
-    from headsweep.sweep.terminal.console import say
+    ``headsweep.sweep.output.console``)."""
+    from headsweep.sweep.output.console import say
 
     say(message)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from headsweep.workers.core.family import ModelFamily
 from headsweep.workers.core.heads import HeadInventory
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 
 
 def model_heads_on_worker(worker: Any, model_cfg: Any) -> HeadInventory | None:

@@ -21,7 +21,7 @@ import ray
 
 from headsweep.workers.ablation.worker_fill import WorkerFill
 from headsweep.workers.core.family import DatasetInfo, EvalAdapter, MaskOutput, RuntimeOptions
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 from headsweep.workers.memory.model_sharing import offered
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 from headsweep.workers.hub.cache import is_hub_id, resolve_snapshot
 
 

@@ -1,7 +1,7 @@
 """Syntactic heads (Voita et al. 2019, sec. 5.2): dependency parses, their alignment with a model's pieces,
 and each head's accuracy per relation against the most-frequent-offset baseline.
 
-Like :mod:`headsweep.workers.analyses.head_roles`, the statistics follow sacrebleu's shape: each sentence gives
+Like :mod:`headsweep.workers.attention.head_roles`, the statistics follow sacrebleu's shape: each sentence gives
 sufficient statistics (:func:`sentence_syntax`: relation instances, hits per head and direction, a histogram
 of relative positions), a corpus value is a ratio of their sums (:class:`SyntaxTotals`).
 

@@ -166,7 +166,7 @@ class HeadRole:
     rare_sentences: int | None
     rare_chance: float | None
     roles: list[str]
-    syntax: dict[str, float | int | None] = field(default_factory=dict)  # headsweep.workers.analyses.syntax columns
+    syntax: dict[str, float | int | None] = field(default_factory=dict)  # headsweep.workers.attention.syntax columns
     sink_share: float | None = None  # attention on the first position (causal sites only)
 
 

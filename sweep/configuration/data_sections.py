@@ -17,7 +17,7 @@ from typing import Any
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.reader import from_dict
 from headsweep.sweep.configuration.sections import Config
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 
 # A settings field holding a data section, or naming a file (dataclasses.field metadata).
 DATA, FILE = "data", "file"

@@ -2,7 +2,7 @@
 
 ``ModelFamily.attention_reader(adapter)`` gives it. Its ``read(sink)`` runs the adapter's evaluation batches
 through the unmasked model and hands each site's weights ``(batch, heads, query, key)``, with the tokens its
-queries and keys run over (:class:`~headsweep.workers.analyses.head_roles.SiteAttention`), to ``sink(site_key, maps)``
+queries and keys run over (:class:`~headsweep.workers.attention.head_roles.SiteAttention`), to ``sink(site_key, maps)``
 as the module returns them (so one layer's maps are held at a time), yielding after each batch. The weights are
 captured at the attention modules, on the path that computes them (``ModelFamily.attention_weights``). The reader
 also counts a corpus's tokens as the model's inputs are tokenised (rare-word statistics), gives the family's own
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.analyses.head_roles import FrequencyTable, SiteAttention
+from headsweep.workers.attention.head_roles import FrequencyTable, SiteAttention
 from headsweep.workers.core.heads import SiteKey
 
 #: Takes each site's maps as its module returns them.

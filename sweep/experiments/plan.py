@@ -1,4 +1,4 @@
-"""Planning helpers shared by the experiment kinds (``headsweep.sweep.experiments``).
+"""Planning helpers shared by the experiment kinds (and the run context that orders their work).
 
 Evaluation ids are derived from what is evaluated (experiment and mask), never from timing,
 so a resumed run recognises the evaluations it already stored. A run over several training

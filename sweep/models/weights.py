@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.families.registry import model_family
 
 CACHE_NAME = "weights-sha256.json"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import duckdb
 
-from headsweep.sweep.reporting import figures
+from headsweep.sweep.report_parts import figures
 
 TOP_HEADS = 10
 
