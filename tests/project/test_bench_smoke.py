@@ -117,7 +117,23 @@ def results(stdout: str) -> list[tuple[str, dict[str, str]]]:
 OWN_FILE = {"real_size"}
 
 
-@pytest.mark.parametrize("script", sorted(set(SMOKE) - OWN_FILE))
+# Smoke runs kept out of the suite's 20 minutes (run by ``python -m bench.slow_tests``, ``-m slow``): each takes
+# 30-65 s on two cores and its benchmark's code paths are the product's, which the suite's own tests cover faster
+# (named here); the benchmark's own glue is what only its smoke run checks.
+SLOW_SMOKE = {
+    "ablation_methods": "the five methods against surgery: tests/contract/test_ablation_methods.py",
+    "soak": "a worker killed mid-grid: tests/run/test_fault_tolerance.py",
+    "real_size": "real shapes of each family: tests/contract/ on tiny shapes, tests/project/test_gpu_check.py",
+    "screening": "screening's rates and kept heads: tests/run/test_screening.py",
+    "dispatch": "the actor pool and its balance: tests/run/test_dispatch_balance.py",
+}
+
+
+def _smoke_case(script: str):
+    return pytest.param(script, marks=pytest.mark.slow) if script in SLOW_SMOKE else script
+
+
+@pytest.mark.parametrize("script", [_smoke_case(s) for s in sorted(set(SMOKE) - OWN_FILE)])
 def test_smoke(script: str, bench_cache: Path) -> None:
     proc = run_smoke(script, bench_cache)
     assert proc.returncode == 0, (f"{script} --smoke exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"

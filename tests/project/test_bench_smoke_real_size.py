@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_bench_smoke import OWN_FILE, SMOKE, results, run_smoke
+import pytest
+from test_bench_smoke import OWN_FILE, SLOW_SMOKE, SMOKE, results, run_smoke
 
 
+@pytest.mark.slow  # SLOW_SMOKE in test_bench_smoke.py says why
 def test_real_size_smoke(tmp_path: Path) -> None:
-    assert "real_size" in OWN_FILE  # test_bench_smoke.py leaves it to this file
+    assert "real_size" in OWN_FILE and "real_size" in SLOW_SMOKE  # test_bench_smoke.py leaves it to this file
     proc = run_smoke("real_size", tmp_path / "bench-cache")
     assert proc.returncode == 0, (f"real_size --smoke exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
                                   f"{proc.stderr[-5000:]}")
