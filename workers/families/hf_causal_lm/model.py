@@ -101,6 +101,20 @@ def target_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nll.view(targets.shape)
 
 
+def shifted_nll(logits: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """Per-position NLL (nats) of each next token under ``logits`` (B, K, vocab), the logits of the last K positions
+    of ``inputs`` (B, W): shape (B, K - 1), the NLL of ``inputs[:, W - K + 1:]``.
+
+    The last position's logits predict no token of the window; they get a placeholder target and their NLL is
+    dropped, rather than slicing them off first: the logits stay contiguous, so the loss reads them in place
+    instead of a copy (one copy of B x K x vocab floats a pass: 100 MB for 4 windows of 128 tokens and a vocabulary
+    of 49,152, a tenth of a small LM's pass on one thread). Each position's NLL is computed as it was, bit for bit.
+    """
+    width = logits.shape[1]
+    targets = F.pad(inputs[:, inputs.shape[1] - width + 1 :], (0, 1))
+    return target_nll(logits, targets)[:, :-1]
+
+
 def model_facts(model: nn.Module, sites) -> dict:
     """What ``runs.facts`` records about a causal LM: class, type, attention implementation, dtype, and its
     key/value heads (their number per layer and the query heads each serves)."""
