@@ -69,6 +69,7 @@ NOT_SMOKED = {
     "browser": "headless Chromium for report_scale and the browser tests, exercised by report_scale's smoke run",
     "synthetic_store": "report_scale's synthetic store (also the browser tests'), exercised by its smoke run",
     "classifier": "the BERT classifiers of real_size, grid_speed and screening, exercised by their smoke runs",
+    "run_phases": "headsweep run with a stopwatch on the driver's phases, exercised by peers' smoke run",
     "flops": "FLOP counts and the matrix-product rate of real_size and lm_grid, exercised by their smoke runs",
     "measure": "memory and grid timing of grid_speed, lm_grid and translation_vs_fairseq, exercised by their smoke "
                "runs",
