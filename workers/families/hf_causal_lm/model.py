@@ -108,7 +108,8 @@ def shifted_nll(logits: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
     The last position's logits predict no token of the window; they get a placeholder target and their NLL is
     dropped, rather than slicing them off first: the logits stay contiguous, so the loss reads them in place
     instead of a copy (one copy of B x K x vocab floats a pass: 100 MB for 4 windows of 128 tokens and a vocabulary
-    of 49,152, a tenth of a small LM's pass on one thread). Each position's NLL is computed as it was, bit for bit.
+    of 49,152: 5% of a small LM's masked passes on one thread, bench/README.md). Each position's NLL is computed as
+    it was, bit for bit.
     """
     width = logits.shape[1]
     targets = F.pad(inputs[:, inputs.shape[1] - width + 1 :], (0, 1))
