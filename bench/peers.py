@@ -395,7 +395,7 @@ STARTUP_MARKS = (("Ray started", r"Ray|ray"), ("workers ready", r"\d+ workers re
 
 
 def run_end_to_end(work: Workload, root: Path, model: dict | None = None, data: dict | None = None
-                   ) -> dict[str, float] | None:
+                   ) -> dict | None:
     """``python -m headsweep run`` on the grid (the causal LM's ``model`` and ``data`` sections unless given); its wall
     time and the stamps of its phases, or None (a line says why) when it fails."""
     model = model or {"kind": "hf_causal_lm", "path": str(work.folder), "tokenizer": str(work.folder / "tokenizer"),
@@ -408,8 +408,11 @@ def run_end_to_end(work: Workload, root: Path, model: dict | None = None, data: 
     path = root / f"{work.grid.name}.yaml"
     path.write_text(json.dumps(cfg, indent=1) + "\n", encoding="utf-8")
     env = {**os.environ, "HEADSWEEP_PLAIN_PROGRESS": "1", "PYTHONPATH": str(common.ROOT)}
+    phases_file = root / f"{work.grid.name}-phases.json"
     start = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "headsweep", "run", str(path), "--store", str(root / "store")],
+    # bench.run_phases: `python -m headsweep run` with a stopwatch on the driver's phases
+    proc = subprocess.Popen([sys.executable, "-m", "bench.run_phases", str(phases_file), "run", str(path), "--store",
+                             str(root / "store")],
                             cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
     assert proc.stderr is not None
@@ -429,6 +432,7 @@ def run_end_to_end(work: Workload, root: Path, model: dict | None = None, data: 
         if re.match(r"evaluations: \d+/\d+ \(100%\)", line):
             stamps["evaluated"] = t
     stamps.update(run_facts(root / "store", out.strip().splitlines()[-1] if out.strip() else ""))
+    stamps["phases"] = driver_phases(phases_file, start)
     log(f"  {work.grid.name} {'run':<16} {wall:7.1f} s end to end; stderr lines with the seconds since start:")
     for t, line in lines[:40]:
         log(f"    {t:6.1f}  {line}")
@@ -450,10 +454,28 @@ def run_facts(store: Path, run_id: str) -> dict[str, float]:
         return {}
 
 
-def startup_phases(stamps: dict[str, float], name: str) -> None:
-    """Where ``headsweep run``'s time went, from its stamps (seconds since the subprocess started)."""
+def driver_phases(path: Path, started: float) -> list[tuple[str, float, float]]:
+    """The driver's phases that ``bench.run_phases`` wrote: (name, start, seconds), starts in seconds since the
+    subprocess was started (``started``); the first, ``interpreter``, is the Python start before its code ran."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        log(f"peers: the run's phases not read ({type(exc).__name__}: {exc})")
+        return []
+    return [("interpreter", 0.0, data["t0"] - started)] + [(n, s - started, d) for n, s, d in data["phases"]]
+
+
+def startup_phases(stamps: dict, name: str) -> None:
+    """Where ``headsweep run``'s time went, from its stamps (seconds since the subprocess started) and the driver's
+    phases: one line each, then the summary."""
     if "ready" not in stamps:
         return
+    phases = stamps.get("phases") or []
+    for phase, begun, seconds in phases:
+        log(f"  {name} run phase {phase:<30} at {begun:6.2f} s: {seconds:6.2f} s")
+    if phases:
+        end = max(b + d for _, b, d in phases)
+        log(f"  {name} run phase {'exit':<30} at {end:6.2f} s: {stamps['wall'] - end:6.2f} s")
     ready, load = stamps["ready"], stamps.get("load", 0.0)
     evaluated = stamps.get("evaluated", ready)
     log(f"  {name} run phases (s): before the worker's load (interpreter, driver imports, config checks, Ray's "

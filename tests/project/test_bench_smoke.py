@@ -69,6 +69,7 @@ NOT_SMOKED = {
     "browser": "headless Chromium for report_scale and the browser tests, exercised by report_scale's smoke run",
     "synthetic_store": "report_scale's synthetic store (also the browser tests'), exercised by its smoke run",
     "classifier": "the BERT classifiers of real_size, grid_speed and screening, exercised by their smoke runs",
+    "run_phases": "headsweep run with a stopwatch on the driver's phases, exercised by peers' smoke run",
     "flops": "FLOP counts and the matrix-product rate of real_size and lm_grid, exercised by their smoke runs",
     "measure": "memory and grid timing of grid_speed, lm_grid and translation_vs_fairseq, exercised by their smoke "
                "runs",
@@ -177,6 +178,9 @@ def test_smoke(script: str, bench_cache: Path) -> None:
         # Ray that does not start on an overloaded machine is not the benchmark's to hide)
         assert (fields["startup_s"] != "n/a" and float(fields["startup_s"]) > 0) or re.search(
             r"^peers: run not measured: headsweep run exited \d+: \S", proc.stdout, re.M), proc.stdout[-3000:]
+        if fields["startup_s"] != "n/a":  # the driver's phases (bench/run_phases.py), Ray's start among them
+            assert re.search(r"^  one_minute run phase ray\.init +at +[\d.]+ s: +[\d.]+ s$", proc.stdout, re.M), \
+                proc.stdout[-3000:]
     if script == "interrupt_stress":
         # The stops left stores that hold the invariant, each equal to the clean run's once resumed (a stop that
         # came after the run had ended, which a fast run may let happen, is checked all the same).

@@ -21,6 +21,7 @@ from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.metrics import PERPLEXITY
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+from headsweep.workers.families.hf_causal_lm.model.scoring import shifted_nll
 from headsweep.workers.families.hf_causal_lm.tasks.corpus import plan_windows
 from headsweep.workers.families.hf_causal_lm.tasks.perplexity import CausalLMAdapter
 
@@ -95,6 +96,23 @@ def direct_nll(model, inputs: torch.Tensor, score_from: list[int]) -> np.ndarray
             out = model(input_ids=row[None], labels=labels[None], use_cache=False)
             sums.append(float(out.loss) * (len(row) - first))
     return np.array(sums)
+
+
+@pytest.mark.parametrize("keep", [16, 9, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_shifted_nll_equals_the_loss_of_the_sliced_logits_bit_for_bit(keep, dtype):
+    """The loss read on the logits in place (a placeholder target for the last position) against slicing the last
+    position off and its own cross-entropy: the same floats (each position's log-softmax is its own)."""
+    gen = torch.Generator().manual_seed(keep)
+    inputs = torch.randint(0, 97, (3, 16), generator=gen)
+    full = torch.randn(3, 16, 97, generator=gen, dtype=torch.float64).to(dtype)
+    logits = full[:, 16 - keep :]  # what logits_to_keep leaves (non-contiguous when cut from full logits)
+    got = shifted_nll(logits, inputs)
+    want = torch.nn.functional.cross_entropy(
+        logits[:, :-1].to(torch.promote_types(dtype, torch.float32)).reshape(-1, 97),
+        inputs[:, 16 - keep + 1 :].reshape(-1), reduction="none").view(3, keep - 1)
+    assert got.shape == (3, keep - 1) and got.dtype == want.dtype
+    assert torch.equal(got, want)  # exact: the same per-position computation
 
 
 @pytest.mark.parametrize("data", [{}, {"add_bos": True}, {"stride": 5}, {"stride": 4, "add_bos": True}],

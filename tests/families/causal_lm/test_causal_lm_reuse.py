@@ -134,8 +134,10 @@ def test_states_over_budget_are_recorded_per_call_with_the_same_results(model_di
         handle.remove()
     assert a._reuse.kept_bytes == 0
     # layer 0's queries run only to record a batch (the layer-0 mask starts at its cached contexts): once per batch
-    # on every call, plus the whole-model pass the first call compares one replayed mask with
-    assert (recorded, len(calls) - recorded) == (len(a.batches) + 1, len(a.batches))
+    # on every call, plus the first call's check on the first window: its own recording and the whole-model pass it
+    # compares one replayed mask with
+    assert len(a.batches[0]) > 1
+    assert (recorded, len(calls) - recorded) == (len(a.batches) + 2, len(a.batches))
     expected = plain.nll(masks)
     np.testing.assert_array_equal(first, expected)  # exact: one mask per pass, as above
     np.testing.assert_array_equal(second, expected)  # exact: the same
@@ -179,7 +181,17 @@ def test_a_replay_that_differs_from_the_whole_model_is_refused(model_dirs, corpu
     with torch.inference_mode(), pytest.raises(ReuseUnsupported, match="does not reproduce the whole model's"):
         states.hidden[1].add_(1.0)  # a cached state changed in place: replays from layer 2 go wrong
         a._reuse.verify(a.inputs[:3], a.scored[:3], states, [Head("self", 2, 0)])
-    a._reuse.verified = False  # the adapter checks again, finds it, and falls back for good
+    # The adapter checks its first window's own recording: one whose kept state changes after it was kept (as a
+    # layer writing into its input would) is found, and the adapter falls back for good.
+    record = a._reuse.record
+
+    def changed_after_kept(inputs, scored):
+        recorded = record(inputs, scored)
+        recorded.hidden[1].add_(1.0)
+        return recorded
+
+    a._reuse.record = changed_after_kept
+    a._reuse.verified = False
     masks = [[Head("self", 2, 4)], [Head("self", 0, 13)]]
     got = a.nll(masks)
     assert a._reuse is None and "does not reproduce" in a.describe().facts["reuse"]

@@ -63,6 +63,22 @@ def target_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nll.view(targets.shape)
 
 
+def shifted_nll(logits: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """Per-position NLL (nats) of each next token under ``logits`` (B, K, vocab), the logits of the last K positions
+    of ``inputs`` (B, W): shape (B, K - 1), the NLL of ``inputs[:, W - K + 1:]``.
+
+    The last position's logits predict no token of the window; they get a placeholder target and their NLL is
+    dropped, rather than slicing them off first: the logits stay contiguous, so the loss reads them in place
+    instead of a copy (one copy of B x K x vocab floats a pass: 100 MB for 4 windows of 128 tokens and a vocabulary
+    of 49,152: 5% of a small LM's masked passes on one thread, bench/README.md). Each position's NLL is computed as
+    it was, bit for bit.
+    """
+    width = logits.shape[1]
+    targets = F.pad(inputs[:, inputs.shape[1] - width + 1 :], (0, 1))
+    return target_nll(logits, targets)[:, :-1]
+
+
+
 def target_logprobs(logits: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """As ``HFLM._loglikelihood_tokens`` scores a row: the log-softmax of ``logits`` (B, W, V) at ``positions``
     (B, K) in the logits' dtype, each ``targets`` (B, K) token's log-probability, and whether it is the argmax (as

@@ -224,13 +224,13 @@ class PrefixReuse(RecordedBaselines[BaselineStates]):
         mask the baseline itself; per-row values, mask-major.
 
         The states are recorded now, ungated (before the batch's per-example fill), and the first batch verifies
-        the replay once on the deepest layer (the most replayed) before ``describe()`` reports reuse.
+        the replay once on the deepest layer (the most replayed) before ``describe()`` reports reuse, on its first
+        window alone (:meth:`verify_first_row`).
         ``inputs``: the batch's input ids; ``scored``: what it scores (the adapter's second argument to its
         forward pass)."""
         states = self.states(key, inputs, scored)
         if not self.verified:
-            site = self.gates.sites[-1]
-            self.verify(inputs, scored, states, [Head(site.attention, site.layer, 0)])
+            self.verify_first_row(inputs, scored, states)
 
         def forward(chunk: list[Sequence[Head]]) -> torch.Tensor:
             layer = first_gated_layer(chunk[0])
@@ -239,6 +239,19 @@ class PrefixReuse(RecordedBaselines[BaselineStates]):
             return self.run(inputs, scored, states, layer, chunk)
 
         return forward
+
+    def verify_first_row(self, inputs: torch.Tensor, scored: torch.Tensor, states: BaselineStates) -> None:
+        """:meth:`verify` on the deepest layer's first head. A batch of more than two windows is checked on its first
+        window, with that window's own states (recorded as the batch's were): two passes over one window rather
+        than one over the whole batch, which a grid of one batch spends on nothing else. The states are not cut
+        from the batch's: a window's floats may depend on the batch's size (the kernels chosen), so only a replay
+        and a whole pass of one shape are compared."""
+        site = self.gates.sites[-1]
+        mask = [Head(site.attention, site.layer, 0)]
+        if inputs.shape[0] > 2:
+            inputs, scored = inputs[:1], scored[:1]
+            states = self.record(inputs, scored)
+        self.verify(inputs, scored, states, mask)
 
     def verify(self, inputs: torch.Tensor, scored: torch.Tensor, states: BaselineStates,
                mask: Sequence[Head]) -> None:

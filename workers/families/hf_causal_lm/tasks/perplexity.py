@@ -34,6 +34,7 @@ from headsweep.workers.families.hf_causal_lm.model.loading import GatedCausalLM,
 from headsweep.workers.families.hf_causal_lm.model.scoring import (
     activation_bytes_per_row,
     backward_bytes_per_row,
+    shifted_nll,
     target_nll,
 )
 from headsweep.workers.families.hf_causal_lm.reuse.prefix import PrefixReuse, decoder_layout
@@ -219,7 +220,7 @@ class CausalLMAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
         needed = width - int(scored.float().argmax(dim=1).min()) if bool(scored.any()) else 1
         extra = {"logits_to_keep": needed + 1} if self._keep_logits else {}
         logits = self.model(input_ids=inputs, use_cache=False, **extra).logits
-        nll = target_nll(logits[:, -(needed + 1) : -1], inputs[:, -needed:])
+        nll = shifted_nll(logits[:, -(needed + 1) :], inputs)
         full = nll.new_zeros(inputs.shape[0], width)
         full[:, width - needed :] = nll
         return full
