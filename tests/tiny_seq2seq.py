@@ -4,7 +4,7 @@ translations that are partly right."""
 
 from __future__ import annotations
 
-import copy
+import contextlib
 from pathlib import Path
 
 import torch
@@ -101,15 +101,20 @@ def write_pairs(folder: Path, n: int = 12, seed: int = 11) -> tuple[Path, Path]:
     return folder / "test.src", folder / "test.tgt"
 
 
-def zeroed_heads(model, heads):
-    """The independent route: a deep copy whose output projections have each head's input columns set to zero by
-    weight surgery (no hooks, no gate code), found by module name."""
-    ref = copy.deepcopy(model)
+@contextlib.contextmanager
+def zeroed_head(model, head):
+    """The independent route: inside, ``model``'s output projection has ``head``'s input columns set to zero by
+    weight surgery (no hooks, no gate code; found by the architecture's own module names); restored after."""
+    proj, head_dim = projection(model, head)
+    columns = slice(head.head * head_dim, (head.head + 1) * head_dim)
+    saved = proj.weight[:, columns].detach().clone()
     with torch.no_grad():
-        for h in heads:
-            proj, head_dim = projection(ref, h)
-            proj.weight[:, h.head * head_dim : (h.head + 1) * head_dim] = 0.0
-    return ref
+        proj.weight[:, columns] = 0.0
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            proj.weight[:, columns] = saved
 
 
 def projection(model, head):
