@@ -92,13 +92,13 @@ def save_tiny_seq2seq(out_dir: Path, kind: str = "marian", steps: int = 0, seed:
     return Path(out_dir)
 
 
-def write_pairs(folder: Path, n: int = 12, seed: int = 11) -> tuple[Path, Path]:
-    """``n`` synthetic test pairs as raw text files (``test.src``, ``test.tgt``)."""
+def write_pairs(folder: Path, n: int = 12, seed: int = 11, split: str = "test") -> tuple[Path, Path]:
+    """``n`` synthetic pairs as raw text files (``<split>.src``, ``<split>.tgt``)."""
     src, tgt = synthetic_pairs(n, seed=seed)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "test.src").write_text("\n".join(src) + "\n")
-    (folder / "test.tgt").write_text("\n".join(tgt) + "\n")
-    return folder / "test.src", folder / "test.tgt"
+    (folder / f"{split}.src").write_text("\n".join(src) + "\n")
+    (folder / f"{split}.tgt").write_text("\n".join(tgt) + "\n")
+    return folder / f"{split}.src", folder / f"{split}.tgt"
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from tiny_seq2seq import KINDS, save_tiny_seq2seq, write_pairs, zeroed_head
 
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
-from headsweep.workers.core.registry import model_family
+from headsweep.workers.core.registry import family_of_model, model_family
 
 N_SENTENCES = 6
 BATCH = 4
@@ -60,6 +60,7 @@ def fresh(model_dir):
 def test_sites_name_every_head_as_fairseq_translation_does(tiny):
     _, _, _, _, adapters = tiny
     inventory = adapters[True].describe().inventory
+    assert family_of_model(adapters[True].model).name == "hf_seq2seq"
     assert sorted(str(h) for h in inventory.heads) == sorted(
         f"{a}:{layer}:{h}" for a in ("enc_self", "enc_dec", "dec_self") for layer in range(2) for h in range(4))
 

@@ -31,7 +31,12 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sweep_run(files, ray_address):
     folder, model_dir, source, target = files
-    (folder / "c.yaml").write_text(yaml.safe_dump(config(model_dir, source, target)))
+    heldout_source, heldout_target = write_pairs(folder, 8, seed=5, split="valid")
+    cfg = config(model_dir, source, target)
+    cfg["sweep"]["experiments"] = ["baseline", "single_head", "importance", "prune_level"]
+    cfg["importance"] = {"data": {"source": str(heldout_source), "target": str(heldout_target)}}
+    cfg["prune"] = {"levels": [0.0, 0.5, 1.0]}
+    (folder / "c.yaml").write_text(yaml.safe_dump(cfg))
     proc = run_cli("run", str(folder / "c.yaml"), "--store", str(folder / "store"), "--address", ray_address,
                    "--quiet")
     assert proc.returncode == 0, proc.stderr
@@ -89,3 +94,16 @@ def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
         parts = ("data.source has 6 lines but data.target has 5",)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     run_refused(tmp_path / "c.yaml", tmp_path / "store", ray_address, *parts)
+
+
+def test_gradient_importance_ranks_every_head_and_prune_levels_follow_it(sweep_run):
+    store, run_id = sweep_run
+    importance = store.read("importance", run_id).to_pylist()
+    assert len(importance) == 24 and {r["method"] for r in importance} == {"gradient"}
+    assert all(r["score"] >= 0 for r in importance) and any(r["score"] > 0 for r in importance)
+    levels = sorted((e for e in store.read("evaluations", run_id).to_pylist() if e["experiment"] == "prune_level"),
+                    key=lambda e: e["n_masked"])
+    assert [e["n_masked"] for e in levels] == [0, 12, 24]
+    ranked = sorted(importance, key=lambda r: r["score_normalized"])  # importance.normalize: per layer
+    half = {f"{r['attention']}:{r['layer']}:{r['head']}" for r in ranked[:12]}
+    assert set(levels[1]["heads_masked"]) == half
