@@ -24,7 +24,7 @@ from headsweep.workers.families.hf_shared.sites import ATTENTION_CLASS
 SUPPORTED = ("transformers encoder-decoder models with BART-style (BART, mBART, Marian, M2M100 / NLLB, Pegasus) or "
              "T5-style (T5, mT5, UMT5) attention")
 # Module names of cross-attention (decoder to encoder) in the layouts the site table describes.
-CROSS_NAMES = ("encoder_attn", "EncDecAttention", "crossattention", "cross_attn")
+CROSS_NAMES = ("encoder_attn", "EncDecAttention", "crossattention", "cross_attn", "cross_attention")
 NUMBER = re.compile(r"\d+")
 
 
