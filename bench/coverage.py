@@ -354,10 +354,9 @@ def check(task: str, model_type: str, class_name: str) -> Row:
         row.why = f"tiny config did not build or run: {first_line(exc)}"
         return row
     if task == "seq2seq":
-        row.family, row.outcome = "-", "refused"
-        row.why = "no sequence-to-sequence family yet (hf_seq2seq, issue 47 part 3)"
-        return row
-    if task == "causal_lm":
+        from headsweep.workers.families.hf_seq2seq.sites import seq2seq_sites_or_error as sites_or_error
+        row.family = "hf_seq2seq"
+    elif task == "causal_lm":
         from headsweep.workers.families.hf_causal_lm.model.sites import sites_or_error
         row.family = "hf_causal_lm"
     else:
@@ -382,6 +381,9 @@ def check(task: str, model_type: str, class_name: str) -> Row:
         row.outcome, row.why = ("untested" if unproved else "wrong"), problem.removeprefix(UNPROVED)
         return row
     row.outcome = "exact"
+    if task == "seq2seq":  # no physical pruning for encoder-decoder heads yet (refused in one line)
+        row.pruning, row.stock = "refused", "-"
+        return row
     from headsweep.workers.families.hf_shared.sites import headless_layers
     none = headless_layers(model, sites)
     if none:

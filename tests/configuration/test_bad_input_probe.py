@@ -28,7 +28,7 @@ from headsweep.workers.families.hf_classifier.data import label_ids
 
 KINDS = ("baseline, single_head, all_but_one, custom, importance, prune_level, efficiency, kv_group, roles, pairs, "
          "l0")
-FAMILIES = "fairseq_translation, hf_causal_lm, hf_classifier"
+FAMILIES = "fairseq_translation, hf_causal_lm, hf_classifier, hf_seq2seq"
 MODEL_LABELS = "(model labels: 0=negative, 1=positive)"
 
 

@@ -39,6 +39,7 @@ SMOKE = {
     "interrupt_stress": ["interrupt_stress"],  # a clean run, then Ctrl-C and a SIGKILL of the driver in the writing
     "lm_grid": ["lm_grid"],  # TransformerLens is not a dependency: its line is not expected
     "lm_eval_grid": ["lm_eval_grid"],  # six questions on a 2-layer model: lm-eval loop, plain, reuse
+    "multi30k_hf_seq2seq": ["multi30k_hf_seq2seq"],  # a 1+1-layer Marian trained 6 s, then baseline and grid
     "multi30k_l0": ["l0"],
     "multi30k_pruning": ["multi30k_pruning"],
     "multi30k_roles": ["roles"],
@@ -55,8 +56,8 @@ SMOKE = {
     "translation_vs_fairseq": ["translation_vs_fairseq"],
 }
 # These print SKIP and exit 0 without ../shared/data (the others fall back to generated data).
-NEEDS_DATA = {"lm_grid", "multi30k_l0", "multi30k_pruning", "multi30k_roles", "multi30k_translation",
-              "translation_vs_fairseq"}
+NEEDS_DATA = {"lm_grid", "multi30k_hf_seq2seq", "multi30k_l0", "multi30k_pruning", "multi30k_roles",
+              "multi30k_translation", "translation_vs_fairseq"}
 # These print their other RESULT lines without ../shared/data, and SKIP for the part that needs it: the number of
 # (last) RESULT lines that part prints.
 DATA_PART = {"ablation_methods": 1}

@@ -234,7 +234,7 @@ def test_code_keys_cover_every_section_and_family():
     assert keys[("l0",)]["l0.beta"] == 0.33
     assert keys[("sweep.screen",)]["sweep.screen.miss"] == 0.05
     assert {s[1] for s in keys if len(s) == 2 and s[0] in ("model", "data")} == \
-        {"hf_classifier", "hf_causal_lm", "fairseq_translation"}
+        {"hf_classifier", "hf_causal_lm", "fairseq_translation", "hf_seq2seq"}
     assert keys[("data", "hf_causal_lm")]["data.target_delimiter"] == " "
     kind_sections = {KINDS[k].section for k in BUILTIN_KINDS if KINDS[k].settings is not None}
     assert kind_sections == {"importance", "prune", "efficiency", "roles", "pairs", "l0"}

@@ -20,12 +20,13 @@ from headsweep.workers.core.family import ModelFamily
 from headsweep.workers.families.fairseq_translation.family import FAIRSEQ_TRANSLATION
 from headsweep.workers.families.hf_causal_lm.family import HF_CAUSAL_LM
 from headsweep.workers.families.hf_classifier.family import HF_CLASSIFIER
+from headsweep.workers.families.hf_seq2seq.family import HF_SEQ2SEQ
 
 if TYPE_CHECKING:
     from torch import nn
 
 # In the order a bare model or an exported folder is asked of them.
-BUILTIN: tuple[ModelFamily, ...] = (HF_CLASSIFIER, FAIRSEQ_TRANSLATION, HF_CAUSAL_LM)
+BUILTIN: tuple[ModelFamily, ...] = (HF_CLASSIFIER, FAIRSEQ_TRANSLATION, HF_CAUSAL_LM, HF_SEQ2SEQ)
 
 
 def _unknown(name: str, known: list[str]) -> str:

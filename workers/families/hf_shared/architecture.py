@@ -25,6 +25,7 @@ from headsweep.errors import HeadsweepError
 
 CLASSIFIER = "hf_classifier"
 CAUSAL_LM = "hf_causal_lm"
+SEQ2SEQ = "hf_seq2seq"
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 SHOWN_KEYS = 3  # missing head weights named in the error line (the count is complete)
@@ -33,8 +34,10 @@ SHOWN_KEYS = 3  # missing head weights named in the error line (the count is com
 TAKES = {
     CLASSIFIER: "sequence classifiers (...ForSequenceClassification) with their trained classification head",
     CAUSAL_LM: "decoder-only causal LMs (...ForCausalLM, GPT-2's GPT2LMHeadModel) with their language-model head",
+    SEQ2SEQ: "encoder-decoder models that generate text (...ForConditionalGeneration, MarianMTModel, "
+             "FSMTForConditionalGeneration) with their language-model head",
 }
-HEAD = {CLASSIFIER: "classification head", CAUSAL_LM: "language-model head"}
+HEAD = {CLASSIFIER: "classification head", CAUSAL_LM: "language-model head", SEQ2SEQ: "language-model head"}
 
 
 def encoder_model_types() -> frozenset[str]:
@@ -77,9 +80,13 @@ def check_architecture(model_dir: Path, config: Mapping[str, Any], family: str) 
             f"{model_dir} holds a {name}, not a sequence classifier: as model.kind {CLASSIFIER} it would get a "
             f"classification head of random weights; model.kind {CLASSIFIER} takes {TAKES[CLASSIFIER]}"
         )
+    if family == SEQ2SEQ:
+        _check_seq2seq(model_dir, name, encoder_decoder, classifier, causal_lm)
+        return
     if encoder_decoder:
         raise HeadsweepError(
-            f"{model_dir} holds an encoder-decoder model ({name}): model.kind {CAUSAL_LM} takes {TAKES[CAUSAL_LM]}"
+            f"{model_dir} holds an encoder-decoder model ({name}): model.kind {CAUSAL_LM} takes {TAKES[CAUSAL_LM]}; "
+            f"set model.kind: {SEQ2SEQ} to evaluate it by translation (beam search, BLEU)"
         )
     if encoder:
         fits = (f"set model.kind: {CLASSIFIER} to sweep it as a classifier" if classifier else
@@ -93,6 +100,21 @@ def check_architecture(model_dir: Path, config: Mapping[str, Any], family: str) 
             f"{model_dir} holds a sequence classifier ({name}), not a causal LM: as model.kind {CAUSAL_LM} it "
             f"would get a language-model head of random weights; set model.kind: {CLASSIFIER}"
         )
+
+
+def _check_seq2seq(model_dir: Path, name: str, encoder_decoder: bool, classifier: bool, causal_lm: bool) -> None:
+    """``hf_seq2seq`` takes encoder-decoder models with their generation head, nothing else."""
+    if encoder_decoder and not classifier:
+        return
+    if causal_lm:
+        fits = f"set model.kind: {CAUSAL_LM} to evaluate it by perplexity or multiple choice"
+    elif classifier:
+        fits = f"set model.kind: {CLASSIFIER} to sweep it as a classifier"
+    else:
+        fits = f"model.kind {SEQ2SEQ} takes {TAKES[SEQ2SEQ]}"
+    what = "a sequence classifier" if classifier else "a causal language model" if causal_lm else "a model"
+    raise HeadsweepError(f"{model_dir} holds {what} ({name}), not an encoder-decoder model (config.json has no "
+                         f"is_encoder_decoder: true), so there is nothing to translate with: {fits}")
 
 
 def check_loaded_weights(model_dir: Path, model: Any, loading_info: Mapping[str, Iterable[str]], family: str) -> None:

@@ -1,0 +1,109 @@
+"""An hf_seq2seq sweep through the real CLI and Ray on a tiny Marian model, and the inputs it refuses in one line
+before Ray starts."""
+
+from __future__ import annotations
+
+import pytest
+import sacrebleu
+import yaml
+from conftest import run_cli, run_refused
+from tiny_models import save_tiny_causal_lm
+from tiny_seq2seq import build_tokenizer, save_tiny_seq2seq, write_pairs
+
+from headsweep.results.store import ResultStore
+
+
+def config(model_dir, source, target, **model):
+    return {"name": "tiny-seq2seq",
+            "model": {"kind": "hf_seq2seq", "path": str(model_dir), "max_new_tokens": 10, **model},
+            "data": {"source": str(source), "target": str(target)},
+            "sweep": {"batch_size": 4, "workers": 1, "experiments": ["baseline", "single_head"]}}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("seq2seq_sweep")
+    model_dir = save_tiny_seq2seq(folder / "marian", "marian")
+    source, target = write_pairs(folder, 6)
+    return folder, model_dir, source, target
+
+
+@pytest.fixture(scope="module")
+def sweep_run(files, ray_address):
+    folder, model_dir, source, target = files
+    heldout_source, heldout_target = write_pairs(folder, 8, seed=5, split="valid")
+    cfg = config(model_dir, source, target)
+    cfg["sweep"]["experiments"] = ["baseline", "single_head", "importance", "prune_level"]
+    cfg["importance"] = {"data": {"source": str(heldout_source), "target": str(heldout_target)}}
+    cfg["prune"] = {"levels": [0.0, 0.5, 1.0]}
+    (folder / "c.yaml").write_text(yaml.safe_dump(cfg))
+    proc = run_cli("run", str(folder / "c.yaml"), "--store", str(folder / "store"), "--address", ray_address,
+                   "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    return ResultStore(str(folder / "store")), proc.stdout.strip()
+
+
+def test_every_head_of_every_attention_type_with_bleu_from_its_stored_hypotheses(sweep_run, files):
+    store, run_id = sweep_run
+    references = files[3].read_text().splitlines()
+    evals = store.read("evaluations", run_id).to_pylist()
+    single = [e for e in evals if e["experiment"] == "single_head"]
+    assert sorted((e["attention"], e["layer"], e["head"]) for e in single) == sorted(
+        (a, layer, h) for a in ("enc_self", "enc_dec", "dec_self") for layer in range(2) for h in range(4))
+    [run] = store.read("runs", run_id).to_pylist()
+    assert run["status"] == "complete" and run["metric"] == "bleu"
+    assert "hf_seq2seq" in run["config"] and "tok:13a" in run["facts"]
+    rows = store.read("examples", run_id).to_pylist()
+    for e in evals:
+        mine = sorted((r for r in rows if r["eval_id"] == e["eval_id"]), key=lambda r: int(r["example_id"]))
+        hypotheses = [r["output"] for r in mine]
+        assert e["score"] == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [references]).score, abs=1e-9)
+        assert [r["stats"][0] for r in mine] == [len(h.split()) for h in hypotheses]
+    significance = store.read("significance", run_id).to_pylist()
+    assert {r["eval_id"] for r in significance} >= {e["eval_id"] for e in single}
+
+
+@pytest.mark.parametrize("case", ["causal_lm_as_seq2seq", "seq2seq_as_causal_lm", "multilingual_without_codes",
+                                  "unaligned_data"])
+def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
+    folder, model_dir, source, target = files
+    cfg = config(model_dir, source, target)
+    if case == "causal_lm_as_seq2seq":
+        cfg["model"]["path"] = str(save_tiny_causal_lm(tmp_path / "lm"))
+        parts = ("holds a causal language model", "set model.kind: hf_causal_lm")
+    elif case == "seq2seq_as_causal_lm":
+        cfg["model"] = {"kind": "hf_causal_lm", "path": str(model_dir)}
+        cfg["data"] = {"path": str(source)}
+        parts = ("holds an encoder-decoder model (MarianMTModel)", "set model.kind: hf_seq2seq")
+    elif case == "multilingual_without_codes":
+        from transformers import M2M100Config, M2M100ForConditionalGeneration
+
+        m2m = tmp_path / "m2m"
+        M2M100ForConditionalGeneration(M2M100Config(
+            vocab_size=len(build_tokenizer()), d_model=16, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+            decoder_ffn_dim=32)).save_pretrained(m2m)
+        build_tokenizer().save_pretrained(m2m)
+        cfg["model"]["path"] = str(m2m)
+        cfg["model"]["source_lang"] = "en"
+        parts = ("is a multilingual model (m2m_100): set model.target_lang",)
+    else:
+        short = tmp_path / "short.tgt"
+        short.write_text("\n".join(target.read_text().splitlines()[:-1]) + "\n")
+        cfg["data"]["target"] = str(short)
+        parts = ("data.source has 6 lines but data.target has 5",)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    run_refused(tmp_path / "c.yaml", tmp_path / "store", ray_address, *parts)
+
+
+def test_gradient_importance_ranks_every_head_and_prune_levels_follow_it(sweep_run):
+    store, run_id = sweep_run
+    importance = store.read("importance", run_id).to_pylist()
+    assert len(importance) == 24 and {r["method"] for r in importance} == {"gradient"}
+    assert all(r["score"] >= 0 for r in importance) and any(r["score"] > 0 for r in importance)
+    levels = sorted((e for e in store.read("evaluations", run_id).to_pylist() if e["experiment"] == "prune_level"),
+                    key=lambda e: e["n_masked"])
+    assert [e["n_masked"] for e in levels] == [0, 12, 24]
+    ranked = sorted(importance, key=lambda r: r["score_normalized"])  # importance.normalize: per layer
+    half = {f"{r['attention']}:{r['layer']}:{r['head']}" for r in ranked[:12]}
+    assert set(levels[1]["heads_masked"]) == half

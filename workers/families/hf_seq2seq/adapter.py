@@ -1,0 +1,312 @@
+"""Evaluation adapter for transformers encoder-decoder models: beam-search BLEU per mask through ``model.generate``.
+
+Every mask is evaluated by the model's own ``generate`` (beam search with the run's ``num_beams``,
+``max_new_tokens`` and ``length_penalty``, the model's generation config for the rest) over the whole evaluation set,
+sentences sorted by token length into batches of ``sweep.batch_size``. Hypotheses are decoded as users decode them
+(``tokenizer.batch_decode(..., skip_special_tokens=True)``) and scored against the references with sacrebleu: each
+sentence's BLEU sufficient statistics are stored, the corpus score is computed from their sum, and the driver's
+paired bootstrap resamples them as it does for ``fairseq_translation``.
+
+Several masks share one search (:mod:`.generation`): the batch is repeated once per mask and every row carries its
+mask's gates. With ``sweep.reuse`` (the default) masks that gate no ``enc_self`` head read the batch's baseline
+encoder output, computed once (``generate(encoder_outputs=...)``); masks gating encoder heads run the whole model.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from sacrebleu.metrics import BLEU as SacreBLEU
+
+from headsweep.errors import HeadsweepError
+from headsweep.workers.ablation.registry import method_of
+from headsweep.workers.ablation.spec import patch_unavailable
+from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
+from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.heads import Head
+from headsweep.workers.core.mask_grid import GridBatch, mask_grid
+from headsweep.workers.core.metrics import BLEU
+from headsweep.workers.core.workload import median_batch, take_rows
+from headsweep.workers.data.example_subset import at_positions
+from headsweep.workers.families.fairseq_translation.data import read_parallel_text
+from headsweep.workers.families.hf_seq2seq.config import Seq2SeqData, Seq2SeqModel
+from headsweep.workers.families.hf_seq2seq.generation import gates_encoder, row_gates
+from headsweep.workers.families.hf_seq2seq.languages import apply_language_codes
+from headsweep.workers.families.hf_seq2seq.model import load_seq2seq
+from headsweep.workers.families.hf_seq2seq.sites import seq2seq_sites_or_error
+from headsweep.workers.families.hf_shared.loading import max_positions
+from headsweep.workers.memory.batch_budget import masks_per_forward as budget_masks_per_forward
+
+logger = logging.getLogger(__name__)
+
+# fairseq's recipes (and fairseq_translation's importance) train translation models with label smoothing 0.1.
+DEFAULT_LABEL_SMOOTHING = 0.1
+
+
+@dataclass
+class Pairs:
+    """The evaluation set: source sentences as the model reads them (task prefix included) and references."""
+
+    ids: list[str]
+    sources: list[str]
+    references: list[str]
+
+
+@dataclass
+class Batch:
+    """Sentences of similar length, tokenised and padded as the tokenizer pads."""
+
+    examples: torch.Tensor  # positions in the evaluation set (CPU, int64)
+    inputs: dict[str, torch.Tensor]  # input_ids, attention_mask
+
+    @property
+    def rows(self) -> int:
+        return int(self.examples.numel())
+
+
+class Seq2SeqAdapter:
+    """A gated transformers encoder-decoder model with its evaluation set (an ``EvalAdapter``)."""
+
+    metric = BLEU
+
+    def __init__(self, model_cfg: Seq2SeqModel, data_cfg: Seq2SeqData, runtime: RuntimeOptions):
+        method = method_of(runtime.ablation)
+        if method.needs_pairs:
+            raise HeadsweepError(patch_unavailable("hf_seq2seq"))
+        method.refuse_per_example("hf_seq2seq models", "a donor's decoder states follow its own hypotheses in beam "
+                                  "search")
+        if runtime.threads > 0:
+            torch.set_num_threads(runtime.threads)
+        self.cfg, self.runtime = model_cfg, runtime
+        self.device = torch.device(runtime.device)
+        source, target = read_parallel_text(data_cfg)
+        if not source:
+            raise HeadsweepError(f"data.source {data_cfg.source} has no sentences")
+        pairs = Pairs([str(i) for i in range(len(source))], [model_cfg.prefix + s.strip() for s in source],
+                      [t.strip() for t in target])
+        self.pairs: Pairs = at_positions(pairs, runtime.examples)
+        self.dataset_name = data_cfg.name or _text_name(Path(data_cfg.source or "data"))
+        loaded = load_seq2seq(model_cfg, runtime.device)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        forced_bos = apply_language_codes(self.tokenizer, model_cfg.source_lang, model_cfg.target_lang)
+        self.generation = resolve_generation(self.model, model_cfg, forced_bos)
+        self.gates = HeadGates(seq2seq_sites_or_error(self.model))
+        self.batches = self.batched(runtime.batch_size)
+        self._check_lengths()
+        self._bleu = SacreBLEU(force=True, references=[self.pairs.references])
+        self.model_name = model_cfg.name or Path(model_cfg.path).name
+        self._encoded: dict[int, torch.Tensor] = {}
+        self.reuse_note = ("encoder: masks without enc_self heads share the batch's baseline encoder output "
+                           "(generate(encoder_outputs=...)); enc_self masks run the whole model"
+                           if runtime.reuse else "off (sweep.reuse: false): every mask runs the whole model")
+
+    # -- data ----------------------------------------------------------------------------
+    def batched(self, batch_size: int) -> list[Batch]:
+        """Sentences sorted by token length (then position), ``batch_size`` a batch, padded by the tokenizer."""
+        lengths = [len(ids) for ids in self.tokenizer(self.pairs.sources)["input_ids"]]
+        order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+        batches = []
+        for first in range(0, len(order), max(1, batch_size)):
+            rows = order[first : first + max(1, batch_size)]
+            inputs = self.tokenizer([self.pairs.sources[i] for i in rows], padding=True, return_tensors="pt")
+            batches.append(Batch(torch.tensor(rows, dtype=torch.long),
+                                 {k: inputs[k].to(self.device) for k in ("input_ids", "attention_mask")}))
+        return batches
+
+    def _check_lengths(self) -> None:
+        limit = max_positions(self.model.config)
+        for batch in self.batches:
+            lengths = batch.inputs["attention_mask"].sum(dim=1)
+            if limit is not None and int(lengths.max()) > limit:
+                row = int(lengths.argmax())
+                line = int(batch.examples[row]) + 1
+                raise HeadsweepError(f"data.source line {line} is {int(lengths[row])} tokens long, more than the "
+                                     f"model's {limit} positions: shorten or remove it")
+
+    # -- EvalAdapter ---------------------------------------------------------------------
+    def describe(self) -> DatasetInfo:
+        gen = self.generation
+        cfg = self.model.config
+        return DatasetInfo(
+            model=self.model_name,
+            dataset=self.dataset_name,
+            metric=self.metric.name,
+            stat_names=list(self.metric.stat_names),
+            example_ids=list(self.pairs.ids),
+            references=list(self.pairs.references),
+            inventory=self.gates.inventory,
+            inputs=list(self.pairs.sources),
+            facts={
+                "model_class": type(self.model).__name__,
+                "model_type": getattr(cfg, "model_type", None),
+                "path": str(self.cfg.path),
+                "attn_implementation": getattr(cfg, "_attn_implementation", None),
+                "dtype": str(self.model.dtype).removeprefix("torch."),
+                "num_beams": gen.num_beams,
+                "max_new_tokens": gen.max_new_tokens,
+                "max_length": gen.max_length if gen.max_new_tokens is None else None,
+                "length_penalty": gen.length_penalty,
+                "early_stopping": gen.early_stopping,
+                "forced_bos_token_id": gen.forced_bos_token_id,
+                "source_lang": self.cfg.source_lang,
+                "target_lang": self.cfg.target_lang,
+                "prefix": self.cfg.prefix,
+                "decode": "tokenizer.batch_decode(skip_special_tokens=True)",
+                "sacrebleu_signature": str(self._bleu.get_signature()),
+                "loss": "not computed: examples.loss is null",
+                "batching": f"{self.runtime.batch_size} sentences per batch",
+                "reuse": self.reuse_note,
+            },
+        )
+
+    def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
+        """Each mask's per-sentence BLEU statistics and hypotheses."""
+        start = time.perf_counter()
+        hypotheses = self.translate(masks)
+        seconds_each = (time.perf_counter() - start) / max(1, len(masks))
+        results = []
+        for outputs in hypotheses:
+            stats = self.sentence_stats(outputs)
+            results.append(MaskOutput(stats=stats, loss=None, outputs=outputs, score=self.metric.score(stats),
+                                      seconds=seconds_each))
+        return results
+
+    def sentence_stats(self, hypotheses: list[str]) -> np.ndarray:
+        """sacrebleu's per-sentence BLEU statistics (n, 10) of detokenised hypotheses (as fairseq_translation)."""
+        return np.asarray(self._bleu._extract_corpus_statistics(hypotheses, None), dtype=np.float64)
+
+    @torch.inference_mode()
+    def translate(self, masks: Sequence[Sequence[Head]]) -> list[list[str]]:
+        """Beam-search every sentence under each mask: [mask][example] decoded hypotheses."""
+        grid = [GridBatch(key, batch, batch.examples) for key, batch in enumerate(self.batches)]
+        # Masks with and without encoder heads never share a search: only the second kind reads the cached encoder.
+        encoder = [i for i, m in enumerate(masks) if gates_encoder(m)]
+        decoder = [i for i, m in enumerate(masks) if not gates_encoder(m)]
+        out = np.empty((len(masks), len(self.pairs.ids)), dtype=object)
+        mask_grid(masks, grid, lambda b: partial(self._search, b), out,
+                  masks_per_forward=lambda b: self.masks_per_forward(b.inputs), groups=[g for g in (encoder, decoder)
+                                                                                        if g])
+        return out.tolist()
+
+    def _search(self, batch: GridBatch[Batch], chunk: list[Sequence[Head]]) -> list[str]:
+        """One ``generate`` over the batch repeated once per mask of ``chunk``: decoded hypotheses, mask-major."""
+        inputs, rows, k = batch.inputs.inputs, batch.rows, len(chunk)
+        stacked = {name: t.repeat(k, 1) for name, t in inputs.items()}
+        extra = {}
+        if self.runtime.reuse and not any(gates_encoder(m) for m in chunk):
+            from transformers.modeling_outputs import BaseModelOutput
+
+            hidden = self._encoder_output(batch.key, inputs)
+            extra["encoder_outputs"] = BaseModelOutput(last_hidden_state=hidden.repeat(k, 1, 1))
+        try:
+            if k == 1:
+                self.gates.set_mask(chunk[0])
+            else:
+                self.gates.set_values(row_gates(self.gates, chunk, rows, self.generation.num_beams, self.device))
+            sequences = self.model.generate(**stacked, **extra, generation_config=self.generation)
+        finally:
+            self.gates.clear()
+        return self.tokenizer.batch_decode(sequences, skip_special_tokens=True)
+
+    def _encoder_output(self, key: int, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's ungated encoder output (kept for the adapter's life: one tensor per batch)."""
+        if key not in self._encoded:
+            self.gates.clear()
+            self._encoded[key] = self.model.get_encoder()(**inputs).last_hidden_state
+        return self._encoded[key]
+
+    def bytes_per_sentence(self, inputs: dict[str, torch.Tensor]) -> int:
+        """Bytes one sentence takes in a beam search (an estimate, see batch_budget): per beam and decoder layer the
+        cached self-attention keys and values over the hypothesis and the cross-attention ones over the source, the
+        beam's scores over the vocabulary, and the encoder output."""
+        cfg = self.model.config
+        src = int(inputs["input_ids"].shape[1])
+        tgt = self.generation.max_new_tokens or self.generation.max_length or 2 * src + 10
+        layers = int(getattr(cfg, "decoder_layers", 0) or getattr(cfg, "num_decoder_layers", 0)
+                     or getattr(cfg, "num_layers", 0) or 6)
+        dim = int(getattr(cfg, "d_model", 0) or 512)
+        vocab = int(getattr(cfg, "vocab_size", 0) or 32000)
+        itemsize = next(self.model.parameters()).element_size()
+        per_beam = layers * 2 * dim * (src + tgt) + 2 * vocab + src * dim
+        return self.generation.num_beams * per_beam * itemsize
+
+    def masks_per_forward(self, batch: Batch) -> int:
+        """``sweep.masks_per_batch``, or (0: automatic) as many copies of the batch as the activation budget holds."""
+        return budget_masks_per_forward(self.runtime.masks_per_batch, batch.rows, self.bytes_per_sentence(batch.inputs),
+                                        self.device, dense=False)
+
+    def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
+        """The evaluation batches as teacher-forced label-smoothed cross-entropy of the references (fairseq's
+        ``label_smoothed_nll_loss``, epsilon 0.1 unless given), summed over each batch's target tokens."""
+        eps = float(DEFAULT_LABEL_SMOOTHING if label_smoothing is None else label_smoothing)
+        batches = [self._loss_batch(batch, eps, dtype) for batch in self.batches]
+        return LossBatches(batches, f"teacher-forced label-smoothed cross-entropy (epsilon {eps:g})")
+
+    def _loss_batch(self, batch: Batch, epsilon: float, dtype: torch.dtype) -> LossBatch:
+        references = [self.pairs.references[int(i)] for i in batch.examples]
+        labels = self.tokenizer(text_target=references, padding=True, return_tensors="pt")["input_ids"].to(self.device)
+        real_target = labels.ne(self.tokenizer.pad_token_id)
+        labels = labels.masked_fill(~real_target, -100)
+        real_source = batch.inputs["attention_mask"].bool()
+        tokens = {s.key: real_source if s.attention == "enc_self" else real_target for s in self.gates.sites}
+
+        def logits() -> torch.Tensor:
+            return self.model(**batch.inputs, labels=labels, use_cache=False).logits
+
+        def loss() -> torch.Tensor:
+            lprobs = torch.log_softmax(logits().to(dtype), dim=-1)
+            target = labels.clamp(min=0).unsqueeze(-1)
+            nll = -lprobs.gather(-1, target).squeeze(-1)
+            smooth = -lprobs.sum(dim=-1)
+            eps_i = epsilon / (lprobs.size(-1) - 1)
+            per_token = (1.0 - epsilon - eps_i) * nll + eps_i * smooth
+            return (per_token * real_target).sum()
+
+        return LossBatch(tokens, batch.rows, loss, lambda: (logits(), real_target), recompute=True)
+
+    def workload(self, batch_size: int, max_length: int) -> Workload:
+        """The configured beam search of ``batch_size`` sentences around the median length (``max_length`` does not
+        apply: sentences are used whole)."""
+        batch = median_batch(self.batches, lambda b: b.rows)
+        inputs = take_rows(batch.inputs, batch.rows, batch_size)
+        tokens = int(inputs["attention_mask"].sum())
+        generation = self.generation
+        return Workload(batch_size, tokens, lambda model: model.generate(**inputs, generation_config=generation))
+
+
+def resolve_generation(model: torch.nn.Module, cfg: Seq2SeqModel, forced_bos: int | None):
+    """The model's generation config with the run's settings: ``num_beams``, ``max_new_tokens`` and
+    ``length_penalty`` where the config sets them, the target language's code forced first, and no sampling (a
+    sweep compares masks on the same deterministic search)."""
+    generation = copy.deepcopy(model.generation_config)
+    for key in ("num_beams", "max_new_tokens", "length_penalty"):
+        value = getattr(cfg, key)
+        if value is not None:
+            setattr(generation, key, value)
+    if forced_bos is not None:
+        generation.forced_bos_token_id = forced_bos
+    generation.do_sample = False
+    generation.num_return_sequences = 1
+    return generation
+
+
+def _text_name(path: Path) -> str:
+    # test_2016_flickr.en.gz -> test_2016_flickr (as fairseq_translation names its raw-text sets)
+    name = path.name
+    for suffix in (".gz", ".txt"):
+        name = name.removesuffix(suffix)
+    stem, dot, _lang = name.rpartition(".")
+    return stem if dot else name
+
+
+def load_seq2seq_adapter(model_cfg: Seq2SeqModel, data_cfg: Seq2SeqData, runtime: RuntimeOptions) -> Seq2SeqAdapter:
+    """Loader named by the ``hf_seq2seq`` model family."""
+    return Seq2SeqAdapter(model_cfg, data_cfg, runtime)

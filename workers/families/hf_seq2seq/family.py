@@ -1,0 +1,85 @@
+"""The ``hf_seq2seq`` model family: transformers encoder-decoder models for translation and summarisation.
+
+Declared here with only its config sections imported: the methods import their modules when called, so reading
+configs never imports transformers. What it shares with the other transformers families (model folder checks, weight
+sizes and files, attention weights) is :class:`~headsweep.workers.families.hf_shared.family.TransformersFamily`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from headsweep.workers.families.hf_seq2seq.config import Seq2SeqData, Seq2SeqModel
+from headsweep.workers.families.hf_shared.family import TransformersFamily
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from headsweep.workers.core.gates import AttentionSite
+    from headsweep.workers.families.hf_shared.loading import LoadedTransformers
+
+
+class Seq2SeqFamily(TransformersFamily):
+    """Marian, M2M100 / NLLB, mBART, BART, Pegasus, T5 / mT5 (``enc_self``, ``enc_dec`` and ``dec_self`` heads),
+    evaluated by beam search (``model.generate``) and BLEU. No physical pruning or export yet (refused in one
+    line)."""
+
+    def check_data(self, data_cfg: Seq2SeqData, key: str = "data") -> None:
+        """The settings and the raw parallel text itself (decoded, line-aligned, not empty), before Ray starts."""
+        from headsweep.errors import HeadsweepError
+        from headsweep.workers.data.text_files import check_max_examples
+        from headsweep.workers.families.fairseq_translation.data import read_parallel_text
+
+        data_cfg.check()
+        check_max_examples(data_cfg.max_examples, f"{key}.max_examples")
+        if not read_parallel_text(data_cfg, key)[0]:
+            raise HeadsweepError(f"{key}.source {data_cfg.source} has no sentences")
+
+    def check_model(self, model_cfg: Seq2SeqModel) -> None:
+        """The folder's files and tokenizer (as the other transformers families), its ``config.json`` against this
+        family, and the language codes a multilingual model needs, before Ray starts."""
+        import json
+
+        from headsweep.workers.families.hf_seq2seq.languages import check_language_codes
+        from headsweep.workers.families.hf_shared.architecture import SEQ2SEQ, check_architecture
+        from headsweep.workers.families.hf_shared.model_files import resolve_model_dir
+
+        super().check_model(model_cfg)
+        model_dir = resolve_model_dir(model_cfg.path)
+        check_architecture(model_dir, json.loads((model_dir / "config.json").read_text()), SEQ2SEQ)
+        check_language_codes(model_dir, self.tokenizer_folder(model_cfg, model_dir)[0], model_cfg.source_lang,
+                             model_cfg.target_lang)
+
+    def tokenizer_folder(self, model_cfg: Seq2SeqModel, model_dir: Path) -> tuple[Path, str]:
+        from headsweep.workers.families.hf_seq2seq.model import tokenizer_folder
+
+        return tokenizer_folder(model_cfg, model_dir)
+
+    def load_model(self, model_cfg: Seq2SeqModel) -> LoadedTransformers:
+        from headsweep.workers.families.hf_seq2seq.model import load_seq2seq
+
+        return load_seq2seq(model_cfg, "cpu")
+
+    def find_sites(self, model: nn.Module) -> list[AttentionSite]:
+        from headsweep.workers.families.hf_seq2seq.sites import find_seq2seq_sites
+
+        return find_seq2seq_sites(model)
+
+    def owns(self, model: nn.Module) -> bool:
+        """An encoder-decoder model (``config.is_encoder_decoder``) with encoder-decoder attention sites."""
+        if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            return False
+        return any(site.attention == "enc_dec" for site in self.find_sites(model))
+
+    def save_pruned(self, model_cfg: Any, loaded: LoadedTransformers, heads: Any, out_dir: Any) -> None:
+        raise self._unsupported("exporting a pruned model (physical pruning of encoder-decoder heads is not written "
+                                "yet; the gates give every experiment)")
+
+    def attention_weights(self, model: nn.Module, sites: Any, consume: Any) -> Any:
+        raise self._unsupported("reading attention weights (roles, relevance propagation)")
+
+
+HF_SEQ2SEQ = Seq2SeqFamily("hf_seq2seq", Seq2SeqModel, Seq2SeqData,
+                           "headsweep.workers.families.hf_seq2seq.adapter:load_seq2seq_adapter",
+                           hub_ids=True, fills_by_position=False, resample_attention=())
