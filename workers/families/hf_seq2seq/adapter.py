@@ -28,7 +28,6 @@ from sacrebleu.metrics import BLEU as SacreBLEU
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.registry import method_of
-from headsweep.workers.ablation.spec import patch_unavailable
 from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
@@ -80,7 +79,7 @@ class Seq2SeqAdapter:
     def __init__(self, model_cfg: Seq2SeqModel, data_cfg: Seq2SeqData, runtime: RuntimeOptions):
         method = method_of(runtime.ablation)
         if method.needs_pairs:
-            raise HeadsweepError(patch_unavailable("hf_seq2seq"))
+            raise HeadsweepError(method.family_refusal("hf_seq2seq"))
         method.refuse_per_example("hf_seq2seq models", "a donor's decoder states follow its own hypotheses in beam "
                                   "search")
         if runtime.threads > 0:
