@@ -83,6 +83,12 @@ def test_a_run_keeps_its_weights_and_a_complete_run_is_not_run_again(tmp_path, t
     assert (f"run {run_id} of this config is complete in store {store}: nothing to do, nothing written "
             "(headsweep run --new starts a second run of it)") in again.stderr
     assert listing(store) == before
+    # --resume of the complete run: the same, not a rewrite of its row.
+    resumed = run("--resume", run_id)
+    assert ok(resumed) == run_id
+    assert (f"run {run_id} of this config is complete in store {store}: nothing to do, nothing written "
+            "(headsweep run --new starts a second run of it)") in resumed.stderr
+    assert listing(store) == before
 
     # The weights changed in place (same shapes): continuing the run would mix two models in it (refused before Ray
     # starts; the same check as for an unfinished run the same command continues).
