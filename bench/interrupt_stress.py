@@ -6,11 +6,12 @@ is stopped in one of four ways, in turn: SIGINT to the driver's process group (C
 scheduler's stop), SIGKILL of the driver, SIGKILL of its worker (the pid its log names: ``workers ready: ...``;
 Ray restarts it and the run goes on). The moment comes from the trial's own progress, not from a clock: each trial
 waits for a phase of its run and signals it there, the phases in turn with the kinds (so every kind meets every
-phase): ``start-up`` (a moment drawn in the driver's first second: its imports, the config's checks, Ray's
-connection), ``workers`` (the driver's log says its worker is ready: the model loaded, the run's first row being
-written), ``grid`` (k evaluations stored, k drawn from 1 to all but one, read from the store's evaluation files as
-they land) and ``finishing`` (every evaluation stored: the significance tests and the run's last row being
-written). A SIGKILL of the worker needs the worker: it meets ``workers`` in place of ``start-up``.
+phase): ``start-up`` (a moment drawn in the driver's first second: its interpreter's start and imports, before or
+just after headsweep's signal handlers are in place), ``workers`` (the driver's log says its worker is ready: the
+model loaded, the run's first row being written), ``grid`` (k evaluations stored, k drawn from 1 to all but one,
+read from the store's evaluation files as they land) and ``finishing`` (every evaluation stored: the significance
+tests and the run's last row being written). A SIGKILL of the worker needs the worker: it meets ``workers`` in place
+of ``start-up``.
 
 After the stop, the store must hold (the invariant): no evaluation twice; every stored evaluation with exactly its
 example rows (one per example of the set, no other); no example row of an evaluation not stored, except an
