@@ -161,9 +161,12 @@ def test_the_watchdog_ends_processes_whose_title_hides_the_mark():
     from headsweep.sweep.cluster import reaper
 
     watchdog = reaper.start()
-    with watchdog.marking():
-        parent = subprocess.Popen([sys.executable, "-c", TITLED, "parent", TITLED], stdout=subprocess.PIPE,
-                                  text=True)
+    # The mark first in the environment: a title hides the environment's strings up to the first one the process
+    # has set anew (Ray's import sets RAY_CLIENT_MODE again, which this process's environment holds once Ray was
+    # imported here), so a mark after that one would stay readable.
+    parent = subprocess.Popen([sys.executable, "-c", TITLED, "parent", TITLED], stdout=subprocess.PIPE, text=True,
+                              env={reaper.MARK: watchdog.token, **os.environ})
+    child = None
     try:
         child = int(parent.stdout.readline())
         tree = Tree(watchdog.token, reaper.MARK)
@@ -177,8 +180,8 @@ def test_the_watchdog_ends_processes_whose_title_hides_the_mark():
         assert parent.poll() == -signal.SIGKILL  # SIGTERM ignored, then killed
         assert child not in running()
     finally:
-        for pid in (parent.pid, child if "child" in locals() else None):
-            if pid is not None:
+        for pid in (parent.pid, child):
+            if pid is not None:  # ended here if the watchdog left it
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         parent.wait()
