@@ -4,9 +4,14 @@ Each trial is the real ``headsweep run`` CLI in a subprocess (its own session, s
 group, as a terminal sends it), on a local Ray instance this process starts (``--address``), into a fresh store. It
 is stopped in one of four ways, in turn: SIGINT to the driver's process group (Ctrl-C), SIGTERM to the driver (a
 scheduler's stop), SIGKILL of the driver, SIGKILL of its worker (the pid its log names: ``workers ready: ...``;
-Ray restarts it and the run goes on). The moment is drawn at random (seeded): in half of the trials over the
-driver's start-up (from the process's start to its first stored evaluations, as long as the clean run took), in
-the other half over the writing (from the first evaluations file on, as long as the clean run wrote).
+Ray restarts it and the run goes on). The moment comes from the trial's own progress, not from a clock: each trial
+waits for a phase of its run and signals it there, the phases in turn with the kinds (so every kind meets every
+phase): ``start-up`` (a moment drawn in the driver's first second: its interpreter's start and imports, before or
+just after headsweep's signal handlers are in place), ``workers`` (the driver's log says its worker is ready: the
+model loaded, the run's first row being written), ``grid`` (k evaluations stored, k drawn from 1 to all but one,
+read from the store's evaluation files as they land) and ``finishing`` (every evaluation stored: the significance
+tests and the run's last row being written). A SIGKILL of the worker needs the worker: it meets ``workers`` in place
+of ``start-up``.
 
 After the stop, the store must hold (the invariant): no evaluation twice; every stored evaluation with exactly its
 example rows (one per example of the set, no other); no example row of an evaluation not stored, except an
@@ -25,11 +30,12 @@ Final line: ``RESULT interrupt_stress trials=<n> violations=<n> resumed=<n> equa
 orphans=<n> sigint=<n> sigterm=<n> sigkill_driver=<n> sigkill_worker=<n>``: ``violations`` the invariant's
 failures over all trials (after the stop and after the resume, a wrong exit status included), ``resumed`` the
 trials resumed, ``equal`` the trials whose final store equals the clean run's, ``finished_first`` the trials whose
-run ended before the signal came. Goal: violations 0, equal = trials.
+run ended before the signal came (so it stopped no live run). Goal: violations 0, equal = trials, finished_first
+(nearly) 0.
 
     python -m bench.interrupt_stress              # 52 trials (tens of minutes on 2 busy cores)
     python -m bench.interrupt_stress --trials 8 --seed 3
-    python -m bench.interrupt_stress --smoke      # 2 trials in the writing: Ctrl-C, SIGKILL of the driver
+    python -m bench.interrupt_stress --smoke      # 1 trial: Ctrl-C mid-grid on a 13-evaluation grid, resumed
 """
 
 from __future__ import annotations
@@ -54,26 +60,30 @@ from bench import common
 from bench.soak import WORKER, same_bits, same_numbers, smoke_model, table
 
 KINDS = ("sigint", "sigterm", "sigkill_driver", "sigkill_worker")
-# Smoke (the suite's run): a trial takes about a minute on 2 busy cores. The suite stops drivers by SIGTERM and
-# SIGKILL in tests/run/test_resume.py and kills workers in bench/soak.py; these two meet the writing with Ctrl-C
-# (the stop's flush of a buffer) and with a SIGKILL of the driver (an examples file left without its evaluations).
-SMOKE_KINDS = ("sigint", "sigkill_driver")
+PHASES = ("start-up", "workers", "grid", "finishing")
+# Smoke (the suite's run): the clean run, one stopped run and its resume, each a CLI process (their start-up is
+# most of the time). The suite stops drivers by SIGTERM and SIGKILL in tests/run/test_resume.py and
+# test_chunk_interrupts.py and kills workers in bench/soak.py; this one meets the grid with Ctrl-C (the stop's flush
+# of a buffer) and checks that the resume equals the clean run.
+SMOKE_TRIALS = (("sigint", "grid"),)
 # The exit statuses a stop may end in: the command's own (130, 143), or the interpreter's before headsweep's
 # handlers are installed (a signal's negative number); 0 when the run ended before the signal came.
 EXPECTED_EXIT = {"sigint": {130, -signal.SIGINT}, "sigterm": {143, -signal.SIGTERM},
                  "sigkill_driver": {-signal.SIGKILL}, "sigkill_worker": {0}}
 
 
-def write_config(folder: Path) -> Path:
+def write_config(folder: Path, pairs: bool = True) -> Path:
+    """The grid: baseline, single-head, all-but-one, and (``pairs``) every pair of heads as custom masks."""
     base = smoke_model()
     heads = [f"self:{layer}:{head}" for layer in range(3) for head in range(2)]
+    masks = [list(pair) for pair in itertools.combinations(heads, 2)] if pairs else []
     cfg = {
         "name": "interrupt-stress",
         "model": base["model"],
         "data": base["data"],
-        "sweep": {**base["sweep"], "experiments": ["baseline", "single_head", "all_but_one"],
-                  "masks": [list(pair) for pair in itertools.combinations(heads, 2)], "workers": 1,
-                  "threads_per_worker": 1, "masks_per_batch": 1, "flush_every": 3, "worker_restarts": 100},
+        "sweep": {**base["sweep"], "experiments": ["baseline", "single_head", "all_but_one"], "masks": masks,
+                  "workers": 1, "threads_per_worker": 1, "masks_per_batch": 1, "flush_every": 3,
+                  "worker_restarts": 100},
     }
     path = folder / "stress.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -89,6 +99,7 @@ class Driver:
     address: str
     lines: list[str] = field(default_factory=list)
     worker_pid: int | None = None
+    rows: dict[Path, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.started = time.monotonic()
@@ -107,9 +118,32 @@ class Driver:
             if "workers ready:" in line and (found := WORKER.findall(line)):
                 self.worker_pid = int(found[0][1])
 
-    def stored_any(self) -> bool:
+    def stored(self) -> int:
+        """Evaluations stored so far: the rows of the evaluation files landed (each is renamed into place whole)."""
+        import pyarrow.parquet as pq
+
         folder = self.store / "evaluations"
-        return folder.is_dir() and any(folder.rglob("*.parquet"))
+        for path in folder.rglob("*.parquet") if folder.is_dir() else ():
+            if path not in self.rows:
+                try:
+                    self.rows[path] = pq.read_metadata(path).num_rows
+                except OSError:
+                    continue  # removed meanwhile (a resume's orphan): counted when seen again
+        return sum(self.rows.values())
+
+    def wait_for(self, phase: str, rng: random.Random, n_evals: int) -> str:
+        """Wait until the run reaches ``phase`` (the module's docstring), or ends; returns where it was."""
+        if phase == "start-up":
+            time.sleep(rng.uniform(0, 1.0))
+            return f"{time.monotonic() - self.started:.2f} s after its start"
+        if phase == "workers":
+            while self.proc.poll() is None and self.worker_pid is None:
+                time.sleep(0.02)
+            return "worker ready"
+        want = rng.randint(1, n_evals - 1) if phase == "grid" else n_evals
+        while self.proc.poll() is None and self.stored() < want:
+            time.sleep(0.02)
+        return f"{self.stored()} of {n_evals} stored (waited for {want})"
 
     def stop(self, kind: str) -> bool:
         """Send ``kind``'s signal; False when there was nothing to send it to (the run or the worker had ended)."""
@@ -189,11 +223,10 @@ def same_significance(one: Path, other: Path) -> bool:
 
 @dataclass
 class Clean:
-    """The clean run: its store, how long its start-up and its writing took, its size."""
+    """The clean run: its store and size."""
 
     store: Path
-    startup_s: float
-    writing_s: float
+    n_evals: int
     n_examples: int
     tests: int
 
@@ -202,41 +235,27 @@ def clean_run(config: Path, store: Path, address: str) -> Clean:
     from headsweep.results.store import ResultStore
 
     driver = Driver(config, store, address)
-    first = None
-    while driver.proc.poll() is None:
-        if first is None and driver.stored_any():
-            first = time.monotonic()
-        time.sleep(0.05)
     if driver.finish() != 0:
         sys.exit(f"the clean run exited {driver.proc.returncode}:\n{''.join(driver.lines[-30:])}")
-    end = time.monotonic()
-    first = first or end
     reader = ResultStore(str(store))
     [run] = reader.read("runs").to_pylist()
     sig = reader.read("significance", columns=["test"]).column("test").to_pylist()
-    clean = Clean(store, first - driver.started, end - first, run["n_examples"], len(set(sig)))
+    clean = Clean(store, run["n_planned"], run["n_examples"], len(set(sig)))
     problems, _ = invariant(store, clean.n_examples, clean.tests, complete=True, orphans_allowed=False)
     if problems:
         sys.exit(f"the clean run's store breaks the invariant: {problems[:5]}")
     return clean
 
 
-def trial(number: int, kind: str, rng: random.Random, config: Path, folder: Path, address: str,
-          clean: Clean, totals: Counter, during_writing: bool | None = None, reach: float = 1.0) -> None:
-    """One trial: a run stopped by ``kind`` at a random moment (``during_writing``: in the writing, else in the
-    start-up; None: drawn; within the first ``reach`` of the clean run's time for it), its store checked,
-    resumed, checked, compared."""
+def trial(number: int, kind: str, phase: str, rng: random.Random, config: Path, folder: Path, address: str,
+          clean: Clean, totals: Counter) -> None:
+    """One trial: a run stopped by ``kind`` once it reaches ``phase``, its store checked, resumed, checked,
+    compared."""
     store = folder / f"trial-{number}"
-    if during_writing is None:
-        during_writing = rng.random() < 0.5
-    delay = rng.uniform(0, reach * (clean.writing_s if during_writing else clean.startup_s))
+    if kind == "sigkill_worker" and phase == "start-up":
+        phase = "workers"  # a worker exists only once the driver has started it
     driver = Driver(config, store, address)
-    while driver.proc.poll() is None and during_writing and not driver.stored_any():
-        time.sleep(0.02)
-    if kind == "sigkill_worker":  # a worker exists only once the driver has started it
-        while driver.proc.poll() is None and driver.worker_pid is None:
-            time.sleep(0.02)
-    time.sleep(delay)
+    where = driver.wait_for(phase, rng, clean.n_evals)
     sent = driver.stop(kind)
     code = driver.finish()
     problems = []
@@ -254,9 +273,8 @@ def trial(number: int, kind: str, rng: random.Random, config: Path, folder: Path
             problems += invariant(store, clean.n_examples, clean.tests, complete=True, orphans_allowed=False)[0]
     equal = not problems and same_numbers(store, clean.store) and same_significance(store, clean.store)
     totals.update(trials=1, violations=len(problems), resumed=int(resumed), equal=int(equal),
-                  finished_first=int(not sent), orphans=orphans, **{kind: 1})
-    where = "writing" if during_writing else "start-up"
-    print(f"trial {number}: {kind} {delay:.2f} s into the {where}: exit {code}"
+                  finished_first=int(not sent), orphans=orphans, **{kind: 1, phase: 1})
+    print(f"trial {number}: {kind} at {phase} ({where}{'' if sent else ', ended before the signal'}): exit {code}"
           f"{', resumed' if resumed else ''}, {'equal' if equal else 'NOT equal'}, {len(problems)} violations"
           + "".join(f"\n    {p}" for p in problems[:10]), flush=True)
 
@@ -268,7 +286,8 @@ def main() -> None:
     common.add_argument(parser)
     args = parser.parse_args()
     smoke = common.enable_smoke(args)
-    kinds = SMOKE_KINDS if smoke else KINDS
+    plan = list(SMOKE_TRIALS) if smoke else [
+        (KINDS[n % len(KINDS)], PHASES[n // len(KINDS) % len(PHASES)]) for n in range(args.trials)]
     rng = random.Random(args.seed)
     # A shell without job control starts a background job with SIGINT ignored, and the drivers would inherit that
     # (headsweep keeps a signal ignored that it was started ignoring): their Ctrl-C must be a Ctrl-C.
@@ -292,16 +311,15 @@ def main() -> None:
     totals: Counter = Counter()
     with tempfile.TemporaryDirectory(prefix="interrupt-stress-") as tmp:
         folder = Path(tmp)
-        config = write_config(folder)
+        config = write_config(folder, pairs=not smoke)
         start = time.monotonic()
         clean = clean_run(config, folder / "clean", address)
-        print(f"clean run: {time.monotonic() - start:.1f} s (start-up {clean.startup_s:.1f} s, writing "
-              f"{clean.writing_s:.1f} s), {clean.n_examples} examples, {clean.tests} tests", flush=True)
-        trials = len(kinds) if smoke else args.trials
-        for number in range(trials):
-            trial(number, kinds[number % len(kinds)], rng, config, folder, address, clean, totals,
-                  during_writing=True if smoke else None, reach=0.5 if smoke else 1.0)
-        print(f"{trials} trials in {time.monotonic() - start:.0f} s", flush=True)
+        print(f"clean run: {time.monotonic() - start:.1f} s, {clean.n_evals} evaluations, {clean.n_examples} "
+              f"examples, {clean.tests} tests", flush=True)
+        for number, (kind, phase) in enumerate(plan):
+            trial(number, kind, phase, rng, config, folder, address, clean, totals)
+        print(f"{len(plan)} trials in {time.monotonic() - start:.0f} s; by phase: "
+              + ", ".join(f"{p} {totals[p]}" for p in PHASES), flush=True)
     ray.shutdown()
     common.result("interrupt_stress", trials=totals["trials"], violations=totals["violations"],
                   resumed=totals["resumed"], equal=totals["equal"], finished_first=totals["finished_first"],

@@ -159,13 +159,16 @@ class Sweep:
         previous = run_to_continue(self.store, self.cfg, self.resume, self.auto_resume)
         if previous is not None:
             check_resumed_weights(previous, self.weights)
-        elif self.resume is None and self.auto_resume:
+        # `--resume RUN_ID` of a complete run, like the config of one run again: continuing it would only rewrite
+        # its row.
+        complete = previous if previous is not None and previous["status"] == COMPLETE else None
+        if previous is None and self.resume is None and self.auto_resume:
             complete = complete_run(self.store, self.cfg, self.weights)
-            if complete is not None:
-                self.run_id = complete["run_id"]
-                log(f"run {self.run_id} of this config is complete in store {self.store.uri}: nothing to do, nothing "
-                    "written (headsweep run --new starts a second run of it)")
-                return self.run_id
+        if complete is not None:
+            self.run_id = complete["run_id"]
+            log(f"run {self.run_id} of this config is complete in store {self.store.uri}: nothing to do, nothing "
+                "written (headsweep run --new starts a second run of it)")
+            return self.run_id
         # Before Ray starts: a model the workers cannot hold together is refused, not swapped or killed mid-load.
         check_memory(self.cfg, [model for _, model in self.model_variants()], self.address)
         init_ray(self.address, self.cfg)

@@ -436,6 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_text(args)
         code = COMMANDS[args.command](args)
+        # Inside the try: a Ctrl-C or SIGTERM while Ray shuts down after the command's work (bench/interrupt_stress:
+        # 2 of 6 stops once every evaluation was stored) ends the command as any other, not in a traceback, exit 1.
+        session = sys.modules.get("headsweep.sweep.cluster.ray_session")  # imported by the commands that use Ray
+        if session is not None:
+            session.end_ray()
     except HeadsweepError as exc:
         _stop_ray()
         console.finish(name_log=False)  # the error line is the one line that matters
@@ -457,9 +462,6 @@ def main(argv: list[str] | None = None) -> int:
         first = (str(exc).splitlines() or [""])[0][:300]
         console.say(f"headsweep: error: unexpected {type(exc).__name__}: {first} (traceback in {con.log_path})")
         return 1
-    session = sys.modules.get("headsweep.sweep.cluster.ray_session")  # imported by the commands that use Ray
-    if session is not None:
-        session.end_ray()
     console.finish()
     return code
 

@@ -183,7 +183,8 @@ def test_resume_refuses_another_config(tmp_path, tiny_bert_dir, tiny_dev_tsv, ra
     assert ResultStore(store).read("runs").num_rows == 1  # a complete run is neither resumed nor run again
     second = run_cli("run", str(tmp_path / "c.yaml"), "--new", "--store", store, "--address", ray_address, "--quiet")
     assert second.returncode == 0 and second.stdout.strip() != run_id  # --new: a deliberate second run
-    assert ResultStore(store).read("runs").num_rows == 2
+    assert {r["run_id"]: r["status"] for r in ResultStore(store).read("runs").to_pylist()} == {
+        run_id: "complete", second.stdout.strip(): "complete"}
 
 
 def test_a_run_whose_driver_lives_is_never_resumed_by_a_second_driver():

@@ -4,8 +4,9 @@ A run keeps the SHA-256 of its model's weight files (``facts.weights``, checked 
 once the files are changed in place (same shapes), continuing the run, ``export --from-run`` and
 ``report --attention`` are refused in one line with nothing written, while the same config makes a new run of the
 new weights, which ``compare`` sets beside the old one with a warning. A complete run is not run again: the same
-command says so and writes nothing, ``--new`` makes a second run. (fairseq checkpoints:
-tests/families/translation/test_translation_sweep.py; hub ids: tests/families/test_hub_cache.py.)
+command (or ``--resume`` of that run) says so and writes nothing, also once the weights are back after a run of
+other ones. (fairseq checkpoints: tests/families/translation/test_translation_sweep.py; hub ids:
+tests/families/test_hub_cache.py.)
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ def test_a_run_keeps_its_weights_and_a_complete_run_is_not_run_again(tmp_path, t
     assert (f"run {run_id} of this config is complete in store {store}: nothing to do, nothing written "
             "(headsweep run --new starts a second run of it)") in again.stderr
     assert listing(store) == before
+    # --resume of the complete run: the same, not a rewrite of its row.
+    resumed = run("--resume", run_id)
+    assert ok(resumed) == run_id
+    assert (f"run {run_id} of this config is complete in store {store}: nothing to do, nothing written "
+            "(headsweep run --new starts a second run of it)") in resumed.stderr
+    assert listing(store) == before
 
     # The weights changed in place (same shapes): continuing the run would mix two models in it (refused before Ray
     # starts; the same check as for an unfinished run the same command continues).
@@ -114,8 +121,14 @@ def test_a_run_keeps_its_weights_and_a_complete_run_is_not_run_again(tmp_path, t
     assert (f"headsweep: warning: runs {run_id} and {other} are of two models with the same heads (weights sha256 "
             f"{weights[0]['sha256'][:12]}... and {expected_fingerprint(model)[:12]}...)") in compared.stderr
     assert json.loads(compared.stdout.splitlines()[0])["quantity"] == "single_head_delta"
-    # --new: a deliberate second run of a complete config.
-    second = ok(run("--new"))
-    assert second not in (run_id, other)
+    # The original weights back: the complete run of these is the first one, not the newest of the config; nothing
+    # to do. (--new, a deliberate second run of a complete config: test_resume.py::test_resume_refuses_another_config,
+    # on a cheaper config.)
+    (model / "model.safetensors").write_bytes(original)
+    before = listing(store)
+    back = run()
+    assert ok(back) == run_id
+    assert f"run {run_id} of this config is complete in store {store}: nothing to do" in back.stderr
+    assert listing(store) == before
     assert {r["run_id"]: r["status"] for r in reader.read("runs").to_pylist()} == {
-        run_id: "complete", other: "complete", second: "complete"}
+        run_id: "complete", other: "complete"}
