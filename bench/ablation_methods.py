@@ -244,7 +244,7 @@ def hook_loop(cfg: dict, threads: int) -> tuple[dict[str, float], float, float]:
     from transformers import AutoModelForCausalLM
 
     from headsweep.workers.core.family import RuntimeOptions
-    from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+    from headsweep.workers.families.hf_causal_lm.by_task import load_causal_lm_adapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 
     torch.set_num_threads(threads)

@@ -270,7 +270,7 @@ def pruning_and_stock(model: nn.Module, task: str, sites) -> tuple[str, str]:
     from headsweep.errors import HeadsweepError
     from headsweep.workers.core.gates import HeadGates
     from headsweep.workers.core.heads import Head
-    from headsweep.workers.families.hf_causal_lm.sites import kv_groups
+    from headsweep.workers.families.hf_causal_lm.model.sites import kv_groups
     from headsweep.workers.families.registry import model_family
 
     family = model_family("hf_causal_lm" if task == "causal_lm" else "hf_classifier")
@@ -358,7 +358,7 @@ def check(task: str, model_type: str, class_name: str) -> Row:
         row.why = "no sequence-to-sequence family yet (hf_seq2seq, issue 47 part 3)"
         return row
     if task == "causal_lm":
-        from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
+        from headsweep.workers.families.hf_causal_lm.model.sites import sites_or_error
         row.family = "hf_causal_lm"
     else:
         from headsweep.workers.families.hf_classifier.adapter import _sites_or_error as sites_or_error
@@ -399,8 +399,12 @@ class _Timeout(BaseException):  # not an Exception: the checks' own handlers mus
     pass
 
 
+_ARMED = [False]  # whether a type's check is running: an alarm delivered after it ended is ignored
+
+
 def _alarm(*_args) -> None:
-    raise _Timeout
+    if _ARMED[0]:
+        raise _Timeout
 
 
 def run(selected: list[str] | None, tasks: list[str]) -> list[Row]:
@@ -410,13 +414,16 @@ def run(selected: list[str] | None, tasks: list[str]) -> list[Row]:
         if task not in tasks:
             continue
         start = time.perf_counter()
-        signal.alarm(TYPE_SECONDS)
-        try:
-            row = check(task, model_type, class_name)
+        try:  # a timeout raised while the inner block ends (the alarm's handler runs late) is caught here too
+            _ARMED[0] = True
+            signal.alarm(TYPE_SECONDS)
+            try:
+                row = check(task, model_type, class_name)
+            finally:
+                _ARMED[0] = False
+                signal.alarm(0)
         except _Timeout:
             row = Row(task, model_type, why=f"took over {TYPE_SECONDS} s")
-        finally:
-            signal.alarm(0)
         rows.append(row)
         detail = f"{row.heads} heads, max rel. diff {row.max_diff:.1e}" if row.outcome == "exact" else ""
         common.log(f"{row.task:10} {row.model_type:28} {row.family:13} {row.outcome:8} {row.pruning:8} {row.stock:8} "

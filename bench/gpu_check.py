@@ -13,7 +13,7 @@ seeded random weights (transformers' own initialisation, ``initializer_range`` 0
 biases, which it starts at zero, drawn with standard deviation 0.5 so that they matter) is built on the device,
 saved with a word-level tokenizer (ids below the vocabulary size) and a random text of ``--windows`` windows of
 ``--window`` tokens, and loaded back the way a worker loads it
-(:class:`~headsweep.workers.families.hf_causal_lm.adapter.CausalLMAdapter`, ``model.dtype`` ``--dtype``, sdpa
+(:class:`~headsweep.workers.families.hf_causal_lm.tasks.perplexity.CausalLMAdapter`, ``model.dtype`` ``--dtype``, sdpa
 attention). The masks: four single heads in each of the first, a middle and the last layer (12 masks), and for
 the gate check three single heads and one mask of three heads across layers. The routes, over the same windows:
 
@@ -236,7 +236,7 @@ def load_user_model(folder: Path, device: str, dtype: torch.dtype) -> nn.Module:
 def adapter_for(folder: Path, text: Path, args: argparse.Namespace, reuse: bool):
     """The worker's evaluation adapter, configured as a sweep would configure it."""
     from headsweep.workers.core.family import RuntimeOptions
-    from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+    from headsweep.workers.families.hf_causal_lm.by_task import load_causal_lm_adapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 
     model = CausalLMModel(path=str(folder), tokenizer=str(folder / "tokenizer"), attn_implementation="sdpa",

@@ -158,7 +158,7 @@ def headsweep_route(model_dir: Path, tasks: Path, masks: list[list[tuple[int, in
     then every mask timed)."""
     from headsweep.workers.core.heads import Head
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel, CausalLMRuntime
-    from headsweep.workers.families.hf_causal_lm.lm_eval_adapter import LmEvalAdapter
+    from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_adapter import LmEvalAdapter
 
     adapter = LmEvalAdapter(CausalLMModel(path=str(model_dir), attn_implementation="sdpa"),
                             CausalLMData(task="lm_eval", tasks=["bench_mc"], include_path=str(tasks)),
@@ -213,7 +213,7 @@ def layer_costs(model_dir: Path, tasks: Path) -> tuple[float, list[float]]:
 
     from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-    from headsweep.workers.families.hf_causal_lm.lm_eval_adapter import LmEvalAdapter
+    from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_adapter import LmEvalAdapter
 
     adapter = LmEvalAdapter(CausalLMModel(path=str(model_dir), attn_implementation="sdpa"),
                             CausalLMData(task="lm_eval", tasks=["bench_mc"], include_path=str(tasks)),
@@ -275,7 +275,7 @@ def main() -> None:
     logging.getLogger("headsweep.workers.families.hf_shared.tokenizer").setLevel(logging.ERROR)
     import torch
 
-    from headsweep.workers.families.hf_causal_lm.lm_eval_tasks import offline, quiet
+    from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_tasks import offline, quiet
 
     torch.set_num_threads(args.threads)
     offline()

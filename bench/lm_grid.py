@@ -162,7 +162,7 @@ def train(out: Path, steps: int, threads: int) -> Path:
 
 def headsweep_adapter(path: Path, heldout: Path, args, reuse: bool):
     from headsweep.workers.core.family import RuntimeOptions
-    from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+    from headsweep.workers.families.hf_causal_lm.by_task import load_causal_lm_adapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 
     model = CausalLMModel(path=str(path), attn_implementation="sdpa", dtype=args.dtype)

@@ -295,7 +295,7 @@ def headsweep_route(work: Workload, reuse: bool) -> tuple[list[float], float, st
     """headsweep's worker path in this process: (perplexities, load seconds, the adapter's reuse note)."""
     from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.core.heads import Head
-    from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+    from headsweep.workers.families.hf_causal_lm.by_task import load_causal_lm_adapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 
     start = time.perf_counter()
@@ -315,7 +315,7 @@ def workload(grid: Grid, folder: Path, args) -> Workload:
     from transformers import AutoConfig
 
     from headsweep.workers.core.family import RuntimeOptions
-    from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+    from headsweep.workers.families.hf_causal_lm.by_task import load_causal_lm_adapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 
     config = AutoConfig.from_pretrained(folder)
@@ -465,7 +465,7 @@ def startup_phases(stamps: dict[str, float], name: str) -> None:
 def import_and_ray_seconds() -> dict[str, float]:
     """Seconds of a fresh interpreter's ``import torch, transformers`` plus headsweep's worker modules, and of a bare
     ``ray.init`` (one CPU, no dashboard) and its shutdown: the parts of start-up no model shrinks."""
-    code = {"worker imports": "import torch, transformers, headsweep.workers.families.hf_causal_lm.adapter",
+    code = {"worker imports": "import torch, transformers, headsweep.workers.families.hf_causal_lm.tasks.perplexity",
             "ray.init": "import ray; ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)"}
     out = {}
     for what, line in code.items():

@@ -61,7 +61,7 @@ from headsweep.workers.analyses.stock_serving import (
 )
 from headsweep.workers.core.gates import site_inventory
 from headsweep.workers.core.heads import Head
-from headsweep.workers.families.hf_causal_lm.sites import find_sites, kv_groups
+from headsweep.workers.families.hf_causal_lm.model.sites import find_sites, kv_groups
 
 SHARES = (0.25, 0.5)
 GOAL = 0.8  # decode speed-up >= GOAL x the predicted one

@@ -113,6 +113,7 @@ CAUSAL_LM_SHAPES = {
     "qwen3_4q2kv": ("Qwen3Config", 4, 2, {}),
     "gpt2": ("GPT2Config", 4, 4, {}),
     "gpt_bigcode_mqa": ("GPTBigCodeConfig", 4, 1, {"multi_query": True}),
+    "gpt_neox": ("GPTNeoXConfig", 4, 4, {"rotary_pct": 0.25}),  # Pythia's layout: fused per-head query_key_value
 }
 
 
@@ -145,6 +146,10 @@ def tiny_causal_lm(shape: str = "llama_8q2kv", attn: str = "eager", layers: int 
     if name in ("GPT2Config", "GPTBigCodeConfig"):
         cfg = getattr(transformers, name)(n_embd=width, n_layer=layers, n_head=heads, n_inner=2 * width,
                                           n_positions=max_positions, **common, **extra)
+    elif name == "GPTNeoXConfig":  # no head_dim nor key/value heads of its own: hidden_size / heads
+        cfg = transformers.GPTNeoXConfig(hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
+                                         intermediate_size=2 * width, max_position_embeddings=max_positions,
+                                         **common, **extra)
     else:
         cfg = getattr(transformers, name)(hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
                                           num_key_value_heads=kv, head_dim=head_dim, intermediate_size=2 * width,
@@ -189,7 +194,7 @@ def zeroed_output_columns(model, heads):
     features zeroed by weight surgery (``o_proj`` columns; rows of GPT-2's transposed ``Conv1D`` ``c_proj``)."""
     from torch import nn
 
-    from headsweep.workers.families.hf_causal_lm.sites import find_sites
+    from headsweep.workers.families.hf_causal_lm.model.sites import find_sites
 
     ref = copy.deepcopy(model)
     sites = {s.key: s for s in find_sites(ref)}

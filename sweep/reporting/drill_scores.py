@@ -159,9 +159,9 @@ def token_losses(adapter: Any, picks: list[tuple[str, str, int]]) -> list[TokenL
 def _choice_layout(adapter: Any) -> dict[int, tuple[list[str], int, list[list[int]]]] | None:
     """Per question (row of the adapter's examples): its choices' texts, the gold's index and each choice's rows
     (whose log-likelihoods sum to the choice's); None for an adapter without multiple-choice questions."""
-    from headsweep.workers.families.hf_causal_lm.lm_eval_adapter import LmEvalAdapter
-    from headsweep.workers.families.hf_causal_lm.lm_eval_documents import gold_choice
-    from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoiceAdapter
+    from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_adapter import LmEvalAdapter
+    from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_documents import gold_choice
+    from headsweep.workers.families.hf_causal_lm.tasks.continuations.multiple_choice import MultipleChoiceAdapter
 
     if isinstance(adapter, MultipleChoiceAdapter):
         return {q: (list(question.choices), int(adapter.gold[q]),

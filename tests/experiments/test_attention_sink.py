@@ -51,8 +51,8 @@ def make_sink(model_dir, bos: int) -> None:
 @pytest.fixture(scope="module")
 def sink_adapter(tmp_path_factory):
     from headsweep.workers.core.family import RuntimeOptions
-    from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+    from headsweep.workers.families.hf_causal_lm.tasks.perplexity import CausalLMAdapter
 
     tmp = tmp_path_factory.mktemp("sink")
     model_dir = save_tiny_causal_lm(tmp / "gpt2", "gpt2", layers=2)

@@ -271,8 +271,8 @@ def test_llama_maps_equal_the_models_eager_attentions(tmp_path, one_thread):
 
     from headsweep.sweep.experiments.roles.worker import attention_maps
     from headsweep.workers.core.family import RuntimeOptions
-    from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+    from headsweep.workers.families.hf_causal_lm.tasks.perplexity import CausalLMAdapter
 
     model_dir = save_tiny_causal_lm(tmp_path / "llama", "llama_8q2kv")
     corpus = tmp_path / "corpus.txt"

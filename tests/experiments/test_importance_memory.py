@@ -16,9 +16,9 @@ from tiny_models import lm_text, save_tiny_causal_lm
 
 from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.core.family import RuntimeOptions
-from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+from headsweep.workers.families.hf_causal_lm.by_task import load_causal_lm_adapter
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-from headsweep.workers.families.hf_causal_lm.model import backward_bytes_per_row
+from headsweep.workers.families.hf_causal_lm.model.scoring import backward_bytes_per_row
 from headsweep.workers.memory.backward_memory import blocks_of, checkpointed
 
 pytestmark = pytest.mark.usefixtures("one_thread")

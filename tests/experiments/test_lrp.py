@@ -29,7 +29,7 @@ from headsweep.workers.core.family import LossBatch, LossBatches
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.families.fairseq_translation.adapter import load_translation
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel, TranslationRuntime
-from headsweep.workers.families.hf_causal_lm.sites import find_sites as causal_sites
+from headsweep.workers.families.hf_causal_lm.model.sites import find_sites as causal_sites
 from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches, cut_batches
 from headsweep.workers.families.hf_shared.sites import find_sites as classifier_sites
 

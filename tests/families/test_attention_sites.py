@@ -3,7 +3,9 @@ Falcon (multi-query and grouped), Bloom (ALiBi), DeepSeek-V3 (latent attention, 
 ModernBERT, each built tiny from its own config class, gated by the family's own sites and hooks, against weight
 surgery on the output projection that the test names itself (``...attention.dense`` and so on: an independent route,
 no headsweep code finds it); hybrid layer numbers and the refusals (state-space models, a mask naming a Mamba layer,
-an attention module no row describes, pruning a layout headsweep does not slice).
+an attention module no row describes, pruning a layout headsweep does not slice). Physical pruning of the fused and
+latent layouts equals the gated model and reloads through load_pruned; stock export is refused with the reason, or
+(DeepSeek-V3, Phi-3) loads with stock from_pretrained and computes the gated model.
 
 bench/coverage.py walks every model type of transformers' auto mappings the same way (``--smoke`` runs in
 tests/project/test_bench_smoke.py).
@@ -20,7 +22,7 @@ from torch import nn
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
-from headsweep.workers.families.hf_causal_lm.sites import sites_or_error
+from headsweep.workers.families.hf_causal_lm.model.sites import sites_or_error
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,12 +43,16 @@ def _build(name: str) -> tuple[nn.Module, str, int]:
     elif name == "gptj":
         cfg, cls, proj = tf.GPTJConfig(vocab_size=96, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
                                        n_positions=64), tf.GPTJForCausalLM, "transformer.h.{}.attn.out_proj"
-    elif name in ("falcon_mqa", "falcon_grouped"):
-        grouped = name == "falcon_grouped"
+    elif name in ("falcon_mqa", "falcon_grouped", "falcon_alibi"):
+        grouped, alibi = name == "falcon_grouped", name == "falcon_alibi"
         cfg, cls, proj = tf.FalconConfig(**small, num_hidden_layers=2, num_attention_heads=4,
                                          new_decoder_architecture=grouped, num_kv_heads=2 if grouped else None,
-                                         multi_query=not grouped, bias=True), tf.FalconForCausalLM, \
-            "transformer.h.{}.self_attention.dense"
+                                         multi_query=name == "falcon_mqa", alibi=alibi, bias=True), \
+            tf.FalconForCausalLM, "transformer.h.{}.self_attention.dense"
+    elif name == "phi3":
+        cfg, cls, proj = tf.Phi3Config(**small, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=64, pad_token_id=0), tf.Phi3ForCausalLM, \
+            "model.layers.{}.self_attn.o_proj"
     elif name == "bloom":
         cfg, cls, proj = tf.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=4), tf.BloomForCausalLM, \
             "transformer.h.{}.self_attention.dense"
@@ -197,11 +203,95 @@ def test_models_without_heads_or_with_undescribed_attention_are_refused():
 
 
 def test_pruning_a_described_layout_is_refused_in_one_line():
-    from headsweep.workers.families.hf_causal_lm.pruning import prune_causal_lm_heads
+    """CodeGen's qkv_proj interleaves its heads in blocks of model-parallel shards: no slicing rule describes it."""
+    from transformers import CodeGenConfig, CodeGenForCausalLM
 
-    model, _, _ = _build("gpt_neox")
+    from headsweep.workers.families.hf_causal_lm.model.pruning import prune_causal_lm_heads
+
+    torch.manual_seed(0)
+    model = CodeGenForCausalLM(CodeGenConfig(vocab_size=96, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                                             n_positions=64)).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(HeadsweepError, match=r"GPTNeoXAttention\): not a decoder attention layout headsweep can "
-                                             r"prune"):
+    with pytest.raises(HeadsweepError, match=r"^transformer.h.0.attn \(CodeGenAttention\): no separate q_proj, "
+                                             r"k_proj and v_proj; gate its heads without pruning$"):
         prune_causal_lm_heads(model, [Head("self", 0, 1)])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing changed
+
+
+# Physical pruning of the fused and latent layouts (workers/families/hf_causal_lm/fused_pruning.py): one mask leaves
+# uneven key/value groups in layer 0 and empties layer 1, the other removes two heads of layer 0 and one of layer 1.
+PRUNED = ["gpt_neox", "falcon_mqa", "falcon_grouped", "falcon_alibi", "bloom", "deepseek_v3", "phi3", "opt", "gptj"]
+PRUNE_MASKS = [[Head("self", 0, 0), *(Head("self", 1, h) for h in range(4))],
+               [Head("self", 0, 1), Head("self", 0, 2), Head("self", 1, 3)]]
+
+
+@pytest.mark.parametrize("name", PRUNED)
+def test_pruned_fused_and_latent_layouts_equal_the_gated_model(name, tmp_path):
+    from tolerances import assert_routes_agree
+
+    from headsweep.workers.families.hf_causal_lm.model.pruning import load_pruned, prune_causal_lm_heads
+    from headsweep.workers.families.hf_shared.pruning import save_pruned
+
+    model, _, _ = _build(name)
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(2))
+    gates = HeadGates(sites_or_error(model))
+    full = sum(p.numel() for p in model.parameters())
+    for i, mask in enumerate(PRUNE_MASKS):
+        with gates.masked(mask):
+            gated = _logits(model, ids)
+        pruned, _, _ = _build(name)  # the same seeded weights, without gates
+        prune_causal_lm_heads(pruned, mask)
+        got = _logits(pruned, ids)
+        # summation order: the pruned projections are narrower; 2 layers and the LM head, width 64 at most
+        assert_routes_agree(got, gated, depth=3, width=64, what=f"{name} mask {i}")
+        assert sum(p.numel() for p in pruned.parameters()) < full
+        save_pruned(pruned, tmp_path / f"m{i}")
+        reloaded = load_pruned(tmp_path / f"m{i}", attn_implementation="eager")
+        torch.testing.assert_close(_logits(reloaded, ids), got, rtol=0, atol=0)  # exact: the same model rebuilt
+
+
+@pytest.mark.parametrize(("name", "reason"), [
+    ("gpt_neox", r"GPTNeoXForCausalLM's config derives the head size from the hidden size \(hidden_size / "
+                 r"num_attention_heads\)"),
+    ("falcon_grouped", r"FalconForCausalLM's config derives the head size from the hidden size \(hidden_size / "
+                       r"num_attention_heads\)"),
+    ("bloom", r"BloomForCausalLM's config derives the head size from hidden_size / n_head and its ALiBi slopes from "
+              r"n_head: a stock config with fewer heads would give the kept heads other slopes"),
+])
+def test_stock_export_of_a_fused_layout_is_refused_with_the_reason(name, reason):
+    from headsweep.workers.families.hf_causal_lm.model.stock import stock_sizes
+
+    model, _, _ = _build(name)
+    with pytest.raises(HeadsweepError, match=f"^{reason}.*export without --stock"):
+        stock_sizes(model, [Head("self", 0, 0), Head("self", 1, 0)])
+
+
+@pytest.mark.parametrize(("name", "sizes"), [("deepseek_v3", {"num_attention_heads": 2, "num_key_value_heads": 2}),
+                                           ("phi3", {"num_attention_heads": 2, "num_key_value_heads": 2,
+                                                     "head_dim": 8})])
+def test_latent_attention_and_phi3_export_a_stock_model(name, sizes, tmp_path):
+    """DeepSeek-V3 states its head count apart from its head sizes, Phi-3 its head_dim: the pruned model, saved
+    with the pruned counts in config.json, is what stock from_pretrained builds and loads, and it computes the gated
+    model's logits."""
+    from tolerances import assert_routes_agree
+    from transformers import AutoModelForCausalLM
+
+    from headsweep.workers.families.hf_causal_lm.model.pruning import prune_causal_lm_heads
+    from headsweep.workers.families.hf_causal_lm.model.stock import stock_sizes
+    from headsweep.workers.families.hf_shared.pruning import save_pruned
+    from headsweep.workers.families.hf_shared.stock import stock_config
+
+    model, _, _ = _build(name)
+    mask = [Head("self", 0, 0), Head("self", 0, 2), Head("self", 1, 0), Head("self", 1, 2)]  # one per kv group
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(2))
+    with HeadGates(sites_or_error(model)).masked(mask):
+        gated = _logits(model, ids)
+    pruned, _, _ = _build(name)
+    assert stock_sizes(pruned, mask) == sizes
+    prune_causal_lm_heads(pruned, mask)
+    stock_config(pruned, sizes)
+    save_pruned(pruned, tmp_path / "stock")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "stock", attn_implementation="eager").eval()
+    assert loaded.config.num_attention_heads == 2
+    # summation order: the stock model's narrower projections against the gated full model
+    assert_routes_agree(_logits(loaded, ids), gated, depth=3, width=64, what=f"stock {name}")

@@ -131,7 +131,7 @@ def test_tokenizer_without_vocabulary(tmp_path):
     from transformers import GPT2Tokenizer
 
     from headsweep.errors import HeadsweepError
-    from headsweep.workers.families.hf_causal_lm.model import load_tokenizer
+    from headsweep.workers.families.hf_causal_lm.model.loading import load_tokenizer
 
     folder = tmp_path / "tokenizer"
     folder.mkdir()
@@ -154,7 +154,7 @@ def test_word_level_tokenizer_beside_a_qwen2_model(tmp_path):
     so every line encodes as the saved tokenizer.json itself encodes it (the tokenizers library, no transformers)."""
     from tokenizers import Tokenizer
 
-    from headsweep.workers.families.hf_causal_lm.model import load_tokenizer
+    from headsweep.workers.families.hf_causal_lm.model.loading import load_tokenizer
 
     folder = save_tiny_causal_lm(tmp_path / "qwen2", shape="qwen2_14q2kv")
     saved = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -240,7 +240,7 @@ def test_unknown_words_in_multiple_choice_questions(tmp_path, lm_files):
     from transformers import AutoTokenizer
 
     from headsweep.workers.core.family import RuntimeOptions
-    from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+    from headsweep.workers.families.hf_causal_lm.by_task import load_causal_lm_adapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 
     _, llama, _ = lm_files

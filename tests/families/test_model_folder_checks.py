@@ -133,7 +133,7 @@ def test_what_transformers_leaves_out_still_loads(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from headsweep.workers.families.hf_causal_lm.config import CausalLMModel
-    from headsweep.workers.families.hf_causal_lm.model import load_causal_lm
+    from headsweep.workers.families.hf_causal_lm.model.loading import load_causal_lm
 
     folder = save_tiny_causal_lm(tmp_path / "gpt2-old", "gpt2")
     weights = load_file(folder / "model.safetensors")

@@ -34,7 +34,7 @@ from headsweep.workers.ablation.resample import same_length_donors
 from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
-from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+from headsweep.workers.families.hf_causal_lm.by_task import load_causal_lm_adapter
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 from headsweep.workers.families.hf_classifier.adapter import ClassifierAdapter
 from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel

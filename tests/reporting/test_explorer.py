@@ -177,8 +177,8 @@ def test_token_losses_equal_the_weight_surgery_models(tmp_path, one_thread):
     from headsweep.sweep.reporting.drill_scores import TOP_TOKENS, token_losses
     from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.core.heads import Head
-    from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+    from headsweep.workers.families.hf_causal_lm.tasks.perplexity import CausalLMAdapter
 
     model_dir = save_tiny_causal_lm(tmp_path / "llama", "llama_8q2kv")
     corpus = tmp_path / "corpus.txt"

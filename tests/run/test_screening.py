@@ -86,7 +86,7 @@ def test_subset_adapters_equal_the_full_evaluation_at_their_positions(tmp_path, 
 
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
-    from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+    from headsweep.workers.families.hf_causal_lm.by_task import load_causal_lm_adapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
     from headsweep.workers.families.hf_classifier.adapter import load_classifier
     from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel

@@ -8,7 +8,7 @@ output projection's bias.
 
 Which rows and columns go is :mod:`headsweep.workers.core.head_slicing`; where they live in a
 module is each family's business (``ModelFamily.prune``: ``hf_classifier.pruning`` for BERT-family and
-DistilBERT encoders, ``hf_causal_lm.pruning`` for decoder-only LMs, ``fairseq_translation.pruning`` for
+DistilBERT encoders, ``hf_causal_lm.model.pruning`` for decoder-only LMs, ``fairseq_translation.pruning`` for
 fairseq encoder-decoders, under ``headsweep.workers.families``). :func:`prune_heads` takes a bare model and
 asks the built-in families which one it is (:func:`headsweep.workers.families.registry.family_of_model`).
 """

@@ -16,7 +16,7 @@ from tiny_models import lm_logits as logits
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
-from headsweep.workers.families.hf_causal_lm.sites import find_sites, kv_groups, sites_or_error
+from headsweep.workers.families.hf_causal_lm.model.sites import find_sites, kv_groups, sites_or_error
 
 ATTN = ["eager", "sdpa"]
 

@@ -29,10 +29,10 @@ from headsweep.sweep.statistics import significance_runner
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.metrics import ACCURACY, MC_ACCURACY_NORM, METRICS, metric_by_name
-from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+from headsweep.workers.families.hf_causal_lm.by_task import load_causal_lm_adapter
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoiceAdapter
-from headsweep.workers.families.hf_causal_lm.questions import read_questions
+from headsweep.workers.families.hf_causal_lm.tasks.continuations.multiple_choice import MultipleChoiceAdapter
+from headsweep.workers.families.hf_causal_lm.tasks.continuations.questions import read_questions
 
 MAX_POSITIONS = 64
 # Summation order (tolerances.py): padded batches of several rows (and several masks) against one request at a

@@ -20,9 +20,9 @@ from headsweep.sweep.statistics.significance_runner import raw_tests
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.metrics import PERPLEXITY
-from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-from headsweep.workers.families.hf_causal_lm.data import plan_windows
+from headsweep.workers.families.hf_causal_lm.tasks.corpus import plan_windows
+from headsweep.workers.families.hf_causal_lm.tasks.perplexity import CausalLMAdapter
 
 WINDOW = 16
 

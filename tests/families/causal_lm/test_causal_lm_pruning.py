@@ -22,12 +22,12 @@ from tolerances import assert_routes_agree
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
-from headsweep.workers.families.hf_causal_lm.pruning import (
+from headsweep.workers.families.hf_causal_lm.model.pruning import (
     GroupedKVProjection,
     load_pruned,
     prune_causal_lm_heads,
 )
-from headsweep.workers.families.hf_causal_lm.sites import find_sites, kv_groups
+from headsweep.workers.families.hf_causal_lm.model.sites import find_sites, kv_groups
 from headsweep.workers.families.hf_shared.pruning import save_pruned
 from headsweep.workers.families.registry import model_family
 from headsweep.workers.pruning.removal import count_parameters, prune_heads
@@ -224,7 +224,7 @@ def test_an_exported_lm_is_swept(lm_folder, tmp_path, ray_address):
     """``headsweep run`` with the exported folder as model.path: its baseline perplexity is the full model's
     under the removed mask (the full model's own adapter, gated), and only the kept heads are swept."""
     from headsweep.workers.core.family import RuntimeOptions
-    from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
+    from headsweep.workers.families.hf_causal_lm.tasks.perplexity import CausalLMAdapter
 
     tmp, model_dir, corpus = lm_folder
     cfg = {"model": {"kind": "hf_causal_lm", "path": str(model_dir), "attn_implementation": "sdpa"},
@@ -279,7 +279,7 @@ def test_efficiency_rows_of_a_causal_lm(lm_folder):
     pruned one removed through the family (``measure_task(..., family=...)`` as ``efficiency_on_worker`` calls it)."""
     from headsweep.workers.analyses.efficiency import measure_task
     from headsweep.workers.core.family import RuntimeOptions
-    from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
+    from headsweep.workers.families.hf_causal_lm.tasks.perplexity import CausalLMAdapter
 
     _, model_dir, corpus = lm_folder
     family = model_family("hf_causal_lm")

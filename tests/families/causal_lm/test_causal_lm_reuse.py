@@ -21,10 +21,10 @@ from tolerances import assert_routes_agree
 
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
-from headsweep.workers.families.hf_causal_lm import adapter as adapter_module
-from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-from headsweep.workers.families.hf_causal_lm.reuse import decoder_layout
+from headsweep.workers.families.hf_causal_lm.reuse.prefix import decoder_layout
+from headsweep.workers.families.hf_causal_lm.tasks import perplexity as adapter_module
+from headsweep.workers.families.hf_causal_lm.tasks.perplexity import CausalLMAdapter
 from headsweep.workers.families.hf_shared.layout import attention_layout
 from headsweep.workers.memory.replay import ReuseUnsupported
 

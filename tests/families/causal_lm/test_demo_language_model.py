@@ -8,7 +8,7 @@ import random
 
 from headsweep.sweep.demo.language_model import NOUNS, VERBS, build_tokenizer, generate, sentence, train_language_model
 from headsweep.workers.core.family import RuntimeOptions
-from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+from headsweep.workers.families.hf_causal_lm.by_task import load_causal_lm_adapter
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
 
 

@@ -31,10 +31,10 @@ from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.config import build_config
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
+from headsweep.workers.families.hf_causal_lm.by_task import check_data
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel, CausalLMRuntime
-from headsweep.workers.families.hf_causal_lm.data import check_data
-from headsweep.workers.families.hf_causal_lm.lm_eval_adapter import LmEvalAdapter
-from headsweep.workers.families.hf_causal_lm.lm_eval_tasks import load_tasks
+from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_adapter import LmEvalAdapter
+from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_tasks import load_tasks
 
 DEPTH, WIDTH = 2 + 1, 64  # tiny models: 2 layers and the LM head, inner products up to 64 long (tolerances.py)
 
@@ -282,7 +282,7 @@ def test_context_cache_is_refused_where_no_choices_share_a_context(setup, tmp_pa
 @pytest.mark.parametrize("shape, attn", [("llama_8q2kv", "sdpa"), ("gpt2", "eager")])
 def test_multiple_choice_prefix_reuse_equals_the_plain_path_bit_for_bit(setup, shape, attn, tmp_path):
     """``data.task: multiple_choice`` too: every single-head and all-but-one mask, reuse == plain exactly."""
-    from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+    from headsweep.workers.families.hf_causal_lm.by_task import load_causal_lm_adapter
 
     _, _, models = setup
     path = tmp_path / "q.jsonl"
@@ -307,7 +307,7 @@ def test_multiple_choice_prefix_reuse_equals_the_plain_path_bit_for_bit(setup, s
 def test_multiple_choice_task_equals_the_same_questions_as_an_lm_eval_task(setup, tmp_path):
     """``data.task: multiple_choice`` on a JSONL file and the same questions as an lm-eval task: the same outcomes
     and scores; log-likelihoods within rounding (multiple choice sums its tokens in float64, lm-eval in float32)."""
-    from headsweep.workers.families.hf_causal_lm.adapter import load_causal_lm_adapter
+    from headsweep.workers.families.hf_causal_lm.by_task import load_causal_lm_adapter
 
     _, tasks, models = setup
     path = tmp_path / "q.jsonl"

@@ -30,7 +30,7 @@ from headsweep.sweep.configuration.config import load_config
 from headsweep.sweep.pruning.export import export_pruned
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
-from headsweep.workers.families.hf_causal_lm.sites import find_sites
+from headsweep.workers.families.hf_causal_lm.model.sites import find_sites
 
 HEAD_DIM = 4
 LAYERS = 2
@@ -265,9 +265,9 @@ def test_a_uniform_run_exports_a_stock_model_that_scores_what_the_run_stored(cas
 
     from headsweep.results.store import ResultStore
     from headsweep.workers.core.family import RuntimeOptions
-    from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
     from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-    from headsweep.workers.families.hf_causal_lm.lm_eval_adapter import LmEvalAdapter
+    from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_adapter import LmEvalAdapter
+    from headsweep.workers.families.hf_causal_lm.tasks.perplexity import CausalLMAdapter
     from headsweep.workers.families.registry import model_family
 
     tmp, corpus, _, done, _ = cases

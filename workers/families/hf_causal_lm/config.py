@@ -16,7 +16,8 @@ DEFAULT_WINDOW = 512
 TASKS = ("perplexity", "multiple_choice", "paired", "lm_eval")
 # lm-evaluation-harness's few-shot seed (simple_evaluate's fewshot_random_seed default)
 LM_EVAL_FEWSHOT_SEED = 1234
-# data.metric of data.task lm_eval: lm-eval's metric names this family scores (lm_eval_scoring.py maps them)
+# data.metric of data.task lm_eval: lm-eval's metric names this family scores
+# (tasks/continuations/lm_eval_scoring.py maps them)
 LM_EVAL_METRICS = ("acc", "acc_norm", "perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")
 CHOICE_SCORES = {"acc": "accuracy", "acc_norm": "accuracy_norm"}  # data.choice_score -> the run's metric
 
@@ -27,7 +28,7 @@ class CausalLMRuntime(RuntimeOptions):
     of the same name."""
 
     # Multiple-choice requests (data.task lm_eval): each question's context once per mask, its choices continued
-    # from the context's key/value cache (context_cache.py); equal to the plain path within float32 rounding, not
+    # from the context's key/value cache (reuse/context_cache.py); equal to the plain path within float32 rounding, not
     # bit for bit, so off by default.
     context_cache: bool = False
 
@@ -76,7 +77,7 @@ class CausalLMData:
     window then takes ``window - 1`` text tokens, all scored). ``max_windows`` keeps the first windows.
 
     ``task: multiple_choice`` reads a JSONL file of questions instead, in lm-evaluation-harness's
-    convention (:mod:`headsweep.workers.families.hf_causal_lm.multiple_choice`): each line holds a
+    convention (:mod:`headsweep.workers.families.hf_causal_lm.tasks.continuations.multiple_choice`): each line holds a
     context (``context_field``), a list of choices (``choices_field``) and the index of the right one
     (``gold_field``); choice c is scored by the summed log-likelihood of ``target_delimiter + c`` after
     the context. ``choice_score`` names the run's metric: ``acc`` (accuracy: the likeliest choice) or
@@ -84,20 +85,20 @@ class CausalLMData:
     question. ``max_questions`` keeps the first questions.
 
     ``task: paired`` reads a JSONL file of prompt pairs for activation patching
-    (:mod:`headsweep.workers.families.hf_causal_lm.paired`): each line holds ``clean`` and ``corrupted`` prompts that
+    (:mod:`.tasks.paired`): each line holds ``clean`` and ``corrupted`` prompts that
     tokenise to the same length, the ``answer`` and ``wrong_answer`` (one token each, as the tokenizer encodes them
     alone: usually with their leading space) and optionally a ``template`` id; the metric is ``logit_diff`` (the
     answer's logit minus the wrong answer's at the last position). ``add_bos`` puts BOS before both prompts;
     ``max_pairs`` keeps the first pairs.
 
     ``task: lm_eval`` builds the documents and requests of lm-evaluation-harness tasks with lm-eval itself
-    (:mod:`headsweep.workers.families.hf_causal_lm.lm_eval_tasks`): ``tasks`` names them (built-in tasks, or tasks
+    (:mod:`.tasks.continuations.lm_eval_tasks`): ``tasks`` names them (built-in tasks, or tasks
     in YAML files under ``include_path``), ``num_fewshot`` overrides their few-shot count as lm-eval's
     ``--num_fewshot`` does (None: the task's own), ``fewshot_seed`` is lm-eval's few-shot seed, ``limit`` keeps
     the first documents of each task, and ``metric`` names the run's metric among lm-eval's (None: the first
     task's first one this family scores). Several tasks pool their documents (docs/lm-eval-tasks.md). Task files
     outside lm-eval's package that import Python (``!function``, ``class:``) are refused unless
-    ``trust_task_code`` (:mod:`~headsweep.workers.families.hf_causal_lm.lm_eval_code`).
+    ``trust_task_code`` (:mod:`~headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_code`).
     """
 
     path: str = ""

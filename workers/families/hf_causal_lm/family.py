@@ -38,7 +38,7 @@ class CausalLMFamily(TransformersFamily):
 
     def check_data(self, data_cfg: CausalLMData, key: str = "data") -> None:
         """The settings and the file; for perplexity also the corpus text itself (decoded, its rows read)."""
-        from headsweep.workers.families.hf_causal_lm.data import check_data
+        from headsweep.workers.families.hf_causal_lm.by_task import check_data
 
         check_data(data_cfg, key)
 
@@ -48,19 +48,19 @@ class CausalLMFamily(TransformersFamily):
         return tokenizer_folder(model_cfg.tokenizer if given else str(model_dir), given)
 
     def load_model(self, model_cfg: CausalLMModel) -> LoadedTransformers:
-        from headsweep.workers.families.hf_causal_lm.model import load_causal_lm
+        from headsweep.workers.families.hf_causal_lm.model.loading import load_causal_lm
 
         return load_causal_lm(model_cfg, "cpu")
 
     def prune(self, model: nn.Module, heads: Sequence[Head]) -> dict[SiteKey, HeadSlice]:
-        from headsweep.workers.families.hf_causal_lm.pruning import prune_causal_lm_heads
+        from headsweep.workers.families.hf_causal_lm.model.pruning import prune_causal_lm_heads
 
         return prune_causal_lm_heads(model, heads)
 
     def stock_sizes(self, model: nn.Module, heads: Sequence[Head]) -> dict[str, int]:
         """Llama-style models without the same heads in every layer and key/value group (GPT-2 and GPTBigCode:
-        never) are refused (:mod:`~headsweep.workers.families.hf_causal_lm.stock`)."""
-        from headsweep.workers.families.hf_causal_lm.stock import stock_sizes
+        never) are refused (:mod:`~headsweep.workers.families.hf_causal_lm.model.stock`)."""
+        from headsweep.workers.families.hf_causal_lm.model.stock import stock_sizes
 
         return stock_sizes(model, heads)
 
@@ -70,14 +70,14 @@ class CausalLMFamily(TransformersFamily):
         return is_causal_lm_architecture(name)
 
     def load_exported(self, folder: str | Path) -> nn.Module:
-        from headsweep.workers.families.hf_causal_lm.pruning import load_pruned
+        from headsweep.workers.families.hf_causal_lm.model.pruning import load_pruned
 
         return load_pruned(folder)
 
     def attention_reader(self, adapter: Any) -> AttentionReader:
         """The perplexity adapter's windows; the multiple-choice adapter is refused."""
-        from headsweep.workers.families.hf_causal_lm.adapter import CausalLMAdapter
-        from headsweep.workers.families.hf_causal_lm.attention import CausalLMReader
+        from headsweep.workers.families.hf_causal_lm.tasks.perplexity import CausalLMAdapter
+        from headsweep.workers.families.hf_causal_lm.tasks.perplexity_attention import CausalLMReader
 
         if not isinstance(adapter, CausalLMAdapter):
             raise HeadsweepError(f"{type(adapter).__name__}: roles reads decoder-only models on perplexity windows "
@@ -86,5 +86,5 @@ class CausalLMFamily(TransformersFamily):
 
 
 HF_CAUSAL_LM = CausalLMFamily("hf_causal_lm", CausalLMModel, CausalLMData,
-                              "headsweep.workers.families.hf_causal_lm.adapter:load_causal_lm_adapter",
+                              "headsweep.workers.families.hf_causal_lm.by_task:load_causal_lm_adapter",
                               hub_ids=True, runtime_options=CausalLMRuntime)

@@ -194,9 +194,19 @@ def _described(module: nn.Module) -> AttentionLayout | None:
                            min(kv, n) if n else 0)
 
 
+def _emptied(module: nn.Module) -> AttentionLayout | None:
+    """An attention module physically pruned of every head (``hf_causal_lm``'s ``EmptyAttention``, which names its
+    output projection): a layout with 0 heads, so that the layer is known and keeps its number."""
+    name = getattr(module, "out_proj_name", None)
+    out = getattr(module, name, None) if isinstance(name, str) else None
+    if getattr(module, "headsweep_kv_index", None) != () or not isinstance(out, nn.Module):
+        return None
+    return AttentionLayout("empty", module, module, True, out, out, out, out, 0, int(module.head_dim), 0)
+
+
 def attention_layout(module: nn.Module) -> AttentionLayout | None:
     """The layout of ``module`` if it is a self-attention module of a known layout, else None."""
-    for recognise in (_bert, _distilbert, _llama, _gpt2, _described):
+    for recognise in (_bert, _distilbert, _llama, _gpt2, _described, _emptied):
         found = recognise(module)
         if found is not None:
             return found

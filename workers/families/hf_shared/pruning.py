@@ -2,7 +2,7 @@
 and exported ``save_pretrained`` folders.
 
 Which rows and columns go, and how a module keeps working with fewer heads, is each family's
-(``hf_classifier.pruning``: BERT-family encoders and DistilBERT; ``hf_causal_lm.pruning``: Llama-style decoders,
+(``hf_classifier.pruning``: BERT-family encoders and DistilBERT; ``hf_causal_lm.model.pruning``: Llama-style decoders,
 GPT-2 and GPTBigCode). Both record the removed heads in ``config.pruned_heads`` (``{"layer": [head, ...]}``,
 original head numbers, the format transformers 4 used), which ``save_pretrained`` writes into ``config.json``;
 :func:`load_pruned` rebuilds such a folder with stock transformers 5: the architecture ``config.architectures``
@@ -91,8 +91,15 @@ def pruned_heads_of(config) -> list[Head]:
 
 def save_pruned(model: nn.Module, out_dir: str | Path, tokenizer=None) -> Path:
     """``save_pretrained`` a pruned transformers model (and its tokenizer); :func:`load_pruned` reads it back."""
+    import inspect
+
     out = Path(out_dir)
-    model.save_pretrained(out)
+    # A folder with pruned_heads is read by load_pruned, key for key: saved under the model's own parameter names,
+    # not converted back to the original checkpoint layout (MoE experts unpacked, GPT-NeoX's embed_out), which only
+    # from_pretrained's converters would undo.
+    internal = bool(getattr(getattr(model, "config", None), PRUNED_HEADS_KEY, None)) and \
+        "save_original_format" in inspect.signature(model.save_pretrained).parameters
+    model.save_pretrained(out, **({"save_original_format": False} if internal else {}))
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     return out
@@ -125,7 +132,28 @@ def rebuild_pruned(model_dir: str | Path, attn_implementation: str | None,
     state: dict[str, torch.Tensor] = {}
     for file in _weight_files(model_dir):
         state.update(load_file(str(file)))
-    return model, state
+    return model, _renamed(model, state)
+
+
+def _renamed(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with the keys ``save_pretrained`` wrote under an architecture's original checkpoint names (GPT-NeoX's
+    ``embed_out`` for ``lm_head``) renamed back as ``from_pretrained`` does: transformers' own key renamings for
+    the model, applied to keys the model does not have."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+
+        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    except (ImportError, AttributeError, TypeError):  # another transformers: keys as saved
+        return state
+    have = set(model.state_dict())
+    out = {}
+    for key, value in state.items():
+        new = key
+        for renaming in renamings if key not in have else ():
+            new, _ = renaming.rename_source_key(new)
+        out[new] = value
+    return out
 
 
 def load_pruned(model_dir: str | Path, prune: Pruner, attn_implementation: str | None = None, device: str = "cpu",

@@ -3,7 +3,7 @@
 The layers below that layer are skipped (the one just below returns its cached output, repeated once per mask)
 and the input embeddings return zeros of their recorded shape and dtype: the model still builds its masks,
 positions and rotary tables from them, but their values go nowhere. Each family's reuse module
-(``hf_classifier.reuse``, ``hf_causal_lm.reuse``) says where its layers, attention cores and embeddings are.
+(``hf_classifier.reuse``, ``hf_causal_lm.reuse.prefix``) says where its layers, attention cores and embeddings are.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A pruned transformers model as its stock architecture: the config states the pruned sizes, nothing else.
 
-Which masks have a stock config is the family's (``hf_causal_lm.stock``: Llama-style decoders); what a config
+Which masks have a stock config is the family's (``hf_causal_lm.model.stock``: Llama-style decoders); what a config
 cannot state is refused with the reason (:data:`TIED_HEAD_SIZE`: GPT-2 and BERT-family configs derive the head size
 from the hidden size).
 """

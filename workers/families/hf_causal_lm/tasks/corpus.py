@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.data.paired_data import read_pairs
 from headsweep.workers.data.text_files import check_encoding, check_file, data_file, decode, json_lines, read_bytes
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
 
@@ -24,23 +23,6 @@ def corpus_format(cfg: CausalLMData) -> str:
     path = Path(cfg.path)
     suffix = Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
     return SUFFIXES.get(suffix.lower(), "text")
-
-
-def check_data(cfg: CausalLMData, key: str = "data") -> None:
-    """Everything a causal-LM data section (config key ``key``) says that needs no model: its settings, its file,
-    for perplexity the corpus text itself (decoded, its rows read), for paired data its pairs."""
-    cfg.check()
-    if cfg.task == "perplexity":
-        read_corpus(cfg, key)
-    elif cfg.task == "paired":
-        read_pairs(cfg, key)
-    elif cfg.task == "lm_eval":  # lm-eval finds the tasks and reads their documents (offline), as the workers will
-        from headsweep.workers.families.hf_causal_lm.lm_eval_scoring import choose_metric
-        from headsweep.workers.families.hf_causal_lm.lm_eval_tasks import load_tasks
-
-        choose_metric(load_tasks(cfg, key), cfg.metric, key)
-    else:
-        check_file(cfg.path, data_file(key), f"{key}.path")
 
 
 def read_corpus(cfg: CausalLMData, key: str = "data") -> str:

@@ -16,7 +16,7 @@ Face causal LM, zero-shot):
    context tokens from the left; ``max_length`` is the model's positions), and the last positions predict the
    continuation tokens (a :class:`Row`).
 
-Scoring the rows is :mod:`headsweep.workers.families.hf_causal_lm.multiple_choice`.
+Scoring the rows is :mod:`headsweep.workers.families.hf_causal_lm.tasks.continuations.multiple_choice`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Evaluation adapter for transformers causal language models: perplexity of a text corpus.
 
-The corpus is tokenised once and cut into windows (:func:`~.data.plan_windows`); all windows have
+The corpus is tokenised once and cut into windows (:func:`~.corpus.plan_windows`); all windows have
 the same length, so batches need no padding and stay on the device. Several masks share one
 forward pass: the batch is repeated once per mask and each copy carries its own gates. With
 ``sweep.reuse`` (the default) each mask's pass also starts at its first gated layer from cached baseline
-states (:mod:`headsweep.workers.families.hf_causal_lm.reuse`); ``reuse: false`` runs every mask through
+states (:mod:`headsweep.workers.families.hf_causal_lm.reuse.prefix`); ``reuse: false`` runs every mask through
 the whole model. Per window the statistics are ``[nll_sum, n_tokens]`` (natural log), so corpus
 perplexity, bootstrap resamples and per-window mean NLL all come from the stored rows
 (:data:`headsweep.workers.core.metrics.PERPLEXITY`). Under resample ablation each window batch's donors (other
@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,17 +30,14 @@ from headsweep.workers.core.metrics import PERPLEXITY
 from headsweep.workers.data.data_report import unknown_tokens
 from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import DEFAULT_WINDOW, CausalLMData, CausalLMModel
-from headsweep.workers.families.hf_causal_lm.data import Window, plan_windows, read_corpus
-from headsweep.workers.families.hf_causal_lm.model import (
-    GatedCausalLM,
+from headsweep.workers.families.hf_causal_lm.model.loading import GatedCausalLM, model_facts
+from headsweep.workers.families.hf_causal_lm.model.scoring import (
     activation_bytes_per_row,
     backward_bytes_per_row,
-    model_facts,
     target_nll,
 )
-from headsweep.workers.families.hf_causal_lm.multiple_choice import MultipleChoiceAdapter
-from headsweep.workers.families.hf_causal_lm.paired import PairedAdapter
-from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
+from headsweep.workers.families.hf_causal_lm.reuse.prefix import PrefixReuse, decoder_layout
+from headsweep.workers.families.hf_causal_lm.tasks.corpus import Window, plan_windows, read_corpus
 from headsweep.workers.families.hf_shared.loading import max_positions, resolve_positions
 from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, repeat_rows
 from headsweep.workers.families.hf_shared.tokenizer import bos_id, count_unknown
@@ -49,9 +45,6 @@ from headsweep.workers.hub.cache import model_label
 from headsweep.workers.memory.backward_memory import backward_rows, pieces
 from headsweep.workers.memory.batch_budget import cache_budget
 from headsweep.workers.memory.batch_budget import masks_per_forward as budget_masks_per_forward
-
-if TYPE_CHECKING:
-    from headsweep.workers.families.hf_causal_lm.lm_eval_adapter import LmEvalAdapter
 
 LOSS_NAME = "token cross-entropy"
 
@@ -176,7 +169,7 @@ class CausalLMAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
 
     def _nll_reused(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
         """Masks grouped by first gated layer; each group starts there from the batch's baseline states, the empty
-        mask is the baseline itself (:meth:`~.reuse.PrefixReuse.start`)."""
+        mask is the baseline itself (:meth:`~..reuse.prefix.PrefixReuse.start`)."""
         reuse = self._reuse
 
         def start(batch: GridBatch[torch.Tensor]) -> Pass:
@@ -232,7 +225,8 @@ class CausalLMAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
         return full
 
     def bytes_per_row(self) -> int:
-        """Activation bytes of one window at the widest point (an estimate: :func:`.model.activation_bytes_per_row`)."""
+        """Activation bytes of one window at the widest point (an estimate:
+        :func:`~..model.scoring.activation_bytes_per_row`)."""
         return activation_bytes_per_row(self.model.config, self.model.dtype, self.window, self.window)
 
     def masks_per_forward(self, rows: int) -> int:
@@ -276,20 +270,3 @@ class CausalLMAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
         if max_length:
             inputs = inputs[:, :max_length]
         return Workload(batch_size, int(inputs.numel()), lambda model: model(input_ids=inputs, use_cache=False))
-
-
-def load_causal_lm_adapter(model_cfg: CausalLMModel, data_cfg: CausalLMData, runtime: RuntimeOptions
-                           ) -> CausalLMAdapter | MultipleChoiceAdapter | PairedAdapter | LmEvalAdapter:
-    """Loader named by the ``hf_causal_lm`` model family: by ``data.task``, the perplexity adapter,
-    (``multiple_choice``) :class:`~headsweep.workers.families.hf_causal_lm.multiple_choice.MultipleChoiceAdapter` or
-    (``paired``) :class:`~headsweep.workers.families.hf_causal_lm.paired.PairedAdapter` or (``lm_eval``)
-    :class:`~headsweep.workers.families.hf_causal_lm.lm_eval_adapter.LmEvalAdapter`."""
-    if data_cfg.task == "lm_eval":  # imported here: lm-eval (and datasets) load only for runs that use them
-        from headsweep.workers.families.hf_causal_lm.lm_eval_adapter import LmEvalAdapter
-
-        return LmEvalAdapter(model_cfg, data_cfg, runtime)
-    if data_cfg.task == "multiple_choice":
-        return MultipleChoiceAdapter(model_cfg, data_cfg, runtime)
-    if data_cfg.task == "paired":
-        return PairedAdapter(model_cfg, data_cfg, runtime)
-    return CausalLMAdapter(model_cfg, data_cfg, runtime)

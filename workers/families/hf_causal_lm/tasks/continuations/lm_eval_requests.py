@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.families.hf_causal_lm.lm_eval_tasks import TaskDocs
+from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_tasks import TaskDocs
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,9 @@ def stock_sizes(model: nn.Module, heads: Sequence[Head]) -> dict[str, int]:
     sites = find_sites(model)
     layouts = [attention_layout(s.module) for s in sites]
     config = getattr(model, "config", None)
-    if not sites or any(lay is None or lay.name != "llama" for lay in layouts) or config is None \
+    if not sites or any(lay is None or lay.name not in ("llama", "mla") for lay in layouts) or config is None \
             or not hasattr(config, "num_key_value_heads"):
-        raise HeadsweepError(TIED_HEAD_SIZE.format(name=name, how="n_embd / n_head"))
+        raise HeadsweepError(_no_stock_config(model, layouts))
     if getattr(config, "pruned_heads", None):
         raise HeadsweepError("this model was already pruned (config.pruned_heads is set): prune the original model")
     grouped = group_by_site(sites, heads)
@@ -70,9 +70,29 @@ def stock_sizes(model: nn.Module, heads: Sequence[Head]) -> dict[str, int]:
     if len(head_dims) > 1:  # no transformers config states this, but say so rather than write a wrong one
         raise HeadsweepError(f"{name}'s layers have heads of sizes {sorted(head_dims)}: a stock config states one")
     sizes = {"num_attention_heads": query, "num_key_value_heads": kv, "head_dim": head_dims.pop()}
+    if layouts[0] is not None and layouts[0].name == "mla":
+        # Latent attention states its head sizes apart (qk_nope_head_dim, qk_rope_head_dim, v_head_dim); its
+        # config's head_dim is the rotary size, not a head's width.
+        sizes = {"num_attention_heads": query, "num_key_value_heads": kv}
     check_stock_config(model, sizes)
     _check_rebuilt_attention(model, sites[0], sizes)
     return sizes
+
+
+def _no_stock_config(model: nn.Module, layouts: list) -> str:
+    """Why no stock config states a pruned model of a layout other than Llama's and latent attention's."""
+    name, config = type(model).__name__, getattr(model, "config", None)
+    aliases = getattr(config, "attribute_map", {}) or {}  # GPT-2's hidden_size is an alias of n_embd: name n_embd
+    width = next((k for k in ("hidden_size", "n_embd", "d_model") if hasattr(config, k) and k not in aliases),
+                 "hidden_size")
+    count = next((k for k in ("num_attention_heads", "n_head", "num_heads") if hasattr(config, k)
+                  and k not in aliases), "num_attention_heads")
+    names = {getattr(lay, "name", None) for lay in layouts}
+    if names & {"bloom"} or ("falcon" in names and getattr(config, "alibi", False)):
+        return (f"{name}'s config derives the head size from {width} / {count} and its ALiBi slopes from {count}: "
+                "a stock config with fewer heads would give the kept heads other slopes, so none states a pruned "
+                f"{name}; export without --stock (headsweep.load_pruned keeps each kept head's slope)")
+    return TIED_HEAD_SIZE.format(name=name, how=f"{width} / {count}")
 
 
 def _check_rebuilt_attention(model: nn.Module, site: Any, sizes: dict[str, int]) -> None:
@@ -92,12 +112,18 @@ def _check_rebuilt_attention(model: nn.Module, site: Any, sizes: dict[str, int])
             rebuilt = type(site.module)(config, layer_idx=site.layer)
     except Exception:  # noqa: BLE001 - another constructor: nothing to compare here
         return
+    if "head_dim" not in sizes:  # latent attention: stock_config compares every rebuilt shape
+        return
     query = getattr(rebuilt, "q_proj", None)
     want = sizes["num_attention_heads"] * sizes["head_dim"]
+    fused = getattr(rebuilt, "qkv_proj", None)
+    if isinstance(fused, nn.Linear) and query is None:  # Phi-3: queries, then keys and values
+        query = fused
+        want = (sizes["num_attention_heads"] + 2 * sizes["num_key_value_heads"]) * sizes["head_dim"]
     if isinstance(query, nn.Linear) and query.out_features != want:
         raise HeadsweepError(
             f"{type(model.config).__name__} does not state the pruned head size: built from the pruned config "
-            f"({sizes}), {type(site.module).__name__} has {query.out_features // sizes['num_attention_heads']}-wide "
+            f"({sizes}), {type(site.module).__name__} has {query.out_features // (want // sizes['head_dim'])}-wide "
             f"heads, not {sizes['head_dim']} (the config derives them from hidden_size / num_attention_heads); export "
             "without --stock (headsweep.load_pruned loads it)")
 

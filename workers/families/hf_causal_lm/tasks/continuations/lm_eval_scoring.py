@@ -39,7 +39,7 @@ from headsweep.workers.core.metrics import (
     Metric,
     accuracy_from_stats,
 )
-from headsweep.workers.families.hf_causal_lm.lm_eval_tasks import TaskDocs
+from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_tasks import TaskDocs
 
 # lm-eval's metric names per output type, and the run's metric each is
 METRICS_BY_TYPE: dict[str, dict[str, Metric]] = {

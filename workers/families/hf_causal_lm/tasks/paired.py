@@ -1,6 +1,6 @@
 """Paired prompts scored by logit difference (``data.task: paired``): what activation patching evaluates.
 
-The data are clean / corrupted prompt pairs (:mod:`headsweep.workers.families.hf_causal_lm.pairs`, the format).
+The data are clean / corrupted prompt pairs (:mod:`.paired_tokens`, the format).
 Per pair the statistic is ``logit_diff``: the logit of the answer token minus that of the wrong answer at the
 prompt's last position (:data:`headsweep.workers.core.metrics.LOGIT_DIFF`; the corpus score is the mean, so the paired
 bootstrap and t-test run on it as on any metric).
@@ -14,7 +14,7 @@ unpatched means (``logit_diff_clean``, ``logit_diff_corrupted``) in the run's fa
 
 Pairs are batched by token length (a batch holds prompts of one length: no padding, the last position is the last
 real token, and resample ablation's same-length donors exist whenever a length has two pairs). Several masks share
-one forward pass and prefix reuse runs as for perplexity (:mod:`headsweep.workers.families.hf_causal_lm.reuse`),
+one forward pass and prefix reuse runs as for perplexity (:mod:`headsweep.workers.families.hf_causal_lm.reuse.prefix`),
 with the per-pair values in place of the per-token NLL.
 """
 
@@ -40,14 +40,10 @@ from headsweep.workers.core.workload import median_batch, take_rows
 from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.data.paired_data import read_pairs
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-from headsweep.workers.families.hf_causal_lm.model import (
-    GatedCausalLM,
-    activation_bytes_per_row,
-    model_facts,
-    target_nll,
-)
-from headsweep.workers.families.hf_causal_lm.pairs import encode_pairs
-from headsweep.workers.families.hf_causal_lm.reuse import PrefixReuse, decoder_layout
+from headsweep.workers.families.hf_causal_lm.model.loading import GatedCausalLM, model_facts
+from headsweep.workers.families.hf_causal_lm.model.scoring import activation_bytes_per_row, target_nll
+from headsweep.workers.families.hf_causal_lm.reuse.prefix import PrefixReuse, decoder_layout
+from headsweep.workers.families.hf_causal_lm.tasks.paired_tokens import encode_pairs
 from headsweep.workers.families.hf_shared.loading import max_positions
 from headsweep.workers.families.hf_shared.paired import paired_sides
 from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch
@@ -225,7 +221,7 @@ class PairedAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
         return torch.cat([diff, target_nll(logits, answers[:, 0]).unsqueeze(1)], dim=1)
 
     def bytes_per_row(self, inputs: torch.Tensor) -> int:
-        """Activation bytes of one row of ``inputs`` (see :func:`~.model.activation_bytes_per_row`)."""
+        """Activation bytes of one row of ``inputs`` (see :func:`~..model.scoring.activation_bytes_per_row`)."""
         return activation_bytes_per_row(self.model.config, self.model.dtype, inputs.shape[1],
                                         1 if self._keep_logits else inputs.shape[1])
 

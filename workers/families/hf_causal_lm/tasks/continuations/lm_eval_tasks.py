@@ -30,7 +30,11 @@ from typing import Any
 from headsweep.errors import HeadsweepError
 from headsweep.workers.data.text_files import describe_kind
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData
-from headsweep.workers.families.hf_causal_lm.lm_eval_code import refuse_task_code, sandbox_templates, template_refusal
+from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_code import (
+    refuse_task_code,
+    sandbox_templates,
+    template_refusal,
+)
 
 # The output types whose requests are log-likelihoods: what a grid of masks can score.
 SUPPORTED = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")

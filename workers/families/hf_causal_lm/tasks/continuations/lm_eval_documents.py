@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from headsweep.workers.families.hf_causal_lm.lm_eval_tasks import TaskDocs
+from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_tasks import TaskDocs
 
 
 def gold_choice(task: TaskDocs, d: int, n_choices: int) -> int:

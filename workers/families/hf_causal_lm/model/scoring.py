@@ -1,65 +1,27 @@
-"""Loading a transformers causal language model and its tokenizer from local folders, offline (through the
-transformers layer, :mod:`headsweep.workers.families.hf_shared.loading`); and what the perplexity and
-multiple-choice adapters share (activation estimate, per-token NLL, facts about the model)."""
+"""What the tasks compute from a causal LM's token rows and logits: rows right-padded into batches, per-token NLL,
+log-probabilities and greedy matches, the row sums lm-eval's HFLM takes, and the activation bytes a pass needs
+(shared by perplexity, paired prompts, continuations and the context cache)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from headsweep.workers.core.family import RuntimeOptions
-from headsweep.workers.core.gates import HeadGates
-from headsweep.workers.families.hf_causal_lm.config import CausalLMModel, tokenizer_folder
-from headsweep.workers.families.hf_causal_lm.pruning import prune_causal_lm_heads
-from headsweep.workers.families.hf_causal_lm.sites import SUPPORTED, kv_groups, sites_or_error
-from headsweep.workers.families.hf_shared.architecture import CAUSAL_LM
-from headsweep.workers.families.hf_shared.loading import LoadedTransformers, load_folder
-from headsweep.workers.families.hf_shared.tokenizer import load_tokenizer as load_tokenizer_from
 
 
-def load_causal_lm(cfg: CausalLMModel, device: str) -> LoadedTransformers:
-    """Load model (eval mode, on ``device``) and tokenizer from local folders, offline.
+class TokenRow(Protocol):
+    """A row a continuation task scores: ``inputs`` (at most the model's positions), of which the last
+    ``len(targets)`` positions predict the continuation ``targets``."""
 
-    Encoder-decoder models, bidirectional encoders and sequence classifiers are refused before transformers loads
-    them (it would load T5 or BERT with a causal LM head).
-    """
-    return load_folder(cfg, device, CAUSAL_LM, "AutoModelForCausalLM",
-                       tokenizer=lambda model_dir: load_tokenizer(cfg.tokenizer or str(model_dir),
-                                                                  given=cfg.tokenizer is not None),
-                       prune=prune_causal_lm_heads, cannot_load=_cannot_load)
+    @property
+    def inputs(self) -> tuple[int, ...]: ...
 
+    @property
+    def targets(self) -> tuple[int, ...]: ...
 
-class GatedCausalLM:
-    """What every causal-LM adapter starts with: the run's threads, device and options, the model with its
-    tokenizer, and gates on its attention sites."""
-
-    def load_gated(self, model_cfg: CausalLMModel, runtime: RuntimeOptions) -> None:
-        """Loads the model of ``model_cfg`` onto ``runtime.device`` and puts gates on it (call it after the data
-        is read and checked: a bad data file then costs no model load)."""
-        if runtime.threads > 0:
-            torch.set_num_threads(runtime.threads)
-        self.device = torch.device(runtime.device)
-        self.runtime = runtime
-        loaded = load_causal_lm(model_cfg, runtime.device)
-        self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        self.gates = HeadGates(sites_or_error(self.model))
-
-
-def _cannot_load(model_dir: Path) -> str:
-    return f"cannot load a causal LM from {model_dir} (model.kind hf_causal_lm takes {SUPPORTED})"
-
-
-def load_tokenizer(folder: str, given: bool):
-    """The tokenizer in ``folder`` (``model.tokenizer`` when ``given``, else the model's folder)."""
-    return load_tokenizer_from(*tokenizer_folder(folder, given))
-
-
-# -- shared by the perplexity and multiple-choice adapters ------------------------------------------------
 
 def activation_bytes_per_row(config, dtype: torch.dtype, positions: int, logit_positions: int) -> int:
     """Activation bytes of one input row of ``positions`` tokens at the widest point (an estimate, see
@@ -99,17 +61,6 @@ def target_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
     return nll.view(targets.shape)
-
-
-def model_facts(model: nn.Module, sites) -> dict:
-    """What ``runs.facts`` records about a causal LM: class, type, attention implementation, dtype, and its
-    key/value heads (their number per layer and the query heads each serves)."""
-    cfg = model.config
-    groups = kv_groups(sites)
-    return {"model_class": type(model).__name__, "model_type": getattr(cfg, "model_type", None),
-            "attn_implementation": getattr(cfg, "_attn_implementation", None),
-            "dtype": str(model.dtype).removeprefix("torch."),
-            "num_key_value_heads": {k: len(v) for k, v in groups.items()}, "kv_groups": groups}
 
 
 def target_logprobs(logits: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Choices that continue from their question's context (``sweep.context_cache``): a multiple-choice question's
 context runs once per mask, and each choice reads the context's key/value cache instead of running it again.
 
-A request row (:class:`~.lm_eval_requests.TokenRow`: ``inputs``, of which the last ``c = len(targets)`` positions
+A request row (:class:`~..model.scoring.TokenRow`: ``inputs``, of which the last ``c = len(targets)`` positions
 predict the ``targets``) splits into its **context**, ``inputs[:len(inputs) - c + 1]`` (up to and including the
 position that predicts the first target), and its **continuation**, the ``c - 1`` tokens after it. The rows of one
 question share the context token for token (lm-eval encodes the context once per choice, the same way), so per
@@ -10,14 +10,14 @@ chunk of masks two forward passes run:
 
 1. the contexts, the batch repeated once per mask, keeping the key/value cache and the logits of the last position
    only (they predict every choice's first target). With a decoder layout prefix reuse knows
-   (:func:`.reuse.decoder_layout`), the pass starts at the chunk's first gated layer from the batch's unmasked
+   (:func:`.prefix.decoder_layout`), the pass starts at the chunk's first gated layer from the batch's unmasked
    states kept once (:class:`ContextStates`: that layer's input, and the keys and values of the layers below it,
    put into the cache afterwards), as prefix reuse starts a window's pass;
 2. the continuations, right-padded (the padding follows every real token, so a causal model never reads it), each
    row with its context's cache (the cache's rows selected per choice) and its position ids following its context.
 
 Each row's log-likelihood and greedy match are then taken as ``HFLM._loglikelihood_tokens`` takes them
-(:func:`~.model.row_sums`). A 4-choice question with a context of n tokens and choices of m costs
+(:func:`~..model.scoring.row_sums`). A 4-choice question with a context of n tokens and choices of m costs
 ``n + 4m`` token positions per mask instead of ``4(n + m)``.
 
 Not bit for bit: the continuation's matrix products have fewer rows than the whole row's (a few tokens against
@@ -43,9 +43,13 @@ from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.mask_grid import GridBatch, Out, Pass, grid_batches, mask_grid
 from headsweep.workers.families.hf_causal_lm.config import CausalLMRuntime
-from headsweep.workers.families.hf_causal_lm.lm_eval_requests import TokenRow
-from headsweep.workers.families.hf_causal_lm.model import activation_bytes_per_row, row_sums, target_logprobs
-from headsweep.workers.families.hf_causal_lm.reuse import DecoderLayout, decoder_layout
+from headsweep.workers.families.hf_causal_lm.model.scoring import (
+    TokenRow,
+    activation_bytes_per_row,
+    row_sums,
+    target_logprobs,
+)
+from headsweep.workers.families.hf_causal_lm.reuse.prefix import DecoderLayout, decoder_layout
 from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, repeat_rows, start_at_layer
 from headsweep.workers.memory.batch_budget import cache_budget, masks_per_forward
 from headsweep.workers.memory.replay import (
@@ -72,7 +76,7 @@ class ContextBatch:
     """Some questions' contexts, all of one length, and the rows that continue from them, on the device.
 
     ``rows[r]`` is the adapter's row r of this batch (the order of every per-row output), ``group[r]`` its
-    context; ``targets`` are right-aligned as in :class:`~.lm_eval_adapter.RowBatch` (row r's last
+    context; ``targets`` are right-aligned as in :class:`~..tasks.continuations.scorer.RowBatch` (row r's last
     ``lengths[r]`` columns)."""
 
     key: int  # its position in the adapter's context batches (what the kept states are keyed on)
@@ -145,7 +149,7 @@ class ContextStates:
 
 class ContextCache(RecordedBaselines[ContextStates]):
     """The two passes of the module docstring over one :class:`ContextBatch` under a chunk of masks, each chunk's
-    context pass started at its masks' first gated layer (``layout`` given: :mod:`.reuse`'s decoder layouts)."""
+    context pass started at its masks' first gated layer (``layout`` given: :mod:`.prefix`'s decoder layouts)."""
 
     def __init__(self, model: nn.Module, gates: HeadGates, layout: DecoderLayout | None, budget_bytes: int):
         super().__init__(budget_bytes)
@@ -231,7 +235,7 @@ class ContextCache(RecordedBaselines[ContextStates]):
     def start(self, batch: ContextBatch, plain: Callable[[Sequence[Head]], np.ndarray], dtype: torch.dtype,
               depth: int, width: int) -> Callable[[list[Sequence[Head]]], np.ndarray]:
         """The batch's pass for the mask-grid loop: a chunk of masks (one first gated layer) -> per row,
-        mask-major, (loglikelihood, greedy) as HFLM sums them (:func:`~.model.row_sums`); shape (k*R, 2).
+        mask-major, (loglikelihood, greedy) as HFLM sums them (:func:`~..model.scoring.row_sums`); shape (k*R, 2).
 
         The first batch is checked against ``plain(mask)`` (the plain path's log-likelihoods of the batch's rows
         under ``mask``), unmasked and, with a layout, under a head of the deepest layer (the pass started there):
@@ -295,8 +299,8 @@ def context_width(config, batch: ContextBatch) -> int:
 
 
 def context_cache(model: nn.Module, gates: HeadGates, budget_bytes: int) -> ContextCache:
-    """The strategy for ``model``: with prefix reuse where its decoder layout allows it (:func:`.reuse.decoder_layout`),
-    else whole context passes."""
+    """The strategy for ``model``: with prefix reuse where its decoder layout allows it
+    (:func:`.prefix.decoder_layout`), else whole context passes."""
     try:
         layout = decoder_layout(model, gates.sites)
     except ReuseUnsupported:
@@ -305,7 +309,7 @@ def context_cache(model: nn.Module, gates: HeadGates, budget_bytes: int) -> Cont
 
 
 class ContextCacheSwitch(PrefixReuseSwitch):
-    """An adapter of multiple-choice rows (:class:`~.lm_eval_requests.TokenRow` s) that runs the context cache
+    """An adapter of multiple-choice rows (:class:`~..model.scoring.TokenRow` s) that runs the context cache
     when ``sweep.context_cache`` asks for it, else its prefix reuse (the adapter holds ``model``, ``gates``,
     ``device`` and ``runtime``)."""
 

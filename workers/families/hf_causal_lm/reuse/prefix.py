@@ -15,8 +15,8 @@ input of every attention output projection (the per-head contexts), plus the bas
 Masks with the same first layer share one forward pass (the window batch repeated once per mask).
 
 Layouts (:mod:`headsweep.workers.families.hf_shared.layout`): Llama-style attention (Llama, Mistral, Qwen2,
-Qwen3, ...) and GPT-2 / GPTBigCode, whose decoder layers form one ``nn.ModuleList``, return a tensor, and whose
-attention module returns ``(output projection's output, weights)``. Recording checks all of that on the model
+Qwen3, ...), GPT-2 / GPTBigCode and GPT-NeoX, whose decoder layers form one ``nn.ModuleList``, return a tensor, and
+whose attention module returns ``(output projection's output, weights)``. Recording checks all of that on the model
 itself, and the first masked pass is compared bit for bit with the whole gated model (:meth:`PrefixReuse.verify`);
 anything else raises :class:`~headsweep.workers.memory.replay.ReuseUnsupported` and the plain path runs instead.
 """
@@ -43,6 +43,10 @@ from headsweep.workers.memory.replay import (
     replaced_forwards,
     returning,
 )
+
+#: Attention layouts whose module returns ``(output projection's output, weights)`` inside a layer stack that
+#: returns a tensor: GPT-NeoX (Pythia) too, its attention ending with ``dense``.
+REUSE_LAYOUTS = ("llama", "gpt2", "gpt_neox")
 
 #: ``(input_ids, scored) -> per-position NLL``: the adapter's forward pass (and loss) over a window batch.
 TokenNLL = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -101,9 +105,10 @@ def decoder_layout(model: nn.Module, sites: Sequence[AttentionSite]) -> DecoderL
             raise ReuseUnsupported(f"{site.module_name} is in decoder layer {index}, not layer {site.layer} of the "
                                    "stack (one attention module per layer, in order)")
         layout = attention_layout(site.module)
-        if layout is None or layout.name not in ("llama", "gpt2") or layout.out_proj is not site.out_proj:
+        if layout is None or layout.name not in REUSE_LAYOUTS or layout.out_proj is not site.out_proj:
             raise ReuseUnsupported(f"{site.module_name} ({type(site.module).__name__}) is neither a Llama-style "
-                                   "(o_proj) nor a GPT-2 / GPTBigCode (c_proj) attention module")
+                                   "(o_proj), a GPT-2 / GPTBigCode (c_proj) nor a GPT-NeoX (dense) attention "
+                                   "module")
     get_embeddings = getattr(model, "get_input_embeddings", None)
     embeddings = get_embeddings() if callable(get_embeddings) else None
     return DecoderLayout(list(sites), list(stack), [_projection(s) for s in sites],

@@ -40,79 +40,27 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.gates import AttentionSite
 from headsweep.workers.core.head_slicing import HeadSlice, keep_columns, keep_rows
 from headsweep.workers.core.heads import Head, SiteKey
+from headsweep.workers.families.hf_causal_lm.model.fused_pruning import (
+    PRUNABLE,
+    apply_described,
+    apply_stacked_qkv,
+    described_problem,
+)
+from headsweep.workers.families.hf_causal_lm.model.pruned_modules import (
+    KV_INDEX_ATTR,
+    EmptyAttention,
+    GroupedKVProjection,
+    replace_module,
+)
 from headsweep.workers.families.hf_shared.layout import AttentionLayout, attention_layout
 from headsweep.workers.families.hf_shared.pruning import load_pruned as load_transformers_pruned
 from headsweep.workers.families.hf_shared.pruning import prune_sites
-
-#: Attribute of a pruned attention module: for each kept query head, the position of its key/value head.
-KV_INDEX_ATTR = "headsweep_kv_index"
-
-
-class GroupedKVProjection(nn.Linear):
-    """``k_proj`` / ``v_proj`` of a pruned layer whose key/value groups have different sizes.
-
-    Its parameters are the kept key/value heads' rows only (``out_features`` = kept key/value heads x
-    ``head_dim``, the state dict keys unchanged); its output repeats each key/value head once per kept query
-    head reading it (``kv_index``), so the attention runs with one query head per key/value head.
-    """
-
-    def __init__(self, linear: nn.Linear, kv_index: tuple[int, ...], head_dim: int):
-        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                         device=linear.weight.device, dtype=linear.weight.dtype)
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.head_dim = head_dim
-        self.register_buffer("kv_index", torch.tensor(kv_index, dtype=torch.long, device=linear.weight.device),
-                             persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        heads = y.view(*y.shape[:-1], -1, self.head_dim).index_select(-2, self.kv_index)
-        return heads.flatten(-2)
-
-
-class EmptyAttention(nn.Module):
-    """A decoder self-attention module that has lost every head: it adds the output projection's bias.
-
-    The emptied projections stay as children (the state dict keeps its keys); with a cache, one zero key/value
-    head per position is recorded (never read), so that the cache's sequence length stays right.
-    """
-
-    def __init__(self, module: nn.Module, out_proj: nn.Module, head_dim: int):
-        super().__init__()
-        for name, child in module.named_children():
-            self.add_module(name, child)
-        for name, buffer in module.named_buffers(recurse=False):
-            self.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
-        self.config = getattr(module, "config", None)
-        self.layer_idx = getattr(module, "layer_idx", None)
-        self.head_dim = head_dim
-        # Still recognised as an attention layout with 0 heads (GPT-2's needs num_heads): the layers after it keep
-        # their numbers in find_sites.
-        self.num_heads = 0
-        self.is_causal = True
-        self._out_name = next(n for n, c in module.named_children() if c is out_proj)
-        setattr(self, KV_INDEX_ATTR, ())
-
-    def forward(self, hidden_states: torch.Tensor, *args, past_key_values=None, **kwargs) -> tuple[torch.Tensor, None]:
-        if past_key_values is None:
-            past_key_values = kwargs.get("layer_past")  # GPTBigCode's name for it
-        if past_key_values is not None and self.layer_idx is not None:
-            cache = getattr(past_key_values, "self_attention_cache", past_key_values)
-            # One head, not zero: transformers 5 reports a layer whose cache holds no elements as length 0.
-            kv = hidden_states.new_zeros(hidden_states.shape[0], 1, hidden_states.shape[1], self.head_dim)
-            cache.update(kv, kv, self.layer_idx)
-        # What the output projection makes of an empty input (Conv1D cannot take one): its bias, or zeros.
-        out = hidden_states.new_zeros(hidden_states.shape)
-        bias = getattr(getattr(self, self._out_name), "bias", None)
-        return (out if bias is None else out + bias), None
 
 
 def prune_causal_lm_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteKey, HeadSlice]:
@@ -124,8 +72,12 @@ def prune_causal_lm_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteK
 
 
 def _apply(model: nn.Module, site: AttentionSite, layout: AttentionLayout, plan: HeadSlice) -> None:
-    if layout.name == "llama":
+    if layout.name == "llama" and layout.query is layout.key:
+        apply_stacked_qkv(model, site, layout, plan)
+    elif layout.name == "llama":
         _apply_llama(model, site, layout, plan)
+    elif layout.name in PRUNABLE:
+        apply_described(model, site, layout, plan)
     elif hasattr(site.module, "kv_heads"):
         _apply_gpt_bigcode(model, site, layout, plan)
     else:
@@ -135,12 +87,21 @@ def _apply(model: nn.Module, site: AttentionSite, layout: AttentionLayout, plan:
 def _prunable_layout(site: AttentionSite) -> AttentionLayout:
     layout = attention_layout(site.module)
     name = type(site.module).__name__
-    if layout is None or layout.name not in ("llama", "gpt2"):
+    if layout is None or layout.name not in ("llama", "gpt2", *PRUNABLE):
         raise HeadsweepError(f"{site.module_name} ({name}): not a decoder attention layout headsweep can prune")
-    if layout.name == "llama" and (layout.query is layout.key or not isinstance(layout.key, nn.Linear)):
-        raise HeadsweepError(f"{site.module_name} ({name}): physical pruning of a fused qkv_proj (Phi-3) is not "
-                             "supported; Llama-style models with separate q_proj, k_proj, v_proj are")
-    if layout.name == "llama":
+    if layout.name in PRUNABLE:
+        problem = described_problem(site, layout)
+        if problem:
+            raise HeadsweepError(f"{site.module_name} ({name}): {problem}; gate its heads without pruning")
+    fused = layout.name == "llama" and layout.query is layout.key
+    if layout.name == "llama" and not fused and not isinstance(layout.key, nn.Linear):
+        raise HeadsweepError(f"{site.module_name} ({name}): its key projection is not one linear layer: physical "
+                             "pruning needs q_proj, k_proj, v_proj or one qkv_proj")
+    if fused and (not isinstance(layout.query, nn.Linear) or layout.query.out_features
+                  != (layout.num_heads + 2 * layout.num_kv_heads) * layout.head_dim):
+        raise HeadsweepError(f"{site.module_name} ({name}): its qkv_proj is not all query heads, then all key and "
+                             "all value heads (Phi-3's layout): headsweep cannot slice it")
+    if layout.name != "gpt2":
         extra = _unsliced_parts(site.module, layout)
         if extra:
             raise HeadsweepError(f"{site.module_name} ({name}): physical pruning does not slice its "
@@ -154,16 +115,22 @@ def _prunable_layout(site: AttentionSite) -> AttentionLayout:
 
 
 def _unsliced_parts(module: nn.Module, layout: AttentionLayout) -> list[str]:
-    """Weights of a Llama-style attention module that pruning would have to slice but does not: parameters of the
-    module itself (gpt-oss's sinks), and children with weights besides the q/k/v/o projections, except norms over one
-    head's features (Qwen3's ``q_norm``/``k_norm``, shared by every head)."""
+    """Weights of a decoder attention module that pruning would have to slice but does not: parameters of the
+    module itself (gpt-oss's sinks; an output bias of the model's width is no head's), and children with weights
+    besides the q/k/v/o projections, except norms over one head's features (Qwen3's ``q_norm``/``k_norm``, shared
+    by every head) and latent attention's shared low-rank projections."""
     sliced = {id(m) for m in (layout.query, layout.key, layout.value, layout.out_proj)}
-    extra = [n for n, _ in module.named_parameters(recurse=False)]
+    if layout.name == "mla":
+        sliced |= {id(getattr(module, n, None)) for n in ("q_proj", "q_b_proj", "kv_b_proj", "q_a_proj",
+                                                          "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")}
+    width = getattr(layout.out_proj, "out_features", None)
+    extra = [n for n, p in module.named_parameters(recurse=False) if not (p.dim() == 1 and p.numel() == width)]
     widths = {"q_proj": (layout.query, layout.num_heads), "k_proj": (layout.key, layout.num_kv_heads),
               "v_proj": (layout.value, layout.num_kv_heads)}
     # A projection wider than its heads packs something else with them (Qwen3-Next's output gate in q_proj).
+    separate = layout.query is not layout.key and layout.name != "mla"
     extra += [f"{n} (wider than its heads)" for n, (proj, count) in widths.items()
-              if isinstance(proj, nn.Linear) and proj.out_features != count * layout.head_dim]
+              if separate and isinstance(proj, nn.Linear) and proj.out_features != count * layout.head_dim]
     for child_name, child in module.named_children():
         if id(child) in sliced or not any(True for _ in child.parameters()):
             continue
@@ -182,7 +149,7 @@ def _apply_llama(model: nn.Module, site: AttentionSite, layout: AttentionLayout,
     keep_rows(layout.value, plan.kv_rows)
     keep_columns(layout.out_proj, plan.query_rows)
     if not plan.kept:
-        _replace(model, site.module_name, EmptyAttention(module, layout.out_proj, plan.head_dim))
+        replace_module(model, site.module_name, EmptyAttention(module, layout.out_proj, plan.head_dim))
         return
     index = plan.kv_index
     sizes = {index.count(kv) for kv in range(len(plan.kept_kv))}
@@ -209,7 +176,7 @@ def _apply_gpt2(model: nn.Module, site: AttentionSite, layout: AttentionLayout, 
     _keep_conv1d_inputs(layout.out_proj, rows)
     kept = len(plan.kept)
     if not kept:
-        _replace(model, site.module_name, EmptyAttention(module, layout.out_proj, plan.head_dim))
+        replace_module(model, site.module_name, EmptyAttention(module, layout.out_proj, plan.head_dim))
         return
     module.num_heads = kept
     module.embed_dim = kept * plan.head_dim  # GPT-2's forward splits c_attn's output by split_size
@@ -230,7 +197,7 @@ def _apply_gpt_bigcode(model: nn.Module, site: AttentionSite, layout: AttentionL
     keep_columns(layout.out_proj, plan.query_rows)
     kept = len(plan.kept)
     if not kept:
-        _replace(model, site.module_name, EmptyAttention(module, layout.out_proj, d))
+        replace_module(model, site.module_name, EmptyAttention(module, layout.out_proj, d))
         return
     module.num_heads = kept
     module.embed_dim = kept * d  # where the multi-query forward splits c_attn's output
@@ -265,11 +232,6 @@ def _keep_conv1d_inputs(conv: nn.Module, rows: torch.Tensor) -> None:
 
 def _parameter(old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(data.clone().contiguous(), requires_grad=old.requires_grad)
-
-
-def _replace(model: nn.Module, module_name: str, new: nn.Module) -> None:
-    parent, _, child = module_name.rpartition(".")
-    setattr(model.get_submodule(parent), child, new)
 
 
 def load_pruned(model_dir: str | Path, attn_implementation: str | None = None, device: str = "cpu",
