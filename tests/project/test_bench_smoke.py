@@ -120,7 +120,7 @@ OWN_FILE = {"real_size"}
 
 
 # Smoke runs kept out of the suite's 20 minutes (run by ``python -m bench.slow_tests``, ``-m slow``): each takes
-# 30-65 s on two cores and its benchmark's code paths are the product's, which the suite's own tests cover faster
+# 16-65 s on two cores and its benchmark's code paths are the product's, which the suite's own tests cover faster
 # (named here); the benchmark's own glue is what only its smoke run checks.
 SLOW_SMOKE = {
     "ablation_methods": "the five methods against surgery: tests/contract/test_ablation_methods.py",
@@ -128,6 +128,12 @@ SLOW_SMOKE = {
     "real_size": "real shapes of each family: tests/contract/ on tiny shapes, tests/project/test_gpu_check.py",
     "screening": "screening's rates and kept heads: tests/run/test_screening.py",
     "dispatch": "the actor pool and its balance: tests/run/test_dispatch_balance.py",
+    "interrupt_stress": "a stop at any line the store runs, then a resume: tests/run/test_chunk_interrupts.py, "
+                        "tests/run/test_resume.py",
+    "lm_eval_grid": "lm-eval's own simple_evaluate against the adapter's paths: "
+                    "tests/families/causal_lm/test_lm_eval_tasks.py",
+    "grid_speed": "reuse against the plain path in both families: tests/families/translation/, "
+                  "tests/families/classifier/",
 }
 
 
