@@ -138,3 +138,13 @@ def split_lines(text: str) -> list[str]:
     if lines and lines[-1] == "":
         lines.pop()
     return [line.removesuffix("\r") for line in lines]
+
+
+def parallel_set_name(path: str | Path) -> str:
+    """The name of a raw parallel-text set from one side's file: ``test_2016_flickr.en.gz`` -> ``test_2016_flickr``
+    (the language suffix and ``.gz`` / ``.txt`` dropped), as both translation families name their ``dataset``."""
+    name = Path(path).name
+    for suffix in (".gz", ".txt"):
+        name = name.removesuffix(suffix)
+    stem, dot, _lang = name.rpartition(".")
+    return stem if dot else name

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.data.data_report import UNKNOWN_SHARE_WARN, Finding
-from headsweep.workers.data.text_files import check_file, check_max_examples, read_text, split_lines
+from headsweep.workers.data.text_files import check_file, check_max_examples, parallel_set_name, read_text, split_lines
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 
 if TYPE_CHECKING:  # the driver checks the data files (check_data) without torch
@@ -173,7 +173,7 @@ def load_examples(data_cfg: TranslationData, pipeline: TextPipeline) -> Parallel
 def _from_text(data_cfg: TranslationData, pipeline: TextPipeline) -> ParallelExamples:
     src, tgt = read_parallel_text(data_cfg)
     n = len(src)
-    name = data_cfg.name or _text_name(Path(data_cfg.source))
+    name = data_cfg.name or parallel_set_name(Path(data_cfg.source))
     s_ids = [pipeline.encode(line, "source") for line in src]
     t_ids = [pipeline.encode(line, "target") for line in tgt]
     return ParallelExamples(
@@ -223,15 +223,6 @@ def read_parallel_text(data_cfg: TranslationData, key: str = "data") -> tuple[li
         )
     n = len(src) if data_cfg.max_examples is None else min(len(src), data_cfg.max_examples)
     return src[:n], tgt[:n]
-
-
-def _text_name(path: Path) -> str:
-    # test_2016_flickr.en.gz -> test_2016_flickr
-    name = path.name
-    for suffix in (".gz", ".txt"):
-        name = name.removesuffix(suffix)
-    stem, dot, _lang = name.rpartition(".")
-    return stem if dot else name
 
 
 def _from_data_bin(data_cfg: TranslationData, pipeline: TextPipeline) -> ParallelExamples:

@@ -35,6 +35,7 @@ from headsweep.workers.core.mask_grid import GridBatch, mask_grid
 from headsweep.workers.core.metrics import BLEU
 from headsweep.workers.core.workload import median_batch, take_rows
 from headsweep.workers.data.example_subset import at_positions
+from headsweep.workers.data.text_files import parallel_set_name
 from headsweep.workers.families.fairseq_translation.data import read_parallel_text
 from headsweep.workers.families.hf_seq2seq.config import Seq2SeqData, Seq2SeqModel
 from headsweep.workers.families.hf_seq2seq.generation import gates_encoder, row_gates
@@ -92,7 +93,7 @@ class Seq2SeqAdapter:
         pairs = Pairs([str(i) for i in range(len(source))], [model_cfg.prefix + s.strip() for s in source],
                       [t.strip() for t in target])
         self.pairs: Pairs = at_positions(pairs, runtime.examples)
-        self.dataset_name = data_cfg.name or _text_name(Path(data_cfg.source or "data"))
+        self.dataset_name = data_cfg.name or parallel_set_name(Path(data_cfg.source or "data"))
         loaded = load_seq2seq(model_cfg, runtime.device)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         forced_bos = apply_language_codes(self.tokenizer, model_cfg.source_lang, model_cfg.target_lang)
@@ -295,15 +296,6 @@ def resolve_generation(model: torch.nn.Module, cfg: Seq2SeqModel, forced_bos: in
     generation.do_sample = False
     generation.num_return_sequences = 1
     return generation
-
-
-def _text_name(path: Path) -> str:
-    # test_2016_flickr.en.gz -> test_2016_flickr (as fairseq_translation names its raw-text sets)
-    name = path.name
-    for suffix in (".gz", ".txt"):
-        name = name.removesuffix(suffix)
-    stem, dot, _lang = name.rpartition(".")
-    return stem if dot else name
 
 
 def load_seq2seq_adapter(model_cfg: Seq2SeqModel, data_cfg: Seq2SeqData, runtime: RuntimeOptions) -> Seq2SeqAdapter:
