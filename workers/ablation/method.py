@@ -152,7 +152,11 @@ class AblationMethod:
     def attention_refusal(self, family: str, allowed: tuple[str, ...], what: str, fix: str) -> str:
         """The one line that refuses a per-example fill where a run would gate heads of an attention type family
         ``family`` cannot fill from another input (``allowed``: those it can): ``what`` says what would gate them,
-        ``fix`` what to change."""
+        ``fix`` what to change. A family that can fill no attention type from another input (``allowed`` empty)
+        gets the line that says so, whatever would gate."""
+        if not allowed:
+            return (f"sweep.ablation {self.name} is not available for {family} models: no attention type of theirs can "
+                    "be filled from another input; use sweep.ablation mean")
         return (f"sweep.ablation {self.name} is available for {family} models on {', '.join(allowed)} heads only, and "
                 f"{what}; {fix}, or use sweep.ablation mean")
 

@@ -92,6 +92,8 @@ class Resample(AblationMethod):
                 "donors": "a seeded derangement among examples of the same token length, per draw"}
 
     def attention_refusal(self, family: str, allowed: tuple[str, ...], what: str, fix: str) -> str:
+        if not allowed:  # the general line: no type to name
+            return super().attention_refusal(family, allowed, what, fix)
         return (f"sweep.ablation resample is available for {family} models on {', '.join(allowed)} heads only, and "
                 f"{what}: a donor's decoder states follow its own hypotheses in beam search, so decoder attention "
                 f"cannot take another sentence's states; {fix}, or use sweep.ablation mean")
