@@ -29,7 +29,6 @@ from headsweep.workers.core.family import DatasetInfo, MaskOutput, RuntimeOption
 from headsweep.workers.data.data_report import Finding, report
 from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-from headsweep.workers.families.hf_causal_lm.model.loading import model_facts
 from headsweep.workers.families.hf_causal_lm.tasks.continuations.lm_eval_documents import (
     document_inputs,
     document_references,
@@ -111,18 +110,9 @@ class LmEvalAdapter(ContinuationAdapter):
         refuse_per_example(self.runtime.ablation, "lm-eval documents",
                            "each document is one row per request, of its own length, so no donor lines up with it")
         baseline = self.baseline()
-        return DatasetInfo(
-            model=self.model_name,
-            dataset=self.dataset_name,
-            metric=self.metric.name,
-            stat_names=list(self.metric.stat_names),
-            example_ids=self.example_ids,
-            references=document_references(self.tasks),
-            inputs=document_inputs(self.tasks),  # each document's context and choices, for the run's inputs table
-            inventory=self.gates.inventory,
-            facts={**model_facts(self.model, self.gates.sites), "reuse": self.reuse_note, **self.data_facts,
-                   "baseline_score": baseline.score, "baseline_by_task": self._per_task},
-        )
+        # each document's context and choices, for the run's inputs table
+        return self.dataset_info(document_references(self.tasks), document_inputs(self.tasks),
+                                 {"baseline_score": baseline.score, "baseline_by_task": self._per_task})
 
     def output(self, values: np.ndarray, seconds: float) -> MaskOutput:
         """One mask's rows ``values`` (n_rows, 2: loglikelihood, greedy) scored by the tasks."""

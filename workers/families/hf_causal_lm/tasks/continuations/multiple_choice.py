@@ -28,7 +28,6 @@ from headsweep.workers.core.metrics import MC_ACCURACY, MC_ACCURACY_NORM, Metric
 from headsweep.workers.data.data_report import Finding, merge, report, unknown_tokens
 from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
-from headsweep.workers.families.hf_causal_lm.model.loading import model_facts
 from headsweep.workers.families.hf_causal_lm.tasks.continuations.questions import (
     encode_requests,
     plan_rows,
@@ -135,20 +134,11 @@ class MultipleChoiceAdapter(ContinuationAdapter):
                            "each question is one row per choice, of its own length, so no donor lines up with it")
         baseline = self.baseline()
         acc, acc_norm = (float(v) for v in baseline.stats.mean(axis=0))
-        return DatasetInfo(
-            model=self.model_name,
-            dataset=self.dataset_name,
-            metric=self.metric.name,
-            stat_names=list(self.metric.stat_names),
-            example_ids=self.example_ids,
-            references=[str(q.gold) for q in self.questions],
-            inventory=self.gates.inventory,
-            # the question and its numbered choices, for the run's inputs table
-            inputs=[f"{q.context} | choices: " + " / ".join(f"{i}: {c}" for i, c in enumerate(q.choices))
-                    for q in self.questions],
-            facts={**model_facts(self.model, self.gates.sites), "reuse": self.reuse_note, **self.data_facts,
-                   "baseline_acc": acc, "baseline_acc_norm": acc_norm},
-        )
+        # the question and its numbered choices, for the run's inputs table
+        inputs = [f"{q.context} | choices: " + " / ".join(f"{i}: {c}" for i, c in enumerate(q.choices))
+                  for q in self.questions]
+        return self.dataset_info([str(q.gold) for q in self.questions], inputs,
+                                 {"baseline_acc": acc, "baseline_acc_norm": acc_norm})
 
     def output(self, values: np.ndarray, seconds: float) -> MaskOutput:
         pred, pred_norm = predictions(values, self.index, self.lengths)

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from headsweep.workers.core.baseline_once import BaselineOnce
-from headsweep.workers.core.family import LossBatch, LossBatches, RuntimeOptions, Workload
+from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, RuntimeOptions, Workload
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.mask_grid import GridBatch, Pass, grid_batches, mask_grid
 from headsweep.workers.core.workload import median_batch, take_rows
-from headsweep.workers.families.hf_causal_lm.model.loading import GatedCausalLM
+from headsweep.workers.families.hf_causal_lm.model.loading import GatedCausalLM, model_facts
 from headsweep.workers.families.hf_causal_lm.model.scoring import (
     TokenRow,
     activation_bytes_per_row,
@@ -152,6 +152,17 @@ class ContinuationAdapter(GatedCausalLM, ContextCacheSwitch, BaselineOnce):
 
     def _row_batch(self, which: Sequence[int]) -> RowBatch:
         return row_batch(self.rows, which, self.device, self.convention)
+
+    def dataset_info(self, references: list[str], inputs: list[str], baseline_facts: dict) -> DatasetInfo:
+        """What ``describe`` returns for either source: its ``references`` and ``inputs`` (one per example, for the
+        run's inputs table) and the baseline's figures it records among the facts."""
+        return DatasetInfo(
+            model=self.model_name, dataset=self.dataset_name, metric=self.metric.name,
+            stat_names=list(self.metric.stat_names), example_ids=self.example_ids, references=references,
+            inputs=inputs, inventory=self.gates.inventory,
+            facts={**model_facts(self.model, self.gates.sites), "reuse": self.reuse_note, **self.data_facts,
+                   **baseline_facts},
+        )
 
     # -- scores under masks -------------------------------------------------------------------------------------
     def values(self, masks: Sequence[Sequence[Head]]) -> np.ndarray:
