@@ -172,9 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from headsweep.results.store import ResultStore
     from headsweep.sweep.configuration.config import check_data_files, load_config, workers_override
-    from headsweep.sweep.run.driver import Sweep
 
     if args.resume and args.new:
         raise HeadsweepError(f"--resume {args.resume} and --new ask for opposite things: give one (--resume continues "
@@ -184,6 +182,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides.append(workers_override(args.workers, overrides))
     cfg = load_config(args.config, overrides)
     check_data_files(cfg)  # before Ray and the models start: a bad data file costs no worker
+    # Ray, pyarrow's datasets and pandas cost the driver 2-4 s of imports: a config refused above never pays them.
+    from headsweep.results.store import ResultStore
+    from headsweep.sweep.run.driver import Sweep
+
     sweep = Sweep(cfg, ResultStore(args.store), address=args.address, show_progress=not args.quiet,
                   resume=args.resume, auto_resume=not args.new)
     try:
