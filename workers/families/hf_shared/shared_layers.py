@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.core.family import SHARED_ATTENTION
 from headsweep.workers.core.gates import AttentionSite
 from headsweep.workers.core.shared_calls import SharedCall, install_counters
 from headsweep.workers.families.hf_shared.layout import attention_layout
@@ -101,6 +102,13 @@ def shared_modules(sites: list[AttentionSite]) -> dict[str, list[int]]:
         if site.shared is not None:
             out.setdefault(site.module_name, []).append(site.layer)
     return out
+
+
+def shared_facts(sites: list[AttentionSite]) -> dict[str, dict[str, list[int]]]:
+    """What ``runs.facts`` says of a model with shared modules (``shared_attention``: each module's applications,
+    which the driver's checks read without torch); nothing for other models."""
+    shared = shared_modules(sites)
+    return {SHARED_ATTENTION: shared} if shared else {}
 
 
 def refuse_shared(sites: list[AttentionSite], what: str) -> None:
