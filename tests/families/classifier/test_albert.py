@@ -170,11 +170,14 @@ def albert_dir(tmp_path_factory):
     return save_tiny_albert(tmp_path_factory.mktemp("models") / "tiny-albert")
 
 
-def test_mean_ablation_per_application_equals_its_bias_fold(albert_dir, tiny_dev_tsv):
+def test_mean_ablation_per_application_equals_its_bias_fold(albert_dir, tiny_dev_tsv, tmp_path):
     """The means are recorded per application (not pooled over the shared module's calls) and mean-ablating a
     head equals the twin with that head's columns zeroed and ``W_O[:, h] @ mean_h`` folded into the bias."""
     from transformers import AutoModelForSequenceClassification
 
+    from headsweep.sweep import experiments
+    from headsweep.sweep.configuration.config import load_config
+    from headsweep.sweep.run.context import Context
     from headsweep.workers.ablation.means import reference_means
     from headsweep.workers.ablation.spec import AblationSpec
     from headsweep.workers.core.family import RuntimeOptions
@@ -185,8 +188,18 @@ def test_mean_ablation_per_application_equals_its_bias_fold(albert_dir, tiny_dev
     adapter = ClassifierAdapter(ClassifierModel(path=str(albert_dir), attn_implementation="eager"),
                                 ClassifierData(path=str(tiny_dev_tsv)), runtime)
     assert adapter.reuse_note.startswith("plain path: prefix reuse does not support this model (albert.encoder")
-    assert adapter.describe().facts["shared_attention"] == {
+    info = adapter.describe()
+    assert info.facts["shared_attention"] == {
         "albert.encoder.albert_layer_groups.0.albert_layers.0.attention": [0, 1, 2]}
+    # The driver's checks against the loaded model (run before anything is written) refuse efficiency's removal.
+    cfg_file = tmp_path / "efficiency.yaml"
+    cfg_file.write_text(yaml.safe_dump({"model": {"kind": "hf_classifier", "path": str(albert_dir)},
+                                        "data": {"path": str(tiny_dev_tsv)},
+                                        "sweep": {"experiments": ["baseline", "efficiency"]},
+                                        "efficiency": {"mask": ["self:1:0"]}}))
+    with pytest.raises(HeadsweepError, match=r"^experiment 'efficiency' removes heads physically, which is not "
+                                             r"supported for a layer shared across depths: albert.encoder"):
+        experiments.validate(Context(load_config(str(cfg_file)), info, None, None, "run"))  # type: ignore[arg-type]
     means = reference_means(adapter, AblationSpec("mean"), "evaluation data").fill
 
     twin = unrolled(AutoModelForSequenceClassification.from_pretrained(albert_dir, attn_implementation="eager").eval())
@@ -259,7 +272,7 @@ def test_single_head_run_through_the_cli_and_export_refused(albert_dir, tiny_dev
     model = AutoModelForSequenceClassification.from_pretrained(albert_dir).eval()
     twin = unrolled(model)
     inputs = tokenizer(list(examples.texts), padding=True, truncation=True, max_length=64, return_tensors="pt")
-    labels = torch.tensor([model.config.label2id[x] for x in examples.labels])
+    labels = torch.tensor([int(x) if x.isdigit() else model.config.label2id[x] for x in examples.labels])
 
     def accuracy(m):
         with torch.no_grad():
