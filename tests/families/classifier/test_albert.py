@@ -170,6 +170,35 @@ def albert_dir(tmp_path_factory):
     return save_tiny_albert(tmp_path_factory.mktemp("models") / "tiny-albert")
 
 
+def classifier(model_dir, data, **runtime):
+    from headsweep.workers.core.family import RuntimeOptions
+    from headsweep.workers.families.hf_classifier.adapter import ClassifierAdapter
+    from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
+
+    return ClassifierAdapter(ClassifierModel(path=str(model_dir), attn_implementation="eager"),
+                             ClassifierData(path=str(data)), RuntimeOptions(**runtime))
+
+
+def test_gradient_importance_equals_the_unrolled_twins(albert_dir, tiny_dev_tsv, tmp_path):
+    """Per-token gates of every application (blocks recomputed in the backward pass where the model allows it:
+    ALBERT's shared block is not, since recomputing it would count its calls again) against the same estimate on
+    the twin, an ordinary model with one module per application."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from headsweep.workers.analyses.importance import gradient_importance
+
+    twin_dir = tmp_path / "twin"
+    unrolled(AutoModelForSequenceClassification.from_pretrained(albert_dir).eval()).save_pretrained(twin_dir)
+    AutoTokenizer.from_pretrained(albert_dir).save_pretrained(twin_dir)
+    shared = gradient_importance(classifier(albert_dir, tiny_dev_tsv, batch_size=16))
+    twin = gradient_importance(classifier(twin_dir, tiny_dev_tsv, batch_size=16))
+    assert shared.raw.keys() == twin.raw.keys() and len(shared.raw) == 12
+    for head, value in twin.raw.items():
+        # exact: the same kernels on the same weights; only which hook gates the call differs
+        assert shared.raw[head] == value, head
+    assert len({round(v, 9) for v in shared.raw.values()}) == 12  # other: every application's heads have their own
+
+
 def test_mean_ablation_per_application_equals_its_bias_fold(albert_dir, tiny_dev_tsv, tmp_path):
     """The means are recorded per application (not pooled over the shared module's calls) and mean-ablating a
     head equals the twin with that head's columns zeroed and ``W_O[:, h] @ mean_h`` folded into the bias."""
@@ -180,13 +209,7 @@ def test_mean_ablation_per_application_equals_its_bias_fold(albert_dir, tiny_dev
     from headsweep.sweep.run.context import Context
     from headsweep.workers.ablation.means import reference_means
     from headsweep.workers.ablation.spec import AblationSpec
-    from headsweep.workers.core.family import RuntimeOptions
-    from headsweep.workers.families.hf_classifier.adapter import ClassifierAdapter
-    from headsweep.workers.families.hf_classifier.config import ClassifierData, ClassifierModel
-
-    runtime = RuntimeOptions(batch_size=16, masks_per_batch=3)
-    adapter = ClassifierAdapter(ClassifierModel(path=str(albert_dir), attn_implementation="eager"),
-                                ClassifierData(path=str(tiny_dev_tsv)), runtime)
+    adapter = classifier(albert_dir, tiny_dev_tsv, batch_size=16, masks_per_batch=3)
     assert adapter.reuse_note.startswith("plain path: prefix reuse does not support this model (albert.encoder")
     info = adapter.describe()
     assert info.facts["shared_attention"] == {
