@@ -28,9 +28,10 @@ from headsweep.workers.families.hf_shared.sites import check_sites, find_sites
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 GROUP = "albert.encoder.albert_layer_groups."
-# (num_hidden_layers, num_hidden_groups, inner_group_num): the stock layout (one layer shared by every depth), and
-# two groups of two layers run four times (application L = step * inner + j: eight applications of four modules).
-SHAPES = [(3, 1, 1), (4, 2, 2)]
+# (num_hidden_layers, num_hidden_groups, inner_group_num, attention path): the stock layout (one layer shared by
+# every depth) on both paths, and two groups of two layers run four times (application L = step * inner + j: eight
+# applications of four modules).
+SHAPES = [(3, 1, 1, "eager"), (3, 1, 1, "sdpa"), (4, 2, 2, "eager")]
 
 
 def unrolled(model):
@@ -91,8 +92,8 @@ def logits(model, batch):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_every_application_head_equals_the_unrolled_twin(shape):
-    layers, groups, inner = shape
-    model = tiny_albert(layers=layers, groups=groups, inner=inner)
+    layers, groups, inner, attn = shape
+    model = tiny_albert(layers=layers, groups=groups, inner=inner, attn=attn)
     twin = unrolled(model)
     sites = find_sites(model)
     check_sites(model, sites, "hf_classifier", "")
