@@ -124,20 +124,31 @@ def test_every_application_head_equals_the_unrolled_twin(shape):
     assert torch.equal(logits(model, batch), base)  # exact: no gates after the packed pass
 
 
-def test_attention_maps_are_read_per_application():
+def test_attention_maps_and_donor_contexts_are_read_per_application():
+    """What roles reads (each application's attention maps) and what resample ablation records (each application's
+    contexts on the donor pass), against the twin read with transformers' own outputs and plain hooks."""
+    from headsweep.workers.ablation.donors import record_contexts
     from headsweep.workers.families.hf_shared.attention import transformers_attention
 
     model = tiny_albert()
     twin = unrolled(model)
-    sites = find_sites(model)
+    gates = HeadGates(find_sites(model))
     ids, mask = random_batch()
-    with transformers_attention(model, sites) as captured, torch.no_grad():
+    with transformers_attention(model, gates.sites) as captured, torch.no_grad():
         model(input_ids=ids, attention_mask=mask)
+    contexts = record_contexts(gates, lambda: model(input_ids=ids, attention_mask=mask))
+    inputs: dict[int, torch.Tensor] = {}
+    handles = [twin_attention(twin, n).dense.register_forward_pre_hook(
+        lambda _m, args, n=n: inputs.__setitem__(n, args[0])) for n in range(3)]
     with torch.no_grad():
         expected = twin(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
-    assert sorted(captured) == [("self", n) for n in range(3)]
+    for handle in handles:
+        handle.remove()
+    assert sorted(captured) == sorted(contexts) == [("self", n) for n in range(3)]
     for n, maps in enumerate(expected):
         assert torch.equal(captured[("self", n)], maps), n  # exact: the same computation, read at another hook
+        assert torch.equal(contexts[("self", n)], inputs[n].view(*inputs[n].shape[:2], 4, 8)), n  # exact: likewise
+    assert not torch.equal(contexts[("self", 0)], contexts[("self", 2)])  # other: the applications differ
 
 
 def test_a_forward_that_calls_the_shared_module_otherwise_stops():
