@@ -29,9 +29,9 @@ from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.output.progress import step
 from headsweep.sweep.pruning.masks import efficiency_mask, explicit_mask
-from headsweep.workers.core.family import SHARED_ATTENTION
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.setting_ranges import check_ranges, ranged
+from headsweep.workers.core.shared_calls import SHARED_ATTENTION, shared_refusal
 
 if TYPE_CHECKING:
     from headsweep.sweep.run.context import Context
@@ -164,11 +164,8 @@ class Efficiency(Experiment):
     def validate(self, ctx: Context) -> None:
         shared = ctx.info.facts.get(SHARED_ATTENTION)
         if shared:
-            name, layers = next(iter(shared.items()))
-            raise HeadsweepError(
-                f"experiment 'efficiency' removes heads physically, which is not supported for a layer shared across "
-                f"depths: {name} runs as {', '.join(f'self:{n}' for n in layers)} (one set of weights), and a head "
-                "leaves shared weights only if it leaves every application; drop efficiency from sweep.experiments")
+            raise HeadsweepError(f"{shared_refusal('physical removal (experiment efficiency)', shared)}; drop "
+                                 "efficiency from sweep.experiments")
         if ctx.cfg.efficiency.mask:
             explicit_mask(ctx.cfg.efficiency.mask, ctx.inventory)
 

@@ -100,11 +100,6 @@ class RuntimeOptions:
         return cls(**{f.name: getattr(runtime, f.name) for f in fields(runtime) if f.name in names})
 
 
-#: ``DatasetInfo.facts`` key of a model that runs attention modules at several depths (ALBERT): each such module's
-#: name and the layers (applications) it runs as. The driver refuses what cannot be exact for them by it.
-SHARED_ATTENTION = "shared_attention"
-
-
 @dataclass
 class DatasetInfo:
     """What the driver needs to know about an adapter's evaluation set and model."""

@@ -15,16 +15,30 @@ The hooks are callable objects rather than closures so that a deep copy of the m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from headsweep.errors import HeadsweepError
 
+if TYPE_CHECKING:  # the driver reads SHARED_ATTENTION and shared_refusal: torch stays out of its import time
+    from torch import nn
+
 #: Attribute of the looping module that holds its :class:`SharedCalls` (installed once per model).
 ATTRIBUTE = "headsweep_shared_calls"
+#: ``DatasetInfo.facts`` key of a model that runs attention modules at several depths (ALBERT): each such module's
+#: name and the layers (applications) it runs as; the driver refuses by it what cannot be exact for shared weights.
+SHARED_ATTENTION = "shared_attention"
+
+
+def shared_refusal(what: str, shared: Mapping[str, Sequence[int]]) -> str:
+    """The one line refusing ``what`` (physical pruning, in some form) for a model whose modules ``shared`` (name ->
+    the layers it runs as) are applied at several depths: a head leaves shared weights only if it leaves every
+    application."""
+    name, layers = next(iter(shared.items()))
+    return (f"{what} is not supported for a layer shared across depths: {name} runs as "
+            f"{', '.join(f'self:{n}' for n in layers)} (one set of weights), and a head leaves shared weights only "
+            "if it leaves every application")
 
 
 class CallCounter:

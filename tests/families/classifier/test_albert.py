@@ -232,8 +232,9 @@ def test_mean_ablation_per_application_equals_its_bias_fold(albert_dir, tiny_dev
                                         "data": {"path": str(tiny_dev_tsv)},
                                         "sweep": {"experiments": ["baseline", "efficiency"]},
                                         "efficiency": {"mask": ["self:1:0"]}}))
-    with pytest.raises(HeadsweepError, match=r"^experiment 'efficiency' removes heads physically, which is not "
-                                             r"supported for a layer shared across depths: albert.encoder"):
+    with pytest.raises(HeadsweepError, match=r"^physical removal \(experiment efficiency\) is not supported for a "
+                                             r"layer shared across depths: albert.encoder.+; drop efficiency from "
+                                             r"sweep.experiments$"):
         experiments.validate(Context(load_config(str(cfg_file)), info, None, None, "run"))  # type: ignore[arg-type]
     means = reference_means(adapter, AblationSpec("mean"), "evaluation data").fill
 

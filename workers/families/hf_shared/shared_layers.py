@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.core.family import SHARED_ATTENTION
 from headsweep.workers.core.gates import AttentionSite
-from headsweep.workers.core.shared_calls import SharedCall, install_counters
+from headsweep.workers.core.shared_calls import SHARED_ATTENTION, SharedCall, install_counters, shared_refusal
 from headsweep.workers.families.hf_shared.layout import attention_layout
 
 
@@ -113,12 +112,7 @@ def shared_facts(sites: list[AttentionSite]) -> dict[str, dict[str, list[int]]]:
 
 def refuse_shared(sites: list[AttentionSite], what: str) -> None:
     """One line refusing ``what`` (e.g. "physical pruning") for a model with a module shared by several
-    applications: a head can leave the shared weights only if it leaves every application."""
+    applications (:func:`~headsweep.workers.core.shared_calls.shared_refusal`)."""
     shared = shared_modules(sites)
-    if not shared:
-        return
-    name, layers = next(iter(shared.items()))
-    raise HeadsweepError(
-        f"{what} is not supported for a layer shared across depths: {name} runs as "
-        f"{', '.join(f'self:{n}' for n in layers)} (one set of weights), and a head leaves shared weights only if it "
-        "leaves every application; gate its heads without removing them")
+    if shared:
+        raise HeadsweepError(f"{shared_refusal(what, shared)}; gate its heads without removing them")
