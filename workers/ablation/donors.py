@@ -61,6 +61,7 @@ def record_contexts(gates: HeadGates, run: Callable[[], Any],
     types (a pass that runs part of the model: fairseq translation's donor pass runs the encoder alone)."""
     sites = [site for site in gates.sites if attention is None or site.attention in attention]
     recorded: dict[SiteKey, list[torch.Tensor]] = {site.key: [] for site in sites}
+
     def record(site: AttentionSite) -> Callable:
         def hook(_module: nn.Module, args: tuple) -> None:
             if site.running():  # not another application of a shared module (ALBERT)
