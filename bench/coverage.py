@@ -8,7 +8,9 @@ and ``MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES`` it builds a tiny model from
   ``HeadGates``, what a run installs on a loaded model) with one head gated off give the logits of a deep copy whose
   output projection has that head's input columns zeroed (no hooks), and mean ablation (the head's mean context as
   its fill) gives the logits of the copy whose columns are zeroed and whose bias gains ``W_O[:, h] @ mean_h``; each
-  gated head must change the logits (a gate that did nothing would pass the first check); or
+  gated head must change the logits (a gate that did nothing would pass the first check). For ALBERT, whose one
+  attention module runs at every depth and is gated per application, the copy is the unrolled twin (one group per
+  depth, weights copied), checked equal to the model first, and the surgery is on the application's own module; or
 * records headsweep's one-line refusal (a ``HeadsweepError``: no heads, an attention layout no row describes), or
   that no family takes the task yet (sequence-to-sequence), or why the walk skipped the type (vision, audio or
   multimodal; a tiny config that does not build is ``untested``, with transformers' error).
@@ -204,6 +206,42 @@ def surgery(model: nn.Module, module_name: str, proj_name: str, columns: slice, 
     return copied
 
 
+ALBERT_GROUPS = "albert.encoder.albert_layer_groups"
+
+
+def unrolled_albert(model: nn.Module) -> tuple[nn.Module, list[str]]:
+    """ALBERT's surgery reference: the same model with ``num_hidden_groups = num_hidden_layers``, each group's weights
+    copied from the group the model runs at that depth, so every application owns its modules (zeroing one
+    application's columns in the shared ``dense`` would zero them in every application); and the attention module
+    of each application ``i * inner_group_num + j`` in it (layer ``j`` of group ``i``), by name."""
+    config = copy.deepcopy(model.config)
+    layers, groups, inner = config.num_hidden_layers, config.num_hidden_groups, config.inner_group_num
+    config.num_hidden_groups = layers
+    twin = type(model)(config).eval()
+    shared = model.state_dict()
+    prefix = f"{ALBERT_GROUPS}."
+    weights = {}
+    for key in twin.state_dict():
+        if key.startswith(prefix):
+            step, rest = key[len(prefix):].split(".", 1)
+            weights[key] = shared[f"{prefix}{int(int(step) / (layers / groups))}.{rest}"]
+        else:
+            weights[key] = shared[key]
+    twin.load_state_dict(weights, strict=True)
+    return twin, [f"{prefix}{i}.albert_layers.{j}.attention" for i in range(layers) for j in range(inner)]
+
+
+def surgery_reference(model: nn.Module, sites) -> tuple[nn.Module, dict]:
+    """The model surgery starts from (a copy no hook ever touched) and each site's attention module in it, by name:
+    the site's own, or for a module shared across depths (ALBERT) its application's in the unrolled twin."""
+    if not any(s.shared is not None for s in sites):
+        return copy.deepcopy(model), {s.key: s.module_name for s in sites}
+    if not any(name.startswith(ALBERT_GROUPS) for name, _ in model.named_modules()):
+        raise RuntimeError("a shared attention module the coverage walk has no unrolled reference for")
+    twin, names = unrolled_albert(model)
+    return twin, {s.key: names[s.layer] for s in sites}
+
+
 def prove(model: nn.Module, task: str, sites_of) -> tuple[int, float, str]:
     """Every head: gate == surgery, mean ablation == bias fold. Returns (heads, max relative difference, problem)."""
     from headsweep.workers.core.gates import HeadGates
@@ -211,15 +249,19 @@ def prove(model: nn.Module, task: str, sites_of) -> tuple[int, float, str]:
     from headsweep.workers.core.heads import Head
 
     batch = inputs(model, task)
-    reference = copy.deepcopy(model)  # surgery starts from a model no hook ever touched
     gates = HeadGates(sites_of(model))
+    reference, names = surgery_reference(model, gates.sites)
     base = logits(model, batch)
+    unrolled = any(s.shared is not None for s in gates.sites)
+    if unrolled and not torch.equal(logits(reference, batch), base):  # the twin must be the model, unrolled
+        return 0, 0.0, "the surgery reference (the unrolled twin) differs from the model before any surgery"
     scale = base.abs().max().item() or 1.0
     contexts: dict = {}
 
     def record(site):
         def hook(module, args):
-            contexts[site.key] = args[0].detach().reshape(-1, site.num_heads, site.head_dim)
+            if site.running():  # a module shared across depths: only its own application's call
+                contexts[site.key] = args[0].detach().reshape(-1, site.num_heads, site.head_dim)
         return hook
 
     handles = [s.out_proj.register_forward_pre_hook(record(s)) for s in gates.sites]
@@ -235,7 +277,7 @@ def prove(model: nn.Module, task: str, sites_of) -> tuple[int, float, str]:
             columns = slice(h * site.head_dim, (h + 1) * site.head_dim)
             with gates.masked([head]):
                 gated = logits(model, batch)
-            expected = logits(surgery(reference, site.module_name, proj_name, columns, None), batch)
+            expected = logits(surgery(reference, names[site.key], proj_name, columns, None), batch)
             diff = (gated - expected).abs().max().item() / scale
             effect = (gated - base).abs().max().item() / scale
             if diff > TOLERANCE:
@@ -247,7 +289,7 @@ def prove(model: nn.Module, task: str, sites_of) -> tuple[int, float, str]:
             with gates.masked([head]):
                 filled = logits(model, batch)
             gates.set_fill(None)
-            folded = logits(surgery(reference, site.module_name, proj_name, columns, mean[h]), batch)
+            folded = logits(surgery(reference, names[site.key], proj_name, columns, mean[h]), batch)
             fold_diff = (filled - folded).abs().max().item() / scale
             if fold_diff > TOLERANCE:
                 return heads, fold_diff, f"{head}: mean ablation differs from its bias fold by {fold_diff:.1e}"

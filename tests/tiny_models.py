@@ -97,6 +97,35 @@ def zeroed_copy(model, heads):
     return ref
 
 
+def tiny_albert(layers: int = 3, groups: int = 1, inner: int = 1, heads: int = 4, seed: int = 0, vocab: int = 60,
+                attn: str = "eager", **extra):
+    """A random ALBERT classifier in eval mode: ``groups`` layer groups of ``inner`` layers each, run ``layers``
+    times (the stock ALBERT: one group of one layer, shared by every depth). Weights larger than ALBERT's default,
+    so that single heads move the logits."""
+    from transformers import AlbertConfig, AlbertForSequenceClassification
+
+    torch.manual_seed(seed)
+    cfg = AlbertConfig(vocab_size=vocab, embedding_size=16, hidden_size=32, num_hidden_layers=layers,
+                       num_hidden_groups=groups, inner_group_num=inner, num_attention_heads=heads,
+                       intermediate_size=64, max_position_embeddings=64, num_labels=extra.pop("num_labels", 3),
+                       initializer_range=0.3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                       classifier_dropout_prob=0.0, attn_implementation=attn, **extra)
+    return AlbertForSequenceClassification(cfg).eval()
+
+
+def save_tiny_albert(out_dir, layers: int = 3, heads: int = 4, seed: int = 0):
+    """A tiny random ALBERT classifier (one layer shared by ``layers`` depths) over the demo vocabulary, with the
+    demo's BERT-style word-level tokenizer, saved like a user's model directory."""
+    from headsweep.sweep.demo.sentiment import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = tiny_albert(layers=layers, heads=heads, seed=seed, vocab=len(tokenizer), num_labels=2,
+                        id2label={0: "negative", 1: "positive"}, label2id={"negative": 0, "positive": 1})
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
 # -- decoder-only language models -------------------------------------------------------------------------
 
 LM_WORDS = ("the a cat dog bird sees likes eats runs sleeps big small red green and then today here there "

@@ -31,6 +31,7 @@ from headsweep.sweep.output.progress import step
 from headsweep.sweep.pruning.masks import efficiency_mask, explicit_mask
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.setting_ranges import check_ranges, ranged
+from headsweep.workers.core.shared_calls import SHARED_ATTENTION, shared_refusal
 
 if TYPE_CHECKING:
     from headsweep.sweep.run.context import Context
@@ -161,6 +162,10 @@ class Efficiency(Experiment):
             raise HeadsweepError("efficiency.level needs prune_level in sweep.experiments, or efficiency.from_run")
 
     def validate(self, ctx: Context) -> None:
+        shared = ctx.info.facts.get(SHARED_ATTENTION)
+        if shared:
+            raise HeadsweepError(f"{shared_refusal('physical removal (experiment efficiency)', shared)}; drop "
+                                 "efficiency from sweep.experiments")
         if ctx.cfg.efficiency.mask:
             explicit_mask(ctx.cfg.efficiency.mask, ctx.inventory)
 

@@ -42,12 +42,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.registry import method_of
 from headsweep.workers.ablation.spec import AblationSpec
 from headsweep.workers.core.family import LossBatch, LossBatches
-from headsweep.workers.core.gates import HeadGates
+from headsweep.workers.core.gates import AttentionSite, HeadGates
 from headsweep.workers.core.head_fill import HeadFill
 from headsweep.workers.core.heads import SiteKey
 
@@ -60,8 +61,15 @@ def record_contexts(gates: HeadGates, run: Callable[[], Any],
     types (a pass that runs part of the model: fairseq translation's donor pass runs the encoder alone)."""
     sites = [site for site in gates.sites if attention is None or site.attention in attention]
     recorded: dict[SiteKey, list[torch.Tensor]] = {site.key: [] for site in sites}
-    handles = [site.out_proj.register_forward_pre_hook(lambda _m, args, key=site.key: recorded[key].append(args[0]))
-               for site in sites]
+
+    def record(site: AttentionSite) -> Callable:
+        def hook(_module: nn.Module, args: tuple) -> None:
+            if site.running():  # not another application of a shared module (ALBERT)
+                recorded[site.key].append(args[0])
+
+        return hook
+
+    handles = [site.out_proj.register_forward_pre_hook(record(site)) for site in sites]
     try:
         with gates.ungated(), torch.no_grad():
             run()

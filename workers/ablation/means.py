@@ -141,6 +141,8 @@ def reference_means(adapter: EvalAdapter, spec: AblationSpec, data: str) -> Mean
 
     def make_hook(site: AttentionSite):
         def hook(_module, args: tuple) -> None:
+            if not site.running():  # another application of a shared module (ALBERT)
+                return
             x = args[0]
             x = x if site.batch_dim == 0 else x.transpose(0, 1)
             real = current[site.key]

@@ -31,6 +31,7 @@ from torch import nn
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.head_fill import HeadFill, apply_gates
 from headsweep.workers.core.heads import Head, HeadInventory, LayerShape, SiteKey, heads_by_site
+from headsweep.workers.core.shared_calls import SharedCall
 
 
 @dataclass
@@ -38,7 +39,9 @@ class AttentionSite:
     """Where one attention module's heads can be gated.
 
     ``batch_dim`` is the batch axis of the output projection's input: 0 for batch-first
-    models (transformers), 1 for time-first models (fairseq).
+    models (transformers), 1 for time-first models (fairseq). ``shared``: the site is one call of a module the
+    model runs several times per forward pass (ALBERT); every hook on ``module`` or ``out_proj`` then acts only
+    while that call runs (:meth:`running`).
     """
 
     attention: str
@@ -50,10 +53,15 @@ class AttentionSite:
     module_name: str
     batch_dim: int = 0
     hook_handles: list = field(default_factory=list, repr=False)
+    shared: SharedCall | None = None
 
     @property
     def key(self) -> SiteKey:
         return (self.attention, self.layer)
+
+    def running(self) -> bool:
+        """Whether a hook on this site's modules, called now, is this site's (always, unless the module is shared)."""
+        return self.shared is None or self.shared.running()
 
     def check_projection(self) -> None:
         if self.out_proj.in_features != self.num_heads * self.head_dim:
@@ -95,7 +103,7 @@ class HeadGates:
     def _make_hook(self, site: AttentionSite):
         def hook(module: nn.Module, args: tuple) -> tuple | None:
             gate = self._gates.get(site.key)
-            if gate is None:
+            if gate is None or not site.running():
                 return None
             x = args[0]
             heads = x.reshape(*x.shape[:-1], site.num_heads, site.head_dim)

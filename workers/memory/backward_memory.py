@@ -41,10 +41,14 @@ from headsweep.workers.memory.batch_budget import activation_budget
 
 def blocks_of(model: nn.Module, sites: Sequence[AttentionSite]) -> list[nn.Module]:
     """The repeated blocks (elements of an ``nn.ModuleList``) that hold the attention ``sites``, in model order;
-    a site outside any such list (a model with one attention module) gives none."""
+    a site outside any such list (a model with one attention module) gives none, and so does a site of a module run
+    at several depths (ALBERT): recomputing its block in the backward pass would run the module again after the
+    forward, where its call counter no longer names the application, so its gates would not act there."""
     names = dict(model.named_modules())
     blocks: dict[str, nn.Module] = {}
     for site in sites:
+        if site.shared is not None:
+            continue
         parts = site.module_name.split(".")
         for end in range(len(parts) - 1, 0, -1):
             parent = ".".join(parts[:end - 1]) if end > 1 else ""

@@ -38,6 +38,7 @@ from headsweep.workers.families.hf_classifier.training_loss import classifier_lo
 from headsweep.workers.families.hf_shared.loading import max_positions
 from headsweep.workers.families.hf_shared.paired import paired_sides
 from headsweep.workers.families.hf_shared.reuse import PrefixReuseSwitch, repeat_rows
+from headsweep.workers.families.hf_shared.shared_layers import shared_facts
 from headsweep.workers.families.hf_shared.sites import check_sites, find_sites
 from headsweep.workers.families.hf_shared.tokenizer import count_unknown
 from headsweep.workers.hub.cache import model_label
@@ -175,7 +176,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
             inputs=_input_texts(self.examples),
             facts={"model_class": type(self.model).__name__, "num_labels": int(self.model.config.num_labels),
                    "dtype": str(self.model.dtype).removeprefix("torch."), "reuse": self.reuse_note, **self.data_facts,
-                   **paired},
+                   **paired, **shared_facts(self.gates.sites)},
         )
 
     @torch.inference_mode()

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class ClassifierFamily(TransformersFamily):
     """BERT, RoBERTa, ELECTRA, MiniLM and DistilBERT classifiers (Llama-style models: gates only)."""
 
-    layouts = frozenset({"bert", "distilbert", "modernbert"})
+    layouts = frozenset({"bert", "distilbert", "modernbert", "albert"})
 
     def check_data(self, data_cfg: ClassifierData, key: str = "data") -> None:
         """The settings, and the file read and checked as the workers will read it."""

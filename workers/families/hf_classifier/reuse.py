@@ -15,7 +15,8 @@ Baseline states are kept between calls within a memory budget (:class:`headsweep
 
 Layouts handled (:mod:`headsweep.workers.families.hf_shared.layout`): BERT, RoBERTa, ELECTRA,
 MiniLM and DistilBERT, whose layers form one ``nn.ModuleList`` and return a tensor. Anything
-else is evaluated with the plain path; :func:`classifier_layout` says why.
+else (ALBERT, whose one layer runs at every depth, among them) is evaluated with the plain path;
+:func:`classifier_layout` says why.
 """
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ class BaselineStates:
 
 def classifier_layout(model: nn.Module, sites: Sequence[AttentionSite]) -> ClassifierLayout:
     """The layout prefix reuse needs, or :class:`ReuseUnsupported` naming what does not fit."""
+    shared = next((s for s in sites if s.shared is not None), None)
+    if shared is not None:
+        # Skipping the layers below a mask's first gated one would skip calls of the shared module too, and with
+        # them the call counts that tell its applications apart.
+        raise ReuseUnsupported(f"{shared.module_name} runs at several depths (a layer shared across depths, ALBERT): "
+                               "its applications have no layers of their own to start at")
     stack, indices = layer_stack(model, sites)
     if indices != list(range(len(stack))):
         raise ReuseUnsupported("the layer stack does not hold exactly one attention module per layer, in order")

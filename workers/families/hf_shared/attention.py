@@ -42,6 +42,8 @@ def transformers_attention(model: nn.Module, sites: Sequence[AttentionSite],
 
     def recorder(site: AttentionSite) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if not site.running():  # another application of a shared module (ALBERT)
+                return
             weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
             if not isinstance(weights, torch.Tensor) or weights.dim() != 4 or weights.shape[1] != site.num_heads:
                 raise HeadsweepError(f"{site.module_name} returned no per-head attention weights on the eager "

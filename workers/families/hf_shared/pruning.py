@@ -25,6 +25,7 @@ from headsweep.workers.core.gates import AttentionSite, group_by_site
 from headsweep.workers.core.head_slicing import HeadSlice, plan_slice
 from headsweep.workers.core.heads import Head, SiteKey
 from headsweep.workers.families.hf_shared.layout import AttentionLayout
+from headsweep.workers.families.hf_shared.shared_layers import refuse_shared
 from headsweep.workers.families.hf_shared.sites import find_sites
 
 PRUNED_HEADS_KEY = "pruned_heads"
@@ -39,13 +40,14 @@ ApplySlice = Callable[[nn.Module, AttentionSite, AttentionLayout, HeadSlice], No
 
 def sites_to_prune(model: nn.Module, heads: Iterable[Head]) -> tuple[list[AttentionSite], dict[SiteKey, list[int]]]:
     """The attention sites of a transformers ``model`` and ``heads`` grouped by site, checked: a model pruned before
-    is refused (its heads are renumbered: a mask in the original numbers would remove the wrong ones), and so is
-    one without attention sites."""
+    is refused (its heads are renumbered: a mask in the original numbers would remove the wrong ones), and so are
+    one without attention sites and one whose attention module runs at several depths (ALBERT)."""
     if getattr(getattr(model, "config", None), PRUNED_HEADS_KEY, None):
         raise HeadsweepError("this model was already pruned (config.pruned_heads is set): prune the original model")
     sites = find_sites(model)
     if not sites:
         raise HeadsweepError(f"no attention modules recognised in {type(model).__name__}: nothing to prune")
+    refuse_shared(sites, "physical pruning (export, efficiency)")
     return sites, group_by_site(sites, heads)
 
 

@@ -10,7 +10,8 @@ never guessed.
 
 Two more tables say why a model has no heads to gate: its layers are state-space or recurrent mixers
 (:data:`NO_HEADS`), or it has attention modules of a kind headsweep does not gate (:data:`REFUSED_ATTENTION`: linear
-attention, whose output is normalised across heads before its projection).
+attention, whose output is normalised across heads before its projection). A module the model runs at several
+depths (ALBERT) is described here like any other; :mod:`.shared_layers` makes one site per application.
 
 Each row is proved by ``python -m bench.coverage``: every head's gate equals zeroing that head's input columns of
 the output projection, on a tiny model built from the architecture's own config class.
@@ -85,6 +86,9 @@ SITE_SPECS: tuple[SiteSpec, ...] = (
              cross_attention="is_cross_attention", example="bart, marian, m2m_100"),
     SiteSpec("t5", r"(T5|MT5|UMT5|SwitchTransformers)Attention", "o", ("key_value_proj_dim",), "q", "k", "v",
              example="t5, mt5, umt5"),
+    # One module applied at several depths: a site per application (hf_shared/shared_layers.py numbers them).
+    SiteSpec("albert", r"AlbertAttention", "dense", ("attention_head_size",), "query", "key", "value",
+             example="albert"),
 )
 
 #: Layers that mix tokens without attention heads, by class name: an architecture of only these is refused.
@@ -99,8 +103,6 @@ NO_HEADS: tuple[tuple[str, str], ...] = (
 
 #: Attention modules headsweep does not gate, and why (checked before :data:`SITE_SPECS`).
 REFUSED_ATTENTION: tuple[tuple[str, str], ...] = (
-    (r"AlbertAttention", "one attention module shared by every layer, whose heads would need a gate per call: not "
-     "supported yet"),
     (r"\w*(Lightning|Linear)\w*Attention", "linear attention, whose heads are normalised together before the output "
      "projection"),
 )

@@ -5,10 +5,11 @@ BERT family, DistilBERT, Llama-style decoders, GPT-2 and GPTBigCode) and as data
 :mod:`headsweep.workers.families.hf_shared.site_table` (GPT-NeoX, Bloom, Falcon, GPT-J, OPT, ...).
 
 A site's layer is its place in the model's layer stack (the first number in its module name:
-``model.layers.3.self_attn`` is layer 3), so a hybrid model's attention layers keep their numbers and the layers
-between them (state-space, recurrent) have no heads. :func:`check_sites` refuses, in one line, a model with no heads
-to gate (naming the kind of layers it has instead) and one with attention modules no layout describes: those are
-never guessed.
+``model.layers.3.self_attn`` is layer 3; for ALBERT, whose one layer module runs at every depth, the application's
+place in the order the model runs them: :mod:`.shared_layers`), so a hybrid model's attention layers keep their
+numbers and the layers between them (state-space, recurrent) have no heads. :func:`check_sites` refuses, in one
+line, a model with no heads to gate (naming the kind of layers it has instead) and one with attention modules no
+layout describes: those are never guessed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.gates import AttentionSite
 from headsweep.workers.families.hf_shared.layout import attention_layout, projection_inputs
+from headsweep.workers.families.hf_shared.shared_layers import application_sites
 from headsweep.workers.families.hf_shared.site_table import mixer_kind, refused_attention
 
 # Class names of modules that attend and would hold heads: one of these outside every site is an unknown layout.
@@ -50,13 +52,14 @@ def find_sites(model: nn.Module) -> list[AttentionSite]:
     """Every self-attention module of an encoder-only or decoder-only transformers model.
 
     Layers are numbered by the module's place in the layer stack (see the module docstring); a model whose attention
-    modules carry no number is numbered in module order.
+    modules carry no number is numbered in module order; a model that runs a layer module at several depths
+    (ALBERT) by application, in the order it runs them (:mod:`.shared_layers`).
     """
-    sites: list[AttentionSite] = []
-    inside: list[str] = []  # names of recognised modules: their submodules are parts of them
+    applied, sites = application_sites(model)
+    inside: list[str] = list(applied)  # names of recognised modules: their submodules are parts of them
     count = 0
     for name, module in model.named_modules():
-        if any(name.startswith(f"{outer}.") for outer in inside):
+        if name in applied or any(name.startswith(f"{outer}.") for outer in inside):
             continue
         found = attention_layout(module)
         if found is None:
