@@ -65,7 +65,12 @@ def test_sites_name_every_head_as_fairseq_translation_does(tiny):
         f"{a}:{layer}:{h}" for a in ("enc_self", "enc_dec", "dec_self") for layer in range(2) for h in range(4))
 
 
-def test_unmasked_bleu_equals_plain_generate_and_sacrebleu(tiny):
+def test_unmasked_bleu_and_chrf_equal_plain_generate_and_sacrebleu(tiny):
+    """BLEU (the default) and ``data.metric: chrf``: the corpus score of the stored per-sentence statistics is
+    sacrebleu's corpus score of the plain loop's translations; each sentence's chrF statistics score as sacrebleu's
+    ``sentence_chrf`` of that sentence."""
+    from headsweep.workers.core.metrics import CHRF
+
     _, model_dir, source, target, adapters = tiny
     adapter = adapters[True]
     [baseline] = adapter.evaluate([[]])
@@ -74,8 +79,26 @@ def test_unmasked_bleu_equals_plain_generate_and_sacrebleu(tiny):
     plain = plain_translations(fresh(model_dir), adapter.tokenizer, sources, adapter.generation)
     assert baseline.outputs == plain
     expected = sacrebleu.corpus_bleu(plain, [references]).score
+    assert adapter.describe().metric == "bleu"
     assert baseline.score == pytest.approx(expected, abs=1e-9)
     assert [len(h.split()) for h in plain] == baseline.stats[:, 0].tolist()  # hyp_len per sentence
+
+    family = model_family("hf_seq2seq")
+    chrf = family.load(family.model_config(path=str(model_dir), max_new_tokens=8),
+                       family.data_config(source=str(source), target=str(target), metric="chrf"),
+                       RuntimeOptions(batch_size=BATCH, masks_per_batch=1))
+    info = chrf.describe()
+    assert info.metric == "chrf" and len(info.stat_names) == 18 and "nc:6" in info.facts["sacrebleu_signature"]
+    [scored] = chrf.evaluate([[]])
+    assert scored.outputs == plain and scored.stats.shape == (N_SENTENCES, 18)
+    expected = sacrebleu.corpus_chrf(plain, [references]).score
+    assert 0 < expected < 100
+    # other: float64 chrF from the summed statistics against sacrebleu's own summing and scoring
+    assert scored.score == pytest.approx(expected, rel=1e-12)
+    for stats, hypothesis, reference in zip(scored.stats, plain, references, strict=True):
+        # other: float64, as above; sentence by sentence against sacrebleu's sentence score
+        assert CHRF.score(stats[None]) == pytest.approx(sacrebleu.sentence_chrf(hypothesis, [reference]).score,
+                                                        rel=1e-12, abs=1e-12)
 
 
 def test_every_gated_head_equals_weight_surgery_with_identical_beams(tiny):

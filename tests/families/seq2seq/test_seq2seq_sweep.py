@@ -64,7 +64,7 @@ def test_every_head_of_every_attention_type_with_bleu_from_its_stored_hypotheses
 
 
 @pytest.mark.parametrize("case", ["causal_lm_as_seq2seq", "seq2seq_as_causal_lm", "multilingual_without_codes",
-                                  "unaligned_data", "resample"])
+                                  "unaligned_data", "resample", "unknown_metric"])
 def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
     folder, model_dir, source, target = files
     cfg = config(model_dir, source, target)
@@ -87,6 +87,9 @@ def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
         cfg["model"]["path"] = str(m2m)
         cfg["model"]["source_lang"] = "en"
         parts = ("is a multilingual model (m2m_100): set model.target_lang",)
+    elif case == "unknown_metric":
+        cfg["data"]["metric"] = "meteor"
+        parts = ("data.metric must be one of bleu, chrf", "got 'meteor'")
     elif case == "resample":  # no attention type a donor can fill: the line says so, not an empty list of types
         cfg["sweep"]["ablation"] = "resample"
         parts = ("sweep.ablation resample is not available for hf_seq2seq models: no attention type of theirs can be "

@@ -1,11 +1,13 @@
-"""Evaluation adapter for transformers encoder-decoder models: beam-search BLEU per mask through ``model.generate``.
+"""Evaluation adapter for transformers encoder-decoder models: beam-search BLEU or chrF per mask through
+``model.generate``.
 
 Every mask is evaluated by the model's own ``generate`` (beam search with the run's ``num_beams``,
 ``max_new_tokens`` and ``length_penalty``, the model's generation config for the rest) over the whole evaluation set,
 sentences sorted by token length into batches of ``sweep.batch_size``. Hypotheses are decoded as users decode them
-(``tokenizer.batch_decode(..., skip_special_tokens=True)``) and scored against the references with sacrebleu: each
-sentence's BLEU sufficient statistics are stored, the corpus score is computed from their sum, and the driver's
-paired bootstrap resamples them as it does for ``fairseq_translation``.
+(``tokenizer.batch_decode(..., skip_special_tokens=True)``) and scored against the references with sacrebleu's BLEU or
+chrF (``data.metric``, :mod:`headsweep.workers.core.translation_scores`): each sentence's sufficient statistics are
+stored, the corpus score is computed from their sum, and the driver's paired bootstrap resamples them as it does for
+``fairseq_translation``.
 
 Several masks share one search (:mod:`.generation`): the batch is repeated once per mask and every row carries its
 mask's gates. With ``sweep.reuse`` (the default) masks that gate no ``enc_self`` head read the batch's baseline
@@ -24,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from sacrebleu.metrics import BLEU as SacreBLEU
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.registry import method_of
@@ -32,7 +33,8 @@ from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, M
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.mask_grid import GridBatch, mask_grid
-from headsweep.workers.core.metrics import BLEU
+from headsweep.workers.core.metrics import Metric
+from headsweep.workers.core.translation_scores import sentence_scorer
 from headsweep.workers.core.workload import median_batch, take_rows
 from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.data.text_files import parallel_set_name
@@ -75,8 +77,6 @@ class Batch:
 class Seq2SeqAdapter:
     """A gated transformers encoder-decoder model with its evaluation set (an ``EvalAdapter``)."""
 
-    metric = BLEU
-
     def __init__(self, model_cfg: Seq2SeqModel, data_cfg: Seq2SeqData, runtime: RuntimeOptions):
         method = method_of(runtime.ablation)
         if method.needs_pairs:
@@ -101,7 +101,8 @@ class Seq2SeqAdapter:
         self.gates = HeadGates(seq2seq_sites_or_error(self.model))
         self.batches = self.batched(runtime.batch_size)
         self._check_lengths()
-        self._bleu = SacreBLEU(force=True, references=[self.pairs.references])
+        self.scorer = sentence_scorer(data_cfg.metric, self.pairs.references)
+        self.metric: Metric = self.scorer.metric
         self.model_name = model_cfg.name or Path(model_cfg.path).name
         self._encoded: dict[int, torch.Tensor] = {}
         self.reuse_note = ("encoder: masks without enc_self heads share the batch's baseline encoder output "
@@ -160,7 +161,7 @@ class Seq2SeqAdapter:
                 "target_lang": self.cfg.target_lang,
                 "prefix": self.cfg.prefix,
                 "decode": "tokenizer.batch_decode(skip_special_tokens=True)",
-                "sacrebleu_signature": str(self._bleu.get_signature()),
+                "sacrebleu_signature": self.scorer.signature,
                 "loss": "not computed: examples.loss is null",
                 "batching": f"{self.runtime.batch_size} sentences per batch",
                 "reuse": self.reuse_note,
@@ -168,7 +169,7 @@ class Seq2SeqAdapter:
         )
 
     def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
-        """Each mask's per-sentence BLEU statistics and hypotheses."""
+        """Each mask's per-sentence metric statistics and hypotheses."""
         start = time.perf_counter()
         hypotheses = self.translate(masks)
         seconds_each = (time.perf_counter() - start) / max(1, len(masks))
@@ -180,8 +181,9 @@ class Seq2SeqAdapter:
         return results
 
     def sentence_stats(self, hypotheses: list[str]) -> np.ndarray:
-        """sacrebleu's per-sentence BLEU statistics (n, 10) of detokenised hypotheses (as fairseq_translation)."""
-        return np.asarray(self._bleu._extract_corpus_statistics(hypotheses, None), dtype=np.float64)
+        """sacrebleu's per-sentence statistics of detokenised hypotheses: (n, 10) for BLEU (as fairseq_translation),
+        (n, 18) for chrF."""
+        return self.scorer.sentence_stats(hypotheses)
 
     @torch.inference_mode()
     def translate(self, masks: Sequence[Sequence[Head]]) -> list[list[str]]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.core.setting_ranges import MAX_EXAMPLES, ranged
+from headsweep.workers.core.translation_scores import check_translation_metric
 from headsweep.workers.data.text_files import check_encoding
 
 
@@ -44,17 +45,20 @@ class Seq2SeqModel:
 class Seq2SeqData:
     """The evaluation set: raw parallel text, ``source`` and ``target`` files (one sentence a line, plain or ``.gz``)
     as ``fairseq_translation`` reads them; the target lines are the references as written. ``max_examples`` keeps
-    the first sentences."""
+    the first sentences. ``metric`` scores the hypotheses: ``bleu`` (sacrebleu's corpus BLEU) or ``chrf`` (sacrebleu's
+    chrF), from per-sentence statistics either way."""
 
     source: str | None = None
     target: str | None = None
     max_examples: int | None = ranged(None, within=MAX_EXAMPLES)
     name: str | None = None
     encoding: str = "utf-8"
+    metric: str = "bleu"
 
     def check(self) -> None:
         """What can be checked without the model or the files (the worker checks the rest)."""
         check_encoding(self.encoding)
+        check_translation_metric(self.metric)
         if not self.source or not self.target:
             raise HeadsweepError("config needs data.source and data.target (raw parallel text files, one sentence "
                                  "a line)")

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 class Seq2SeqFamily(TransformersFamily):
     """Marian, M2M100 / NLLB, mBART, BART, Pegasus, T5 / mT5 (``enc_self``, ``enc_dec`` and ``dec_self`` heads),
-    evaluated by beam search (``model.generate``) and BLEU. No physical pruning or export yet (refused in one
+    evaluated by beam search (``model.generate``) and BLEU or chrF. No physical pruning or export yet (refused in one
     line)."""
 
     def check_data(self, data_cfg: Seq2SeqData, key: str = "data") -> None:
