@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import sacrebleu
 import torch
-from tiny_seq2seq import KINDS, save_tiny_seq2seq, write_pairs, zeroed_head
+from tiny_seq2seq import KINDS, projection, save_tiny_seq2seq, write_pairs, zeroed_head
 
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
@@ -140,3 +140,145 @@ def test_packed_masks_and_encoder_reuse_change_nothing(tiny):
         assert np.array_equal(np.stack([r.stats for r in got]), np.stack([plain.sentence_stats(w) for w in want]))
     reused = adapters[True]
     assert "encoder" in reused.reuse_note and len(reused._encoded) == len(reused.batches)
+
+
+# -- mean and optimal ablation -------------------------------------------------------------------------------------
+# Both fill a gated-off head with one constant per head. The means are taken on teacher-forced references, as
+# fairseq_translation takes them: enc_self over the source tokens, enc_dec and dec_self over the decoder positions
+# of the shifted references (EvalAdapter.loss_batches), never over generated tokens; beam search then fills every
+# generated position with that constant.
+
+# summation order bound: float32, two encoder and two decoder layers (the decoder's two attentions count twice),
+# the longest inner product the feed-forward's 64
+DEPTH, WIDTH = 2 + 2 * 2, 64
+STEPS = 8  # optimal ablation's Adam updates per head: enough to move below the mean
+
+
+def direct_means(model, tokenizer, sources: list[str], references: list[str]) -> tuple[dict, dict]:
+    """The independent route to the means: a fresh model, one sentence at a time (no padding at all), teacher-forced
+    by transformers itself (``labels``: the model shifts them right), a pre-hook on every output projection;
+    averaged in float64 here. Per head name's site ``attention:layer``: the mean input (C,) and the token count."""
+    sums: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for attention in ("enc_self", "enc_dec", "dec_self"):
+        for layer in range(2):
+            proj, _ = projection(model, Head(attention, layer, 0))
+            rows = sums.setdefault(f"{attention}:{layer}", [])
+            handles.append(proj.register_forward_pre_hook(lambda _m, args, rows=rows: rows.append(args[0][0].double())))
+    try:
+        with torch.no_grad():
+            for source, reference in zip(sources, references, strict=True):
+                labels = tokenizer(text_target=[reference], return_tensors="pt")["input_ids"]
+                model(**tokenizer([source], return_tensors="pt"), labels=labels)
+    finally:
+        for handle in handles:
+            handle.remove()
+    means = {name: torch.cat(rows).mean(dim=0).numpy() for name, rows in sums.items()}
+    return means, {name: sum(len(r) for r in rows) for name, rows in sums.items()}
+
+
+def installed(values: dict):
+    """The fill of ``values`` (site name -> (H, d) array, as the driver stores them), built as a worker builds it."""
+    from headsweep.workers.ablation.spec import AblationSpec
+    from headsweep.workers.ablation.worker_fill import fill_of
+
+    return fill_of(AblationSpec("mean"), values)
+
+
+def test_mean_ablation_equals_bias_fold_surgery_with_identical_beams(tiny):
+    """The means (teacher-forced references, padding excluded) against a direct one-sentence route; then every head
+    mean-ablated through beam search against the stock model whose output projection has the head's input columns
+    zeroed and ``W_O[:, h] @ mean_h`` added to its bias (T5's ``o`` has no bias: the surgery gives it one)."""
+    from ablation_routes import folded_fill
+    from tolerances import assert_routes_agree
+
+    from headsweep.workers.ablation.means import reference_means
+    from headsweep.workers.ablation.spec import AblationSpec
+
+    kind, model_dir, source, target, adapters = tiny
+    adapter = adapters[False]
+    sources, references = source.read_text().splitlines(), target.read_text().splitlines()
+    means = reference_means(adapter, AblationSpec("mean"), "evaluation data")
+    values = {f"{a}:{layer}": v.cpu().numpy() for (a, layer), v in means.fill.values.items()}
+    reference = fresh(model_dir)
+    direct, counts = direct_means(reference, adapter.tokenizer, sources, references)
+    assert set(values) == set(direct)
+    for name, value in direct.items():
+        # summation order: padded batches of 4 against one sentence at a time (float32)
+        assert_routes_agree(values[name].reshape(-1), value, depth=DEPTH, width=WIDTH, dtype=torch.float32,
+                            what=(kind, name))
+        key = tuple(name.split(":"))
+        assert means.tokens[(key[0], int(key[1]))] == counts[name], name  # real tokens only, padding left out
+    assert counts["enc_dec:0"] == sum(len(adapter.tokenizer(text_target=r)["input_ids"]) for r in references)
+
+    # One head of each site (each attention type, both layers): every head's gate is proved by the zero-ablation
+    # test above; here the fill, which is the same per-site code for every head of a site.
+    heads = [Head(a, layer, (layer + i) % 4) for i, a in enumerate(("enc_self", "enc_dec", "dec_self"))
+             for layer in range(2)]
+    adapter.runtime.masks_per_batch = len(heads)  # each route in one generate per batch
+    try:
+        zeroed = adapter.evaluate([[h] for h in heads])
+        adapter.gates.set_fill(installed(values))
+        filled = adapter.evaluate([[h] for h in heads])
+    finally:
+        adapter.gates.set_fill(None)
+        adapter.runtime.masks_per_batch = 1
+    differs = 0
+    for head, got, zero in zip(heads, filled, zeroed, strict=True):
+        proj, head_dim = projection(reference, head)
+        mean = torch.from_numpy(values[f"{head.attention}:{head.layer}"][head.head])
+        with folded_fill(proj, head_dim, {head.head: mean}):
+            expected = batch_translations(reference, adapter.tokenizer, sources, adapter.generation)
+        assert got.outputs == expected, f"{kind} {head}"
+        differs += got.outputs != zero.outputs
+    # other: the check can fail: a fill the gate ignored would give zero ablation's beams
+    assert differs >= 2, f"{kind}: the mean changes the beams of only {differs} of {len(heads)} heads"
+
+
+def test_optimal_constants_beat_the_mean_and_equal_surgery(tiny):
+    """Optimal ablation's training on the teacher-forced references, for a cross- and a decoder self-attention head
+    (encoder heads train as every other family's do): the loss a trained constant claims is the stock model's under
+    the bias-fold surgery, at most the mean's; installed as a worker installs it, beam search equals the surgery's.
+    Marian only: the training is the same code for T5, whose bias-less projection the mean test covers."""
+    from ablation_routes import folded_fill
+    from tolerances import assert_routes_agree
+
+    from headsweep.workers.ablation.means import reference_means
+    from headsweep.workers.ablation.optimal import OptimalSettings, train_head
+    from headsweep.workers.ablation.spec import AblationSpec
+
+    kind, model_dir, source, _, adapters = tiny
+    if kind != "marian":
+        pytest.skip("optimal ablation's training runs on Marian (the same code for T5; the mean test covers T5)")
+    adapter = adapters[False]
+    spec = AblationSpec("optimal", settings=OptimalSettings(steps=STEPS, lr=0.05))
+    means = reference_means(adapter, AblationSpec("mean"), "reference").fill
+    sources = source.read_text().splitlines()
+    reference = fresh(model_dir)
+    gains = []
+    for head in (Head("enc_dec", 0, 1), Head("dec_self", 1, 3)):
+        constant, record = train_head(adapter, spec, means, head)
+        site = {s.key: s for s in adapter.gates.sites}[head.site]
+        losses = {}
+        for name, value in (("mean", means.values[head.site][head.head]), ("optimal", constant)):
+            with folded_fill(site.out_proj, site.head_dim, {head.head: value}), torch.no_grad():
+                batches = adapter.loss_batches(None, torch.float32).batches
+                losses[name] = sum(float(b.loss()) for b in batches) / sum(b.n_examples for b in batches)
+        # summation order: the gate route against the folded projection (float32 loss through the layers)
+        assert_routes_agree(record["loss_mean"], losses["mean"], depth=DEPTH, width=WIDTH, what=(head, "mean"))
+        assert_routes_agree(record["loss_optimal"], losses["optimal"], depth=DEPTH, width=WIDTH, what=(head, "opt"))
+        assert losses["optimal"] <= losses["mean"] and 0 < record["updates"] <= STEPS, (head, losses, record)
+        gains.append(losses["mean"] - losses["optimal"])
+
+        values = {f"{a}:{layer}": v.detach().cpu().numpy().copy() for (a, layer), v in means.values.items()}
+        values[f"{head.attention}:{head.layer}"][head.head] = constant.detach().numpy()
+        adapter.gates.set_fill(installed(values))
+        try:
+            (got,) = adapter.evaluate([[head]])
+        finally:
+            adapter.gates.set_fill(None)
+        proj, head_dim = projection(reference, head)
+        with folded_fill(proj, head_dim, {head.head: constant.detach()}):
+            expected = batch_translations(reference, adapter.tokenizer, sources, adapter.generation)
+        assert got.outputs == expected, f"{kind} {head}"
+    assert max(gains) > 1e-4, gains  # training moved at least one constant below the mean's loss

@@ -64,7 +64,7 @@ def test_every_head_of_every_attention_type_with_bleu_from_its_stored_hypotheses
 
 
 @pytest.mark.parametrize("case", ["causal_lm_as_seq2seq", "seq2seq_as_causal_lm", "multilingual_without_codes",
-                                  "unaligned_data", "resample", "unknown_metric"])
+                                  "unaligned_data", "resample", "patch", "per_position_mean", "unknown_metric"])
 def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
     folder, model_dir, source, target = files
     cfg = config(model_dir, source, target)
@@ -87,6 +87,14 @@ def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
         cfg["model"]["path"] = str(m2m)
         cfg["model"]["source_lang"] = "en"
         parts = ("is a multilingual model (m2m_100): set model.target_lang",)
+    elif case == "patch":  # the line suggests only what the family runs (not resample)
+        cfg["sweep"]["ablation"] = "patch"
+        parts = ("hf_seq2seq has no paired data format (data.task: paired); use sweep.ablation mean",)
+    elif case == "per_position_mean":
+        cfg["sweep"]["ablation"] = "mean"
+        cfg["ablation"] = {"positions": "per_position"}
+        parts = ("ablation.positions: per_position is not available for hf_seq2seq models",
+                 "use ablation.positions: all")
     elif case == "unknown_metric":
         cfg["data"]["metric"] = "meteor"
         parts = ("data.metric must be one of bleu, chrf", "got 'meteor'")
