@@ -5,11 +5,14 @@ unmasked BLEU equals a plain ``generate`` + sacrebleu loop; packed masks and enc
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import sacrebleu
 import torch
 from tiny_seq2seq import KINDS, projection, save_tiny_seq2seq, write_pairs, zeroed_head
+from tolerances import assert_routes_agree
 
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
@@ -190,7 +193,6 @@ def test_mean_ablation_equals_bias_fold_surgery_with_identical_beams(tiny):
     mean-ablated through beam search against the stock model whose output projection has the head's input columns
     zeroed and ``W_O[:, h] @ mean_h`` added to its bias (T5's ``o`` has no bias: the surgery gives it one)."""
     from ablation_routes import folded_fill
-    from tolerances import assert_routes_agree
 
     from headsweep.workers.ablation.means import reference_means
     from headsweep.workers.ablation.spec import AblationSpec
@@ -241,7 +243,6 @@ def test_optimal_constants_beat_the_mean_and_equal_surgery(tiny):
     the bias-fold surgery, at most the mean's; installed as a worker installs it, beam search equals the surgery's.
     Marian only: the training is the same code for T5, whose bias-less projection the mean test covers."""
     from ablation_routes import folded_fill
-    from tolerances import assert_routes_agree
 
     from headsweep.workers.ablation.means import reference_means
     from headsweep.workers.ablation.optimal import OptimalSettings, train_head
@@ -282,3 +283,38 @@ def test_optimal_constants_beat_the_mean_and_equal_surgery(tiny):
             expected = batch_translations(reference, adapter.tokenizer, sources, adapter.generation)
         assert got.outputs == expected, f"{kind} {head}"
     assert max(gains) > 1e-4, gains  # training moved at least one constant below the mean's loss
+
+
+def test_reference_loss_equals_transformers_own_loss_per_sentence(tiny):
+    """``sweep.loss``: each reference's teacher-forced cross-entropy, unmasked and with a decoder head gated, against
+    transformers' own ``labels`` loss of one sentence at a time on a fresh model (the gated head by weight surgery);
+    packed masks and encoder reuse give the plain path's losses."""
+    from headsweep.workers.families.hf_seq2seq.config import Seq2SeqRuntime
+
+    kind, model_dir, source, target, _ = tiny
+    family = model_family("hf_seq2seq")
+    model_cfg = family.model_config(path=str(model_dir), max_new_tokens=8)
+    data_cfg = family.data_config(source=str(source), target=str(target))
+    plain = family.load(model_cfg, data_cfg, Seq2SeqRuntime(batch_size=BATCH, reuse=False, masks_per_batch=1,
+                                                            loss=True))
+    packed = family.load(model_cfg, data_cfg, Seq2SeqRuntime(batch_size=BATCH, reuse=True, masks_per_batch=3,
+                                                             loss=True))
+    masks = [[], [Head("dec_self", 1, 2)], [Head("enc_self", 0, 1)], [Head("enc_dec", 0, 0), Head("dec_self", 0, 3)]]
+    want = plain.evaluate(masks)
+    assert "teacher-forced" in plain.describe().facts["loss"]
+    reference = fresh(model_dir)
+    tok = plain.tokenizer
+    for mask, got in zip(masks[:2], want[:2], strict=True):
+        with zeroed_head(reference, mask[0]) if mask else contextlib.nullcontext(), torch.no_grad():
+            direct = [float(reference(**tok([s], return_tensors="pt"),
+                                      labels=tok(text_target=[r], return_tensors="pt")["input_ids"]).loss)
+                      for s, r in zip(source.read_text().splitlines(), target.read_text().splitlines(), strict=True)]
+        # summation order: padded batches of 4 against one sentence at a time (float32 logits)
+        assert_routes_agree(got.loss, np.array(direct), depth=DEPTH, width=WIDTH, dtype=torch.float32,
+                            what=(kind, mask))
+    assert not np.allclose(want[1].loss, want[0].loss)  # other: the gate moves the loss (the check can fail)
+    for mask, got, expected in zip(masks, packed.evaluate(masks), want, strict=True):
+        # summation order: several masks per pass (taller matrices), the encoder output read from the cache
+        assert_routes_agree(got.loss, expected.loss, depth=DEPTH, width=WIDTH, dtype=torch.float32,
+                            what=(kind, mask))
+        assert got.outputs == expected.outputs

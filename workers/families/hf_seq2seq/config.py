@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.setting_ranges import MAX_EXAMPLES, ranged
 from headsweep.workers.core.translation_scores import check_translation_metric
 from headsweep.workers.data.text_files import check_encoding
@@ -62,3 +63,11 @@ class Seq2SeqData:
         if not self.source or not self.target:
             raise HeadsweepError("config needs data.source and data.target (raw parallel text files, one sentence "
                                  "a line)")
+
+
+@dataclass
+class Seq2SeqRuntime(RuntimeOptions):
+    """How the hf_seq2seq adapter runs: :class:`RuntimeOptions` and ``sweep.loss``, as ``fairseq_translation`` reads
+    it: the teacher-forced pass per mask that fills ``examples.loss`` (else null; it costs a pass of its own)."""
+
+    loss: bool = False

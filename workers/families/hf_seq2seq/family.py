@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from headsweep.workers.families.hf_seq2seq.config import Seq2SeqData, Seq2SeqModel
+from headsweep.workers.families.hf_seq2seq.config import Seq2SeqData, Seq2SeqModel, Seq2SeqRuntime
 from headsweep.workers.families.hf_shared.family import TransformersFamily
 
 if TYPE_CHECKING:
@@ -82,4 +82,5 @@ class Seq2SeqFamily(TransformersFamily):
 
 HF_SEQ2SEQ = Seq2SeqFamily("hf_seq2seq", Seq2SeqModel, Seq2SeqData,
                            "headsweep.workers.families.hf_seq2seq.adapter:load_seq2seq_adapter",
-                           hub_ids=True, fills_by_position=False, resample_attention=())
+                           hub_ids=True, fills_by_position=False, resample_attention=(),
+                           runtime_options=Seq2SeqRuntime)
