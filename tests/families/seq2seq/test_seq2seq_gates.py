@@ -318,3 +318,12 @@ def test_reference_loss_equals_transformers_own_loss_per_sentence(tiny):
         assert_routes_agree(got.loss, expected.loss, depth=DEPTH, width=WIDTH, dtype=torch.float32,
                             what=(kind, mask))
         assert got.outputs == expected.outputs
+
+
+def test_roles_refused_in_one_line(tiny):
+    """roles asks the family for an attention reader on a worker before anything is written: one line."""
+    from headsweep.errors import HeadsweepError
+
+    with pytest.raises(HeadsweepError, match=r"^model family 'hf_seq2seq' does not support the roles experiment .*"
+                                             r"leave roles out of sweep.experiments"):
+        model_family("hf_seq2seq").attention_reader(tiny[4][True])

@@ -102,6 +102,12 @@ class Seq2SeqFamily(TransformersFamily):
     def attention_weights(self, model: nn.Module, sites: Any, consume: Any) -> Any:
         raise self._unsupported("reading attention weights (roles, relevance propagation)")
 
+    def attention_reader(self, adapter: Any) -> Any:
+        """Refused in one line (asked on a worker before anything is written): roles needs per-head attention maps
+        over teacher-forced references and the tokenizer's pieces, which this family does not read yet."""
+        raise self._unsupported("the roles experiment (per-head attention maps of encoder-decoder transformers are "
+                                "not read yet): leave roles out of sweep.experiments")
+
 
 HF_SEQ2SEQ = Seq2SeqFamily("hf_seq2seq", Seq2SeqModel, Seq2SeqData,
                            "headsweep.workers.families.hf_seq2seq.adapter:load_seq2seq_adapter",
