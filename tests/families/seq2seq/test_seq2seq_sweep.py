@@ -33,6 +33,7 @@ def sweep_run(files, ray_address):
     folder, model_dir, source, target = files
     heldout_source, heldout_target = write_pairs(folder, 8, seed=5, split="valid")
     cfg = config(model_dir, source, target)
+    cfg["data"]["metric"] = "chrf"  # BLEU, the default, is the same path with other statistics (test_seq2seq_gates)
     cfg["sweep"]["experiments"] = ["baseline", "single_head", "importance", "prune_level"]
     cfg["importance"] = {"data": {"source": str(heldout_source), "target": str(heldout_target)}}
     cfg["prune"] = {"levels": [0.0, 0.5, 1.0]}
@@ -43,7 +44,7 @@ def sweep_run(files, ray_address):
     return ResultStore(str(folder / "store")), proc.stdout.strip()
 
 
-def test_every_head_of_every_attention_type_with_bleu_from_its_stored_hypotheses(sweep_run, files):
+def test_every_head_of_every_attention_type_with_chrf_from_its_stored_hypotheses(sweep_run, files):
     store, run_id = sweep_run
     references = files[3].read_text().splitlines()
     evals = store.read("evaluations", run_id).to_pylist()
@@ -51,16 +52,18 @@ def test_every_head_of_every_attention_type_with_bleu_from_its_stored_hypotheses
     assert sorted((e["attention"], e["layer"], e["head"]) for e in single) == sorted(
         (a, layer, h) for a in ("enc_self", "enc_dec", "dec_self") for layer in range(2) for h in range(4))
     [run] = store.read("runs", run_id).to_pylist()
-    assert run["status"] == "complete" and run["metric"] == "bleu"
-    assert "hf_seq2seq" in run["config"] and "tok:13a" in run["facts"]
+    assert run["status"] == "complete" and run["metric"] == "chrf"
+    assert "hf_seq2seq" in run["config"] and "nc:6|nw:0" in run["facts"]
     rows = store.read("examples", run_id).to_pylist()
     for e in evals:
         mine = sorted((r for r in rows if r["eval_id"] == e["eval_id"]), key=lambda r: int(r["example_id"]))
         hypotheses = [r["output"] for r in mine]
-        assert e["score"] == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [references]).score, abs=1e-9)
-        assert [r["stats"][0] for r in mine] == [len(h.split()) for h in hypotheses]
+        # other: float64 chrF from the stored per-sentence statistics' sum against sacrebleu's own
+        assert e["score"] == pytest.approx(sacrebleu.corpus_chrf(hypotheses, [references]).score, rel=1e-12)
+        assert all(len(r["stats"]) == 18 for r in mine)
     significance = store.read("significance", run_id).to_pylist()
     assert {r["eval_id"] for r in significance} >= {e["eval_id"] for e in single}
+    assert {r["test"] for r in significance} == {"paired_bootstrap"}
 
 
 @pytest.mark.parametrize("case", ["causal_lm_as_seq2seq", "seq2seq_as_causal_lm", "multilingual_without_codes",
