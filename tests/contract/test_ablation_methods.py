@@ -53,10 +53,11 @@ def is_translation(case: FamilyCase) -> bool:
 
 
 def fills_per_example(built: Built) -> bool:
-    """Whether the family fills some attention type from another input (resample; hf_seq2seq fills none)."""
+    """Whether the family fills some attention type from another input (resample; ``resample_attention`` None:
+    every type; hf_seq2seq's empty tuple: none)."""
     from headsweep.workers.families.registry import model_family
 
-    return bool(model_family(built.model["kind"]).resample_attention)
+    return model_family(built.model["kind"]).resample_attention != ()
 
 
 # -- the fills ---------------------------------------------------------------------------------------------------
