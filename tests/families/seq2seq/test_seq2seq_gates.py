@@ -213,10 +213,9 @@ def test_mean_ablation_equals_bias_fold_surgery_with_identical_beams(tiny):
         assert means.tokens[(key[0], int(key[1]))] == counts[name], name  # real tokens only, padding left out
     assert counts["enc_dec:0"] == sum(len(adapter.tokenizer(text_target=r)["input_ids"]) for r in references)
 
-    # One head of each site (each attention type, both layers): every head's gate is proved by the zero-ablation
-    # test above; here the fill, which is the same per-site code for every head of a site.
-    heads = [Head(a, layer, (layer + i) % 4) for i, a in enumerate(("enc_self", "enc_dec", "dec_self"))
-             for layer in range(2)]
+    # One head of each attention type (both layers between them): every head's gate is proved by the zero-ablation
+    # test above; here the fill, which is the same per-site code for every head.
+    heads = [Head("enc_self", 0, 0), Head("enc_dec", 1, 1), Head("dec_self", 0, 2)]
     adapter.runtime.masks_per_batch = len(heads)  # each route in one generate per batch
     try:
         zeroed = adapter.evaluate([[h] for h in heads])
@@ -234,7 +233,7 @@ def test_mean_ablation_equals_bias_fold_surgery_with_identical_beams(tiny):
         assert got.outputs == expected, f"{kind} {head}"
         differs += got.outputs != zero.outputs
     # other: the check can fail: a fill the gate ignored would give zero ablation's beams
-    assert differs >= 2, f"{kind}: the mean changes the beams of only {differs} of {len(heads)} heads"
+    assert differs >= 1, f"{kind}: the mean changes the beams of none of {len(heads)} heads"
 
 
 def test_optimal_constants_beat_the_mean_and_equal_surgery(tiny):
@@ -300,7 +299,8 @@ def test_reference_loss_equals_transformers_own_loss_per_sentence(tiny):
     packed = family.load(model_cfg, data_cfg, Seq2SeqRuntime(batch_size=BATCH, reuse=True, masks_per_batch=3,
                                                              loss=True))
     masks = [[], [Head("dec_self", 1, 2)], [Head("enc_self", 0, 1)], [Head("enc_dec", 0, 0), Head("dec_self", 0, 3)]]
-    want = plain.evaluate(masks)
+    # the loss pass alone (evaluate runs it after the beam search, which the other tests cover)
+    want = plain.reference_loss(masks)
     assert "teacher-forced" in plain.describe().facts["loss"]
     reference = fresh(model_dir)
     tok = plain.tokenizer
@@ -310,14 +310,14 @@ def test_reference_loss_equals_transformers_own_loss_per_sentence(tiny):
                                       labels=tok(text_target=[r], return_tensors="pt")["input_ids"]).loss)
                       for s, r in zip(source.read_text().splitlines(), target.read_text().splitlines(), strict=True)]
         # summation order: padded batches of 4 against one sentence at a time (float32 logits)
-        assert_routes_agree(got.loss, np.array(direct), depth=DEPTH, width=WIDTH, dtype=torch.float32,
-                            what=(kind, mask))
-    assert not np.allclose(want[1].loss, want[0].loss)  # other: the gate moves the loss (the check can fail)
-    for mask, got, expected in zip(masks, packed.evaluate(masks), want, strict=True):
+        assert_routes_agree(got, np.array(direct), depth=DEPTH, width=WIDTH, dtype=torch.float32, what=(kind, mask))
+    assert not np.allclose(want[1], want[0])  # other: the gate moves the loss (the check can fail)
+    for mask, got, expected in zip(masks, packed.reference_loss(masks), want, strict=True):
         # summation order: several masks per pass (taller matrices), the encoder output read from the cache
-        assert_routes_agree(got.loss, expected.loss, depth=DEPTH, width=WIDTH, dtype=torch.float32,
-                            what=(kind, mask))
-        assert got.outputs == expected.outputs
+        assert_routes_agree(got, expected, depth=DEPTH, width=WIDTH, dtype=torch.float32, what=(kind, mask))
+    assert len(packed._encoded) == len(packed.batches)  # the decoder-only masks read the cached encoder output
+    [scored] = plain.evaluate([[]])  # evaluate stores it beside the beams
+    np.testing.assert_array_equal(scored.loss, want[0])  # exact: the same pass on the same batches
 
 
 def test_roles_refused_in_one_line(tiny):
