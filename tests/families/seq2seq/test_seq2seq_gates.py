@@ -320,10 +320,22 @@ def test_reference_loss_equals_transformers_own_loss_per_sentence(tiny):
     np.testing.assert_array_equal(scored.loss, want[0])  # exact: the same pass on the same batches
 
 
-def test_roles_refused_in_one_line(tiny):
-    """roles asks the family for an attention reader on a worker before anything is written: one line."""
+def test_roles_and_lrp_refused_in_one_line(tiny):
+    """roles and LRP importance read attention weights, which this family does not: each is refused by the question
+    the driver asks a worker before anything is written (a run stopped there writes nothing)."""
     from headsweep.errors import HeadsweepError
+    from headsweep.workers.analyses.lrp import lrp_problem_on_worker
 
+    adapter = tiny[4][True]
     with pytest.raises(HeadsweepError, match=r"^model family 'hf_seq2seq' does not support the roles experiment .*"
                                              r"leave roles out of sweep.experiments"):
-        model_family("hf_seq2seq").attention_reader(tiny[4][True])
+        model_family("hf_seq2seq").attention_reader(adapter)
+
+    class Worker:  # the one method of EvalWorker the question calls
+        def adapter(self, data_cfg):
+            assert data_cfg is None
+            return adapter
+
+    assert lrp_problem_on_worker(Worker(), None) == (
+        "importance.method lrp: model family 'hf_seq2seq' does not support reading attention weights (roles, "
+        "relevance propagation); use importance.method gradient")
