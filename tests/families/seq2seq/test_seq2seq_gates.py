@@ -320,16 +320,48 @@ def test_reference_loss_equals_transformers_own_loss_per_sentence(tiny):
     np.testing.assert_array_equal(scored.loss, want[0])  # exact: the same pass on the same batches
 
 
-def test_roles_and_lrp_refused_in_one_line(tiny):
-    """roles and LRP importance read attention weights, which this family does not: each is refused by the question
-    the driver asks a worker before anything is written (a run stopped there writes nothing)."""
-    from headsweep.errors import HeadsweepError
+def test_roles_maps_equal_transformers_own_attentions(tiny):
+    """roles' maps (teacher-forced on the references, hooks on the eager path) against the attentions transformers
+    itself returns (``output_attentions=True``: encoder, decoder and cross attentions) on a fresh model, batch by
+    batch, every site; T5's modules return their position bias where BART-style ones return the weights, and the
+    bias has the weights' shape: reading it would fail here. Then every head gets its statistics."""
+    from headsweep.sweep.experiments.roles.settings import RolesSection
+    from headsweep.sweep.experiments.roles.worker import attention_maps, head_roles
+
+    kind, model_dir, _, _, adapters = tiny
+    adapter = adapters[False]
+    reference = fresh(model_dir)
+    reference.set_attn_implementation("eager")
+    specials = set(adapter.tokenizer.all_special_ids) - {adapter.tokenizer.unk_token_id}
+    sentences = 0
+    for batch, maps in zip(adapter.batches, attention_maps(adapter, "hf_seq2seq"), strict=True):
+        labels = adapter.reference_labels(batch)
+        decoder_ids = reference.prepare_decoder_input_ids_from_labels(labels=labels)
+        with torch.no_grad():
+            out = reference(**batch.inputs, decoder_input_ids=decoder_ids, output_attentions=True, use_cache=False)
+        own = {"enc_self": out.encoder_attentions, "dec_self": out.decoder_attentions, "enc_dec": out.cross_attentions}
+        assert set(maps) == {(a, layer) for a in own for layer in range(2)}
+        for (attention, layer), site in maps.items():
+            # exact: the same eager modules on the same inputs
+            assert torch.equal(site.weights, own[attention][layer]), (kind, attention, layer)
+        source, target = maps[("enc_dec", 0)].keys, maps[("enc_dec", 0)].queries
+        assert torch.equal(source.ids, batch.inputs["input_ids"]) and torch.equal(target.ids, decoder_ids)
+        assert torch.equal(target.real, labels.ne(-100)) and target.special[:, 0].all()  # the start token
+        assert torch.equal(source.special, torch.isin(source.ids, torch.tensor(sorted(specials))) & source.real)
+        assert maps[("dec_self", 1)].causal and not maps[("enc_self", 1)].causal
+        sentences += batch.rows
+    assert sentences == N_SENTENCES
+    result = head_roles(adapter, "hf_seq2seq", RolesSection())
+    assert len(result.heads) == 24 and result.n_sentences == N_SENTENCES
+    assert all(0 < h.confidence <= 1 for h in result.heads)
+
+
+def test_lrp_refused_in_one_line(tiny):
+    """LRP importance reads attention weights on its own path, which this family does not give: refused by the
+    question the driver asks a worker before anything is written (a run stopped there writes nothing)."""
     from headsweep.workers.analyses.lrp import lrp_problem_on_worker
 
     adapter = tiny[4][True]
-    with pytest.raises(HeadsweepError, match=r"^model family 'hf_seq2seq' does not support the roles experiment .*"
-                                             r"leave roles out of sweep.experiments"):
-        model_family("hf_seq2seq").attention_reader(adapter)
 
     class Worker:  # the one method of EvalWorker the question calls
         def adapter(self, data_cfg):
@@ -337,5 +369,5 @@ def test_roles_and_lrp_refused_in_one_line(tiny):
             return adapter
 
     assert lrp_problem_on_worker(Worker(), None) == (
-        "importance.method lrp: model family 'hf_seq2seq' does not support reading attention weights (roles, "
-        "relevance propagation); use importance.method gradient")
+        "importance.method lrp: model family 'hf_seq2seq' does not support relevance propagation (LRP); use "
+        "importance.method gradient")

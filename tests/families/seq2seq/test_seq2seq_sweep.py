@@ -34,7 +34,7 @@ def sweep_run(files, ray_address):
     heldout_source, heldout_target = write_pairs(folder, 8, seed=5, split="valid")
     cfg = config(model_dir, source, target)
     cfg["data"]["metric"] = "chrf"  # BLEU, the default, is the same path with other statistics (test_seq2seq_gates)
-    cfg["sweep"]["experiments"] = ["baseline", "single_head", "importance", "prune_level"]
+    cfg["sweep"]["experiments"] = ["baseline", "single_head", "importance", "prune_level", "roles"]
     cfg["importance"] = {"data": {"source": str(heldout_source), "target": str(heldout_target)}}
     cfg["prune"] = {"levels": [0.0, 0.5, 1.0]}
     (folder / "c.yaml").write_text(yaml.safe_dump(cfg))
@@ -112,6 +112,16 @@ def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
         parts = ("data.source has 6 lines but data.target has 5",)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     run_refused(tmp_path / "c.yaml", tmp_path / "store", ray_address, *parts)
+
+
+def test_roles_of_every_head(sweep_run):
+    """roles through the CLI: a row per head of every attention type (the maps themselves are checked against
+    transformers' own attentions in test_seq2seq_gates)."""
+    store, run_id = sweep_run
+    rows = store.read("head_roles", run_id).to_pylist()
+    assert sorted((r["attention"], r["layer"], r["head"]) for r in rows) == sorted(
+        (a, layer, h) for a in ("enc_self", "enc_dec", "dec_self") for layer in range(2) for h in range(4))
+    assert all(0 < r["confidence"] <= 1 and r["n_tokens"] > 0 for r in rows)
 
 
 def test_gradient_importance_ranks_every_head_and_prune_levels_follow_it(sweep_run):

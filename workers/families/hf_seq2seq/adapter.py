@@ -217,7 +217,7 @@ class Seq2SeqAdapter:
                                                                                         if g])
         return list(out)
 
-    def _labels(self, batch: Batch) -> torch.Tensor:
+    def reference_labels(self, batch: Batch) -> torch.Tensor:
         """The batch's references as labels, padding as -100 (transformers shifts them into the decoder's input)."""
         references = [self.pairs.references[int(i)] for i in batch.examples]
         labels = self.tokenizer(text_target=references, padding=True, return_tensors="pt")["input_ids"].to(self.device)
@@ -226,7 +226,7 @@ class Seq2SeqAdapter:
     def _teacher_forced(self, batch: GridBatch[Batch], chunk: list[Sequence[Head]]) -> np.ndarray:
         """One teacher-forced pass over the batch repeated once per mask of ``chunk``: per-row mean NLL, mask-major."""
         inputs, rows, k = batch.inputs.inputs, batch.rows, len(chunk)
-        labels = self._labels(batch.inputs).repeat(k, 1)
+        labels = self.reference_labels(batch.inputs).repeat(k, 1)
         stacked = {name: t.repeat(k, 1) for name, t in inputs.items()}
         if self.runtime.reuse and not any(gates_encoder(m) for m in chunk):
             from transformers.modeling_outputs import BaseModelOutput
@@ -303,7 +303,7 @@ class Seq2SeqAdapter:
         return LossBatches(batches, f"teacher-forced label-smoothed cross-entropy (epsilon {eps:g})")
 
     def _loss_batch(self, batch: Batch, epsilon: float, dtype: torch.dtype) -> LossBatch:
-        labels = self._labels(batch)
+        labels = self.reference_labels(batch)
         real_target = labels.ne(-100)
         real_source = batch.inputs["attention_mask"].bool()
         tokens = {s.key: real_source if s.attention == "enc_self" else real_target for s in self.gates.sites}

@@ -28,8 +28,8 @@ UNSAVED_POSITION_ROWS = {"marian": 0, "m2m_100": 2}
 
 class Seq2SeqFamily(TransformersFamily):
     """Marian, M2M100 / NLLB, mBART, BART, Pegasus, T5 / mT5 (``enc_self``, ``enc_dec`` and ``dec_self`` heads),
-    evaluated by beam search (``model.generate``) and BLEU or chrF. No physical pruning or export yet (refused in one
-    line)."""
+    evaluated by beam search (``model.generate``) and BLEU or chrF. No physical pruning or export, nor LRP, yet
+    (refused in one line)."""
 
     def check_data(self, data_cfg: Seq2SeqData, key: str = "data") -> None:
         """The settings and the raw parallel text itself (decoded, line-aligned, not empty), before Ray starts."""
@@ -100,13 +100,14 @@ class Seq2SeqFamily(TransformersFamily):
                                 "yet; the gates give every experiment)")
 
     def attention_weights(self, model: nn.Module, sites: Any, consume: Any) -> Any:
-        raise self._unsupported("reading attention weights (roles, relevance propagation)")
+        # roles reads its maps through Seq2SeqReader; LRP's conservative rules are not written for this family
+        raise self._unsupported("relevance propagation (LRP)")
 
     def attention_reader(self, adapter: Any) -> Any:
-        """Refused in one line (asked on a worker before anything is written): roles needs per-head attention maps
-        over teacher-forced references and the tokenizer's pieces, which this family does not read yet."""
-        raise self._unsupported("the roles experiment (per-head attention maps of encoder-decoder transformers are "
-                                "not read yet): leave roles out of sweep.experiments")
+        """Teacher-forced attention maps of every site (:mod:`.attention`): what roles reads."""
+        from headsweep.workers.families.hf_seq2seq.attention import Seq2SeqReader
+
+        return Seq2SeqReader(adapter)
 
 
 HF_SEQ2SEQ = Seq2SeqFamily("hf_seq2seq", Seq2SeqModel, Seq2SeqData,
