@@ -32,14 +32,15 @@ from headsweep.sweep.statistics.significance import (
 from headsweep.workers.core.metrics import METRICS, metric_by_name
 from headsweep.workers.core.work import WorkUnit
 
-# The papers' tests: paired bootstrap for BLEU (Koehn 2004), a t-test for accuracy, with
+# The papers' tests: paired bootstrap for BLEU (Koehn 2004; chrF too), a t-test for accuracy, with
 # McNemar's exact test as the better-founded companion for binary outcomes (``Metric.binary``: multiple
 # choice's ``accuracy_norm`` too). Perplexity: the paired bootstrap over windows (as for BLEU, a corpus score
 # from summed statistics), and a paired t-test on per-window mean NLL (``Metric.example_values``); logit_diff (paired
 # prompts) the same two, the t-test on per-pair logit differences.
 # The ``deltas`` view shows one test per evaluation (``headsweep.results.views.shown_test``): the metric's primary
 # test, one of these, unless significance.tests leaves it out.
-DEFAULT_TESTS = {"bleu": ["paired_bootstrap"], "accuracy": ["paired_ttest", "mcnemar_exact"],
+DEFAULT_TESTS = {"bleu": ["paired_bootstrap"], "chrf": ["paired_bootstrap"],
+                 "accuracy": ["paired_ttest", "mcnemar_exact"],
                  "accuracy_norm": ["paired_ttest", "mcnemar_exact"], "perplexity": ["paired_bootstrap", "paired_ttest"],
                  "logit_diff": ["paired_bootstrap", "paired_ttest"],
                  # lm-eval tasks' corpus metrics (data.task lm_eval): the bootstrap over documents, and a t-test on

@@ -52,6 +52,14 @@ def is_translation(case: FamilyCase) -> bool:
     return case.id.startswith("translation")
 
 
+def fills_per_example(built: Built) -> bool:
+    """Whether the family fills some attention type from another input (resample; ``resample_attention`` None:
+    every type; hf_seq2seq's empty tuple: none)."""
+    from headsweep.workers.families.registry import model_family
+
+    return model_family(built.model["kind"]).resample_attention != ()
+
+
 # -- the fills ---------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -267,12 +275,14 @@ def check_fill_equals_substitution(kind: str, fills: Fills) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_fill_equals_substitution_hook(case, fills, kind):
+def test_fill_equals_substitution_hook(case, built, fills, kind):
     """Per-position and per-example fills and keep_first against a hook that writes the head's values over its
     slice of the output projection's input, position by position."""
     if is_translation(case) and kind != "per_example":
         pytest.skip("translation: per_position and keep_first are refused (decoder attention runs incrementally); "
                     "constant fills are checked against weight surgery")
+    if kind == "per_example" and not fills_per_example(built):
+        pytest.skip(f"{case.id}: resample is refused (the family fills no attention type from another input)")
     check_fill_equals_substitution(kind, fills)
 
 
@@ -354,10 +364,12 @@ def check_reuse_and_packed_equal_plain(case: FamilyCase, kind: str, routes: Rout
 
 
 @pytest.mark.parametrize("kind", FILL_KINDS)
-def test_reuse_and_packed_equal_plain_under_fill(case, routes, variants, fills, kind):
+def test_reuse_and_packed_equal_plain_under_fill(case, built, routes, variants, fills, kind):
     """Prefix/encoder reuse and packed masks against the plain path, one mask per pass, under each fill."""
     if is_translation(case) and kind not in ("constant", "per_example"):
         pytest.skip("translation refuses per_position and keep_first")
+    if kind == "per_example" and not fills_per_example(built):
+        pytest.skip(f"{case.id}: resample is refused (the family fills no attention type from another input)")
     check_reuse_and_packed_equal_plain(case, kind, routes, variants, fills)
 
 

@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 import pytest
-from sacrebleu.metrics import BLEU
+from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.significance import PairedTest, _bootstrap_resample
 from scipy import stats as sps
 
@@ -23,6 +23,7 @@ from headsweep.sweep.statistics.significance import (
     resample_counts,
     significance_rows,
 )
+from headsweep.workers.core.metrics import chrf_from_stats
 
 N_SENT = 300
 N_RES = 1000
@@ -129,6 +130,34 @@ def test_bleu_from_stats_edge_cases_match_sacrebleu(hyps: list[str], refs: list[
     expected = BLEU().corpus_score(hyps, [refs]).score
     # other: float64 BLEU against sacrebleu's, as above
     assert bleu_from_stats(stats.sum(axis=0)) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def test_chrf_from_stats_equals_sacrebleu_corpus_score(corpus: dict) -> None:
+    hyps = [corpus["base"]] + corpus["systems"]
+    metric = CHRF(references=[corpus["refs"]])
+    stats = np.array([metric._extract_corpus_statistics(h, None) for h in hyps], dtype=np.float64)
+    ours = chrf_from_stats(stats.sum(axis=1), N_SENT)  # vectorised over systems
+    theirs = np.array([CHRF().corpus_score(h, [corpus["refs"]]).score for h in hyps])
+    assert stats.shape == (len(hyps), N_SENT, 18) and 20 < theirs.min() and theirs.max() < 95
+    # other: float64 chrF, vectorised here and per system in sacrebleu (another order of operations)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("hyps", "refs"),
+    [
+        (["abcdefg", "xy"], ["abcqefg", "xyz"]),  # partial matches
+        (["ab", "c"], ["abcdefgh", "cd"]),  # hypotheses shorter than orders 3-6: effective order
+        (["pqrs"], ["abcd"]),  # no match at all -> 0
+        (["", "a b c d e"], ["a b c d e", "a b c d e"]),  # empty hypothesis
+        (["abc"], [""]),  # empty reference
+    ],
+)
+def test_chrf_from_stats_edge_cases_match_sacrebleu(hyps: list[str], refs: list[str]) -> None:
+    stats = np.array(CHRF()._extract_corpus_statistics(hyps, [refs]), dtype=np.float64)
+    expected = CHRF().corpus_score(hyps, [refs]).score
+    # other: float64 chrF against sacrebleu's, as above
+    assert chrf_from_stats(stats.sum(axis=0)) == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
 def test_accuracy_from_stats() -> None:

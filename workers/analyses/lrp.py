@@ -211,3 +211,16 @@ def lrp_relevance(adapter: EvalAdapter, normalize: bool = True, mask: Sequence[H
 def lrp_on_worker(worker: Any, data_cfg: Any, normalize: bool, mask: Sequence[Head] = ()) -> ImportanceResult:
     """Worker-side step of ``importance`` with ``method: lrp`` (``EvalWorker.run``), on ``data_cfg``'s adapter."""
     return lrp_relevance(worker.adapter(data_cfg), normalize=normalize, mask=mask)
+
+
+def lrp_problem_on_worker(worker: Any, data_cfg: Any) -> str | None:
+    """Why relevance propagation cannot read the attention of this worker's model (None when it can), asked before
+    anything is written: the family's attention path entered and left, as :func:`lrp_rules` enters it."""
+    adapter = worker.adapter(data_cfg)
+    model = adapter.model
+    try:
+        with family_of_model(model).attention_weights(model, adapter.gates.sites, lambda _key, _weights: None):
+            pass
+    except HeadsweepError as exc:
+        return f"importance.method lrp: {exc}; use importance.method gradient"
+    return None

@@ -120,6 +120,42 @@ def bleu_from_stats(stats_sum: np.ndarray, n: int | None = None, effective_order
 BLEU = Metric("bleu", BLEU_STAT_NAMES, bleu_from_stats)
 
 
+# chrF (Popovic 2015) as sacrebleu 2.x's CHRF computes it by default: character n-grams of orders 1-6 (no word
+# n-grams), beta 2, effective-order averaging of the precisions and recalls (eps_smoothing off). Per sentence and order
+# n: [hyp_n, ref_n, match_n] (hypothesis n-grams, reference n-grams, matches), sacrebleu's order.
+CHRF_CHAR_ORDER = 6
+CHRF_BETA = 2
+CHRF_STAT_NAMES = tuple(f"{kind}_{n}" for n in range(1, CHRF_CHAR_ORDER + 1) for kind in ("hyp", "ref", "match"))
+# sacrebleu's epsilon for an order without n-grams (only its eps_smoothing variant, not ours, keeps it in the score).
+_CHRF_EPS = 1e-16
+
+
+def chrf_from_stats(stats_sum: np.ndarray, n: int | None = None) -> np.ndarray:
+    """Corpus chrF (0-100) from summed sentence statistics, as ``sacrebleu.CHRF`` (defaults) computes it.
+
+    ``stats_sum`` has shape (..., 18): per character order 1..6 ``[hyp, ref, match]``; every leading index is one
+    corpus (e.g. one bootstrap resample). Precision and recall are averaged over the orders where both hypothesis and
+    reference have n-grams (sacrebleu's effective order), then combined as F-beta with beta 2. ``n`` (the number of
+    sentences) is not needed and only kept for the ``Metric`` signature.
+    """
+    s = np.asarray(stats_sum, dtype=np.float64)
+    hyp, ref, match = s[..., 0::3], s[..., 1::3], s[..., 2::3]
+    counted = (hyp > 0) & (ref > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        precision = np.where(hyp > 0, match / np.where(hyp > 0, hyp, 1.0), _CHRF_EPS)
+        recall = np.where(ref > 0, match / np.where(ref > 0, ref, 1.0), _CHRF_EPS)
+        orders = counted.sum(axis=-1)
+        # sacrebleu adds the orders one at a time; summing in order 1..6 keeps its rounding
+        avg_p = np.where(orders > 0, np.where(counted, precision, 0.0).sum(axis=-1) / np.maximum(orders, 1), 0.0)
+        avg_r = np.where(orders > 0, np.where(counted, recall, 0.0).sum(axis=-1) / np.maximum(orders, 1), 0.0)
+        factor = CHRF_BETA**2
+        score = 100 * (1 + factor) * avg_p * avg_r / (factor * avg_p + avg_r)
+    return np.where(avg_p + avg_r > 0, score, 0.0)
+
+
+CHRF = Metric("chrf", CHRF_STAT_NAMES, chrf_from_stats)
+
+
 PERPLEXITY_STAT_NAMES = ("nll_sum", "n_tokens")
 
 
@@ -180,7 +216,7 @@ BITS_PER_BYTE = Metric("bits_per_byte", ROLLING_STAT_NAMES,
                        higher_is_better=False, example_values=_nll_per(2))
 LM_EVAL_METRICS = (LOGLIKELIHOOD_PERPLEXITY, WORD_PERPLEXITY, BYTE_PERPLEXITY, BITS_PER_BYTE)
 
-METRICS = {m.name: m for m in (ACCURACY, MC_ACCURACY_NORM, BLEU, PERPLEXITY, LOGIT_DIFF, *LM_EVAL_METRICS)}
+METRICS = {m.name: m for m in (ACCURACY, MC_ACCURACY_NORM, BLEU, CHRF, PERPLEXITY, LOGIT_DIFF, *LM_EVAL_METRICS)}
 
 #: Names of the metrics for which a lower score is better (the SQL views are generated from it).
 LOWER_IS_BETTER = tuple(m.name for m in METRICS.values() if not m.higher_is_better)

@@ -100,6 +100,12 @@ class Importance(Experiment):
         # read (labels outside its label set, text longer than its positions) fails before the baseline is written.
         if ctx.cfg.importance.method in ("gradient", "lrp"):
             ctx.pool.call(load_data_on_worker, importance_data(ctx.cfg))
+        if ctx.cfg.importance.method == "lrp":  # a family that reads no attention weights (hf_seq2seq): refused here
+            from headsweep.workers.analyses.lrp import lrp_problem_on_worker  # torch: on the workers
+
+            problem = ctx.pool.call(lrp_problem_on_worker, importance_data(ctx.cfg))
+            if problem:
+                raise HeadsweepError(problem)
 
     def run(self, ctx: Context) -> None:
         stored = stored_importance(ctx) if ctx.done else None

@@ -5,11 +5,14 @@ unmasked BLEU equals a plain ``generate`` + sacrebleu loop; packed masks and enc
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import sacrebleu
 import torch
-from tiny_seq2seq import KINDS, save_tiny_seq2seq, write_pairs, zeroed_head
+from tiny_seq2seq import KINDS, projection, save_tiny_seq2seq, write_pairs, zeroed_head
+from tolerances import assert_routes_agree
 
 from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.heads import Head
@@ -65,7 +68,12 @@ def test_sites_name_every_head_as_fairseq_translation_does(tiny):
         f"{a}:{layer}:{h}" for a in ("enc_self", "enc_dec", "dec_self") for layer in range(2) for h in range(4))
 
 
-def test_unmasked_bleu_equals_plain_generate_and_sacrebleu(tiny):
+def test_unmasked_bleu_and_chrf_equal_plain_generate_and_sacrebleu(tiny):
+    """BLEU (the default) and ``data.metric: chrf``: the corpus score of the stored per-sentence statistics is
+    sacrebleu's corpus score of the plain loop's translations; each sentence's chrF statistics score as sacrebleu's
+    ``sentence_chrf`` of that sentence."""
+    from headsweep.workers.core.metrics import CHRF
+
     _, model_dir, source, target, adapters = tiny
     adapter = adapters[True]
     [baseline] = adapter.evaluate([[]])
@@ -74,8 +82,26 @@ def test_unmasked_bleu_equals_plain_generate_and_sacrebleu(tiny):
     plain = plain_translations(fresh(model_dir), adapter.tokenizer, sources, adapter.generation)
     assert baseline.outputs == plain
     expected = sacrebleu.corpus_bleu(plain, [references]).score
+    assert adapter.describe().metric == "bleu"
     assert baseline.score == pytest.approx(expected, abs=1e-9)
     assert [len(h.split()) for h in plain] == baseline.stats[:, 0].tolist()  # hyp_len per sentence
+
+    family = model_family("hf_seq2seq")
+    chrf = family.load(family.model_config(path=str(model_dir), max_new_tokens=8),
+                       family.data_config(source=str(source), target=str(target), metric="chrf"),
+                       RuntimeOptions(batch_size=BATCH, masks_per_batch=1))
+    info = chrf.describe()
+    assert info.metric == "chrf" and len(info.stat_names) == 18 and "nc:6" in info.facts["sacrebleu_signature"]
+    [scored] = chrf.evaluate([[]])
+    assert scored.outputs == plain and scored.stats.shape == (N_SENTENCES, 18)
+    expected = sacrebleu.corpus_chrf(plain, [references]).score
+    assert 0 < expected < 100
+    # other: float64 chrF from the summed statistics against sacrebleu's own summing and scoring
+    assert scored.score == pytest.approx(expected, rel=1e-12)
+    for stats, hypothesis, reference in zip(scored.stats, plain, references, strict=True):
+        # other: float64, as above; sentence by sentence against sacrebleu's sentence score
+        assert CHRF.score(stats[None]) == pytest.approx(sacrebleu.sentence_chrf(hypothesis, [reference]).score,
+                                                        rel=1e-12, abs=1e-12)
 
 
 def test_every_gated_head_equals_weight_surgery_with_identical_beams(tiny):
@@ -117,3 +143,232 @@ def test_packed_masks_and_encoder_reuse_change_nothing(tiny):
         assert np.array_equal(np.stack([r.stats for r in got]), np.stack([plain.sentence_stats(w) for w in want]))
     reused = adapters[True]
     assert "encoder" in reused.reuse_note and len(reused._encoded) == len(reused.batches)
+
+
+# -- mean and optimal ablation -------------------------------------------------------------------------------------
+# Both fill a gated-off head with one constant per head. The means are taken on teacher-forced references, as
+# fairseq_translation takes them: enc_self over the source tokens, enc_dec and dec_self over the decoder positions
+# of the shifted references (EvalAdapter.loss_batches), never over generated tokens; beam search then fills every
+# generated position with that constant.
+
+# summation order bound: float32, two encoder and two decoder layers (the decoder's two attentions count twice),
+# the longest inner product the feed-forward's 64
+DEPTH, WIDTH = 2 + 2 * 2, 64
+STEPS = 8  # optimal ablation's Adam updates per head: enough to move below the mean
+
+
+def direct_means(model, tokenizer, sources: list[str], references: list[str]) -> tuple[dict, dict]:
+    """The independent route to the means: a fresh model, one sentence at a time (no padding at all), teacher-forced
+    by transformers itself (``labels``: the model shifts them right), a pre-hook on every output projection;
+    averaged in float64 here. Per head name's site ``attention:layer``: the mean input (C,) and the token count."""
+    sums: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for attention in ("enc_self", "enc_dec", "dec_self"):
+        for layer in range(2):
+            proj, _ = projection(model, Head(attention, layer, 0))
+            rows = sums.setdefault(f"{attention}:{layer}", [])
+            handles.append(proj.register_forward_pre_hook(lambda _m, args, rows=rows: rows.append(args[0][0].double())))
+    try:
+        with torch.no_grad():
+            for source, reference in zip(sources, references, strict=True):
+                labels = tokenizer(text_target=[reference], return_tensors="pt")["input_ids"]
+                model(**tokenizer([source], return_tensors="pt"), labels=labels)
+    finally:
+        for handle in handles:
+            handle.remove()
+    means = {name: torch.cat(rows).mean(dim=0).numpy() for name, rows in sums.items()}
+    return means, {name: sum(len(r) for r in rows) for name, rows in sums.items()}
+
+
+def installed(values: dict):
+    """The fill of ``values`` (site name -> (H, d) array, as the driver stores them), built as a worker builds it."""
+    from headsweep.workers.ablation.spec import AblationSpec
+    from headsweep.workers.ablation.worker_fill import fill_of
+
+    return fill_of(AblationSpec("mean"), values)
+
+
+def test_mean_ablation_equals_bias_fold_surgery_with_identical_beams(tiny):
+    """The means (teacher-forced references, padding excluded) against a direct one-sentence route; then every head
+    mean-ablated through beam search against the stock model whose output projection has the head's input columns
+    zeroed and ``W_O[:, h] @ mean_h`` added to its bias (T5's ``o`` has no bias: the surgery gives it one)."""
+    from ablation_routes import folded_fill
+
+    from headsweep.workers.ablation.means import reference_means
+    from headsweep.workers.ablation.spec import AblationSpec
+
+    kind, model_dir, source, target, adapters = tiny
+    adapter = adapters[False]
+    sources, references = source.read_text().splitlines(), target.read_text().splitlines()
+    means = reference_means(adapter, AblationSpec("mean"), "evaluation data")
+    values = {f"{a}:{layer}": v.cpu().numpy() for (a, layer), v in means.fill.values.items()}
+    reference = fresh(model_dir)
+    direct, counts = direct_means(reference, adapter.tokenizer, sources, references)
+    assert set(values) == set(direct)
+    for name, value in direct.items():
+        # summation order: padded batches of 4 against one sentence at a time (float32)
+        assert_routes_agree(values[name].reshape(-1), value, depth=DEPTH, width=WIDTH, dtype=torch.float32,
+                            what=(kind, name))
+        key = tuple(name.split(":"))
+        assert means.tokens[(key[0], int(key[1]))] == counts[name], name  # real tokens only, padding left out
+    assert counts["enc_dec:0"] == sum(len(adapter.tokenizer(text_target=r)["input_ids"]) for r in references)
+
+    # One head of each attention type (both layers between them): every head's gate is proved by the zero-ablation
+    # test above; here the fill, which is the same per-site code for every head.
+    heads = [Head("enc_self", 0, 0), Head("enc_dec", 1, 1), Head("dec_self", 0, 2)]
+    adapter.runtime.masks_per_batch = len(heads)  # each route in one generate per batch
+    try:
+        zeroed = adapter.evaluate([[h] for h in heads])
+        adapter.gates.set_fill(installed(values))
+        filled = adapter.evaluate([[h] for h in heads])
+    finally:
+        adapter.gates.set_fill(None)
+        adapter.runtime.masks_per_batch = 1
+    differs = 0
+    for head, got, zero in zip(heads, filled, zeroed, strict=True):
+        proj, head_dim = projection(reference, head)
+        mean = torch.from_numpy(values[f"{head.attention}:{head.layer}"][head.head])
+        with folded_fill(proj, head_dim, {head.head: mean}):
+            expected = batch_translations(reference, adapter.tokenizer, sources, adapter.generation)
+        assert got.outputs == expected, f"{kind} {head}"
+        differs += got.outputs != zero.outputs
+    # other: the check can fail: a fill the gate ignored would give zero ablation's beams
+    assert differs >= 1, f"{kind}: the mean changes the beams of none of {len(heads)} heads"
+
+
+def test_optimal_constants_beat_the_mean_and_equal_surgery(tiny):
+    """Optimal ablation's training on the teacher-forced references, for a decoder self-attention head (encoder heads
+    train as every other family's do; the fill is per-site code that the mean test runs on every attention type;
+    the contract suite's constant fills cover every head): the loss a trained constant claims is the stock model's under
+    the bias-fold surgery, at most the mean's; installed as a worker installs it, beam search equals the surgery's.
+    Marian only: the training is the same code for T5, whose bias-less projection the mean test covers."""
+    from ablation_routes import folded_fill
+
+    from headsweep.workers.ablation.means import reference_means
+    from headsweep.workers.ablation.optimal import OptimalSettings, train_head
+    from headsweep.workers.ablation.spec import AblationSpec
+
+    kind, model_dir, source, _, adapters = tiny
+    if kind != "marian":
+        pytest.skip("optimal ablation's training runs on Marian (the same code for T5; the mean test covers T5)")
+    adapter = adapters[False]
+    spec = AblationSpec("optimal", settings=OptimalSettings(steps=STEPS, lr=0.05))
+    means = reference_means(adapter, AblationSpec("mean"), "reference").fill
+    sources = source.read_text().splitlines()
+    reference = fresh(model_dir)
+    gains = []
+    for head in (Head("dec_self", 1, 3),):
+        constant, record = train_head(adapter, spec, means, head)
+        site = {s.key: s for s in adapter.gates.sites}[head.site]
+        losses = {}
+        for name, value in (("mean", means.values[head.site][head.head]), ("optimal", constant)):
+            with folded_fill(site.out_proj, site.head_dim, {head.head: value}), torch.no_grad():
+                batches = adapter.loss_batches(None, torch.float32).batches
+                losses[name] = sum(float(b.loss()) for b in batches) / sum(b.n_examples for b in batches)
+        # summation order: the gate route against the folded projection (float32 loss through the layers)
+        assert_routes_agree(record["loss_mean"], losses["mean"], depth=DEPTH, width=WIDTH, what=(head, "mean"))
+        assert_routes_agree(record["loss_optimal"], losses["optimal"], depth=DEPTH, width=WIDTH, what=(head, "opt"))
+        assert losses["optimal"] <= losses["mean"] and 0 < record["updates"] <= STEPS, (head, losses, record)
+        gains.append(losses["mean"] - losses["optimal"])
+
+        values = {f"{a}:{layer}": v.detach().cpu().numpy().copy() for (a, layer), v in means.values.items()}
+        values[f"{head.attention}:{head.layer}"][head.head] = constant.detach().numpy()
+        adapter.gates.set_fill(installed(values))
+        try:
+            (got,) = adapter.evaluate([[head]])
+        finally:
+            adapter.gates.set_fill(None)
+        proj, head_dim = projection(reference, head)
+        with folded_fill(proj, head_dim, {head.head: constant.detach()}):
+            expected = batch_translations(reference, adapter.tokenizer, sources, adapter.generation)
+        assert got.outputs == expected, f"{kind} {head}"
+    assert max(gains) > 1e-4, gains  # training moved at least one constant below the mean's loss
+
+
+def test_reference_loss_equals_transformers_own_loss_per_sentence(tiny):
+    """``sweep.loss``: each reference's teacher-forced cross-entropy, unmasked and with a decoder head gated, against
+    transformers' own ``labels`` loss of one sentence at a time on a fresh model (the gated head by weight surgery);
+    packed masks and encoder reuse give the plain path's losses."""
+    from headsweep.workers.families.hf_seq2seq.config import Seq2SeqRuntime
+
+    kind, model_dir, source, target, _ = tiny
+    family = model_family("hf_seq2seq")
+    model_cfg = family.model_config(path=str(model_dir), max_new_tokens=8)
+    data_cfg = family.data_config(source=str(source), target=str(target))
+    plain = family.load(model_cfg, data_cfg, Seq2SeqRuntime(batch_size=BATCH, reuse=False, masks_per_batch=1,
+                                                            loss=True))
+    packed = family.load(model_cfg, data_cfg, Seq2SeqRuntime(batch_size=BATCH, reuse=True, masks_per_batch=3,
+                                                             loss=True))
+    masks = [[], [Head("dec_self", 1, 2)], [Head("enc_self", 0, 1)], [Head("enc_dec", 0, 0), Head("dec_self", 0, 3)]]
+    # the loss pass alone (evaluate runs it after the beam search, which the other tests cover)
+    want = plain.reference_loss(masks)
+    assert "teacher-forced" in plain.describe().facts["loss"]
+    reference = fresh(model_dir)
+    tok = plain.tokenizer
+    for mask, got in zip(masks[:2], want[:2], strict=True):
+        with zeroed_head(reference, mask[0]) if mask else contextlib.nullcontext(), torch.no_grad():
+            direct = [float(reference(**tok([s], return_tensors="pt"),
+                                      labels=tok(text_target=[r], return_tensors="pt")["input_ids"]).loss)
+                      for s, r in zip(source.read_text().splitlines(), target.read_text().splitlines(), strict=True)]
+        # summation order: padded batches of 4 against one sentence at a time (float32 logits)
+        assert_routes_agree(got, np.array(direct), depth=DEPTH, width=WIDTH, dtype=torch.float32, what=(kind, mask))
+    assert not np.allclose(want[1], want[0])  # other: the gate moves the loss (the check can fail)
+    for mask, got, expected in zip(masks, packed.reference_loss(masks), want, strict=True):
+        # summation order: several masks per pass (taller matrices), the encoder output read from the cache
+        assert_routes_agree(got, expected, depth=DEPTH, width=WIDTH, dtype=torch.float32, what=(kind, mask))
+    assert len(packed._encoded) == len(packed.batches)  # the decoder-only masks read the cached encoder output
+    [scored] = plain.evaluate([[]])  # evaluate stores it beside the beams
+    np.testing.assert_array_equal(scored.loss, want[0])  # exact: the same pass on the same batches
+
+
+def test_roles_maps_equal_transformers_own_attentions(tiny):
+    """roles' maps (teacher-forced on the references, hooks on the eager path) against the attentions transformers
+    itself returns (``output_attentions=True``: encoder, decoder and cross attentions) on a fresh model, batch by
+    batch, every site; T5's modules return their position bias where BART-style ones return the weights, and the
+    bias has the weights' shape: reading it would fail here. Then every head gets its statistics."""
+    from headsweep.sweep.experiments.roles.settings import RolesSection
+    from headsweep.sweep.experiments.roles.worker import attention_maps, head_roles
+
+    kind, model_dir, _, _, adapters = tiny
+    adapter = adapters[False]
+    reference = fresh(model_dir)
+    reference.set_attn_implementation("eager")
+    specials = set(adapter.tokenizer.all_special_ids) - {adapter.tokenizer.unk_token_id}
+    sentences = 0
+    for batch, maps in zip(adapter.batches, attention_maps(adapter, "hf_seq2seq"), strict=True):
+        labels = adapter.reference_labels(batch)
+        decoder_ids = reference.prepare_decoder_input_ids_from_labels(labels=labels)
+        with torch.no_grad():
+            out = reference(**batch.inputs, decoder_input_ids=decoder_ids, output_attentions=True, use_cache=False)
+        own = {"enc_self": out.encoder_attentions, "dec_self": out.decoder_attentions, "enc_dec": out.cross_attentions}
+        assert set(maps) == {(a, layer) for a in own for layer in range(2)}
+        for (attention, layer), site in maps.items():
+            # exact: the same eager modules on the same inputs
+            assert torch.equal(site.weights, own[attention][layer]), (kind, attention, layer)
+        source, target = maps[("enc_dec", 0)].keys, maps[("enc_dec", 0)].queries
+        assert torch.equal(source.ids, batch.inputs["input_ids"]) and torch.equal(target.ids, decoder_ids)
+        assert torch.equal(target.real, labels.ne(-100)) and target.special[:, 0].all()  # the start token
+        assert torch.equal(source.special, torch.isin(source.ids, torch.tensor(sorted(specials))) & source.real)
+        assert maps[("dec_self", 1)].causal and not maps[("enc_self", 1)].causal
+        sentences += batch.rows
+    assert sentences == N_SENTENCES
+    result = head_roles(adapter, "hf_seq2seq", RolesSection())
+    assert len(result.heads) == 24 and result.n_sentences == N_SENTENCES
+    assert all(0 < h.confidence <= 1 for h in result.heads)
+
+
+def test_lrp_refused_in_one_line(tiny):
+    """LRP importance reads attention weights on its own path, which this family does not give: refused by the
+    question the driver asks a worker before anything is written (a run stopped there writes nothing)."""
+    from headsweep.workers.analyses.lrp import lrp_problem_on_worker
+
+    adapter = tiny[4][True]
+
+    class Worker:  # the one method of EvalWorker the question calls
+        def adapter(self, data_cfg):
+            assert data_cfg is None
+            return adapter
+
+    assert lrp_problem_on_worker(Worker(), None) == (
+        "importance.method lrp: model family 'hf_seq2seq' does not support relevance propagation (LRP); use "
+        "importance.method gradient")

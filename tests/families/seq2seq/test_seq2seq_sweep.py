@@ -33,7 +33,8 @@ def sweep_run(files, ray_address):
     folder, model_dir, source, target = files
     heldout_source, heldout_target = write_pairs(folder, 8, seed=5, split="valid")
     cfg = config(model_dir, source, target)
-    cfg["sweep"]["experiments"] = ["baseline", "single_head", "importance", "prune_level"]
+    cfg["data"]["metric"] = "chrf"  # BLEU, the default, is the same path with other statistics (test_seq2seq_gates)
+    cfg["sweep"]["experiments"] = ["baseline", "single_head", "importance", "prune_level", "roles"]
     cfg["importance"] = {"data": {"source": str(heldout_source), "target": str(heldout_target)}}
     cfg["prune"] = {"levels": [0.0, 0.5, 1.0]}
     (folder / "c.yaml").write_text(yaml.safe_dump(cfg))
@@ -43,7 +44,7 @@ def sweep_run(files, ray_address):
     return ResultStore(str(folder / "store")), proc.stdout.strip()
 
 
-def test_every_head_of_every_attention_type_with_bleu_from_its_stored_hypotheses(sweep_run, files):
+def test_every_head_of_every_attention_type_with_chrf_from_its_stored_hypotheses(sweep_run, files):
     store, run_id = sweep_run
     references = files[3].read_text().splitlines()
     evals = store.read("evaluations", run_id).to_pylist()
@@ -51,20 +52,22 @@ def test_every_head_of_every_attention_type_with_bleu_from_its_stored_hypotheses
     assert sorted((e["attention"], e["layer"], e["head"]) for e in single) == sorted(
         (a, layer, h) for a in ("enc_self", "enc_dec", "dec_self") for layer in range(2) for h in range(4))
     [run] = store.read("runs", run_id).to_pylist()
-    assert run["status"] == "complete" and run["metric"] == "bleu"
-    assert "hf_seq2seq" in run["config"] and "tok:13a" in run["facts"]
+    assert run["status"] == "complete" and run["metric"] == "chrf"
+    assert "hf_seq2seq" in run["config"] and "nc:6|nw:0" in run["facts"]
     rows = store.read("examples", run_id).to_pylist()
     for e in evals:
         mine = sorted((r for r in rows if r["eval_id"] == e["eval_id"]), key=lambda r: int(r["example_id"]))
         hypotheses = [r["output"] for r in mine]
-        assert e["score"] == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [references]).score, abs=1e-9)
-        assert [r["stats"][0] for r in mine] == [len(h.split()) for h in hypotheses]
+        # other: float64 chrF from the stored per-sentence statistics' sum against sacrebleu's own
+        assert e["score"] == pytest.approx(sacrebleu.corpus_chrf(hypotheses, [references]).score, rel=1e-12)
+        assert all(len(r["stats"]) == 18 for r in mine)
     significance = store.read("significance", run_id).to_pylist()
     assert {r["eval_id"] for r in significance} >= {e["eval_id"] for e in single}
+    assert {r["test"] for r in significance} == {"paired_bootstrap"}
 
 
 @pytest.mark.parametrize("case", ["causal_lm_as_seq2seq", "seq2seq_as_causal_lm", "multilingual_without_codes",
-                                  "unaligned_data", "resample"])
+                                  "unaligned_data", "resample", "patch", "per_position_mean", "unknown_metric"])
 def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
     folder, model_dir, source, target = files
     cfg = config(model_dir, source, target)
@@ -87,6 +90,17 @@ def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
         cfg["model"]["path"] = str(m2m)
         cfg["model"]["source_lang"] = "en"
         parts = ("is a multilingual model (m2m_100): set model.target_lang",)
+    elif case == "patch":  # the line suggests only what the family runs (not resample)
+        cfg["sweep"]["ablation"] = "patch"
+        parts = ("hf_seq2seq has no paired data format (data.task: paired); use sweep.ablation mean",)
+    elif case == "per_position_mean":
+        cfg["sweep"]["ablation"] = "mean"
+        cfg["ablation"] = {"positions": "per_position"}
+        parts = ("ablation.positions: per_position is not available for hf_seq2seq models",
+                 "use ablation.positions: all")
+    elif case == "unknown_metric":
+        cfg["data"]["metric"] = "meteor"
+        parts = ("data.metric must be one of bleu, chrf", "got 'meteor'")
     elif case == "resample":  # no attention type a donor can fill: the line says so, not an empty list of types
         cfg["sweep"]["ablation"] = "resample"
         parts = ("sweep.ablation resample is not available for hf_seq2seq models: no attention type of theirs can be "
@@ -98,6 +112,16 @@ def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
         parts = ("data.source has 6 lines but data.target has 5",)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     run_refused(tmp_path / "c.yaml", tmp_path / "store", ray_address, *parts)
+
+
+def test_roles_of_every_head(sweep_run):
+    """roles through the CLI: a row per head of every attention type (the maps themselves are checked against
+    transformers' own attentions in test_seq2seq_gates)."""
+    store, run_id = sweep_run
+    rows = store.read("head_roles", run_id).to_pylist()
+    assert sorted((r["attention"], r["layer"], r["head"]) for r in rows) == sorted(
+        (a, layer, h) for a in ("enc_self", "enc_dec", "dec_self") for layer in range(2) for h in range(4))
+    assert all(0 < r["confidence"] <= 1 and r["n_tokens"] > 0 for r in rows)
 
 
 def test_gradient_importance_ranks_every_head_and_prune_levels_follow_it(sweep_run):

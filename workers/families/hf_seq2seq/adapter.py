@@ -1,15 +1,21 @@
-"""Evaluation adapter for transformers encoder-decoder models: beam-search BLEU per mask through ``model.generate``.
+"""Evaluation adapter for transformers encoder-decoder models: beam-search BLEU or chrF per mask through
+``model.generate``.
 
 Every mask is evaluated by the model's own ``generate`` (beam search with the run's ``num_beams``,
 ``max_new_tokens`` and ``length_penalty``, the model's generation config for the rest) over the whole evaluation set,
 sentences sorted by token length into batches of ``sweep.batch_size``. Hypotheses are decoded as users decode them
-(``tokenizer.batch_decode(..., skip_special_tokens=True)``) and scored against the references with sacrebleu: each
-sentence's BLEU sufficient statistics are stored, the corpus score is computed from their sum, and the driver's
-paired bootstrap resamples them as it does for ``fairseq_translation``.
+(``tokenizer.batch_decode(..., skip_special_tokens=True)``) and scored against the references with sacrebleu's BLEU or
+chrF (``data.metric``, :mod:`headsweep.workers.core.translation_scores`): each sentence's sufficient statistics are
+stored, the corpus score is computed from their sum, and the driver's paired bootstrap resamples them as it does for
+``fairseq_translation``.
 
 Several masks share one search (:mod:`.generation`): the batch is repeated once per mask and every row carries its
 mask's gates. With ``sweep.reuse`` (the default) masks that gate no ``enc_self`` head read the batch's baseline
 encoder output, computed once (``generate(encoder_outputs=...)``); masks gating encoder heads run the whole model.
+
+With ``sweep.loss`` each mask also gets each reference's teacher-forced cross-entropy (nats per target token, EOS
+included, no label smoothing: as ``fairseq_translation`` stores it), from one more pass per mask chunk, packed and
+reusing the encoder output as the search does.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from sacrebleu.metrics import BLEU as SacreBLEU
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.ablation.registry import method_of
@@ -32,12 +37,13 @@ from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, M
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.core.heads import Head
 from headsweep.workers.core.mask_grid import GridBatch, mask_grid
-from headsweep.workers.core.metrics import BLEU
+from headsweep.workers.core.metrics import Metric
+from headsweep.workers.core.translation_scores import sentence_scorer
 from headsweep.workers.core.workload import median_batch, take_rows
 from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.data.text_files import parallel_set_name
 from headsweep.workers.families.fairseq_translation.data import read_parallel_text
-from headsweep.workers.families.hf_seq2seq.config import Seq2SeqData, Seq2SeqModel
+from headsweep.workers.families.hf_seq2seq.config import Seq2SeqData, Seq2SeqModel, Seq2SeqRuntime
 from headsweep.workers.families.hf_seq2seq.generation import gates_encoder, row_gates
 from headsweep.workers.families.hf_seq2seq.languages import apply_language_codes
 from headsweep.workers.families.hf_seq2seq.model import load_seq2seq
@@ -75,9 +81,8 @@ class Batch:
 class Seq2SeqAdapter:
     """A gated transformers encoder-decoder model with its evaluation set (an ``EvalAdapter``)."""
 
-    metric = BLEU
-
     def __init__(self, model_cfg: Seq2SeqModel, data_cfg: Seq2SeqData, runtime: RuntimeOptions):
+        runtime = Seq2SeqRuntime.of(runtime)
         method = method_of(runtime.ablation)
         if method.needs_pairs:
             raise HeadsweepError(method.family_refusal("hf_seq2seq"))
@@ -101,7 +106,8 @@ class Seq2SeqAdapter:
         self.gates = HeadGates(seq2seq_sites_or_error(self.model))
         self.batches = self.batched(runtime.batch_size)
         self._check_lengths()
-        self._bleu = SacreBLEU(force=True, references=[self.pairs.references])
+        self.scorer = sentence_scorer(data_cfg.metric, self.pairs.references)
+        self.metric: Metric = self.scorer.metric
         self.model_name = model_cfg.name or Path(model_cfg.path).name
         self._encoded: dict[int, torch.Tensor] = {}
         self.reuse_note = ("encoder: masks without enc_self heads share the batch's baseline encoder output "
@@ -160,28 +166,31 @@ class Seq2SeqAdapter:
                 "target_lang": self.cfg.target_lang,
                 "prefix": self.cfg.prefix,
                 "decode": "tokenizer.batch_decode(skip_special_tokens=True)",
-                "sacrebleu_signature": str(self._bleu.get_signature()),
-                "loss": "not computed: examples.loss is null",
+                "sacrebleu_signature": self.scorer.signature,
+                "loss": ("teacher-forced cross-entropy of the reference, nats per target token (EOS included)"
+                         if self.runtime.loss else "not computed (sweep.loss: false): examples.loss is null"),
                 "batching": f"{self.runtime.batch_size} sentences per batch",
                 "reuse": self.reuse_note,
             },
         )
 
     def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
-        """Each mask's per-sentence BLEU statistics and hypotheses."""
+        """Each mask's per-sentence metric statistics and hypotheses."""
         start = time.perf_counter()
         hypotheses = self.translate(masks)
+        losses = self.reference_loss(masks) if self.runtime.loss else [None] * len(masks)
         seconds_each = (time.perf_counter() - start) / max(1, len(masks))
         results = []
-        for outputs in hypotheses:
+        for outputs, loss in zip(hypotheses, losses, strict=True):
             stats = self.sentence_stats(outputs)
-            results.append(MaskOutput(stats=stats, loss=None, outputs=outputs, score=self.metric.score(stats),
+            results.append(MaskOutput(stats=stats, loss=loss, outputs=outputs, score=self.metric.score(stats),
                                       seconds=seconds_each))
         return results
 
     def sentence_stats(self, hypotheses: list[str]) -> np.ndarray:
-        """sacrebleu's per-sentence BLEU statistics (n, 10) of detokenised hypotheses (as fairseq_translation)."""
-        return np.asarray(self._bleu._extract_corpus_statistics(hypotheses, None), dtype=np.float64)
+        """sacrebleu's per-sentence statistics of detokenised hypotheses: (n, 10) for BLEU (as fairseq_translation),
+        (n, 18) for chrF."""
+        return self.scorer.sentence_stats(hypotheses)
 
     @torch.inference_mode()
     def translate(self, masks: Sequence[Sequence[Head]]) -> list[list[str]]:
@@ -195,6 +204,49 @@ class Seq2SeqAdapter:
                   masks_per_forward=lambda b: self.masks_per_forward(b.inputs), groups=[g for g in (encoder, decoder)
                                                                                         if g])
         return out.tolist()
+
+    @torch.inference_mode()
+    def reference_loss(self, masks: Sequence[Sequence[Head]]) -> list[np.ndarray]:
+        """Teacher-forced cross-entropy of each reference under each mask: [mask] (examples,) nats per target token."""
+        grid = [GridBatch(key, batch, batch.examples) for key, batch in enumerate(self.batches)]
+        encoder = [i for i, m in enumerate(masks) if gates_encoder(m)]
+        decoder = [i for i, m in enumerate(masks) if not gates_encoder(m)]
+        out = np.zeros((len(masks), len(self.pairs.ids)))
+        mask_grid(masks, grid, lambda b: partial(self._teacher_forced, b), out,
+                  masks_per_forward=lambda b: self.masks_per_forward(b.inputs), groups=[g for g in (encoder, decoder)
+                                                                                        if g])
+        return list(out)
+
+    def reference_labels(self, batch: Batch) -> torch.Tensor:
+        """The batch's references as labels, padding as -100 (transformers shifts them into the decoder's input)."""
+        references = [self.pairs.references[int(i)] for i in batch.examples]
+        labels = self.tokenizer(text_target=references, padding=True, return_tensors="pt")["input_ids"].to(self.device)
+        return labels.masked_fill(labels.eq(self.tokenizer.pad_token_id), -100)
+
+    def _teacher_forced(self, batch: GridBatch[Batch], chunk: list[Sequence[Head]]) -> np.ndarray:
+        """One teacher-forced pass over the batch repeated once per mask of ``chunk``: per-row mean NLL, mask-major."""
+        inputs, rows, k = batch.inputs.inputs, batch.rows, len(chunk)
+        labels = self.reference_labels(batch.inputs).repeat(k, 1)
+        stacked = {name: t.repeat(k, 1) for name, t in inputs.items()}
+        if self.runtime.reuse and not any(gates_encoder(m) for m in chunk):
+            from transformers.modeling_outputs import BaseModelOutput
+
+            hidden = self._encoder_output(batch.key, inputs)
+            stacked = {"attention_mask": stacked["attention_mask"],
+                       "encoder_outputs": BaseModelOutput(last_hidden_state=hidden.repeat(k, 1, 1))}
+        try:
+            if k == 1:
+                self.gates.set_mask(chunk[0])
+            else:  # teacher forcing: one decoder row per sentence (a beam of one)
+                self.gates.set_values(row_gates(self.gates, chunk, rows, 1, self.device))
+            logits = self.model(**stacked, labels=labels, use_cache=False).logits
+        finally:
+            self.gates.clear()
+        lprobs = torch.log_softmax(logits.float(), dim=-1)
+        real = labels.ne(-100)
+        nll = -lprobs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        per_sentence = (nll * real).sum(-1) / real.sum(-1).clamp(min=1)
+        return per_sentence.double().cpu().numpy()
 
     def _search(self, batch: GridBatch[Batch], chunk: list[Sequence[Head]]) -> list[str]:
         """One ``generate`` over the batch repeated once per mask of ``chunk``: decoded hypotheses, mask-major."""
@@ -251,10 +303,8 @@ class Seq2SeqAdapter:
         return LossBatches(batches, f"teacher-forced label-smoothed cross-entropy (epsilon {eps:g})")
 
     def _loss_batch(self, batch: Batch, epsilon: float, dtype: torch.dtype) -> LossBatch:
-        references = [self.pairs.references[int(i)] for i in batch.examples]
-        labels = self.tokenizer(text_target=references, padding=True, return_tensors="pt")["input_ids"].to(self.device)
-        real_target = labels.ne(self.tokenizer.pad_token_id)
-        labels = labels.masked_fill(~real_target, -100)
+        labels = self.reference_labels(batch)
+        real_target = labels.ne(-100)
         real_source = batch.inputs["attention_mask"].bool()
         tokens = {s.key: real_source if s.attention == "enc_self" else real_target for s in self.gates.sites}
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.core.family import RuntimeOptions
 from headsweep.workers.core.setting_ranges import MAX_EXAMPLES, ranged
+from headsweep.workers.core.translation_scores import check_translation_metric
 from headsweep.workers.data.text_files import check_encoding
 
 
@@ -44,17 +46,28 @@ class Seq2SeqModel:
 class Seq2SeqData:
     """The evaluation set: raw parallel text, ``source`` and ``target`` files (one sentence a line, plain or ``.gz``)
     as ``fairseq_translation`` reads them; the target lines are the references as written. ``max_examples`` keeps
-    the first sentences."""
+    the first sentences. ``metric`` scores the hypotheses: ``bleu`` (sacrebleu's corpus BLEU) or ``chrf`` (sacrebleu's
+    chrF), from per-sentence statistics either way."""
 
     source: str | None = None
     target: str | None = None
     max_examples: int | None = ranged(None, within=MAX_EXAMPLES)
     name: str | None = None
     encoding: str = "utf-8"
+    metric: str = "bleu"
 
     def check(self) -> None:
         """What can be checked without the model or the files (the worker checks the rest)."""
         check_encoding(self.encoding)
+        check_translation_metric(self.metric)
         if not self.source or not self.target:
             raise HeadsweepError("config needs data.source and data.target (raw parallel text files, one sentence "
                                  "a line)")
+
+
+@dataclass
+class Seq2SeqRuntime(RuntimeOptions):
+    """How the hf_seq2seq adapter runs: :class:`RuntimeOptions` and ``sweep.loss``, as ``fairseq_translation`` reads
+    it: the teacher-forced pass per mask that fills ``examples.loss`` (else null; it costs a pass of its own)."""
+
+    loss: bool = False

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from headsweep.workers.families.hf_seq2seq.config import Seq2SeqData, Seq2SeqModel
+from headsweep.workers.families.hf_seq2seq.config import Seq2SeqData, Seq2SeqModel, Seq2SeqRuntime
 from headsweep.workers.families.hf_shared.family import TransformersFamily
 
 if TYPE_CHECKING:
@@ -20,10 +20,16 @@ if TYPE_CHECKING:
     from headsweep.workers.families.hf_shared.loading import LoadedTransformers
 
 
+# Sinusoidal position tables transformers builds when it loads a model and never saves, by model type: the rows
+# beyond max_position_embeddings (M2M100 / NLLB offset their positions by 2). Marian's are parameters, M2M100's
+# buffers: memory a worker holds that no weight file counts. (Pegasus saves its tables.)
+UNSAVED_POSITION_ROWS = {"marian": 0, "m2m_100": 2}
+
+
 class Seq2SeqFamily(TransformersFamily):
     """Marian, M2M100 / NLLB, mBART, BART, Pegasus, T5 / mT5 (``enc_self``, ``enc_dec`` and ``dec_self`` heads),
-    evaluated by beam search (``model.generate``) and BLEU. No physical pruning or export yet (refused in one
-    line)."""
+    evaluated by beam search (``model.generate``) and BLEU or chrF. No physical pruning or export, nor LRP, yet
+    (refused in one line)."""
 
     def check_data(self, data_cfg: Seq2SeqData, key: str = "data") -> None:
         """The settings and the raw parallel text itself (decoded, line-aligned, not empty), before Ray starts."""
@@ -51,6 +57,23 @@ class Seq2SeqFamily(TransformersFamily):
         check_language_codes(model_dir, self.tokenizer_folder(model_cfg, model_dir)[0], model_cfg.source_lang,
                              model_cfg.target_lang)
 
+    def weight_bytes(self, model_cfg: Seq2SeqModel) -> int | None:
+        """The weight files' tensors (as the other transformers families), plus the encoder's and decoder's
+        sinusoidal position tables of the model types that build them at load (:data:`UNSAVED_POSITION_ROWS`)."""
+        import json
+
+        from headsweep.workers.families.hf_shared.model_files import dtype_bytes, resolve_model_dir
+
+        total = super().weight_bytes(model_cfg)
+        if total is None:
+            return None
+        config = json.loads((resolve_model_dir(model_cfg.path) / "config.json").read_text())
+        extra_rows = UNSAVED_POSITION_ROWS.get(config.get("model_type"))
+        if extra_rows is None:
+            return total
+        rows = int(config.get("max_position_embeddings") or 0) + extra_rows
+        return total + 2 * rows * int(config.get("d_model") or 0) * dtype_bytes(model_cfg.dtype)
+
     def tokenizer_folder(self, model_cfg: Seq2SeqModel, model_dir: Path) -> tuple[Path, str]:
         from headsweep.workers.families.hf_seq2seq.model import tokenizer_folder
 
@@ -77,9 +100,17 @@ class Seq2SeqFamily(TransformersFamily):
                                 "yet; the gates give every experiment)")
 
     def attention_weights(self, model: nn.Module, sites: Any, consume: Any) -> Any:
-        raise self._unsupported("reading attention weights (roles, relevance propagation)")
+        # roles reads its maps through Seq2SeqReader; LRP's conservative rules are not written for this family
+        raise self._unsupported("relevance propagation (LRP)")
+
+    def attention_reader(self, adapter: Any) -> Any:
+        """Teacher-forced attention maps of every site (:mod:`.attention`): what roles reads."""
+        from headsweep.workers.families.hf_seq2seq.attention import Seq2SeqReader
+
+        return Seq2SeqReader(adapter)
 
 
 HF_SEQ2SEQ = Seq2SeqFamily("hf_seq2seq", Seq2SeqModel, Seq2SeqData,
                            "headsweep.workers.families.hf_seq2seq.adapter:load_seq2seq_adapter",
-                           hub_ids=True, fills_by_position=False, resample_attention=())
+                           hub_ids=True, fills_by_position=False, resample_attention=(),
+                           runtime_options=Seq2SeqRuntime)
