@@ -54,9 +54,15 @@ class SiteSpec:
     features: tuple[str, ...] = ()
     cross_attention: str | None = None  # module attribute that is true on cross-attention modules
     example: str = ""  # a model type with this layout (docs and the coverage table)
+    # The classes' Python module starts with this (a class name as bare as FSMT's ``Attention`` is no layout alone).
+    package: str = "transformers."
+    # The output projection's input is (time, batch, features), as fairseq's attention runs (FSMT): gated with the
+    # batch on axis 1.
+    time_first: bool = False
 
     def matches(self, module: nn.Module) -> bool:
-        return any(_pattern(self.classes).fullmatch(c.__name__) for c in type(module).__mro__[:-1])
+        return any(_pattern(self.classes).fullmatch(c.__name__) and c.__module__.startswith(self.package)
+                   for c in type(module).__mro__[:-1])
 
 
 @cache
@@ -85,6 +91,8 @@ SITE_SPECS: tuple[SiteSpec, ...] = (
              cross_attention="is_cross_attention", example="bart, marian, m2m_100"),
     SiteSpec("t5", r"(T5|MT5|UMT5|SwitchTransformers)Attention", "o", ("key_value_proj_dim",), "q", "k", "v",
              example="t5, mt5, umt5"),
+    SiteSpec("fsmt", r"Attention", "out_proj", ("head_dim",), package="transformers.models.fsmt.",
+             time_first=True, example="fsmt (fairseq's WMT19 models)"),
 )
 
 #: Layers that mix tokens without attention heads, by class name: an architecture of only these is refused.
