@@ -71,9 +71,9 @@ def _site(name: str, module: nn.Module) -> AttentionSite | None:
                          batch_dim=1 if spec.time_first else 0)
 
 
-def find_seq2seq_sites(model: nn.Module) -> list[AttentionSite]:
-    """Every attention module of an encoder-decoder model the site table describes, in model order (empty if
-    none)."""
+def _described_sites(model: nn.Module) -> list[AttentionSite]:
+    """Every attention module the site table describes, in model order, with those physically pruned of every head
+    (0 heads: nothing to gate, but a known module)."""
     sites: list[AttentionSite] = []
     for name, module in model.named_modules():
         if any(name.startswith(f"{s.module_name}.") for s in sites):
@@ -84,12 +84,19 @@ def find_seq2seq_sites(model: nn.Module) -> list[AttentionSite]:
     return sites
 
 
+def find_seq2seq_sites(model: nn.Module) -> list[AttentionSite]:
+    """Every attention module of an encoder-decoder model the site table describes and that has heads, in model
+    order (empty if none)."""
+    return [s for s in _described_sites(model) if s.num_heads]
+
+
 def seq2seq_sites_or_error(model: nn.Module) -> list[AttentionSite]:
     """:func:`find_seq2seq_sites`, refusing in one line a model with attention modules no layout describes, two
     modules claiming the same head names, or no sites at all."""
     arch = type(model).__name__
-    sites = find_seq2seq_sites(model)
-    claimed = [s.module_name for s in sites]
+    described = _described_sites(model)
+    sites = [s for s in described if s.num_heads]
+    claimed = [s.module_name for s in described]
     for name, module in model.named_modules():
         if not name or any(name == c or name.startswith(f"{c}.") or c.startswith(f"{name}.") for c in claimed):
             continue
