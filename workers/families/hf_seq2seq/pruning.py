@@ -29,6 +29,7 @@ The removed heads are recorded in ``config.pruned_heads`` keyed ``"<attention>:<
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Sequence
 from functools import cache
 from pathlib import Path
@@ -96,9 +97,11 @@ def _prunable_layout(model: nn.Module, sites: Sequence[AttentionSite]) -> str:
     layout = specs.pop()
     for site in sites:
         module = site.module
-        if layout == "t5" and not all(hasattr(module, a) for a in ("n_heads", "inner_dim", "compute_bias")):
+        if layout == "t5" and not (all(hasattr(module, a) for a in ("n_heads", "inner_dim", "compute_bias"))
+                                   and "position_bias" in inspect.signature(type(module).forward).parameters):
             raise HeadsweepError(f"{name}: physical pruning is not supported ({type(module).__name__} is not T5's "
-                                 "attention with one relative bias per stack); gate its heads without pruning")
+                                 "attention with one relative bias per stack, handed from layer to layer); gate "
+                                 "its heads without pruning")
         if getattr(module, "headsweep_pruned", False):
             raise HeadsweepError(f"{site.module_name} was already pruned: prune the original model")
     return layout
