@@ -83,7 +83,9 @@ VOCAB = 256
 # Hybrids whose default layer pattern puts no attention layer in a 2-layer model: one of each kind.
 OVERRIDES = {"jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
                        "expert_layer_offset": 1, "use_mamba_kernels": False},
-             "bamba": {"attn_layer_indices": [1]}}
+             "bamba": {"attn_layer_indices": [1]},
+             # local blocks of 512 tokens pad every input to 512: blocks of 4 keep the proof fast and use both paths
+             "pegasus_x": {"block_size": 4, "num_global_tokens": 4}}
 TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
               "cls_token_id", "mask_token_id", "unk_token_id")
 

@@ -91,6 +91,9 @@ SITE_SPECS: tuple[SiteSpec, ...] = (
              cross_attention="is_cross_attention", example="bart, marian, m2m_100"),
     SiteSpec("t5", r"(T5|MT5|UMT5|SwitchTransformers)Attention", "o", ("key_value_proj_dim",), "q", "k", "v",
              example="t5, mt5, umt5"),
+    # PegasusX's encoder attends to local blocks and global tokens and runs out_proj once on each (both batch-first,
+    # heads concatenated): a gate at its input gates both.
+    SiteSpec("pegasus_x", r"PegasusX(GlobalLocal)?Attention", "out_proj", ("head_dim",), example="pegasus_x"),
     SiteSpec("fsmt", r"Attention", "out_proj", ("head_dim",), package="transformers.models.fsmt.",
              time_first=True, example="fsmt (fairseq's WMT19 models)"),
 )
