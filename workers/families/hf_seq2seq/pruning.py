@@ -95,6 +95,9 @@ def _prunable_layout(model: nn.Module, sites: Sequence[AttentionSite]) -> str:
         raise HeadsweepError(f"{name}: physical pruning is not supported ({why}); gate its heads without pruning "
                              "(every experiment runs on the gates)")
     layout = specs.pop()
+    if getattr(model.config, "use_prompt", False):
+        raise HeadsweepError(f"{name}: physical pruning is not supported with prompts (config.use_prompt: its prompt "
+                             "keys and values hold every head); gate its heads without pruning")
     for site in sites:
         module = site.module
         if layout == "t5" and not (all(hasattr(module, a) for a in ("n_heads", "inner_dim", "compute_bias"))
@@ -116,6 +119,8 @@ def _slice(site: AttentionSite, plan: HeadSlice, layout: str) -> None:
     kept = len(plan.kept)
     if layout == "bart":
         module.num_heads = kept
+        if isinstance(getattr(module, "embed_dim", None), int):  # MVP reshapes the heads' output to embed_dim
+            module.embed_dim = kept * plan.head_dim
     else:
         module.n_heads = kept
         module.inner_dim = kept * plan.head_dim
