@@ -72,8 +72,7 @@ def prune_seq2seq_heads(model: nn.Module, heads: Iterable[Head]) -> dict[SiteKey
         if plan.removed or layout == "t5":  # every T5 module reads the shared bias by its own index
             _become_pruned(site.module)
         if layout == "t5":
-            stack = _bias_stack(site)
-            columns = bias_columns[stack]
+            columns = bias_columns[site.attention]
             setattr(site.module, BIAS_INDEX_ATTR, torch.tensor([columns.index(h) for h in plan.kept],
                                                                dtype=torch.long))
             bias = getattr(site.module, "relative_attention_bias", None)
@@ -126,16 +125,12 @@ def _slice(site: AttentionSite, plan: HeadSlice, layout: str) -> None:
         module.inner_dim = kept * plan.head_dim
 
 
-def _bias_stack(site: AttentionSite) -> str:
-    """Which shared position bias a T5 site reads: its attention type's (one per stack and kind)."""
-    return site.attention
-
-
 def _shared_bias_heads(sites: Sequence[AttentionSite], plans: dict[SiteKey, HeadSlice]) -> dict[str, list[int]]:
-    """For each shared bias, the original heads it keeps: every head a layer reading it keeps, ascending."""
+    """For each shared bias (one per attention type: its stack's first layer computes it, the later layers read it),
+    the original heads it keeps: every head a layer reading it keeps, ascending."""
     columns: dict[str, set[int]] = {}
     for site in sites:
-        columns.setdefault(_bias_stack(site), set()).update(plans[site.key].kept)
+        columns.setdefault(site.attention, set()).update(plans[site.key].kept)
     return {stack: sorted(heads) for stack, heads in columns.items()}
 
 
