@@ -95,8 +95,8 @@ def open_store(uri: str = "headsweep-store") -> Store:
 def load_pruned(path: str):
     """A transformers model exported by ``headsweep export`` with its heads physically removed.
 
-    Classifiers and causal LMs alike: each built-in model family is asked whether the folder is one it
-    exports (``config.json`` names the architecture), and that family rebuilds it.
+    Classifiers, causal LMs and encoder-decoder models alike: each built-in model family is asked whether the
+    folder is one it exports (``config.json`` names the architecture), and that family rebuilds it.
     """
     from headsweep.workers.families.registry import family_of_export
 

@@ -1,6 +1,7 @@
-"""Tiny transformers encoder-decoder models (Marian, T5) built in the test from their config classes, with a
-word-level tokenizer over the synthetic translation task's words, and a few seconds of training where a test needs
-translations that are partly right."""
+"""Tiny transformers encoder-decoder models (Marian, T5, FSMT) built in the test from their config classes, with a
+word-level tokenizer over the synthetic translation task's words (FSMT: its own Moses + BPE tokenizer, with
+vocabulary and merges files written here), and a few seconds of training where a test needs translations that are
+partly right."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 from headsweep.sweep.demo.translation import synthetic_pairs
 
 SPECIALS = ["<pad>", "</s>", "<unk>"]  # ids 0, 1, 2: T5's convention (Marian starts decoding from <pad> too)
-KINDS = ("marian", "t5")
+FAIRSEQ_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]  # ids 0..3: fairseq's dictionary, which FSMT keeps
+KINDS = ("marian", "t5", "fsmt")
 
 
 def words() -> list[str]:
@@ -33,14 +35,45 @@ def build_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
 
 
+def bpe_files(folder: Path) -> tuple[Path, Path]:
+    """FSMT's vocabulary (``vocab-src.json``, also the target's) and ``merges.txt`` over :func:`words`: every word is
+    merged from its first letter on (``c a``, ``ca t</w>``), so every word is one token and every piece a merge can
+    leave is in the vocabulary (a merge of another word's may split a word into two known pieces)."""
+    import json
+
+    merges: list[tuple[str, str]] = []
+    pieces = {c for w in words() for c in w} | {f"{w[-1]}</w>" for w in words()}
+    for word in words():
+        symbols = [*word[:-1], f"{word[-1]}</w>"]
+        left = symbols[0]
+        for right in symbols[1:]:
+            merges.append((left, right))
+            left += right
+            pieces.add(left)
+    vocab = {w: i for i, w in enumerate(FAIRSEQ_SPECIALS + sorted(pieces))}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("".join(f"{a} {b} {i}\n" for i, (a, b) in enumerate(dict.fromkeys(merges))))
+    return folder / "vocab.json", folder / "merges.txt"
+
+
+def build_fsmt_tokenizer(folder: Path):
+    """FSMT's own tokenizer (Moses, then BPE) over :func:`bpe_files` written in ``folder``, English to French."""
+    from transformers import FSMTTokenizer
+
+    vocab, merges = bpe_files(folder)
+    return FSMTTokenizer(langs=["en", "fr"], src_vocab_file=str(vocab), tgt_vocab_file=str(vocab),
+                         merges_file=str(merges))
+
+
 def tiny_seq2seq(kind: str = "marian", seed: int = 0, layers: int = 2, heads: int = 4, head_dim: int = 8,
                  vocab_size: int | None = None):
-    """A randomly initialised tiny Marian or T5 model (eval mode), weights larger than the default initialisation so
-    that single heads change the beams."""
+    """A randomly initialised tiny Marian, T5 or FSMT model (eval mode), weights larger than the default
+    initialisation so that single heads change the beams."""
     import transformers
 
     torch.manual_seed(seed)
-    vocab = vocab_size or len(SPECIALS) + len(words())
+    vocab = vocab_size or (len(fsmt_vocab()) if kind == "fsmt" else len(SPECIALS) + len(words()))
     width = heads * head_dim
     ids = dict(pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
     if kind == "marian":
@@ -55,6 +88,13 @@ def tiny_seq2seq(kind: str = "marian", seed: int = 0, layers: int = 2, heads: in
                                     num_layers=layers, num_decoder_layers=layers, dropout_rate=0.0,
                                     initializer_factor=3.0, **ids)
         model = transformers.T5ForConditionalGeneration(cfg)
+    elif kind == "fsmt":  # fairseq's dictionary order: <s> 0, <pad> 1, </s> 2; decoding starts from </s>
+        cfg = transformers.FSMTConfig(langs=["en", "fr"], src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=width,
+                                      encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=heads,
+                                      decoder_attention_heads=heads, encoder_ffn_dim=2 * width,
+                                      decoder_ffn_dim=2 * width, max_position_embeddings=64, init_std=0.2,
+                                      dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+        model = transformers.FSMTForConditionalGeneration(cfg)
     else:
         raise ValueError(kind)
     model.generation_config.num_beams = 4
@@ -81,9 +121,22 @@ def train(model, tokenizer, n_pairs: int = 1500, steps: int = 300, seed: int = 0
     return model.eval()
 
 
+def fsmt_vocab() -> dict[str, int]:
+    """The vocabulary :func:`bpe_files` writes (built in a scratch folder)."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        return json.loads(bpe_files(Path(scratch))[0].read_text())
+
+
 def save_tiny_seq2seq(out_dir: Path, kind: str = "marian", steps: int = 0, seed: int = 0) -> Path:
-    """A tiny Marian or T5 model (trained for ``steps`` steps) and its tokenizer, saved like a user's folder."""
-    tokenizer = build_tokenizer()
+    """A tiny Marian, T5 or FSMT model (trained for ``steps`` steps) and its tokenizer, saved like a user's
+    folder."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:  # FSMT's tokenizer reads its files once; save_pretrained copies them
+        tokenizer = build_fsmt_tokenizer(Path(scratch)) if kind == "fsmt" else build_tokenizer()
     model = tiny_seq2seq(kind, seed)
     if steps:
         train(model, tokenizer, steps=steps, seed=seed)

@@ -214,10 +214,6 @@ def build_seq2seq(folder: Path) -> Built:
                  _hf_params(model_dir, "d_model", "encoder_attention_heads", None, qkv_bias=True))
 
 
-SEQ2SEQ_PRUNING = ("hf_seq2seq: physical pruning and export of encoder-decoder heads are not written yet (refused in "
-                   "one line)")
-
-
 def _exported_hf(model: dict, folder: Path) -> dict:
     return {**model, "path": str(folder)}
 
@@ -259,7 +255,5 @@ CASES: list[FamilyCase] = [
     # and every mask is a beam search. Depth: one encoder layer, a decoder layer's two attentions, the LM head; the
     # longest inner product the feed-forward's 32 (sentences stay under 16 tokens).
     FamilyCase("translation-hf_seq2seq-marian-eager", build_seq2seq, {"depth": 1 + 2 + 1, "width": 32},
-               _exported_hf, runtime={"batch_size": 4, "loss": True},
-               known_failures={"test_pruned_equals_gated": SEQ2SEQ_PRUNING,
-                               "test_export_round_trip": SEQ2SEQ_PRUNING}),
+               _exported_hf, runtime={"batch_size": 4, "loss": True}),
 ]

@@ -1,7 +1,8 @@
-"""The hf_seq2seq family's gates, checked against independent routes on tiny Marian and T5 models built from their
-config classes: every gated head's beam search equals the search of a model whose output projection has that head's
-input columns zeroed (weight surgery on a freshly loaded copy: no hooks, no gate code), hypothesis for hypothesis; the
-unmasked BLEU equals a plain ``generate`` + sacrebleu loop; packed masks and encoder reuse change nothing."""
+"""The hf_seq2seq family's gates, checked against independent routes on tiny Marian, T5 and FSMT (time-first
+attention) models built from their config classes: every gated head's beam search equals the search of a model whose
+output projection has that head's input columns zeroed (weight surgery on a freshly loaded copy: no hooks, no gate
+code), hypothesis for hypothesis; the unmasked BLEU equals a plain ``generate`` + sacrebleu loop; packed masks and
+encoder reuse change nothing."""
 
 from __future__ import annotations
 
@@ -68,6 +69,9 @@ def test_sites_name_every_head_as_fairseq_translation_does(tiny):
         f"{a}:{layer}:{h}" for a in ("enc_self", "enc_dec", "dec_self") for layer in range(2) for h in range(4))
 
 
+# The unmasked search is the same adapter code whatever the attention's layout: run on Marian and T5 only (suite
+# time); FSMT's time-first gates are proved by the per-head and packed-mask tests.
+@pytest.mark.parametrize("tiny", ["marian", "t5"], indirect=True)
 def test_unmasked_bleu_and_chrf_equal_plain_generate_and_sacrebleu(tiny):
     """BLEU (the default) and ``data.metric: chrf``: the corpus score of the stored per-sentence statistics is
     sacrebleu's corpus score of the plain loop's translations; each sentence's chrF statistics score as sacrebleu's

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import sacrebleu
 import yaml
-from conftest import run_cli, run_refused
+from conftest import error_line, run_cli, run_refused
 from tiny_models import save_tiny_causal_lm
 from tiny_seq2seq import build_tokenizer, save_tiny_seq2seq, write_pairs
 
@@ -67,10 +67,22 @@ def test_every_head_of_every_attention_type_with_chrf_from_its_stored_hypotheses
 
 
 @pytest.mark.parametrize("case", ["causal_lm_as_seq2seq", "seq2seq_as_causal_lm", "multilingual_without_codes",
-                                  "unaligned_data", "resample", "patch", "per_position_mean", "unknown_metric"])
+                                  "unaligned_data", "resample", "patch", "per_position_mean", "unknown_metric",
+                                  "export_stock_marian"])
 def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
     folder, model_dir, source, target = files
     cfg = config(model_dir, source, target)
+    if case == "export_stock_marian":  # headsweep export: one line, exit 2, no folder written
+        parts = ("MarianMTModel's config derives the head size from the hidden size (d_model / attention heads)",
+                 "export without --stock")
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+        proc = run_cli("export", str(tmp_path / "c.yaml"), "--mask", "enc_self:0:1,enc_dec:1:0,dec_self:0:2",
+                       "--stock", "--out", str(tmp_path / "out"))
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and not proc.stdout.strip(), proc.stderr
+        line = error_line(proc.stderr)
+        assert all(part in line for part in parts), line
+        assert not (tmp_path / "out").exists()
+        return
     if case == "causal_lm_as_seq2seq":
         cfg["model"]["path"] = str(save_tiny_causal_lm(tmp_path / "lm"))
         parts = ("holds a causal language model", "set model.kind: hf_causal_lm")

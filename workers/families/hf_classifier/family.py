@@ -49,10 +49,11 @@ class ClassifierFamily(TransformersFamily):
         return prune_hf_heads(model, heads)
 
     def exports_architecture(self, name: str) -> bool:
-        """Every transformers folder but a causal LM's (a folder naming no architecture is refused by loading)."""
-        from headsweep.workers.families.hf_shared.architecture import is_causal_lm_architecture
+        """Every transformers folder but a causal LM's or an encoder-decoder generator's (a folder naming no
+        architecture is refused by loading)."""
+        from headsweep.workers.families.hf_shared.architecture import is_causal_lm_architecture, is_seq2seq_architecture
 
-        return not is_causal_lm_architecture(name)
+        return not is_causal_lm_architecture(name) and not is_seq2seq_architecture(name)
 
     def load_exported(self, folder: str | Path) -> nn.Module:
         from headsweep.workers.families.hf_classifier.pruning import load_pruned

@@ -7,6 +7,7 @@ sizes and files, attention weights) is :class:`~headsweep.workers.families.hf_sh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from headsweep.workers.core.gates import AttentionSite
+    from headsweep.workers.core.head_slicing import HeadSlice
+    from headsweep.workers.core.heads import Head, SiteKey
     from headsweep.workers.families.hf_shared.loading import LoadedTransformers
 
 
@@ -28,8 +31,9 @@ UNSAVED_POSITION_ROWS = {"marian": 0, "m2m_100": 2}
 
 class Seq2SeqFamily(TransformersFamily):
     """Marian, M2M100 / NLLB, mBART, BART, Pegasus, T5 / mT5 (``enc_self``, ``enc_dec`` and ``dec_self`` heads),
-    evaluated by beam search (``model.generate``) and BLEU or chrF. No physical pruning or export, nor LRP, yet
-    (refused in one line)."""
+    evaluated by beam search (``model.generate``) and BLEU or chrF. Physical pruning and export of BART-style and
+    T5-style attention (:mod:`~headsweep.workers.families.hf_seq2seq.pruning`; FSMT and UMT5 refused in one line);
+    no LRP (refused in one line)."""
 
     def check_data(self, data_cfg: Seq2SeqData, key: str = "data") -> None:
         """The settings and the raw parallel text itself (decoded, line-aligned, not empty), before Ray starts."""
@@ -95,9 +99,27 @@ class Seq2SeqFamily(TransformersFamily):
             return False
         return any(site.attention == "enc_dec" for site in self.find_sites(model))
 
-    def save_pruned(self, model_cfg: Any, loaded: LoadedTransformers, heads: Any, out_dir: Any) -> None:
-        raise self._unsupported("exporting a pruned model (physical pruning of encoder-decoder heads is not written "
-                                "yet; the gates give every experiment)")
+    def prune(self, model: nn.Module, heads: Sequence[Head]) -> dict[SiteKey, HeadSlice]:
+        from headsweep.workers.families.hf_seq2seq.pruning import prune_seq2seq_heads
+
+        return prune_seq2seq_heads(model, heads)
+
+    def stock_sizes(self, model: nn.Module, heads: Sequence[Head]) -> dict[str, int]:
+        """T5-style configs state ``num_heads`` apart from ``d_kv``; BART-style ones derive the head size (refused):
+        :func:`~headsweep.workers.families.hf_seq2seq.pruning.stock_sizes`."""
+        from headsweep.workers.families.hf_seq2seq.pruning import stock_sizes
+
+        return stock_sizes(model, heads)
+
+    def exports_architecture(self, name: str) -> bool:
+        from headsweep.workers.families.hf_shared.architecture import is_seq2seq_architecture
+
+        return is_seq2seq_architecture(name)
+
+    def load_exported(self, folder: str | Path) -> nn.Module:
+        from headsweep.workers.families.hf_seq2seq.pruning import load_pruned
+
+        return load_pruned(folder)
 
     def attention_weights(self, model: nn.Module, sites: Any, consume: Any) -> Any:
         # roles reads its maps through Seq2SeqReader; LRP's conservative rules are not written for this family

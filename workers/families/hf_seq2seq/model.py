@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from headsweep.errors import HeadsweepError
 from headsweep.workers.families.hf_seq2seq.config import Seq2SeqModel
+from headsweep.workers.families.hf_seq2seq.pruning import prune_seq2seq_heads
 from headsweep.workers.families.hf_seq2seq.sites import SUPPORTED
 from headsweep.workers.families.hf_shared.architecture import SEQ2SEQ
 from headsweep.workers.families.hf_shared.loading import LoadedTransformers, load_folder
@@ -26,11 +26,7 @@ def load_seq2seq(cfg: Seq2SeqModel, device: str) -> LoadedTransformers:
     generation head is refused before transformers loads it."""
     return load_folder(cfg, device, SEQ2SEQ, "AutoModelForSeq2SeqLM",
                        tokenizer=lambda model_dir: load_tokenizer(*tokenizer_folder(cfg, model_dir)),
-                       prune=_no_pruning, cannot_load=_cannot_load)
-
-
-def _no_pruning(model, heads):
-    raise HeadsweepError("model.kind hf_seq2seq does not load pruned exports (headsweep export refuses them too)")
+                       prune=prune_seq2seq_heads, cannot_load=_cannot_load)
 
 
 def _cannot_load(model_dir: Path) -> str:

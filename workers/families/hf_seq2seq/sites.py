@@ -1,12 +1,16 @@
 """Attention sites of a transformers encoder-decoder model: ``enc_self``, ``enc_dec`` and ``dec_self`` heads.
 
 The attention modules are the rows of :mod:`headsweep.workers.families.hf_shared.site_table` (``bart``: BART, mBART,
-Marian, M2M100 / NLLB, Pegasus, ...; ``t5``: T5, mT5, UMT5); the gate sits at the input of each module's output
-projection (``out_proj``, T5's ``o``), split into heads of the size the module states. Which of the three attention
-types a module is comes from where it sits: under the ``encoder`` or the ``decoder`` stack, and, in the decoder,
-whether it attends to the encoder (``encoder_attn``, T5's ``EncDecAttention``). Its layer is the first number after
-the stack's name (``model.decoder.layers.3.encoder_attn``, ``decoder.block.3.layer.1.EncDecAttention``: 3), as the
-``fairseq_translation`` family numbers its layers. An attention module no row describes is refused, never guessed.
+Marian, M2M100 / NLLB, Pegasus, ...; ``t5``: T5, mT5, UMT5; ``fsmt``: fairseq's WMT19 models); the gate sits at the
+input of each module's output projection (``out_proj``, T5's ``o``), split into heads of the size the module states.
+FSMT's attention runs time-first as fairseq's own does (the projection's input is (time, batch, features)): its
+sites carry ``batch_dim=1``, so per-example gate rows land on the batch axis as in ``fairseq_translation``.
+
+Which of the three attention types a module is comes from where it sits: under the ``encoder`` or the ``decoder``
+stack, and, in the decoder, whether it attends to the encoder (``encoder_attn``, T5's ``EncDecAttention``). Its
+layer is the first number after the stack's name (``model.decoder.layers.3.encoder_attn``,
+``decoder.block.3.layer.1.EncDecAttention``: 3), as the ``fairseq_translation`` family numbers its layers.
+An attention module no row describes is refused, never guessed.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from headsweep.workers.families.hf_shared.layout import projection_inputs
 from headsweep.workers.families.hf_shared.site_table import HEAD_COUNT_ATTRS, declared_count, refused_attention, spec_of
 from headsweep.workers.families.hf_shared.sites import ATTENTION_CLASS
 
-SUPPORTED = ("transformers encoder-decoder models with BART-style (BART, mBART, Marian, M2M100 / NLLB, Pegasus) or "
-             "T5-style (T5, mT5, UMT5) attention")
+SUPPORTED = ("transformers encoder-decoder models with BART-style (BART, mBART, Marian, M2M100 / NLLB, Pegasus), "
+             "T5-style (T5, mT5, UMT5) or FSMT (fairseq WMT19) attention")
 # Module names of cross-attention (decoder to encoder) in the layouts the site table describes.
 CROSS_NAMES = ("encoder_attn", "EncDecAttention", "crossattention", "cross_attn", "cross_attention")
 NUMBER = re.compile(r"\d+")
@@ -63,12 +67,13 @@ def _site(name: str, module: nn.Module) -> AttentionSite | None:
                              f"{head_dim}, {stated} heads): refused rather than gated by a guess")
     stack, layer = place
     return AttentionSite(attention=attention_type(name, module, stack), layer=layer, num_heads=width // head_dim,
-                         head_dim=head_dim, out_proj=out, module=module, module_name=name, batch_dim=0)
+                         head_dim=head_dim, out_proj=out, module=module, module_name=name,
+                         batch_dim=1 if spec.time_first else 0)
 
 
-def find_seq2seq_sites(model: nn.Module) -> list[AttentionSite]:
-    """Every attention module of an encoder-decoder model the site table describes, in model order (empty if
-    none)."""
+def _described_sites(model: nn.Module) -> list[AttentionSite]:
+    """Every attention module the site table describes, in model order, with those physically pruned of every head
+    (0 heads: nothing to gate, but a known module)."""
     sites: list[AttentionSite] = []
     for name, module in model.named_modules():
         if any(name.startswith(f"{s.module_name}.") for s in sites):
@@ -79,12 +84,19 @@ def find_seq2seq_sites(model: nn.Module) -> list[AttentionSite]:
     return sites
 
 
+def find_seq2seq_sites(model: nn.Module) -> list[AttentionSite]:
+    """Every attention module of an encoder-decoder model the site table describes and that has heads, in model
+    order (empty if none)."""
+    return [s for s in _described_sites(model) if s.num_heads]
+
+
 def seq2seq_sites_or_error(model: nn.Module) -> list[AttentionSite]:
     """:func:`find_seq2seq_sites`, refusing in one line a model with attention modules no layout describes, two
     modules claiming the same head names, or no sites at all."""
     arch = type(model).__name__
-    sites = find_seq2seq_sites(model)
-    claimed = [s.module_name for s in sites]
+    described = _described_sites(model)
+    sites = [s for s in described if s.num_heads]
+    claimed = [s.module_name for s in described]
     for name, module in model.named_modules():
         if not name or any(name == c or name.startswith(f"{c}.") or c.startswith(f"{name}.") for c in claimed):
             continue

@@ -148,6 +148,12 @@ def exported_architecture(folder: str | Path) -> str | None:
     return str(names[0]) if names else ""
 
 
+def is_seq2seq_architecture(name: str) -> bool:
+    """Whether an architecture class name is a transformers encoder-decoder generator's
+    (``...ForConditionalGeneration``, ``MarianMTModel``)."""
+    return name.endswith(("ForConditionalGeneration", "MTModel"))
+
+
 def is_causal_lm_architecture(name: str) -> bool:
     """Whether an architecture class name is a causal LM's (``...ForCausalLM``, GPT-2's ``GPT2LMHeadModel``)."""
     return name.endswith(CAUSAL_LM_SUFFIXES)

@@ -163,7 +163,7 @@ def _described(module: nn.Module) -> AttentionLayout | None:
     """A module one of :data:`.site_table.SITE_SPECS` describes; a described module whose numbers do not fit its
     row is refused in one line (never guessed)."""
     spec = spec_of(module)
-    if spec is None:
+    if spec is None or spec.time_first:  # time-first modules (FSMT) are encoder-decoder sites, gated there
         return None
     if spec.cross_attention and getattr(module, spec.cross_attention, False):
         return None

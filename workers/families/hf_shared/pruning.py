@@ -74,17 +74,20 @@ def prune_sites(model: nn.Module, heads: Iterable[Head], prunable: Prunable, app
 
 
 def record_pruned(model: nn.Module, slices: dict[SiteKey, HeadSlice]) -> None:
-    """Record the removed heads in ``config.pruned_heads`` (original numbers), which ``save_pretrained`` writes."""
+    """Record the removed heads in ``config.pruned_heads`` (original numbers), which ``save_pretrained`` writes:
+    keyed by layer (``"3"``) for ``self`` attention, by ``"<attention>:<layer>"`` for the others (``enc_dec:3``)."""
     config = getattr(model, "config", None)
     if config is not None:
-        setattr(config, PRUNED_HEADS_KEY, {str(layer): list(s.removed) for (_, layer), s in sorted(slices.items())})
+        setattr(config, PRUNED_HEADS_KEY, {(str(layer) if attention == "self" else f"{attention}:{layer}"):
+                                           list(s.removed) for (attention, layer), s in sorted(slices.items())})
 
 
 def pruned_heads_of(config) -> list[Head]:
     """The removed heads recorded in a transformers config (empty if it was never pruned)."""
     record = getattr(config, PRUNED_HEADS_KEY, None) or {}
     try:
-        return sorted(Head("self", int(layer), int(h)) for layer, hs in record.items() for h in hs)
+        return sorted(Head(*(str(key).rpartition(":")[0] or "self", int(str(key).rpartition(":")[2])), int(h))
+                      for key, hs in record.items() for h in hs)
     except (TypeError, ValueError, AttributeError):
         raise HeadsweepError(
             f"config.{PRUNED_HEADS_KEY} must map layer numbers to lists of heads, got {record!r}"
@@ -186,7 +189,10 @@ def _load_strict(model: nn.Module, state: dict[str, torch.Tensor], model_dir: Pa
         reason = str(exc).splitlines()[0] + " " + " ".join(str(exc).splitlines()[1:2]).strip()
         raise HeadsweepError(f"the weights in {model_dir} do not fit its pruned config: {reason}") from None
     tied = {n for names in owners.values() if any(m in state for m in names) for n in names}
-    missing = [k for k in result.missing_keys if k not in tied]
+    # Weights the architecture computes when it is built and save_pretrained never writes (Marian's sinusoidal
+    # position tables).
+    unsaved = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    missing = [k for k in result.missing_keys if k not in tied and k not in unsaved]
     if result.unexpected_keys or missing:
         what = f"unexpected {result.unexpected_keys[:3]}" if result.unexpected_keys else f"missing {missing[:3]}"
         raise HeadsweepError(f"the weights in {model_dir} do not fit its pruned config: {what}")

@@ -55,9 +55,15 @@ class SiteSpec:
     features: tuple[str, ...] = ()
     cross_attention: str | None = None  # module attribute that is true on cross-attention modules
     example: str = ""  # a model type with this layout (docs and the coverage table)
+    # The classes' Python module starts with this (a class name as bare as FSMT's ``Attention`` is no layout alone).
+    package: str = "transformers."
+    # The output projection's input is (time, batch, features), as fairseq's attention runs (FSMT): gated with the
+    # batch on axis 1.
+    time_first: bool = False
 
     def matches(self, module: nn.Module) -> bool:
-        return any(_pattern(self.classes).fullmatch(c.__name__) for c in type(module).__mro__[:-1])
+        return any(_pattern(self.classes).fullmatch(c.__name__) and c.__module__.startswith(self.package)
+                   for c in type(module).__mro__[:-1])
 
 
 @cache
@@ -89,6 +95,11 @@ SITE_SPECS: tuple[SiteSpec, ...] = (
     # One module applied at several depths: a site per application (hf_shared/shared_layers.py numbers them).
     SiteSpec("albert", r"AlbertAttention", "dense", ("attention_head_size",), "query", "key", "value",
              example="albert"),
+    # PegasusX's encoder attends to local blocks and global tokens and runs out_proj once on each (both batch-first,
+    # heads concatenated): a gate at its input gates both.
+    SiteSpec("pegasus_x", r"PegasusX(GlobalLocal)?Attention", "out_proj", ("head_dim",), example="pegasus_x"),
+    SiteSpec("fsmt", r"Attention", "out_proj", ("head_dim",), package="transformers.models.fsmt.",
+             time_first=True, example="fsmt (fairseq's WMT19 models)"),
 )
 
 #: Layers that mix tokens without attention heads, by class name: an architecture of only these is refused.

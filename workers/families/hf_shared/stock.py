@@ -13,8 +13,8 @@ from torch import nn
 
 from headsweep.errors import HeadsweepError
 
-#: The config keys a stock export sets (``hidden_size`` stays).
-STOCK_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim")
+#: The config keys a stock export sets (``hidden_size`` stays; ``num_heads``: T5-style encoder-decoders).
+STOCK_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "num_heads")
 TIED_HEAD_SIZE = ("{name}'s config derives the head size from the hidden size ({how}), so fewer heads would mean "
                   "smaller heads: no stock config states a pruned {name}; export without --stock "
                   "(headsweep.load_pruned loads the folder)")
