@@ -45,7 +45,7 @@ def _check_per_example(cfg: Any, family: Any, method: AblationMethod) -> None:
     if method.fill != "per_example":
         return
     if method.needs_pairs and not hasattr(family.data_config, "paired"):
-        raise HeadsweepError(method.family_refusal(family.name))
+        raise HeadsweepError(method.family_refusal(family.name, family.resample_attention != ()))
     if method.needs_pairs and not getattr(cfg.data, "paired", False):
         raise HeadsweepError(method.unpaired_refusal())
     if method.needs_whole_set and cfg.sweep.screen is not None:

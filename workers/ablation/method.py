@@ -143,9 +143,10 @@ class AblationMethod:
         return (f"sweep.ablation {self.name} needs paired data (clean and corrupted inputs): set data.task: paired, "
                 "or use another sweep.ablation")
 
-    def family_refusal(self, family: str) -> str:
+    def family_refusal(self, family: str, resample: bool = True) -> str:
         """The one line that refuses a method that ``needs_pairs`` for model family ``family``, which has no paired
-        data format."""
+        data format (``resample``: whether the family can fill some attention type from another input, so that the
+        line may suggest resample ablation)."""
         return (f"sweep.ablation {self.name} is not available for {family} models: {family} has no paired data "
                 "format (data.task: paired); use sweep.ablation mean")
 

@@ -65,11 +65,8 @@ class Patch(AblationMethod):
                 "(hf_causal_lm or hf_classifier: JSONL rows clean, corrupted, answer, wrong_answer), or use another "
                 "sweep.ablation")
 
-    def family_refusal(self, family: str) -> str:
-        from headsweep.workers.families.registry import model_family
-
-        # resample only where the family can fill some attention type from another input (not hf_seq2seq)
-        instead = "resample or mean" if model_family(family).resample_attention else "mean"
+    def family_refusal(self, family: str, resample: bool = True) -> str:
+        instead = "resample or mean" if resample else "mean"
         return (f"sweep.ablation patch is not available for {family} models: it patches activations between paired "
                 f"clean and corrupted inputs, and {family} has no paired data format (data.task: paired); use "
                 f"sweep.ablation {instead}")

@@ -163,20 +163,28 @@ STEPS = 8  # optimal ablation's Adam updates per head: enough to move below the 
 
 def direct_means(model, tokenizer, sources: list[str], references: list[str]) -> tuple[dict, dict]:
     """The independent route to the means: a fresh model, one sentence at a time (no padding at all), teacher-forced
-    by transformers itself (``labels``: the model shifts them right), a pre-hook on every output projection;
-    averaged in float64 here. Per head name's site ``attention:layer``: the mean input (C,) and the token count."""
+    by the model's own shift of the labels (``prepare_decoder_input_ids_from_labels``), a pre-hook on every
+    output projection; averaged in float64 here. Per head name's site ``attention:layer``: the mean input (C,) and
+    the token count."""
     sums: dict[str, list[torch.Tensor]] = {}
     handles = []
+    time_first = model.config.model_type == "fsmt"  # fairseq's (time, batch, features) inside its attention
     for attention in ("enc_self", "enc_dec", "dec_self"):
         for layer in range(2):
             proj, _ = projection(model, Head(attention, layer, 0))
             rows = sums.setdefault(f"{attention}:{layer}", [])
-            handles.append(proj.register_forward_pre_hook(lambda _m, args, rows=rows: rows.append(args[0][0].double())))
+
+            def record(_m, args, rows=rows):
+                rows.append((args[0][:, 0] if time_first else args[0][0]).double())
+
+            handles.append(proj.register_forward_pre_hook(record))
     try:
         with torch.no_grad():
             for source, reference in zip(sources, references, strict=True):
                 labels = tokenizer(text_target=[reference], return_tensors="pt")["input_ids"]
-                model(**tokenizer([source], return_tensors="pt"), labels=labels)
+                decoder = model.prepare_decoder_input_ids_from_labels(labels=labels.clone())
+                # use_cache=False: FSMT builds the decoder's causal mask only then (as in training)
+                model(**tokenizer([source], return_tensors="pt"), decoder_input_ids=decoder, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -289,6 +297,15 @@ def test_optimal_constants_beat_the_mean_and_equal_surgery(tiny):
     assert max(gains) > 1e-4, gains  # training moved at least one constant below the mean's loss
 
 
+def own_loss(model, inputs, target) -> float:
+    """transformers' own ``labels`` loss of one sentence pair. The decoder's input is the model's own shift of the
+    labels, passed explicitly: FSMT given only ``labels`` would decode from its shifted source (and its shift writes
+    into its argument); the other models shift the labels the same way themselves."""
+    labels = target["input_ids"]
+    decoder = model.prepare_decoder_input_ids_from_labels(labels=labels.clone())
+    return float(model(**inputs, decoder_input_ids=decoder, labels=labels).loss)
+
+
 def test_reference_loss_equals_transformers_own_loss_per_sentence(tiny):
     """``sweep.loss``: each reference's teacher-forced cross-entropy, unmasked and with a decoder head gated, against
     transformers' own ``labels`` loss of one sentence at a time on a fresh model (the gated head by weight surgery);
@@ -311,8 +328,7 @@ def test_reference_loss_equals_transformers_own_loss_per_sentence(tiny):
     tok = plain.tokenizer
     for mask, got in zip(masks[:2], want[:2], strict=True):
         with zeroed_head(reference, mask[0]) if mask else contextlib.nullcontext(), torch.no_grad():
-            direct = [float(reference(**tok([s], return_tensors="pt"),
-                                      labels=tok(text_target=[r], return_tensors="pt")["input_ids"]).loss)
+            direct = [own_loss(reference, tok([s], return_tensors="pt"), tok(text_target=[r], return_tensors="pt"))
                       for s, r in zip(source.read_text().splitlines(), target.read_text().splitlines(), strict=True)]
         # summation order: padded batches of 4 against one sentence at a time (float32 logits)
         assert_routes_agree(got, np.array(direct), depth=DEPTH, width=WIDTH, dtype=torch.float32, what=(kind, mask))
@@ -341,7 +357,7 @@ def test_roles_maps_equal_transformers_own_attentions(tiny):
     sentences = 0
     for batch, maps in zip(adapter.batches, attention_maps(adapter, "hf_seq2seq"), strict=True):
         labels = adapter.reference_labels(batch)
-        decoder_ids = reference.prepare_decoder_input_ids_from_labels(labels=labels)
+        decoder_ids = reference.prepare_decoder_input_ids_from_labels(labels=labels.clone())
         with torch.no_grad():
             out = reference(**batch.inputs, decoder_input_ids=decoder_ids, output_attentions=True, use_cache=False)
         own = {"enc_self": out.encoder_attentions, "dec_self": out.decoder_attentions, "enc_dec": out.cross_attentions}

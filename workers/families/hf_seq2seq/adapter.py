@@ -85,7 +85,7 @@ class Seq2SeqAdapter:
         runtime = Seq2SeqRuntime.of(runtime)
         method = method_of(runtime.ablation)
         if method.needs_pairs:
-            raise HeadsweepError(method.family_refusal("hf_seq2seq"))
+            raise HeadsweepError(method.family_refusal("hf_seq2seq", resample=False))
         method.refuse_per_example("hf_seq2seq models", "a donor's decoder states follow its own hypotheses in beam "
                                   "search")
         if runtime.threads > 0:
@@ -223,6 +223,20 @@ class Seq2SeqAdapter:
         labels = self.tokenizer(text_target=references, padding=True, return_tensors="pt")["input_ids"].to(self.device)
         return labels.masked_fill(labels.eq(self.tokenizer.pad_token_id), -100)
 
+    def decoder_input_ids(self, labels: torch.Tensor) -> torch.Tensor:
+        """The decoder's teacher-forced input for ``labels``: the references shifted right behind the decoder start
+        token, as the model's own ``prepare_decoder_input_ids_from_labels`` shifts them (on a copy: FSMT's shift
+        writes into its argument), or, for models without one (M2M100 / NLLB, Blenderbot), as their
+        ``shift_tokens_right`` does. Passed explicitly rather than as ``labels``: FSMT given only labels decodes
+        from the shifted *source*, and the model's own loss would be computed for nothing."""
+        prepare = getattr(self.model, "prepare_decoder_input_ids_from_labels", None)
+        if prepare is not None:
+            return prepare(labels=labels.clone())
+        config = self.model.config
+        shifted = labels.new_full(labels.shape, config.decoder_start_token_id)
+        shifted[:, 1:] = labels[:, :-1]
+        return shifted.masked_fill(shifted.eq(-100), config.pad_token_id)
+
     def _teacher_forced(self, batch: GridBatch[Batch], chunk: list[Sequence[Head]]) -> np.ndarray:
         """One teacher-forced pass over the batch repeated once per mask of ``chunk``: per-row mean NLL, mask-major."""
         inputs, rows, k = batch.inputs.inputs, batch.rows, len(chunk)
@@ -232,14 +246,16 @@ class Seq2SeqAdapter:
             from transformers.modeling_outputs import BaseModelOutput
 
             hidden = self._encoder_output(batch.key, inputs)
-            stacked = {"attention_mask": stacked["attention_mask"],
+            # input_ids stay although the encoder is skipped: FSMT builds the decoder's causal mask only when given
+            # them, and without it teacher forcing would read later target tokens
+            stacked = {"input_ids": stacked["input_ids"], "attention_mask": stacked["attention_mask"],
                        "encoder_outputs": BaseModelOutput(last_hidden_state=hidden.repeat(k, 1, 1))}
         try:
             if k == 1:
                 self.gates.set_mask(chunk[0])
             else:  # teacher forcing: one decoder row per sentence (a beam of one)
                 self.gates.set_values(row_gates(self.gates, chunk, rows, 1, self.device))
-            logits = self.model(**stacked, labels=labels, use_cache=False).logits
+            logits = self.model(**stacked, decoder_input_ids=self.decoder_input_ids(labels), use_cache=False).logits
         finally:
             self.gates.clear()
         lprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -309,7 +325,7 @@ class Seq2SeqAdapter:
         tokens = {s.key: real_source if s.attention == "enc_self" else real_target for s in self.gates.sites}
 
         def logits() -> torch.Tensor:
-            return self.model(**batch.inputs, labels=labels, use_cache=False).logits
+            return self.model(**batch.inputs, decoder_input_ids=self.decoder_input_ids(labels), use_cache=False).logits
 
         def loss() -> torch.Tensor:
             lprobs = torch.log_softmax(logits().to(dtype), dim=-1)

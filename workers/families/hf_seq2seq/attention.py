@@ -26,8 +26,8 @@ from headsweep.workers.core.gates import AttentionSite
 from headsweep.workers.families.hf_shared.attention import TransformersReader
 from headsweep.workers.families.hf_shared.site_table import spec_of
 
-# Where each layout's attention module returns its per-head weights.
-WEIGHTS_AT = {"bart": 1, "t5": 2}
+# Where each layout's attention module returns its per-head weights (FSMT's only when asked: ``output_attentions``).
+WEIGHTS_AT = {"bart": 1, "t5": 2, "fsmt": 1}
 
 
 @contextmanager
@@ -81,7 +81,7 @@ class Seq2SeqReader(TransformersReader):
         with seq2seq_attention(model, adapter.gates.sites, lambda key, w: sink(key, SiteAttention(w, *sides[key[0]]))):
             for batch in adapter.batches:
                 labels = adapter.reference_labels(batch)
-                decoder_ids = model.prepare_decoder_input_ids_from_labels(labels=labels)
+                decoder_ids = adapter.decoder_input_ids(labels)
                 src, real_src = batch.inputs["input_ids"], batch.inputs["attention_mask"].bool()
                 real_tgt = labels.ne(-100)
                 source = TokenSide(src, real_src, special_mask(src, specials) & real_src, "source", batch.examples)
@@ -90,7 +90,7 @@ class Seq2SeqReader(TransformersReader):
                 sides.update({"enc_self": (source, source, False), "dec_self": (target, target, True),
                               "enc_dec": (target, source, False)})
                 with torch.inference_mode():  # not across the yield: the caller's code runs as it chose
-                    model(**batch.inputs, decoder_input_ids=decoder_ids, use_cache=False)
+                    model(**batch.inputs, decoder_input_ids=decoder_ids, use_cache=False, output_attentions=True)
                 yield
 
     def corpus_counts(self, lines: Sequence[str]) -> tuple[str, np.ndarray]:
