@@ -85,6 +85,10 @@ def _path_slots(data: dict) -> list[tuple[str, dict | list, str | int]]:
     """Where a raw config mapping names files: ``(config key, container, index)`` for each relative path in it
     (``container[index]`` a non-empty string, neither absolute nor a URI): the model and data sections' file keys, the
     kinds' and the ablation section's data sections and files, and ``checkpoints``."""
+    # The built-in kinds register their sections (SECTIONS) when imported: a caller that has not imported them yet
+    # (headsweep run, which imports the driver only after the config passed) must still resolve their files.
+    import headsweep.sweep.experiments  # noqa: F401
+
     sections = [("model", data.get("model")), ("data", data.get("data"))]
     slots: list[tuple[str, dict | list, str | int]] = []
     # The kinds' sections and the ablation section: their data sections and files.
