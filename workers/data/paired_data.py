@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.data.json_records import fields_text, json_object, text_field
 from headsweep.workers.data.text_files import check_file, data_file, decode, json_lines, read_bytes
 
 FIELDS = ("clean", "corrupted", "answer", "wrong_answer")
@@ -52,15 +53,9 @@ def read_pairs(cfg: Any, key: str = "data") -> list[Pair]:
 
 
 def _pair(row: object, number: int, where: str) -> Pair:
-    if not isinstance(row, dict):
-        raise HeadsweepError(f"{where} is a JSON {type(row).__name__}, not an object with the fields "
-                             f"{', '.join(map(repr, FIELDS))}")
+    row = json_object(row, where, FIELDS)
     for name in FIELDS:
-        if name not in row:
-            raise HeadsweepError(f"{where} has no field {name!r} (a pair has {', '.join(map(repr, FIELDS))}; "
-                                 f"fields here: {', '.join(map(repr, row)) or 'none'})")
-        if not isinstance(row[name], str):
-            raise HeadsweepError(f"{where}: field {name!r} is {type(row[name]).__name__}, not text")
+        text_field(row, name, where, f"a pair has {fields_text(FIELDS)}")
     for name in ("clean", "corrupted"):
         if not row[name].strip():
             raise HeadsweepError(f"{where}: field {name!r} is empty (a prompt needs at least one token)")

@@ -149,6 +149,49 @@ def test_packed_masks_and_encoder_reuse_change_nothing(tiny):
     assert "encoder" in reused.reuse_note and len(reused._encoded) == len(reused.batches)
 
 
+# The file readers are model-independent: one architecture (suite time).
+@pytest.mark.parametrize("tiny", ["marian"], indirect=True)
+def test_tsv_and_jsonl_files_give_the_raw_files_translations_and_scores(tiny, tmp_path):
+    """``data.path``: a TSV file (no header, two more pairs cut by ``max_examples``) and a JSONL file keyed by
+    language codes (``data.source_field: en``, a blank line skipped) holding the raw files' pairs evaluate exactly as
+    the raw files: the same inputs and references, hypotheses and per-sentence statistics, unmasked and with a
+    head masked."""
+    import json
+
+    _, model_dir, source, target, adapters = tiny
+    sources, targets = source.read_text().splitlines(), target.read_text().splitlines()
+    tsv, jsonl = tmp_path / "pairs.tsv", tmp_path / "multi30k.jsonl"
+    pairs = [*zip(sources, targets, strict=True), ("extra", "pair"), ("one more", "pair")]
+    tsv.write_text("".join(f"{s}\t{t}\n" for s, t in pairs))
+    lines = [json.dumps({"de": t, "en": s, "id": i}) for i, (s, t) in enumerate(zip(sources, targets, strict=True))]
+    jsonl.write_text("\n".join(lines[:2] + [""] + lines[2:]) + "\n")
+    family = model_family("hf_seq2seq")
+    model_cfg = family.model_config(path=str(model_dir), max_new_tokens=8)
+    runtime = RuntimeOptions(batch_size=BATCH, masks_per_batch=2)  # both masks in one generate per batch
+    tsv_cfg = family.data_config(path=str(tsv), max_examples=N_SENTENCES)
+    jsonl_cfg = family.data_config(path=str(jsonl), source_field="en", target_field="de")
+    routes = {"raw": adapters[True]}
+    for name, data_cfg in (("tsv", tsv_cfg), ("jsonl", jsonl_cfg)):
+        family.check_data(data_cfg)  # what the driver checks before Ray
+        routes[name] = family.load(model_cfg, data_cfg, runtime)
+    masks = [[], [Head("enc_dec", 1, 0)]]
+    routes["raw"].runtime.masks_per_batch = 2  # packed as the file routes are
+    try:
+        raw = routes["raw"].evaluate(masks)
+    finally:
+        routes["raw"].runtime.masks_per_batch = 1
+    assert raw[0].outputs != raw[1].outputs  # the masked head changes some hypothesis: the comparison can fail
+    for name in ("tsv", "jsonl"):
+        adapter = routes[name]
+        info, raw_info = adapter.describe(), routes["raw"].describe()
+        assert (info.inputs, info.references, info.example_ids) == (raw_info.inputs, raw_info.references,
+                                                                      raw_info.example_ids), name
+        assert info.dataset == {"tsv": "pairs", "jsonl": "multi30k"}[name]
+        for got, want in zip(adapter.evaluate(masks), raw, strict=True):
+            assert got.outputs == want.outputs, name
+            assert np.array_equal(got.stats, want.stats) and got.score == want.score, name
+
+
 # -- mean and optimal ablation -------------------------------------------------------------------------------------
 # Both fill a gated-off head with one constant per head. The means are taken on teacher-forced references, as
 # fairseq_translation takes them: enc_self over the source tokens, enc_dec and dec_self over the decoder positions

@@ -66,12 +66,40 @@ def test_every_head_of_every_attention_type_with_chrf_from_its_stored_hypotheses
     assert {r["test"] for r in significance} == {"paired_bootstrap"}
 
 
+# data.path files that are not pairs: (file name, its bytes, data keys besides path, parts of the one line).
+BAD_PAIR_FILES = {
+    "tsv_three_columns": ("p.tsv", b"a b\tc d\nx\ty\tz\n", {},
+                          ("p.tsv: line 2 has 3 tab-separated column(s), not 2",)),
+    "tsv_empty_target": ("p.tsv", b"a b\tc d\n\nx\t \n", {},
+                         ("p.tsv: line 3: the target (column 2) is empty",)),
+    "jsonl_not_object": ("p.jsonl", b'{"en": "a", "de": "b"}\n["x", "y"]\n',
+                         {"source_field": "en", "target_field": "de"},
+                         ("p.jsonl: line 2 is a JSON list, not an object with the fields 'en', 'de'",)),
+    "jsonl_missing_field": ("p.jsonl", b'{"source": "a", "target": "b"}\n{"source": "x"}\n', {},
+                            ("p.jsonl: line 2 has no field 'target'", "set data.source_field / data.target_field",
+                             "fields here: 'source'")),
+    "jsonl_field_not_text": ("p.jsonl", b'{"source": "a", "target": 7}\n', {},
+                             ("p.jsonl: line 1: field 'target' is int, not text",)),
+    "undecodable_tsv": ("p.tsv", b"a\tb\nx\t\xe9t\xe9\n", {},
+                        ("p.tsv: line 2 is not valid utf-8 text (byte 0xe9", "set data.encoding")),
+    "path_and_source": ("p.tsv", b"a\tb\n", {"source": "x.src"},
+                        ("data.path and data.source / data.target are two ways of giving the data",)),
+}
+
+
 @pytest.mark.parametrize("case", ["causal_lm_as_seq2seq", "seq2seq_as_causal_lm", "multilingual_without_codes",
                                   "unaligned_data", "resample", "patch", "per_position_mean", "unknown_metric",
-                                  "export_stock_marian"])
+                                  "export_stock_marian", *BAD_PAIR_FILES])
 def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
     folder, model_dir, source, target = files
     cfg = config(model_dir, source, target)
+    if case in BAD_PAIR_FILES:
+        name, content, keys, parts = BAD_PAIR_FILES[case]
+        (tmp_path / name).write_bytes(content)
+        cfg["data"] = {"path": str(tmp_path / name), **keys}
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+        run_refused(tmp_path / "c.yaml", tmp_path / "store", ray_address, *parts)
+        return
     if case == "export_stock_marian":  # headsweep export: one line, exit 2, no folder written
         parts = ("MarianMTModel's config derives the head size from the hidden size (d_model / attention heads)",
                  "export without --stock")

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from headsweep.errors import HeadsweepError
 from headsweep.workers.data.data_report import Finding
+from headsweep.workers.data.file_formats import file_format
 from headsweep.workers.data.paired_data import read_pairs
 from headsweep.workers.data.text_files import (
     check_encoding,
@@ -38,7 +39,6 @@ from headsweep.workers.data.text_files import (
 )
 from headsweep.workers.families.hf_classifier.config import ClassifierData
 
-FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 FORMAT_NAMES = ("tsv", "csv", "jsonl", "parquet")
 # How many rows a message names before it says how many more there are.
 SHOWN_ROWS = 5
@@ -244,16 +244,7 @@ def _decoded_binary(table: pa.Table, columns: list[str], encoding: str, path: Pa
 
 def data_format(cfg: ClassifierData, key: str = "data") -> str:
     """``<key>.format``, or the one the file's suffix names; a one-line error for any other."""
-    if cfg.format is not None:
-        if cfg.format not in FORMAT_NAMES:
-            raise HeadsweepError(f"{key}.format {cfg.format!r} is not a supported format (supported: "
-                                 f"{', '.join(FORMAT_NAMES)})")
-        return cfg.format
-    fmt = FORMATS.get(Path(cfg.path).suffix.lower())
-    if fmt is None:
-        raise HeadsweepError(f"cannot tell the format of data file {cfg.path} from its suffix: set {key}.format to "
-                             f"one of {', '.join(FORMAT_NAMES)}")
-    return fmt
+    return file_format(cfg.path, cfg.format, FORMAT_NAMES, key)
 
 
 def check_data(cfg: ClassifierData, key: str = "data") -> Path:

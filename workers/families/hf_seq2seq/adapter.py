@@ -41,9 +41,8 @@ from headsweep.workers.core.metrics import Metric
 from headsweep.workers.core.translation_scores import sentence_scorer
 from headsweep.workers.core.workload import median_batch, take_rows
 from headsweep.workers.data.example_subset import at_positions
-from headsweep.workers.data.text_files import parallel_set_name
-from headsweep.workers.families.fairseq_translation.data import read_parallel_text
 from headsweep.workers.families.hf_seq2seq.config import Seq2SeqData, Seq2SeqModel, Seq2SeqRuntime
+from headsweep.workers.families.hf_seq2seq.data import read_seq2seq_data
 from headsweep.workers.families.hf_seq2seq.generation import gates_encoder, row_gates
 from headsweep.workers.families.hf_seq2seq.languages import apply_language_codes
 from headsweep.workers.families.hf_seq2seq.model import load_seq2seq
@@ -64,6 +63,7 @@ class Pairs:
     ids: list[str]
     sources: list[str]
     references: list[str]
+    places: list[str]  # each source as messages name it (``data.source line 3``)
 
 
 @dataclass
@@ -92,13 +92,11 @@ class Seq2SeqAdapter:
             torch.set_num_threads(runtime.threads)
         self.cfg, self.runtime = model_cfg, runtime
         self.device = torch.device(runtime.device)
-        source, target = read_parallel_text(data_cfg)
-        if not source:
-            raise HeadsweepError(f"data.source {data_cfg.source} has no sentences")
-        pairs = Pairs([str(i) for i in range(len(source))], [model_cfg.prefix + s.strip() for s in source],
-                      [t.strip() for t in target])
+        text = read_seq2seq_data(data_cfg)
+        pairs = Pairs([str(i) for i in range(len(text.sources))], [model_cfg.prefix + s.strip() for s in text.sources],
+                      [t.strip() for t in text.targets], text.source_places)
         self.pairs: Pairs = at_positions(pairs, runtime.examples)
-        self.dataset_name = data_cfg.name or parallel_set_name(Path(data_cfg.source or "data"))
+        self.dataset_name = text.name
         loaded = load_seq2seq(model_cfg, runtime.device)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         forced_bos = apply_language_codes(self.tokenizer, model_cfg.source_lang, model_cfg.target_lang)
@@ -133,9 +131,9 @@ class Seq2SeqAdapter:
             lengths = batch.inputs["attention_mask"].sum(dim=1)
             if limit is not None and int(lengths.max()) > limit:
                 row = int(lengths.argmax())
-                line = int(batch.examples[row]) + 1
-                raise HeadsweepError(f"data.source line {line} is {int(lengths[row])} tokens long, more than the "
-                                     f"model's {limit} positions: shorten or remove it")
+                place = self.pairs.places[int(batch.examples[row])]
+                raise HeadsweepError(f"{place} is {int(lengths[row])} tokens long, more than the model's {limit} "
+                                     "positions: shorten or remove it")
 
     # -- EvalAdapter ---------------------------------------------------------------------
     def describe(self) -> DatasetInfo:

@@ -36,15 +36,14 @@ class Seq2SeqFamily(TransformersFamily):
     no LRP (refused in one line)."""
 
     def check_data(self, data_cfg: Seq2SeqData, key: str = "data") -> None:
-        """The settings and the raw parallel text itself (decoded, line-aligned, not empty), before Ray starts."""
-        from headsweep.errors import HeadsweepError
+        """The settings and the pairs themselves, before Ray starts: raw parallel text decoded, line-aligned and not
+        empty, or every line of a TSV / JSONL file a pair with a non-empty source and target."""
         from headsweep.workers.data.text_files import check_max_examples
-        from headsweep.workers.families.fairseq_translation.data import read_parallel_text
+        from headsweep.workers.families.hf_seq2seq.data import read_seq2seq_data
 
-        data_cfg.check()
+        data_cfg.check(key)
         check_max_examples(data_cfg.max_examples, f"{key}.max_examples")
-        if not read_parallel_text(data_cfg, key)[0]:
-            raise HeadsweepError(f"{key}.source {data_cfg.source} has no sentences")
+        read_seq2seq_data(data_cfg, key)
 
     def check_model(self, model_cfg: Seq2SeqModel) -> None:
         """The folder's files and tokenizer (as the other transformers families), its ``config.json`` against this
