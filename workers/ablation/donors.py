@@ -222,6 +222,20 @@ def donors_for(spec: AblationSpec, gates: HeadGates, lengths: Sequence[int], pai
     return Donors(gates, draw, spec.keep_first, attention)
 
 
+def refuse_unfillable(donors: Donors, spec: AblationSpec, family: str, masks: Sequence[Sequence[Any]]) -> None:
+    """Under a per-example method whose donor pass records only some attention types (``donors.attention``: the
+    encoder-decoder families' ``enc_self``), every head of ``masks`` is one a donor can fill; the driver refuses
+    configs that would gate others, so this catches only what it could not see, in the method's one line
+    (``attention_refusal``) naming the first such head of model family ``family``."""
+    if not donors.active or donors.attention is None:
+        return
+    other = next((h for mask in masks for h in mask if h.attention not in donors.attention), None)
+    if other is not None:
+        allowed = donors.attention
+        raise HeadsweepError(method_of(spec).attention_refusal(family, allowed, f"a mask of this run gates {other}",
+                                                               f"gate only {', '.join(allowed)} heads"))
+
+
 def refuse_per_example(spec: AblationSpec, what: str, why: str) -> None:
     """An adapter that cannot fill heads per example (``what``, e.g. "multiple-choice questions", ``why`` the
     reason) refuses resample with one line, and patch with its ``unpaired_refusal`` (it holds no pairs); called

@@ -51,7 +51,7 @@ from fairseq.data import LanguagePairDataset, data_utils
 from sacrebleu.metrics import BLEU as SacreBLEU
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.ablation.donors import donors_for, with_donors
+from headsweep.workers.ablation.donors import donors_for, refuse_unfillable, with_donors
 from headsweep.workers.ablation.registry import method_of
 from headsweep.workers.core.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.core.heads import Head
@@ -241,14 +241,7 @@ class TranslationAdapter:
     def check_fillable(self, masks: Sequence[Sequence[Head]]) -> None:
         """Under resample ablation, every gated head is one a donor can fill (``enc_self``); the driver refuses
         configs that would gate others, so this catches only what it could not see (one line)."""
-        if not self.donors.active:
-            return
-        other = next((h for mask in masks for h in mask if h.attention not in RESAMPLE_ATTENTION), None)
-        if other is not None:
-            method = method_of(self.runtime.ablation)
-            raise HeadsweepError(method.attention_refusal("fairseq_translation", RESAMPLE_ATTENTION,
-                                                          f"a mask of this run gates {other}",
-                                                          "gate only enc_self heads"))
+        refuse_unfillable(self.donors, self.runtime.ablation, "fairseq_translation", masks)
 
     def run_donors(self, donors: np.ndarray) -> None:
         """The per-batch donor pass of :class:`~headsweep.workers.ablation.donors.Donors`: the sources of sentences
