@@ -412,9 +412,10 @@ def donor_data(folder, tokenizer) -> tuple:
     lengths = [len(ids) for ids in tokenizer(sources)["input_ids"]]
     chosen: list[int] = []
     for n in sorted(set(lengths)):
-        members = [i for i, m in enumerate(lengths) if m == n][: 3 if chosen else 2]
-        if len(members) >= 2 and len(chosen) < 8:
-            chosen += members
+        members = [i for i, m in enumerate(lengths) if m == n]
+        size = 3 if chosen else 2
+        if len(members) >= size and len(chosen) < 8:
+            chosen += members[:size]
     source.write_text("".join(sources[i] + "\n" for i in chosen[:8]))
     target.write_text("".join(targets[i] + "\n" for i in chosen[:8]))
     return source, target
