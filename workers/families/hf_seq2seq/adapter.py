@@ -201,33 +201,16 @@ class Seq2SeqAdapter:
         (:mod:`headsweep.workers.ablation.donors`), and the hypotheses of the first draw."""
         refuse_unfillable(self.donors, self.runtime.ablation, "hf_seq2seq", masks)
         start = time.perf_counter()
-        stats_sum: list[np.ndarray] = []
-        loss_sum: list[np.ndarray | None] = []
-        first_outputs: list[list[str]] = []
-        # Masks that gate nothing come out the same under every draw: one draw does for them.
-        draws = self.donors.draws() if any(masks) else iter([0])
-        n_draws = 0
-        for k in draws:
-            n_draws += 1
+
+        def scored() -> list:
             hypotheses = self.translate(masks)
             losses = self.reference_loss(masks) if self.runtime.loss else [None] * len(masks)
-            for m, (outputs, loss) in enumerate(zip(hypotheses, losses, strict=True)):
-                stats = self.sentence_stats(outputs)
-                if k == 0:
-                    first_outputs.append(outputs)
-                    stats_sum.append(stats)
-                    loss_sum.append(loss)
-                else:
-                    stats_sum[m] = stats_sum[m] + stats
-                    loss_sum[m] = None if loss is None else loss_sum[m] + loss
+            return [(h, self.sentence_stats(h), loss) for h, loss in zip(hypotheses, losses, strict=True)]
+
+        per_mask = self.donors.outputs_over_draws(masks, scored)
         seconds_each = (time.perf_counter() - start) / max(1, len(masks))
-        results = []
-        for outputs, stats, loss in zip(first_outputs, stats_sum, loss_sum, strict=True):
-            stats = stats / n_draws
-            loss = None if loss is None else loss / n_draws
-            results.append(MaskOutput(stats=stats, loss=loss, outputs=outputs, score=self.metric.score(stats),
-                                      seconds=seconds_each))
-        return results
+        return [MaskOutput(stats=stats, loss=loss, outputs=outputs, score=self.metric.score(stats),
+                           seconds=seconds_each) for outputs, stats, loss in per_mask]
 
     def run_donors(self, donors: np.ndarray) -> None:
         """The per-batch donor pass of :class:`~headsweep.workers.ablation.donors.Donors`: the sources of sentences
