@@ -484,8 +484,8 @@ def resampled_translations(model, tokenizer, sources, generation, mask, donors) 
 def test_resampled_enc_self_heads_equal_donor_slices_written_by_hooks(tiny, tmp_path):
     """Resample ablation (``sweep.ablation: resample``) through the adapter, encoder reuse off and on, batches of 4
     padded by the tokenizer, donors from any batch, against the hook route above: identical hypotheses, so identical
-    sacrebleu statistics and BLEU; K = 2 draws average each sentence's statistics; a decoder head is refused in one
-    line."""
+    sacrebleu statistics and BLEU, and teacher-forced losses within the summation-order bound; K = 2 draws average
+    each sentence's statistics; a decoder head is refused in one line."""
     from headsweep.errors import HeadsweepError
 
     kind, model_dir, _, _, adapters = tiny
@@ -529,5 +529,20 @@ def test_resampled_enc_self_heads_equal_donor_slices_written_by_hooks(tiny, tmp_
                                               abs=1e-9)
     # other: the second draw changes some mask's statistics, or their mean could not be told from draw 0's
     assert differs or not twice, kind
+    # sweep.loss under the same fill: each reference's teacher-forced loss against transformers' own labels loss of
+    # one sentence at a time, the donor's slices written by the hooks
+    mask = RESAMPLE_MASKS[1]
+    [losses] = a.reference_loss([mask])
+    references = target.read_text().splitlines()
+    direct = []
+    for i, (line, ref) in enumerate(zip(sources, references, strict=True)):
+        recorded: dict = {}
+        with hooked(reference, mask, record=recorded), torch.no_grad():
+            reference.get_encoder()(**a.tokenizer([sources[int(donors[i])]], return_tensors="pt"))
+        with hooked(reference, mask, write=recorded), torch.no_grad():
+            direct.append(own_loss(reference, a.tokenizer([line], return_tensors="pt"),
+                                   a.tokenizer(text_target=[ref], return_tensors="pt")))
+    # summation order: padded batches of 4 against one sentence at a time (float32 logits)
+    assert_routes_agree(losses, np.array(direct), depth=DEPTH, width=WIDTH, dtype=torch.float32, what=(kind, mask))
     with pytest.raises(HeadsweepError, match="a mask of this run gates dec_self:1:0"):
         a.evaluate([[Head("enc_self", 0, 0)], [Head("dec_self", 1, 0)]])
