@@ -6,9 +6,9 @@ written here and in tests/ablation_routes.py, with no headsweep gate or fill cod
   input columns zeroed and ``W_O[:, h] @ c_h`` folded into the bias, no hooks), for every head, through the
   family's own evaluation (beam search and teacher-forced loss for fairseq: all three attention types);
 * per-position and per-example fills, and ``keep_first``, == a forward pre-hook that writes the values over the
-  head's slice position by position (fairseq: per-example fills on ``enc_self`` only: decoder attention runs
-  incrementally in beam search, so translation refuses per-position fills, ``keep_first`` and per-example
-  methods on decoder attention);
+  head's slice position by position (translation, fairseq and hf_seq2seq: per-example fills on ``enc_self`` only:
+  decoder attention runs incrementally in beam search, so translation refuses per-position fills, ``keep_first``
+  and per-example methods on decoder attention);
 * reuse and packed masks == the plain path under every fill kind, as test_family_contract.py demands it of zero
   ablation. Per-example fills go through the adapters too: a runtime whose batch holds the whole evaluation set
   gives every pass the same ``(B, T)`` rows, so one fill fits each batch without a per-batch hook;
@@ -54,7 +54,7 @@ def is_translation(case: FamilyCase) -> bool:
 
 def fills_per_example(built: Built) -> bool:
     """Whether the family fills some attention type from another input (resample; ``resample_attention`` None:
-    every type; hf_seq2seq's empty tuple: none)."""
+    every type; the encoder-decoder families' ``("enc_self",)``: that one; an empty tuple: none)."""
     from headsweep.workers.families.registry import model_family
 
     return model_family(built.model["kind"]).resample_attention != ()

@@ -87,6 +87,10 @@ def record_contexts(gates: HeadGates, run: Callable[[], Any],
     return out
 
 
+#: One mask's evaluation: its outputs (hypotheses), per-example statistics, and per-example losses (None: not asked).
+Scored = tuple[list[Any], np.ndarray, np.ndarray | None]
+
+
 class Donors:
     """An adapter's per-example fills: whose inputs fill each example's gated-off heads, and the per-batch step.
 
@@ -145,6 +149,23 @@ class Donors:
             total = value if total is None else total + value
         assert total is not None
         return total / self.n_draws
+
+    def outputs_over_draws(self, masks: Sequence[Sequence[Any]], compute: Callable[[], list[Scored]]) -> list[Scored]:
+        """``compute()`` (per mask of ``masks``: its outputs, per-example statistics and per-example losses or None)
+        under each draw: per mask, the first draw's outputs and the statistics and losses averaged over the draws
+        (the translation families' K resample draws, module docstring). Masks that gate nothing come out the same
+        under every draw: one draw does for a grid of them."""
+        totals: list[Scored] = []
+        n = 0
+        for k in self.draws() if any(masks) else iter([0]):
+            n += 1
+            for m, (outputs, stats, loss) in enumerate(compute()):
+                if k == 0:
+                    totals.append((outputs, stats, loss))
+                    continue
+                first, stats_sum, loss_sum = totals[m]
+                totals[m] = (first, stats_sum + stats, None if loss is None or loss_sum is None else loss_sum + loss)
+        return [(outputs, stats / n, None if loss is None else loss / n) for outputs, stats, loss in totals]
 
     def donors_of(self, rows: Sequence[int] | torch.Tensor | np.ndarray) -> np.ndarray:
         """The donors (positions in the evaluation set) of examples ``rows`` in the current draw."""
@@ -220,6 +241,20 @@ def donors_for(spec: AblationSpec, gates: HeadGates, lengths: Sequence[int], pai
     if draw is None:
         return Donors(gates)
     return Donors(gates, draw, spec.keep_first, attention)
+
+
+def refuse_unfillable(donors: Donors, spec: AblationSpec, family: str, masks: Sequence[Sequence[Any]]) -> None:
+    """Under a per-example method whose donor pass records only some attention types (``donors.attention``: the
+    encoder-decoder families' ``enc_self``), every head of ``masks`` is one a donor can fill; the driver refuses
+    configs that would gate others, so this catches only what it could not see, in the method's one line
+    (``attention_refusal``) naming the first such head of model family ``family``."""
+    if not donors.active or donors.attention is None:
+        return
+    other = next((h for mask in masks for h in mask if h.attention not in donors.attention), None)
+    if other is not None:
+        allowed = donors.attention
+        raise HeadsweepError(method_of(spec).attention_refusal(family, allowed, f"a mask of this run gates {other}",
+                                                               f"gate only {', '.join(allowed)} heads"))
 
 
 def refuse_per_example(spec: AblationSpec, what: str, why: str) -> None:

@@ -65,7 +65,9 @@ class Importance(Experiment):
             return []
         return [GatedHeads("importance.method", every_head=(
             "gradient importance scores every head of the model against its donor's activations",
-            "use importance.method lrp, or ablation with importance.from_run"))]
+            # lrp is not every family's (hf_seq2seq refuses it): the line must not send a user to another refusal
+            "use importance.method ablation with importance.from_run, or importance.method lrp where the model "
+            "family supports it"))]
 
     def needs(self, cfg: Config) -> tuple[str, ...]:
         imp = cfg.importance

@@ -435,3 +435,157 @@ def test_lrp_refused_in_one_line(tiny):
     assert lrp_problem_on_worker(Worker(), None) == (
         "importance.method lrp: model family 'hf_seq2seq' does not support relevance propagation (LRP); use "
         "importance.method gradient")
+
+
+# -- resample ablation on enc_self heads ---------------------------------------------------------------------------
+# A gated-off enc_self head takes a donor sentence's own context (another sentence of the same source token length).
+# The independent route, written with transformers alone on a fresh model, without padding: the donors of the sentences
+# of one source length through the encoder (one unpadded pass) with pre-hooks on the self-attention out_proj modules
+# recording their inputs, then those sentences' generate with pre-hooks writing each donor's slice of the masked heads
+# over the sentence's own (TransformerLens's hook_z patching). FSMT's projection input is time-first: the slice is
+# written the same way, on the last axis.
+# one head, and two heads in two layers
+RESAMPLE_MASKS = [[Head("enc_self", 0, 0)], [Head("enc_self", 0, 1), Head("enc_self", 1, 2)]]
+
+
+def donor_data(folder, tokenizer) -> tuple:
+    """5 synthetic pairs in source-length groups of 2 and 3 (every sentence has a donor; in batches of 4 the first
+    batch pads two lengths and the second group's donors straddle the two batches)."""
+    source, target = write_pairs(folder / "resample", 24)
+    sources, targets = source.read_text().splitlines(), target.read_text().splitlines()
+    lengths = [len(ids) for ids in tokenizer(sources)["input_ids"]]
+    chosen: list[int] = []
+    for n in sorted(set(lengths)):
+        members = [i for i, m in enumerate(lengths) if m == n]
+        size = 3 if chosen else 2
+        if len(members) >= size and len(chosen) < 5:
+            chosen += members[:size]
+    source.write_text("".join(sources[i] + "\n" for i in chosen))
+    target.write_text("".join(targets[i] + "\n" for i in chosen))
+    return source, target
+
+
+def resample_adapter(model_dir, source, target, resamples: int = 1, method: str = "resample", **runtime):
+    from headsweep.workers.ablation.resample import ResampleSettings
+    from headsweep.workers.ablation.spec import AblationSpec
+    from headsweep.workers.families.hf_seq2seq.config import Seq2SeqRuntime
+
+    family = model_family("hf_seq2seq")
+    settings = ResampleSettings(seed=3, resamples=resamples) if method == "resample" else None
+    return family.load(family.model_config(path=str(model_dir), max_new_tokens=8),
+                       family.data_config(source=str(source), target=str(target)),
+                       Seq2SeqRuntime(batch_size=BATCH, ablation=AblationSpec(method=method, settings=settings),
+                                      **runtime))
+
+
+@contextlib.contextmanager
+def hooked(model, mask, write: dict | None = None, record: dict | None = None):
+    """Pre-hooks on the encoder self-attention projections: ``record`` (layer -> input) keeps each one's input,
+    ``write`` (layer -> an input of the same shape) writes its slices of ``mask``'s heads over the input."""
+    def hook(head: Head, head_dim: int):
+        def run(_m, args):
+            if record is not None:
+                record[head.layer] = args[0].clone()
+                return None
+            x = args[0].clone()
+            for h in mask:
+                if h.layer == head.layer:
+                    cols = slice(h.head * head_dim, (h.head + 1) * head_dim)
+                    x[..., cols] = write[head.layer][..., cols]
+            return (x, *args[1:])
+        return run
+
+    handles = []
+    for layer in sorted({h.layer for h in mask}):
+        proj, head_dim = projection(model, Head("enc_self", layer, 0))
+        handles.append(proj.register_forward_pre_hook(hook(Head("enc_self", layer, 0), head_dim)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def resampled_translations(model, tokenizer, sources, generation, mask, donors) -> list[str]:
+    """The route: per source length, the donors' encoder pass recorded, then the sentences' generate with the donors'
+    slices written in (no padding anywhere: every row of a pass has the same length)."""
+    lengths = [len(ids) for ids in tokenizer(sources)["input_ids"]]
+    out: list[str] = [""] * len(sources)
+    for n in sorted(set(lengths)):
+        rows = [i for i, m in enumerate(lengths) if m == n]
+        recorded: dict = {}
+        with hooked(model, mask, record=recorded), torch.no_grad():
+            model.get_encoder()(**tokenizer([sources[int(donors[i])] for i in rows], return_tensors="pt"))
+        with hooked(model, mask, write=recorded), torch.no_grad():
+            ids = model.generate(**tokenizer([sources[i] for i in rows], return_tensors="pt"),
+                                 generation_config=generation)
+        for i, text in zip(rows, tokenizer.batch_decode(ids, skip_special_tokens=True), strict=True):
+            out[i] = text
+    return out
+
+
+def test_resampled_enc_self_heads_equal_donor_slices_written_by_hooks(tiny, tmp_path):
+    """Resample ablation (``sweep.ablation: resample``) through the adapter, encoder reuse off and on, batches of 4
+    padded by the tokenizer, donors from any batch, against the hook route above: identical hypotheses, so identical
+    sacrebleu statistics and BLEU, and teacher-forced losses within the summation-order bound; K = 2 draws average
+    each sentence's statistics; a decoder head is refused in one line."""
+    from headsweep.errors import HeadsweepError
+
+    kind, model_dir, _, _, adapters = tiny
+    source, target = donor_data(tmp_path, adapters[False].tokenizer)
+    a = resample_adapter(model_dir, source, target, reuse=False, masks_per_batch=2)
+    sources = source.read_text().splitlines()
+    donors = a.donors.donors[0]
+    lengths = np.array(a.source_lengths)
+    assert len(sources) == 5 and (lengths[donors] == lengths).all() and not (donors == np.arange(5)).any()
+    batch_of = {int(i): b for b, batch in enumerate(a.batches) for i in batch.examples}
+    assert any(len(set(lengths[b.examples.numpy()])) > 1 for b in a.batches)  # padding within a batch
+    assert any(batch_of[i] != batch_of[int(d)] for i, d in enumerate(donors))  # a donor from another batch
+    reference = fresh(model_dir)
+    want = [resampled_translations(reference, a.tokenizer, sources, a.generation, m, donors) for m in RESAMPLE_MASKS]
+    zeroed = resample_adapter(model_dir, source, target, method="zero", masks_per_batch=2).evaluate(RESAMPLE_MASKS)
+    # other: the route can fail: the donors' slices change some hypothesis against zero ablation, for every mask
+    for mask, zero, expected in zip(RESAMPLE_MASKS, zeroed, want, strict=True):
+        assert zero.outputs != expected, (kind, mask, "resample changes nothing against zero ablation")
+    # Both masks in one generate per batch, encoder reuse off and on (the contract suite runs per-example fills one
+    # mask per pass too); on T5 under two donor draws (each sentence's statistics the mean over the draws, the
+    # hypotheses the first draw's; Marian's random weights give the same beams under both)
+    twice = kind == "t5"
+    packed = resample_adapter(model_dir, source, target, resamples=2 if twice else 1, reuse=True, masks_per_batch=2)
+    second = [resampled_translations(reference, a.tokenizer, sources, a.generation, m, packed.donors.donors[1])
+              for m in RESAMPLE_MASKS] if twice else []
+    differs = 0
+    for adapter in (a, packed):
+        for m, (mask, got, expected) in enumerate(zip(RESAMPLE_MASKS, adapter.evaluate(RESAMPLE_MASKS), want,
+                                                      strict=True)):
+            what = (kind, adapter.runtime.reuse, mask)
+            assert np.array_equal(adapter.donors.donors[0], donors), what
+            assert got.outputs == expected, what
+            stats = adapter.sentence_stats(expected)
+            if adapter is packed and twice:
+                # exact: counts, their mean over two draws is exact in float64
+                assert np.array_equal(got.stats, (stats + adapter.sentence_stats(second[m])) / 2), what
+                differs += not np.array_equal(got.stats, stats)
+                continue
+            assert np.array_equal(got.stats, stats), what
+            assert got.score == pytest.approx(sacrebleu.corpus_bleu(expected, [adapter.pairs.references]).score,
+                                              abs=1e-9)
+    # other: the second draw changes some mask's statistics, or their mean could not be told from draw 0's
+    assert differs or not twice, kind
+    # sweep.loss under the same fill: each reference's teacher-forced loss against transformers' own labels loss of
+    # one sentence at a time, the donor's slices written by the hooks
+    mask = RESAMPLE_MASKS[1]
+    [losses] = a.reference_loss([mask])
+    references = target.read_text().splitlines()
+    direct = []
+    for i, (line, ref) in enumerate(zip(sources, references, strict=True)):
+        recorded: dict = {}
+        with hooked(reference, mask, record=recorded), torch.no_grad():
+            reference.get_encoder()(**a.tokenizer([sources[int(donors[i])]], return_tensors="pt"))
+        with hooked(reference, mask, write=recorded), torch.no_grad():
+            direct.append(own_loss(reference, a.tokenizer([line], return_tensors="pt"),
+                                   a.tokenizer(text_target=[ref], return_tensors="pt")))
+    # summation order: padded batches of 4 against one sentence at a time (float32 logits)
+    assert_routes_agree(losses, np.array(direct), depth=DEPTH, width=WIDTH, dtype=torch.float32, what=(kind, mask))
+    with pytest.raises(HeadsweepError, match="a mask of this run gates dec_self:1:0"):
+        a.evaluate([[Head("enc_self", 0, 0)], [Head("dec_self", 1, 0)]])

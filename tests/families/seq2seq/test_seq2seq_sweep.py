@@ -88,8 +88,8 @@ BAD_PAIR_FILES = {
 
 
 @pytest.mark.parametrize("case", ["causal_lm_as_seq2seq", "seq2seq_as_causal_lm", "multilingual_without_codes",
-                                  "unaligned_data", "resample", "patch", "per_position_mean", "unknown_metric",
-                                  "export_stock_marian", *BAD_PAIR_FILES])
+                                  "unaligned_data", "resample_decoder", "patch", "per_position_mean",
+                                  "unknown_metric", "export_stock_marian", *BAD_PAIR_FILES])
 def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
     folder, model_dir, source, target = files
     cfg = config(model_dir, source, target)
@@ -130,9 +130,9 @@ def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
         cfg["model"]["path"] = str(m2m)
         cfg["model"]["source_lang"] = "en"
         parts = ("is a multilingual model (m2m_100): set model.target_lang",)
-    elif case == "patch":  # the line suggests only what the family runs (not resample)
+    elif case == "patch":  # the line suggests what the family runs instead (resample on enc_self heads, mean)
         cfg["sweep"]["ablation"] = "patch"
-        parts = ("hf_seq2seq has no paired data format (data.task: paired); use sweep.ablation mean",)
+        parts = ("hf_seq2seq has no paired data format (data.task: paired); use sweep.ablation resample or mean",)
     elif case == "per_position_mean":
         cfg["sweep"]["ablation"] = "mean"
         cfg["ablation"] = {"positions": "per_position"}
@@ -141,10 +141,12 @@ def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
     elif case == "unknown_metric":
         cfg["data"]["metric"] = "meteor"
         parts = ("data.metric must be one of bleu, chrf", "got 'meteor'")
-    elif case == "resample":  # no attention type a donor can fill: the line says so, not an empty list of types
+    elif case == "resample_decoder":  # a donor fills enc_self heads only: a decoder head is refused, as fairseq's
         cfg["sweep"]["ablation"] = "resample"
-        parts = ("sweep.ablation resample is not available for hf_seq2seq models: no attention type of theirs can be "
-                 "filled from another input", "use sweep.ablation mean")
+        cfg["sweep"]["attention"] = ["enc_self", "dec_self"]
+        parts = ("sweep.ablation resample is available for hf_seq2seq models on enc_self heads only",
+                 "sweep.attention takes in dec_self heads", "decoder attention cannot take another sentence's states",
+                 "set sweep.attention: [enc_self], or use sweep.ablation mean")
     else:
         short = tmp_path / "short.tgt"
         short.write_text("\n".join(target.read_text().splitlines()[:-1]) + "\n")

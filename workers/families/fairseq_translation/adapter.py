@@ -51,7 +51,7 @@ from fairseq.data import LanguagePairDataset, data_utils
 from sacrebleu.metrics import BLEU as SacreBLEU
 
 from headsweep.errors import HeadsweepError
-from headsweep.workers.ablation.donors import donors_for, with_donors
+from headsweep.workers.ablation.donors import donors_for, refuse_unfillable, with_donors
 from headsweep.workers.ablation.registry import method_of
 from headsweep.workers.core.family import DatasetInfo, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.core.heads import Head
@@ -208,47 +208,23 @@ class TranslationAdapter:
         hypotheses of the first draw."""
         self.check_fillable(masks)
         start = time.perf_counter()
-        stats_sum: list[np.ndarray] = []
-        loss_sum: list[np.ndarray | None] = []
-        first_outputs: list[list[str]] = []
-        # Masks that gate nothing come out the same under every draw: one draw does for them.
-        draws = self.donors.draws() if any(masks) else iter([0])
-        n_draws = 0
-        for k in draws:
-            n_draws += 1
+
+        def scored() -> list:
             hyps = self.translate(masks)
             # The teacher-forced pass costs 13-28% of a beam search (measured, see bench/README.md): only when asked.
             losses = self.reference_loss(masks) if self.runtime.loss else [None] * len(masks)
-            for m, (mask_hyps, loss) in enumerate(zip(hyps, losses, strict=True)):
-                outputs = [h.text for h in mask_hyps]
-                stats = self.sentence_stats(outputs)
-                if k == 0:
-                    first_outputs.append(outputs)
-                    stats_sum.append(stats)
-                    loss_sum.append(loss)
-                else:
-                    stats_sum[m] = stats_sum[m] + stats
-                    loss_sum[m] = None if loss is None else loss_sum[m] + loss
+            texts = [[h.text for h in mask_hyps] for mask_hyps in hyps]
+            return [(t, self.sentence_stats(t), loss) for t, loss in zip(texts, losses, strict=True)]
+
+        per_mask = self.donors.outputs_over_draws(masks, scored)
         seconds_each = (time.perf_counter() - start) / max(1, len(masks))
-        results = []
-        for outputs, stats, loss in zip(first_outputs, stats_sum, loss_sum, strict=True):
-            stats = stats / n_draws
-            loss = None if loss is None else loss / n_draws
-            results.append(MaskOutput(stats=stats, loss=loss, outputs=outputs, score=self.metric.score(stats),
-                                      seconds=seconds_each))
-        return results
+        return [MaskOutput(stats=stats, loss=loss, outputs=outputs, score=self.metric.score(stats),
+                           seconds=seconds_each) for outputs, stats, loss in per_mask]
 
     def check_fillable(self, masks: Sequence[Sequence[Head]]) -> None:
         """Under resample ablation, every gated head is one a donor can fill (``enc_self``); the driver refuses
         configs that would gate others, so this catches only what it could not see (one line)."""
-        if not self.donors.active:
-            return
-        other = next((h for mask in masks for h in mask if h.attention not in RESAMPLE_ATTENTION), None)
-        if other is not None:
-            method = method_of(self.runtime.ablation)
-            raise HeadsweepError(method.attention_refusal("fairseq_translation", RESAMPLE_ATTENTION,
-                                                          f"a mask of this run gates {other}",
-                                                          "gate only enc_self heads"))
+        refuse_unfillable(self.donors, self.runtime.ablation, "fairseq_translation", masks)
 
     def run_donors(self, donors: np.ndarray) -> None:
         """The per-batch donor pass of :class:`~headsweep.workers.ablation.donors.Donors`: the sources of sentences

@@ -16,6 +16,15 @@ encoder output, computed once (``generate(encoder_outputs=...)``); masks gating 
 With ``sweep.loss`` each mask also gets each reference's teacher-forced cross-entropy (nats per target token, EOS
 included, no label smoothing: as ``fairseq_translation`` stores it), from one more pass per mask chunk, packed and
 reusing the encoder output as the search does.
+
+Under resample ablation (``sweep.ablation: resample``) gated-off ``enc_self`` heads take a donor sentence's
+activations, as in ``fairseq_translation`` (:mod:`headsweep.workers.ablation.donors`): before a batch's searches the
+donors' sources (each another sentence of the same token length, from any batch) are tokenised and padded as the
+batch and run once through the ungated encoder alone, recording every encoder self-attention's output-projection
+input; that is the gates' per-example fill while the batch's masks run. ``generate`` runs the encoder once on the
+batch (repeated once per mask: the fill repeats mask-major) before expanding it to beams, so the fill acts there and
+nowhere else; masks gating ``enc_self`` heads never read the cached encoder output. Decoder attention takes no fill: a
+donor's decoder states follow its own hypotheses, so masks gating ``enc_dec`` or ``dec_self`` heads are refused.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import numpy as np
 import torch
 
 from headsweep.errors import HeadsweepError
+from headsweep.workers.ablation.donors import donors_for, refuse_unfillable, with_donors
 from headsweep.workers.ablation.registry import method_of
 from headsweep.workers.core.family import DatasetInfo, LossBatch, LossBatches, MaskOutput, RuntimeOptions, Workload
 from headsweep.workers.core.gates import HeadGates
@@ -54,6 +64,10 @@ logger = logging.getLogger(__name__)
 
 # fairseq's recipes (and fairseq_translation's importance) train translation models with label smoothing 0.1.
 DEFAULT_LABEL_SMOOTHING = 0.1
+
+# The attention types resample can fill from a donor: a donor's encoder states depend on its source alone, its
+# decoder states on its own hypotheses (module docstring).
+RESAMPLE_ATTENTION = ("enc_self",)
 
 
 @dataclass
@@ -85,9 +99,7 @@ class Seq2SeqAdapter:
         runtime = Seq2SeqRuntime.of(runtime)
         method = method_of(runtime.ablation)
         if method.needs_pairs:
-            raise HeadsweepError(method.family_refusal("hf_seq2seq", resample=False))
-        method.refuse_per_example("hf_seq2seq models", "a donor's decoder states follow its own hypotheses in beam "
-                                  "search")
+            raise HeadsweepError(method.family_refusal("hf_seq2seq"))
         if runtime.threads > 0:
             torch.set_num_threads(runtime.threads)
         self.cfg, self.runtime = model_cfg, runtime
@@ -102,8 +114,14 @@ class Seq2SeqAdapter:
         forced_bos = apply_language_codes(self.tokenizer, model_cfg.source_lang, model_cfg.target_lang)
         self.generation = resolve_generation(self.model, model_cfg, forced_bos)
         self.gates = HeadGates(seq2seq_sites_or_error(self.model))
+        self.source_lengths = [len(ids) for ids in self.tokenizer(self.pairs.sources)["input_ids"]]
         self.batches = self.batched(runtime.batch_size)
         self._check_lengths()
+        # Resample's donors: another sentence of the same source token length (EOS and prefix included), any batch.
+        self.donors = donors_for(runtime.ablation, self.gates, self.source_lengths, what="sentences",
+                                 where=f"the evaluation data ({self.dataset_name})",
+                                 more="more sentences (a larger data.max_examples, or a larger test set)",
+                                 attention=RESAMPLE_ATTENTION)
         self.scorer = sentence_scorer(data_cfg.metric, self.pairs.references)
         self.metric: Metric = self.scorer.metric
         self.model_name = model_cfg.name or Path(model_cfg.path).name
@@ -115,15 +133,18 @@ class Seq2SeqAdapter:
     # -- data ----------------------------------------------------------------------------
     def batched(self, batch_size: int) -> list[Batch]:
         """Sentences sorted by token length (then position), ``batch_size`` a batch, padded by the tokenizer."""
-        lengths = [len(ids) for ids in self.tokenizer(self.pairs.sources)["input_ids"]]
+        lengths = self.source_lengths
         order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
         batches = []
         for first in range(0, len(order), max(1, batch_size)):
             rows = order[first : first + max(1, batch_size)]
-            inputs = self.tokenizer([self.pairs.sources[i] for i in rows], padding=True, return_tensors="pt")
-            batches.append(Batch(torch.tensor(rows, dtype=torch.long),
-                                 {k: inputs[k].to(self.device) for k in ("input_ids", "attention_mask")}))
+            batches.append(Batch(torch.tensor(rows, dtype=torch.long), self.encoded(rows)))
         return batches
+
+    def encoded(self, rows: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The sources of sentences ``rows`` tokenised and padded as the tokenizer pads (a batch, or its donors)."""
+        inputs = self.tokenizer([self.pairs.sources[int(i)] for i in rows], padding=True, return_tensors="pt")
+        return {k: inputs[k].to(self.device) for k in ("input_ids", "attention_mask")}
 
     def _check_lengths(self) -> None:
         limit = max_positions(self.model.config)
@@ -173,17 +194,27 @@ class Seq2SeqAdapter:
         )
 
     def evaluate(self, masks: Sequence[Sequence[Head]]) -> list[MaskOutput]:
-        """Each mask's per-sentence metric statistics and hypotheses."""
+        """Each mask's per-sentence metric statistics and hypotheses; under resample ablation with K draws
+        (``ablation.resamples``), the statistics' (and losses') mean over the draws
+        (:mod:`headsweep.workers.ablation.donors`), and the hypotheses of the first draw."""
+        refuse_unfillable(self.donors, self.runtime.ablation, "hf_seq2seq", masks)
         start = time.perf_counter()
-        hypotheses = self.translate(masks)
-        losses = self.reference_loss(masks) if self.runtime.loss else [None] * len(masks)
+
+        def scored() -> list:
+            hypotheses = self.translate(masks)
+            losses = self.reference_loss(masks) if self.runtime.loss else [None] * len(masks)
+            return [(h, self.sentence_stats(h), loss) for h, loss in zip(hypotheses, losses, strict=True)]
+
+        per_mask = self.donors.outputs_over_draws(masks, scored)
         seconds_each = (time.perf_counter() - start) / max(1, len(masks))
-        results = []
-        for outputs, loss in zip(hypotheses, losses, strict=True):
-            stats = self.sentence_stats(outputs)
-            results.append(MaskOutput(stats=stats, loss=loss, outputs=outputs, score=self.metric.score(stats),
-                                      seconds=seconds_each))
-        return results
+        return [MaskOutput(stats=stats, loss=loss, outputs=outputs, score=self.metric.score(stats),
+                           seconds=seconds_each) for outputs, stats, loss in per_mask]
+
+    def run_donors(self, donors: np.ndarray) -> None:
+        """The per-batch donor pass of :class:`~headsweep.workers.ablation.donors.Donors`: the sources of sentences
+        ``donors`` (one per row of the batch, each as long as that row's sentence, so padded to the batch's width
+        and layout) through the ungated encoder alone; the decoder is not needed, as no decoder head takes a fill."""
+        self.model.get_encoder()(**self.encoded(donors))
 
     def sentence_stats(self, hypotheses: list[str]) -> np.ndarray:
         """sacrebleu's per-sentence statistics of detokenised hypotheses: (n, 10) for BLEU (as fairseq_translation),
@@ -199,8 +230,8 @@ class Seq2SeqAdapter:
         decoder = [i for i, m in enumerate(masks) if not gates_encoder(m)]
         out = np.empty((len(masks), len(self.pairs.ids)), dtype=object)
         mask_grid(masks, grid, lambda b: partial(self._search, b), out,
-                  masks_per_forward=lambda b: self.masks_per_forward(b.inputs), groups=[g for g in (encoder, decoder)
-                                                                                        if g])
+                  masks_per_forward=lambda b: self.masks_per_forward(b.inputs),
+                  groups=[g for g in (encoder, decoder) if g], donors=self.donors, run_donors=self.run_donors)
         return out.tolist()
 
     @torch.inference_mode()
@@ -211,8 +242,8 @@ class Seq2SeqAdapter:
         decoder = [i for i, m in enumerate(masks) if not gates_encoder(m)]
         out = np.zeros((len(masks), len(self.pairs.ids)))
         mask_grid(masks, grid, lambda b: partial(self._teacher_forced, b), out,
-                  masks_per_forward=lambda b: self.masks_per_forward(b.inputs), groups=[g for g in (encoder, decoder)
-                                                                                        if g])
+                  masks_per_forward=lambda b: self.masks_per_forward(b.inputs),
+                  groups=[g for g in (encoder, decoder) if g], donors=self.donors, run_donors=self.run_donors)
         return list(out)
 
     def reference_labels(self, batch: Batch) -> torch.Tensor:
@@ -311,10 +342,12 @@ class Seq2SeqAdapter:
 
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
         """The evaluation batches as teacher-forced label-smoothed cross-entropy of the references (fairseq's
-        ``label_smoothed_nll_loss``, epsilon 0.1 unless given), summed over each batch's target tokens."""
+        ``label_smoothed_nll_loss``, epsilon 0.1 unless given), summed over each batch's target tokens; under the
+        run's resample fill where it has one (:func:`~headsweep.workers.ablation.donors.with_donors`)."""
         eps = float(DEFAULT_LABEL_SMOOTHING if label_smoothing is None else label_smoothing)
         batches = [self._loss_batch(batch, eps, dtype) for batch in self.batches]
-        return LossBatches(batches, f"teacher-forced label-smoothed cross-entropy (epsilon {eps:g})")
+        return with_donors(LossBatches(batches, f"teacher-forced label-smoothed cross-entropy (epsilon {eps:g})"),
+                           self.donors, [batch.examples for batch in self.batches], self.run_donors)
 
     def _loss_batch(self, batch: Batch, epsilon: float, dtype: torch.dtype) -> LossBatch:
         labels = self.reference_labels(batch)

@@ -33,7 +33,8 @@ class Seq2SeqFamily(TransformersFamily):
     """Marian, M2M100 / NLLB, mBART, BART, Pegasus, T5 / mT5 (``enc_self``, ``enc_dec`` and ``dec_self`` heads),
     evaluated by beam search (``model.generate``) and BLEU or chrF. Physical pruning and export of BART-style and
     T5-style attention (:mod:`~headsweep.workers.families.hf_seq2seq.pruning`; FSMT and UMT5 refused in one line);
-    no LRP (refused in one line)."""
+    resample ablation on ``enc_self`` heads only, as ``fairseq_translation`` (a donor's decoder states follow its own
+    hypotheses); no LRP (refused in one line)."""
 
     def check_data(self, data_cfg: Seq2SeqData, key: str = "data") -> None:
         """The settings and the pairs themselves, before Ray starts: raw parallel text decoded, line-aligned and not
@@ -133,5 +134,5 @@ class Seq2SeqFamily(TransformersFamily):
 
 HF_SEQ2SEQ = Seq2SeqFamily("hf_seq2seq", Seq2SeqModel, Seq2SeqData,
                            "headsweep.workers.families.hf_seq2seq.adapter:load_seq2seq_adapter",
-                           hub_ids=True, fills_by_position=False, resample_attention=(),
+                           hub_ids=True, fills_by_position=False, resample_attention=("enc_self",),
                            runtime_options=Seq2SeqRuntime)
