@@ -311,8 +311,6 @@ def _child_name(module: nn.Module, child: nn.Module) -> str:
 def pruning_and_stock(model: nn.Module, task: str, sites) -> tuple[str, str]:
     """Whether the family prunes one head of layer 0 physically (with the pruned logits equal to the gated ones),
     and whether a stock config states a uniform removal; "refused: why" otherwise."""
-    from headsweep.errors import HeadsweepError
-    from headsweep.workers.core.gates import HeadGates
     from headsweep.workers.core.heads import Head
     from headsweep.workers.families.hf_causal_lm.model.sites import kv_groups
     from headsweep.workers.families.registry import model_family
@@ -326,43 +324,29 @@ def pruning_and_stock(model: nn.Module, task: str, sites) -> tuple[str, str]:
         size = len(groups[0])
         chosen = [g[: size // 2] for g in groups] if size > 1 else groups[: max(1, len(groups) // 2)]
         heads += [Head("self", site.layer, h) for g in chosen for h in g]
-    batch = inputs(model, task)
-    pruned = copy.deepcopy(model)
-    gated_model = copy.deepcopy(model)
-    try:
-        family.prune(pruned, heads)
-        gates = HeadGates(family.find_sites(gated_model))
-        with gates.masked(heads):
-            want = logits(gated_model, batch)
-        got = logits(pruned, batch)
-        diff = (got - want).abs().max().item() / (want.abs().max().item() or 1.0)
-        pruning = "exact" if diff <= TOLERANCE else f"WRONG ({diff:.1e})"
-    except HeadsweepError:
-        pruning = "refused"
-    except Exception as exc:  # noqa: BLE001 - a pruned model that cannot run is a wrong pruning, shown
-        pruning = f"WRONG ({type(exc).__name__})"
-    if pruning != "exact":
-        return pruning, "-"
-    try:
-        family.stock_sizes(model, heads)
-        stock = "yes"
-    except HeadsweepError:
-        stock = "refused"
-    return pruning, stock
+    return pruned_against_gated(family, model, heads, task)
 
 
 def seq2seq_pruning_and_stock(model: nn.Module, sites) -> tuple[str, str]:
     """As :func:`pruning_and_stock` for an encoder-decoder model: the first half of every module's heads removed
     (every attention type, the same heads in every layer: a mask a T5-style config can state), the pruned logits
     against the gated ones."""
-    from headsweep.errors import HeadsweepError
-    from headsweep.workers.core.gates import HeadGates
     from headsweep.workers.core.heads import Head
     from headsweep.workers.families.registry import model_family
 
     family = model_family("hf_seq2seq")
     heads = [Head(s.attention, s.layer, h) for s in sites for h in range(max(1, s.num_heads // 2))]
-    batch = inputs(model, "seq2seq")
+    return pruned_against_gated(family, model, heads, "seq2seq")
+
+
+def pruned_against_gated(family, model: nn.Module, heads: list, task: str) -> tuple[str, str]:
+    """(physical pruning, stock export) of ``heads`` for ``model``: ``exact`` when the pruned copy's logits on the
+    task's batch equal the gated copy's (``WRONG (..)`` otherwise, ``refused`` on the family's one line), then whether
+    a stock config states the pruned model (``-`` when pruning was not exact)."""
+    from headsweep.errors import HeadsweepError
+    from headsweep.workers.core.gates import HeadGates
+
+    batch = inputs(model, task)
     pruned, gated_model = copy.deepcopy(model), copy.deepcopy(model)
     try:
         family.prune(pruned, heads)
