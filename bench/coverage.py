@@ -88,12 +88,15 @@ OVERRIDES = {"jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_l
              "bamba": {"attn_layer_indices": [1]},
              # local blocks of 512 tokens pad every input to 512: blocks of 4 keep the proof fast and use both paths
              "pegasus_x": {"block_size": 4, "num_global_tokens": 4}}
+NESTED = ("encoder", "decoder")  # sub-configs some encoder-decoder configs hold (T5Gemma), shrunk in turn
 TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
               "cls_token_id", "mask_token_id", "unk_token_id")
 
 
 def tiny_kwargs(base) -> dict:
     """Shrunk sizes for a config class whose default instance is ``base``; only keys the class has are set."""
+    from transformers import PretrainedConfig
+
     fields = base.to_dict()
     kwargs: dict = {}
     for table in (WIDTH, HEADS, KV, LAYERS, FFN, HEAD_SIZE, EXPERTS):
@@ -117,6 +120,10 @@ def tiny_kwargs(base) -> dict:
         if isinstance(fields.get(key), int):
             kwargs[key] = 128
     _tiny_layer_lists(fields, kwargs)
+    for key in NESTED:  # T5Gemma: the encoder's and decoder's own configs, shrunk as the top level is
+        sub = getattr(base, key, None)
+        if isinstance(sub, PretrainedConfig):
+            kwargs[key] = {**sub.to_dict(), **tiny_kwargs(sub)}
     return kwargs
 
 
@@ -392,8 +399,9 @@ def not_text(model_type: str, class_name: str) -> str | None:
         fields = CONFIG_MAPPING[model_type]().to_dict()
     except Exception:  # noqa: BLE001 - a config that cannot build at its defaults is found out by tiny_model
         fields = {}
-    sub = [k for k in ("vision_config", "audio_config", "speech_config", "image_config", "encoder_config",
-                       "text_config", "vq_config") if k in fields]
+    nested = [f for key in NESTED if isinstance(f := fields.get(key), dict)]  # T5Gemma 2's encoder reads images
+    sub = [k for f in (fields, *nested) for k in ("vision_config", "audio_config", "speech_config", "image_config",
+                                                  "encoder_config", "text_config", "vq_config") if k in f]
     if sub:
         return f"multimodal ({sub[0]})"
     lowered = f"{model_type} {class_name}".lower()
