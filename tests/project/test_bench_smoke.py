@@ -141,8 +141,8 @@ SLOW_SMOKE = {
                     "tests/families/causal_lm/test_lm_eval_tasks.py",
     "grid_speed": "reuse against the plain path in both families: tests/families/translation/, "
                   "tests/families/classifier/",
-    # Four Multi30k benchmarks (each 11-18 s) on the fairseq model; multi30k_translation's smoke run keeps
-    # bench/multi30k.py's data, training and cache in the suite, and multi30k_hf_seq2seq the Marian one's.
+    # Five Multi30k benchmarks (each 11-18 s); multi30k_translation's smoke run keeps bench/multi30k.py's data,
+    # training and cache in the suite.
     "multi30k_l0": "L0 gates on fairseq through the CLI: tests/experiments/test_l0_gates.py::"
                    "test_two_lambda_tune_run_on_fairseq_through_the_cli, "
                    "test_fairseq_gates_on_encoder_self_attention_with_the_checkpoints_label_smoothing",
@@ -157,6 +157,12 @@ SLOW_SMOKE = {
                               "tests/families/translation/test_translation.py::"
                               "test_every_head_gated_beam_search_equals_zeroed_columns, "
                               "tests/families/translation/test_translation_speed_paths.py",
+    "lm_grid": "an LM's single-head grid, reuse against the plain path: tests/families/causal_lm/"
+               "test_causal_lm_reuse.py::test_reuse_equals_plain_for_every_head_and_all_but_one",
+    "stock_export": "pruned causal LMs exported and reloaded: tests/families/causal_lm/test_causal_lm_pruning.py "
+                    "(test_save_and_load_pruned, test_export_cli_of_a_causal_lm)",
+    "multi30k_hf_seq2seq": "a Marian model's grid: tests/families/seq2seq/test_seq2seq_sweep.py::"
+                           "test_every_head_of_every_attention_type_with_chrf_from_its_stored_hypotheses",
     "peers-run": "a causal LM's headsweep run end to end: tests/families/causal_lm/test_causal_lm_reuse.py::"
                  "test_a_sweep_reports_reuse_and_equals_the_plain_path; peers' routes: the peers case here "
                  "(--skip-run)",
