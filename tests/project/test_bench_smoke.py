@@ -67,13 +67,16 @@ NOT_SMOKED = {
     "slow_tests": "runs the suite's slow tests (pytest -m slow); a tiny version would test nothing",
     "gpu_check": "GPU checks, tested by their own test",
     "__init__": "the package's docstring",
-    "browser": "headless Chromium for report_scale and the browser tests, exercised by report_scale's smoke run",
-    "synthetic_store": "report_scale's synthetic store (also the browser tests'), exercised by its smoke run",
+    "browser": "headless Chromium for report_scale and the browser tests, exercised by the browser tests "
+               "(tests/reporting/test_explorer_browser.py) and report_scale's smoke run (slow)",
+    "synthetic_store": "report_scale's synthetic store (also the browser tests'), exercised by the browser tests and "
+                       "its smoke run (slow)",
     "classifier": "the BERT classifiers of real_size, grid_speed and screening, exercised by their smoke runs",
-    "run_phases": "headsweep run with a stopwatch on the driver's phases, exercised by peers' smoke run",
-    "flops": "FLOP counts and the matrix-product rate of real_size and lm_grid, exercised by their smoke runs",
+    "run_phases": "headsweep run with a stopwatch on the driver's phases, exercised by peers' full smoke run "
+                  "(peers-run, slow)",
+    "flops": "FLOP counts and the matrix-product rate of real_size and lm_grid, exercised by their smoke runs (slow)",
     "measure": "memory and grid timing of grid_speed, lm_grid and translation_vs_fairseq, exercised by their smoke "
-               "runs",
+               "runs (slow)",
     "multi30k": "the Multi30k data and models of the Multi30k benchmarks, exercised by their smoke runs",
     "sweeps": "sweeps run and watched for real_size and ablation_methods, exercised by their smoke runs",
 }
@@ -163,6 +166,11 @@ SLOW_SMOKE = {
                     "(test_save_and_load_pruned, test_export_cli_of_a_causal_lm)",
     "multi30k_hf_seq2seq": "a Marian model's grid: tests/families/seq2seq/test_seq2seq_sweep.py::"
                            "test_every_head_of_every_attention_type_with_chrf_from_its_stored_hypotheses",
+    "prune_speed": "heads physically removed and timed against the full model: tests/experiments/"
+                   "test_efficiency_cli.py::test_efficiency_rows; pruned equals gated: tests/contract/"
+                   "test_family_contract.py::test_pruned_equals_gated",
+    "report_scale": "a synthetic store's report in headless Chromium (bench/synthetic_store.py, bench/browser.py): "
+                    "tests/reporting/test_explorer_browser.py",
     "peers-run": "a causal LM's headsweep run end to end: tests/families/causal_lm/test_causal_lm_reuse.py::"
                  "test_a_sweep_reports_reuse_and_equals_the_plain_path; peers' routes: the peers case here "
                  "(--skip-run)",
