@@ -171,6 +171,10 @@ SLOW_SMOKE = {
                    "test_family_contract.py::test_pruned_equals_gated",
     "report_scale": "a synthetic store's report in headless Chromium (bench/synthetic_store.py, bench/browser.py): "
                     "tests/reporting/test_explorer_browser.py",
+    "coverage": "each family's gates against weight surgery: tests/families/causal_lm/test_causal_lm_gates.py::"
+                "test_gate_equals_zeroed_output_projection, tests/contract/; state-space models refused: "
+                "tests/families/test_attention_sites.py::"
+                "test_models_without_heads_or_with_undescribed_attention_are_refused",
     "peers-run": "a causal LM's headsweep run end to end: tests/families/causal_lm/test_causal_lm_reuse.py::"
                  "test_a_sweep_reports_reuse_and_equals_the_plain_path; peers' routes: the peers case here "
                  "(--skip-run)",
