@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -118,17 +119,17 @@ def ray_head():
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-@pytest.fixture
-def job_config(tmp_path, tiny_bert_dir, tiny_dev_tsv) -> Path:
-    """A sweep config that includes a base config from a sibling folder (both must travel with the job)."""
-    base = tmp_path / "conf" / "base.yaml"
-    base.parent.mkdir()
+def write_job_config(folder: Path, tiny_bert_dir: Path, tiny_dev_tsv: Path) -> Path:
+    """A sweep config under ``folder`` that includes a base config from a sibling folder (both must travel with the
+    job)."""
+    base = folder / "conf" / "base.yaml"
+    base.parent.mkdir(parents=True)
     base.write_text(yaml.safe_dump({
         "model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)},
         "data": {"path": str(tiny_dev_tsv)},
         "significance": {"tests": ["paired_ttest"]},
     }))
-    config = tmp_path / "conf" / "jobs" / "sweep.yaml"
+    config = folder / "conf" / "jobs" / "sweep.yaml"
     config.parent.mkdir()
     config.write_text(yaml.safe_dump({
         "include": ["../base.yaml"],
@@ -136,6 +137,11 @@ def job_config(tmp_path, tiny_bert_dir, tiny_dev_tsv) -> Path:
         "sweep": {"experiments": ["baseline", "single_head"], "batch_size": 16, "workers": 2, "flush_every": 4},
     }))
     return config
+
+
+@pytest.fixture
+def job_config(tmp_path, tiny_bert_dir, tiny_dev_tsv) -> Path:
+    return write_job_config(tmp_path, tiny_bert_dir, tiny_dev_tsv)
 
 
 def _assert_succeeded(address: str, job_id: str) -> str:
@@ -159,12 +165,24 @@ def _check_store(store: Path) -> str:
     return run_id
 
 
-def test_submit_runs_the_sweep_on_the_cluster(ray_head, job_config, tmp_path):
-    store = tmp_path / "store"
-    job_id = jobs.submit(str(job_config), ["sweep.batch_size=8"], ray_head, str(store), workers=1,
-                         python=sys.executable)
+@pytest.fixture(scope="module")
+def submitted(ray_head, tmp_path_factory, tiny_bert_dir, tiny_dev_tsv) -> tuple[str, Path]:
+    """One sweep submitted through the real CLI (``headsweep submit``, which calls ``jobs.submit``) with an override
+    and ``--workers``, followed until it succeeded: (job id, store). The tests below only read it: one job on the
+    cluster instead of one per test (each starts a driver and a worker actor)."""
+    tmp = tmp_path_factory.mktemp("submitted")
+    config, store = write_job_config(tmp, tiny_bert_dir, tiny_dev_tsv), tmp / "cli-store"
+    proc = run_cli("submit", str(config), "sweep.batch_size=8", "--workers", "1", "--python", sys.executable,
+                   "--address", ray_head, "--store", str(store), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip().splitlines()[-1]
     assert job_id.startswith("raysubmit_")
     _assert_succeeded(ray_head, job_id)
+    return job_id, store
+
+
+def test_submit_runs_the_sweep_on_the_cluster(ray_head, submitted):
+    job_id, store = submitted
     assert jobs.status(ray_head, job_id) == "SUCCEEDED"
 
     run_id = _check_store(store)
@@ -186,12 +204,13 @@ def test_submit_runs_the_sweep_on_the_cluster(ray_head, job_config, tmp_path):
 
 
 def test_job_without_store_fails_with_a_clear_message(ray_head, job_config):
-    # The head's environment has no HEADSWEEP_STORE: the job must stop before writing anywhere.
-    job_id = jobs.submit(str(job_config), [], ray_head, None, None, python=sys.executable)
+    # The head's environment has no HEADSWEEP_STORE: the job must stop before writing anywhere. One job: submit's
+    # wait=True names it in its error, and wait and logs then read it.
+    with pytest.raises(HeadsweepError, match=rf"^job raysubmit_\w+ ended FAILED: .*{jobs.MISSING_STORE}") as caught:
+        jobs.submit(str(job_config), [], ray_head, None, None, wait=True, python=sys.executable)
+    job_id = re.match(r"^job (raysubmit_\w+) ", str(caught.value)).group(1)
     assert jobs.wait(ray_head, job_id, JOB_TIMEOUT_S) == "FAILED"
     assert jobs.MISSING_STORE in jobs.logs(ray_head, job_id)
-    with pytest.raises(HeadsweepError, match=rf"^job raysubmit_\w+ ended FAILED: .*{jobs.MISSING_STORE}"):
-        jobs.submit(str(job_config), [], ray_head, None, None, wait=True, python=sys.executable)
 
 
 def test_stop_a_running_job(ray_head, tmp_path):
@@ -286,23 +305,8 @@ def test_a_config_too_large_for_a_job_environment_is_refused(tmp_path):
         jobs.bundle_config(big)
 
 
-def _cli_has_submit() -> bool:
-    import argparse
-
-    from headsweep.sweep.terminal.cli import build_parser
-
-    # argparse keeps its subcommands in a private action type; there is no public accessor.
-    return any(isinstance(a, argparse._SubParsersAction) and "submit" in a.choices for a in build_parser()._actions)
-
-
-@pytest.mark.skipif(not _cli_has_submit(), reason="`headsweep submit` is not wired into sweep/terminal/cli.py yet")
-def test_cli_submit_status_and_query(ray_head, job_config, tmp_path):
-    store = tmp_path / "cli-store"
-    proc = run_cli("submit", str(job_config), "--address", ray_head, "--store", str(store), timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    job_id = proc.stdout.strip().splitlines()[-1]
-    _assert_succeeded(ray_head, job_id)
-
+def test_cli_submit_status_and_query(ray_head, submitted):
+    job_id, store = submitted
     proc = run_cli("jobs", "status", job_id, "--address", ray_head, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "SUCCEEDED"

@@ -48,7 +48,10 @@ def families(tmp_path_factory, tiny_dev_tsv) -> dict[str, dict]:
     }
 
 
-@pytest.mark.parametrize("family", ["hf_classifier", "hf_causal_lm"])
+# The classifier's sweep is the slow variant: model.dtype takes the same route from the config through the driver to
+# the worker as the causal LM's (the hf_causal_lm case here), and a classifier's gates, reuse and packing in bfloat16
+# are tests/contract/test_family_contract.py's (classifier-bert-eager-bfloat16, classifier-distilbert-sdpa-bfloat16).
+@pytest.mark.parametrize("family", [pytest.param("hf_classifier", marks=pytest.mark.slow), "hf_causal_lm"])
 def test_a_bfloat16_sweep_through_the_cli(families, family, tmp_path, ray_address):
     """Baseline, every single head and gradient importance, stored and read back: the workers held the model in
     bfloat16 (runs.facts), every head has a finite importance, and most single heads move the score."""

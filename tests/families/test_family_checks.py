@@ -76,6 +76,9 @@ def test_classifier_without_trained_head(tmp_path, tiny_bert_dir, tiny_dev_tsv, 
                     "(...ForSequenceClassification) with their trained classification head")
 
 
+# Slow variant: a worker's architecture refusal through the CLI is test_causal_lm_as_classifier's, and this branch of
+# the check (a bidirectional encoder as a causal LM) is test_architecture_check_reads_the_config's RobertaForMaskedLM.
+@pytest.mark.slow
 def test_bert_as_causal_lm(tmp_path, lm_files, tiny_bert_dir, ray_address):
     _, _, corpus = lm_files
     line = refused(tmp_path, ray_address, write_config(tmp_path / "c.yaml", "hf_causal_lm", tiny_bert_dir, corpus))

@@ -175,6 +175,10 @@ def check_two_runs(runs: dict[str, dict], repo_id: str, a: str, b: str) -> None:
     assert runs[a]["baseline_score"] != runs[b]["baseline_score"]  # each loaded its own revision's weights
 
 
+# Slow variant of test_two_revisions_are_two_runs_causal_lm: the driver pins a hub id to its commit the same way for
+# either family (the causal LM's pair also pins a tokenizer id), and a tag (v2) resolving to its commit and to another
+# config hash is test_the_config_identity_is_the_commit's, in process.
+@pytest.mark.slow
 def test_two_revisions_are_two_runs_classifier(hub, tiny_dev_tsv, tmp_path, ray_address):
     runs = two_runs(tmp_path, ray_address, [classifier_config("org/tiny-bert", tiny_dev_tsv),
                                             classifier_config("org/tiny-bert@v2", tiny_dev_tsv)])

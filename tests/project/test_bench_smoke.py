@@ -67,19 +67,26 @@ NOT_SMOKED = {
     "slow_tests": "runs the suite's slow tests (pytest -m slow); a tiny version would test nothing",
     "gpu_check": "GPU checks, tested by their own test",
     "__init__": "the package's docstring",
-    "browser": "headless Chromium for report_scale and the browser tests, exercised by report_scale's smoke run",
-    "synthetic_store": "report_scale's synthetic store (also the browser tests'), exercised by its smoke run",
+    "browser": "headless Chromium for report_scale and the browser tests, exercised by the browser tests "
+               "(tests/reporting/test_explorer_browser.py) and report_scale's smoke run (slow)",
+    "synthetic_store": "report_scale's synthetic store (also the browser tests'), exercised by the browser tests and "
+                       "its smoke run (slow)",
     "classifier": "the BERT classifiers of real_size, grid_speed and screening, exercised by their smoke runs",
-    "run_phases": "headsweep run with a stopwatch on the driver's phases, exercised by peers' smoke run",
-    "flops": "FLOP counts and the matrix-product rate of real_size and lm_grid, exercised by their smoke runs",
+    "run_phases": "headsweep run with a stopwatch on the driver's phases, exercised by peers' full smoke run "
+                  "(peers-run, slow)",
+    "flops": "FLOP counts and the matrix-product rate of real_size and lm_grid, exercised by their smoke runs (slow)",
     "measure": "memory and grid timing of grid_speed, lm_grid and translation_vs_fairseq, exercised by their smoke "
-               "runs",
+               "runs (slow)",
     "multi30k": "the Multi30k data and models of the Multi30k benchmarks, exercised by their smoke runs",
     "sweeps": "sweeps run and watched for real_size and ablation_methods, exercised by their smoke runs",
 }
 # Arguments a smoke run adds: bench/peers.py would switch to .venv-peers' python where that exists; the suite's run
 # is of this python, without the peers (test_peers_smoke_in_the_peers_venv runs them).
 SMOKE_ARGS = {"peers": ["--no-reexec"], "peers_classifier": ["--no-reexec", "--skip-run"]}
+# Smoke cases that run a script with other arguments, by case id: (script, its arguments). peers' routes on the
+# LM (its own glue) stay in the suite without `headsweep run` end to end (20 s of its 35 s: a driver, Ray and a
+# worker); the whole run, bench/run_phases.py's stopwatch included, is the slow case peers-run.
+VARIANTS = {"peers": ("peers", ["--no-reexec", "--skip-run"]), "peers-run": ("peers", ["--no-reexec"])}
 PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
 RESULT_LINE = re.compile(r"^RESULT ([a-z0-9_]+)((?: [a-z0-9_]+=\S+)+)$")
 
@@ -95,8 +102,11 @@ def bench_cache(tmp_path_factory) -> Path:
 TIMEOUT_S = {"interrupt_stress": 600}
 
 
-def run_smoke(script: str, cache: Path, python: str = sys.executable, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([python, "-m", f"bench.{script}", "--smoke", *SMOKE_ARGS.get(script, []), *args], cwd=REPO,
+def run_smoke(script: str, cache: Path, python: str = sys.executable, *args: str,
+              smoke_args: list[str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m bench.SCRIPT --smoke`` with ``smoke_args`` (default: ``SMOKE_ARGS``') and ``args``."""
+    smoke_args = SMOKE_ARGS.get(script, []) if smoke_args is None else smoke_args
+    return subprocess.run([python, "-m", f"bench.{script}", "--smoke", *smoke_args, *args], cwd=REPO,
                           capture_output=True, text=True, timeout=TIMEOUT_S.get(script, 300),
                           env={**os.environ, "HEADSWEEP_BENCH_CACHE": str(cache)})
 
@@ -134,16 +144,51 @@ SLOW_SMOKE = {
                     "tests/families/causal_lm/test_lm_eval_tasks.py",
     "grid_speed": "reuse against the plain path in both families: tests/families/translation/, "
                   "tests/families/classifier/",
+    # Five Multi30k benchmarks (each 11-18 s); multi30k_translation's smoke run keeps bench/multi30k.py's data,
+    # training and cache in the suite.
+    "multi30k_l0": "L0 gates on fairseq through the CLI: tests/experiments/test_l0_gates.py::"
+                   "test_two_lambda_tune_run_on_fairseq_through_the_cli, "
+                   "test_fairseq_gates_on_encoder_self_attention_with_the_checkpoints_label_smoothing",
+    "multi30k_pruning": "translation importance and pruning: tests/experiments/test_importance.py::"
+                        "test_translation_importance_ignores_padding_and_matches_the_task_loss, "
+                        "tests/families/translation/test_translation_sweep.py (pruned export), "
+                        "tests/experiments/test_prune_cli.py",
+    "multi30k_roles": "fairseq head roles and syntax: tests/experiments/test_head_roles.py::"
+                      "test_fairseq_roles_with_dictionary_counts, tests/experiments/test_syntactic_heads.py::"
+                      "test_fairseq_enc_self_against_argmax_by_hand",
+    "translation_vs_fairseq": "every head's beam search against fairseq's with zeroed columns: "
+                              "tests/families/translation/test_translation.py::"
+                              "test_every_head_gated_beam_search_equals_zeroed_columns, "
+                              "tests/families/translation/test_translation_speed_paths.py",
+    "lm_grid": "an LM's single-head grid, reuse against the plain path: tests/families/causal_lm/"
+               "test_causal_lm_reuse.py::test_reuse_equals_plain_for_every_head_and_all_but_one",
+    "stock_export": "pruned causal LMs exported and reloaded: tests/families/causal_lm/test_causal_lm_pruning.py "
+                    "(test_save_and_load_pruned, test_export_cli_of_a_causal_lm)",
+    "multi30k_hf_seq2seq": "a Marian model's grid: tests/families/seq2seq/test_seq2seq_sweep.py::"
+                           "test_every_head_of_every_attention_type_with_chrf_from_its_stored_hypotheses",
+    "prune_speed": "heads physically removed and timed against the full model: tests/experiments/"
+                   "test_efficiency_cli.py::test_efficiency_rows; pruned equals gated: tests/contract/"
+                   "test_family_contract.py::test_pruned_equals_gated",
+    "report_scale": "a synthetic store's report in headless Chromium (bench/synthetic_store.py, bench/browser.py): "
+                    "tests/reporting/test_explorer_browser.py",
+    "coverage": "each family's gates against weight surgery: tests/families/causal_lm/test_causal_lm_gates.py::"
+                "test_gate_equals_zeroed_output_projection, tests/contract/; state-space models refused: "
+                "tests/families/test_attention_sites.py::"
+                "test_models_without_heads_or_with_undescribed_attention_are_refused",
+    "peers-run": "a causal LM's headsweep run end to end: tests/families/causal_lm/test_causal_lm_reuse.py::"
+                 "test_a_sweep_reports_reuse_and_equals_the_plain_path; peers' routes: the peers case here "
+                 "(--skip-run)",
 }
 
 
-def _smoke_case(script: str):
-    return pytest.param(script, marks=pytest.mark.slow) if script in SLOW_SMOKE else script
+def _smoke_case(case: str):
+    return pytest.param(case, marks=pytest.mark.slow) if case in SLOW_SMOKE else case
 
 
-@pytest.mark.parametrize("script", [_smoke_case(s) for s in sorted(set(SMOKE) - OWN_FILE)])
-def test_smoke(script: str, bench_cache: Path) -> None:
-    proc = run_smoke(script, bench_cache)
+@pytest.mark.parametrize("case", [_smoke_case(s) for s in sorted(set(SMOKE) - OWN_FILE | set(VARIANTS))])
+def test_smoke(case: str, bench_cache: Path) -> None:
+    script, smoke_args = VARIANTS.get(case, (case, None))
+    proc = run_smoke(script, bench_cache, smoke_args=smoke_args)
     assert proc.returncode == 0, (f"{script} --smoke exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
                                   f"{proc.stderr[-5000:]}")
     if script in NEEDS_DATA and not (SHARED_DATA / "multi30k").is_dir():
@@ -181,13 +226,17 @@ def test_smoke(script: str, bench_cache: Path) -> None:
             assert {k: fields[k] for k in ("vs_transformerlens", "vs_nnsight_loop", "vs_nnsight_batched")} == {
                 "vs_transformerlens": "n/a", "vs_nnsight_loop": "n/a", "vs_nnsight_batched": "n/a"}, proc.stdout
         assert fields["equal"] == "true" and float(fields["bound"]) > 1, proc.stdout[-3000:]
-        # `headsweep run` ran and said when its worker was ready, or the bench said in one line why it could not (a
-        # Ray that does not start on an overloaded machine is not the benchmark's to hide)
-        assert (fields["startup_s"] != "n/a" and float(fields["startup_s"]) > 0) or re.search(
-            r"^peers: run not measured: headsweep run exited \d+: \S", proc.stdout, re.M), proc.stdout[-3000:]
-        if fields["startup_s"] != "n/a":  # the driver's phases (bench/run_phases.py), Ray's start among them
-            assert re.search(r"^  one_minute run phase ray\.init +at +[\d.]+ s: +[\d.]+ s$", proc.stdout, re.M), \
+        if case == "peers":  # --skip-run: no `headsweep run`, so no start-up figure (peers-run measures it)
+            assert fields["startup_s"] == "n/a" and not re.search(r"^  one_minute run phase ", proc.stdout, re.M), \
                 proc.stdout[-3000:]
+        else:
+            # `headsweep run` ran and said when its worker was ready, or the bench said in one line why it could not
+            # (a Ray that does not start on an overloaded machine is not the benchmark's to hide)
+            assert (fields["startup_s"] != "n/a" and float(fields["startup_s"]) > 0) or re.search(
+                r"^peers: run not measured: headsweep run exited \d+: \S", proc.stdout, re.M), proc.stdout[-3000:]
+            if fields["startup_s"] != "n/a":  # the driver's phases (bench/run_phases.py), Ray's start among them
+                assert re.search(r"^  one_minute run phase ray\.init +at +[\d.]+ s: +[\d.]+ s$", proc.stdout,
+                                 re.M), proc.stdout[-3000:]
     if script == "interrupt_stress":
         # Ctrl-C once the run had stored some of its evaluations (its own progress, read from the store): a live
         # run stopped, its store holding the invariant, resumed, and equal to the clean run's.
