@@ -27,13 +27,14 @@ from headsweep.errors import HeadsweepError
 from headsweep.plugins import KINDS_GROUP, installed
 from headsweep.registry import Registry
 from headsweep.results.schema import RENAMED, TABLES, register_table
-from headsweep.results.store import ResultStore
 from headsweep.results.views import PRUNING_CURVES, VIEWS, register_pruning_curve, register_view
 from headsweep.sweep.configuration.sections import SECTIONS, Config, add_section, config_class
 from headsweep.sweep.experiments.base import Experiment
 from headsweep.sweep.experiments.plan import attention_types
 
-if TYPE_CHECKING:  # the context brings Ray and the worker pool; reading a config needs neither
+if TYPE_CHECKING:  # the context brings Ray and the worker pool, the store pyarrow's datasets and pandas: reading a
+    # config needs none of them
+    from headsweep.results.store import ResultStore
     from headsweep.sweep.run.context import Context
 
 def _check_kind(kind: Experiment) -> None:

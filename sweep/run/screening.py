@@ -48,17 +48,19 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from headsweep.errors import HeadsweepError
-from headsweep.results.store import ResultStore
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.statistics.significance import paired_bootstrap
 from headsweep.workers.core.family import MaskOutput
 from headsweep.workers.core.metrics import metric_by_name
 from headsweep.workers.core.work import WorkUnit
+
+if TYPE_CHECKING:  # the store brings pyarrow's datasets and pandas: a config's checks need neither
+    from headsweep.results.store import ResultStore
 
 SCREENED_OUT, COMPLETED = "screened_out", "completed"
 MIN_EXAMPLES = 20  # fewer examples than this make a bootstrap interval meaningless

@@ -19,7 +19,6 @@ import math
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow.dataset as ds
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.sections import Config
@@ -215,6 +214,8 @@ def too_many(count: int, limit: int) -> HeadsweepError:
 
 def stored_stats(ctx: Context, eval_ids: list[str]) -> np.ndarray:
     """Per-example statistics of ``eval_ids`` of this run, (E, N, k) in ``ctx.info.example_ids`` order."""
+    import pyarrow.dataset as ds  # with pandas, 1 s of import that a refused config need not pay
+
     flt = (ds.field("run_id") == ctx.run_id) & ds.field("eval_id").isin(eval_ids)
     table = ctx.store.dataset("examples").to_table(columns=["eval_id", "example_id", "stats"], filter=flt)
     position = {e: n for n, e in enumerate(ctx.info.example_ids)}

@@ -13,7 +13,6 @@ import math
 from collections.abc import Callable, Sequence
 
 from matplotlib.figure import Figure
-from scipy.stats import spearmanr
 
 from headsweep.sweep.report_parts import figures
 from headsweep.sweep.report_parts.page import ReportPart
@@ -55,6 +54,8 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> tuple[float, float, int]
              and not (math.isnan(a) or math.isnan(b))]
     if len(pairs) < 3 or len({a for a, _ in pairs}) < 2 or len({b for _, b in pairs}) < 2:
         return float("nan"), float("nan"), len(pairs)
+    from scipy.stats import spearmanr  # 1.6 s of import that a report without roles need not pay
+
     result = spearmanr([a for a, _ in pairs], [b for _, b in pairs])
     return float(result.statistic), float(result.pvalue), len(pairs)
 
