@@ -65,8 +65,8 @@ def test_missing_model_directory_and_hub_id(tmp_path, tiny_dev_tsv, ray_address)
 
 
 def test_model_without_attention(tmp_path, tiny_dev_tsv):
-    """In the worker's load (``worker_refused``); a classifier worker's refusal through the CLI:
-    ``test_data_problems`` and tests/configuration/test_bad_data.py::test_max_length_above_the_models_positions."""
+    """In the worker's load (``worker_refused``); a classifier worker's load refusing through the CLI:
+    tests/configuration/test_bad_data.py::test_max_length_above_the_models_positions."""
     from transformers import FNetConfig, FNetForSequenceClassification
 
     from headsweep.sweep.demo.sentiment import build_tokenizer
