@@ -1,8 +1,10 @@
 """Bad data and broken model files through the real CLI: one line naming the file and the cause, exit
 code 2, and a store left exactly as it was (its runs and its files); suspicious data counted, not changed.
 
-Every failure runs against a copy of a store that already holds one complete run, so that "unchanged"
-covers an existing store's files and rows, not only an empty folder.
+Every failure through the CLI runs against a copy of a store that already holds one complete run, so that
+"unchanged" covers an existing store's files and rows, not only an empty folder. A few refusals the workers make
+are checked in the worker's load in this process (``worker_refused``), where another case of the same family takes
+that route through the CLI.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import error_line, run_cli
+from small_store import small_store
 
+from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
 from headsweep.sweep.demo.sentiment import generate
 
@@ -71,6 +75,29 @@ def refused(store: Path, config: Path, address: str, *parts: str) -> str:
     return line
 
 
+def worker_refused(config: Path, *parts: str) -> str:
+    """What a worker makes of ``config`` when it loads its model and data, in this process: the driver's file checks
+    (``ModelFamily.check_model``) pass, and ``ModelFamily.load`` (the adapter each actor builds first) refuses with
+    a ``HeadsweepError`` holding every one of ``parts``; returns its message.
+
+    For refusals whose route through the CLI (the worker's error as the one line, exit code 2, the store as it was)
+    another case of the same family covers, ``refused`` here: a CLI run costs an actor's start (torch and
+    transformers imported again, 8-10 s) and would add nothing to the message checked."""
+    from headsweep.sweep.configuration.config import load_config
+    from headsweep.workers.families.registry import model_family
+
+    cfg = load_config(config)
+    family = model_family(cfg.model.kind)
+    family.check_model(cfg.model)
+    with pytest.raises(HeadsweepError) as refusal:
+        family.load(cfg.model, cfg.data, family.runtime())
+    message = str(refusal.value)
+    assert "\n" not in message, message
+    for part in parts:
+        assert part in message, message
+    return message
+
+
 def with_bad_byte(text: bytes, line_no: int, word: bytes) -> tuple[bytes, int]:
     """``text`` with one non-UTF-8 byte inside ``word`` on line ``line_no`` (1-based); and the byte's offset."""
     lines = text.split(b"\n")
@@ -102,14 +129,12 @@ ROWS = generate(40, seed=7)
 
 
 @pytest.fixture(scope="module")
-def full_store(tmp_path_factory, ray_address, tiny_bert_dir) -> Path:
-    """A store holding one complete run."""
-    tmp = tmp_path_factory.mktemp("bad_data_store")
-    config = classifier_config(tmp, tiny_bert_dir, {"path": str(write_rows(ROWS, tmp / "dev.tsv"))})
-    proc = run_cli("run", str(config), "--store", str(tmp / "store"), "--address", ray_address, "--quiet")
-    assert proc.returncode == 0, proc.stderr
-    assert len(runs(tmp / "store")) == 1
-    return tmp / "store"
+def full_store(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv) -> Path:
+    """A store holding one complete run: the session's small store (tests/small_store.py, over ``tiny_dev_tsv``,
+    the same rows as ``ROWS``), which other modules on this process build or read anyway, so no run of its own."""
+    store, _, _ = small_store(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv)
+    assert len(runs(store)) == 1
+    return store
 
 
 @pytest.fixture
@@ -193,14 +218,15 @@ def test_max_length_above_the_models_positions(tmp_path, store, tiny_bert_dir, r
             f"{tiny_bert_dir}/config.json", "set data.max_length to 64 or less")
 
 
-def test_a_source_longer_than_the_models_positions(tmp_path, store, tiny, ray_address):
+def test_a_source_longer_than_the_models_positions(tmp_path, tiny):
+    """In the worker's load (``worker_refused``); the CLI route of a translation worker's refusal:
+    ``test_a_text_file_as_fairseq_checkpoint``."""
     lines = tiny.data.test_source.read_text().splitlines()
     lines[1] = " ".join([lines[1]] * 60)
     source = tmp_path / "long.src"
     source.write_text("\n".join(lines) + "\n")
     config = translation_config(tmp_path, tiny, data={"source": str(source)})
-    refused(store, config, ray_address, f"data.source {source}: line 2 is ", "more than the model's 256 source "
-            "positions")
+    worker_refused(config, f"data.source {source}: line 2 is ", "more than the model's 256 source positions")
 
 
 # -- broken model files --------------------------------------------------------------------------------
@@ -234,11 +260,13 @@ def test_a_text_file_as_fairseq_checkpoint(tmp_path, store, tiny, ray_address):
             "model.checkpoint must name the .pt file")
 
 
-def test_a_truncated_fairseq_checkpoint(tmp_path, store, tiny, ray_address):
+def test_a_truncated_fairseq_checkpoint(tmp_path, tiny):
+    """In the worker's load (``worker_refused``): the checkpoint reader ``test_a_text_file_as_fairseq_checkpoint``
+    takes through the CLI."""
     cut = tmp_path / "checkpoint_cut.pt"
     cut.write_bytes(tiny.checkpoint.read_bytes()[: tiny.checkpoint.stat().st_size // 2])
     config = translation_config(tmp_path, tiny, model={"checkpoint": str(cut)})
-    refused(store, config, ray_address, f"checkpoint {cut} is truncated")
+    worker_refused(config, f"checkpoint {cut} is truncated")
 
 
 # -- suspicious data: counted and reported, never changed ----------------------------------------------------

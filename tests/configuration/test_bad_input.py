@@ -10,6 +10,7 @@ import time
 import pytest
 import yaml
 from conftest import REPO, default_sigint, run_cli
+from test_bad_data import worker_refused
 
 from headsweep.results.store import ResultStore
 
@@ -63,7 +64,9 @@ def test_missing_model_directory_and_hub_id(tmp_path, tiny_dev_tsv, ray_address)
          "'bert-base-uncased' is neither a local folder nor in the Hugging Face cache")
 
 
-def test_model_without_attention(tmp_path, tiny_dev_tsv, ray_address):
+def test_model_without_attention(tmp_path, tiny_dev_tsv):
+    """In the worker's load (``worker_refused``); a classifier worker's load refusing through the CLI:
+    tests/configuration/test_bad_data.py::test_max_length_above_the_models_positions."""
     from transformers import FNetConfig, FNetForSequenceClassification
 
     from headsweep.sweep.demo.sentiment import build_tokenizer
@@ -73,18 +76,21 @@ def test_model_without_attention(tmp_path, tiny_dev_tsv, ray_address):
     FNetForSequenceClassification(FNetConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
                                              intermediate_size=32, num_labels=2)).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
-    fail(tmp_path, ray_address, config_file(tmp_path, model_dir, tiny_dev_tsv),
-         "no attention modules recognised in FNetForSequenceClassification")
+    worker_refused(config_file(tmp_path, model_dir, tiny_dev_tsv),
+                   "no attention modules recognised in FNetForSequenceClassification")
 
 
 def test_data_problems(tmp_path, tiny_bert_dir, ray_address):
+    """A missing column and an empty file through the CLI (the driver's checks); a label outside the model's label
+    set in the worker's load (``worker_refused``), whose refusal through the CLI is
+    tests/configuration/test_bad_input_probe.py::test_importance_data_labels_are_checked_before_the_baseline."""
     bad_cols = tmp_path / "cols.tsv"
     bad_cols.write_text("text\tlabel\nthe film was good\t1\n")
     fail(tmp_path, ray_address, config_file(tmp_path, tiny_bert_dir, bad_cols), "has no column 'sentence'")
     bad_labels = tmp_path / "labels.tsv"
     bad_labels.write_text("sentence\tlabel\nthe film was good\t1\nthe film was bad\t7\n")
-    fail(tmp_path, ray_address, config_file(tmp_path, tiny_bert_dir, bad_labels),
-         "labels outside the model's label set: '7' in row 2 (line 3)")
+    worker_refused(config_file(tmp_path, tiny_bert_dir, bad_labels),
+                   "labels outside the model's label set: '7' in row 2 (line 3)")
     empty = tmp_path / "empty.tsv"
     empty.write_text("sentence\tlabel\n")
     fail(tmp_path, ray_address, config_file(tmp_path, tiny_bert_dir, empty), "has no examples")

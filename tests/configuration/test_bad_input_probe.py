@@ -3,7 +3,8 @@ user should read, exit code 2, no traceback, and nothing written.
 
 Config and data-file problems are found on the driver before Ray or a model starts (``check_data_files``): those
 cases run side by side and must not reach the workers. Problems only the loaded model shows (labels against its
-label set, heads per layer) are found by the workers before the first row, against a store holding a run.
+label set, heads per layer) are found by the workers before the first row, against a store holding a run; where
+another case takes a check's route through the CLI, the check runs in the worker's load in this process.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, error_line, run_cli
-from test_bad_data import ROWS, classifier_config, listing, runs, write_rows
+from small_store import small_store
+from test_bad_data import ROWS, classifier_config, listing, runs, worker_refused, write_rows
 
 from headsweep.errors import HeadsweepError
 from headsweep.sweep.configuration.config import Config, build_config, check_data_files
@@ -173,13 +175,11 @@ def refused_before_any_worker(cases: list[tuple[str, list[str], str]], store: Pa
 
 # -- found by the workers, before the first row ----------------------------------------------------------------
 @pytest.fixture(scope="module")
-def full_store(tmp_path_factory, ray_address, tiny_bert_dir) -> Path:
-    """A store holding one complete run of the tiny BERT (baseline only)."""
-    tmp = tmp_path_factory.mktemp("probe_store")
-    config = classifier_config(tmp, tiny_bert_dir, {"path": str(write_rows(ROWS, tmp / "dev.tsv"))})
-    proc = run_cli("run", str(config), "--store", str(tmp / "store"), "--address", ray_address, "--quiet")
-    assert proc.returncode == 0, proc.stderr
-    return tmp / "store"
+def full_store(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv) -> Path:
+    """A store holding one complete run of the tiny BERT: the session's small store (tests/small_store.py), which
+    other modules on this process build or read anyway, so no run of its own."""
+    store, _, _ = small_store(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv)
+    return store
 
 
 @pytest.fixture
@@ -206,13 +206,6 @@ def test_importance_data_labels_are_checked_before_the_baseline(tmp_path, store,
                 f"data file {train}: labels outside the model's label set: 'awful' in row 2 (line 3) {MODEL_LABELS}")
 
 
-def test_labels_mixing_ids_and_names(tmp_path, store, tiny_bert_dir, ray_address):
-    """Was: "labels outside the model's label set:  (model labels: ...)", the bad labels blank."""
-    mixed = tmp_path / "mixed.tsv"
-    mixed.write_text("sentence\tlabel\nthe film was good\t1\nthe film was bad\tnegative\n")
-    refused_run(store, classifier_config(tmp_path, tiny_bert_dir, {"path": str(mixed)}), ray_address, [],
-                f"data file {mixed}: labels mix label names and label ids: 'negative' in row 2 (line 3) is a name, "
-                f"'1' in row 1 (line 2) an id; write every label one way {MODEL_LABELS}")
 
 
 def test_min_heads_per_layer_above_the_heads_of_a_layer(tmp_path, store, tiny_bert_dir, ray_address):
@@ -248,6 +241,17 @@ def test_empty_experiments_with_masks_is_a_custom_run(tiny_bert_dir, tiny_dev_ts
     cfg = build_config({"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)},
                         "data": {"path": str(tiny_dev_tsv)}, "sweep": {"experiments": [], "masks": [["self:0:1"]]}})
     assert cfg.sweep.experiments == ["custom"]
+
+
+def test_labels_mixing_ids_and_names(tmp_path, tiny_bert_dir):
+    """Was: "labels outside the model's label set:  (model labels: ...)", the bad labels blank. In the worker's load
+    (``worker_refused``): the label check whose refusal through the CLI is
+    ``test_importance_data_labels_are_checked_before_the_baseline``."""
+    mixed = tmp_path / "mixed.tsv"
+    mixed.write_text("sentence\tlabel\nthe film was good\t1\nthe film was bad\tnegative\n")
+    message = worker_refused(classifier_config(tmp_path, tiny_bert_dir, {"path": str(mixed)}))
+    assert message == (f"data file {mixed}: labels mix label names and label ids: 'negative' in row 2 (line 3) is a "
+                       f"name, '1' in row 1 (line 2) an id; write every label one way {MODEL_LABELS}")
 
 
 def test_label_messages_name_the_labels_and_rows():

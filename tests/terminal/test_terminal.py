@@ -88,11 +88,13 @@ def test_a_sweep_prints_only_headsweep_lines(classifier_config, ray_address):
 
 
 def test_verbose_shows_what_the_log_file_holds(classifier_config, ray_address):
+    """The baseline alone on one worker: what --verbose shows (Ray's driver-side records) comes with any run, and a
+    second worker and the grid would only add an actor's start and evaluations."""
     store = classifier_config.parent / "store-verbose"
     logs = store.parent / "headsweep-logs"
     before = set(logs.glob("*.log"))
-    proc = run_cli("run", str(classifier_config), "--store", str(store), "--address", ray_address, "--verbose",
-                   env=LOUD)
+    proc = run_cli("run", str(classifier_config), "sweep.experiments=[baseline]", "sweep.workers=1", "--store",
+                   str(store), "--address", ray_address, "--verbose", env=LOUD)
     assert proc.returncode == 0, proc.stderr
     assert RUN_ID.fullmatch(proc.stdout.strip()), proc.stdout
     foreign = foreign_lines(proc.stderr)
@@ -138,8 +140,10 @@ def run_on_terminal(*args: str, columns: int = 120, timeout: float = 300) -> tup
 
 
 def test_a_terminal_gets_one_live_line(classifier_config, ray_address):
+    """One worker: the live line's worker state (after its ETA) is free text to its shape, so a second worker would
+    only add an actor's start; a two-worker run's lines: test_a_sweep_prints_only_headsweep_lines."""
     store = classifier_config.parent / "store-tty"
-    code, out, terminal = run_on_terminal("run", str(classifier_config), "--store", str(store),
+    code, out, terminal = run_on_terminal("run", str(classifier_config), "sweep.workers=1", "--store", str(store),
                                           "--address", ray_address)
     assert code == 0, terminal
     assert RUN_ID.fullmatch(out.strip()), out
