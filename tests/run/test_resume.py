@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,7 +73,8 @@ def check_status_of_a_killed_run(reader: ResultStore, killed: dict, stored: int)
     reader.write_rows("runs", run_id, [{**elsewhere, "updated_at": datetime.now(UTC) - timedelta(seconds=5)}], "run")
     lines = status_of(run_id, store)
     assert lines[0] == f"run {run_id} (sweep): running" and any(x.startswith("ETA of the pass") for x in lines), lines
-    assert (listed(run_id, store)["n_done"], listed_status(run_id, store)) == (stored, "running")  # live: as stored
+    live = listed(run_id, store)
+    assert (live["n_done"], live["status"]) == (stored, "running")  # live: as stored
     old = datetime.now(UTC) - timedelta(seconds=STALE_AFTER_S + 60)
     reader.write_rows("runs", run_id, [{**elsewhere, "updated_at": old}], "run")
     lines = status_of(run_id, store)
@@ -90,14 +92,27 @@ def check_status_of_a_killed_run(reader: ResultStore, killed: dict, stored: int)
     assert runs_listing(reader, "SELECT run_id, status FROM runs").column("status").to_pylist() == ["stale"]
 
 
-@pytest.mark.parametrize("signum, code, status", [(signal.SIGKILL, -signal.SIGKILL, "running"),
-                                                  (signal.SIGTERM, 143, "interrupted")], ids=["SIGKILL", "SIGTERM"])
-def test_killed_or_stopped_then_rerun_computes_only_the_missing(tmp_path, wide_bert_dir, tiny_dev_tsv, ray_address,
-                                                                signum, code, status):
+def start_run(argv: list[str]) -> subprocess.Popen:
+    """``headsweep run`` (``argv``) as a driver process of its own, to be signalled."""
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def signal_at(proc: subprocess.Popen, reader: ResultStore, rows: int, signum: int) -> str:
+    """Send ``signum`` to the driver once the store holds ``rows`` evaluations; returns its stderr."""
+    deadline = time.monotonic() + 600  # left as soon as the rows are there; a loaded machine is slow to start
+    while time.monotonic() < deadline and reader.read("evaluations").num_rows < rows:
+        time.sleep(0.2)
+    proc.send_signal(signum)
+    return proc.communicate(timeout=120)[1]
+
+
+def test_killed_or_stopped_then_rerun_computes_only_the_missing(tmp_path, wide_bert_dir, tiny_dev_tsv, ray_address):
     """SIGKILL leaves the row running (status says stale); SIGTERM, a scheduler's stop, marks it interrupted as
-    Ctrl-C does (exit 143, one line). Either way the same command resumes it."""
-    # Stopped after 4 rows of 33 (40 examples each): long in masks, so that the run is still going when the signal
-    # comes even on a fast machine; short per mask, so that the run and its resumption are quick.
+    Ctrl-C does (exit 143, one line). Either way the same command resumes it. One run takes both in turn (each
+    run of this config costs a driver and a worker start): killed, then its resumption stopped by SIGTERM, then
+    resumed to the end."""
+    # Stopped after 4 rows of 33 (40 examples each), and its resumption after 4 more: long in masks, so that the
+    # run is still going when the signal comes even on a fast machine; short per mask, so that the runs are quick.
     cfg = {
         "model": {"kind": "hf_classifier", "path": str(wide_bert_dir)},
         "data": {"path": str(tiny_dev_tsv)},
@@ -108,52 +123,60 @@ def test_killed_or_stopped_then_rerun_computes_only_the_missing(tmp_path, wide_b
     store = tmp_path / "store"
     argv = [sys.executable, "-m", "headsweep", "run", str(tmp_path / "c.yaml"), "--store", str(store),
             "--address", ray_address, "--quiet"]
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     reader = ResultStore(str(store))
-    deadline = time.monotonic() + 600  # left as soon as the rows are there; a loaded machine is slow to start
-    while time.monotonic() < deadline and reader.read("evaluations").num_rows < 4:
-        time.sleep(0.2)
-    proc.send_signal(signum)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == code, err[-2000:]
+
+    # SIGKILL: nobody could mark the row, the driver died.
+    proc = start_run(argv)
+    err = signal_at(proc, reader, 4, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL, err[-2000:]
     [killed] = reader.read("runs").to_pylist()
-    assert killed["status"] == status and killed["error"] is None  # SIGKILL: nobody could mark it, the driver died
+    assert killed["status"] == "running" and killed["error"] is None
     before = set(reader.read("evaluations").column("eval_id").to_pylist())
     assert 4 <= len(before) < 33
-    if signum == signal.SIGKILL:
-        check_status_of_a_killed_run(reader, killed, len(before))
-    else:
-        assert err.splitlines()[-1] == (f"headsweep: interrupted (SIGTERM): run {killed['run_id']} is marked "
-                                        f"interrupted in {store}; run the same command again to continue it"), err
-        assert "Traceback" not in err and killed["n_done"] == len(before)
-        lines = status_of(killed["run_id"], store)
-        assert lines[0] == f"run {killed['run_id']} (sweep): interrupted"
-        assert f"evaluations stored: {len(before)} of {killed['n_planned']} planned so far" in lines
+    check_status_of_a_killed_run(reader, killed, len(before))
 
-    if signum == signal.SIGKILL:  # the store refuses the rerun's first write: one line, and still resumable
-        partition = store / "evaluations" / f"run_id={killed['run_id']}"
-        with folder_taking_no_files(partition):
-            refused = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address,
-                              "--quiet")
-        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
-        line = error_line(refused.stderr)  # the reason: not permitted (immutable), or permission denied
-        assert line.startswith(f"headsweep: error: store {store}: cannot write into {partition} ("), line
-        assert line.endswith("); what was stored before stays: make the store writable and run the same command "
-                             "again to continue the run"), line
-        failed = reader.run(killed["run_id"])
-        assert failed["status"] == "failed" and "cannot write into" in failed["error"]
-        assert set(reader.read("evaluations").column("eval_id").to_pylist()) == before
+    # The store refuses the rerun's first write: one line, and still resumable.
+    partition = store / "evaluations" / f"run_id={killed['run_id']}"
+    with folder_taking_no_files(partition):
+        refused = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address,
+                          "--quiet")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    line = error_line(refused.stderr)  # the reason: not permitted (immutable), or permission denied
+    assert line.startswith(f"headsweep: error: store {store}: cannot write into {partition} ("), line
+    assert line.endswith("); what was stored before stays: make the store writable and run the same command "
+                         "again to continue the run"), line
+    failed = reader.run(killed["run_id"])
+    assert failed["status"] == "failed" and "cannot write into" in failed["error"]
+    assert set(reader.read("evaluations").column("eval_id").to_pylist()) == before
+
+    # The same command resumes it, computing only what is missing; SIGTERM stops it after 4 more rows.
+    proc = start_run(argv)
+    err = signal_at(proc, reader, len(before) + 4, signal.SIGTERM)
+    assert proc.returncode == 143, err[-2000:]
+    assert f"resuming run {killed['run_id']}: {len(before)} evaluations already stored" in err
+    [stopped] = reader.read("runs").to_pylist()
+    assert stopped["status"] == "interrupted" and stopped["error"] is None
+    resumed = reader.read("evaluations").column("eval_id").to_pylist()
+    assert len(resumed) == len(set(resumed)) and before < set(resumed)  # nothing stored before computed again
+    resumed = set(resumed)
+    assert len(before) + 4 <= len(resumed) < 33
+    assert err.splitlines()[-1] == (f"headsweep: interrupted (SIGTERM): run {killed['run_id']} is marked "
+                                    f"interrupted in {store}; run the same command again to continue it"), err
+    assert "Traceback" not in err and stopped["n_done"] == len(resumed)
+    lines = status_of(killed["run_id"], store)
+    assert lines[0] == f"run {killed['run_id']} (sweep): interrupted"
+    assert f"evaluations stored: {len(resumed)} of {killed['n_planned']} planned so far" in lines
 
     started = datetime.now(UTC)
     rerun = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet")
     assert rerun.returncode == 0, rerun.stderr
     assert rerun.stdout.strip() == killed["run_id"]
-    assert f"resuming run {killed['run_id']}: {len(before)} evaluations already stored" in rerun.stderr
+    assert f"resuming run {killed['run_id']}: {len(resumed)} evaluations already stored" in rerun.stderr
     evals = reader.read("evaluations").to_pylist()
     ids = [e["eval_id"] for e in evals]
     assert len(ids) == len(set(ids)) == 33  # baseline + 16 single-head + 16 all-but-one, each once
     new = {e["eval_id"] for e in evals if e["finished_at"] >= started}
-    assert new == set(ids) - before
+    assert new == set(ids) - resumed
     assert reader.read("examples").num_rows == 33 * 40
     [run] = reader.read("runs").to_pylist()
     assert run["status"] == "complete" and run["n_done"] == 33
@@ -167,21 +190,38 @@ def test_killed_or_stopped_then_rerun_computes_only_the_missing(tmp_path, wide_b
     assert sorted(p for p in store.rglob("*") if p.is_file()) == files
 
 
-def test_resume_refuses_another_config(tmp_path, tiny_bert_dir, tiny_dev_tsv, ray_address):
+@pytest.fixture(scope="module")
+def pruning_run(tmp_path_factory, tiny_bert_dir, tiny_dev_tsv, ray_address) -> tuple[Path, str]:
+    """A complete run of baseline, importance and four pruning levels on the tiny BERT, made once for the tests
+    that continue or repeat a complete run: (its config, its run id); ``store_copy`` gives each its own store."""
+    folder = tmp_path_factory.mktemp("pruning_run")
+    train = write_tsv(generate(60, seed=11), folder / "train.tsv")
     cfg = {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "data": {"path": str(tiny_dev_tsv)},
-           "sweep": {"experiments": ["baseline"]}}
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    store = str(tmp_path / "store")
-    first = run_cli("run", str(tmp_path / "c.yaml"), "--store", store, "--address", ray_address, "--quiet")
+           "sweep": {"experiments": ["baseline", "importance", "prune_level"], "flush_every": 1, "workers": 1},
+           "importance": {"data": {"path": str(train)}}, "prune": {"levels": [0.0, 0.25, 0.5, 0.75]}}
+    (folder / "c.yaml").write_text(yaml.safe_dump(cfg))
+    first = run_cli("run", str(folder / "c.yaml"), "--store", str(folder / "store"), "--address", ray_address,
+                    "--quiet")
     assert first.returncode == 0, first.stderr
-    run_id = first.stdout.strip()
-    other = run_cli("run", str(tmp_path / "c.yaml"), "sweep.batch_size=7", "--resume", run_id, "--store", store,
+    return folder / "c.yaml", first.stdout.strip()
+
+
+def store_copy(config: Path, tmp_path: Path) -> str:
+    """A copy of the store of ``pruning_run`` (whose ``config`` is given) that a test may change."""
+    shutil.copytree(config.parent / "store", tmp_path / "store")
+    return str(tmp_path / "store")
+
+
+def test_resume_refuses_another_config(tmp_path, pruning_run, ray_address):
+    config, run_id = pruning_run
+    store = store_copy(config, tmp_path)
+    other = run_cli("run", str(config), "sweep.batch_size=7", "--resume", run_id, "--store", store,
                     "--address", ray_address, "--quiet")
     assert other.returncode == 2 and "made with another config" in other.stderr
-    again = run_cli("run", str(tmp_path / "c.yaml"), "--store", store, "--address", ray_address, "--quiet")
+    again = run_cli("run", str(config), "--store", store, "--address", ray_address, "--quiet")
     assert again.returncode == 0 and again.stdout.strip() == run_id and "is complete in store" in again.stderr
     assert ResultStore(store).read("runs").num_rows == 1  # a complete run is neither resumed nor run again
-    second = run_cli("run", str(tmp_path / "c.yaml"), "--new", "--store", store, "--address", ray_address, "--quiet")
+    second = run_cli("run", str(config), "--new", "--store", store, "--address", ray_address, "--quiet")
     assert second.returncode == 0 and second.stdout.strip() != run_id  # --new: a deliberate second run
     assert {r["run_id"]: r["status"] for r in ResultStore(store).read("runs").to_pylist()} == {
         run_id: "complete", second.stdout.strip(): "complete"}
@@ -246,8 +286,7 @@ def test_the_heartbeat_goes_on_while_nothing_lands_and_never_outlives_the_last_r
         record.stop_heartbeat()
 
 
-def test_resumed_pruning_levels_follow_the_importance_the_run_stored(tmp_path, tiny_bert_dir, tiny_dev_tsv,
-                                                                     ray_address):
+def test_resumed_pruning_levels_follow_the_importance_the_run_stored(tmp_path, pruning_run, ray_address):
     """Pending pruning levels of a resumed run are ordered by the run's stored importance, never by a new
     estimate: shown by altering the stored scores before resuming."""
     import json
@@ -257,15 +296,8 @@ def test_resumed_pruning_levels_follow_the_importance_the_run_stored(tmp_path, t
     from headsweep.sweep.pruning.levels import level_masks
     from headsweep.workers.core.heads import Head, HeadInventory
 
-    train = write_tsv(generate(60, seed=11), tmp_path / "train.tsv")
-    cfg = {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "data": {"path": str(tiny_dev_tsv)},
-           "sweep": {"experiments": ["baseline", "importance", "prune_level"], "flush_every": 1, "workers": 1},
-           "importance": {"data": {"path": str(train)}}, "prune": {"levels": [0.0, 0.25, 0.5, 0.75]}}
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    argv = ("run", str(tmp_path / "c.yaml"), "--store", str(tmp_path / "store"), "--address", ray_address, "--quiet")
-    first = run_cli(*argv)
-    assert first.returncode == 0, first.stderr
-    run_id = first.stdout.strip()
+    config, run_id = pruning_run
+    argv = ("run", str(config), "--store", store_copy(config, tmp_path), "--address", ray_address, "--quiet")
     store = ResultStore(str(tmp_path / "store"))
 
     # As if the driver had died before the two last levels landed ...

@@ -24,11 +24,15 @@ def write_config(path, model_dir, data_file, significance=None, **sweep):
 
 
 @pytest.fixture(scope="module")
-def single_head_run(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv):
+def grid_run(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv):
+    """One sweep for every test here (each run costs a driver and its workers' start): 8 single heads, 8
+    all-but-one masks and one custom mask on two workers, three tests each, and the baseline (not asked for: always
+    evaluated); returns (store, run id)."""
     tmp = tmp_path_factory.mktemp("cli")
     tests = ["paired_ttest", "mcnemar_exact", "paired_bootstrap"]
     config = write_config(tmp / "sweep.yaml", tiny_bert_dir, tiny_dev_tsv,
-                          significance={"tests": tests, "n_resamples": 200, "seed": 5, "correction": "holm"})
+                          significance={"tests": tests, "n_resamples": 200, "seed": 5, "correction": "holm"},
+                          experiments=["single_head", "all_but_one"], masks=[["self:0:1", "self:1:2"]])
     store = tmp / "store"
     proc = run_cli("run", str(config), "sweep.workers=2", "--store", str(store), "--address", ray_address, "--quiet")
     assert proc.returncode == 0, proc.stderr
@@ -36,13 +40,16 @@ def single_head_run(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv):
     return store, run_id
 
 
+N_EVALS = 18  # baseline + 8 single heads + 8 all-but-one + 1 custom mask of the tiny 2x4 BERT
+
+
 def duck(store, table):
     return (f"read_parquet('{store}/{table}/*/*.parquet', hive_partitioning=true, "
             "hive_types={'run_id': VARCHAR}, union_by_name=true)")
 
 
-def test_single_head_rows_with_duckdb(single_head_run):
-    store, run_id = single_head_run
+def test_single_head_rows_with_duckdb(grid_run):
+    store, run_id = grid_run
     con = duckdb.connect()
     rows = con.sql(f"SELECT layer, head, score, baseline_score, delta, heads_masked, n_masked, n_examples "
                    f"FROM {duck(store, 'evaluations')} WHERE experiment = 'single_head' AND run_id = '{run_id}' "
@@ -56,12 +63,12 @@ def test_single_head_rows_with_duckdb(single_head_run):
     assert base_score == rows[0][3]
 
 
-def test_examples_sum_to_score_with_pyarrow(single_head_run):
-    store, run_id = single_head_run
+def test_examples_sum_to_score_with_pyarrow(grid_run):
+    store, run_id = grid_run
     part = ds.partitioning(flavor="hive")
     evals = ds.dataset(store / "evaluations", partitioning=part).to_table().to_pylist()
     examples = ds.dataset(store / "examples", partitioning=part).to_table().to_pylist()
-    assert len(evals) == 9 and {e["run_id"] for e in evals} == {run_id}
+    assert len(evals) == N_EVALS and {e["run_id"] for e in evals} == {run_id}
     by_eval: dict[str, list] = {}
     for row in examples:
         by_eval.setdefault(row["eval_id"], []).append(row)
@@ -75,25 +82,21 @@ def test_examples_sum_to_score_with_pyarrow(single_head_run):
         assert all(r["loss"] >= 0 for r in rows)
 
 
-def test_runs_row_and_query_command(single_head_run):
-    store, run_id = single_head_run
+def test_runs_row_and_query_command(grid_run):
+    store, run_id = grid_run
     proc = run_cli("query", "SELECT run_id, status, n_planned, n_done, config FROM runs", "--store", str(store),
                    "--format", "json")
     assert proc.returncode == 0, proc.stderr
     [row] = [json.loads(line) for line in proc.stdout.splitlines()]
     assert row["run_id"] == run_id and row["status"] == "complete"
-    assert row["n_planned"] == row["n_done"] == 9
+    assert row["n_planned"] == row["n_done"] == N_EVALS
     assert json.loads(row["config"])["sweep"]["workers"] == 2
     csv_out = run_cli("query", "SELECT count(*) AS n FROM examples", "--store", str(store), "--format", "csv")
-    assert csv_out.stdout.split() == ["n", str(9 * 40)]
+    assert csv_out.stdout.split() == ["n", str(N_EVALS * 40)]
 
 
-def test_all_but_one_and_custom_masks(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):
-    config = write_config(tmp_path / "c.yaml", tiny_bert_dir, tiny_dev_tsv, experiments=["all_but_one"],
-                          masks=[["self:0:1", "self:1:2"]])
-    store = tmp_path / "store"
-    proc = run_cli("run", str(config), "--store", str(store), "--address", ray_address, "--quiet")
-    assert proc.returncode == 0, proc.stderr
+def test_all_but_one_and_custom_masks(grid_run):
+    store, _ = grid_run
     con = duckdb.connect()
     rows = con.sql(f"SELECT experiment, layer, head, n_masked, heads_masked FROM {duck(store, 'evaluations')}"
                    " ORDER BY experiment, layer, head").fetchall()
@@ -103,20 +106,23 @@ def test_all_but_one_and_custom_masks(tmp_path, ray_address, tiny_bert_dir, tiny
         assert f"self:{layer}:{head}" not in masked and all(m.startswith(f"self:{layer}:") for m in masked)
     [custom] = [r for r in rows if r[0] == "custom"]
     assert custom[4] == ["self:0:1", "self:1:2"]
-    assert sum(1 for r in rows if r[0] == "baseline") == 1
+    assert sum(1 for r in rows if r[0] == "baseline") == 1  # not asked for, evaluated once
 
 
-def test_significance_rows_against_scipy(single_head_run):
+def test_significance_rows_against_scipy(grid_run):
     """Stored p-values against scipy on the stored per-example statistics (an independent route)."""
     import numpy as np
     from scipy import stats
 
-    store, run_id = single_head_run
+    store, run_id = grid_run
     con = duckdb.connect()
     sig = con.sql(f"SELECT eval_id, test, statistic, p_value, p_adjusted, correction, significant, alpha, "
                   f"n_resamples, seed FROM {duck(store, 'significance')}").fetchall()
     assert {r[1] for r in sig} == {"paired_ttest", "mcnemar_exact", "paired_bootstrap"}
-    assert len(sig) == 3 * 8 and all(r[0].startswith("single_head/") for r in sig)
+    # every mask but the baseline has its three tests; the single heads are this test's family
+    assert len(sig) == 3 * (N_EVALS - 1) and not [r for r in sig if r[0] == "baseline"]
+    sig = [r for r in sig if r[0].startswith("single_head/")]
+    assert len(sig) == 3 * 8
     rows = con.sql(f"SELECT eval_id, example_id, stats[1] FROM {duck(store, 'examples')} "
                    "ORDER BY eval_id, example_id").fetchall()
     correct: dict[str, list[float]] = {}
@@ -147,8 +153,8 @@ def test_significance_rows_against_scipy(single_head_run):
     assert all(r[8] == 200 and r[9] == 5 for r in boot)
 
 
-def test_deltas_view_shows_significance(single_head_run):
-    store, run_id = single_head_run
+def test_deltas_view_shows_significance(grid_run):
+    store, run_id = grid_run
     proc = run_cli("query", "SELECT eval_id, delta, test, p_adjusted, significant FROM deltas "
                    "WHERE experiment='single_head'", "--store", str(store), "--format", "json")
     assert proc.returncode == 0, proc.stderr

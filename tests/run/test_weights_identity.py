@@ -123,7 +123,7 @@ def test_a_run_keeps_its_weights_and_a_complete_run_is_not_run_again(tmp_path, t
     assert json.loads(compared.stdout.splitlines()[0])["quantity"] == "single_head_delta"
     # The original weights back: the complete run of these is the first one, not the newest of the config; nothing
     # to do. (--new, a deliberate second run of a complete config: test_resume.py::test_resume_refuses_another_config,
-    # on a cheaper config.)
+    # on the run that module makes once for several tests.)
     (model / "model.safetensors").write_bytes(original)
     before = listing(store)
     back = run()
