@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -25,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import REPO, default_sigint, error_line, folder_taking_no_files, run_cli
+from conftest import REPO, default_sigint, error_line, folder_taking_no_files, run_cli, sweep_in_process
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.schema import COMPLETE, RUNNING, TABLES
@@ -70,16 +71,19 @@ def run_id_of(proc: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def sig_store(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv) -> tuple[Path, dict[str, str]]:
-    """Two complete runs without the accuracy's primary test (paired_ttest): ``[mcnemar_exact]`` alone, and
-    ``[paired_bootstrap, mcnemar_exact]`` (shown: paired_bootstrap, the first named, not the first by name)."""
+def sig_store(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv) -> tuple[Path, dict[str, str], str]:
+    """Two runs without the accuracy's primary test (paired_ttest): a complete one with ``[mcnemar_exact]`` alone,
+    and one with ``[paired_bootstrap, mcnemar_exact]`` (shown: paired_bootstrap, the first named, not the first by
+    name) that ``sweep.budget`` stops after 3 evaluations (the baseline and two heads): (store, the test shown per
+    run, the stopped run). Run in this process: the tests read them through the CLI."""
     tmp = tmp_path_factory.mktemp("probe")
     store = tmp / "store"
     shown = {}
-    for name, tests in (("mcnemar", ["mcnemar_exact"]), ("bootstrap_first", ["paired_bootstrap", "mcnemar_exact"])):
-        run_id = run_id_of(run(tmp, name, config(tiny_bert_dir, tiny_dev_tsv, tests), store, ray_address))
-        shown[run_id] = tests[0]
-    return store, shown
+    for name, tests, budget in (("mcnemar", ["mcnemar_exact"], None),
+                                ("bootstrap_first", ["paired_bootstrap", "mcnemar_exact"], {"evaluations": 3})):
+        cfg = config(tiny_bert_dir, tiny_dev_tsv, tests, **({"budget": budget} if budget else {}))
+        shown[run_id := sweep_in_process(cfg, tmp, name, store, ray_address)] = tests[0]
+    return store, shown, run_id
 
 
 def json_rows(proc: subprocess.CompletedProcess) -> list[dict]:
@@ -88,16 +92,17 @@ def json_rows(proc: subprocess.CompletedProcess) -> list[dict]:
 
 
 def test_views_status_and_report_show_the_test_the_run_computed(sig_store, tmp_path):
-    store_dir, shown = sig_store
+    store_dir, shown, stopped = sig_store
     store = ResultStore(str(store_dir))
     summary = {r["run_id"]: r for r in json_rows(run_cli("runs", "--store", str(store_dir), "--format", "json"))}
     assert set(summary) == set(shown)
     for run_id, test in shown.items():
+        n_heads = 2 if run_id == stopped else 8  # the stopped run evaluated the baseline and two heads
         names = {r["eval_id"]: f"{r['attention']}:{r['layer']}:{r['head']}"
                  for r in store.read("evaluations", run_id).to_pylist() if r["experiment"] == "single_head"}
         table = {names[r["eval_id"]]: r for r in store.read("significance", run_id).to_pylist()
                  if r["test"] == test}
-        assert len(table) == len(names) == 8
+        assert len(table) == len(names) == n_heads
         heads = json_rows(run_cli("query", "SELECT name, test, p_value, p_adjusted, significant FROM heads "
                                   f"WHERE run_id = '{run_id}'", "--store", str(store_dir), "--format", "json"))
         assert {h["name"]: (h["test"], h["p_value"], h["p_adjusted"], h["significant"]) for h in heads} == \
@@ -106,9 +111,9 @@ def test_views_status_and_report_show_the_test_the_run_computed(sig_store, tmp_p
         assert summary[run_id]["n_significant"] == n_significant
         status = run_cli("status", run_id, "--store", str(store_dir))
         assert status.returncode == 0, status.stderr
-        assert f"heads significant: {n_significant} of 8" in status.stdout, status.stdout
+        assert f"heads significant: {n_significant} of {n_heads}" in status.stdout, status.stdout
         facts = json.loads(store.read("runs", run_id).to_pylist()[0]["facts"])
-        assert "progress" not in facts  # a complete run's row holds no live snapshot
+        assert "progress" not in facts  # a finished run's row holds no live snapshot
     # the report counts the same heads significant (the tiny random model: some are, at alpha 0.4)
     run_id = next(r for r, t in shown.items() if t == "mcnemar_exact")
     n_significant = summary[run_id]["n_significant"]
@@ -119,12 +124,12 @@ def test_views_status_and_report_show_the_test_the_run_computed(sig_store, tmp_p
     assert f"8 heads evaluated, {n_significant} significant at adjusted p" in page
 
 
-def test_stopped_runs_keep_their_baseline(tmp_path, ray_address, tiny_bert_dir, wide_bert_dir, tiny_dev_tsv):
-    store_dir = tmp_path / "store"
+def test_stopped_runs_keep_their_baseline(sig_store, tmp_path, ray_address, wide_bert_dir, tiny_dev_tsv):
+    store_dir = shutil.copytree(sig_store[0], tmp_path / "store")
     store = ResultStore(str(store_dir))
-    partial = run_id_of(run(tmp_path, "budget", config(tiny_bert_dir, tiny_dev_tsv, budget={"evaluations": 3}),
-                            store_dir, ray_address))
-    # Ctrl-C once the baseline and more evaluations are stored: 5 rows of 33 (40 examples each), a run long in
+    partial = sig_store[2]  # stopped by its budget
+    stored = store.read("evaluations").num_rows
+    # Ctrl-C once the baseline and more evaluations are stored: 2 rows of 33 (40 examples each), a run long in
     # masks, so that it is still going when the signal comes
     cfg = config(wide_bert_dir, tiny_dev_tsv, batch_size=8, masks_per_batch=1, flush_every=1,
                  experiments=["baseline", "single_head", "all_but_one"])
@@ -133,13 +138,13 @@ def test_stopped_runs_keep_their_baseline(tmp_path, ray_address, tiny_bert_dir, 
                              str(store_dir), "--address", ray_address, "--quiet"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     deadline = time.monotonic() + 600  # left as soon as the rows are there; a loaded machine is slow to start
-    while time.monotonic() < deadline and store.read("evaluations").num_rows < 3 + 2:
+    while time.monotonic() < deadline and store.read("evaluations").num_rows < stored + 2:
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     runs = {r["run_id"]: r for r in store.read("runs").to_pylist()}
-    [interrupted] = set(runs) - {partial}
+    [interrupted] = set(runs) - set(sig_store[1])
     for run_id, status in ((partial, "partial"), (interrupted, "interrupted")):
         evaluations = store.read("evaluations", run_id).to_pylist()
         [baseline] = [r["score"] for r in evaluations if r["experiment"] == "baseline"]
@@ -211,7 +216,11 @@ def test_reading_commands_refuse_a_store_path_where_no_store_is(tmp_path):
 
 
 def test_a_refused_run_leaves_the_store_as_it_was(sig_store, tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):
-    """Errors found once the model or the data is read: no store folder made, an existing store untouched."""
+    """Errors found once the model or the data is read: no store folder made, an existing store untouched.
+
+    Each error, and each kind of store, is refused once through the CLI (one line, exit 2) and once by the driver
+    in this process (``headsweep.run``): the store is the driver's to leave alone, and the CLI writes its log
+    folder beside a store, never in it."""
     bad_labels = tmp_path / "labels.tsv"
     bad_labels.write_text("sentence\tlabel\nthe film was good\t1\nthe film was bad\t7\n")
     existing = tmp_path / "existing"
@@ -221,10 +230,15 @@ def test_a_refused_run_leaves_the_store_as_it_was(sig_store, tmp_path, ray_addre
              (config(tiny_bert_dir, bad_labels), "labels outside the model's label set")]
     for index, (cfg, message) in enumerate(cases):
         new = tmp_path / f"new-{index}" / "store"
-        refused(run(tmp_path, f"bad{index}", cfg, new, ray_address), message)
-        assert not new.exists()
-        refused(run(tmp_path, f"bad{index}", cfg, existing, ray_address), message)
-        assert snapshot(existing) == before
+        # the CLI for the new store of the first error and the existing store of the second; the driver for the rest
+        for store, through_cli in ((new, index == 0), (existing, index == 1)):
+            if through_cli:
+                refused(run(tmp_path, f"bad{index}", cfg, store, ray_address), message)
+            else:
+                with pytest.raises(HeadsweepError, match=re.escape(message)):
+                    sweep_in_process(cfg, tmp_path, f"bad{index}", store, ray_address)
+            assert not new.exists()
+            assert snapshot(existing) == before
 
 
 def test_a_run_refuses_a_store_with_foreign_or_damaged_files(sig_store, tmp_path, tiny_bert_dir, tiny_dev_tsv):
@@ -276,12 +290,15 @@ def test_a_run_refuses_a_store_with_a_table_folder_that_takes_no_files(sig_store
 def test_ctrl_c_stops_a_query_inside_duckdb_every_time(tmp_path):
     store = tmp_path / "store"
     store.mkdir()
-    for delay in (2.0, 4.0, 6.0):
-        proc = subprocess.Popen([sys.executable, "-m", "headsweep", "query",
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "headsweep", "query",
                                  "SELECT sum(hash(i)) FROM range(100000000000) t(i)", "--store", str(store)],
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 preexec_fn=default_sigint)
-        time.sleep(delay)
+
+    def interrupt(proc: subprocess.Popen, started: float, delay: float) -> None:
+        time.sleep(max(0.0, started + delay - time.monotonic()))
         assert proc.poll() is None  # still running: the sum takes minutes
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
@@ -289,6 +306,20 @@ def test_ctrl_c_stops_a_query_inside_duckdb_every_time(tmp_path):
         took = time.monotonic() - sent
         assert (proc.returncode, out, err) == (130, "", "headsweep: interrupted\n"), (delay, err[-2000:])
         assert took < 5.0, (delay, took)
+
+    # Ctrl-C 2 s after the start (alone: no other start competes for the cores in those 2 s), then two commands
+    # started together and stopped 4 s and 6 s (or a little more) after their start: 8 s in all rather than 12.
+    first, started = start(), time.monotonic()
+    interrupt(first, started, 2.0)
+    later, started = [start(), start()], time.monotonic()
+    try:
+        for proc, delay in zip(later, (4.0, 6.0), strict=True):
+            interrupt(proc, started, delay)
+    finally:
+        for proc in later:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 def test_gates_lambda_is_l0_lambda_and_older_files_read_as_such(tmp_path):
