@@ -71,19 +71,17 @@ def run_id_of(proc: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def sig_store(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv) -> tuple[Path, dict[str, str], str]:
-    """Two runs without the accuracy's primary test (paired_ttest): a complete one with ``[mcnemar_exact]`` alone,
-    and one with ``[paired_bootstrap, mcnemar_exact]`` (shown: paired_bootstrap, the first named, not the first by
-    name) that ``sweep.budget`` stops after 3 evaluations (the baseline and two heads): (store, the test shown per
-    run, the stopped run). Run in this process: the tests read them through the CLI."""
+def sig_store(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv) -> tuple[Path, dict[str, str]]:
+    """Two complete runs without the accuracy's primary test (paired_ttest): ``[mcnemar_exact]`` alone, and
+    ``[paired_bootstrap, mcnemar_exact]`` (shown: paired_bootstrap, the first named, not the first by name).
+    Run in this process: the tests read them through the CLI."""
     tmp = tmp_path_factory.mktemp("probe")
     store = tmp / "store"
     shown = {}
-    for name, tests, budget in (("mcnemar", ["mcnemar_exact"], None),
-                                ("bootstrap_first", ["paired_bootstrap", "mcnemar_exact"], {"evaluations": 3})):
-        cfg = config(tiny_bert_dir, tiny_dev_tsv, tests, **({"budget": budget} if budget else {}))
-        shown[run_id := sweep_in_process(cfg, tmp, name, store, ray_address)] = tests[0]
-    return store, shown, run_id
+    for name, tests in (("mcnemar", ["mcnemar_exact"]), ("bootstrap_first", ["paired_bootstrap", "mcnemar_exact"])):
+        run_id = sweep_in_process(config(tiny_bert_dir, tiny_dev_tsv, tests), tmp, name, store, ray_address)
+        shown[run_id] = tests[0]
+    return store, shown
 
 
 def json_rows(proc: subprocess.CompletedProcess) -> list[dict]:
@@ -92,17 +90,16 @@ def json_rows(proc: subprocess.CompletedProcess) -> list[dict]:
 
 
 def test_views_status_and_report_show_the_test_the_run_computed(sig_store, tmp_path):
-    store_dir, shown, stopped = sig_store
+    store_dir, shown = sig_store
     store = ResultStore(str(store_dir))
     summary = {r["run_id"]: r for r in json_rows(run_cli("runs", "--store", str(store_dir), "--format", "json"))}
     assert set(summary) == set(shown)
     for run_id, test in shown.items():
-        n_heads = 2 if run_id == stopped else 8  # the stopped run evaluated the baseline and two heads
         names = {r["eval_id"]: f"{r['attention']}:{r['layer']}:{r['head']}"
                  for r in store.read("evaluations", run_id).to_pylist() if r["experiment"] == "single_head"}
         table = {names[r["eval_id"]]: r for r in store.read("significance", run_id).to_pylist()
                  if r["test"] == test}
-        assert len(table) == len(names) == n_heads
+        assert len(table) == len(names) == 8
         heads = json_rows(run_cli("query", "SELECT name, test, p_value, p_adjusted, significant FROM heads "
                                   f"WHERE run_id = '{run_id}'", "--store", str(store_dir), "--format", "json"))
         assert {h["name"]: (h["test"], h["p_value"], h["p_adjusted"], h["significant"]) for h in heads} == \
@@ -111,9 +108,9 @@ def test_views_status_and_report_show_the_test_the_run_computed(sig_store, tmp_p
         assert summary[run_id]["n_significant"] == n_significant
         status = run_cli("status", run_id, "--store", str(store_dir))
         assert status.returncode == 0, status.stderr
-        assert f"heads significant: {n_significant} of {n_heads}" in status.stdout, status.stdout
+        assert f"heads significant: {n_significant} of 8" in status.stdout, status.stdout
         facts = json.loads(store.read("runs", run_id).to_pylist()[0]["facts"])
-        assert "progress" not in facts  # a finished run's row holds no live snapshot
+        assert "progress" not in facts  # a complete run's row holds no live snapshot
     # the report counts the same heads significant (the tiny random model: some are, at alpha 0.4)
     run_id = next(r for r, t in shown.items() if t == "mcnemar_exact")
     n_significant = summary[run_id]["n_significant"]
@@ -124,10 +121,13 @@ def test_views_status_and_report_show_the_test_the_run_computed(sig_store, tmp_p
     assert f"8 heads evaluated, {n_significant} significant at adjusted p" in page
 
 
-def test_stopped_runs_keep_their_baseline(sig_store, tmp_path, ray_address, wide_bert_dir, tiny_dev_tsv):
-    store_dir = shutil.copytree(sig_store[0], tmp_path / "store")
+def test_stopped_runs_keep_their_baseline(tmp_path, ray_address, tiny_bert_dir, wide_bert_dir, tiny_dev_tsv):
+    store_dir = tmp_path / "store"
     store = ResultStore(str(store_dir))
-    partial = sig_store[2]  # stopped by its budget
+    # stopped by its budget (the driver's doing, run in this process); a budget-stopped run computes no
+    # significance, so it cannot stand in for one of sig_store's complete runs
+    partial = sweep_in_process(config(tiny_bert_dir, tiny_dev_tsv, budget={"evaluations": 3}), tmp_path, "budget",
+                               store_dir, ray_address)
     stored = store.read("evaluations").num_rows
     # Ctrl-C once the baseline and more evaluations are stored: 2 rows of 33 (40 examples each), a run long in
     # masks, so that it is still going when the signal comes
@@ -144,7 +144,7 @@ def test_stopped_runs_keep_their_baseline(sig_store, tmp_path, ray_address, wide
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     runs = {r["run_id"]: r for r in store.read("runs").to_pylist()}
-    [interrupted] = set(runs) - set(sig_store[1])
+    [interrupted] = set(runs) - {partial}
     for run_id, status in ((partial, "partial"), (interrupted, "interrupted")):
         evaluations = store.read("evaluations", run_id).to_pylist()
         [baseline] = [r["score"] for r in evaluations if r["experiment"] == "baseline"]
