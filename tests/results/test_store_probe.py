@@ -65,11 +65,6 @@ def run(folder: Path, name: str, cfg: dict, store: Path, ray_address: str) -> su
     return run_cli("run", str(path), "--store", str(store), "--address", ray_address, "--quiet")
 
 
-def run_id_of(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout.strip().splitlines()[-1]
-
-
 @pytest.fixture(scope="module")
 def sig_store(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv) -> tuple[Path, dict[str, str]]:
     """Two complete runs without the accuracy's primary test (paired_ttest): ``[mcnemar_exact]`` alone, and
