@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 # The tests' Ray head is private to the session: no token auth, and nothing written to ~/.ray.
 os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -110,6 +111,19 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
         env=full_env,
         cwd=REPO,
     )
+
+
+def sweep_in_process(config: dict, folder: Path, name: str, store: Path | str, ray_address: str) -> str:
+    """Run ``config`` (written to ``folder/name.yaml``) into ``store`` with ``headsweep.run`` in the test's own
+    process, on the session's Ray instance; returns the run id.
+
+    For a store a test only reads: ``headsweep run`` as a subprocess costs a driver process (Python, Ray and
+    pyarrow started, ~3 CPU-s) on top of the run. The tests about the ``run`` command itself run the CLI."""
+    import headsweep
+
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return headsweep.run(str(path), store=str(store), address=ray_address, show_progress=False)
 
 
 def run_refused(config: Path, store: Path, ray_address: str, *parts: str) -> str:

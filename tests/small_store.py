@@ -1,4 +1,5 @@
-"""A small real results store for the view and report tests: one sweep through the real CLI.
+"""A small real results store for the view and report tests: one real sweep (``headsweep.run``, in the test
+process: the tests only read what it writes; the ``run`` command has tests of its own).
 
 The tiny BERT classifier over two checkpoints (so that views keyed by checkpoint are put to the
 test) with single_head, all_but_one, importance and prune_level. Significance uses no correction
@@ -11,8 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-from conftest import run_cli
+from conftest import run_cli, sweep_in_process
 
 LEVELS = [0.0, 0.25, 0.5, 0.75, 1.0]
 ALPHA = 0.4
@@ -28,6 +28,20 @@ def small_store(tmp_path_factory, ray_address: str, model_dir: Path, dev_tsv: Pa
         done.write_text("\n".join([run_id, *checkpoints]))
     run_id, *checkpoints = done.read_text().splitlines()
     return tmp / "store", run_id, checkpoints
+
+
+def small_report(tmp_path_factory, ray_address: str, model_dir: Path, dev_tsv: Path) -> Path:
+    """``headsweep report`` of the small store's run (the real CLI), written once per test session beside the
+    store, for the tests that read the page: its ``index.html``."""
+    store, run_id, _ = small_store(tmp_path_factory, ray_address, model_dir, dev_tsv)
+    out = store.parent / "report"
+    done = store.parent / "report-done.txt"
+    if not done.is_file():
+        proc = run_cli("report", run_id, "--store", str(store), "--out", str(out))
+        assert proc.returncode == 0, proc.stderr
+        assert Path(proc.stdout.strip()) == out / "index.html"
+        done.write_text(run_id)
+    return out / "index.html"
 
 
 def build_small_store(tmp: Path, ray_address: str, model_dir: Path, dev_tsv: Path) -> tuple[Path, str, list[str]]:
@@ -50,8 +64,5 @@ def build_small_store(tmp: Path, ray_address: str, model_dir: Path, dev_tsv: Pat
         "prune": {"levels": LEVELS},
         "significance": {"alpha": ALPHA, "correction": "none"},
     }
-    (tmp / "c.yaml").write_text(yaml.safe_dump(cfg))
     store = tmp / "store"
-    proc = run_cli("run", str(tmp / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet")
-    assert proc.returncode == 0, proc.stderr
-    return store, proc.stdout.strip().splitlines()[-1], checkpoints
+    return store, sweep_in_process(cfg, tmp, "c", store, ray_address), checkpoints

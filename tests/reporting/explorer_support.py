@@ -9,8 +9,7 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
-import yaml
-from conftest import run_cli
+from conftest import sweep_in_process
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -36,8 +35,9 @@ ORDER BY harm DESC, m.example_id
 
 
 def mean_lm_store(tmp_path_factory, ray_address: str) -> tuple[Path, str]:
-    """A mean-ablation perplexity sweep of a tiny Llama-style model through the real CLI (baseline, single heads),
-    run once per test session (under pytest's session temporary folder): (store folder, run id)."""
+    """A mean-ablation perplexity sweep of a tiny Llama-style model (baseline, single heads), run once per test
+    session (under pytest's session temporary folder) in the test process, as the tests only read it: (store
+    folder, run id)."""
     tmp = tmp_path_factory.getbasetemp() / "mean-lm"
     done = tmp / "run_id.txt"
     if not done.is_file():
@@ -47,12 +47,8 @@ def mean_lm_store(tmp_path_factory, ray_address: str) -> tuple[Path, str]:
         model_dir = save_tiny_causal_lm(tmp / "llama", "llama_8q2kv")
         corpus = tmp / "corpus.txt"
         corpus.write_text(lm_text(160, seed=4))
-        config = tmp / "run.yaml"
-        config.write_text(yaml.safe_dump({
-            "model": {"kind": "hf_causal_lm", "path": str(model_dir), "attn_implementation": "eager"},
-            "data": {"path": str(corpus), "window": 16},
-            "sweep": {"experiments": ["baseline", "single_head"], "ablation": "mean", "batch_size": 8}}))
-        proc = run_cli("run", str(config), "--store", str(tmp / "store"), "--address", ray_address, "--quiet")
-        assert proc.returncode == 0, proc.stderr
-        done.write_text(proc.stdout.strip().splitlines()[-1])
+        config = {"model": {"kind": "hf_causal_lm", "path": str(model_dir), "attn_implementation": "eager"},
+                  "data": {"path": str(corpus), "window": 16},
+                  "sweep": {"experiments": ["baseline", "single_head"], "ablation": "mean", "batch_size": 8}}
+        done.write_text(sweep_in_process(config, tmp, "run", tmp / "store", ray_address))
     return tmp / "store", done.read_text()

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
-from conftest import run_cli
+from conftest import run_cli, sweep_in_process
 from scipy import stats
 
 from headsweep.results.store import ResultStore
@@ -18,7 +17,7 @@ def test_compare_two_domains(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv)
     train = write_tsv(generate(40, seed=5), tmp_path / "train.tsv")
     store = tmp_path / "store"
     runs = []
-    for data in (tiny_dev_tsv, other):
+    for index, data in enumerate((tiny_dev_tsv, other)):
         cfg = {
             "model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)},
             "data": {"path": str(data)},
@@ -26,10 +25,8 @@ def test_compare_two_domains(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv)
             "importance": {"data": {"path": str(train)}},
             "significance": {"alpha": 0.5},
         }
-        (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-        proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet")
-        assert proc.returncode == 0, proc.stderr
-        runs.append(proc.stdout.strip())
+        # the runs in this process: the command under test is compare
+        runs.append(sweep_in_process(cfg, tmp_path, f"c{index}", store, ray_address))
     proc = run_cli("compare", *runs, "--store", str(store), "--format", "json")
     assert proc.returncode == 0, proc.stderr
     assert "warning" not in proc.stderr  # one model's weights (fingerprints equal): no two-models warning

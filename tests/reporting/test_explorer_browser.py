@@ -1,6 +1,6 @@
 """The explorer in a real browser: Debian's headless Chromium driven by Selenium (bench/browser.py), on the report of
-the small real store (the real CLI), of a causal LM's perplexity run (the real CLI) and of a synthetic store holding
-the same model under two ablation methods.
+the small real store (``headsweep report``), of a causal LM's perplexity run and of a synthetic store holding the
+same model under two ablation methods.
 
 The page loads from ``file://`` with no console errors; hovering a cell shows the head's numbers as the store holds
 them; clicking the most harmful head's cell opens its drill-down, whose top example is the one a SQL query over the
@@ -17,9 +17,8 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
 from explorer_support import WORST_EXAMPLES_SQL, bench_module, mean_lm_store
-from small_store import small_store
+from small_store import small_report, small_store
 
 import headsweep
 from headsweep.results.store import ResultStore
@@ -41,11 +40,10 @@ def chrome():
 
 @pytest.fixture(scope="module")
 def small_page(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv):
+    """The small store's page, written by ``headsweep report`` once per session (test_report reads it too)."""
     store, run_id, checkpoints = small_store(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv)
-    out = tmp_path_factory.mktemp("explorer") / "report"
-    proc = run_cli("report", run_id, "--store", str(store), "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    return Path(proc.stdout.strip()), str(store), run_id, checkpoints
+    page = small_report(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv)
+    return page, str(store), run_id, checkpoints
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 from conftest import run_cli
 from PIL import Image
 from report_pages import parse
-from small_store import LEVELS, small_store
+from small_store import LEVELS, small_report, small_store
 
 from headsweep.results.query import run_query
 from headsweep.results.store import ResultStore
@@ -26,13 +26,10 @@ def small(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv):
 
 
 @pytest.fixture(scope="module")
-def report(small, tmp_path_factory):
-    store, run_id, _ = small
-    out = tmp_path_factory.mktemp("report") / "out"
-    proc = run_cli("report", run_id, "--store", store.root, "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    page = Path(proc.stdout.strip())
-    assert page == out / "index.html"
+def report(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv):
+    """The small store's page, written by ``headsweep report`` once per session (the explorer's browser tests read
+    it too)."""
+    page = small_report(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv)
     return page, parse(page)
 
 

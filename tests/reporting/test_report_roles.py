@@ -9,8 +9,7 @@ import re
 
 import duckdb
 import pytest
-import yaml
-from conftest import run_cli
+from conftest import run_cli, sweep_in_process
 
 from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.sweep.experiments.roles.report import pruned_first, role_code, role_shares, spearman
@@ -62,11 +61,8 @@ def test_report_of_a_roles_run(tmp_path, ray_address, tiny_bert_dir, tiny_dev_ts
         "significance": {"n_resamples": 100, "seed": 3},
         "roles": {"frequencies": str(corpus), "rare_top": 5, "rare_min_sentences": 1},
     }
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     store = tmp_path / "store"
-    proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet")
-    assert proc.returncode == 0, proc.stderr
-    run_id = proc.stdout.strip().splitlines()[-1]
+    run_id = sweep_in_process(cfg, tmp_path, "c", store, ray_address)  # in this process: the report is under test
     out = tmp_path / "report"
     proc = run_cli("report", run_id, "--store", str(store), "--out", str(out))
     assert proc.returncode == 0, proc.stderr

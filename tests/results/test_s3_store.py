@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pyarrow.fs as pafs
 import pytest
 import yaml
-from conftest import error_line, run_cli
+from conftest import error_line, run_cli, sweep_in_process
 from s3_server import CREDENTIALS, s3_server
 
 from headsweep.results.store import ResultStore
@@ -38,11 +38,9 @@ def test_sweep_writes_and_queries_a_store_on_s3(tmp_path, s3_endpoint, tiny_bert
     uri = f"s3://sweeps/team/store?endpoint_override={s3_endpoint}&scheme=http&region=us-east-1"
     cfg = {"model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)}, "data": {"path": str(tiny_dev_tsv)},
            "sweep": {"experiments": ["baseline", "single_head"], "flush_every": 3}}
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    run = run_cli("run", str(tmp_path / "c.yaml"), "--store", uri, "--address", ray_address, "--quiet",
-                  env=CREDENTIALS)
-    assert run.returncode == 0, run.stderr
-    run_id = run.stdout.strip()
+    # The driver in this process (the credentials are in its environment): what writes the store is the driver's
+    # code, as under `headsweep run` (whose `--store s3://` refusal is the next test's).
+    run_id = sweep_in_process(cfg, tmp_path, "c", uri, ray_address)
 
     store = ResultStore(uri)
     evals = store.read("evaluations", run_id).to_pylist()

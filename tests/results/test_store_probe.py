@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -25,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import REPO, default_sigint, error_line, folder_taking_no_files, run_cli
+from conftest import REPO, default_sigint, error_line, folder_taking_no_files, run_cli, sweep_in_process
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.schema import COMPLETE, RUNNING, TABLES
@@ -64,20 +65,16 @@ def run(folder: Path, name: str, cfg: dict, store: Path, ray_address: str) -> su
     return run_cli("run", str(path), "--store", str(store), "--address", ray_address, "--quiet")
 
 
-def run_id_of(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout.strip().splitlines()[-1]
-
-
 @pytest.fixture(scope="module")
 def sig_store(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv) -> tuple[Path, dict[str, str]]:
     """Two complete runs without the accuracy's primary test (paired_ttest): ``[mcnemar_exact]`` alone, and
-    ``[paired_bootstrap, mcnemar_exact]`` (shown: paired_bootstrap, the first named, not the first by name)."""
+    ``[paired_bootstrap, mcnemar_exact]`` (shown: paired_bootstrap, the first named, not the first by name).
+    Run in this process: the tests read them through the CLI."""
     tmp = tmp_path_factory.mktemp("probe")
     store = tmp / "store"
     shown = {}
     for name, tests in (("mcnemar", ["mcnemar_exact"]), ("bootstrap_first", ["paired_bootstrap", "mcnemar_exact"])):
-        run_id = run_id_of(run(tmp, name, config(tiny_bert_dir, tiny_dev_tsv, tests), store, ray_address))
+        run_id = sweep_in_process(config(tiny_bert_dir, tiny_dev_tsv, tests), tmp, name, store, ray_address)
         shown[run_id] = tests[0]
     return store, shown
 
@@ -122,9 +119,12 @@ def test_views_status_and_report_show_the_test_the_run_computed(sig_store, tmp_p
 def test_stopped_runs_keep_their_baseline(tmp_path, ray_address, tiny_bert_dir, wide_bert_dir, tiny_dev_tsv):
     store_dir = tmp_path / "store"
     store = ResultStore(str(store_dir))
-    partial = run_id_of(run(tmp_path, "budget", config(tiny_bert_dir, tiny_dev_tsv, budget={"evaluations": 3}),
-                            store_dir, ray_address))
-    # Ctrl-C once the baseline and more evaluations are stored: 5 rows of 33 (40 examples each), a run long in
+    # stopped by its budget (the driver's doing, run in this process); a budget-stopped run computes no
+    # significance, so it cannot stand in for one of sig_store's complete runs
+    partial = sweep_in_process(config(tiny_bert_dir, tiny_dev_tsv, budget={"evaluations": 3}), tmp_path, "budget",
+                               store_dir, ray_address)
+    stored = store.read("evaluations").num_rows
+    # Ctrl-C once the baseline and more evaluations are stored: 2 rows of 33 (40 examples each), a run long in
     # masks, so that it is still going when the signal comes
     cfg = config(wide_bert_dir, tiny_dev_tsv, batch_size=8, masks_per_batch=1, flush_every=1,
                  experiments=["baseline", "single_head", "all_but_one"])
@@ -133,7 +133,7 @@ def test_stopped_runs_keep_their_baseline(tmp_path, ray_address, tiny_bert_dir, 
                              str(store_dir), "--address", ray_address, "--quiet"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     deadline = time.monotonic() + 600  # left as soon as the rows are there; a loaded machine is slow to start
-    while time.monotonic() < deadline and store.read("evaluations").num_rows < 3 + 2:
+    while time.monotonic() < deadline and store.read("evaluations").num_rows < stored + 2:
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
@@ -211,7 +211,11 @@ def test_reading_commands_refuse_a_store_path_where_no_store_is(tmp_path):
 
 
 def test_a_refused_run_leaves_the_store_as_it_was(sig_store, tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):
-    """Errors found once the model or the data is read: no store folder made, an existing store untouched."""
+    """Errors found once the model or the data is read: no store folder made, an existing store untouched.
+
+    Each error, and each kind of store, is refused once through the CLI (one line, exit 2) and once by the driver
+    in this process (``headsweep.run``): the store is the driver's to leave alone, and the CLI writes its log
+    folder beside a store, never in it."""
     bad_labels = tmp_path / "labels.tsv"
     bad_labels.write_text("sentence\tlabel\nthe film was good\t1\nthe film was bad\t7\n")
     existing = tmp_path / "existing"
@@ -221,10 +225,15 @@ def test_a_refused_run_leaves_the_store_as_it_was(sig_store, tmp_path, ray_addre
              (config(tiny_bert_dir, bad_labels), "labels outside the model's label set")]
     for index, (cfg, message) in enumerate(cases):
         new = tmp_path / f"new-{index}" / "store"
-        refused(run(tmp_path, f"bad{index}", cfg, new, ray_address), message)
-        assert not new.exists()
-        refused(run(tmp_path, f"bad{index}", cfg, existing, ray_address), message)
-        assert snapshot(existing) == before
+        # the CLI for the new store of the first error and the existing store of the second; the driver for the rest
+        for store, through_cli in ((new, index == 0), (existing, index == 1)):
+            if through_cli:
+                refused(run(tmp_path, f"bad{index}", cfg, store, ray_address), message)
+            else:
+                with pytest.raises(HeadsweepError, match=re.escape(message)):
+                    sweep_in_process(cfg, tmp_path, f"bad{index}", store, ray_address)
+            assert not new.exists()
+            assert snapshot(existing) == before
 
 
 def test_a_run_refuses_a_store_with_foreign_or_damaged_files(sig_store, tmp_path, tiny_bert_dir, tiny_dev_tsv):
@@ -276,12 +285,15 @@ def test_a_run_refuses_a_store_with_a_table_folder_that_takes_no_files(sig_store
 def test_ctrl_c_stops_a_query_inside_duckdb_every_time(tmp_path):
     store = tmp_path / "store"
     store.mkdir()
-    for delay in (2.0, 4.0, 6.0):
-        proc = subprocess.Popen([sys.executable, "-m", "headsweep", "query",
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "headsweep", "query",
                                  "SELECT sum(hash(i)) FROM range(100000000000) t(i)", "--store", str(store)],
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 preexec_fn=default_sigint)
-        time.sleep(delay)
+
+    def interrupt(proc: subprocess.Popen, started: float, delay: float) -> None:
+        time.sleep(max(0.0, started + delay - time.monotonic()))
         assert proc.poll() is None  # still running: the sum takes minutes
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
@@ -289,6 +301,20 @@ def test_ctrl_c_stops_a_query_inside_duckdb_every_time(tmp_path):
         took = time.monotonic() - sent
         assert (proc.returncode, out, err) == (130, "", "headsweep: interrupted\n"), (delay, err[-2000:])
         assert took < 5.0, (delay, took)
+
+    # Ctrl-C 2 s after the start (alone: no other start competes for the cores in those 2 s), then two commands
+    # started together and stopped 4 s and 6 s (or a little more) after their start: 8 s in all rather than 12.
+    first, started = start(), time.monotonic()
+    interrupt(first, started, 2.0)
+    later, started = [start(), start()], time.monotonic()
+    try:
+        for proc, delay in zip(later, (4.0, 6.0), strict=True):
+            interrupt(proc, started, delay)
+    finally:
+        for proc in later:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 def test_gates_lambda_is_l0_lambda_and_older_files_read_as_such(tmp_path):
