@@ -68,8 +68,8 @@ def build_fsmt_tokenizer(folder: Path):
 
 def tiny_seq2seq(kind: str = "marian", seed: int = 0, layers: int = 2, heads: int = 4, head_dim: int = 8,
                  vocab_size: int | None = None):
-    """A randomly initialised tiny Marian, T5 or FSMT model (eval mode), weights larger than the default
-    initialisation so that single heads change the beams."""
+    """A randomly initialised tiny Marian, T5 (``t5_v1_1``: T5 v1.1's gated feed-forward) or FSMT model (eval mode),
+    weights larger than the default initialisation so that single heads change the beams."""
     import transformers
 
     torch.manual_seed(seed)
@@ -83,10 +83,11 @@ def tiny_seq2seq(kind: str = "marian", seed: int = 0, layers: int = 2, heads: in
                                         max_position_embeddings=64, init_std=0.2, dropout=0.0,
                                         attention_dropout=0.0, activation_dropout=0.0, **ids)
         model = transformers.MarianMTModel(cfg)
-    elif kind == "t5":
+    elif kind in ("t5", "t5_v1_1"):  # T5 v1.1 / mT5: gated-GELU feed-forward, untied embeddings
+        v1_1 = dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False) if kind == "t5_v1_1" else {}
         cfg = transformers.T5Config(vocab_size=vocab, d_model=width, d_kv=head_dim, num_heads=heads, d_ff=2 * width,
                                     num_layers=layers, num_decoder_layers=layers, dropout_rate=0.0,
-                                    initializer_factor=3.0, **ids)
+                                    initializer_factor=3.0, **v1_1, **ids)
         model = transformers.T5ForConditionalGeneration(cfg)
     elif kind == "fsmt":  # fairseq's dictionary order: <s> 0, <pad> 1, </s> 2; decoding starts from </s>
         cfg = transformers.FSMTConfig(langs=["en", "fr"], src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=width,

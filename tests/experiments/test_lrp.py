@@ -2,8 +2,10 @@
 
 - Conservation: with every bias zero, the rules make each cut through the network (a layer's input, plus the
   encoder output for a decoder layer) hold exactly the explained logit sum, for a BERT classifier, a
-  Llama-style LM (gated MLP: uniform rule; RMSNorm) and a fairseq translation model; and plain Gradient x
-  Input does not (so the check can fail).
+  Llama-style LM (gated MLP: uniform rule; RMSNorm), a fairseq translation model and transformers' Marian
+  (BART-style) and T5 v1.1 (RMSNorm, relative-position bias, gated-GELU feed-forward) through the hf_seq2seq
+  adapter's teacher-forced reference tokens; and plain Gradient x Input does not (so the check can fail). The
+  rules leave the logits as they are.
 - By hand: one BERT layer, relevance of each head propagated from the top logit by the explicit z-rule
   (``R_i = sum_j x_i w_ji / z_j R_j``) in numpy, layer by layer, against :func:`lrp_relevance`.
 - Through the CLI: ``importance.method: lrp`` writes the ``importance`` table, shares summing to 1 per layer.
@@ -21,17 +23,19 @@ import yaml
 from conftest import run_cli
 from tiny_fairseq import train_tiny
 from tiny_models import tiny_causal_lm, tiny_float64_bert
+from tiny_seq2seq import save_tiny_seq2seq, write_pairs
 
 from headsweep.results.store import ResultStore
 from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.workers.analyses.lrp import lrp_relevance, lrp_rules, top_logit_batch
-from headsweep.workers.core.family import LossBatch, LossBatches
+from headsweep.workers.core.family import LossBatch, LossBatches, RuntimeOptions
 from headsweep.workers.core.gates import HeadGates
 from headsweep.workers.families.fairseq_translation.adapter import load_translation
 from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel, TranslationRuntime
 from headsweep.workers.families.hf_causal_lm.model.sites import find_sites as causal_sites
 from headsweep.workers.families.hf_classifier.training_loss import classifier_loss_batches, cut_batches
 from headsweep.workers.families.hf_shared.sites import find_sites as classifier_sites
+from headsweep.workers.families.registry import model_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -85,14 +89,31 @@ def tiny_translation(tmp_path_factory, one_thread):
     return load_translation(model_cfg, data_cfg, TranslationRuntime(batch_size=6, max_tokens=0))
 
 
+def encoder_decoder_layers(model) -> tuple[list, list, list, str] | None:
+    """(encoder layers, decoder layers, each decoder layer's cross-attention module, the keyword that hands it the
+    encoder output) of a fairseq or transformers encoder-decoder model, by the architecture's own names; None for
+    other models."""
+    if hasattr(model, "encoder") and hasattr(model.encoder, "layers"):  # fairseq
+        dec = list(model.decoder.layers)
+        return list(model.encoder.layers), dec, [m.encoder_attn for m in dec], "key"
+    if hasattr(model, "model") and hasattr(model.model, "encoder"):  # Marian / BART
+        dec = list(model.model.decoder.layers)
+        return list(model.model.encoder.layers), dec, [m.encoder_attn for m in dec], "key_value_states"
+    if hasattr(model, "encoder") and hasattr(model.encoder, "block"):  # T5
+        dec = list(model.decoder.block)
+        return list(model.encoder.block), dec, [b.layer[1].EncDecAttention for b in dec], "key_value_states"
+    return None
+
+
 def cut_points(model) -> tuple[dict[str, tuple[torch.nn.Module, str]], list[list[str]]]:
     """Named tensors (a module's input, or the encoder output as one decoder layer's encoder attention reads
     it) and the cuts they form: sets every path from the input to the logits crosses exactly once."""
-    if hasattr(model, "encoder") and hasattr(model, "decoder"):
-        enc, dec = list(model.encoder.layers), list(model.decoder.layers)
+    layers = encoder_decoder_layers(model)
+    if layers is not None:
+        enc, dec, cross, keyword = layers
         points = {f"enc{i}": (m, "input") for i, m in enumerate(enc)}
         points |= {f"dec{i}": (m, "input") for i, m in enumerate(dec)}
-        points |= {f"kv{i}": (m.encoder_attn, "key") for i, m in enumerate(dec)}
+        points |= {f"kv{i}": (m, keyword) for i, m in enumerate(cross)}
         # The decoder's layer l and the encoder output as layers l, l+1, ... read it.
         cuts = [[f"enc{e}", "dec0"] for e in range(len(enc))]
         cuts += [[f"dec{d}", *(f"kv{j}" for j in range(d, len(dec)))] for d in range(len(dec))]
@@ -111,20 +132,20 @@ def cut_relevance(task, rules: bool) -> tuple[float, list[float]]:
     def take_input(name):
         return lambda _m, args: captured.__setitem__(name, args[0])
 
-    def own_key(name):
+    def own_key(name, keyword):
         # A fresh node per layer (same values), so each layer's reading of the encoder output has its own
-        # gradient; fairseq passes the encoder output as key and value.
+        # gradient; fairseq passes the encoder output as key and value, transformers as key_value_states.
         def hook(_m, args, kwargs):
-            key = kwargs["key"].view_as(kwargs["key"])
+            key = kwargs[keyword].view_as(kwargs[keyword])
             captured[name] = key
-            return args, {**kwargs, "key": key, "value": key}
+            return args, {**kwargs, keyword: key} | ({"value": key} if keyword == "key" else {})
         return hook
 
     for batch in prepared.batches:
         objective = top_logit_batch(batch, [])
         captured.clear()
         handles = [module.register_forward_pre_hook(take_input(name)) if what == "input"
-                   else module.register_forward_pre_hook(own_key(name), with_kwargs=True)
+                   else module.register_forward_pre_hook(own_key(name, what), with_kwargs=True)
                    for name, (module, what) in points.items()]
         try:
             with torch.enable_grad(), (lrp_rules(task) if rules else torch.enable_grad()):
@@ -140,8 +161,17 @@ def cut_relevance(task, rules: bool) -> tuple[float, list[float]]:
     return explained, sums
 
 
-@pytest.fixture(scope="module", params=["bert", "llama", "fairseq"])
-def conserving_task(request):
+def seq2seq_adapter(folder, kind: str, dtype: str = "float32"):
+    """A real hf_seq2seq adapter on a tiny ``kind`` model saved in ``folder`` and 6 synthetic pairs (3 a batch)."""
+    model_dir = save_tiny_seq2seq(folder / kind, kind)
+    source, target = write_pairs(folder, 6, split=f"valid_{kind}")
+    family = model_family("hf_seq2seq")
+    return family.load(family.model_config(path=str(model_dir), dtype=dtype),
+                       family.data_config(source=str(source), target=str(target)), RuntimeOptions(batch_size=3))
+
+
+@pytest.fixture(scope="module", params=["bert", "llama", "fairseq", "marian", "t5_v1_1"])
+def conserving_task(request, tmp_path_factory):
     if request.param == "bert":
         model = tiny_float64_bert(layers=3)
         zero_biases(model)
@@ -151,6 +181,11 @@ def conserving_task(request):
         zero_biases(model)
         # Llama's RMSNorm normalises in float32 even in a float64 model: float32 rounding of the hidden states
         return lm_task(model), 1e-6
+    if request.param in ("marian", "t5_v1_1"):  # transformers' BART-style and T5 v1.1-style blocks, float64
+        task = seq2seq_adapter(tmp_path_factory.mktemp("lrp_seq2seq"), request.param, "float64")
+        zero_biases(task.model)
+        # float64: summation order only (T5's RMSNorm takes its variance in float32, but the rules hold it constant)
+        return task, 1e-9
     task = request.getfixturevalue("tiny_translation")
     zero_biases(task.model)
     return task, 1e-4  # float32 model: rounding of a few hundred summed products
@@ -166,6 +201,20 @@ def test_rules_conserve_relevance_at_every_cut(conserving_task):
     # are) do not conserve: the rules, not the cut choice, make the sums equal.
     _plain, plain_sums = cut_relevance(task, rules=False)
     assert max(abs(s - explained) / abs(explained) for s in plain_sums) > 1e-3
+
+
+def test_rules_leave_forward_values_unchanged(conserving_task):
+    """Only the backward pass changes: the logits under the rules (eager attention, normalisations and activations
+    rewritten) are the model's own."""
+    task, rel = conserving_task
+    for batch in task.loss_batches(None, torch.float64).batches:
+        with torch.no_grad():
+            plain, keep = batch.outputs()
+            with lrp_rules(task):
+                ruled, _ = batch.outputs()
+        assert keep.any() and plain.abs().max() > 1.0
+        # the same weights; the rewritten normalisations round differently (float32 fairseq: a few ulps)
+        torch.testing.assert_close(ruled, plain, rtol=rel, atol=rel * float(plain.abs().max()))
 
 
 def z_rule(x: np.ndarray, w: np.ndarray, relevance_out: np.ndarray) -> np.ndarray:

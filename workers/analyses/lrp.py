@@ -16,14 +16,16 @@ so that Gradient x Input of the rewritten network *is* LRP-0 (the z-rule) on it:
   detached), which makes them linear maps;
 * elementwise nonlinearities (GELU, ReLU, SiLU, tanh in a pooler) pass relevance through unchanged (the
   identity rule: ``f(x)`` is computed as ``x * (f(x) / x)`` with the ratio detached);
-* a gated feed-forward layer's product ``act(gate) * up`` (Llama, Mistral, Qwen, Gemma) splits relevance
-  evenly between its two factors (the uniform rule, as AttnLRP).
+* a gated feed-forward layer's product ``act(gate) * up`` (Llama, Mistral, Qwen, Gemma; T5 v1.1 / mT5's
+  ``act(wi_0) * wi_1``) splits relevance evenly between its two factors (the uniform rule, as AttnLRP).
 
 Forward values are unchanged (up to rounding in the rewritten normalisations); only the backward pass
 differs. A head's relevance at a token is then ``<ctx_h, dY/dctx_h>``, exactly the per-token gate gradient
 that gradient importance computes (:func:`~headsweep.workers.analyses.importance.batch_gate_gradients`), with ``Y`` the
-sum of the explained top-1 logits. With every bias zero the rules conserve relevance exactly: each layer's
-input holds ``Y`` (tests/experiments/test_lrp.py checks it for all three families, and checks one layer against
+sum of the explained top-1 logits (a translation's: the teacher-forced logits at its reference tokens, fairseq's
+and transformers' encoder-decoder models alike). With every bias zero the rules conserve relevance exactly: each
+layer's input holds ``Y`` (tests/experiments/test_lrp.py checks it for BERT, Llama-style, fairseq, Marian and T5 v1.1
+models, and checks one layer against
 an explicit z-rule propagation written out by hand); with biases, part of the relevance is absorbed by them, as in any
 LRP-0.
 
@@ -100,9 +102,19 @@ class ConservativeRules(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _gated_mlp(module: nn.Module) -> bool:
-    return all(isinstance(getattr(module, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj")) \
-        and callable(getattr(module, "act_fn", None))
+# Gated feed-forward layers ``down(act(gate(x)) * up(x))`` by their attribute names (gate, up, down, activation):
+# Llama-style models, and T5 v1.1 / mT5 / UMT5's ``DenseGatedActDense``.
+GATED_MLPS = (("gate_proj", "up_proj", "down_proj", "act_fn"), ("wi_0", "wi_1", "wo", "act"))
+
+
+def _gated_mlp(module: nn.Module) -> tuple[str, str, str, str] | None:
+    """The attribute names of ``module``'s gated feed-forward layer, or None if it is not one."""
+    for names in GATED_MLPS:
+        *linear, act = names
+        if all(isinstance(getattr(module, n, None), nn.Module) for n in linear) and callable(
+                getattr(module, act, None)):
+            return names
+    return None
 
 
 def _module_rules(model: nn.Module) -> list:
@@ -112,19 +124,28 @@ def _module_rules(model: nn.Module) -> list:
     def identity(_module: nn.Module, args: tuple, out: Any) -> Any:
         return _identity_rule(args[0], out) if torch.is_tensor(out) and torch.is_tensor(args[0]) else out
 
-    def uniform(module: nn.Module, args: tuple, _out: Any) -> torch.Tensor:
-        x = args[0]
-        act, up = module.act_fn(module.gate_proj(x)), module.up_proj(x)
-        # The product's value, with half the relevance to each factor.
-        return module.down_proj(0.5 * (act * up.detach()) + 0.5 * (act.detach() * up))
+    def uniform(names: tuple[str, str, str, str]) -> Any:
+        gate_name, up_name, down_name, act_name = names
+
+        def hook(module: nn.Module, args: tuple, _out: Any) -> torch.Tensor:
+            x = args[0]
+            act, up = getattr(module, act_name)(getattr(module, gate_name)(x)), getattr(module, up_name)(x)
+            down = getattr(module, down_name)
+            # The product's value, with half the relevance to each factor (in the down projection's dtype, as T5
+            # keeps ``wo`` in float32).
+            product = 0.5 * (act * up.detach()) + 0.5 * (act.detach() * up)
+            weight = getattr(down, "weight", None)
+            return down(product.to(weight.dtype) if torch.is_tensor(weight) and weight.is_floating_point() else product)
+
+        return hook
 
     from transformers import activations
 
     for module in model.modules():
         if isinstance(module, _ACTIVATION_MODULES) or type(module).__module__ == activations.__name__:
             handles.append(module.register_forward_hook(identity))
-        elif _gated_mlp(module):
-            handles.append(module.register_forward_hook(uniform))
+        elif (names := _gated_mlp(module)) is not None:
+            handles.append(module.register_forward_hook(uniform(names)))
     return handles
 
 

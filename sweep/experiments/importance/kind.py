@@ -65,7 +65,7 @@ class Importance(Experiment):
             return []
         return [GatedHeads("importance.method", every_head=(
             "gradient importance scores every head of the model against its donor's activations",
-            # lrp is not every family's (hf_seq2seq refuses it): the line must not send a user to another refusal
+            # lrp is not every model's (hf_seq2seq's FSMT refuses it): the line must not send a user to another refusal
             "use importance.method ablation with importance.from_run, or importance.method lrp where the model "
             "family supports it"))]
 
@@ -102,7 +102,7 @@ class Importance(Experiment):
         # read (labels outside its label set, text longer than its positions) fails before the baseline is written.
         if ctx.cfg.importance.method in ("gradient", "lrp"):
             ctx.pool.call(load_data_on_worker, importance_data(ctx.cfg))
-        if ctx.cfg.importance.method == "lrp":  # a family that reads no attention weights (hf_seq2seq): refused here
+        if ctx.cfg.importance.method == "lrp":  # a model the rules do not cover (FSMT, PegasusX): refused here
             from headsweep.workers.analyses.lrp import lrp_problem_on_worker  # torch: on the workers
 
             problem = ctx.pool.call(lrp_problem_on_worker, importance_data(ctx.cfg))

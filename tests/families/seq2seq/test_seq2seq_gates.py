@@ -420,21 +420,69 @@ def test_roles_maps_equal_transformers_own_attentions(tiny):
     assert all(0 < h.confidence <= 1 for h in result.heads)
 
 
-def test_lrp_refused_in_one_line(tiny):
-    """LRP importance reads attention weights on its own path, which this family does not give: refused by the
-    question the driver asks a worker before anything is written (a run stopped there writes nothing)."""
+def test_lrp_accepted_or_refused_in_one_line(tiny):
+    """The question the driver asks a worker before anything is written (a run stopped there writes nothing): LRP
+    runs on Marian and T5 (tests/experiments/test_lrp.py checks its rules there); FSMT, whose blocks the rules are
+    not written for, is refused in one line."""
     from headsweep.workers.analyses.lrp import lrp_problem_on_worker
 
-    adapter = tiny[4][True]
+    kind, adapter = tiny[0], tiny[4][True]
 
     class Worker:  # the one method of EvalWorker the question calls
         def adapter(self, data_cfg):
             assert data_cfg is None
             return adapter
 
-    assert lrp_problem_on_worker(Worker(), None) == (
-        "importance.method lrp: model family 'hf_seq2seq' does not support relevance propagation (LRP); use "
-        "importance.method gradient")
+    implementation = adapter.model.config._attn_implementation
+    problem = lrp_problem_on_worker(Worker(), None)
+    assert adapter.model.config._attn_implementation == implementation  # the eager path was entered and left
+    if kind != "fsmt":
+        assert problem is None
+        return
+    assert problem == (
+        "importance.method lrp: relevance propagation (LRP) rules are written for BART-style (bart, mbart, marian, "
+        "m2m_100, pegasus, plbart, blenderbot, blenderbot-small) and T5-style (t5, mt5, umt5) blocks, not for "
+        "FSMTForConditionalGeneration (model_type 'fsmt'); use importance.method gradient")
+
+
+# -- L0 (Hard Concrete) gates -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tiny", ["marian"], indirect=True)
+def test_l0_gates_trained_on_teacher_forced_loss_close_heads_that_weight_surgery_removes(tiny):
+    """The l0 kind's trainer (Voita et al.'s gates on the family's ``loss_batches``: teacher-forced label-smoothed
+    cross-entropy) on a tiny Marian: the penalty closes some heads of every kind of attention model-wide; the gate rows
+    (what the ``gates`` table stores) follow the Hard Concrete closed forms written out here; the closed heads' mask,
+    evaluated as the run evaluates it, is the beam search of a fresh model whose W_O columns for those heads are
+    zeroed (no gate code), and it changes the translations."""
+    from headsweep.sweep.experiments.l0.settings import L0Section
+    from headsweep.sweep.experiments.l0.training import L0Trainer
+
+    _, model_dir, source, _, adapters = tiny
+    adapter = adapters[False]
+    before = {k: v.clone() for k, v in adapter.model.state_dict().items()}
+    # 10 steps from log_alpha 0 (suite time): enough to close some heads and keep others open
+    trainer = L0Trainer(adapter, L0Section(steps=10, lr=0.5, seed=1, init_log_alpha=0.0), 0.5)
+    history = trainer.train()
+    assert history[-1].expected_open < history[0].expected_open
+    assert all(torch.equal(before[k], v) for k, v in adapter.model.state_dict().items())  # train: gates
+    rows = trainer.gate_rows()
+    assert len(rows) == 24 and {r["attention"] for r in rows} == {"enc_self", "enc_dec", "dec_self"}
+    for r in rows:
+        # p_open = sigmoid(log_alpha - beta log(-gamma / zeta)); closed (test_gate) when the test-time gate
+        # clamp(sigmoid(log_alpha) (zeta - gamma) + gamma, 0, 1) is 0
+        assert r["p_open"] == pytest.approx(1 / (1 + np.exp(-(r["log_alpha"] - 0.33 * np.log(0.1 / 1.1)))), rel=1e-12)
+        assert r["closed"] == (min(max(1.2 / (1 + np.exp(-r["log_alpha"])) - 0.1, 0.0), 1.0) == 0.0)
+        assert r["step"] == 10
+    closed = trainer.closed_heads()
+    assert sorted(Head(r["attention"], r["layer"], r["head"]) for r in rows if r["closed"]) == closed
+    assert 0 < len(closed) < 24, len(closed)
+    [masked, unmasked] = adapter.evaluate([closed, []])
+    sources = source.read_text().splitlines()
+    model = fresh(model_dir)
+    with contextlib.ExitStack() as stack:
+        for head in closed:
+            stack.enter_context(zeroed_head(model, head))
+        assert masked.outputs == plain_translations(model, adapter.tokenizer, sources, adapter.generation)
+    assert masked.outputs != unmasked.outputs
 
 
 # -- resample ablation on enc_self heads ---------------------------------------------------------------------------

@@ -74,7 +74,13 @@ def test_pegasus_x_every_head_equals_weight_surgery():
     assert torch.equal(rows[0], base[0]) and (rows[1] - masked[1]).abs().max().item() <= 1e-5 * scale
 
 
-def test_pegasus_x_pruning_refused_in_one_line():
+def test_pegasus_x_pruning_and_lrp_refused_in_one_line():
+    model = tiny_pegasus_x()
+    family = model_family("hf_seq2seq")
     with pytest.raises(HeadsweepError, match=r"PegasusXForConditionalGeneration: physical pruning is not supported "
                                              r"\(attention layout 'pegasus_x' is not one headsweep prunes\)"):
-        model_family("hf_seq2seq").prune(tiny_pegasus_x(), [Head("enc_self", 0, 0)])
+        family.prune(model, [Head("enc_self", 0, 0)])
+    # local / global blocks: the LRP rules are not written for them (the attention path LRP enters refuses)
+    with pytest.raises(HeadsweepError, match=r"rules are written for BART-style .* not for "
+                                             r"PegasusXForConditionalGeneration \(model_type 'pegasus_x'\)$"):
+        family.attention_weights(model, family.find_sites(model), lambda _key, _weights: None)

@@ -11,6 +11,7 @@ from tiny_models import save_tiny_causal_lm
 from tiny_seq2seq import build_tokenizer, save_tiny_seq2seq, write_pairs
 
 from headsweep.results.store import ResultStore
+from headsweep.workers.core.heads import Head
 
 
 def config(model_dir, source, target, **model):
@@ -35,7 +36,8 @@ def sweep_run(files, ray_address):
     cfg = config(model_dir, source, target)
     cfg["data"]["metric"] = "chrf"  # BLEU, the default, is the same path with other statistics (test_seq2seq_gates)
     cfg["sweep"]["experiments"] = ["baseline", "single_head", "importance", "prune_level", "roles"]
-    cfg["importance"] = {"data": {"source": str(heldout_source), "target": str(heldout_target)}}
+    # LRP relevance (gradient importance on this family: the contract suite's test_gradient_importance_on_held_out_data)
+    cfg["importance"] = {"method": "lrp", "data": {"source": str(heldout_source), "target": str(heldout_target)}}
     cfg["prune"] = {"levels": [0.0, 0.5, 1.0]}
     (folder / "c.yaml").write_text(yaml.safe_dump(cfg))
     proc = run_cli("run", str(folder / "c.yaml"), "--store", str(folder / "store"), "--address", ray_address,
@@ -166,11 +168,31 @@ def test_roles_of_every_head(sweep_run):
     assert all(0 < r["confidence"] <= 1 and r["n_tokens"] > 0 for r in rows)
 
 
-def test_gradient_importance_ranks_every_head_and_prune_levels_follow_it(sweep_run):
+def test_lrp_importance_of_every_head_and_prune_levels_follow_it(sweep_run, files, one_thread):
+    """importance.method lrp through the CLI: a row per head, each layer's shares summing to 1, the raw relevance the
+    worker computed (against the same estimate in this process on an adapter of the held-out pairs), and the pruning
+    levels masking the least relevant heads first."""
+    from headsweep.workers.analyses.lrp import lrp_relevance
+    from headsweep.workers.core.family import RuntimeOptions
+    from headsweep.workers.families.registry import model_family
+
     store, run_id = sweep_run
     importance = store.read("importance", run_id).to_pylist()
-    assert len(importance) == 24 and {r["method"] for r in importance} == {"gradient"}
-    assert all(r["score"] >= 0 for r in importance) and any(r["score"] > 0 for r in importance)
+    assert len(importance) == 24 and {r["method"] for r in importance} == {"lrp"}
+    for site in {(r["attention"], r["layer"]) for r in importance}:
+        # float64 shares of one layer total, read back from Parquet
+        assert sum(r["score_normalized"] for r in importance if (r["attention"], r["layer"]) == site) == (
+            pytest.approx(1.0))
+    folder, model_dir = files[0], files[1]
+    family = model_family("hf_seq2seq")
+    adapter = family.load(family.model_config(path=str(model_dir), max_new_tokens=10),
+                          family.data_config(source=str(folder / "valid.src"), target=str(folder / "valid.tgt")),
+                          RuntimeOptions(batch_size=4))
+    here = lrp_relevance(adapter)
+    # float32 relevance from another process with its own thread count (reduction order)
+    assert [r["score"] for r in importance] == pytest.approx(
+        [here.raw[Head(r["attention"], r["layer"], r["head"])] for r in importance], rel=1e-4, abs=1e-6)
+    assert any(abs(r["score"]) > 1e-3 for r in importance)
     levels = sorted((e for e in store.read("evaluations", run_id).to_pylist() if e["experiment"] == "prune_level"),
                     key=lambda e: e["n_masked"])
     assert [e["n_masked"] for e in levels] == [0, 12, 24]

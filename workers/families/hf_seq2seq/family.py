@@ -34,7 +34,8 @@ class Seq2SeqFamily(TransformersFamily):
     evaluated by beam search (``model.generate``) and BLEU or chrF. Physical pruning and export of BART-style and
     T5-style attention (:mod:`~headsweep.workers.families.hf_seq2seq.pruning`; FSMT and UMT5 refused in one line);
     resample ablation on ``enc_self`` heads only, as ``fairseq_translation`` (a donor's decoder states follow its own
-    hypotheses); no LRP (refused in one line)."""
+    hypotheses); LRP importance on BART-style and T5-style models, explaining the teacher-forced top-1 logits of the
+    reference tokens (FSMT, PegasusX and mixture-of-experts types refused in one line: :mod:`.relevance`)."""
 
     def check_data(self, data_cfg: Seq2SeqData, key: str = "data") -> None:
         """The settings and the pairs themselves, before Ray starts: raw parallel text decoded, line-aligned and not
@@ -121,9 +122,19 @@ class Seq2SeqFamily(TransformersFamily):
 
         return load_pruned(folder)
 
-    def attention_weights(self, model: nn.Module, sites: Any, consume: Any) -> Any:
-        # roles reads its maps through Seq2SeqReader; LRP's conservative rules are not written for this family
-        raise self._unsupported("relevance propagation (LRP)")
+    def attention_weights(self, model: nn.Module, sites: Sequence[AttentionSite], consume: Any) -> Any:
+        """On the eager attention path (put back afterwards): the weights each module returns
+        (:func:`~headsweep.workers.families.hf_seq2seq.attention.seq2seq_attention`). Relevance propagation enters it,
+        so a model whose blocks the LRP rules do not cover (FSMT, PegasusX, mixture-of-experts types:
+        :mod:`.relevance`) is refused here in one line."""
+        from headsweep.errors import HeadsweepError
+        from headsweep.workers.families.hf_seq2seq.attention import seq2seq_attention
+        from headsweep.workers.families.hf_seq2seq.relevance import relevance_problem
+
+        problem = relevance_problem(model)
+        if problem is not None:
+            raise HeadsweepError(problem)
+        return seq2seq_attention(model, sites, consume)
 
     def attention_reader(self, adapter: Any) -> Any:
         """Teacher-forced attention maps of every site (:mod:`.attention`): what roles reads."""
