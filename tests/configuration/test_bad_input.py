@@ -138,7 +138,7 @@ def test_interrupted_run_is_marked_and_store_stays_valid(tmp_path, wide_bert_dir
 @pytest.mark.parametrize("signum, code, by", [
     pytest.param(signal.SIGINT, 130, "", id="SIGINT"),
     # SIGTERM's handler, exit code 143 and "(SIGTERM)" in the line, mid-run: tests/run/test_resume.py::
-    # test_killed_or_stopped_then_rerun_computes_only_the_missing[SIGTERM]; before the first row: SIGINT here
+    # test_killed_or_stopped_then_rerun_computes_only_the_missing (its SIGTERM step); before the first row: SIGINT here
     pytest.param(signal.SIGTERM, 143, " (SIGTERM)", id="SIGTERM", marks=pytest.mark.slow)])
 def test_a_signal_before_the_first_row_leaves_no_store(tmp_path, tiny_bert_dir, tiny_dev_tsv, ray_address, signum,
                                                        code, by):
