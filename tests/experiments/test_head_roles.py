@@ -296,15 +296,13 @@ def test_llama_maps_equal_the_models_eager_attentions(tmp_path, one_thread):
 
 
 @pytest.fixture(scope="module")
-def tiny_translation(tmp_path_factory):
-    from tiny_fairseq import train_tiny
-
+def tiny_translation(trained_tiny_fairseq):
     from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 
     torch.set_num_threads(1)
-    tiny = train_tiny(tmp_path_factory.mktemp("tiny_fairseq_roles"))
+    tiny = trained_tiny_fairseq
     adapter = load_translation(TranslationModel(checkpoint=str(tiny.checkpoint), data_bin=str(tiny.data.data_bin)),
                                TranslationData(data_bin=str(tiny.data.data_bin), split="test"),
                                RuntimeOptions(batch_size=16))

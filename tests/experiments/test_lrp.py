@@ -19,7 +19,6 @@ import pytest
 import torch
 import yaml
 from conftest import run_cli
-from tiny_fairseq import train_tiny
 from tiny_models import tiny_causal_lm, tiny_float64_bert
 
 from headsweep.results.store import ResultStore
@@ -77,8 +76,8 @@ def lm_task(model, rows=3, length=9):
 
 
 @pytest.fixture(scope="module")
-def tiny_translation(tmp_path_factory, one_thread):
-    tiny = train_tiny(tmp_path_factory.mktemp("tiny_fairseq"))
+def tiny_translation(trained_tiny_fairseq, one_thread):
+    tiny = trained_tiny_fairseq
     model_cfg = TranslationModel(checkpoint=str(tiny.checkpoint), data_bin=str(tiny.data.data_bin), beam=2,
                                  max_len_b=10)
     data_cfg = TranslationData(data_bin=str(tiny.data.data_bin), split="valid", max_examples=12)
