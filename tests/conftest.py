@@ -80,6 +80,22 @@ def tiny_dev_tsv(tmp_path_factory) -> Path:
     return write_tsv(generate(40, seed=7), tmp_path_factory.mktemp("data") / "dev.tsv")
 
 
+@pytest.fixture(scope="session")
+def trained_tiny_fairseq(tmp_path_factory):
+    """tests/tiny_fairseq.py's trained translation model (``TinyFairseq``), trained once per test process (~4 s)
+    and shared by the modules that only read it: never write into its folders."""
+    import torch
+    from tiny_fairseq import train_tiny
+
+    # one thread: the same weights whichever module asks first, whatever thread count it runs with
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_tiny(tmp_path_factory.mktemp("tiny_fairseq_shared"))
+    finally:
+        torch.set_num_threads(before)
+
+
 def install_entry_point(folder: Path, group: str, name: str, value: str) -> Path:
     """Declare entry point ``name = value`` in ``group`` for the distribution on path entry ``folder``, as pip
     installs one (a ``.dist-info`` folder beside the code): ``importlib.metadata`` finds it wherever ``folder`` is

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import error_line, install_entry_point, run_cli
+from conftest import error_line, run_cli
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.store import ResultStore
@@ -113,24 +112,8 @@ def test_a_registered_kind_runs_without_editing_the_driver(tmp_path, ray_address
     assert run["status"] == "complete" and run["n_planned"] == run["n_done"] == 1 + 8 + 6
 
 
-def test_a_kind_installed_as_an_entry_point_runs_through_the_cli(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):
-    plugins = install_entry_point(tmp_path / "site", "headsweep.kinds", "first_heads",
-                                  "test_experiment_kinds:FIRST_HEADS")
-    env = {"PYTHONPATH": os.pathsep.join([str(plugins), str(HERE), str(HERE.parent)])}
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config(tiny_bert_dir, tiny_dev_tsv, ["baseline", "first_heads"])))
-    store = tmp_path / "store"
-    proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet",
-                   env=env)
-    assert proc.returncode == 0, proc.stderr
-    run_id = proc.stdout.strip()
-    reader = ResultStore(str(store))
-    evals = reader.read("evaluations", run_id).to_pylist()
-    assert sorted(e["experiment"] for e in evals) == ["baseline"] + ["first_heads"] * 6
-    assert len({s["eval_id"] for s in reader.read("significance", run_id).to_pylist()}) == 6
-    # Without the entry point installed, the name is an unknown kind, even where the module can be imported.
-    missing = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(tmp_path / "other"),
-                      env={"PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])})
-    assert missing.returncode == 2 and "unknown experiment kind 'first_heads' in sweep.experiments" in missing.stderr
+# A kind installed as an entry point, through the CLI: test_kind_parts.py's
+# test_a_kind_installed_as_an_entry_point_runs_through_the_cli (one run with that module's kind).
 
 
 def test_a_config_never_names_a_module_to_import(tmp_path, tiny_bert_dir, tiny_dev_tsv):

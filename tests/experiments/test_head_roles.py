@@ -296,15 +296,13 @@ def test_llama_maps_equal_the_models_eager_attentions(tmp_path, one_thread):
 
 
 @pytest.fixture(scope="module")
-def tiny_translation(tmp_path_factory):
-    from tiny_fairseq import train_tiny
-
+def tiny_translation(trained_tiny_fairseq):
     from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 
     torch.set_num_threads(1)
-    tiny = train_tiny(tmp_path_factory.mktemp("tiny_fairseq_roles"))
+    tiny = trained_tiny_fairseq
     adapter = load_translation(TranslationModel(checkpoint=str(tiny.checkpoint), data_bin=str(tiny.data.data_bin)),
                                TranslationData(data_bin=str(tiny.data.data_bin), split="test"),
                                RuntimeOptions(batch_size=16))
@@ -429,7 +427,9 @@ def roles_config(path, model_dir, data_file, **roles):
         "model": {"kind": "hf_classifier", "path": str(model_dir)},
         "data": {"path": str(data_file)},
         "sweep": {"experiments": ["baseline", "single_head", "importance", "roles"], "batch_size": 16},
-        "importance": {"data": {"path": str(data_file)}, "allow_eval_data": True},
+        # LRP: test_lrp_importance_through_the_cli reads this run's importance table (gradient importance
+        # through the CLI: test_prune_cli.py)
+        "importance": {"method": "lrp", "data": {"path": str(data_file)}, "allow_eval_data": True},
         "significance": {"n_resamples": 100, "seed": 3},
         "roles": roles,
     }
@@ -506,6 +506,20 @@ def test_roles_view_joins_delta_significance_and_importance(roles_run):
         assert row["delta"] == deltas[key] and row["importance_normalized"] == importance[key]  # exact: joined
         assert row["test"] == "paired_ttest" and row["p_value"] is not None and row["significant"] is not None
         assert row["metric"] == "accuracy" and isinstance(row["roles"], list)
+
+
+def test_lrp_importance_through_the_cli(roles_run):
+    """importance.method lrp through the CLI (the LRP rules themselves: test_lrp.py): one row per head, shares of
+    each layer's relevance, ranked."""
+    from headsweep.results.store import ResultStore
+
+    store, run_id, _ = roles_run
+    rows = ResultStore(str(store)).read("importance", run_id).to_pylist()
+    assert len(rows) == 8 and {r["method"] for r in rows} == {"lrp"}
+    for layer in (0, 1):
+        # float64 shares of one layer total, read back from Parquet
+        assert sum(r["score_normalized"] for r in rows if r["layer"] == layer) == pytest.approx(1.0)
+    assert sorted(r["rank"] for r in rows) == list(range(1, 9))
 
 
 @pytest.mark.parametrize(("roles", "expected"), [

@@ -376,15 +376,13 @@ def test_rank_heads_ascending_with_ties_in_head_order():
 
 # -- fairseq translation ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def translation_task(tmp_path_factory):
+def translation_task(request):
     pytest.importorskip("fairseq")
-    from tiny_fairseq import train_tiny
-
     from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 
-    tiny = train_tiny(tmp_path_factory.mktemp("tiny_fairseq_importance"))
+    tiny = request.getfixturevalue("trained_tiny_fairseq")  # after the skip: it needs fairseq to train
 
     def make(batch_size):
         task = load_translation(

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import textwrap
+from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
@@ -107,17 +109,33 @@ def config(tiny_bert_dir, tiny_dev_tsv, experiments: list[str], **extra) -> dict
             "sweep": {"experiments": experiments, "batch_size": 16}, **extra}
 
 
-def test_a_kind_with_a_setting_a_table_and_a_report_part_runs_through_the_cli(tmp_path, probe_module, ray_address,
-                                                                                tiny_bert_dir, tiny_dev_tsv):
-    env = {"PYTHONPATH": str(probe_module)}
+HERE = Path(__file__).parent  # test_experiment_kinds (first_heads) and conftest must import in the CLI's process
+
+
+@pytest.fixture(scope="module")
+def kinds_run(tmp_path_factory, ray_address, tiny_bert_dir, tiny_dev_tsv):
+    """One CLI run of two kinds installed as entry points, for the two tests below that read it (one run instead of
+    one each): ``probe`` (this module's, with its setting, table, view and report part) and ``first_heads``
+    (test_experiment_kinds's, mask evaluations). Returns the folder, the store, the run id and the CLI's env."""
+    tmp = tmp_path_factory.mktemp("kinds_cli")
+    folder = tmp / "kinds"
+    folder.mkdir()
+    (folder / "probe_kind.py").write_text(PROBE_MODULE)
+    install_entry_point(folder, "headsweep.kinds", "probe", "probe_kind:PROBE")
+    install_entry_point(folder, "headsweep.kinds", "first_heads", "test_experiment_kinds:FIRST_HEADS")
+    env = {"PYTHONPATH": os.pathsep.join([str(folder), str(HERE), str(HERE.parent)])}
     probe = {"label": "from the config", "repeats": 3}
-    kinds = ["baseline", "probe"]
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config(tiny_bert_dir, tiny_dev_tsv, kinds, probe=probe)))
-    store = tmp_path / "store"
-    proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet",
-                   env=env)
+    cfg = config(tiny_bert_dir, tiny_dev_tsv, ["baseline", "probe", "first_heads"], probe=probe)
+    cfg["sweep"]["flush_every"] = 4  # first_heads's six rows over two flushes, as test_experiment_kinds runs it
+    (tmp / "c.yaml").write_text(yaml.safe_dump(cfg))
+    store = tmp / "store"
+    proc = run_cli("run", str(tmp / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet", env=env)
     assert proc.returncode == 0, proc.stderr
-    run_id = proc.stdout.strip()
+    return tmp, store, proc.stdout.strip(), env
+
+
+def test_a_kind_with_a_setting_a_table_and_a_report_part_runs_through_the_cli(kinds_run):
+    tmp_path, store, run_id, env = kinds_run
 
     # The table, straight from its Parquet files: one row per repeat, with the config's setting.
     rows = ds.dataset(store / "probe_rows", format="parquet", partitioning="hive").to_table().to_pylist()
@@ -145,6 +163,21 @@ def test_a_kind_with_a_setting_a_table_and_a_report_part_runs_through_the_cli(tm
     assert ("headsweep: warning: experiment kind 'probe' is not installed here (no 'headsweep.kinds' entry point of "
             "that name)") in bare.stderr
     assert "Probe part" not in (tmp_path / "bare" / "index.html").read_text()
+
+
+def test_a_kind_installed_as_an_entry_point_runs_through_the_cli(kinds_run, tiny_bert_dir, tiny_dev_tsv):
+    """first_heads (test_experiment_kinds), installed as an entry point: its evaluations and their significance."""
+    tmp_path, store, run_id, _ = kinds_run
+    reader = ResultStore(str(store))
+    evals = reader.read("evaluations", run_id).to_pylist()
+    assert sorted(e["experiment"] for e in evals) == ["baseline"] + ["first_heads"] * 6
+    assert len({s["eval_id"] for s in reader.read("significance", run_id).to_pylist()}) == 6
+    # Without the entry point installed, the name is an unknown kind, even where the module can be imported.
+    (tmp_path / "missing.yaml").write_text(yaml.safe_dump(
+        config(tiny_bert_dir, tiny_dev_tsv, ["baseline", "first_heads"])))
+    missing = run_cli("run", str(tmp_path / "missing.yaml"), "--store", str(tmp_path / "other"),
+                      env={"PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])})
+    assert missing.returncode == 2 and "unknown experiment kind 'first_heads' in sweep.experiments" in missing.stderr
 
 
 def test_registering_the_kind_adds_its_section_table_and_view(probe_module, registries, tiny_bert_dir,

@@ -504,10 +504,8 @@ def test_evaluation_set_as_training_data_fails_the_cli_and_writes_nothing(tmp_pa
 
 # -- fairseq translation and causal LMs ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny_translation(tmp_path_factory):
-    from tiny_fairseq import train_tiny
-
-    return train_tiny(tmp_path_factory.mktemp("tiny_fairseq_l0"))
+def tiny_translation(trained_tiny_fairseq):
+    return trained_tiny_fairseq
 
 
 def test_fairseq_gates_on_encoder_self_attention_with_the_checkpoints_label_smoothing(tiny_translation):

@@ -21,12 +21,9 @@ import pytest
 import torch
 import yaml
 from conftest import run_cli
-from tiny_fairseq import train_tiny
 from tiny_models import tiny_causal_lm, tiny_float64_bert
 from tiny_seq2seq import save_tiny_seq2seq, write_pairs
 
-from headsweep.results.store import ResultStore
-from headsweep.sweep.demo.sentiment import generate, write_tsv
 from headsweep.workers.analyses.lrp import lrp_relevance, lrp_rules, top_logit_batch
 from headsweep.workers.core.family import LossBatch, LossBatches, RuntimeOptions
 from headsweep.workers.core.gates import HeadGates
@@ -81,8 +78,8 @@ def lm_task(model, rows=3, length=9):
 
 
 @pytest.fixture(scope="module")
-def tiny_translation(tmp_path_factory, one_thread):
-    tiny = train_tiny(tmp_path_factory.mktemp("tiny_fairseq"))
+def tiny_translation(trained_tiny_fairseq, one_thread):
+    tiny = trained_tiny_fairseq
     model_cfg = TranslationModel(checkpoint=str(tiny.checkpoint), data_bin=str(tiny.data.data_bin), beam=2,
                                  max_len_b=10)
     data_cfg = TranslationData(data_bin=str(tiny.data.data_bin), split="valid", max_examples=12)
@@ -285,24 +282,8 @@ def test_one_bert_layer_equals_the_explicit_z_rule():
     assert np.abs(by_hand).max() > 1e-3  # the heads carry relevance: the comparison is not 0 == 0
 
 
-def test_lrp_importance_through_the_cli(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):
-    train = write_tsv(generate(40, seed=11), tmp_path / "train.tsv")
-    cfg = {
-        "model": {"kind": "hf_classifier", "path": str(tiny_bert_dir)},
-        "data": {"path": str(tiny_dev_tsv)},
-        "sweep": {"experiments": ["importance"], "batch_size": 16},
-        "importance": {"method": "lrp", "data": {"path": str(train)}},
-    }
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    store = tmp_path / "store"
-    proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet")
-    assert proc.returncode == 0, proc.stderr
-    rows = ResultStore(str(store)).read("importance", proc.stdout.strip()).to_pylist()
-    assert len(rows) == 8 and {r["method"] for r in rows} == {"lrp"}
-    for layer in (0, 1):
-        # float64 shares of one layer total, read back from Parquet
-        assert sum(r["score_normalized"] for r in rows if r["layer"] == layer) == pytest.approx(1.0)
-    assert sorted(r["rank"] for r in rows) == list(range(1, 9))
+# LRP importance through the CLI: test_head_roles.py::test_lrp_importance_through_the_cli (the roles run's
+# importance is LRP's, one run for both).
 
 
 def test_lrp_needs_importance_data(tmp_path, tiny_bert_dir, tiny_dev_tsv):

@@ -146,10 +146,10 @@ def test_causal_lm_means_per_position_and_keep_first(tmp_path):
         assert np.array_equal(rows[0], rows[width])  # position 0 is kept: its row is the pooled one, never applied
 
 
-def test_translation_means_source_and_teacher_forced_target(tmp_path):
-    from tiny_fairseq import collate, fairseq_load, train_tiny
+def test_translation_means_source_and_teacher_forced_target(trained_tiny_fairseq):
+    from tiny_fairseq import collate, fairseq_load
 
-    tiny = train_tiny(tmp_path)
+    tiny = trained_tiny_fairseq
     data_bin = str(tiny.data.data_bin)
     adapter = load({"kind": "fairseq_translation", "checkpoint": str(tiny.checkpoint), "data_bin": data_bin},
                    {"data_bin": data_bin, "split": "test", "max_examples": 16}, batch_size=6, max_tokens=0)

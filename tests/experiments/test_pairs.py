@@ -254,9 +254,10 @@ def check_interactions(store_dir, run_id, heads: list[str]):
     return rows, evals
 
 
-def cli_run(tmp_path, ray_address, config):
+def cli_run(tmp_path, ray_address, config, workers: int):
     store = tmp_path / "store"
-    proc = run_cli("run", str(config), "sweep.workers=2", "--store", str(store), "--address", ray_address, "--quiet")
+    proc = run_cli("run", str(config), f"sweep.workers={workers}", "--store", str(store), "--address", ray_address,
+                   "--quiet")
     assert proc.returncode == 0, proc.stderr
     return store, proc.stdout.strip().splitlines()[-1], proc.stderr
 
@@ -264,7 +265,8 @@ def cli_run(tmp_path, ray_address, config):
 def test_listed_heads_plan_their_single_head_evaluations(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):
     heads = ["self:0:1", "self:0:3", "self:1:2"]
     config = write_config(tmp_path / "pairs.yaml", tiny_bert_dir, tiny_dev_tsv, {"select": "list", "heads": heads})
-    store, run_id, stderr = cli_run(tmp_path, ray_address, config)
+    # one worker (one actor start fewer): pairs spread over two workers are test_top_heads_by_single_head_delta's
+    store, run_id, stderr = cli_run(tmp_path, ray_address, config, workers=1)
     assert "pairs: 3 pairs among 3 heads" in stderr
     rows, evals = check_interactions(store, run_id, heads)
     assert sorted(e for e in evals if e.startswith("single_head/")) == sorted(f"single_head/{h}" for h in heads)
@@ -279,7 +281,7 @@ def test_listed_heads_plan_their_single_head_evaluations(tmp_path, ray_address, 
 def test_top_heads_by_single_head_delta(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):
     config = write_config(tmp_path / "pairs.yaml", tiny_bert_dir, tiny_dev_tsv,
                           {"select": "single_head", "top_k": 3, "scope": "all"})
-    store, run_id, stderr = cli_run(tmp_path, ray_address, config)
+    store, run_id, stderr = cli_run(tmp_path, ray_address, config, workers=2)
     assert "pairs: 3 pairs at most" in stderr
     con = duckdb.connect()
     singles = con.sql(f"SELECT attention, layer, head, delta FROM {duck(store, 'evaluations')} "

@@ -390,13 +390,11 @@ def test_spacy_route_on_the_constructed_head(noun_bert, one_thread):
 
 
 # -- fairseq: the source side (enc_self) ----------------------------------------------------------------------
-def test_fairseq_enc_self_against_argmax_by_hand(tmp_path, one_thread):
+def test_fairseq_enc_self_against_argmax_by_hand(tmp_path, one_thread, trained_tiny_fairseq):
     """A tiny fairseq model on its (left-padded, length-sorted) test batches with random parses of its source
     sentences: each head's accuracy equals the argmax over the sentence's words counted here from the maps
     headsweep reads (one piece per word: the synthetic data has no BPE), and only enc_self gets the columns."""
     import random
-
-    from tiny_fairseq import train_tiny
 
     from headsweep.sweep.experiments.roles.settings import RolesSection
     from headsweep.sweep.experiments.roles.worker import attention_maps, head_roles
@@ -404,7 +402,7 @@ def test_fairseq_enc_self_against_argmax_by_hand(tmp_path, one_thread):
     from headsweep.workers.families.fairseq_translation.adapter import load_translation
     from headsweep.workers.families.fairseq_translation.config import TranslationData, TranslationModel
 
-    tiny = train_tiny(tmp_path / "tiny")
+    tiny = trained_tiny_fairseq
     adapter = load_translation(TranslationModel(checkpoint=str(tiny.checkpoint), data_bin=str(tiny.data.data_bin)),
                                TranslationData(data_bin=str(tiny.data.data_bin), split="test"),
                                RuntimeOptions(batch_size=16))
