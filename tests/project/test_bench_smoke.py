@@ -167,7 +167,7 @@ SLOW_SMOKE = {
     "multi30k_hf_seq2seq": "a Marian model's grid: tests/families/seq2seq/test_seq2seq_sweep.py::"
                            "test_every_head_of_every_attention_type_with_chrf_from_its_stored_hypotheses",
     "prune_speed": "heads physically removed and timed against the full model: tests/experiments/"
-                   "test_efficiency_cli.py::test_efficiency_rows; pruned equals gated: tests/contract/"
+                   "test_prune_cli.py::test_efficiency_rows; pruned equals gated: tests/contract/"
                    "test_family_contract.py::test_pruned_equals_gated",
     "report_scale": "a synthetic store's report in headless Chromium (bench/synthetic_store.py, bench/browser.py): "
                     "tests/reporting/test_explorer_browser.py",
