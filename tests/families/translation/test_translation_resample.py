@@ -377,14 +377,16 @@ def test_a_resample_run_through_the_cli(tmp_path, tiny, ray_address):
 
     cfg = config(tiny)
     cfg["sweep"]["ablation"] = "zero"
+    cfg["sweep"]["experiments"] = ["single_head"]  # the baseline comes with it
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     store = tmp_path / "store"
     proc = run_cli("run", str(path), "sweep.ablation=resample", "sweep.attention=[enc_self]", f"ablation.seed={SEED}",
-                   "--store", str(store), "--address", ray_address, "--quiet")
+                   "significance.enabled=false", "--store", str(store), "--address", ray_address, "--quiet")
     assert proc.returncode == 0, proc.stderr
     run_id = proc.stdout.strip()
     results = ResultStore(str(store))
+    assert results.read("significance", run_id).num_rows == 0
     rows = results.read("evaluations", run_id).to_pylist()
     assert {r["ablation"] for r in rows} == {"resample"}
     assert sorted(r["experiment"] for r in rows) == ["baseline"] + ["single_head"] * len(ENC_SELF)
