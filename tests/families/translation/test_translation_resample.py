@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import yaml
 from conftest import run_cli, run_refused
 from sacrebleu.metrics import BLEU
-from tiny_fairseq import BOUND_SHAPE, fairseq_load, train_tiny
+from tiny_fairseq import BOUND_SHAPE, fairseq_load
 from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
@@ -58,9 +58,10 @@ PATHS = [(False, 1, {"batch_size": 8, "max_tokens": 0}), (True, 1, {"batch_size"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, one_thread):
-    """The tiny model; its 40 test sentences share their source lengths (every sentence has a donor)."""
-    return train_tiny(tmp_path_factory.mktemp("tiny_resample"))
+def tiny(tiny_fairseq):
+    """The session's tiny model (conftest.tiny_fairseq: read, never changed); its 40 test sentences share their
+    source lengths (every sentence has a donor)."""
+    return tiny_fairseq
 
 
 def adapter(tiny, reuse: bool = False, per: int = 1, loss: bool = False, method: str = "resample",

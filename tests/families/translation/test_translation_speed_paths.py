@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from conftest import error_line, run_cli
-from tiny_fairseq import BOUND_SHAPE, fairseq_load, plain_beam_search, train_tiny, zero_heads
+from tiny_fairseq import BOUND_SHAPE, fairseq_load, plain_beam_search, zero_heads
 from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
@@ -34,8 +34,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, one_thread):
-    return train_tiny(tmp_path_factory.mktemp("tiny_fairseq_speed"))
+def tiny(tiny_fairseq):
+    """The session's tiny fairseq model (conftest.tiny_fairseq: read, never changed)."""
+    return tiny_fairseq
 
 
 def make_task(tiny, **runtime):
