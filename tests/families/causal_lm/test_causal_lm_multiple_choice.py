@@ -489,6 +489,9 @@ def fail(tmp_path, ray_address, config, message):
 
 
 def test_bad_lines_through_the_cli(tmp_path, word_lm, ray_address):
+    """Each bad line's message from the reader every run loads its questions with (the sweep's field names); the
+    last one through the CLI: that line alone, exit 2, nothing written (one run: the route is the same for any
+    line the reader refuses)."""
     good = json.dumps({"ctx": "the cat", "endings": ["runs", "sleeps"], "label": 0})
     cases = {
         "gold": (json.dumps({"ctx": "a dog", "endings": ["runs", "eats"], "label": 2}),
@@ -500,8 +503,11 @@ def test_bad_lines_through_the_cli(tmp_path, word_lm, ray_address):
     for name, (line, message) in cases.items():
         data = tmp_path / f"{name}.jsonl"
         data.write_text(f"{good}\n{line}\n{good}\n")
-        fail(tmp_path / name, ray_address, mc_config(tmp_path / f"{name}.yaml", word_lm, data),
-             f"data file {data}: {message}")
+        config = mc_config(tmp_path / f"{name}.yaml", word_lm, data)
+        with pytest.raises(HeadsweepError) as err:
+            read_questions(CausalLMData(**yaml.safe_load(config.read_text())["data"]))
+        assert f"data file {data}: {message}" in str(err.value) and "\n" not in str(err.value), str(err.value)
+    fail(tmp_path / name, ray_address, config, f"data file {data}: {message}")
 
 
 def test_bad_lines_and_settings_are_one_line(tmp_path, word_lm):

@@ -192,15 +192,23 @@ def lm_folder(tmp_path_factory):
 REMOVED = ",".join(["self:0:0", "self:0:1", "self:0:2", "self:0:3", "self:0:5"] + [f"self:1:{h}" for h in range(8)])
 
 
-def test_export_cli_of_a_causal_lm(lm_folder, tmp_path):
-    """``headsweep export`` of a causal LM through the real CLI: the folder reloads (with the family's loader and
-    through the config's model.path) and computes what the gated full model computes."""
+@pytest.fixture(scope="module")
+def exported(lm_folder):
+    """``headsweep export --mask REMOVED`` of the full model through the real CLI, once for the module (the tests
+    read the folder): the full model's config, the export's folder and the finished process."""
     tmp, model_dir, corpus = lm_folder
     cfg = {"model": {"kind": "hf_causal_lm", "path": str(model_dir), "attn_implementation": "sdpa"},
            "data": {"path": str(corpus), "window": 16}}
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    out = tmp_path / "pruned"
-    proc = run_cli("export", str(tmp_path / "c.yaml"), "--mask", REMOVED, "--out", str(out))
+    (tmp / "full.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp / "pruned"
+    return cfg, out, run_cli("export", str(tmp / "full.yaml"), "--mask", REMOVED, "--out", str(out))
+
+
+def test_export_cli_of_a_causal_lm(lm_folder, exported):
+    """``headsweep export`` of a causal LM through the real CLI: the folder reloads (with the family's loader and
+    through the config's model.path) and computes what the gated full model computes."""
+    tmp, model_dir, corpus = lm_folder
+    _, out, proc = exported
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(out)
     manifest = json.loads((out / "headsweep-export.json").read_text())
@@ -220,18 +228,15 @@ def test_export_cli_of_a_causal_lm(lm_folder, tmp_path):
     assert via_config.tokenizer("the cat")["input_ids"]  # the tokenizer travels with the model
 
 
-def test_an_exported_lm_is_swept(lm_folder, tmp_path, ray_address):
+def test_an_exported_lm_is_swept(lm_folder, exported, tmp_path, ray_address):
     """``headsweep run`` with the exported folder as model.path: its baseline perplexity is the full model's
     under the removed mask (the full model's own adapter, gated), and only the kept heads are swept."""
     from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.families.hf_causal_lm.tasks.perplexity import CausalLMAdapter
 
     tmp, model_dir, corpus = lm_folder
-    cfg = {"model": {"kind": "hf_causal_lm", "path": str(model_dir), "attn_implementation": "sdpa"},
-           "data": {"path": str(corpus), "window": 16}}
-    (tmp_path / "full.yaml").write_text(yaml.safe_dump(cfg))
-    out = tmp_path / "pruned"
-    assert run_cli("export", str(tmp_path / "full.yaml"), "--mask", REMOVED, "--out", str(out)).returncode == 0
+    cfg, out, proc = exported
+    assert proc.returncode == 0, proc.stderr
     pruned_cfg = {**cfg, "model": {**cfg["model"], "path": str(out)},
                   "sweep": {"experiments": ["baseline", "single_head", "kv_group"], "batch_size": 8}}
     (tmp_path / "pruned.yaml").write_text(yaml.safe_dump(pruned_cfg))

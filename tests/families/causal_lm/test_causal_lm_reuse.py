@@ -219,6 +219,10 @@ def test_gradient_importance_and_workload_run_the_whole_model(model_dirs, corpus
 
 # -- through the sweep machinery ------------------------------------------------------------------------------
 
+# The sweep end to end with reuse (facts, every single head's stored sums against the plain path), on a grouped-query
+# model: test_causal_lm_sweep.py::test_the_run_reuses_prefixes_and_stores_what_the_plain_path_computes, on the run
+# that module makes anyway; the multi-query layout's reuse against the plain path: the in-process tests above
+@pytest.mark.slow
 def test_a_sweep_reports_reuse_and_equals_the_plain_path(tmp_path, model_dirs, corpus, ray_address):
     config = tmp_path / "sweep.yaml"
     config.write_text(yaml.safe_dump({

@@ -119,6 +119,37 @@ def test_stored_statistics_equal_the_models_loss(lm_run, lm_files):
     assert facts["kv_group"] == "masks every query head of each key/value head"
 
 
+def test_the_run_reuses_prefixes_and_stores_what_the_plain_path_computes(lm_run, lm_files):
+    """The run's prefix reuse (the default), reported in its facts; the baseline's and every single head's stored
+    per-window NLL sums equal the plain path's (``sweep.reuse: false``: the whole gated model per mask, itself
+    checked against weight surgery in test_causal_lm_gates.py): test_causal_lm_reuse.py's in-process checks, end to
+    end through the sweep."""
+    from headsweep.workers.core.family import RuntimeOptions
+    from headsweep.workers.families.hf_causal_lm.config import CausalLMData, CausalLMModel
+    from headsweep.workers.families.hf_causal_lm.tasks.perplexity import CausalLMAdapter
+
+    store, run_id = lm_run
+    _, model_dir, corpus = lm_files
+    con = duckdb.connect()
+    (facts,) = con.sql(f"SELECT facts FROM {duck(store, 'runs')} WHERE run_id = '{run_id}'").fetchall()[0]
+    assert json.loads(facts)["reuse"].startswith("prefix: masks start at their first gated layer")
+    rows = con.sql(f"SELECT e.heads_masked, x.example_id, x.stats FROM {duck(store, 'evaluations')} e JOIN "
+                   f"{duck(store, 'examples')} x USING (run_id, eval_id) WHERE run_id = '{run_id}' AND "
+                   "e.experiment IN ('baseline', 'single_head')").fetchall()
+    plain = CausalLMAdapter(CausalLMModel(path=str(model_dir), attn_implementation="sdpa"),
+                            CausalLMData(path=str(corpus), window=WINDOW),
+                            RuntimeOptions(batch_size=8, reuse=False, masks_per_batch=1))
+    masks = [[]] + [[h] for h in plain.gates.inventory.heads]
+    stored = {(tuple(m), ex): s for m, ex, s in rows}
+    assert len(stored) == len(masks) * len(plain.windows) == 17 * 18
+    width = max(int(plain.model.config.intermediate_size), WINDOW)  # the longest inner product
+    for mask, row in zip(masks, plain.nll(masks), strict=True):
+        got = [stored[(tuple(str(h) for h in mask), f"w{i}")][0] for i in range(len(plain.windows))]
+        # summation order: the sweep packs several masks per pass (automatic masks_per_batch) and starts each at
+        # its first gated layer; 2 layers plus the LM head
+        assert_routes_agree(np.array(got), row, depth=2 + 1, width=width, dtype=torch.float32, what=mask)
+
+
 def test_bootstrap_p_values_equal_a_plain_numpy_bootstrap(lm_run):
     store, run_id = lm_run
     con = duckdb.connect()

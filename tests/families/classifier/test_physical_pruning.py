@@ -19,7 +19,7 @@ import zlib
 
 import pytest
 import torch
-from tiny_fairseq import BOUND_SHAPE, fairseq_load, plain_beam_search, plain_reference_nll, train_tiny, zero_heads
+from tiny_fairseq import BOUND_SHAPE, fairseq_load, plain_beam_search, plain_reference_nll, zero_heads
 from tiny_models import random_batch, tiny_classifier, zeroed_copy
 from tolerances import assert_routes_agree, max_difference, route_bound
 
@@ -219,8 +219,9 @@ def test_refusals(classifier, tiny_bert_dir):
 
 # -- fairseq ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, one_thread):
-    return train_tiny(tmp_path_factory.mktemp("tiny_fairseq_prune"))
+def tiny(tiny_fairseq):
+    """The session's tiny fairseq model (conftest.tiny_fairseq: read, never changed)."""
+    return tiny_fairseq
 
 
 @pytest.fixture(scope="module")

@@ -89,9 +89,17 @@ BAD_PAIR_FILES = {
 }
 
 
-@pytest.mark.parametrize("case", ["causal_lm_as_seq2seq", "seq2seq_as_causal_lm", "multilingual_without_codes",
-                                  "unaligned_data", "resample_decoder", "patch", "per_position_mean",
-                                  "unknown_metric", "export_stock_marian", *BAD_PAIR_FILES])
+# Slow variants (each CLI run loads transformers on the driver): export_stock_marian, whose reason the export itself
+# gives in test_seq2seq_pruning.py::test_stock_export_refused_with_the_reason_and_nothing_written, with an export
+# refused through the CLI (one line, exit 2, no folder) in test_albert.py::test_single_head_run_through_the_cli_and_
+# export_refused; causal_lm_as_seq2seq and seq2seq_as_causal_lm, whose lines the family checks give in
+# test_a_folder_of_the_other_kind_is_refused_with_the_kind_to_set below, with a folder of the wrong kind refused
+# through the CLI in test_family_checks.py
+@pytest.mark.parametrize("case", [pytest.param("causal_lm_as_seq2seq", marks=pytest.mark.slow),
+                                  pytest.param("seq2seq_as_causal_lm", marks=pytest.mark.slow),
+                                  "multilingual_without_codes", "unaligned_data", "resample_decoder", "patch",
+                                  "per_position_mean", "unknown_metric",
+                                  pytest.param("export_stock_marian", marks=pytest.mark.slow), *BAD_PAIR_FILES])
 def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
     folder, model_dir, source, target = files
     cfg = config(model_dir, source, target)
@@ -156,6 +164,31 @@ def test_refused_in_one_line_before_ray(case, files, tmp_path, ray_address):
         parts = ("data.source has 6 lines but data.target has 5",)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     run_refused(tmp_path / "c.yaml", tmp_path / "store", ray_address, *parts)
+
+
+def test_a_folder_of_the_other_kind_is_refused_with_the_kind_to_set(files, tmp_path):
+    """The lines of causal_lm_as_seq2seq and seq2seq_as_causal_lm above, from the checks a run makes of the folder:
+    the seq2seq family's driver check (``check_model``) of a causal LM, and the architecture check every
+    transformers loader makes of ``config.json``, for a Marian folder given as a causal LM."""
+    import json
+
+    from headsweep.errors import HeadsweepError
+    from headsweep.workers.families.hf_shared.architecture import check_architecture
+    from headsweep.workers.families.registry import model_family
+
+    _, model_dir, _, _ = files
+    seq2seq = model_family("hf_seq2seq")
+    lm = save_tiny_causal_lm(tmp_path / "lm")
+    cases = [(lambda: seq2seq.check_model(seq2seq.model_config(path=str(lm))),
+              (f"{lm} holds a causal language model", "set model.kind: hf_causal_lm")),
+             (lambda: check_architecture(model_dir, json.loads((model_dir / "config.json").read_text()),
+                                         "hf_causal_lm"),
+              (f"{model_dir} holds an encoder-decoder model (MarianMTModel)", "set model.kind: hf_seq2seq"))]
+    for check, parts in cases:
+        with pytest.raises(HeadsweepError) as info:
+            check()
+        line = str(info.value)
+        assert all(part in line for part in parts) and "\n" not in line, line
 
 
 def test_roles_of_every_head(sweep_run):

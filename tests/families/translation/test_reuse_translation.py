@@ -9,7 +9,6 @@ types, and the empty mask, unpacked and packed (uneven chunks, batches of 7 sent
 from __future__ import annotations
 
 import pytest
-from tiny_fairseq import train_tiny
 
 from headsweep.workers.core.heads import Head
 from headsweep.workers.families.fairseq_translation.adapter import load_translation
@@ -24,8 +23,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, one_thread):
-    return train_tiny(tmp_path_factory.mktemp("tiny_fairseq_reuse"))
+def tiny(tiny_fairseq):
+    """The session's tiny fairseq model (conftest.tiny_fairseq: read, never changed)."""
+    return tiny_fairseq
 
 
 def make_task(tiny, batch_size=64, **runtime):

@@ -24,7 +24,6 @@ from tiny_fairseq import (
     fairseq_load,
     plain_beam_search,
     plain_reference_nll,
-    train_tiny,
     zero_heads,
 )
 from tolerances import assert_routes_agree, max_difference, route_bound
@@ -47,8 +46,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, one_thread):
-    return train_tiny(tmp_path_factory.mktemp("tiny_fairseq"))
+def tiny(tiny_fairseq):
+    """The session's tiny fairseq model (conftest.tiny_fairseq: read, never changed)."""
+    return tiny_fairseq
 
 
 def make_task(tiny, batch_size=64, masks_per_batch=1, **model_overrides):

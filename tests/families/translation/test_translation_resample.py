@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import yaml
 from conftest import run_cli, run_refused
 from sacrebleu.metrics import BLEU
-from tiny_fairseq import BOUND_SHAPE, fairseq_load, train_tiny
+from tiny_fairseq import BOUND_SHAPE, fairseq_load
 from tolerances import assert_routes_agree
 
 from headsweep.errors import HeadsweepError
@@ -58,9 +58,10 @@ PATHS = [(False, 1, {"batch_size": 8, "max_tokens": 0}), (True, 1, {"batch_size"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, one_thread):
-    """The tiny model; its 40 test sentences share their source lengths (every sentence has a donor)."""
-    return train_tiny(tmp_path_factory.mktemp("tiny_resample"))
+def tiny(tiny_fairseq):
+    """The session's tiny model (conftest.tiny_fairseq: read, never changed); its 40 test sentences share their
+    source lengths (every sentence has a donor)."""
+    return tiny_fairseq
 
 
 def adapter(tiny, reuse: bool = False, per: int = 1, loss: bool = False, method: str = "resample",
@@ -377,14 +378,16 @@ def test_a_resample_run_through_the_cli(tmp_path, tiny, ray_address):
 
     cfg = config(tiny)
     cfg["sweep"]["ablation"] = "zero"
+    cfg["sweep"]["experiments"] = ["single_head"]  # the baseline comes with it
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     store = tmp_path / "store"
     proc = run_cli("run", str(path), "sweep.ablation=resample", "sweep.attention=[enc_self]", f"ablation.seed={SEED}",
-                   "--store", str(store), "--address", ray_address, "--quiet")
+                   "significance.enabled=false", "--store", str(store), "--address", ray_address, "--quiet")
     assert proc.returncode == 0, proc.stderr
     run_id = proc.stdout.strip()
     results = ResultStore(str(store))
+    assert results.read("significance", run_id).num_rows == 0
     rows = results.read("evaluations", run_id).to_pylist()
     assert {r["ablation"] for r in rows} == {"resample"}
     assert sorted(r["experiment"] for r in rows) == ["baseline"] + ["single_head"] * len(ENC_SELF)

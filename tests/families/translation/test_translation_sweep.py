@@ -116,6 +116,9 @@ def test_bootstrap_p_values_agree_with_sacrebleu(sweep_run, monkeypatch):
     assert compared >= 12
 
 
+# sweep.attention through the CLI (only those heads stored, the baseline with single_head alone, significance off
+# on the command line): test_translation_resample.py::test_a_resample_run_through_the_cli, on the same run it makes
+@pytest.mark.slow
 def test_restricting_attention_types(tmp_path, tiny, ray_address):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config(tiny, experiments=["single_head"], attention=["enc_dec"])))
     proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(tmp_path / "s"), "--address", ray_address,
