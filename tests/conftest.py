@@ -74,22 +74,6 @@ def wide_bert_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_fairseq(tmp_path_factory):
-    """tiny_fairseq.train_tiny's model and data (a ``TinyFairseq``), trained once per test process on one thread
-    (~4 s each time) for the modules that only read them: none may change its files (write beside them in
-    tmp_path)."""
-    import torch
-    from tiny_fairseq import train_tiny
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return train_tiny(tmp_path_factory.mktemp("tiny_fairseq_shared"))
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
 def tiny_dev_tsv(tmp_path_factory) -> Path:
     from headsweep.sweep.demo.sentiment import generate, write_tsv
 

@@ -219,9 +219,9 @@ def test_refusals(classifier, tiny_bert_dir):
 
 # -- fairseq ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny(tiny_fairseq):
-    """The session's tiny fairseq model (conftest.tiny_fairseq: read, never changed)."""
-    return tiny_fairseq
+def tiny(trained_tiny_fairseq):
+    """The session's tiny fairseq model (conftest.trained_tiny_fairseq: read, never changed)."""
+    return trained_tiny_fairseq
 
 
 @pytest.fixture(scope="module")

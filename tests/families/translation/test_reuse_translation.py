@@ -23,9 +23,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_fairseq):
-    """The session's tiny fairseq model (conftest.tiny_fairseq: read, never changed)."""
-    return tiny_fairseq
+def tiny(trained_tiny_fairseq):
+    """The session's tiny fairseq model (conftest.trained_tiny_fairseq: read, never changed)."""
+    return trained_tiny_fairseq
 
 
 def make_task(tiny, batch_size=64, **runtime):

@@ -58,10 +58,10 @@ PATHS = [(False, 1, {"batch_size": 8, "max_tokens": 0}), (True, 1, {"batch_size"
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_fairseq):
-    """The session's tiny model (conftest.tiny_fairseq: read, never changed); its 40 test sentences share their
+def tiny(trained_tiny_fairseq):
+    """The session's tiny model (conftest.trained_tiny_fairseq: read, never changed); its 40 test sentences share their
     source lengths (every sentence has a donor)."""
-    return tiny_fairseq
+    return trained_tiny_fairseq
 
 
 def adapter(tiny, reuse: bool = False, per: int = 1, loss: bool = False, method: str = "resample",
