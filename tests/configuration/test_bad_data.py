@@ -145,10 +145,9 @@ def store(tmp_path, full_store) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tiny_fairseq import train_tiny
-
-    return train_tiny(tmp_path_factory.mktemp("tiny_fairseq_bad_data"))
+def tiny(trained_tiny_fairseq):
+    """The session's tiny fairseq model (conftest.trained_tiny_fairseq: read, never changed)."""
+    return trained_tiny_fairseq
 
 
 # -- undecodable bytes -----------------------------------------------------------------------------------
