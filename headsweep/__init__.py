@@ -104,18 +104,21 @@ def load_pruned(path: str):
 
 
 def run(config: str, overrides: Sequence[str] = (), store: str = "headsweep-store", address: str | None = None,
-        show_progress: bool = True, new: bool = False) -> str:
+        show_progress: bool = True, new: bool = False, keep_workers: float | None = None) -> str:
     """Run the sweep of the YAML ``config`` (with ``key=value`` overrides) into ``store``; returns the run id.
 
     With no ``address`` the sweep runs on an embedded local Ray instance, as ``headsweep run`` does. As there, an
     unfinished run of the config is continued, and a complete one is not run again (its id is returned) unless
-    ``new`` (``--new``).
+    ``new`` (``--new``). ``keep_workers`` (``--keep-workers``, seconds; default ``$HEADSWEEP_KEEP_WORKERS``): on a
+    cluster (``address``), the workers stay warm that long for the next run with workers of the same shape.
     """
     from headsweep.results.store import ResultStore
+    from headsweep.sweep.cluster.keep_time import keep_seconds
     from headsweep.sweep.configuration.config import check_data_files, load_config
     from headsweep.sweep.run.driver import Sweep
 
+    keep_s = keep_seconds(keep_workers, address)
     cfg = load_config(config, list(overrides))
     check_data_files(cfg)
     return Sweep(cfg, ResultStore(store), address=address, show_progress=show_progress,
-                 auto_resume=not new).execute()
+                 auto_resume=not new, keep_workers_s=keep_s).execute()

@@ -23,6 +23,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HUB_CACHE = Path(tempfile.mkdtemp(prefix="headsweep-test-hub-"))
 os.environ["HF_HUB_CACHE"] = str(HUB_CACHE)
 atexit.register(shutil.rmtree, HUB_CACHE, True)
+# Runs on the session's Ray instance (--address) keep their workers warm for the next run of the same shape
+# (headsweep.sweep.cluster.warm_workers): ~150 worker starts of 7-9 CPU-s each were a third of the suite's time.
+# Tests about workers that end with their run set it to 0; embedded instances (no --address) never keep any.
+os.environ.setdefault("HEADSWEEP_KEEP_WORKERS", "600")
 
 # The experiment kinds' tables and views, registered as every headsweep entry point registers them (the CLI, the
 # driver, headsweep.open_store), for the tests that query a store through headsweep.results directly.

@@ -103,8 +103,12 @@ def name_units(units: Sequence[WorkUnit], limit: int = 8) -> str:
     return names + (f" and {len(units) - limit} more" if len(units) > limit else "")
 
 
-def loaded(worker: Any) -> str:
-    """On a worker Ray restarted (through ``EvalWorker.run``): its model and data loaded again; its name."""
+def loaded(worker: Any, retake: tuple | None = None) -> str:
+    """On a worker Ray restarted (through ``EvalWorker.run``): its model and data loaded again; its name.
+    ``retake``: ``(owner, setup)`` of a warm worker (``EvalWorker.retake``), which Ray started again with the
+    arguments of the run that first started it."""
+    if retake is not None:
+        worker.retake(*retake)
     worker.adapter()
     return worker.where()
 
@@ -144,6 +148,10 @@ class WorkerPool:
     restarting: dict[int, Restart] = field(default_factory=dict)  # lost workers Ray is restarting
     # Called with a worker's actor once Ray restarted it (optimal ablation installs its constants again).
     on_restart: Callable[[Any], None] | None = None
+    # Workers kept warm (headsweep.sweep.cluster.warm_workers): this driver as their holder, and each worker's setup
+    # (EvalWorker.configure's arguments); None: workers that end with the run.
+    warm_owner: tuple[str, str] | None = None
+    setups: list[tuple] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.alive = [True] * len(self.actors)
@@ -300,7 +308,8 @@ class WorkerPool:
                 fate = f"gone for good ({type(exc).__name__})"
             else:
                 if not restart.loading:
-                    restart.asked, restart.loading = restart.actor.run.remote(loaded), True
+                    retake = (self.warm_owner, self.setups[i]) if self.warm_owner is not None else None
+                    restart.asked, restart.loading = restart.actor.run.remote(loaded, retake), True
                     return False
                 self.names[i] = answer
                 fate = f"restarted as {answer}"
@@ -333,3 +342,23 @@ class WorkerPool:
         for a in self.actors:
             ray.kill(a)
         self.actors.clear()
+
+    def release(self) -> None:
+        """The run is done with its workers, and none has a call running: warm workers go idle for the next run
+        (their last warnings shown), others end."""
+        if self.warm_owner is None:
+            self.stop()
+            return
+        from headsweep.sweep.cluster.warm_workers import release
+        from headsweep.sweep.output.console import relay_lines
+
+        relay_lines(release(self.actors))
+        self.actors.clear()
+
+    def relay_notes(self) -> None:
+        """Show warm workers' warnings so far (Ray forwards their output to the driver that started them only)."""
+        if self.warm_owner is not None and self.actors:
+            from headsweep.sweep.cluster.warm_workers import notes
+            from headsweep.sweep.output.console import relay_lines
+
+            relay_lines(notes(self.actors))

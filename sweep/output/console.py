@@ -304,12 +304,22 @@ def relay_ray_workers() -> None:
 
 
 def _relay(data: dict) -> None:
+    if _console is not None:
+        relay_lines(data.get("lines", []))
+
+
+def relay_lines(lines: list[str]) -> None:
+    """Show the ``headsweep:`` lines among a worker's output lines, each text once (the console's relay); outside
+    the command line, each through the ``headsweep`` logger."""
     console = _console
-    if console is None:
-        return
-    for line in data.get("lines", []):
+    for line in lines:
         text = line.strip()
-        if not text.startswith(OWN_PREFIX) or text in console.relayed:
+        if not text.startswith(OWN_PREFIX):
+            continue
+        if console is None:
+            logging.getLogger("headsweep").warning("%s", text.removeprefix("headsweep: warning: "))
+            continue
+        if text in console.relayed:
             continue
         console.relayed.add(text)
         _write(console.err, text + "\n")

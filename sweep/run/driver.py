@@ -23,6 +23,7 @@ from headsweep.results.store import ResultStore, StoreFull, StoreUnwritable
 from headsweep.sweep import experiments
 from headsweep.sweep.ablation.fill import fetch_fill
 from headsweep.sweep.ablation.values import ablation_spec
+from headsweep.sweep.cluster import warm_workers
 from headsweep.sweep.cluster.dispatch import WorkerPool, log, unwrap
 from headsweep.sweep.cluster.placement import WorkerAsk, alive_nodes, check_placement, check_threads
 from headsweep.sweep.cluster.ray_session import init_ray, resolve_device
@@ -76,6 +77,8 @@ class Sweep:
     hub: dict = field(default_factory=dict)  # runs.facts "hub": each hub id loaded, its commit and cache folder
     weights: list = field(default_factory=list)  # runs.facts "weights": each model's content fingerprint
     record: RunRecord | None = None  # the run's row, once the run is opened (``record.written``: in the store)
+    # Seconds the workers stay warm after the run, for the next run on the cluster (--keep-workers); 0: they end.
+    keep_workers_s: float = 0.0
 
     def model_variants(self) -> list[tuple[str | None, Any]]:
         """``(checkpoint, model config)`` for each model of the run: one, or one per training checkpoint."""
@@ -100,14 +103,23 @@ class Sweep:
             **s.batching(),
         )
         names = [f"worker-{i}" for i in range(s.workers)]
-        actors = [
-            EvalWorker.options(
-                num_cpus=s.num_cpus_per_worker, num_gpus=s.num_gpus_per_worker,
-                max_restarts=s.worker_restarts, max_task_retries=0,
-            ).remote(name, model_cfg.kind, model_cfg, self.cfg.data, runtime)
-            for name in names
-        ]
-        pool = WorkerPool(actors, names, max_retries=s.max_retries)
+        setups = [(name, model_cfg.kind, model_cfg, self.cfg.data, runtime) for name in names]
+        if self.keep_workers_s > 0 and self.address:
+            shape = warm_workers.Shape(s.num_cpus_per_worker, s.num_gpus_per_worker, s.worker_restarts)
+            actors, kept = warm_workers.take_workers(s.workers, shape, setups, self.keep_workers_s)
+            if kept:
+                log(f"{kept} of {len(actors)} workers kept warm by an earlier run: no process start")
+            pool = WorkerPool(actors, names, max_retries=s.max_retries, warm_owner=warm_workers.owner(),
+                              setups=setups)
+        else:
+            actors = [
+                EvalWorker.options(
+                    num_cpus=s.num_cpus_per_worker, num_gpus=s.num_gpus_per_worker,
+                    max_restarts=s.worker_restarts, max_task_retries=0,
+                ).remote(*setup)
+                for setup in setups
+            ]
+            pool = WorkerPool(actors, names, max_retries=s.max_retries)
         try:
             # `where` answers once Ray placed a worker and started its process, before its model loads (an actor
             # runs its calls in order): the wait can say which workers are loading and which wait.
@@ -116,8 +128,9 @@ class Sweep:
                                      WorkerAsk(s.num_cpus_per_worker, s.num_gpus_per_worker))
             pool.names = ray.get(started)
         except (RayTaskError, RayActorError, HeadsweepError) as exc:
-            pool.stop()
             cause = unwrap(exc)
+            # a load refused in the worker leaves it sound: a warm one may serve the next run
+            pool.release() if isinstance(cause, HeadsweepError) and isinstance(exc, RayTaskError) else pool.stop()
             if isinstance(cause, HeadsweepError):
                 raise cause from None
             raise HeadsweepError(f"worker failed to load the model: {str(cause).splitlines()[0]}") from None
@@ -177,7 +190,8 @@ class Sweep:
         try:
             record = self.open_run(pool, info)
         except BaseException as exc:
-            pool.stop()
+            # refused against the loaded model: no call is running, warm workers may serve the next run
+            pool.release() if isinstance(exc, HeadsweepError) else pool.stop()
             if self.record is not None and self.record.written:  # stopped after its first row: the row says so
                 self._stopped(self.record, exc, None)
             raise
@@ -204,7 +218,7 @@ class Sweep:
                 self.sweep_model(ctx)
                 record.baseline_score = first.baseline_score
                 # Workers go first: the remaining significance tasks may need the CPUs they hold.
-                pool.stop()
+                pool.release()
                 ctx.finish()
         except BudgetReached as exc:
             record.writer.flush()
@@ -323,6 +337,7 @@ class Sweep:
                 ctx.flush()  # a step may read this run's evaluations back (ablation importance, efficiency masks)
                 for kind in phase.kinds:
                     kind.run(ctx)
+            ctx.pool.relay_notes()
         ctx.ensure_reference()  # a run of the baseline alone
         ctx.flush()
 

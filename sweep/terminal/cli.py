@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     _store_arg(run)
     run.add_argument("--workers", type=int, help="number of worker actors (sweep.workers)")
     run.add_argument("--address", help="Ray cluster address; default: an embedded local Ray instance")
+    run.add_argument("--keep-workers", metavar="SECONDS", help="with --address: keep the workers warm this long "
+                     "after the run, for the next run with workers of the same shape (no process start); default "
+                     "$HEADSWEEP_KEEP_WORKERS, else 0 (they end with the run)")
     run.add_argument("--quiet", action="store_true", help="no progress lines")
     run.add_argument("--resume", metavar="RUN_ID", help="continue this run (same config); default: the newest "
                      "unfinished run of the same config in the store, if any")
@@ -180,6 +183,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.workers is not None:
         overrides.append(workers_override(args.workers, overrides))
+    from headsweep.sweep.cluster.keep_time import keep_seconds
+
+    keep_s = keep_seconds(args.keep_workers, args.address)
     cfg = load_config(args.config, overrides)
     check_data_files(cfg)  # before Ray and the models start: a bad data file costs no worker
     # Ray, pyarrow's datasets and pandas cost the driver 2-4 s of imports: a config refused above never pays them.
@@ -187,7 +193,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from headsweep.sweep.run.driver import Sweep
 
     sweep = Sweep(cfg, ResultStore(args.store), address=args.address, show_progress=not args.quiet,
-                  resume=args.resume, auto_resume=not args.new)
+                  resume=args.resume, auto_resume=not args.new, keep_workers_s=keep_s)
     try:
         # stdout carries only the run id (RUN=$(headsweep run ...)): whatever a library prints to
         # sys.stdout goes where stderr goes (the log file, or the terminal with --verbose).

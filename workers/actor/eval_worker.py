@@ -4,11 +4,16 @@ Two entry points: ``evaluate`` (the hot path: a batch of work units, each a mask
 whole evaluation set) and ``run`` (any other worker-side step of an experiment kind, e.g. gradient
 importance or efficiency timing): ``run(fn, *args)`` calls ``fn(worker, *args)`` in the actor, so
 a new experiment kind brings its worker-side function and never edits this class.
+
+A worker kept warm between runs (``headsweep run --keep-workers``, :mod:`.warm`) is configured for each run that
+claims it (``configure``) and let go at the run's end (``release``); ``claim`` and ``notes`` answer on a thread of
+their own (the ``control`` concurrency group), so that a claim finds a busy worker busy at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import socket
@@ -20,16 +25,20 @@ from typing import Any
 import ray
 
 from headsweep.workers.ablation.worker_fill import WorkerFill
+from headsweep.workers.actor import warm
 from headsweep.workers.core.family import DatasetInfo, EvalAdapter, MaskOutput, RuntimeOptions
 from headsweep.workers.families.registry import model_family
 from headsweep.workers.memory.model_sharing import offered
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"control": 1})
 class EvalWorker:
     """Holds the evaluation adapter of one model family (and adapters on other data, loaded on demand)."""
 
-    def __init__(self, name: str, kind: str, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions):
+    def __init__(self, name: str, kind: str, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions,
+                 lease: tuple[tuple[str, str], float] | None = None):
+        """``lease``: ``(owner, keep_s)`` of a worker kept warm (``owner``: the run holding it, as :class:`.Lease`
+        has it); None for a worker that ends with its run."""
         # fairseq logs every dictionary and data file it loads at INFO; a sweep's log is for progress.
         logging.getLogger("fairseq").setLevel(logging.WARNING)
         # headsweep's own warnings reach the driver's console as `headsweep: warning: ...` lines: the
@@ -41,6 +50,17 @@ class EvalWorker:
             relay.setFormatter(logging.Formatter("headsweep: warning: %(message)s"))
             own.addHandler(relay)
             own.propagate = False
+        self._lease: warm.Lease | None = None
+        self._notes: warm.NoteBuffer | None = None
+        if lease is not None:
+            self._start = warm.ProcessStart.now()
+            self._notes = warm.NoteBuffer()
+            own.addHandler(self._notes)
+            self._lease = warm.Lease(lease[0], lease[1], warm.code_fingerprint())
+        self.configure(name, kind, model_cfg, data_cfg, runtime)
+
+    def configure(self, name: str, kind: str, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions) -> None:
+        """The run's model, data and options (what the constructor takes), nothing loaded yet."""
         self.name = name
         self.kind, self.model_cfg, self.data_cfg, self.runtime = kind, model_cfg, data_cfg, runtime
         self._adapter: EvalAdapter | None = None
@@ -49,6 +69,33 @@ class EvalWorker:
         # What gated-off heads leave behind (sweep.ablation), set on every adapter loaded; mean's values computed
         # once, on the first load (again after Ray restarts the actor: the same values, they are deterministic).
         self._fill = WorkerFill(runtime.ablation)
+
+    @ray.method(concurrency_group="control")
+    def claim(self, owner: tuple[str, str], keep_s: float) -> str:
+        """A warm worker taken by the run ``owner``: ``claimed``, ``busy`` or ``stale`` (:meth:`.Lease.claim`)."""
+        return self._lease.claim(owner, keep_s) if self._lease is not None else warm.BUSY
+
+    def retake(self, owner: tuple[str, str], setup: tuple) -> None:
+        """A warm worker Ray restarted, taken back by the run holding it: its lease and that run's ``setup`` (what
+        :meth:`configure` takes), the process as it started."""
+        if self._lease is not None:
+            self._lease.take(owner)
+        self.configure(*setup)
+
+    def release(self) -> None:
+        """The run is over: its models and data dropped, the process as it started, idle until the next claim or
+        the keep time (the keep time the last claim gave)."""
+        if self._lease is None:
+            return
+        self.configure(self.name, self.kind, self.model_cfg, self.data_cfg, self.runtime)
+        gc.collect()  # the models' reference cycles: their memory back before the next run loads
+        self._start.restore()
+        self._lease.release(self._lease.keep_s)
+
+    @ray.method(concurrency_group="control")
+    def notes(self) -> list[str]:
+        """headsweep's warnings since the last call (a warm worker's: Ray forwards its output elsewhere)."""
+        return self._notes.drain() if self._notes is not None else []
 
     def load(self) -> DatasetInfo:
         """Load model and data (errors surface here, not in the constructor, with their cause)."""
