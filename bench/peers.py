@@ -394,10 +394,11 @@ def run_headsweep(work: Workload) -> None:
 STARTUP_MARKS = (("Ray started", r"Ray|ray"), ("workers ready", r"\d+ workers ready"))
 
 
-def run_end_to_end(work: Workload, root: Path, model: dict | None = None, data: dict | None = None
-                   ) -> dict | None:
+def run_end_to_end(work: Workload, root: Path, model: dict | None = None, data: dict | None = None,
+                   route: str = "run", cluster: list[str] = ()) -> dict | None:
     """``python -m headsweep run`` on the grid (the causal LM's ``model`` and ``data`` sections unless given); its wall
-    time and the stamps of its phases, or None (a line says why) when it fails."""
+    time (as ``work.seconds[route]``) and the stamps of its phases, or None (a line says why) when it fails.
+    ``cluster``: ``--address ADDR --keep-workers S`` for a run on a running cluster (``run_warm``)."""
     model = model or {"kind": "hf_causal_lm", "path": str(work.folder), "tokenizer": str(work.folder / "tokenizer"),
                       "attn_implementation": "sdpa", "dtype": "float32"}
     data = data or {"path": str(work.folder / "text.txt"), "window": SIZES.window, "max_windows": work.grid.windows}
@@ -408,11 +409,11 @@ def run_end_to_end(work: Workload, root: Path, model: dict | None = None, data: 
     path = root / f"{work.grid.name}.yaml"
     path.write_text(json.dumps(cfg, indent=1) + "\n", encoding="utf-8")
     env = {**os.environ, "HEADSWEEP_PLAIN_PROGRESS": "1", "PYTHONPATH": str(common.ROOT)}
-    phases_file = root / f"{work.grid.name}-phases.json"
+    phases_file = root / f"{work.grid.name}-{route}-phases.json"
     start = time.time()
     # bench.run_phases: `python -m headsweep run` with a stopwatch on the driver's phases
     proc = subprocess.Popen([sys.executable, "-m", "bench.run_phases", str(phases_file), "run", str(path), "--store",
-                             str(root / "store")],
+                             str(root / f"store-{route}"), *cluster],
                             cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
     assert proc.stderr is not None
@@ -431,13 +432,32 @@ def run_end_to_end(work: Workload, root: Path, model: dict | None = None, data: 
             stamps["ready"] = t
         if re.match(r"evaluations: \d+/\d+ \(100%\)", line):
             stamps["evaluated"] = t
-    stamps.update(run_facts(root / "store", out.strip().splitlines()[-1] if out.strip() else ""))
+    stamps.update(run_facts(root / f"store-{route}", out.strip().splitlines()[-1] if out.strip() else ""))
     stamps["phases"] = driver_phases(phases_file, start)
-    log(f"  {work.grid.name} {'run':<16} {wall:7.1f} s end to end; stderr lines with the seconds since start:")
+    log(f"  {work.grid.name} {route:<16} {wall:7.1f} s end to end; stderr lines with the seconds since start:")
     for t, line in lines[:40]:
         log(f"    {t:6.1f}  {line}")
-    work.seconds["run"] = wall
+    work.seconds[route] = wall
     return stamps
+
+
+def run_warm(work: Workload, root: Path) -> dict | None:
+    """``headsweep run`` on a running Ray cluster whose worker a first, small run left warm (``--keep-workers``):
+    the start-up a researcher's second and later runs pay. The cluster is a local instance started here (one more
+    CPU than the worker asks); the first run (the baseline on one window) starts the worker and is not timed."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as headsweep's embedded instance: no token file written
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        cluster = ["--address", ray.get_runtime_context().gcs_address, "--keep-workers", "600"]
+        small = replace(work, grid=replace(work.grid, name=f"{work.grid.name}-warmup", windows=1),
+                        masks=work.masks[:1], seconds={})
+        if run_end_to_end(small, root, route="warmup", cluster=cluster) is None:
+            return None
+        return run_end_to_end(work, root, route="run_warm", cluster=cluster)
+    finally:
+        ray.shutdown()
 
 
 def run_facts(store: Path, run_id: str) -> dict[str, float]:
@@ -568,6 +588,10 @@ def measure_grid(grid: Grid, folder: Path, args, root: Path) -> tuple[Workload, 
     stamps = None if args.skip_run else run_end_to_end(work, root)
     if stamps:
         startup_phases(stamps, grid.name)
+    warm = None if args.skip_run else run_warm(work, root)
+    if warm:
+        startup_phases(warm, f"{grid.name} warm")
+        stamps = {**(stamps or {}), "ready_warm": warm.get("ready")}
     fastest = fastest_peer(work, with_load=False)
     speedup = ratio(work.seconds["plain"], work.seconds["default"])
     log(f"  {grid.name}: bound {bound(work):.2f}; default over plain {speedup}"
@@ -645,22 +669,28 @@ def main() -> None:
         import_and_ray_seconds()
     equal = all([equality(w) for w in works.values()])
 
-    def end_to_end(name: str) -> str:
+    def end_to_end(name: str, route: str = "run") -> str:
         work = works.get(name)
-        if work is None or "run" not in work.seconds:
+        if work is None or route not in work.seconds:
             return "n/a"
         fastest = fastest_peer(work, with_load=True)
-        return ratio(fastest[1], work.seconds["run"]) if fastest else "n/a"
+        return ratio(fastest[1], work.seconds[route]) if fastest else "n/a"
 
-    startup = next((s["ready"] for s in (stamps.get("one_minute"), stamps.get("five_minute"))
-                    if s and "ready" in s), None)
+    def first_stamp(key: str) -> float | None:
+        return next((s[key] for s in (stamps.get("one_minute"), stamps.get("five_minute"))
+                     if s and s.get(key) is not None), None)
+
+    startup, startup_warm = first_stamp("ready"), first_stamp("ready_warm")
     default_s = largest.seconds["default"]
     common.result("peers", shape=shape.name, bound=f"{bound(largest):.2f}",
                   vs_transformerlens=ratio(largest.seconds.get("transformerlens"), default_s),
                   vs_nnsight_loop=ratio(largest.seconds.get("nnsight_loop"), default_s),
                   vs_nnsight_batched=ratio(largest.seconds.get("nnsight_batched"), default_s),
                   end_to_end_vs_fastest=end_to_end("five_minute"), one_minute_vs_fastest=end_to_end("one_minute"),
-                  startup_s="n/a" if startup is None else f"{startup:.1f}", equal=str(equal).lower())
+                  startup_s="n/a" if startup is None else f"{startup:.1f}",
+                  warm_end_to_end_vs_fastest=end_to_end("five_minute", "run_warm"),
+                  warm_one_minute_vs_fastest=end_to_end("one_minute", "run_warm"),
+                  warm_startup_s="n/a" if startup_warm is None else f"{startup_warm:.1f}", equal=str(equal).lower())
     log(f"peers: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
