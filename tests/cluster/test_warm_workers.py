@@ -160,6 +160,50 @@ def test_a_killed_driver_lets_its_warm_workers_go(tmp_path, ray_address, wide_be
     assert warm_names() == set()
 
 
+def test_a_warm_worker_lost_mid_run_is_restarted_for_the_run_holding_it(tmp_path, ray_address, tiny_bert_dir,
+                                                                        tiny_dev_tsv):
+    """Ray restarts a lost warm worker with the arguments of the run that started it, long gone: the run holding it
+    takes it back (its own config), the run completes with every evaluation once, and the worker stays warm."""
+    from headsweep.sweep.demo.sentiment import generate, write_tsv
+
+    end_warm_workers()
+    first = run_cli("run", str(config(tmp_path, tiny_bert_dir, tiny_dev_tsv, name="first")), "--store",
+                    str(tmp_path / "first"), "--address", ray_address, "--quiet", "--keep-workers", "600")
+    assert first.returncode == 0, first.stderr
+    slow = write_tsv(generate(2000, seed=3), tmp_path / "slow.tsv")  # long enough to lose a worker mid-run
+    cfg = config(tmp_path, tiny_bert_dir, slow, experiments=["baseline", "single_head", "all_but_one"], batch_size=8,
+                 masks_per_batch=1, flush_every=1)
+    proc = subprocess.Popen([sys.executable, "-m", "headsweep", "run", str(cfg), "--store", str(tmp_path / "s"),
+                             "--address", ray_address, "--quiet", "--keep-workers", "600"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "workers ready:" in line:
+                break
+        assert "2 of 2 workers kept warm" in "".join(lines)
+        pid = max(worker_pids("".join(lines)))
+        store = tmp_path / "s"
+        deadline = time.monotonic() + 120
+        while not (store / "evaluations").exists() or len(scores(store)) < 3:
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = "".join(lines) + err
+    assert proc.returncode == 0, log
+    assert re.search(r"worker worker-\d@\S+ restarted as worker-\d@\S+", log), log
+    rows = scores(tmp_path / "s")
+    assert len(rows) == len({r[0] for r in rows}) == 17 and {r[2] for r in rows} == {2000}
+    time.sleep(2 * warm.WATCH_EVERY_S)  # the restarted worker's first run is gone: it must not end on that
+    assert len(warm_names()) == 2
+    end_warm_workers()
+
+
 def _warn(worker, text: str) -> None:
     logging.getLogger("headsweep.workers.test").warning("%s", text)
 

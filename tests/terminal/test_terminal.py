@@ -27,6 +27,7 @@ STDERR_SHAPES = {
     "log file": r"log: \S+\.log \(other libraries' messages; --verbose shows them here\)",
     "workers ready": r"\d+ workers ready: \S+(, \S+)*",
     "workers waiting": r"\d+ of \d+ workers ready after \d+ s: .+",
+    "warm workers": r"\d+ of \d+ workers kept warm by an earlier run: no process start",
     "progress": r"evaluations: \d+/\d+ \(\d+%\) \d+\.\d\d/s elapsed \d+:\d\d:\d\d ETA (\d+:\d\d:\d\d|\?)( \[\S+\])?",
     "worker state": r"workers: \S+ \d+ done, (busy|idle|lost)(; \S+ \d+ done, (busy|idle|lost))*",
     "resumed": r"resuming run \S+: \d+ evaluations already stored",

@@ -56,7 +56,8 @@ class EvalWorker:
             self._start = warm.ProcessStart.now()
             self._notes = warm.NoteBuffer()
             own.addHandler(self._notes)
-            self._lease = warm.Lease(lease[0], lease[1], warm.code_fingerprint())
+            self._lease = warm.Lease(lease[0], lease[1], warm.code_fingerprint(),
+                                     restarted=ray.get_runtime_context().was_current_actor_reconstructed)
         self.configure(name, kind, model_cfg, data_cfg, runtime)
 
     def configure(self, name: str, kind: str, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions) -> None:

@@ -31,6 +31,10 @@ from typing import Any
 # How often a warm worker checks its idle time and its holder's job.
 WATCH_EVERY_S = 2.0
 
+# How long a warm worker that Ray restarted waits for the run holding it to take it back (``Lease.take``), at least:
+# the driver asks a restarted worker back within a second, but its first answer may wait on a loaded node.
+RETAKE_WAIT_S = 120.0
+
 # Claim answers.
 CLAIMED, BUSY, STALE = "claimed", "busy", "stale"
 
@@ -114,11 +118,17 @@ class Lease:
     ``owner`` is ``(run id, Ray job id)`` of the run holding it, or None while it is idle. ``claim`` and the watch
     thread share the state under a lock; the worker's evaluations never touch it."""
 
-    def __init__(self, owner: tuple[str, str] | None, keep_s: float, fingerprint: str) -> None:
-        self.owner = owner
-        self.keep_s = keep_s
+    def __init__(self, owner: tuple[str, str] | None, keep_s: float, fingerprint: str,
+                 restarted: bool = False) -> None:
+        """``restarted``: Ray started the worker again after its process died; ``owner`` is then the run that first
+        started it, perhaps long gone: the run holding it now takes it back (``take``) or it ends after
+        ``max(keep_s, RETAKE_WAIT_S)``."""
+        self.owner = owner if not restarted else None
+        self.keep_s = keep_s if not restarted else max(keep_s, RETAKE_WAIT_S)
         self.fingerprint = fingerprint
         self.idle_since = time.monotonic()
+        # until taken back, a restarted worker is claimed by no other run
+        self.awaiting_retake = restarted
         self.lock = threading.Lock()
         self.ended = False
         threading.Thread(target=self._watch, name="headsweep-warm-lease", daemon=True).start()
@@ -129,7 +139,7 @@ class Lease:
         with self.lock:
             if self.ended:
                 return STALE
-            if self.owner is not None and self.owner != owner:
+            if self.awaiting_retake or (self.owner is not None and self.owner != owner):
                 return BUSY
             if code_fingerprint() != self.fingerprint:
                 self._end()
@@ -140,7 +150,7 @@ class Lease:
     def take(self, owner: tuple[str, str]) -> None:
         """Held by ``owner`` whatever it was (a worker Ray restarted for the run holding it)."""
         with self.lock:
-            self.owner = owner
+            self.owner, self.awaiting_retake = owner, False
 
     def release(self, keep_s: float) -> None:
         """Idle from now on; it ends after ``keep_s`` seconds unless claimed again."""
