@@ -63,41 +63,35 @@ def test_the_next_run_takes_the_warm_workers_and_its_numbers_equal_fresh_workers
                                                                                  tiny_bert_dir, tiny_dev_tsv):
     end_warm_workers()
     cfg = config(tmp_path, tiny_bert_dir, tiny_dev_tsv)
-    cold = run_cli("run", str(cfg), "--store", str(tmp_path / "cold"), "--address", ray_address, "--quiet",
-                   "--keep-workers", "0")
-    assert cold.returncode == 0, cold.stderr
-    assert warm_names() == set()  # --keep-workers 0: the workers ended with the run
-    first = run_cli("run", str(cfg), "--store", str(tmp_path / "first"), "--address", ray_address, "--quiet",
+    headsweep.run(str(cfg), store=str(tmp_path / "cold"), address=ray_address, show_progress=False, keep_workers=0)
+    assert warm_names() == set()  # keep time 0: the workers ended with the run
+    # another config of the same shape starts the workers and keeps them
+    other = config(tmp_path, tiny_bert_dir, tiny_dev_tsv, name="other", experiments=["baseline", "all_but_one"])
+    first = run_cli("run", str(other), "--store", str(tmp_path / "first"), "--address", ray_address, "--quiet",
                     "--keep-workers", "120")
     assert first.returncode == 0, first.stderr
     assert "kept warm" not in first.stderr
     kept = warm_names()
     assert len(kept) == 2
-    # another config of the same shape: the next run takes both workers over, their processes as they were
-    other = config(tmp_path, tiny_bert_dir, tiny_dev_tsv, name="other", experiments=["baseline", "all_but_one"])
-    second = run_cli("run", str(other), "--store", str(tmp_path / "second"), "--address", ray_address, "--quiet",
+    second = run_cli("run", str(cfg), "--store", str(tmp_path / "second"), "--address", ray_address, "--quiet",
                      "--keep-workers", "120")
     assert second.returncode == 0, second.stderr
     assert "2 of 2 workers kept warm by an earlier run: no process start" in second.stderr
     assert worker_pids(second.stderr) == worker_pids(first.stderr)
-    third = run_cli("run", str(cfg), "--store", str(tmp_path / "third"), "--address", ray_address, "--quiet",
-                    "--keep-workers", "120")
-    assert third.returncode == 0, third.stderr
-    assert worker_pids(third.stderr) == worker_pids(first.stderr)
     # a warm worker answers as a fresh one: the same numbers, bit for bit, as the run whose workers ended with it
-    assert scores(tmp_path / "third") == scores(tmp_path / "first") == scores(tmp_path / "cold")
+    assert scores(tmp_path / "second") == scores(tmp_path / "cold")
     assert len(scores(tmp_path / "cold")) == 9
 
     # another shape (half a CPU per worker): the idle warm workers of the first shape are ended, not left holding
     # CPUs, and one new worker is kept
     half = config(tmp_path, tiny_bert_dir, tiny_dev_tsv, name="half", workers=1, num_cpus_per_worker=0.5)
-    fourth = run_cli("run", str(half), "--store", str(tmp_path / "fourth"), "--address", ray_address, "--quiet",
-                     "--keep-workers", "120")
-    assert fourth.returncode == 0, fourth.stderr
-    assert "kept warm" not in fourth.stderr
+    third = run_cli("run", str(half), "--store", str(tmp_path / "third"), "--address", ray_address, "--quiet",
+                    "--keep-workers", "120")
+    assert third.returncode == 0, third.stderr
+    assert "kept warm" not in third.stderr
     [name] = warm_names()
     assert name not in kept and name[:20] != sorted(kept)[0][:20]  # worker-<shape>-<number>: another shape
-    assert worker_pids(fourth.stderr)[0] not in worker_pids(first.stderr)
+    assert worker_pids(third.stderr)[0] not in worker_pids(first.stderr)
     end_warm_workers()
 
 
@@ -110,11 +104,15 @@ def test_an_idle_warm_worker_ends_after_its_keep_time(tmp_path, ray_address, tin
     while warm_names() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert warm_names() == set()
-    # its CPU is the cluster's again
-    assert ray.available_resources().get("CPU", 0) == pytest.approx(ray.cluster_resources()["CPU"], abs=0.6)
+    # its CPU is the cluster's again (Ray gives an ended actor's resources back a moment later)
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
 
 
 def test_a_worker_whose_code_changed_is_not_reused(tmp_path, ray_address, tiny_bert_dir, tiny_dev_tsv):
+    """(The suite runs a file's tests in one process, --dist loadfile: no other test of this file, the only ones
+    that count on reuse, runs while this one changes headsweep's files.)"""
     end_warm_workers()
     cfg = config(tmp_path, tiny_bert_dir, tiny_dev_tsv, workers=1)
     first = run_cli("run", str(cfg), "--store", str(tmp_path / "a"), "--address", ray_address, "--quiet",
@@ -170,7 +168,7 @@ def test_a_warm_worker_lost_mid_run_is_restarted_for_the_run_holding_it(tmp_path
     first = run_cli("run", str(config(tmp_path, tiny_bert_dir, tiny_dev_tsv, name="first")), "--store",
                     str(tmp_path / "first"), "--address", ray_address, "--quiet", "--keep-workers", "600")
     assert first.returncode == 0, first.stderr
-    slow = write_tsv(generate(2000, seed=3), tmp_path / "slow.tsv")  # long enough to lose a worker mid-run
+    slow = write_tsv(generate(800, seed=3), tmp_path / "slow.tsv")  # long enough to lose a worker mid-run
     cfg = config(tmp_path, tiny_bert_dir, slow, experiments=["baseline", "single_head", "all_but_one"], batch_size=8,
                  masks_per_batch=1, flush_every=1)
     proc = subprocess.Popen([sys.executable, "-m", "headsweep", "run", str(cfg), "--store", str(tmp_path / "s"),
@@ -198,7 +196,7 @@ def test_a_warm_worker_lost_mid_run_is_restarted_for_the_run_holding_it(tmp_path
     assert proc.returncode == 0, log
     assert re.search(r"worker worker-\d@\S+ restarted as worker-\d@\S+", log), log
     rows = scores(tmp_path / "s")
-    assert len(rows) == len({r[0] for r in rows}) == 17 and {r[2] for r in rows} == {2000}
+    assert len(rows) == len({r[0] for r in rows}) == 17 and {r[2] for r in rows} == {800}
     time.sleep(2 * warm.WATCH_EVERY_S)  # the restarted worker's first run is gone: it must not end on that
     assert len(warm_names()) == 2
     end_warm_workers()

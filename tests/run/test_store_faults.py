@@ -162,7 +162,9 @@ def test_two_configs_and_one_twice_into_one_store_at_once(where, configs, alone,
     assert won[0] == 0 and lost[0] == 2, (won[2], lost[2])
     run_ids = {"heads": won[1].strip(), "layers": layers[1].strip()}
     line = error_line(lost[2])
-    assert f"run {run_ids['heads']} of this config is still being written by the driver" in line, line
+    # the winner still writing, or (its workers kept warm from an earlier run: no process start) done already
+    assert (f"run {run_ids['heads']} of this config is still being written by the driver" in line
+            or f"another driver completed run {run_ids['heads']} of this config" in line), line
     assert "Traceback" not in lost[2] and lost[1] == ""
 
     reader = ResultStore(store)

@@ -43,21 +43,24 @@ class EvalWorker:
         logging.getLogger("fairseq").setLevel(logging.WARNING)
         # headsweep's own warnings reach the driver's console as `headsweep: warning: ...` lines: the
         # driver shows forwarded lines with that prefix and keeps the rest of a worker's output in its log.
+        # A warm worker's are kept for the run holding it to fetch (``notes``): Ray forwards its output to the
+        # driver that started it only.
         own = logging.getLogger("headsweep")
-        if not own.handlers:
-            relay = logging.StreamHandler()
-            relay.setLevel(logging.WARNING)
-            relay.setFormatter(logging.Formatter("headsweep: warning: %(message)s"))
-            own.addHandler(relay)
-            own.propagate = False
         self._lease: warm.Lease | None = None
         self._notes: warm.NoteBuffer | None = None
         if lease is not None:
             self._start = warm.ProcessStart.now()
             self._notes = warm.NoteBuffer()
             own.addHandler(self._notes)
+            own.propagate = False
             self._lease = warm.Lease(lease[0], lease[1], warm.code_fingerprint(),
                                      restarted=ray.get_runtime_context().was_current_actor_reconstructed)
+        elif not own.handlers:
+            relay = logging.StreamHandler()
+            relay.setLevel(logging.WARNING)
+            relay.setFormatter(logging.Formatter("headsweep: warning: %(message)s"))
+            own.addHandler(relay)
+            own.propagate = False
         self.configure(name, kind, model_cfg, data_cfg, runtime)
 
     def configure(self, name: str, kind: str, model_cfg: Any, data_cfg: Any, runtime: RuntimeOptions) -> None:
@@ -77,8 +80,8 @@ class EvalWorker:
         return self._lease.claim(owner, keep_s) if self._lease is not None else warm.BUSY
 
     def retake(self, owner: tuple[str, str], setup: tuple) -> None:
-        """A warm worker Ray restarted, taken back by the run holding it: its lease and that run's ``setup`` (what
-        :meth:`configure` takes), the process as it started."""
+        """A warm worker Ray restarted (a new process), taken back by the run holding it: its lease, and that run's
+        ``setup`` (what :meth:`configure` takes) in place of the first run's, which Ray started it with."""
         if self._lease is not None:
             self._lease.take(owner)
         self.configure(*setup)
