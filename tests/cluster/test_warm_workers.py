@@ -45,6 +45,17 @@ def worker_pids(stderr: str) -> list[int]:
     return sorted(int(p) for p in re.findall(r":(\d+)", line))
 
 
+def warm_pids() -> list[int]:
+    """The pids of the warm workers (``where``: ``worker-0@host:pid``)."""
+    where = [ray.get(ray.get_actor(n, namespace=warm_workers.NAMESPACE).where.remote()) for n in warm_names()]
+    return sorted(int(w.rsplit(":", 1)[1]) for w in where)
+
+
+def sweep(cfg: Path, store: Path, ray_address: str, keep: float) -> None:
+    """A run in this process (no driver started), workers kept ``keep`` seconds."""
+    headsweep.run(str(cfg), store=str(store), address=ray_address, show_progress=False, keep_workers=keep)
+
+
 def scores(store: Path) -> list[tuple]:
     with headsweep.open_store(str(store)) as s:
         return s.sql("SELECT eval_id, score, n_examples FROM evaluations ORDER BY eval_id").fetchall()
@@ -63,21 +74,18 @@ def test_the_next_run_takes_the_warm_workers_and_its_numbers_equal_fresh_workers
                                                                                  tiny_bert_dir, tiny_dev_tsv):
     end_warm_workers()
     cfg = config(tmp_path, tiny_bert_dir, tiny_dev_tsv)
-    headsweep.run(str(cfg), store=str(tmp_path / "cold"), address=ray_address, show_progress=False, keep_workers=0)
+    sweep(cfg, tmp_path / "cold", ray_address, 0)
     assert warm_names() == set()  # keep time 0: the workers ended with the run
     # another config of the same shape starts the workers and keeps them
     other = config(tmp_path, tiny_bert_dir, tiny_dev_tsv, name="other", experiments=["baseline", "all_but_one"])
-    first = run_cli("run", str(other), "--store", str(tmp_path / "first"), "--address", ray_address, "--quiet",
-                    "--keep-workers", "120")
-    assert first.returncode == 0, first.stderr
-    assert "kept warm" not in first.stderr
-    kept = warm_names()
+    sweep(other, tmp_path / "first", ray_address, 120)
+    kept, pids = warm_names(), warm_pids()
     assert len(kept) == 2
     second = run_cli("run", str(cfg), "--store", str(tmp_path / "second"), "--address", ray_address, "--quiet",
                      "--keep-workers", "120")
     assert second.returncode == 0, second.stderr
     assert "2 of 2 workers kept warm by an earlier run: no process start" in second.stderr
-    assert worker_pids(second.stderr) == worker_pids(first.stderr)
+    assert worker_pids(second.stderr) == pids
     # a warm worker answers as a fresh one: the same numbers, bit for bit, as the run whose workers ended with it
     assert scores(tmp_path / "second") == scores(tmp_path / "cold")
     assert len(scores(tmp_path / "cold")) == 9
@@ -85,13 +93,10 @@ def test_the_next_run_takes_the_warm_workers_and_its_numbers_equal_fresh_workers
     # another shape (half a CPU per worker): the idle warm workers of the first shape are ended, not left holding
     # CPUs, and one new worker is kept
     half = config(tmp_path, tiny_bert_dir, tiny_dev_tsv, name="half", workers=1, num_cpus_per_worker=0.5)
-    third = run_cli("run", str(half), "--store", str(tmp_path / "third"), "--address", ray_address, "--quiet",
-                    "--keep-workers", "120")
-    assert third.returncode == 0, third.stderr
-    assert "kept warm" not in third.stderr
+    sweep(half, tmp_path / "third", ray_address, 120)
     [name] = warm_names()
     assert name not in kept and name[:20] != sorted(kept)[0][:20]  # worker-<shape>-<number>: another shape
-    assert worker_pids(third.stderr)[0] not in worker_pids(first.stderr)
+    assert warm_pids()[0] not in pids
     end_warm_workers()
 
 
@@ -115,21 +120,17 @@ def test_a_worker_whose_code_changed_is_not_reused(tmp_path, ray_address, tiny_b
     that count on reuse, runs while this one changes headsweep's files.)"""
     end_warm_workers()
     cfg = config(tmp_path, tiny_bert_dir, tiny_dev_tsv, workers=1)
-    first = run_cli("run", str(cfg), "--store", str(tmp_path / "a"), "--address", ray_address, "--quiet",
-                    "--keep-workers", "120")
-    assert first.returncode == 0, first.stderr
+    sweep(cfg, tmp_path / "a", ray_address, 120)
+    first = warm_pids()
     # headsweep's files as a reinstall leaves them: the same text, a new modification time
     source = Path(headsweep.__file__).parent / "errors.py"
     before = source.stat()
     os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
     try:
-        second = run_cli("run", str(cfg), "--store", str(tmp_path / "b"), "--address", ray_address, "--quiet",
-                         "--keep-workers", "120")
+        sweep(cfg, tmp_path / "b", ray_address, 120)
     finally:
         os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
-    assert second.returncode == 0, second.stderr
-    assert "kept warm" not in second.stderr
-    assert worker_pids(second.stderr) != worker_pids(first.stderr)
+    assert len(warm_pids()) == 1 and warm_pids() != first  # the stale worker ended, a new one kept
     assert scores(tmp_path / "a") == scores(tmp_path / "b")
     end_warm_workers()
 
@@ -160,14 +161,13 @@ def test_a_killed_driver_lets_its_warm_workers_go(tmp_path, ray_address, wide_be
 
 def test_a_warm_worker_lost_mid_run_is_restarted_for_the_run_holding_it(tmp_path, ray_address, tiny_bert_dir,
                                                                         tiny_dev_tsv):
-    """Ray restarts a lost warm worker with the arguments of the run that started it, long gone: the run holding it
+    """Ray restarts a lost warm worker with the arguments of the run that started it, an earlier one: the run holding it
     takes it back (its own config), the run completes with every evaluation once, and the worker stays warm."""
     from headsweep.sweep.demo.sentiment import generate, write_tsv
 
     end_warm_workers()
-    first = run_cli("run", str(config(tmp_path, tiny_bert_dir, tiny_dev_tsv, name="first")), "--store",
-                    str(tmp_path / "first"), "--address", ray_address, "--quiet", "--keep-workers", "600")
-    assert first.returncode == 0, first.stderr
+    # started by a run of its own (this process's Ray job: it stays; a driver gone would be the same to the worker)
+    sweep(config(tmp_path, tiny_bert_dir, tiny_dev_tsv, name="first"), tmp_path / "first", ray_address, 600)
     slow = write_tsv(generate(800, seed=3), tmp_path / "slow.tsv")  # long enough to lose a worker mid-run
     cfg = config(tmp_path, tiny_bert_dir, slow, experiments=["baseline", "single_head", "all_but_one"], batch_size=8,
                  masks_per_batch=1, flush_every=1)
