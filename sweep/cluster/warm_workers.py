@@ -3,15 +3,14 @@
 A worker's process spends seconds importing torch and transformers before its model loads; a run on a cluster
 that is already up may keep its workers when it ends, and the next run with workers of the same shape takes them
 over instead of starting new ones. Each is a detached Ray actor in the namespace :data:`NAMESPACE`, named by its
-shape (what it asks of the cluster and how Ray restarts it) and a number. What a warm worker keeps and what it
-never carries over is said in :mod:`headsweep.workers.actor.warm`.
+shape (what it asks of the cluster and how Ray restarts it) and a random suffix. What a warm worker keeps and what
+it never carries over is said in :mod:`headsweep.workers.actor.warm`.
 
-A run claims the idle workers of its shape (one run at a time holds a worker), starts what it lacks, and ends
-every other idle warm worker (another shape's, or one more than it needs: claimed first, so that no run takes it
-meanwhile), so that workers kept idle never hold
-resources a run is waiting for. A run that ends normally, or is refused after its workers loaded, lets its
-workers go idle; one that fails or is interrupted ends them (a call may still be running in them).
-"""
+A run claims the idle workers of its shape (one run at a time holds a worker), starts what it lacks, and ends every
+other idle warm worker (another shape's, or one more than it needs: claimed first, so that no run takes it
+meanwhile), so that workers kept idle never hold resources a run is waiting for. A run that ends normally, or is
+refused after its workers loaded, lets its workers go idle; one that fails or is interrupted ends them (a call may
+still be running in them)."""
 
 from __future__ import annotations
 
