@@ -6,8 +6,8 @@ run that asks for workers of the same shape. What a warm worker must never do is
 one, so:
 
 - a run may change process-wide state (torch's threads, the random generators, environment variables such as
-  lm-eval's offline switches): the state the process started with is put back before the next run loads
-  (:class:`ProcessStart`);
+  lm-eval's offline switches): the state the process started with is put back when the run lets it go, before any
+  other run can claim it (:class:`ProcessStart`);
 - the code it imported must still be the code installed: a worker whose headsweep files or entry points changed
   since it started refuses to be claimed and ends (:func:`code_fingerprint`);
 - one run at a time holds it (:class:`Lease`: a claim answered on its own thread, so a busy worker says so at once);
@@ -73,6 +73,7 @@ class ProcessStart:
 
     @classmethod
     def now(cls) -> ProcessStart:
+        """The process's state now (taken as the worker starts, before any run's model loads)."""
         import numpy as np
         import torch
 
@@ -108,6 +109,7 @@ class NoteBuffer(logging.Handler):
         self.lines.append(self.format(record))
 
     def drain(self) -> list[str]:
+        """The lines kept since the last drain."""
         lines, self.lines = self.lines, []
         return lines
 
