@@ -58,7 +58,7 @@ class EvalWorker:
         elif not own.handlers:
             relay = logging.StreamHandler()
             relay.setLevel(logging.WARNING)
-            relay.setFormatter(logging.Formatter("headsweep: warning: %(message)s"))
+            relay.setFormatter(logging.Formatter(warm.WARNING_FORMAT))
             own.addHandler(relay)
             own.propagate = False
         self.configure(name, kind, model_cfg, data_cfg, runtime)
@@ -94,7 +94,7 @@ class EvalWorker:
         self.configure(self.name, self.kind, self.model_cfg, self.data_cfg, self.runtime)
         gc.collect()  # the models' reference cycles: their memory back before the next run loads
         self._start.restore()
-        self._lease.release(self._lease.keep_s)
+        self._lease.release()
 
     @ray.method(concurrency_group="control")
     def notes(self) -> list[str]:

@@ -35,6 +35,9 @@ WATCH_EVERY_S = 2.0
 # the driver asks a restarted worker back within a second, but its first answer may wait on a loaded node.
 RETAKE_WAIT_S = 120.0
 
+# How a worker's own warnings read, as the driver's console shows them (`headsweep: warning: ...`).
+WARNING_FORMAT = "headsweep: warning: %(message)s"
+
 # Claim answers.
 CLAIMED, BUSY, STALE = "claimed", "busy", "stale"
 
@@ -102,7 +105,7 @@ class NoteBuffer(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
-        self.setFormatter(logging.Formatter("headsweep: warning: %(message)s"))
+        self.setFormatter(logging.Formatter(WARNING_FORMAT))
         self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -154,10 +157,10 @@ class Lease:
         with self.lock:
             self.owner, self.awaiting_retake = owner, False
 
-    def release(self, keep_s: float) -> None:
-        """Idle from now on; it ends after ``keep_s`` seconds unless claimed again."""
+    def release(self) -> None:
+        """Idle from now on; it ends after the keep time its last claim gave unless claimed again."""
         with self.lock:
-            self.owner, self.keep_s, self.idle_since = None, keep_s, time.monotonic()
+            self.owner, self.idle_since = None, time.monotonic()
 
     def _watch(self) -> None:
         while not self.ended:
