@@ -36,6 +36,29 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` handing out files in the order collected (:func:`pytest_collection_modifyitems`), not
+    xdist's default of the most tests first: a file of a few long CLI runs handed out last kept one process busy
+    for a minute while the other had finished."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
+    return LoadFileScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest files first (``tests/file_seconds.json``, the last full run's times), each file's tests in their
+    own order: longest-first list scheduling leaves only short files for the end."""
+    from file_seconds import UNKNOWN_S, read_table
+
+    seconds = read_table()
+    files = {item.nodeid.split("::")[0] for item in items}
+    order = {path: rank for rank, path in enumerate(sorted(files, key=lambda f: (-seconds.get(f, UNKNOWN_S), f)))}
+    items.sort(key=lambda item: order[item.nodeid.split("::")[0]])
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Torch on one thread for a module: tiny models run fastest so, and two threads per process

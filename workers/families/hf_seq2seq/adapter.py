@@ -54,7 +54,7 @@ from headsweep.workers.data.example_subset import at_positions
 from headsweep.workers.families.hf_seq2seq.config import Seq2SeqData, Seq2SeqModel, Seq2SeqRuntime
 from headsweep.workers.families.hf_seq2seq.data import read_seq2seq_data
 from headsweep.workers.families.hf_seq2seq.generation import gates_encoder, row_gates
-from headsweep.workers.families.hf_seq2seq.languages import apply_language_codes
+from headsweep.workers.families.hf_seq2seq.languages import TargetStart, apply_language_codes
 from headsweep.workers.families.hf_seq2seq.model import load_seq2seq
 from headsweep.workers.families.hf_seq2seq.sites import seq2seq_sites_or_error
 from headsweep.workers.families.hf_shared.loading import max_positions
@@ -111,8 +111,8 @@ class Seq2SeqAdapter:
         self.dataset_name = text.name
         loaded = load_seq2seq(model_cfg, runtime.device)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        forced_bos = apply_language_codes(self.tokenizer, model_cfg.source_lang, model_cfg.target_lang)
-        self.generation = resolve_generation(self.model, model_cfg, forced_bos)
+        target_start = apply_language_codes(self.tokenizer, model_cfg.source_lang, model_cfg.target_lang)
+        self.generation = resolve_generation(self.model, model_cfg, target_start)
         self.gates = HeadGates(seq2seq_sites_or_error(self.model))
         self.source_lengths = [len(ids) for ids in self.tokenizer(self.pairs.sources)["input_ids"]]
         self.batches = self.batched(runtime.batch_size)
@@ -181,6 +181,7 @@ class Seq2SeqAdapter:
                 "length_penalty": gen.length_penalty,
                 "early_stopping": gen.early_stopping,
                 "forced_bos_token_id": gen.forced_bos_token_id,
+                "decoder_start_token_id": gen.decoder_start_token_id,
                 "source_lang": self.cfg.source_lang,
                 "target_lang": self.cfg.target_lang,
                 "prefix": self.cfg.prefix,
@@ -379,17 +380,17 @@ class Seq2SeqAdapter:
         return Workload(batch_size, tokens, lambda model: model.generate(**inputs, generation_config=generation))
 
 
-def resolve_generation(model: torch.nn.Module, cfg: Seq2SeqModel, forced_bos: int | None):
+def resolve_generation(model: torch.nn.Module, cfg: Seq2SeqModel, target_start: TargetStart | None):
     """The model's generation config with the run's settings: ``num_beams``, ``max_new_tokens`` and
-    ``length_penalty`` where the config sets them, the target language's code forced first, and no sampling (a
-    sweep compares masks on the same deterministic search)."""
+    ``length_penalty`` where the config sets them, the target language's code first (forced, or as the decoder's
+    start: :class:`.TargetStart`), and no sampling (a sweep compares masks on the same deterministic search)."""
     generation = copy.deepcopy(model.generation_config)
     for key in ("num_beams", "max_new_tokens", "length_penalty"):
         value = getattr(cfg, key)
         if value is not None:
             setattr(generation, key, value)
-    if forced_bos is not None:
-        generation.forced_bos_token_id = forced_bos
+    if target_start is not None:
+        setattr(generation, target_start.setting, target_start.token_id)
     generation.do_sample = False
     generation.num_return_sequences = 1
     return generation

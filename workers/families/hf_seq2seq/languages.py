@@ -1,16 +1,19 @@
 """Language codes and task prefixes of multilingual encoder-decoder models, from the model folder's files alone.
 
-NLLB-200 and M2M100 read the source language from the tokenizer (``src_lang``, a code token the tokenizer puts in
-every source) and are forced to start their output with the target language's code (``forced_bos_token_id``);
-mBART does the same with its ``en_XX`` codes. Without the codes such a model translates from and into whatever its
-tokenizer's defaults are, so :func:`check_language_codes` refuses a config that leaves them unset (on the driver,
-from ``tokenizer_config.json`` and ``config.json``, before Ray starts). T5 takes its task as a text prefix
-(``model.prefix``).
+NLLB-200, M2M100 and mBART-50 read the source language from the tokenizer (``src_lang``, a code token the tokenizer
+puts in every source) and are forced to start their output with the target language's code
+(``forced_bos_token_id``). mBART's first models (``MBartTokenizer``: mbart-large-cc25 and its fine-tuned pairs such
+as mbart-large-en-ro) start decoding from the target code instead (``decoder_start_token_id``, as their configs'
+``translation_en_to_ro`` settings say): forcing it after their start would put it in twice. Without the codes such a
+model translates from and into whatever its tokenizer's defaults are, so :func:`check_language_codes` refuses a config
+that leaves them unset (on the driver, from ``tokenizer_config.json`` and ``config.json``, before Ray starts). T5
+takes its task as a text prefix (``model.prefix``).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +22,18 @@ from headsweep.errors import HeadsweepError
 # Tokenizer classes (as tokenizer_config.json names them, without "Fast") and model types that need the codes.
 MULTILINGUAL_TOKENIZERS = ("NllbTokenizer", "M2M100Tokenizer", "MBartTokenizer", "MBart50Tokenizer")
 MULTILINGUAL_TYPES = ("m2m_100", "nllb-moe", "nllb_moe")
+# Tokenizers whose models start decoding from the target language's code rather than generate it first.
+DECODER_START_TOKENIZERS = ("MBartTokenizer",)
 EXAMPLES = {"NllbTokenizer": "eng_Latn / fra_Latn", "M2M100Tokenizer": "en / fr", "MBartTokenizer": "en_XX / fr_XX",
             "MBart50Tokenizer": "en_XX / fr_XX"}
+
+
+@dataclass(frozen=True)
+class TargetStart:
+    """How generation starts with the target language's code: the generation setting that holds it, and its id."""
+
+    setting: str  # "forced_bos_token_id" or "decoder_start_token_id"
+    token_id: int
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -55,9 +68,9 @@ def check_language_codes(model_dir: Path, tokenizer_dir: Path, source_lang: str 
     return kind
 
 
-def apply_language_codes(tokenizer: Any, source_lang: str | None, target_lang: str | None) -> int | None:
-    """Set the tokenizer's source (and target) language; returns the target code's token id that generation is forced
-    to start with (None where no target code is set). A code the tokenizer does not know is refused in one line."""
+def apply_language_codes(tokenizer: Any, source_lang: str | None, target_lang: str | None) -> TargetStart | None:
+    """Set the tokenizer's source (and target) language; returns how generation starts with the target code (None
+    where no target code is set). A code the tokenizer does not know is refused in one line."""
     if not source_lang and not target_lang:
         return None
     if not hasattr(tokenizer, "src_lang"):
@@ -73,7 +86,10 @@ def apply_language_codes(tokenizer: Any, source_lang: str | None, target_lang: s
     if target_lang:
         if hasattr(tokenizer, "tgt_lang"):
             tokenizer.tgt_lang = target_lang
-        return _code_id(tokenizer, target_lang)
+        code = _code_id(tokenizer, target_lang)
+        assert code is not None  # checked above
+        starts = type(tokenizer).__name__.removesuffix("Fast") in DECODER_START_TOKENIZERS
+        return TargetStart("decoder_start_token_id" if starts else "forced_bos_token_id", code)
     return None
 
 
