@@ -380,6 +380,10 @@ class Seq2SeqAdapter:
         return Workload(batch_size, tokens, lambda model: model.generate(**inputs, generation_config=generation))
 
 
+# generate's own defaults for the settings a run reads (GenerationConfig._get_default_generation_params)
+GENERATE_DEFAULTS = {"num_beams": 1, "length_penalty": 1.0, "early_stopping": False, "max_length": 20}
+
+
 def resolve_generation(model: torch.nn.Module, cfg: Seq2SeqModel, target_start: TargetStart | None):
     """The model's generation config with the run's settings: ``num_beams``, ``max_new_tokens`` and
     ``length_penalty`` where the config sets them, the target language's code first (forced, or as the decoder's
@@ -393,6 +397,12 @@ def resolve_generation(model: torch.nn.Module, cfg: Seq2SeqModel, target_start: 
         setattr(generation, target_start.setting, target_start.token_id)
     generation.do_sample = False
     generation.num_return_sequences = 1
+    # transformers 5 leaves what a checkpoint does not set as None and fills its defaults inside generate (T5Gemma's
+    # generation config sets no beams): the same values here, where the run reads them (the batch budget counts
+    # beams, runs.facts shows the search)
+    for key, value in GENERATE_DEFAULTS.items():
+        if getattr(generation, key, None) is None and not (key == "max_length" and generation.max_new_tokens):
+            setattr(generation, key, value)
     return generation
 
 

@@ -1,10 +1,11 @@
 """Attention sites of a transformers encoder-decoder model: ``enc_self``, ``enc_dec`` and ``dec_self`` heads.
 
 The attention modules are the rows of :mod:`headsweep.workers.families.hf_shared.site_table` (``bart``: BART, mBART,
-Marian, M2M100 / NLLB, Pegasus, ...; ``t5``: T5, mT5, UMT5; ``fsmt``: fairseq's WMT19 models); the gate sits at the
-input of each module's output projection (``out_proj``, T5's ``o``), split into heads of the size the module states.
-FSMT's attention runs time-first as fairseq's own does (the projection's input is (time, batch, features)): its
-sites carry ``batch_dim=1``, so per-example gate rows land on the batch axis as in ``fairseq_translation``.
+Marian, M2M100 / NLLB, Pegasus, ...; ``t5``: T5, mT5, UMT5; ``t5gemma``; ``fsmt``: fairseq's WMT19 models); the gate
+sits at the input of each module's output projection (``out_proj``, T5's ``o``, T5Gemma's ``o_proj``), split into
+heads of the size the module states. FSMT's attention runs time-first as fairseq's own does (the projection's input
+is (time, batch, features)): its sites carry ``batch_dim=1``, so per-example gate rows land on the batch axis as in
+``fairseq_translation``.
 
 Which of the three attention types a module is comes from where it sits: under the ``encoder`` or the ``decoder``
 stack, and, in the decoder, whether it attends to the encoder (``encoder_attn``, T5's ``EncDecAttention``). Its
@@ -26,7 +27,7 @@ from headsweep.workers.families.hf_shared.site_table import HEAD_COUNT_ATTRS, de
 from headsweep.workers.families.hf_shared.sites import ATTENTION_CLASS
 
 SUPPORTED = ("transformers encoder-decoder models with BART-style (BART, mBART, Marian, M2M100 / NLLB, Pegasus), "
-             "T5-style (T5, mT5, UMT5) or FSMT (fairseq WMT19) attention")
+             "T5-style (T5, mT5, UMT5), T5Gemma or FSMT (fairseq WMT19) attention")
 # Module names of cross-attention (decoder to encoder) in the layouts the site table describes.
 CROSS_NAMES = ("encoder_attn", "EncDecAttention", "crossattention", "cross_attn", "cross_attention")
 NUMBER = re.compile(r"\d+")

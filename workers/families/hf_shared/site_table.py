@@ -92,6 +92,9 @@ SITE_SPECS: tuple[SiteSpec, ...] = (
              cross_attention="is_cross_attention", example="bart, marian, m2m_100"),
     SiteSpec("t5", r"(T5|MT5|UMT5|SwitchTransformers)Attention", "o", ("key_value_proj_dim",), "q", "k", "v",
              example="t5, mt5, umt5"),
+    # T5Gemma: Gemma's attention (grouped key/value heads, softcapped logits) in an encoder-decoder; the decoder's
+    # cross-attention is its own class (``cross_attn``).
+    SiteSpec("t5gemma", r"T5Gemma(Self|Cross)Attention", "o_proj", ("head_dim",), example="t5gemma"),
     # One module applied at several depths: a site per application (hf_shared/shared_layers.py numbers them).
     SiteSpec("albert", r"AlbertAttention", "dense", ("attention_head_size",), "query", "key", "value",
              example="albert"),
