@@ -115,7 +115,7 @@ def sentencepiece_model(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=list(CASES))
 def multilingual(request, tmp_path_factory, sentencepiece_model):
-    """(case, model folder, source file, target file, tokenizer as saved)."""
+    """(case, model folder with the tokenizer as its class saves it, source file, target file)."""
     model_type, build, source_lang, target_lang, _, start = CASES[request.param]
     folder = tmp_path_factory.mktemp(request.param)
     model_dir = folder / "model"
