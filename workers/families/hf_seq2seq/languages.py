@@ -77,19 +77,22 @@ def apply_language_codes(tokenizer: Any, source_lang: str | None, target_lang: s
         raise HeadsweepError(f"model.source_lang / model.target_lang are set, but the tokenizer "
                              f"({type(tokenizer).__name__}) takes no language codes: remove them (a T5 model takes "
                              "its task as model.prefix)")
+    ids: dict[str, int] = {}
     for key, code in (("model.source_lang", source_lang), ("model.target_lang", target_lang)):
-        if code is not None and _code_id(tokenizer, code) is None:
+        if code is None:
+            continue
+        token_id = _code_id(tokenizer, code)
+        if token_id is None:
             raise HeadsweepError(f"{key} {code!r} is not a language code of the model's tokenizer "
                                  f"({type(tokenizer).__name__})")
+        ids[key] = token_id
     if source_lang:
         tokenizer.src_lang = source_lang
     if target_lang:
         if hasattr(tokenizer, "tgt_lang"):
             tokenizer.tgt_lang = target_lang
-        code = _code_id(tokenizer, target_lang)
-        assert code is not None  # checked above
         starts = type(tokenizer).__name__.removesuffix("Fast") in DECODER_START_TOKENIZERS
-        return TargetStart("decoder_start_token_id" if starts else "forced_bos_token_id", code)
+        return TargetStart("decoder_start_token_id" if starts else "forced_bos_token_id", ids["model.target_lang"])
     return None
 
 
