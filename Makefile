@@ -32,6 +32,9 @@ endif
 	# The report's browser tests run Debian's chromium through chromium-driver; installed where missing.
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		{ $(SUDO) apt-get update -q && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }
+	# An editable install compiles nothing, and where PYTHONDONTWRITEBYTECODE is set no run writes a .pyc: every
+	# driver and worker would compile the modules it imports again (a regular pip install compiles them).
+	$(PYTHON) -m compileall -q sweep workers results headsweep
 
 # Refreshes constraints.txt from the current environment, on purpose: run it in a fresh venv after
 # `make install CONSTRAINTS=` and a passing `make test`, and commit the file. torch, fairseq-fixed and

@@ -36,6 +36,19 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
+def pytest_configure(config):
+    """Byte-compile headsweep's modules once, before the test processes start (only stale files: a second session
+    finds them current). The suite starts several hundred Python processes (CLI drivers, Ray workers) that import
+    headsweep; where ``PYTHONDONTWRITEBYTECODE`` is set, as on the development machine, none of them writes a
+    ``.pyc``, and each compiled the modules it imports from source again (0.4-0.8 CPU-s a process)."""
+    if hasattr(config, "workerinput"):  # an xdist test process: its controller compiled them
+        return
+    import compileall
+
+    for package in ("sweep", "workers", "results", "headsweep"):
+        compileall.compile_dir(REPO / package, quiet=1)
+
+
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` handing out files in the order collected (:func:`pytest_collection_modifyitems`), not
     xdist's default of the most tests first: a file of a few long CLI runs handed out last kept one process busy
