@@ -20,15 +20,18 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from headsweep.errors import HeadsweepError
 from headsweep.results.schema import RENAMED, TABLES, file_schema
+
+if TYPE_CHECKING:
+    import pyarrow.dataset as ds
 
 # The files the store writes: one partition folder per run, Parquet files with visible names.
 _OWN_FILE = re.compile(r"run_id=[^/]+/[^./][^/]*\.parquet")
@@ -281,7 +284,7 @@ class ResultStore:
 
     def dataset(self, table: str, run_id: str | None = None) -> ds.Dataset:
         """The table's files (of one run's partition, or all) as a pyarrow dataset (with ``run_id``), empty if
-        nothing is written yet.
+        nothing is written yet: what the query views scan.
 
         Its schema is ``file_schema``: a renamed column comes with its old name beside it (older files fill
         that one); :meth:`read` and the query views merge the two. A Parquet file whose columns are not the
@@ -289,6 +292,9 @@ class ResultStore:
         nulls. Each footer is read once here and kept by the dataset for its scan; a file whose footer cannot be
         read stays, so that reading it fails with the line naming it (:meth:`unreadable`).
         """
+        # pyarrow.dataset imports pandas (0.25-0.5 s): only the commands that query import it, never a run's driver.
+        import pyarrow.dataset as ds
+
         schema = file_schema(table)
         files = self.files(table, run_id)
         if not files:
@@ -297,19 +303,19 @@ class ResultStore:
         foreign = set()
         for fragment in dataset.get_fragments():
             try:
-                problem = schema_problem(table, fragment.physical_schema)
+                physical = fragment.physical_schema
             except (OSError, pa.ArrowException):
                 continue
-            if problem is not None:
+            if self._foreign(table, fragment.path, physical):
                 foreign.add(fragment.path)
-                relative = fragment.path[len(self.table_dir(table)) + 1:]
-                _warn_once(f"store {self.uri}: skipping {table}/{relative} (not a file of table {table}: {problem})")
         if not foreign:
             return dataset
         kept = [f for f in files if f not in foreign]
         return self._dataset(table, kept) if kept else ds.dataset(schema.empty_table())
 
     def _dataset(self, table: str, files: list[str]) -> ds.Dataset:
+        import pyarrow.dataset as ds
+
         return ds.dataset(
             files,
             filesystem=self.fs,
@@ -319,6 +325,35 @@ class ResultStore:
             partition_base_dir=self.table_dir(table),
         )
 
+    def _foreign(self, table: str, path: str, physical: pa.Schema) -> bool:
+        """Whether the file at ``path`` is not one of ``table``'s files (warned about once, by name)."""
+        problem = schema_problem(table, physical)
+        if problem is not None:
+            relative = path[len(self.table_dir(table)) + 1:]
+            _warn_once(f"store {self.uri}: skipping {table}/{relative} (not a file of table {table}: {problem})")
+        return problem is not None
+
+    def _read_files(self, table: str, run_id: str | None, columns: list[str] | None) -> pa.Table:
+        """The rows of the table's files in :meth:`files`'s order, each conformed to ``file_schema`` (``columns``
+        of it): what :meth:`dataset` would scan, read file by file with the Parquet reader alone."""
+        schema = file_schema(table)
+        target = schema if columns is None else pa.schema([schema.field(name) for name in columns])
+        parts = []
+        for path in self.files(table, run_id):
+            with self.fs.open_input_file(path) as source:
+                parquet = pq.ParquetFile(source)
+                physical = parquet.schema_arrow
+                if self._foreign(table, path, physical):
+                    continue
+                data = parquet.read(columns=[n for n in target.names if n in physical.names], use_threads=False)
+            run = path[len(self.table_dir(table)) + 1:].split("/", 1)[0].removeprefix("run_id=")
+            parts.append(pa.table([
+                pa.array([run] * data.num_rows, pa.string()) if field.name == "run_id"
+                else data.column(field.name).cast(field.type) if field.name in data.column_names
+                else pa.nulls(data.num_rows, field.type)
+                for field in target], schema=target))
+        return pa.concat_tables(parts) if parts else target.empty_table()
+
     def read(self, table: str, run_id: str | None = None, columns: list[str] | None = None) -> pa.Table:
         """The table's rows (of one run, or all), with today's columns: a renamed column is read from its old
         name in files written before the rename."""
@@ -326,10 +361,9 @@ class ResultStore:
         wanted = columns
         if columns is not None:
             columns = [*columns, *(old for new, old in renamed.items() if new in columns)]
-        flt = ds.field("run_id") == run_id if run_id is not None else None
         for attempt in range(_READ_TRIES):
             try:
-                data = self.dataset(table, run_id).to_table(columns=columns, filter=flt)
+                data = self._read_files(table, run_id, columns)
                 break
             except (OSError, pa.ArrowException) as exc:
                 # Other drivers write the store meanwhile: a run's row file is replaced, a resumed run's crash

@@ -68,8 +68,9 @@ def build_fsmt_tokenizer(folder: Path):
 
 def tiny_seq2seq(kind: str = "marian", seed: int = 0, layers: int = 2, heads: int = 4, head_dim: int = 8,
                  vocab_size: int | None = None):
-    """A randomly initialised tiny Marian, T5 (``t5_v1_1``: T5 v1.1's gated feed-forward) or FSMT model (eval mode),
-    weights larger than the default initialisation so that single heads change the beams."""
+    """A randomly initialised tiny Marian, T5 (``t5_v1_1``: T5 v1.1's gated feed-forward), FSMT, MVP, NLLB-MoE or
+    Switch Transformers model (eval mode), weights larger than the default initialisation so that single heads change
+    the beams."""
     import transformers
 
     torch.manual_seed(seed)
@@ -96,6 +97,26 @@ def tiny_seq2seq(kind: str = "marian", seed: int = 0, layers: int = 2, heads: in
                                       decoder_ffn_dim=2 * width, max_position_embeddings=64, init_std=0.2,
                                       dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
         model = transformers.FSMTForConditionalGeneration(cfg)
+    elif kind == "mvp":  # BART's blocks (no prompts)
+        cfg = transformers.MvpConfig(vocab_size=vocab, d_model=width, encoder_layers=layers, decoder_layers=layers,
+                                     encoder_attention_heads=heads, decoder_attention_heads=heads,
+                                     encoder_ffn_dim=2 * width, decoder_ffn_dim=2 * width, max_position_embeddings=64,
+                                     init_std=0.2, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, **ids)
+        model = transformers.MvpForConditionalGeneration(cfg)
+    elif kind == "nllb_moe":  # every feed-forward layer a top-2 mixture of 4 experts
+        cfg = transformers.NllbMoeConfig(vocab_size=vocab, d_model=width, encoder_layers=layers, decoder_layers=layers,
+                                         encoder_attention_heads=heads, decoder_attention_heads=heads,
+                                         encoder_ffn_dim=2 * width, decoder_ffn_dim=2 * width, num_experts=4,
+                                         encoder_sparse_step=1, decoder_sparse_step=1, max_position_embeddings=64,
+                                         init_std=0.2, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                         **ids)
+        model = transformers.NllbMoeForConditionalGeneration(cfg)
+    elif kind == "switch":  # T5's blocks, every feed-forward layer a top-1 mixture of 4 experts
+        cfg = transformers.SwitchTransformersConfig(vocab_size=vocab, d_model=width, d_kv=head_dim, num_heads=heads,
+                                                    d_ff=2 * width, num_layers=layers, num_decoder_layers=layers,
+                                                    num_experts=4, encoder_sparse_step=1, decoder_sparse_step=1,
+                                                    dropout_rate=0.0, initializer_factor=3.0, **ids)
+        model = transformers.SwitchTransformersForConditionalGeneration(cfg)
     else:
         raise ValueError(kind)
     model.generation_config.num_beams = 4

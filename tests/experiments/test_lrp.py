@@ -2,10 +2,10 @@
 
 - Conservation: with every bias zero, the rules make each cut through the network (a layer's input, plus the
   encoder output for a decoder layer) hold exactly the explained logit sum, for a BERT classifier, a
-  Llama-style LM (gated MLP: uniform rule; RMSNorm), a fairseq translation model and transformers' Marian
-  (BART-style) and T5 v1.1 (RMSNorm, relative-position bias, gated-GELU feed-forward) through the hf_seq2seq
-  adapter's teacher-forced reference tokens; and plain Gradient x Input does not (so the check can fail). The
-  rules leave the logits as they are.
+  Llama-style LM (gated MLP: uniform rule; RMSNorm), a fairseq translation model and transformers' Marian and
+  FSMT (BART-style; FSMT time-first, its weights returned only when asked) and T5 v1.1 (RMSNorm, relative-position
+  bias, gated-GELU feed-forward) through the hf_seq2seq adapter's teacher-forced reference tokens; and plain
+  Gradient x Input does not (so the check can fail). The rules leave the logits as they are.
 - By hand: one BERT layer, relevance of each head propagated from the top logit by the explicit z-rule
   (``R_i = sum_j x_i w_ji / z_j R_j``) in numpy, layer by layer, against :func:`lrp_relevance`.
 - Through the CLI: ``importance.method: lrp`` writes the ``importance`` table, shares summing to 1 per layer.
@@ -86,19 +86,21 @@ def tiny_translation(trained_tiny_fairseq, one_thread):
     return load_translation(model_cfg, data_cfg, TranslationRuntime(batch_size=6, max_tokens=0))
 
 
-def encoder_decoder_layers(model) -> tuple[list, list, list, str] | None:
-    """(encoder layers, decoder layers, each decoder layer's cross-attention module, the keyword that hands it the
+def encoder_decoder_layers(model) -> tuple[list, list, list, tuple[str, ...]] | None:
+    """(encoder layers, decoder layers, each decoder layer's cross-attention module, the keywords that hand it the
     encoder output) of a fairseq or transformers encoder-decoder model, by the architecture's own names; None for
     other models."""
-    if hasattr(model, "encoder") and hasattr(model.encoder, "layers"):  # fairseq
+    if hasattr(model, "encoder") and hasattr(model.encoder, "layers"):  # fairseq: as key and as value
         dec = list(model.decoder.layers)
-        return list(model.encoder.layers), dec, [m.encoder_attn for m in dec], "key"
-    if hasattr(model, "model") and hasattr(model.model, "encoder"):  # Marian / BART
+        return list(model.encoder.layers), dec, [m.encoder_attn for m in dec], ("key", "value")
+    if hasattr(model, "model") and hasattr(model.model, "encoder"):  # Marian / BART / MVP; FSMT; NLLB-MoE
         dec = list(model.model.decoder.layers)
-        return list(model.model.encoder.layers), dec, [m.encoder_attn for m in dec], "key_value_states"
-    if hasattr(model, "encoder") and hasattr(model.encoder, "block"):  # T5
+        keywords = ("key",) if model.config.model_type == "fsmt" else ("key_value_states",)
+        cross = [m.cross_attention if model.config.model_type == "nllb-moe" else m.encoder_attn for m in dec]
+        return list(model.model.encoder.layers), dec, cross, keywords
+    if hasattr(model, "encoder") and hasattr(model.encoder, "block"):  # T5, Switch Transformers
         dec = list(model.decoder.block)
-        return list(model.encoder.block), dec, [b.layer[1].EncDecAttention for b in dec], "key_value_states"
+        return list(model.encoder.block), dec, [b.layer[1].EncDecAttention for b in dec], ("key_value_states",)
     return None
 
 
@@ -107,10 +109,10 @@ def cut_points(model) -> tuple[dict[str, tuple[torch.nn.Module, str]], list[list
     it) and the cuts they form: sets every path from the input to the logits crosses exactly once."""
     layers = encoder_decoder_layers(model)
     if layers is not None:
-        enc, dec, cross, keyword = layers
+        enc, dec, cross, keywords = layers
         points = {f"enc{i}": (m, "input") for i, m in enumerate(enc)}
         points |= {f"dec{i}": (m, "input") for i, m in enumerate(dec)}
-        points |= {f"kv{i}": (m, keyword) for i, m in enumerate(cross)}
+        points |= {f"kv{i}": (m, keywords) for i, m in enumerate(cross)}
         # The decoder's layer l and the encoder output as layers l, l+1, ... read it.
         cuts = [[f"enc{e}", "dec0"] for e in range(len(enc))]
         cuts += [[f"dec{d}", *(f"kv{j}" for j in range(d, len(dec)))] for d in range(len(dec))]
@@ -129,13 +131,13 @@ def cut_relevance(task, rules: bool) -> tuple[float, list[float]]:
     def take_input(name):
         return lambda _m, args: captured.__setitem__(name, args[0])
 
-    def own_key(name, keyword):
+    def own_key(name, keywords):
         # A fresh node per layer (same values), so each layer's reading of the encoder output has its own
-        # gradient; fairseq passes the encoder output as key and value, transformers as key_value_states.
+        # gradient; fairseq passes the encoder output as key and value, FSMT as key, transformers as key_value_states.
         def hook(_m, args, kwargs):
-            key = kwargs[keyword].view_as(kwargs[keyword])
+            key = kwargs[keywords[0]].view_as(kwargs[keywords[0]])
             captured[name] = key
-            return args, {**kwargs, keyword: key} | ({"value": key} if keyword == "key" else {})
+            return args, {**kwargs, **dict.fromkeys(keywords, key)}
         return hook
 
     for batch in prepared.batches:
@@ -167,7 +169,8 @@ def seq2seq_adapter(folder, kind: str, dtype: str = "float32"):
                        family.data_config(source=str(source), target=str(target)), RuntimeOptions(batch_size=3))
 
 
-@pytest.fixture(scope="module", params=["bert", "llama", "fairseq", "marian", "t5_v1_1"])
+@pytest.fixture(scope="module", params=["bert", "llama", "fairseq", "marian", "fsmt", "mvp", "nllb_moe", "t5_v1_1",
+                                        "switch"])
 def conserving_task(request, tmp_path_factory):
     if request.param == "bert":
         model = tiny_float64_bert(layers=3)
@@ -178,7 +181,11 @@ def conserving_task(request, tmp_path_factory):
         zero_biases(model)
         # Llama's RMSNorm normalises in float32 even in a float64 model: float32 rounding of the hidden states
         return lm_task(model), 1e-6
-    if request.param in ("marian", "t5_v1_1"):  # transformers' BART-style and T5 v1.1-style blocks, float64
+    if request.param == "fsmt":  # FSMT's causal mask overflows in float64 (transformers fills it via float32)
+        task = seq2seq_adapter(tmp_path_factory.mktemp("lrp_seq2seq"), request.param)
+        zero_biases(task.model)
+        return task, 1e-4  # float32, as the fairseq model below
+    if request.param != "fairseq":  # transformers' BART-style and T5-style blocks, float64
         task = seq2seq_adapter(tmp_path_factory.mktemp("lrp_seq2seq"), request.param, "float64")
         zero_biases(task.model)
         # float64: summation order only (T5's RMSNorm takes its variance in float32, but the rules hold it constant)

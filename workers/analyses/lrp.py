@@ -24,9 +24,9 @@ differs. A head's relevance at a token is then ``<ctx_h, dY/dctx_h>``, exactly t
 that gradient importance computes (:func:`~headsweep.workers.analyses.importance.batch_gate_gradients`), with ``Y`` the
 sum of the explained top-1 logits (a translation's: the teacher-forced logits at its reference tokens, fairseq's
 and transformers' encoder-decoder models alike). With every bias zero the rules conserve relevance exactly: each
-layer's input holds ``Y`` (tests/experiments/test_lrp.py checks it for BERT, Llama-style, fairseq, Marian and T5 v1.1
-models, and checks one layer against an explicit z-rule propagation written out by hand); with biases, part of the
-relevance is absorbed by them, as in any LRP-0.
+layer's input holds ``Y`` (tests/experiments/test_lrp.py checks it for BERT, Llama-style, fairseq, Marian, FSMT and
+T5 v1.1 models, and checks one layer against an explicit z-rule propagation written out by hand); with biases,
+part of the relevance is absorbed by them, as in any LRP-0.
 
 The rules need the attention probabilities as a tensor, so the model runs the path that exposes them for the
 analysis (``ModelFamily.attention_weights``: transformers models the eager attention path, fairseq modules their

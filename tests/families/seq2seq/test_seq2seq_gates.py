@@ -420,29 +420,23 @@ def test_roles_maps_equal_transformers_own_attentions(tiny):
     assert all(0 < h.confidence <= 1 for h in result.heads)
 
 
-def test_lrp_accepted_or_refused_in_one_line(tiny):
+def test_lrp_accepted_on_every_tiny_model(tiny):
     """The question the driver asks a worker before anything is written (a run stopped there writes nothing): LRP
-    runs on Marian and T5 (tests/experiments/test_lrp.py checks its rules there); FSMT, whose blocks the rules are
-    not written for, is refused in one line."""
+    runs on Marian, T5 and FSMT (tests/experiments/test_lrp.py checks its rules there; PegasusX's refusal:
+    test_seq2seq_sites.py), and the eager path it enters is left as it was found."""
     from headsweep.workers.analyses.lrp import lrp_problem_on_worker
 
-    kind, adapter = tiny[0], tiny[4][True]
+    adapter = tiny[4][True]
 
     class Worker:  # the one method of EvalWorker the question calls
         def adapter(self, data_cfg):
             assert data_cfg is None
             return adapter
 
-    implementation = adapter.model.config._attn_implementation
-    problem = lrp_problem_on_worker(Worker(), None)
-    assert adapter.model.config._attn_implementation == implementation  # the eager path was entered and left
-    if kind != "fsmt":
-        assert problem is None
-        return
-    assert problem == (
-        "importance.method lrp: relevance propagation (LRP) rules are written for BART-style (bart, mbart, marian, "
-        "m2m_100, pegasus, plbart, blenderbot, blenderbot-small) and T5-style (t5, mt5, umt5) blocks, not for "
-        "FSMTForConditionalGeneration (model_type 'fsmt'); use importance.method gradient")
+    config = adapter.model.config
+    implementation, asked = config._attn_implementation, config.output_attentions
+    assert lrp_problem_on_worker(Worker(), None) is None
+    assert (config._attn_implementation, config.output_attentions) == (implementation, asked)
 
 
 # -- L0 (Hard Concrete) gates -------------------------------------------------------------------------------------

@@ -3,10 +3,11 @@ references, as ``fairseq_translation`` reads its models.
 
 ``enc_self`` runs over the source, ``dec_self`` (causal) over the decoder's input (the decoder start token, then the
 reference but its last token, as transformers shifts ``labels``), ``enc_dec`` from the decoder's input to the source.
-The model runs on the eager attention path (put back afterwards) and a forward hook on each attention module takes
-the weights it returns. Where they sit in the module's output depends on the layout: BART-style modules return
-``(output, weights)``, T5's ``(output, position_bias, weights)``, and its position bias has the weights' shape: so the
-place is read from the layout (``site_table``), never guessed by shape.
+The model runs on the eager attention path with ``output_attentions`` set in its config (both put back afterwards)
+and a forward hook on each attention module takes the weights it returns. Where they sit in the module's output
+depends on the layout: BART-style modules return ``(output, weights)``, T5's ``(output, position_bias, weights)``,
+and its position bias has the weights' shape: so the place is read from the layout (``site_table``), never guessed
+by shape.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from headsweep.workers.core.gates import AttentionSite
 from headsweep.workers.families.hf_shared.attention import TransformersReader
 from headsweep.workers.families.hf_shared.site_table import spec_of
 
-# Where each layout's attention module returns its per-head weights (FSMT's only when asked: ``output_attentions``).
+# Where each layout's attention module returns its per-head weights (FSMT's and MVP's only when asked:
+# ``output_attentions``).
 WEIGHTS_AT = {"bart": 1, "t5": 2, "fsmt": 1}
 
 
@@ -38,6 +40,10 @@ def seq2seq_attention(model: nn.Module, sites: Sequence[AttentionSite], consume:
     previous = getattr(config, "_attn_implementation", None)
     if previous != "eager":
         model.set_attn_implementation("eager")
+    # Asked for in the config, so that a forward that does not ask (relevance propagation's loss batches) still gets
+    # the weights of the modules that return them only when asked.
+    asked = config.output_attentions
+    config.output_attentions = True
     handles = []
 
     def recorder(site: AttentionSite, at: int) -> Callable:
@@ -62,6 +68,7 @@ def seq2seq_attention(model: nn.Module, sites: Sequence[AttentionSite], consume:
     finally:
         for handle in handles:
             handle.remove()
+        config.output_attentions = asked
         if previous != "eager" and previous is not None:
             model.set_attn_implementation(previous)
 

@@ -125,7 +125,7 @@ class Seq2SeqFamily(TransformersFamily):
     def attention_weights(self, model: nn.Module, sites: Sequence[AttentionSite], consume: Any) -> Any:
         """On the eager attention path (put back afterwards): the weights each module returns
         (:func:`~headsweep.workers.families.hf_seq2seq.attention.seq2seq_attention`). Relevance propagation enters it,
-        so a model whose blocks the LRP rules do not cover (FSMT, PegasusX, mixture-of-experts types:
+        so a model whose blocks the LRP rules do not cover (PegasusX, T5Gemma:
         :mod:`.relevance`) is refused here in one line."""
         from headsweep.errors import HeadsweepError
         from headsweep.workers.families.hf_seq2seq.attention import seq2seq_attention
