@@ -87,7 +87,8 @@ def trained_model(minutes: float) -> tuple[Path, int]:
         batch = tokenizer([src[i] for i in rows], padding=True, return_tensors="pt")
         labels = tokenizer(text_target=[tgt[i] for i in rows], padding=True, return_tensors="pt")["input_ids"]
         labels = labels.masked_fill(labels.eq(0), -100)
-        logits = model(**batch, labels=labels).logits
+        # decoder inputs as ``labels=`` would shift them, without the model's own (unsmoothed) loss
+        logits = model(**batch, decoder_input_ids=model.prepare_decoder_input_ids_from_labels(labels=labels)).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
                                                  label_smoothing=s["label_smoothing"])
         optimizer.zero_grad()

@@ -97,7 +97,7 @@ class Seq2SeqReader(TransformersReader):
                 sides.update({"enc_self": (source, source, False), "dec_self": (target, target, True),
                               "enc_dec": (target, source, False)})
                 with torch.inference_mode():  # not across the yield: the caller's code runs as it chose
-                    model(**batch.inputs, decoder_input_ids=decoder_ids, use_cache=False, output_attentions=True)
+                    model(**batch.inputs, decoder_input_ids=decoder_ids, use_cache=False)
                 yield
 
     def corpus_counts(self, lines: Sequence[str]) -> tuple[str, np.ndarray]:
