@@ -134,10 +134,10 @@ def test_states_over_budget_are_recorded_per_call_with_the_same_results(model_di
         handle.remove()
     assert a._reuse.kept_bytes == 0
     # layer 0's queries run only to record a batch (the layer-0 mask starts at its cached contexts): once per batch
-    # on every call, plus the first call's check on the first window: its own recording and the whole-model pass it
-    # compares one replayed mask with
-    assert len(a.batches[0]) > 1
-    assert (recorded, len(calls) - recorded) == (len(a.batches) + 2, len(a.batches))
+    # on every call, plus the first call's check on the first window: one whole gated pass, which records the
+    # states its replayed mask starts from on the way
+    assert len(a.batches[0]) > 2
+    assert (recorded, len(calls) - recorded) == (len(a.batches) + 1, len(a.batches))
     expected = plain.nll(masks)
     np.testing.assert_array_equal(first, expected)  # exact: one mask per pass, as above
     np.testing.assert_array_equal(second, expected)  # exact: the same
@@ -185,8 +185,8 @@ def test_a_replay_that_differs_from_the_whole_model_is_refused(model_dirs, corpu
     # layer writing into its input would) is found, and the adapter falls back for good.
     record = a._reuse.record
 
-    def changed_after_kept(inputs, scored):
-        recorded = record(inputs, scored)
+    def changed_after_kept(inputs, scored, mask=()):
+        recorded = record(inputs, scored, mask)
         recorded.hidden[1].add_(1.0)
         return recorded
 
@@ -196,6 +196,18 @@ def test_a_replay_that_differs_from_the_whole_model_is_refused(model_dirs, corpu
     got = a.nll(masks)
     assert a._reuse is None and "does not reproduce" in a.describe().facts["reuse"]
     np.testing.assert_array_equal(got, adapter(model_dirs["qwen2_14q2kv"], corpus, "sdpa", reuse=False).nll(masks))
+
+
+def test_layers_run_out_of_their_list_order_are_refused(model_dirs, corpus):
+    """The check's recording is a gated pass: the layers below the gated one must be the baseline's, which holds only
+    when the stack runs its layers in list order (a layer list reordered after the layout was read does not)."""
+    a = adapter(model_dirs["llama_8q2kv"], corpus)
+    a.baseline()  # the layout is read and checked in list order
+    assert a._reuse is not None and a._reuse.verified
+    stack = a.model.model.layers
+    stack[0], stack[1] = stack[1], stack[0]
+    with torch.inference_mode(), pytest.raises(ReuseUnsupported, match="did not run in the order"):
+        a._reuse.record(a.inputs[:3], a.scored[:3])
 
 
 def test_training_mode_is_refused(model_dirs, corpus):

@@ -141,19 +141,28 @@ class PrefixReuse(RecordedBaselines[BaselineStates]):
         self.model, self.gates, self.layout, self.token_nll = model, gates, layout, token_nll
         self.verified = False
 
-    def record(self, inputs: torch.Tensor, scored: torch.Tensor) -> BaselineStates:
-        """Run the ungated model once, keeping each needed layer output and each projection's input, and check on
-        the way that the model computes what replaying it assumes."""
+    def record(self, inputs: torch.Tensor, scored: torch.Tensor, mask: Sequence[Head] = ()) -> BaselineStates:
+        """Run the model once, keeping each needed layer output and each projection's input, and check on the way
+        that the model computes what replaying it assumes.
+
+        ``mask`` empty (the baseline): the ungated model. Otherwise the pass is the whole model with ``mask``
+        gated, its NLL the gated model's: the layers below the mask's first gated layer are the baseline's and the
+        projection inputs are read before any gate, so a replay of ``mask`` from these states must reproduce that
+        NLL exactly (:meth:`verify_first_row`); states past that layer fit no other mask."""
         lay = self.layout
         keep = {s.layer - 1 for s in lay.sites if s.layer > 0}
         layer_out: dict[int, list] = {i: [] for i in range(len(lay.layers))}  # (is a tensor, kept output)
+        called: list[int] = []  # the order the layers ran in
         contexts: list[list] = [[] for _ in lay.sites]
         projected: list = [None] * len(lay.sites)
         returns_projection: list[list[bool]] = [[] for _ in lay.sites]
         embedded: list = []
 
         def layer_hook(i):
-            return lambda _m, _a, out: layer_out[i].append((torch.is_tensor(out), out if i in keep else None))
+            def hook(_m, _a, out):
+                called.append(i)
+                layer_out[i].append((torch.is_tensor(out), out if i in keep else None))
+            return hook
 
         def attention_hook(i):
             def hook(_m, _a, out):
@@ -164,21 +173,29 @@ class PrefixReuse(RecordedBaselines[BaselineStates]):
 
         handles = [layer.register_forward_hook(layer_hook(i)) for i, layer in enumerate(lay.layers)]
         for i, site in enumerate(lay.sites):
-            handles.append(site.out_proj.register_forward_pre_hook(lambda _m, args, i=i: contexts[i].append(args[0])))
+            # Prepended: the projection's input as the attention computed it, before the head gates' own pre-hook.
+            handles.append(site.out_proj.register_forward_pre_hook(lambda _m, args, i=i: contexts[i].append(args[0]),
+                                                                    prepend=True))
             handles.append(site.out_proj.register_forward_hook(lambda _m, _a, out, i=i: projected.__setitem__(i, out)))
             handles.append(site.module.register_forward_hook(attention_hook(i)))
         if lay.embeddings is not None:
             handles.append(lay.embeddings.register_forward_hook(
                 lambda _m, _a, out: embedded.append((tuple(out.shape), out.dtype) if torch.is_tensor(out) else None)))
-        self.gates.clear()
+        if mask:
+            self.gates.set_mask(mask)
+        else:
+            self.gates.clear()
         try:
             token_nll = self.token_nll(inputs, scored)
         finally:
+            self.gates.clear()
             for h in handles:
                 h.remove()
         for i, outs in layer_out.items():
             if len(outs) != 1 or not outs[0][0]:
                 raise ReuseUnsupported(f"decoder layer {i} ran {len(outs)} times or did not return one tensor")
+        if called != sorted(called):
+            raise ReuseUnsupported("the decoder layers did not run in the order of their layer list")
         for i, site in enumerate(lay.sites):
             if len(contexts[i]) != 1 or returns_projection[i] != [True]:
                 raise ReuseUnsupported(f"{site.module_name} does not call its output projection once and return "
@@ -242,29 +259,33 @@ class PrefixReuse(RecordedBaselines[BaselineStates]):
 
     def verify_first_row(self, inputs: torch.Tensor, scored: torch.Tensor, states: BaselineStates) -> None:
         """:meth:`verify` on the deepest layer's first head. A batch of more than two windows is checked on its first
-        window, with that window's own states (recorded as the batch's were): two passes over one window rather
-        than one over the whole batch, which a grid of one batch spends on nothing else. The states are not cut
-        from the batch's: a window's floats may depend on the batch's size (the kernels chosen), so only a replay
-        and a whole pass of one shape are compared."""
+        window alone: one whole gated pass over that window, recording on the way the states its replay starts from
+        (:meth:`record` with the mask), rather than two passes over the whole batch, which a grid of one batch
+        spends on nothing else. The states are not cut from the batch's: a window's floats may depend on the
+        batch's size (the kernels chosen), so only a replay and a whole pass of one shape are compared."""
         site = self.gates.sites[-1]
         mask = [Head(site.attention, site.layer, 0)]
         if inputs.shape[0] > 2:
             inputs, scored = inputs[:1], scored[:1]
-            states = self.record(inputs, scored)
-        self.verify(inputs, scored, states, mask)
+            states = self.record(inputs, scored, mask)
+            self.verify(inputs, scored, states, mask, whole=states.token_nll)
+        else:
+            self.verify(inputs, scored, states, mask)
 
     def verify(self, inputs: torch.Tensor, scored: torch.Tensor, states: BaselineStates,
-               mask: Sequence[Head]) -> None:
-        """Check once that a masked pass replayed from the cached states is the whole gated model's pass, bit for
-        bit (one mask, the same shapes: the same kernels); :class:`ReuseUnsupported` if not.
+               mask: Sequence[Head], whole: torch.Tensor | None = None) -> None:
+        """Check once that a masked pass replayed from the cached states is the whole gated model's pass (``whole``,
+        computed here when not given), bit for bit (one mask, the same shapes: the same kernels);
+        :class:`ReuseUnsupported` if not.
 
         Recording checks the layout's shape; this checks what it cannot see (a layer reading more than its input,
         state carried between layers, a cached tensor changed in place).
         """
         layer = first_gated_layer(mask)
         replayed = self.run(inputs, scored, states, layer, [mask])
-        with self.gates.masked(mask):
-            whole = self.token_nll(inputs, scored)
+        if whole is None:
+            with self.gates.masked(mask):
+                whole = self.token_nll(inputs, scored)
         same = (replayed == whole) | (replayed.isnan() & whole.isnan())
         if replayed.shape != whole.shape or not bool(same.all()):
             raise ReuseUnsupported(f"replaying the model from cached states (mask {[str(h) for h in mask]}) does not "
