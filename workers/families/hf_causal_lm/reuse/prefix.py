@@ -260,7 +260,7 @@ class PrefixReuse(RecordedBaselines[BaselineStates]):
     def verify_first_row(self, inputs: torch.Tensor, scored: torch.Tensor, states: BaselineStates) -> None:
         """:meth:`verify` on the deepest layer's first head. A batch of more than two windows is checked on its first
         window alone: one whole gated pass over that window, recording on the way the states its replay starts from
-        (:meth:`record` with the mask), rather than two passes over the whole batch, which a grid of one batch
+        (:meth:`record` with the mask), rather than a whole gated pass over the batch, which a grid of one batch
         spends on nothing else. The states are not cut from the batch's: a window's floats may depend on the
         batch's size (the kernels chosen), so only a replay and a whole pass of one shape are compared."""
         site = self.gates.sites[-1]
