@@ -181,10 +181,7 @@ class PrefixReuse(RecordedBaselines[BaselineStates]):
         if lay.embeddings is not None:
             handles.append(lay.embeddings.register_forward_hook(
                 lambda _m, _a, out: embedded.append((tuple(out.shape), out.dtype) if torch.is_tensor(out) else None)))
-        if mask:
-            self.gates.set_mask(mask)
-        else:
-            self.gates.clear()
+        self.gates.set_mask(mask)  # an empty mask: no gates
         try:
             token_nll = self.token_nll(inputs, scored)
         finally:
