@@ -82,9 +82,10 @@ equal=<true|false>``; exit status 1 if any check fails.
 Usage: python bench/gpu_check.py [--shape NAME] [--device cuda] [--dtype bfloat16] [--windows 8] [--window 256]
        python bench/gpu_check.py --device cpu --tiny
 ``--tiny``: the same architectures shrunk to 4 layers, heads of 8 and a 2,048-token vocabulary (heads per layer
-and key/value sharing kept), 4 windows of 64 tokens, one thread; under a minute on a CPU, and in the test suite
-(tests/project/test_gpu_check.py). On a CPU too the dtype stays bfloat16: the check is about bfloat16's rounding and the
-paths a GPU run takes (its figures mean nothing on a CPU).
+and key/value sharing kept), 4 windows of 64 tokens, one thread; under a minute on a CPU (57 s on one without
+bfloat16 instructions), and in the test suite (tests/project/test_gpu_check.py, with windows of 32 tokens). On a CPU
+too the dtype stays bfloat16: the check is about bfloat16's rounding and the paths a GPU run takes (its figures mean
+nothing on a CPU).
 """
 
 from __future__ import annotations
@@ -457,12 +458,12 @@ def best_time(fn: Callable, device: str, repeats: int) -> tuple[object, float]:
 def matmul_rate(device: str, dtype: torch.dtype, n: int | None = None, seconds: float = 1.0,
                 fastest: bool = False) -> tuple[int, float]:
     """(N, FLOP/s) of ``torch.mm`` of two N x N matrices in ``dtype`` on ``device`` (N = ``n``, by default 8192 on a
-    GPU and 1024 on a CPU), products run for at least ``seconds`` after a warm-up: the rate over all of them, or with
-    ``fastest`` that of the fastest single product (bench/real_size.py's figure on a shared CPU, where other
-    processes only ever slow a product down)."""
+    GPU and on a CPU up to 1024, see :func:`cpu_product_size`), products run for at least ``seconds`` after a
+    warm-up: the rate over all of them, or with ``fastest`` that of the fastest single product (bench/real_size.py's
+    figure on a shared CPU, where other processes only ever slow a product down)."""
     import torch
 
-    n = n or (8192 if device.startswith("cuda") else 1024)
+    n = n or (8192 if device.startswith("cuda") else cpu_product_size(dtype))
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, generator=g).to(dtype)
     b = torch.randn(n, n, device=device, generator=g).to(dtype)
@@ -481,6 +482,23 @@ def matmul_rate(device: str, dtype: torch.dtype, n: int | None = None, seconds: 
             synchronize(device)
     synchronize(device)
     return n, 2 * n**3 / (best if fastest else (time.perf_counter() - start) / runs)
+
+
+def cpu_product_size(dtype: torch.dtype, largest: int = 1024, product_s: float = 0.05) -> int:
+    """N for :func:`matmul_rate` on a CPU: 1024, or less where one N x N product in ``dtype`` would take longer than
+    ``product_s``. A CPU without bfloat16 instructions (AVX2 only) multiplies bfloat16 about a thousand times slower
+    than float32 (0.7 GFLOP/s seen): six 1024 x 1024 products took 18 s of the ``--tiny`` check's 78."""
+    import torch
+
+    n = 256
+    a = torch.ones(n, n, dtype=dtype)
+    torch.mm(a, a)
+    start = time.perf_counter()
+    torch.mm(a, a)
+    seconds = time.perf_counter() - start
+    # a product's time grows as N^3: the largest multiple of 128 within product_s
+    fits = int(n * (product_s / max(seconds, 1e-9)) ** (1 / 3)) // 128 * 128
+    return max(128, min(largest, fits))
 
 
 def window_flops(config: object, tokens: int, logits: int) -> int:
