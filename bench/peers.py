@@ -28,6 +28,9 @@ The routes, per grid, over the same model, windows and masks:
 * **plain**: headsweep's worker path in this process with ``sweep.reuse: false, masks_per_batch: 1``;
 * **default**: the same with headsweep's defaults (``reuse: true``: each mask from its first gated layer on cached
   baseline states; ``masks_per_batch: 0``: masks packed per pass);
+* **packed** (only with ``--packed N``): the default with ``masks_per_batch: N``, the setting docs/how-it-works.md
+  suggests for a wide model on a CPU with several threads (on a CPU the default packs one mask a pass at these
+  vocabularies);
 * **run**: ``python -m headsweep run`` as a subprocess (one worker of ``--threads`` threads, an embedded Ray),
   Ray's start-up, the worker's imports, model load, baseline, significance and Parquet writes included.
 
@@ -45,6 +48,8 @@ Figures:
   largest grid run (> 1: headsweep is faster).
 * ``end_to_end_vs_fastest``: the fastest peer's end-to-end seconds / ``run``'s on the five-minute grid;
   ``one_minute_vs_fastest`` the same on the one-minute grid (``n/a`` for a grid not run).
+* ``packed_vs_fastest``: the fastest peer's seconds / ``packed``'s on the largest grid run (``n/a`` without
+  ``--packed``).
 * ``startup_s``: ``run``'s seconds before its first mask could start (the driver's ``workers ready`` line on the
   one-minute grid, else the other); the phases before it are printed (Ray, worker start and imports, model load,
   baseline) from the run's time-stamped stderr lines.
@@ -53,10 +58,10 @@ Figures:
   the largest difference of each route is printed.
 
 ``RESULT peers shape=<..> bound=<x> vs_transformerlens=<x> vs_nnsight_loop=<x> vs_nnsight_batched=<x>
-end_to_end_vs_fastest=<x> one_minute_vs_fastest=<x> startup_s=<x> equal=<true|false>``; ``n/a`` where a route
-did not run.
+end_to_end_vs_fastest=<x> one_minute_vs_fastest=<x> startup_s=<x> ... packed_vs_fastest=<x> equal=<true|false>``;
+``n/a`` where a route did not run.
 
-Usage: python -m bench.peers [--shape NAME] [--grids one_minute,five_minute] [--threads 1] [--smoke]
+Usage: python -m bench.peers [--shape NAME] [--grids one_minute,five_minute] [--threads 1] [--packed N] [--smoke]
 ``--smoke``: the SmolLM2 shape shrunk (4 layers, heads of 8, vocabulary 2,048), 2 windows of 32 tokens, two heads of
 each grid layer; seconds, figures meaningless (tests/project/test_bench_smoke.py; peers run where they import).
 """
@@ -291,8 +296,9 @@ def nnsight_route(work: Workload, model, invokes: int) -> list[float]:
     return [math.exp(s / n) for s, n in sums]
 
 
-def headsweep_route(work: Workload, reuse: bool) -> tuple[list[float], float, str]:
-    """headsweep's worker path in this process: (perplexities, load seconds, the adapter's reuse note)."""
+def headsweep_route(work: Workload, reuse: bool, masks_per_batch: int | None = None) -> tuple[list[float], float, str]:
+    """headsweep's worker path in this process: (perplexities, load seconds, the adapter's reuse note);
+    ``masks_per_batch`` None: the route's own (0 with reuse, 1 without)."""
     from headsweep.workers.core.family import RuntimeOptions
     from headsweep.workers.core.heads import Head
     from headsweep.workers.families.hf_causal_lm.by_task import load_causal_lm_adapter
@@ -302,7 +308,8 @@ def headsweep_route(work: Workload, reuse: bool) -> tuple[list[float], float, st
     model = CausalLMModel(path=str(work.folder), tokenizer=str(work.folder / "tokenizer"),
                           attn_implementation="sdpa", dtype="float32")
     data = CausalLMData(path=str(work.folder / "text.txt"), window=SIZES.window, max_windows=work.grid.windows)
-    runtime = RuntimeOptions(device="cpu", batch_size=work.batch_size, masks_per_batch=0 if reuse else 1,
+    packing = (0 if reuse else 1) if masks_per_batch is None else masks_per_batch
+    runtime = RuntimeOptions(device="cpu", batch_size=work.batch_size, masks_per_batch=packing,
                              reuse=reuse, threads=work.threads)
     adapter = load_causal_lm_adapter(model, data, runtime)
     load_s = time.perf_counter() - start
@@ -375,11 +382,12 @@ def run_peers(work: Workload, args) -> None:
         del model
 
 
-def run_headsweep(work: Workload) -> None:
-    for name, reuse in (("plain", False), ("default", True)):
+def run_headsweep(work: Workload, packed: int) -> None:
+    routes = [("plain", False, None), ("default", True, None)] + ([("packed", True, packed)] if packed else [])
+    for name, reuse, masks_per_batch in routes:
         start = time.perf_counter()
         try:
-            ppl, load_s, note = headsweep_route(work, reuse)
+            ppl, load_s, note = headsweep_route(work, reuse, masks_per_batch)
         except Exception as exc:
             raise SystemExit(f"peers: error: headsweep's {name} route failed: {type(exc).__name__}: {exc}") from exc
         work.load_s[name] = load_s
@@ -578,12 +586,18 @@ def fastest_peer(work: Workload, with_load: bool) -> tuple[str, float] | None:
     return name, times[name]
 
 
+def packed_vs_fastest(work: Workload) -> str:
+    """The fastest peer route's seconds over the ``packed`` route's, in process (``n/a`` where either did not run)."""
+    fastest = fastest_peer(work, with_load=False)
+    return ratio(fastest[1] if fastest else None, work.seconds.get("packed"))
+
+
 def measure_grid(grid: Grid, folder: Path, args, root: Path) -> tuple[Workload, dict | None]:
     work = workload(grid, folder, args)
     log(f"{grid.name}: {len(work.masks)} single heads + baseline over {len(work.inputs)} windows of {SIZES.window} "
         f"tokens, batches of {args.batch_size}, {args.threads} thread(s); load average "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    run_headsweep(work)
+    run_headsweep(work, args.packed)
     run_peers(work, args)
     stamps = None if args.skip_run else run_end_to_end(work, root)
     if stamps:
@@ -622,6 +636,8 @@ def parse_args():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (every route)")
     parser.add_argument("--invokes", type=int, default=4, help="masks per nnsight trace in nnsight_batched")
+    parser.add_argument("--packed", type=int, default=0, metavar="N",
+                        help="also time headsweep's default with masks_per_batch N in process (0: not run)")
     parser.add_argument("--skip-run", action="store_true", help="leave out headsweep run end to end")
     parser.add_argument("--no-reexec", action="store_true", help="never switch to .venv-peers' python")
     args = parser.parse_args()
@@ -631,6 +647,8 @@ def parse_args():
     known = {g.name: g for g in SIZES.grids}
     if not names or any(n not in known for n in names):
         parser.error(f"--grids takes {', '.join(known)} (comma-separated), not {args.grids!r}")
+    if args.packed < 0:
+        parser.error(f"--packed takes a number of masks a pass (0: the route is not run), not {args.packed}")
     args.grid_list = [known[n] for n in names]
     return args
 
@@ -690,7 +708,8 @@ def main() -> None:
                   startup_s="n/a" if startup is None else f"{startup:.1f}",
                   warm_end_to_end_vs_fastest=end_to_end("five_minute", "run_warm"),
                   warm_one_minute_vs_fastest=end_to_end("one_minute", "run_warm"),
-                  warm_startup_s="n/a" if startup_warm is None else f"{startup_warm:.1f}", equal=str(equal).lower())
+                  warm_startup_s="n/a" if startup_warm is None else f"{startup_warm:.1f}",
+                  packed_vs_fastest=packed_vs_fastest(largest), equal=str(equal).lower())
     log(f"peers: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

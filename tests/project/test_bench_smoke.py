@@ -86,7 +86,7 @@ SMOKE_ARGS = {"peers": ["--no-reexec"], "peers_classifier": ["--no-reexec", "--s
 # Smoke cases that run a script with other arguments, by case id: (script, its arguments). peers' routes on the
 # LM (its own glue) stay in the suite without `headsweep run` end to end (20 s of its 35 s: a driver, Ray and a
 # worker); the whole run, bench/run_phases.py's stopwatch included, is the slow case peers-run.
-VARIANTS = {"peers": ("peers", ["--no-reexec", "--skip-run"]), "peers-run": ("peers", ["--no-reexec"])}
+VARIANTS = {"peers": ("peers", ["--no-reexec", "--skip-run", "--packed", "2"]), "peers-run": ("peers", ["--no-reexec"])}
 PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
 RESULT_LINE = re.compile(r"^RESULT ([a-z0-9_]+)((?: [a-z0-9_]+=\S+)+)$")
 
@@ -229,7 +229,14 @@ def test_smoke(case: str, bench_cache: Path) -> None:
         if case == "peers":  # --skip-run: no `headsweep run`, so no start-up figure (peers-run measures it)
             assert fields["startup_s"] == "n/a" and not re.search(r"^  one_minute run phase ", proc.stdout, re.M), \
                 proc.stdout[-3000:]
+            # --packed 2: the default route again with two masks a pass, timed and as exact as the others
+            assert re.search(r"^  one_minute packed +[\d.]+ s ", proc.stdout, re.M) and re.search(
+                r"equal: largest \|log perplexity - plain's\| default \S+, packed \S+", proc.stdout), \
+                proc.stdout[-3000:]
+            packed = fields["packed_vs_fastest"]
+            assert packed == "n/a" if peers_absent else float(packed) > 0, proc.stdout[-3000:]
         else:
+            assert fields["packed_vs_fastest"] == "n/a", proc.stdout[-3000:]  # no --packed: the route is not run
             # `headsweep run` ran and said when its worker was ready, or the bench said in one line why it could not
             # (a Ray that does not start on an overloaded machine is not the benchmark's to hide)
             assert (fields["startup_s"] != "n/a" and float(fields["startup_s"]) > 0) or re.search(
@@ -253,15 +260,15 @@ def test_smoke(case: str, bench_cache: Path) -> None:
 def test_peers_smoke_in_the_peers_venv(bench_cache: Path) -> None:
     """bench/peers.py's smoke run with TransformerLens and nnsight present: every peer route runs and agrees with
     headsweep's plain path (``headsweep run`` left out: test_smoke runs it)."""
-    proc = run_smoke("peers", bench_cache, str(PEERS_PYTHON), "--skip-run")
+    proc = run_smoke("peers", bench_cache, str(PEERS_PYTHON), "--skip-run", "--packed", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "not run" not in proc.stdout, proc.stdout[-3000:]
     (name, fields), = results(proc.stdout)
     assert name == "peers" and fields["equal"] == "true", proc.stdout[-3000:]
-    for route in ("vs_transformerlens", "vs_nnsight_loop", "vs_nnsight_batched"):
+    for route in ("vs_transformerlens", "vs_nnsight_loop", "vs_nnsight_batched", "packed_vs_fastest"):
         assert float(fields[route]) > 0, (route, proc.stdout[-3000:])
-    assert re.search(r"equal: largest \|log perplexity - plain's\| default \S+, transformerlens \S+, nnsight_loop "
-                     r"\S+, nnsight_batched \S+; bound", proc.stdout), proc.stdout[-3000:]
+    assert re.search(r"equal: largest \|log perplexity - plain's\| default \S+, packed \S+, transformerlens \S+, "
+                     r"nnsight_loop \S+, nnsight_batched \S+; bound", proc.stdout), proc.stdout[-3000:]
 
 
 def test_every_benchmark_has_a_smoke_case() -> None:
