@@ -18,6 +18,16 @@ attention scores for classifiers; beams x layers x cached keys/values for beam s
   search's estimate is the state it keeps across steps, not one step's working set, so it is
   not capped.
 
+  With several threads a dense pass may hold up to ``CPU_TOKENS_PER_THREAD`` tokens a thread where
+  the caller says how many tokens a row has: torch splits a matrix product between threads by rows,
+  so each thread's share stays a large product (two threads, a bare ``linear`` of 576 x 1,536 up to
+  2,048 x 128,256: 5-10% more GFLOP/s at 2,048 rows than at 512; the default route of a
+  Qwen2.5-0.5B grid 5.5% faster at four masks a pass than at one, GPT-2's 4%: bench/README.md).
+  One row of a real LM is tens to hundreds of MB (its logits), so ``CPU_PASS_BYTES`` holds one
+  mask; this floor is bounded by memory instead: ``CPU_PASS_ROOM_FRACTION`` of the machine's
+  available memory, times this process's share of the cores (workers sharing a host each take
+  their part), capped at ``CPU_PASS_ROOM_CAP_BYTES``.
+
 Sizes are estimated per batch (its own padded length), so batches of short sentences carry
 more masks than batches of long ones.
 
@@ -38,6 +48,9 @@ if TYPE_CHECKING:  # the driver reads the budgets (sweep/run/memory.py): keep to
 MIB = 1 << 20
 CPU_ACTIVATION_BYTES = 1024 * MIB
 CPU_PASS_BYTES = 32 * MIB
+CPU_TOKENS_PER_THREAD = 1024
+CPU_PASS_ROOM_FRACTION = 0.5
+CPU_PASS_ROOM_CAP_BYTES = 4096 * MIB
 DEVICE_ACTIVATION_FRACTION = 0.5
 CACHE_FRACTION = 0.25
 CPU_CACHE_CAP_BYTES = 4096 * MIB
@@ -88,17 +101,43 @@ def rows_per_forward(bytes_per_row: int, device: torch.device) -> int:
     return max(1, activation_budget(device) // max(1, int(bytes_per_row)))
 
 
+def cpu_threads() -> int:
+    """The threads torch's CPU products run on in this process."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+def cpu_pass_room(threads: int) -> int:
+    """Bytes a dense CPU pass of ``threads`` threads may take to reach ``CPU_TOKENS_PER_THREAD`` tokens a thread:
+    ``CPU_PASS_ROOM_FRACTION`` of the available memory times ``threads`` over the cores this process may run on,
+    at most ``CPU_PASS_ROOM_CAP_BYTES``."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    share = min(1.0, threads / max(1, cores))
+    return min(CPU_PASS_ROOM_CAP_BYTES, int((host_available() or 0) * CPU_PASS_ROOM_FRACTION * share))
+
+
 def masks_per_forward(masks_per_batch: int, batch_size: int, bytes_per_row: int, device: torch.device,
-                      dense: bool = True) -> int:
+                      dense: bool = True, tokens_per_row: int = 0) -> int:
     """``masks_per_batch`` when set, else as many copies of a ``batch_size`` batch as the budget holds.
 
     ``dense``: ``bytes_per_row`` is what one pass works through at once, so on a CPU the pass is also kept
     within ``CPU_PASS_BYTES`` (module docstring); False for an estimate of state kept across steps.
+    ``tokens_per_row``: the positions a row's pass computes (0: not known); with several CPU threads a dense
+    pass may then grow to ``CPU_TOKENS_PER_THREAD`` tokens a thread within :func:`cpu_pass_room`.
     """
     if masks_per_batch > 0:
         return masks_per_batch
     batch = max(1, batch_size)
-    per = rows_per_forward(bytes_per_row, device) // batch
+    row_bytes = max(1, int(bytes_per_row))
+    per = rows_per_forward(row_bytes, device) // batch
     if dense and device.type == "cpu":
-        per = min(per, CPU_PASS_BYTES // max(1, int(bytes_per_row) * batch))
+        per = min(per, CPU_PASS_BYTES // (row_bytes * batch))
+        threads = cpu_threads() if tokens_per_row > 0 else 1
+        if threads > 1:
+            wanted = threads * CPU_TOKENS_PER_THREAD // (tokens_per_row * batch)
+            per = max(per, min(wanted, cpu_pass_room(threads) // (row_bytes * batch)))
     return max(1, per)

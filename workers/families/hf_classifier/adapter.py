@@ -220,6 +220,12 @@ class ClassifierAdapter(PrefixReuseSwitch):
         tokens = int(real.sum()) if real is not None else int(inputs["input_ids"].numel())
         return Workload(batch_size, tokens, lambda model: model(**inputs))
 
+    def length(self, inputs: dict | None = None) -> int:
+        """Tokens of one example of ``inputs`` (default: the longest batch), padding included."""
+        if inputs is None:
+            return max(b["input_ids"].shape[1] for _, b in self.batches)
+        return int(inputs["input_ids"].shape[1])
+
     def bytes_per_row(self, inputs: dict | None = None) -> int:
         """Activation bytes of one example of ``inputs`` (default: the longest batch) at the widest
         point of a layer (an estimate, see batch_budget).
@@ -232,10 +238,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
         hidden = int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "dim", 0) or 768)
         inner = int(getattr(cfg, "intermediate_size", 0) or getattr(cfg, "hidden_dim", 0) or 4 * hidden)
         heads = int(getattr(cfg, "num_attention_heads", 0) or getattr(cfg, "n_heads", 0) or 12)
-        if inputs is None:
-            length = max(b["input_ids"].shape[1] for _, b in self.batches)
-        else:
-            length = inputs["input_ids"].shape[1]
+        length = self.length(inputs)
         itemsize = torch.finfo(self.model.dtype).bits // 8
         return length * itemsize * (8 * hidden + 2 * inner + 2 * heads * length)
 
@@ -256,7 +259,7 @@ class ClassifierAdapter(PrefixReuseSwitch):
         """``sweep.masks_per_batch``, or (0: automatic) as many copies of the batch ``inputs``
         (default: the longest) as the activation budget holds."""
         return budget_masks_per_forward(self.runtime.masks_per_batch, self.runtime.batch_size,
-                                        self.bytes_per_row(inputs), self.device)
+                                        self.bytes_per_row(inputs), self.device, tokens_per_row=self.length(inputs))
 
     @torch.inference_mode()
     def logits(self, masks: Sequence[Sequence[Head]]) -> torch.Tensor:

@@ -291,6 +291,11 @@ def bytes_per_mask(config, dtype: torch.dtype, batch: ContextBatch) -> int:
             + rows * (activation_bytes_per_row(config, dtype, max(1, wk), wk + 1) + cache))
 
 
+def tokens_per_mask(batch: ContextBatch) -> int:
+    """Positions one copy of ``batch`` (one mask) computes: each context's, then each continuation's."""
+    return batch.contexts * batch.width + int(batch.rows.numel()) * int(batch.continuation_ids.shape[1])
+
+
 def context_width(config, batch: ContextBatch) -> int:
     """The longest inner product of a pass over ``batch``: the model's width, or the attention's keys (a context
     and a continuation) where longer; what the rounding bound of :meth:`ContextCache.start` counts."""
@@ -343,4 +348,5 @@ class ContextCacheSwitch(PrefixReuseSwitch):
         return self.reused_or_plain(lambda: mask_grid(
             masks, self.context_grid, start, out, groups=cached.groups(masks), masks_per_forward=lambda batch: (
                 masks_per_forward(self.runtime.masks_per_batch, 1, bytes_per_mask(
-                    self.model.config, self.model.dtype, batch.inputs), self.device))), plain)
+                    self.model.config, self.model.dtype, batch.inputs), self.device,
+                    tokens_per_row=tokens_per_mask(batch.inputs)))), plain)

@@ -228,7 +228,7 @@ class PairedAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
     def masks_per_forward(self, inputs: torch.Tensor) -> int:
         """``sweep.masks_per_batch``, or (0: automatic) as many copies of ``inputs`` as the activation budget holds."""
         return budget_masks_per_forward(self.runtime.masks_per_batch, max(1, inputs.shape[0]),
-                                        self.bytes_per_row(inputs), self.device)
+                                        self.bytes_per_row(inputs), self.device, tokens_per_row=inputs.shape[1])
 
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
         """The evaluated prompts as the summed cross-entropy of their answer token at the last position

@@ -232,7 +232,8 @@ class CausalLMAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
 
     def masks_per_forward(self, rows: int) -> int:
         """``sweep.masks_per_batch``, or (0: automatic) as many copies of a batch as the activation budget holds."""
-        return budget_masks_per_forward(self.runtime.masks_per_batch, max(1, rows), self.bytes_per_row(), self.device)
+        return budget_masks_per_forward(self.runtime.masks_per_batch, max(1, rows), self.bytes_per_row(), self.device,
+                                        tokens_per_row=self.window)
 
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
         """The windows as summed NLL of their scored tokens (``label_smoothing`` does not apply: the

@@ -268,7 +268,8 @@ class ContinuationAdapter(GatedCausalLM, ContextCacheSwitch, BaselineOnce):
     def masks_per_forward(self, batch: RowBatch) -> int:
         """``sweep.masks_per_batch``, or (0: automatic) as many copies of ``batch`` as the activation budget holds."""
         return budget_masks_per_forward(self.runtime.masks_per_batch, max(1, batch.rows.numel()),
-                                        self.bytes_per_row(batch), self.device)
+                                        self.bytes_per_row(batch), self.device,
+                                        tokens_per_row=batch.input_ids.shape[1])
 
     def loss_batches(self, label_smoothing: float | None, dtype: torch.dtype) -> LossBatches:
         """The examples as the summed NLL of their gold continuations (:meth:`loss_rows`; ``label_smoothing``
