@@ -36,7 +36,7 @@ from headsweep.sweep.run.chunks import ChunkWriter
 from headsweep.sweep.run.claim import store_claim
 from headsweep.sweep.run.context import Context, KindRoles
 from headsweep.sweep.run.inputs import write_inputs
-from headsweep.sweep.run.memory import check_memory, machine_cpus
+from headsweep.sweep.run.memory import check_memory
 from headsweep.sweep.run.runs import (
     RunRecord,
     StoredResults,
@@ -57,7 +57,7 @@ from headsweep.workers.actor.eval_worker import EvalWorker
 from headsweep.workers.core.family import DatasetInfo
 from headsweep.workers.core.heads import HeadInventory
 from headsweep.workers.families.registry import FAMILIES, model_family
-from headsweep.workers.memory.batch_budget import host_available
+from headsweep.workers.memory.batch_budget import host_available, machine_cpus
 
 
 @dataclass

@@ -10,7 +10,9 @@ What one worker is counted to need (``Need``):
 
 * the weights, in ``model.dtype`` (the largest model of the run, where it sweeps training checkpoints);
 * on a CPU, the activation budget of one forward pass (``batch_budget.CPU_ACTIVATION_BYTES``, 1 GiB): packing
-  fills a pass with masks up to it. On a GPU the packing and reuse budgets are fractions of the GPU memory left
+  fills a pass with masks up to it. With several threads a pass may grow past it to reach 1,024 tokens a thread,
+  within a share of the memory available when it runs (``batch_budget.cpu_pass_room``), which fits by construction
+  as the GPU's budgets do. On a GPU the packing and reuse budgets are fractions of the GPU memory left
   free once the model is loaded, so they fit by construction; the GPU is checked for the weights alone.
 
 * once, where the run has the ``efficiency`` experiment, one more copy of the weights: the worker that times it
@@ -59,7 +61,7 @@ from headsweep.sweep.cluster.ray_session import resolve_device
 from headsweep.sweep.configuration.sections import Config
 from headsweep.sweep.experiments.registry import declaring
 from headsweep.workers.families.registry import model_family
-from headsweep.workers.memory.batch_budget import CPU_ACTIVATION_BYTES, host_available
+from headsweep.workers.memory.batch_budget import CPU_ACTIVATION_BYTES, host_available, machine_cpus
 
 GIB = 1 << 30
 # model.dtype values whose weights bfloat16 halves (or quarters).
@@ -134,14 +136,6 @@ def check_host(cfg: Config, need: Need, model: Any) -> None:
         f"worker needs about {gib(need.per_worker)} ({parts}), {gib(need.total(s.workers))} in all{copy}, and "
         f"{gib(have)} is available ({source}): {fixes}"
     )
-
-
-def machine_cpus() -> int:
-    """The CPUs this process may run on (its affinity: a container's or ``taskset``'s share), else the machine's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def remedies(need: Need, asked: int, have: int, limited: bool, cpus: int | None = None,

@@ -81,6 +81,14 @@ def host_available() -> int | None:
         return None
 
 
+def machine_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or ``taskset``'s share), else the machine's."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def activation_budget(device: torch.device) -> int:
     """Bytes of activations one forward pass may take."""
     if device.type == "cpu":
@@ -112,11 +120,7 @@ def cpu_pass_room(threads: int) -> int:
     """Bytes a dense CPU pass of ``threads`` threads may take to reach ``CPU_TOKENS_PER_THREAD`` tokens a thread:
     ``CPU_PASS_ROOM_FRACTION`` of the available memory times ``threads`` over the cores this process may run on,
     at most ``CPU_PASS_ROOM_CAP_BYTES``."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    share = min(1.0, threads / max(1, cores))
+    share = min(1.0, threads / machine_cpus())
     return min(CPU_PASS_ROOM_CAP_BYTES, int((host_available() or 0) * CPU_PASS_ROOM_FRACTION * share))
 
 
