@@ -22,7 +22,7 @@ attention scores for classifiers; beams x layers x cached keys/values for beam s
   the caller says how many tokens a row has: torch splits a matrix product between threads by rows,
   so each thread's share stays a large product (two threads, a bare ``linear`` of 576 x 1,536 up to
   2,048 x 128,256: 5-10% more GFLOP/s at 2,048 rows than at 512; the default route of a
-  Qwen2.5-0.5B grid 5.5% faster at four masks a pass than at one, GPT-2's 4%: bench/README.md).
+  Qwen2.5-0.5B grid 2.8-5.5% faster at four masks a pass than at one: bench/README.md).
   One row of a real LM is tens to hundreds of MB (its logits), so ``CPU_PASS_BYTES`` holds one
   mask; this floor is bounded by memory instead: ``CPU_PASS_ROOM_FRACTION`` of the machine's
   available memory, times this process's share of the cores (workers sharing a host each take
