@@ -28,9 +28,9 @@ The routes, per grid, over the same model, windows and masks:
 * **plain**: headsweep's worker path in this process with ``sweep.reuse: false, masks_per_batch: 1``;
 * **default**: the same with headsweep's defaults (``reuse: true``: each mask from its first gated layer on cached
   baseline states; ``masks_per_batch: 0``: masks packed per pass);
-* **packed** (only with ``--packed N``): the default with ``masks_per_batch: N``, the setting docs/how-it-works.md
-  suggests for a wide model on a CPU with several threads (on a CPU the default packs one mask a pass at these
-  vocabularies);
+* **packed** (only with ``--packed N``): the default with ``masks_per_batch: N`` set by hand, to compare with what
+  the default picks (on a CPU one mask a pass at these vocabularies with one thread, up to 1,024 tokens a thread
+  with several: ``--packed 1`` times the one-thread choice beside it);
 * **run**: ``python -m headsweep run`` as a subprocess (one worker of ``--threads`` threads, an embedded Ray),
   Ray's start-up, the worker's imports, model load, baseline, significance and Parquet writes included.
 
