@@ -34,9 +34,9 @@ from headsweep.workers.families.hf_causal_lm.model.loading import GatedCausalLM,
 from headsweep.workers.families.hf_causal_lm.model.scoring import (
     activation_bytes_per_row,
     backward_bytes_per_row,
-    shifted_nll,
     target_nll,
 )
+from headsweep.workers.families.hf_causal_lm.model.vocab_slices import SlicedHeadNLL
 from headsweep.workers.families.hf_causal_lm.reuse.prefix import PrefixReuse, decoder_layout
 from headsweep.workers.families.hf_causal_lm.tasks.corpus import Window, plan_windows, read_corpus
 from headsweep.workers.families.hf_shared.loading import max_positions, resolve_positions
@@ -91,6 +91,7 @@ class CausalLMAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
         self.batches = [torch.arange(i, min(i + runtime.batch_size, len(self.windows)))
                         for i in range(0, len(self.windows), runtime.batch_size)]
         self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._head_nll = SlicedHeadNLL(self.model)
         self.donors = donors_for(runtime.ablation, self.gates, [self.window] * len(self.windows), what="windows",
                                  where=f"data file {data_cfg.path}", more="more text (or a larger data.max_windows)")
         self.model_name = model_label(model_cfg.path)
@@ -214,13 +215,13 @@ class CausalLMAdapter(GatedCausalLM, PrefixReuseSwitch, BaselineOnce):
         positions before: shape (B, W - 1).
 
         Only the logits from the first scored position on are computed where the model allows it
-        (``logits_to_keep``); positions before it come back as zeros and are never scored.
+        (``logits_to_keep``); positions before it come back as zeros and are never scored. On a CPU the LM head
+        and loss go a slice of the vocabulary at a time (:mod:`~..model.vocab_slices`).
         """
         width = inputs.shape[1] - 1
         needed = width - int(scored.float().argmax(dim=1).min()) if bool(scored.any()) else 1
         extra = {"logits_to_keep": needed + 1} if self._keep_logits else {}
-        logits = self.model(input_ids=inputs, use_cache=False, **extra).logits
-        nll = shifted_nll(logits[:, -(needed + 1) :], inputs)
+        nll = self._head_nll(inputs, needed, **extra)
         full = nll.new_zeros(inputs.shape[0], width)
         full[:, width - needed :] = nll
         return full
