@@ -54,6 +54,7 @@ SMOKE = {
     "soak": ["soak"],  # 64 evaluations, one worker killed
     "stock_export": ["stock_export"] * 3,  # qwen2.5-0.5b at 50% (25% is no whole group), llama-3.2-1b at 25%, 50%
     "translation_vs_fairseq": ["translation_vs_fairseq"],
+    "vocab_slices": ["vocab_slices"],  # one tiny LM head: whole logits against slices
 }
 # These print SKIP and exit 0 without ../shared/data (the others fall back to generated data).
 NEEDS_DATA = {"lm_grid", "multi30k_hf_seq2seq", "multi30k_l0", "multi30k_pruning", "multi30k_roles",

@@ -2,11 +2,13 @@
 
 A pass's logits are rows x vocabulary floats (400 MB for 2,048 rows of SmolLM2's 49,152 words), written by the LM
 head's product, read again by the loss's log-softmax and written once more: on a CPU that traffic leaves the
-caches. Taking ``CPU_VOCAB_SLICE`` columns at a time (the LM head's product, its log-sum-exp and the targets' logits,
-then one log-sum-exp over the slices) keeps each slice in cache: measured on an AMD EPYC (AVX2), the LM head and
-loss of 2,048 rows of SmolLM2 1.16-1.19x faster at two threads, 1.14x at one, GPT-2's 1.09-1.13x, Qwen2.5-0.5B's
-1.15-1.22x at 512 rows (bench/README.md). The NLL is the same sum in another order: within float32 rounding of the
-loss over whole logits, not bit for bit, and every route of a run (plain, reuse, packed) takes the same one.
+caches. Taking ``CPU_VOCAB_SLICE`` columns at a time (the LM head's product, its log-sum-exp and the targets'
+logits, then one log-sum-exp over the slices) keeps each slice in cache: ``bench/vocab_slices.py`` on an AMD EPYC
+(AVX2) timed the LM head and loss of SmolLM2-135M, GPT-2 small, Qwen2.5-0.5B and Llama-3.2-1B 1.03-1.16x faster at
+508 and 2,032 rows, one and two threads, except Llama's 2,032 rows at two threads (0.99: the widest product, the
+least traffic per FLOP); a whole SmolLM2-135M pass 3-7% (bench/README.md). The NLL is the same sum in another
+order: within float32 rounding of the loss over whole logits, not bit for bit, and every route of a run (plain,
+reuse, packed) takes the same one.
 
 The model's own forward still runs with its LM head passed through, so whatever the model does before the head
 (final norm, ``logits_to_keep``) stays its own. The first pass checks that the model returns its LM head's output
@@ -23,7 +25,8 @@ from torch import nn
 from headsweep.workers.families.hf_causal_lm.model.scoring import shifted_nll
 from headsweep.workers.memory.replay import pass_through, replaced_forwards
 
-#: Vocabulary columns per slice on a CPU: 512 was as fast as or faster than 256-4,096 on every shape measured.
+#: Vocabulary columns per slice on a CPU: of 256 to 4,096, no width was best on every shape; 512 was never more
+#: than 6% behind the best (bench/README.md).
 CPU_VOCAB_SLICE = 512
 
 
