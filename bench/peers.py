@@ -34,6 +34,9 @@ The routes, per grid, over the same model, windows and masks:
 * **run**: ``python -m headsweep run`` as a subprocess (one worker of ``--threads`` threads, an embedded Ray),
   Ray's start-up, the worker's imports, model load, baseline, significance and Parquet writes included.
 
+``--routes`` runs a subset of the in-process routes (``default`` always), where a shape's grid takes long:
+``--routes default,nnsight_batched --skip-run`` measures the in-process goal against the fastest peer route alone.
+
 Each in-process route is timed from the loaded model to its last perplexity (baseline included; a peer's wrapper
 built inside the time). The peers' end-to-end time adds their model load from disk (a user's script after its
 imports); ``run`` is timed from the subprocess's start to its exit.
@@ -54,8 +57,8 @@ Figures:
   one-minute grid, else the other); the phases before it are printed (Ray, worker start and imports, model load,
   baseline) from the run's time-stamped stderr lines.
 * ``equal``: every route's perplexities within the float32 summation-order bound of ``tests/tolerances.py``
-  (``route_bound`` on the log perplexities, depth = layers, width = the longest inner product) of ``plain``'s;
-  the largest difference of each route is printed.
+  (``route_bound`` on the log perplexities, depth = layers, width = the longest inner product) of ``plain``'s
+  (``default``'s where ``--routes`` leaves ``plain`` out); the largest difference of each route is printed.
 
 ``RESULT peers shape=<..> bound=<x> vs_transformerlens=<x> vs_nnsight_loop=<x> vs_nnsight_batched=<x>
 end_to_end_vs_fastest=<x> one_minute_vs_fastest=<x> startup_s=<x> ... packed_vs_fastest=<x> equal=<true|false>``;
@@ -76,7 +79,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -101,6 +104,8 @@ def gpt2_small() -> Shape:
 SHAPES: dict[str, Callable[[], Shape]] = {"smollm2-135m": lambda: SMOLLM2_135M, "gpt2": gpt2_small,
                                           "qwen2.5-0.5b": lambda: QWEN25_05B, "llama-3.2-1b": lambda: LLAMA32_1B}
 PEERS = ("transformerlens", "nnsight_loop", "nnsight_batched")
+#: The in-process routes ``--routes`` chooses from (``packed`` comes with ``--packed``, ``run`` without ``--skip-run``).
+ROUTES = ("plain", "default", *PEERS)
 VENV = common.ROOT / ".venv-peers"
 
 
@@ -366,7 +371,7 @@ def peer_available(name: str) -> str | None:
 
 
 def run_peers(work: Workload, args) -> None:
-    for name in PEERS:
+    for name in (n for n in PEERS if n in args.routes):
         why = peer_available(name)
         if why is not None:
             work.failed[name] = why
@@ -382,9 +387,9 @@ def run_peers(work: Workload, args) -> None:
         del model
 
 
-def run_headsweep(work: Workload, packed: int) -> None:
+def run_headsweep(work: Workload, packed: int, chosen: Sequence[str] = ROUTES) -> None:
     routes = [("plain", False, None), ("default", True, None)] + ([("packed", True, packed)] if packed else [])
-    for name, reuse, masks_per_batch in routes:
+    for name, reuse, masks_per_batch in (r for r in routes if r[0] in chosen or r[0] == "packed"):
         start = time.perf_counter()
         try:
             ppl, load_s, note = headsweep_route(work, reuse, masks_per_batch)
@@ -547,7 +552,8 @@ def bound(work: Workload) -> float:
 
 
 def equality(work: Workload) -> bool:
-    """Every route's log perplexities within ``tests/tolerances.py``'s float32 bound of ``plain``'s."""
+    """Every route's log perplexities within ``tests/tolerances.py``'s float32 bound of ``plain``'s (``default``'s
+    where ``plain`` did not run)."""
     import numpy as np
     from transformers import AutoConfig
 
@@ -556,18 +562,19 @@ def equality(work: Workload) -> bool:
     config = AutoConfig.from_pretrained(work.folder)
     width = max(config.hidden_size, getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
                 SIZES.window)
-    reference = np.log(work.ppl["plain"])
+    reference_name = "plain" if "plain" in work.ppl else "default"
+    reference = np.log(work.ppl[reference_name])
     tol = route_bound(reference, depth=config.num_hidden_layers, width=width)
     ok = True
     parts = []
     for name, values in work.ppl.items():
-        if name == "plain":
+        if name == reference_name:
             continue
         diff = max_difference(np.log(values), reference)
         ok &= diff <= tol
         parts.append(f"{name} {diff:.2g}")
     effect = float(np.abs(reference[1:] - reference[0]).max()) if len(reference) > 1 else 0.0
-    log(f"  {work.grid.name} equal: largest |log perplexity - plain's| {', '.join(parts)}; bound {tol:.2g} "
+    log(f"  {work.grid.name} equal: largest |log perplexity - {reference_name}'s| {', '.join(parts)}; bound {tol:.2g} "
         f"(float32, depth {config.num_hidden_layers}, width {width}); the largest head's effect {effect:.3g}: "
         f"{'within' if ok else 'ABOVE'}")
     return ok
@@ -597,7 +604,7 @@ def measure_grid(grid: Grid, folder: Path, args, root: Path) -> tuple[Workload, 
     log(f"{grid.name}: {len(work.masks)} single heads + baseline over {len(work.inputs)} windows of {SIZES.window} "
         f"tokens, batches of {args.batch_size}, {args.threads} thread(s); load average "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    run_headsweep(work, args.packed)
+    run_headsweep(work, args.packed, args.routes)
     run_peers(work, args)
     stamps = None if args.skip_run else run_end_to_end(work, root)
     if stamps:
@@ -607,7 +614,7 @@ def measure_grid(grid: Grid, folder: Path, args, root: Path) -> tuple[Workload, 
         startup_phases(warm, f"{grid.name} warm")
         stamps = {**(stamps or {}), "ready_warm": warm.get("ready")}
     fastest = fastest_peer(work, with_load=False)
-    speedup = ratio(work.seconds["plain"], work.seconds["default"])
+    speedup = ratio(work.seconds.get("plain"), work.seconds["default"])
     log(f"  {grid.name}: bound {bound(work):.2f}; default over plain {speedup}"
         + (f"; the fastest peer ({fastest[0]}) over default {ratio(fastest[1], work.seconds['default'])}"
            if fastest else ""))
@@ -639,6 +646,9 @@ def parse_args():
     parser.add_argument("--packed", type=int, default=0, metavar="N",
                         help="also time headsweep's default with masks_per_batch N in process (0: not run)")
     parser.add_argument("--skip-run", action="store_true", help="leave out headsweep run end to end")
+    parser.add_argument("--routes", default=",".join(ROUTES),
+                        help=f"comma-separated in-process routes of {', '.join(ROUTES)} (default all; default "
+                             "always runs)")
     parser.add_argument("--no-reexec", action="store_true", help="never switch to .venv-peers' python")
     args = parser.parse_args()
     common.enable_smoke(args)
@@ -650,6 +660,10 @@ def parse_args():
     if args.packed < 0:
         parser.error(f"--packed takes a number of masks a pass (0: the route is not run), not {args.packed}")
     args.grid_list = [known[n] for n in names]
+    routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+    if any(r not in ROUTES for r in routes):
+        parser.error(f"--routes takes {', '.join(ROUTES)} (comma-separated), not {args.routes!r}")
+    args.routes = tuple(dict.fromkeys(["default", *routes]))
     return args
 
 
