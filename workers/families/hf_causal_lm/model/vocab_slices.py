@@ -14,6 +14,10 @@ The model's own forward still runs with its LM head passed through, so whatever 
 (final norm, ``logits_to_keep``) stays its own. The first pass checks that the model returns its LM head's output
 unchanged (a logit soft-cap or scale after the head, a head that is not an ``nn.Linear`` or is called more than
 once: the whole logits are used from then on, as before).
+
+The activation estimate packing reads (:func:`~.scoring.activation_bytes_per_row`) still counts whole logits: on a
+CPU it over-counts a sliced pass, which can only pack fewer masks where memory binds, never more; the packing
+choices measured before the slices stay as they were.
 """
 
 from __future__ import annotations
