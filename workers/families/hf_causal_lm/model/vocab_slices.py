@@ -70,17 +70,19 @@ class SlicedHeadNLL:
         """NLL of ``inputs[:, -needed:]`` (B, needed), each position from the ones before it; ``extra``: the
         model's keyword arguments (``logits_to_keep``)."""
         if self.sliced is False or inputs.device.type != "cpu":
-            logits = self.model(input_ids=inputs, use_cache=False, **extra).logits
-            return shifted_nll(logits[:, -(needed + 1) :], inputs)
+            return shifted_nll(self._logits(inputs, extra)[:, -(needed + 1) :], inputs)
         if self.sliced is None:
             hidden, logits = self._checked(inputs, extra)
             if hidden is None:
                 return shifted_nll(logits[:, -(needed + 1) :], inputs)
         else:
             with replaced_forwards({self.head: pass_through}):
-                hidden = self.model(input_ids=inputs, use_cache=False, **extra).logits
+                hidden = self._logits(inputs, extra)  # the head passed through: its input
         # The last position predicts no token of the window.
         return sliced_nll(hidden[:, -(needed + 1) : -1], self.head, inputs[:, -needed:], self.columns)
+
+    def _logits(self, inputs: torch.Tensor, extra: dict) -> torch.Tensor:
+        return self.model(input_ids=inputs, use_cache=False, **extra).logits
 
     def _checked(self, inputs: torch.Tensor, extra: dict) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The first pass, whole: (the LM head's input when the model returned the head's output unchanged, and
@@ -88,7 +90,7 @@ class SlicedHeadNLL:
         seen: list[tuple[torch.Tensor, torch.Tensor]] = []
         handle = self.head.register_forward_hook(lambda _m, args, out: seen.append((args[0], out)))
         try:
-            logits = self.model(input_ids=inputs, use_cache=False, **extra).logits
+            logits = self._logits(inputs, extra)
         finally:
             handle.remove()
         same = (len(seen) == 1 and seen[0][1].dtype == logits.dtype and seen[0][1].shape == logits.shape
