@@ -51,6 +51,9 @@ Figures:
   largest grid run (> 1: headsweep is faster).
 * ``end_to_end_vs_fastest``: the fastest peer's end-to-end seconds / ``run``'s on the five-minute grid;
   ``one_minute_vs_fastest`` the same on the one-minute grid (``n/a`` for a grid not run).
+* ``end_to_end_vs_script``, ``one_minute_vs_script``: the same with the peer run as a user's script from its own
+  interpreter's start: its imports (``import torch, transformers, <peer>`` timed in a fresh interpreter) added to its
+  model load and grid, as ``run`` counts its own (``n/a`` without the peers or ``run``).
 * ``packed_vs_fastest``: the fastest peer's seconds / ``packed``'s on the largest grid run (``n/a`` without
   ``--packed``).
 * ``startup_s``: ``run``'s seconds before its first mask could start (the driver's ``workers ready`` line on the
@@ -61,10 +64,12 @@ Figures:
   (``default``'s where ``--routes`` leaves ``plain`` out); the largest difference of each route is printed.
 
 ``RESULT peers shape=<..> bound=<x> vs_transformerlens=<x> vs_nnsight_loop=<x> vs_nnsight_batched=<x>
-end_to_end_vs_fastest=<x> one_minute_vs_fastest=<x> startup_s=<x> ... packed_vs_fastest=<x> equal=<true|false>``;
+end_to_end_vs_fastest=<x> one_minute_vs_fastest=<x> startup_s=<x> ... end_to_end_vs_script=<x> one_minute_vs_script=<x>
+packed_vs_fastest=<x> equal=<true|false>``;
 ``n/a`` where a route did not run.
 
-Usage: python -m bench.peers [--shape NAME] [--grids one_minute,five_minute] [--threads 1] [--packed N] [--smoke]
+Usage: python -m bench.peers [--shape NAME] [--grids one_minute,five_minute] [--threads 1] [--packed N]
+[--routes R,...] [--skip-run] [--skip-warm] [--smoke]
 ``--smoke``: the SmolLM2 shape shrunk (4 layers, heads of 8, vocabulary 2,048), 2 windows of 32 tokens, two heads of
 each grid layer; seconds, figures meaningless (tests/project/test_bench_smoke.py; peers run where they import).
 """
@@ -517,6 +522,28 @@ def startup_phases(stamps: dict, name: str) -> None:
         f"{stamps['wall'] - evaluated:.1f}; wall {stamps['wall']:.1f}")
 
 
+def peer_import_seconds(work: Workload) -> dict[str, float]:
+    """Seconds of a fresh interpreter's ``import torch, transformers, <peer>`` (its own start included) for each peer
+    route that ran: what a user's script of that route pays before it loads the model, as ``run`` pays its own."""
+    modules = {name: "transformer_lens" if name == "transformerlens" else "nnsight" for name in PEERS
+               if name in work.seconds}
+    seconds: dict[str, float] = {}
+    for module in dict.fromkeys(modules.values()):
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", f"import torch, transformers, {module}"], capture_output=True,
+                              text=True, cwd=common.ROOT, env={**os.environ, "PYTHONPATH": str(common.ROOT)},
+                              check=False)
+        if proc.returncode == 0:
+            seconds[module] = time.perf_counter() - start
+        else:
+            log(f"peers: {module}'s imports not timed: " + (proc.stderr.strip().splitlines() or ["no output"])[-1])
+    out = {name: seconds[module] for name, module in modules.items() if module in seconds}
+    if out:
+        log("  the peers' imports in a fresh interpreter (its start included): "
+            + ", ".join(f"{module} {v:.1f} s" for module, v in seconds.items()))
+    return out
+
+
 def import_and_ray_seconds() -> dict[str, float]:
     """Seconds of a fresh interpreter's ``import torch, transformers`` plus headsweep's worker modules, and of a bare
     ``ray.init`` (one CPU, no dashboard) and its shutdown: the parts of start-up no model shrinks."""
@@ -584,9 +611,11 @@ def ratio(a: float | None, b: float | None) -> str:
     return "n/a" if a is None or b is None or b <= 0 else f"{a / b:.2f}"
 
 
-def fastest_peer(work: Workload, with_load: bool) -> tuple[str, float] | None:
-    times = {n: work.seconds[n] + (work.load_s.get(n, 0.0) if with_load else 0.0) for n in PEERS
-             if n in work.seconds}
+def fastest_peer(work: Workload, with_load: bool, imports: dict[str, float] | None = None) -> tuple[str, float] | None:
+    """The fastest peer route that ran and its seconds: the grid alone, with its model load (``with_load``), and
+    with its imports too where ``imports`` (route: seconds) has them (a route without them is left out)."""
+    times = {n: work.seconds[n] + (work.load_s.get(n, 0.0) if with_load else 0.0) + (imports or {}).get(n, 0.0)
+             for n in PEERS if n in work.seconds and (imports is None or n in imports)}
     if not times:
         return None
     name = min(times, key=times.__getitem__)
@@ -609,7 +638,7 @@ def measure_grid(grid: Grid, folder: Path, args, root: Path) -> tuple[Workload, 
     stamps = None if args.skip_run else run_end_to_end(work, root)
     if stamps:
         startup_phases(stamps, grid.name)
-    warm = None if args.skip_run else run_warm(work, root)
+    warm = None if args.skip_run or args.skip_warm else run_warm(work, root)
     if warm:
         startup_phases(warm, f"{grid.name} warm")
         stamps = {**(stamps or {}), "ready_warm": warm.get("ready")}
@@ -646,6 +675,8 @@ def parse_args():
     parser.add_argument("--packed", type=int, default=0, metavar="N",
                         help="also time headsweep's default with masks_per_batch N in process (0: not run)")
     parser.add_argument("--skip-run", action="store_true", help="leave out headsweep run end to end")
+    parser.add_argument("--skip-warm", action="store_true",
+                        help="leave out headsweep run on a running cluster with its worker kept warm")
     parser.add_argument("--routes", default=",".join(ROUTES),
                         help=f"comma-separated in-process routes of {', '.join(ROUTES)} (default all; default "
                              "always runs)")
@@ -699,13 +730,14 @@ def main() -> None:
     largest = largest or next(iter(works.values()))
     if not args.skip_run and not common.SMOKE:
         import_and_ray_seconds()
+    imports = {} if args.skip_run else peer_import_seconds(largest)
     equal = all([equality(w) for w in works.values()])
 
-    def end_to_end(name: str, route: str = "run") -> str:
+    def end_to_end(name: str, route: str = "run", script: bool = False) -> str:
         work = works.get(name)
-        if work is None or route not in work.seconds:
+        if work is None or route not in work.seconds or (script and not imports):
             return "n/a"
-        fastest = fastest_peer(work, with_load=True)
+        fastest = fastest_peer(work, with_load=True, imports=imports if script else None)
         return ratio(fastest[1], work.seconds[route]) if fastest else "n/a"
 
     def first_stamp(key: str) -> float | None:
@@ -723,6 +755,8 @@ def main() -> None:
                   warm_end_to_end_vs_fastest=end_to_end("five_minute", "run_warm"),
                   warm_one_minute_vs_fastest=end_to_end("one_minute", "run_warm"),
                   warm_startup_s="n/a" if startup_warm is None else f"{startup_warm:.1f}",
+                  end_to_end_vs_script=end_to_end("five_minute", script=True),
+                  one_minute_vs_script=end_to_end("one_minute", script=True),
                   packed_vs_fastest=packed_vs_fastest(largest), equal=str(equal).lower())
     log(f"peers: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
