@@ -152,6 +152,9 @@ class WorkerPool:
     # (EvalWorker.configure's arguments); None: workers that end with the run.
     warm_owner: tuple[str, str] | None = None
     setups: list[tuple] = field(default_factory=list)
+    # How many results of the call ``stream`` is yielding from come after the one it yielded last: a progress line
+    # waits for the last of a call's results, which land together (a line per call, not one per call's first unit).
+    landing_left: int = 0
 
     def __post_init__(self) -> None:
         self.alive = [True] * len(self.actors)
@@ -242,7 +245,8 @@ class WorkerPool:
                 continue
             slots.append(i)
             self.done_by_worker[i] += len(results)
-            for eval_id, out in results:
+            for k, (eval_id, out) in enumerate(results):
+                self.landing_left = len(results) - 1 - k
                 yield by_id[eval_id], out, self.names[i]
 
     def usable(self) -> list[int]:

@@ -201,7 +201,9 @@ class Progress:
         if enabled and self._tty and total > 0:
             self._live = _Live(self.stream, total, phase or label, unit or "eval", BAR_FORMAT, self._postfix)
 
-    def update(self, n: int = 1, note: str = "") -> None:
+    def update(self, n: int = 1, note: str = "", more: bool = False) -> None:
+        """``n`` more items done; ``more``: further updates land at the same moment (the rest of one worker call's
+        results), so a plain line waits for the last of them rather than print the first alone."""
         self.done += n
         self._note = note
         if self._live is not None:
@@ -210,7 +212,8 @@ class Progress:
                 self.close()
             return
         now = time.monotonic()
-        if self.enabled and (now - self._last >= self.every or self.done >= self.total):
+        if self.enabled and (not more or self.done >= self.total) and (
+                now - self._last >= self.every or self.done >= self.total):
             self._last = now
             self._print(note)
             if self.detail is not None and (now - self._last_detail >= self.detail_every or self.done >= self.total):

@@ -150,7 +150,7 @@ class Context:
                 held.append((unit, out, worker))
             else:
                 land(unit, out, worker)
-            progress.update(1, f"[{unit.eval_id}]")
+            progress.update(1, f"[{unit.eval_id}]", more=self.pool.landing_left > 0)
             landed, left = landed + 1, left - 1
             if record.beat_due():  # progress is only read from the row, so only computed when it is written
                 self._note_progress(record, landed, left, time.monotonic() - started)
@@ -184,7 +184,7 @@ class Context:
         progress = Progress(len(subset), enabled=self.show_progress, label="screening", detail=self.pool.status_line)
         for unit, out, worker in self.pool.stream(subset, self.units_per_call()):
             outputs[unit.eval_id] = (out, worker)
-            progress.update(1, f"[{unit.eval_id}]")
+            progress.update(1, f"[{unit.eval_id}]", more=self.pool.landing_left > 0)
             self._recording().heartbeat()
         judged = self.screening.judge(self.info.metric, units, outputs, self.info.n_examples, family)
         for unit, out, worker, base_score, positions, columns in judged.screened_out:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from collections import Counter
 
 import duckdb
@@ -51,8 +52,13 @@ def test_twelve_mask_sweep_on_two_workers_uses_both(tmp_path, ray_address, tiny_
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     store = tmp_path / "store"
-    proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address, "--quiet")
+    proc = run_cli("run", str(tmp_path / "c.yaml"), "--store", str(store), "--address", ray_address,
+                   env={"HEADSWEEP_PLAIN_PROGRESS": "1"})
     assert proc.returncode == 0, proc.stderr
+    # A call's results land together: the first progress line counts the whole first call that landed (2 to 4
+    # units, the baseline with masks; each worker runs its calls in the order sent), not its first unit alone.
+    counts = [int(c) for c in re.findall(r"^evaluations: (\d+)/13 ", proc.stderr, flags=re.M)]
+    assert counts and counts[0] > 1 and counts[-1] == 13, proc.stderr
     rows = duckdb.connect().sql(
         f"SELECT experiment, worker FROM read_parquet('{store}/evaluations/*/*.parquet', hive_partitioning=true, "
         "hive_types={'run_id': VARCHAR}, union_by_name=true)"
