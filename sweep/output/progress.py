@@ -10,7 +10,8 @@ console already points at the log file.
 
 Elsewhere (cluster logs, CI, a pipe) the lines are plain and appended:
 ``evaluations: done/total (pct) rate/s elapsed H:MM:SS ETA H:MM:SS [last eval id]`` at most every
-``every`` seconds and at the end, and the ``detail`` line (per-worker state) every
+``every`` seconds and at the end (updates marked ``more``, the rest of one worker call's results, wait for the
+last of them), and the ``detail`` line (per-worker state) every
 ``detail_every`` seconds and at the end.
 
 ``step(name)`` is the same for a long step that is not a stream of evaluations (importance,

@@ -150,11 +150,13 @@ class Context:
                 held.append((unit, out, worker))
             else:
                 land(unit, out, worker)
-            progress.update(1, f"[{unit.eval_id}]", more=self.pool.landing_left > 0)
+            more = self.pool.landing_left > 0  # the rest of this call's results land at the same moment
+            progress.update(1, f"[{unit.eval_id}]", more=more)
             landed, left = landed + 1, left - 1
-            if record.beat_due():  # progress is only read from the row, so only computed when it is written
+            # progress is only read from the row, so only computed when it is written, and a call counted whole
+            if not more and record.beat_due():
                 self._note_progress(record, landed, left, time.monotonic() - started)
-            record.heartbeat()
+                record.heartbeat()
             if self.budget is not None:
                 self.budget.count()
                 # Not before the reference has landed: results held for it would be lost, and nothing stored.
