@@ -109,6 +109,8 @@ def gpt2_small() -> Shape:
 SHAPES: dict[str, Callable[[], Shape]] = {"smollm2-135m": lambda: SMOLLM2_135M, "gpt2": gpt2_small,
                                           "qwen2.5-0.5b": lambda: QWEN25_05B, "llama-3.2-1b": lambda: LLAMA32_1B}
 PEERS = ("transformerlens", "nnsight_loop", "nnsight_batched")
+#: The package each peer route imports.
+PEER_MODULE = {"transformerlens": "transformer_lens", "nnsight_loop": "nnsight", "nnsight_batched": "nnsight"}
 #: The in-process routes ``--routes`` chooses from (``packed`` comes with ``--packed``, ``run`` without ``--skip-run``).
 ROUTES = ("plain", "default", *PEERS)
 VENV = common.ROOT / ".venv-peers"
@@ -367,7 +369,7 @@ def timed(work: Workload, name: str, fn: Callable[[], list[float]]) -> None:
 
 def peer_available(name: str) -> str | None:
     """None when the peer of route ``name`` imports, else why not (one line)."""
-    module = "transformer_lens" if name == "transformerlens" else "nnsight"
+    module = PEER_MODULE[name]
     try:
         __import__(module)
     except Exception as exc:  # noqa: BLE001  ImportError, or a peer broken against these versions
@@ -522,25 +524,28 @@ def startup_phases(stamps: dict, name: str) -> None:
         f"{stamps['wall'] - evaluated:.1f}; wall {stamps['wall']:.1f}")
 
 
+def fresh_interpreter_seconds(line: str) -> float | None:
+    """Seconds of a fresh interpreter running ``line`` (its own start and exit included); None where it failed
+    (a line says why)."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", line], capture_output=True, text=True, cwd=common.ROOT,
+                          env={**os.environ, "PYTHONPATH": str(common.ROOT)}, check=False)
+    if proc.returncode != 0:
+        log(f"peers: {line!r} not timed: " + (proc.stderr.strip().splitlines() or ["no output"])[-1])
+        return None
+    return time.perf_counter() - start
+
+
 def peer_import_seconds(work: Workload) -> dict[str, float]:
     """Seconds of a fresh interpreter's ``import torch, transformers, <peer>`` (its own start included) for each peer
     route that ran: what a user's script of that route pays before it loads the model, as ``run`` pays its own."""
-    modules = {name: "transformer_lens" if name == "transformerlens" else "nnsight" for name in PEERS
-               if name in work.seconds}
-    seconds: dict[str, float] = {}
-    for module in dict.fromkeys(modules.values()):
-        start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", f"import torch, transformers, {module}"], capture_output=True,
-                              text=True, cwd=common.ROOT, env={**os.environ, "PYTHONPATH": str(common.ROOT)},
-                              check=False)
-        if proc.returncode == 0:
-            seconds[module] = time.perf_counter() - start
-        else:
-            log(f"peers: {module}'s imports not timed: " + (proc.stderr.strip().splitlines() or ["no output"])[-1])
-    out = {name: seconds[module] for name, module in modules.items() if module in seconds}
+    modules = {name: PEER_MODULE[name] for name in PEERS if name in work.seconds}
+    seconds = {module: fresh_interpreter_seconds(f"import torch, transformers, {module}")
+               for module in dict.fromkeys(modules.values())}
+    out = {name: t for name, module in modules.items() if (t := seconds[module]) is not None}
     if out:
         log("  the peers' imports in a fresh interpreter (its start included): "
-            + ", ".join(f"{module} {v:.1f} s" for module, v in seconds.items()))
+            + ", ".join(f"{module} {t:.1f} s" for module, t in seconds.items() if t is not None))
     return out
 
 
@@ -549,13 +554,7 @@ def import_and_ray_seconds() -> dict[str, float]:
     ``ray.init`` (one CPU, no dashboard) and its shutdown: the parts of start-up no model shrinks."""
     code = {"worker imports": "import torch, transformers, headsweep.workers.families.hf_causal_lm.tasks.perplexity",
             "ray.init": "import ray; ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)"}
-    out = {}
-    for what, line in code.items():
-        start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", f"import time; t = time.perf_counter(); {line}; "
-                        "print(time.perf_counter() - t)"], capture_output=True, text=True, cwd=common.ROOT,
-                       env={**os.environ, "PYTHONPATH": str(common.ROOT)}, check=False)
-        out[what] = time.perf_counter() - start
+    out = {what: t for what, line in code.items() if (t := fresh_interpreter_seconds(line)) is not None}
     log("  start-up parts measured alone (a fresh interpreter each, its own start included): "
         + ", ".join(f"{k} {v:.1f} s" for k, v in out.items()))
     return out

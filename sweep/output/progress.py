@@ -213,11 +213,11 @@ class Progress:
                 self.close()
             return
         now = time.monotonic()
-        if self.enabled and (not more or self.done >= self.total) and (
-                now - self._last >= self.every or self.done >= self.total):
+        finished = self.done >= self.total
+        if self.enabled and (finished or (not more and now - self._last >= self.every)):
             self._last = now
             self._print(note)
-            if self.detail is not None and (now - self._last_detail >= self.detail_every or self.done >= self.total):
+            if self.detail is not None and (now - self._last_detail >= self.detail_every or finished):
                 self._last_detail = now
                 self._write(self.detail())
 
